@@ -1,0 +1,33 @@
+"""The HTTP front end: a Flask app factory, run by gunicorn with gevent workers."""
+from __future__ import annotations
+
+import logging
+
+from flask import Flask
+
+from dispatcher import config
+
+
+def create_app(test_config: dict | None = None) -> Flask:
+    """Defaults, then COMPLETIONS_* environment variables, then `test_config`."""
+    app = Flask(__name__)
+    app.config.from_mapping(
+        DISPATCHER=None,
+        MAX_BODY=config.OPTIONS["max_body"].default,
+        JSON_SORT_KEYS=False,
+    )
+    app.config.from_prefixed_env(config.ENV_PREFIX.rstrip("_"))
+    if test_config:
+        app.config.update(test_config)
+    if not app.config["DISPATCHER"]:
+        raise RuntimeError(f"set {config.ENV_PREFIX}DISPATCHER to the dispatcher's address")
+    app.config["MAX_CONTENT_LENGTH"] = int(app.config["MAX_BODY"])
+    app.json.sort_keys = False
+    app.json.ensure_ascii = False
+
+    from app import completions, errors, status
+    errors.register_error_handlers(app)
+    app.register_blueprint(completions.bp)
+    app.register_blueprint(status.bp)
+    logging.getLogger("app").setLevel(logging.INFO)
+    return app

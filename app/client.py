@@ -1,0 +1,294 @@
+"""The front end's connection to the dispatcher: one per gunicorn worker process.
+
+One DEALER (jobs, cancels, heartbeats) and one SUB (token events, subscribed once to this
+front end's id), each read by its own greenlet, which routes every message to the
+`RequestStream` of its request. Created lazily in the process that uses it: a ZeroMQ
+context made before gunicorn forks is dead in the child.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import gevent
+import gevent.event
+import gevent.lock
+import gevent.queue
+import gevent.socket
+import socket
+import zmq.green as zmq
+
+from app.errors import APIError, ServiceUnavailable, from_wire
+from dispatcher import config, protocol as P
+
+log = logging.getLogger(__name__)
+TOKEN_HWM = 100_000
+
+
+class ClientGone(Exception):
+    """The HTTP client closed its connection."""
+
+
+def error_event(status: int, message: str, code: str, type_: str = "server_error") -> dict:
+    return {"e": P.EV_ERROR, "status": status, "type": type_, "code": code, "message": message}
+
+
+class RequestStream:
+    """The events of one request, checked for order and completeness.
+
+    Yields `start`, `text`..., then exactly one `end` or `error` event. Events of an older
+    attempt are dropped; a gap in the sequence numbers, or messages missing once the
+    dispatcher says the worker finished, become an error event instead of silently
+    missing text.
+    """
+
+    def __init__(self, client: "DispatcherClient", request_id: str):
+        self.client = client
+        self.request_id = request_id
+        self.inbox: gevent.queue.Queue = gevent.queue.Queue()
+        self.attempt = 1
+        self.next_seq = 0
+        self.text_seen = False
+        self.finished = False
+        self._complete_by: float | None = None
+        self._early: list[tuple] = []
+
+    def wait_accepted(self, timeout: float = config.SUBMIT_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                item = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+            except gevent.queue.Empty:
+                raise ServiceUnavailable("the dispatcher did not answer in time",
+                                         headers={"Retry-After": str(config.RETRY_AFTER_SECONDS)})
+            kind = item[0]
+            if kind == "ctl" and item[1] == P.ACCEPTED:
+                return
+            if kind == "ctl" and item[1] in (P.REJECTED, P.FAILED):
+                raise from_wire(item[2])
+            if kind == "lost":
+                raise ServiceUnavailable("the dispatcher is unreachable",
+                                         headers={"Retry-After": str(config.RETRY_AFTER_SECONDS)})
+            if kind == "gone":
+                raise ClientGone()
+            # token events can overtake ACCEPTED (they travel another path): keep them
+            self._early.append(item)
+
+    def next_event(self) -> dict:
+        while True:
+            timeout = None
+            if self._complete_by is not None:
+                timeout = max(0.0, self._complete_by - time.monotonic())
+            try:
+                item = self._early.pop(0) if self._early else self.inbox.get(timeout=timeout)
+            except gevent.queue.Empty:
+                return self._end(error_event(
+                    502, "the token stream lost messages: the worker finished but not all "
+                    "of its output arrived", "stream_incomplete"))
+            kind = item[0]
+            if kind == "ev":
+                event = self._accept_event(item[1])
+                if event is not None:
+                    return event
+            elif kind == "ctl":
+                event = self._accept_control(item[1], item[2])
+                if event is not None:
+                    return event
+            elif kind == "lost":
+                return self._end(error_event(503, "lost the connection to the dispatcher",
+                                             "dispatcher_unavailable"))
+            elif kind == "gone":
+                raise ClientGone()
+
+    def _accept_event(self, event: dict) -> dict | None:
+        attempt = int(event.get("a", 1))
+        if attempt < self.attempt:
+            return None
+        if attempt > self.attempt:
+            if self.text_seen:
+                return self._end(error_event(
+                    503, "the worker serving this request was lost after output had started",
+                    "worker_lost"))
+            self.attempt, self.next_seq, self._complete_by = attempt, 0, None
+        if event["s"] != self.next_seq:
+            return self._end(error_event(
+                502, f"the token stream skipped messages {self.next_seq}..{event['s'] - 1}",
+                "stream_gap"))
+        self.next_seq += 1
+        if event["e"] == P.EV_TEXT:
+            self.text_seen = True
+        if event["e"] in (P.EV_END, P.EV_ERROR):
+            return self._end(event)
+        return event
+
+    def _accept_control(self, cmd: bytes, body: dict) -> dict | None:
+        if cmd in (P.FAILED, P.REJECTED):
+            return self._end({"e": P.EV_ERROR, **body})
+        if cmd == P.FINISHED and int(body.get("attempt", 1)) >= self.attempt:
+            # The worker is done; whatever has not arrived shortly is lost.
+            self._complete_by = time.monotonic() + config.DONE_GRACE
+        return None
+
+    def _end(self, event: dict) -> dict:
+        self.finished = True
+        return event
+
+    def close(self) -> None:
+        """Forget the request; cancel it if it has not finished (idempotent)."""
+        self.client.forget(self.request_id)
+        if not self.finished:
+            self.finished = True
+            self.client.send(P.CANCEL, self.request_id)
+
+
+class DispatcherClient:
+    """This process's DEALER and SUB sockets and the requests waiting on them."""
+
+    def __init__(self, endpoints: P.Endpoints):
+        self.pid = os.getpid()
+        self.id = P.new_frontend_id()
+        self.context = zmq.Context()
+        self.dealer = self.context.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.IDENTITY, self.id)
+        self.dealer.setsockopt(zmq.IMMEDIATE, 1)     # never queue for a missing dispatcher
+        self.dealer.setsockopt(zmq.LINGER, 0)
+        self.dealer.connect(endpoints.frontend)
+        self.sub = self.context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.RCVHWM, TOKEN_HWM)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.SUBSCRIBE, self.id)
+        self.sub.connect(endpoints.tokens_out)
+        self.streams: dict[str, RequestStream] = {}
+        self.state: dict = {}
+        self.state_at = 0.0
+        self.state_event = gevent.event.Event()
+        self._send_lock = gevent.lock.Semaphore()
+        self._alive = False
+        self._greenlets = [gevent.spawn(self._read_dealer), gevent.spawn(self._read_sub),
+                           gevent.spawn(self._heartbeat)]
+
+    # -- sending -----------------------------------------------------------------------
+    def send(self, cmd: bytes, request_id: str = "", body: dict | None = None) -> bool:
+        with self._send_lock:
+            try:
+                self.dealer.send_multipart(P.encode(cmd, request_id, body), zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                return False
+
+    def submit(self, job: dict) -> RequestStream:
+        stream = RequestStream(self, job["id"])
+        self.streams[job["id"]] = stream
+        if not self.send(P.SUBMIT, job["id"], job):
+            self.forget(job["id"])
+            raise ServiceUnavailable("the dispatcher is unreachable",
+                                     headers={"Retry-After": str(config.RETRY_AFTER_SECONDS)})
+        try:
+            stream.wait_accepted()
+        except (APIError, ClientGone):
+            stream.finished = True
+            self.forget(job["id"])
+            self.send(P.CANCEL, job["id"])
+            raise
+        return stream
+
+    def forget(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+
+    def client_gone(self, request_id: str) -> None:
+        stream = self.streams.get(request_id)
+        if stream is not None:
+            stream.inbox.put(("gone",))
+
+    # -- state -------------------------------------------------------------------------
+    @property
+    def dispatcher_alive(self) -> bool:
+        return time.monotonic() - self.state_at < config.HEARTBEAT_INTERVAL * \
+            config.HEARTBEAT_LIVENESS
+
+    def wait_state(self, timeout: float = 2.0) -> dict | None:
+        """The dispatcher's last state, waiting briefly for the first one after start-up."""
+        if not self.state_event.is_set():
+            self.state_event.wait(timeout)
+        return self.state if self.dispatcher_alive else None
+
+    # -- greenlets ---------------------------------------------------------------------
+    def _read_dealer(self) -> None:
+        while True:
+            try:
+                msg = P.decode(self.dealer.recv_multipart())
+            except P.ProtocolError as exc:
+                log.warning("bad message from the dispatcher: %s", exc)
+                continue
+            except zmq.ContextTerminated:
+                return
+            if msg.cmd == P.STATE:
+                self.state, self.state_at = msg.body, time.monotonic()
+                self._alive = True
+                self.state_event.set()
+                continue
+            stream = self.streams.get(msg.request_id)
+            if stream is not None:
+                stream.inbox.put(("ctl", msg.cmd, msg.body))
+
+    def _read_sub(self) -> None:
+        while True:
+            try:
+                request_id, event = P.decode_event(self.sub.recv_multipart())
+            except P.ProtocolError as exc:
+                log.warning("bad token event: %s", exc)
+                continue
+            except zmq.ContextTerminated:
+                return
+            stream = self.streams.get(request_id)
+            if stream is not None:
+                stream.inbox.put(("ev", event))
+
+    def _heartbeat(self) -> None:
+        while True:
+            self.send(P.PING, body={"open": len(self.streams), "pid": self.pid})
+            gevent.sleep(config.HEARTBEAT_INTERVAL)
+            if self._alive and not self.dispatcher_alive:
+                self._alive = False
+                log.error("lost the dispatcher: failing %d open requests", len(self.streams))
+                for stream in list(self.streams.values()):
+                    stream.inbox.put(("lost",))
+
+    def close(self) -> None:
+        gevent.killall(self._greenlets)
+        self.dealer.close(0)
+        self.sub.close(0)
+        self.context.term()
+
+
+def watch_disconnect(environ: dict, on_gone) -> gevent.Greenlet | None:
+    """Call `on_gone()` as soon as the HTTP client closes its connection.
+
+    Waits for the client socket to become readable and peeks: end of file means the client
+    left. This notices a disconnect while the request is still queued or prefilling,
+    not only at the next failed write.
+    """
+    sock = environ.get("gunicorn.socket")
+    if sock is None:
+        return None
+
+    def watch() -> None:
+        try:
+            gevent.socket.wait_read(sock.fileno())
+            if sock.recv(1, socket.MSG_PEEK) != b"":
+                return          # the client sent more (a pipelined request): not a close
+        except (OSError, ValueError):
+            pass
+        on_gone()
+
+    return gevent.spawn(watch)
+
+
+def get_client(app) -> DispatcherClient:
+    """This process's client, made on first use (after gunicorn has forked)."""
+    client = app.extensions.get("dispatcher_client")
+    if client is None or client.pid != os.getpid():
+        client = DispatcherClient(P.Endpoints.from_base(app.config["DISPATCHER"]))
+        app.extensions["dispatcher_client"] = client
+    return client

@@ -1,0 +1,138 @@
+"""One exception hierarchy, each class one HTTP status, all rendered in OpenAI's envelope.
+
+`{"error": {"message", "type", "param", "code"}}` as a JSON body before a response has
+started, or as the next SSE event once a stream has (see `app.sse`).
+"""
+from __future__ import annotations
+
+from flask import Flask, jsonify
+from werkzeug.exceptions import HTTPException
+
+
+class APIError(Exception):
+    """An error a client can act on; the base of every error the API returns."""
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+
+class InvalidRequest(APIError):
+    """The request is malformed or a field is invalid (400)."""
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(APIError):
+    """No valid API key (401)."""
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class NotFound(APIError):
+    """No such model or route (404)."""
+    status = 404
+    type = "invalid_request_error"
+
+
+class MethodNotAllowed(APIError):
+    """The route exists but not for this method (405)."""
+    status = 405
+    type = "invalid_request_error"
+
+
+class PayloadTooLarge(APIError):
+    """The body or prompt is over the configured limit (413)."""
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class UnsupportedMediaType(APIError):
+    """The body is not JSON (415)."""
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class Overloaded(APIError):
+    """The queue is full (429)."""
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+
+class ServiceUnavailable(APIError):
+    """No worker can take the request now: none ready, dispatcher gone, worker lost (503)."""
+    status = 503
+    type = "server_error"
+    code = "service_unavailable"
+
+
+class GatewayTimeout(APIError):
+    """The request's deadline passed before it could run (504)."""
+    status = 504
+    type = "server_error"
+    code = "timeout"
+
+
+class ServerError(APIError):
+    """A fault of ours; never the result of bad input (500)."""
+
+
+_BY_STATUS = {cls.status: cls for cls in (InvalidRequest, Unauthorized, NotFound,
+                                          MethodNotAllowed, PayloadTooLarge,
+                                          UnsupportedMediaType, Overloaded,
+                                          ServiceUnavailable, GatewayTimeout, ServerError)}
+
+
+def from_wire(body: dict) -> APIError:
+    """Rebuild an error sent by the dispatcher or a worker ({status, type, code, message})."""
+    cls = _BY_STATUS.get(int(body.get("status", 500)), ServerError)
+    error = cls(str(body.get("message", "internal error")), param=body.get("param"),
+                code=body.get("code"))
+    if body.get("type"):
+        error.type = body["type"]
+    if body.get("retry_after"):
+        error.headers["Retry-After"] = str(body["retry_after"])
+    return error
+
+
+def error_response(error: APIError):
+    response = jsonify(error.to_dict())
+    response.status_code = error.status
+    for name, value in error.headers.items():
+        response.headers[name] = value
+    return response
+
+
+def register_error_handlers(app: Flask) -> None:
+    app.register_error_handler(APIError, error_response)
+
+    @app.errorhandler(HTTPException)
+    def http_exception(exc: HTTPException):
+        cls = _BY_STATUS.get(exc.code or 500, InvalidRequest if (exc.code or 500) < 500
+                             else ServerError)
+        error = cls(exc.description or exc.name)
+        error.status = exc.code or 500
+        if exc.code == 404:
+            error.code = "not_found"
+        return error_response(error)
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception):
+        app.logger.exception("unhandled error")
+        return error_response(ServerError("internal server error"))

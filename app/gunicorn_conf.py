@@ -1,0 +1,35 @@
+"""gunicorn settings for the front ends, from COMPLETIONS_* variables.
+
+Used by `python -m dispatcher serve` (as `-c python:app.gunicorn_conf`) and by
+`deploy/gunicorn.conf.py` for a front end run on its own.
+"""
+import os
+
+from dispatcher import config as _config
+
+_host = _config.env_value(_config.OPTIONS["host"])
+_port = _config.env_value(_config.OPTIONS["port"])
+
+wsgi_app = "app:create_app()"
+bind = [f"[{_host}]:{_port}" if ":" in _host else f"{_host}:{_port}"]
+workers = max(1, _config.env_value(_config.OPTIONS["frontends"]))
+worker_class = "gevent"
+worker_connections = 1000
+timeout = 30            # gevent workers heartbeat from a greenlet: not a request timeout
+graceful_timeout = 30   # in-flight streams get this long after SIGTERM
+keepalive = 75          # longer than nginx's upstream keepalive_timeout
+proc_name = "completions-frontend"
+control_socket_disable = True   # gunicorn 27's control socket: one fixed path per user
+loglevel = _config.env_value(_config.OPTIONS["log_level"])
+
+
+def on_starting(server):
+    if os.environ.get("COMPLETIONS_PARENT_PID"):
+        from dispatcher.supervisor import die_with_parent
+        die_with_parent(int(os.environ["COMPLETIONS_PARENT_PID"]))
+
+
+def post_worker_init(worker):
+    # Connect and subscribe at start-up, not on the first request.
+    from app.client import get_client
+    get_client(worker.wsgi)

@@ -1,0 +1,1 @@
+"""The dispatcher: queues jobs from the front ends, routes them to workers, supervises."""

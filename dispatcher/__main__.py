@@ -1,0 +1,5 @@
+import sys
+
+from dispatcher.cli import main
+
+sys.exit(main())

@@ -1,0 +1,386 @@
+"""The dispatcher: one poll loop over the front-end, worker and control sockets.
+
+Front ends SUBMIT jobs; the broker queues them (FIFO per model) and hands each to a ready
+worker with a free slot. Workers announce READY and heartbeat; one that stops answering,
+or whose process exits, is dropped, and its requests are requeued once (no text sent yet)
+or failed (text already sent). Token events bypass this loop: workers publish them into
+an XSUB/XPUB proxy run by a thread of this process, and front ends subscribe there.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import zmq
+
+from dispatcher import config, protocol as P
+from dispatcher.queues import Job, RequestQueue, WorkerRecord, WorkerRegistry
+
+log = logging.getLogger(__name__)
+TOKEN_HWM = 100_000
+# A queued job whose model has had no ready worker for this long is turned away.
+NO_WORKER_TIMEOUT = 30.0
+
+
+class Broker:
+    def __init__(self, endpoints: P.Endpoints, supervisor=None,
+                 known_models: dict[str, dict] | None = None):
+        self.endpoints = endpoints
+        self.supervisor = supervisor
+        self.known_models = dict(known_models or {})
+        self.started = time.time()
+        self.context = zmq.Context()
+        self.frontend = self._router(endpoints.frontend)
+        self.backend = self._router(endpoints.worker)
+        self.control = self.context.socket(zmq.ROUTER)
+        self.control.setsockopt(zmq.LINGER, 0)
+        self.control.bind(endpoints.control)
+        self.queue = RequestQueue()
+        self.registry = WorkerRegistry()
+        self.frontends: dict[bytes, dict] = {}     # id -> {"seen": t, "pid": ...}
+        self.stats = {"submitted": 0, "rejected": 0, "requeued": 0, "failed": 0,
+                      "completed": 0, "cancelled": 0}
+        self._stop = threading.Event()
+        self._next_heartbeat = 0.0
+        self._proxy_thread = self._start_proxy()
+
+    # -- sockets -----------------------------------------------------------------------
+    def _router(self, address: str) -> zmq.Socket:
+        sock = self.context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a send to a vanished peer raises
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)    # a reconnecting peer takes its name back
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(address)
+        return sock
+
+    def _start_proxy(self) -> threading.Thread:
+        xsub = self.context.socket(zmq.XSUB)
+        xpub = self.context.socket(zmq.XPUB)
+        for sock in (xsub, xpub):
+            sock.setsockopt(zmq.SNDHWM, TOKEN_HWM)
+            sock.setsockopt(zmq.RCVHWM, TOKEN_HWM)
+            sock.setsockopt(zmq.LINGER, 0)
+        xsub.bind(self.endpoints.tokens_in)
+        xpub.bind(self.endpoints.tokens_out)
+        self._proxy_control = self.context.socket(zmq.PAIR)
+        self._proxy_control.bind(f"inproc://proxy-control-{id(self)}")
+        control_address = f"inproc://proxy-control-{id(self)}"
+
+        def run() -> None:
+            control = self.context.socket(zmq.PAIR)
+            control.connect(control_address)
+            try:
+                zmq.proxy_steerable(xsub, xpub, None, control)
+            except zmq.ContextTerminated:
+                pass
+            finally:
+                for sock in (xsub, xpub, control):
+                    sock.close(0)
+
+        thread = threading.Thread(target=run, name="token-proxy", daemon=True)
+        thread.start()
+        return thread
+
+    def _send_frontend(self, frontend: bytes, cmd: bytes, request_id: str = "",
+                       body: dict | None = None) -> bool:
+        try:
+            self.frontend.send_multipart([frontend] + P.encode(cmd, request_id, body),
+                                         zmq.NOBLOCK)
+            return True
+        except (zmq.Again, zmq.ZMQError):
+            return False
+
+    def _send_worker(self, worker: bytes, cmd: bytes, request_id: str = "",
+                     body: dict | None = None) -> bool:
+        try:
+            self.backend.send_multipart([worker] + P.encode(cmd, request_id, body),
+                                        zmq.NOBLOCK)
+            return True
+        except (zmq.Again, zmq.ZMQError):
+            return False
+
+    # -- the loop ----------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        for sock in (self.frontend, self.backend, self.control):
+            poller.register(sock, zmq.POLLIN)
+        log.info("dispatcher listening: %s", ", ".join(
+            f"{n}={getattr(self.endpoints, n)}" for n in P.Endpoints.NAMES))
+        while not self._stop.is_set():
+            ready = dict(poller.poll(100))
+            if self.backend in ready:
+                self._drain(self.backend, self.process_worker)
+            if self.frontend in ready:
+                self._drain(self.frontend, self.process_frontend)
+            if self.control in ready:
+                self._drain(self.control, self.process_control)
+            self.tick(time.monotonic())
+
+    def _drain(self, sock: zmq.Socket, handler) -> None:
+        for _ in range(1000):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            handler(frames)
+
+    def tick(self, now: float) -> None:
+        if self.supervisor is not None:
+            for child, pid in self.supervisor.poll():
+                record = self.registry.get(child.name.encode())
+                if record is not None and record.info.get("pid") == pid:
+                    self.worker_lost(record, f"process exited ({child.last_exit})")
+        for record in self.registry.expired(now):
+            self.worker_lost(record, "stopped answering heartbeats")
+            self._send_worker(record.identity, P.DISCONNECT)
+        for fe_id, info in list(self.frontends.items()):
+            if info["seen"] < now - config.HEARTBEAT_INTERVAL * config.HEARTBEAT_LIVENESS:
+                self.frontend_lost(fe_id)
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + config.HEARTBEAT_INTERVAL
+            for identity in list(self.registry.workers):
+                self._send_worker(identity, P.HEARTBEAT)
+        self._expire_unservable(now)
+        self.dispatch()
+
+    # -- front ends --------------------------------------------------------------------
+    def process_frontend(self, frames: list[bytes]) -> None:
+        fe_id, frames = frames[0], frames[1:]
+        try:
+            msg = P.decode(frames)
+        except P.ProtocolError as exc:
+            log.warning("bad message from front end %r: %s", fe_id, exc)
+            return
+        info = self.frontends.setdefault(fe_id, {"since": time.time()})
+        info["seen"] = time.monotonic()
+        if msg.cmd == P.PING:
+            info.update(msg.body)
+            self._send_frontend(fe_id, P.STATE, body=self.state())
+        elif msg.cmd == P.SUBMIT:
+            self.submit(fe_id, msg.request_id, msg.body)
+        elif msg.cmd == P.CANCEL:
+            self.cancel(msg.request_id)
+        else:
+            log.warning("unknown command %r from front end %r", msg.cmd, fe_id)
+
+    def submit(self, fe_id: bytes, request_id: str, body: dict) -> None:
+        model = body.get("model")
+        models = self.models()
+        if not request_id or not isinstance(model, str):
+            return self._reject(fe_id, request_id, 400, "invalid_request_error", "bad_job",
+                                "the job lacks an id or a model")
+        if model not in models:
+            return self._reject(fe_id, request_id, 404, "invalid_request_error",
+                                "model_not_found", f"The model '{model}' does not exist")
+        if not models[model]["ready"]:
+            return self._reject(fe_id, request_id, 503, "server_error", "no_worker_ready",
+                                f"no worker for '{model}' is ready",
+                                retry_after=config.RETRY_AFTER_SECONDS)
+        self.stats["submitted"] += 1
+        self.queue.push(Job(request_id, fe_id, body))
+        self._send_frontend(fe_id, P.ACCEPTED, request_id)
+        self.dispatch()
+
+    def _reject(self, fe_id: bytes, request_id: str, status: int, type_: str, code: str,
+                message: str, retry_after: int | None = None) -> None:
+        self.stats["rejected"] += 1
+        body = {"status": status, "type": type_, "code": code, "message": message}
+        if retry_after:
+            body["retry_after"] = retry_after
+        self._send_frontend(fe_id, P.REJECTED, request_id, body)
+
+    def cancel(self, request_id: str) -> None:
+        if self.queue.remove(request_id) is not None:
+            self.stats["cancelled"] += 1
+            return
+        for record in self.registry.workers.values():
+            if request_id in record.running:
+                self._send_worker(record.identity, P.CANCEL, request_id)
+                return
+
+    def frontend_lost(self, fe_id: bytes) -> None:
+        """A front end stopped heartbeating: its clients are gone with it."""
+        self.frontends.pop(fe_id, None)
+        for job in list(self.queue):
+            if job.frontend == fe_id:
+                self.cancel(job.request_id)
+        for record in self.registry.workers.values():
+            for job in list(record.running.values()):
+                if job.frontend == fe_id:
+                    self._send_worker(record.identity, P.CANCEL, job.request_id)
+        log.warning("front end %s stopped heartbeating", fe_id.decode(errors="replace"))
+
+    # -- workers -----------------------------------------------------------------------
+    def process_worker(self, frames: list[bytes]) -> None:
+        identity, frames = frames[0], frames[1:]
+        try:
+            msg = P.decode(frames)
+        except P.ProtocolError as exc:
+            log.warning("bad message from worker %r: %s", identity, exc)
+            return
+        now = time.monotonic()
+        record = self.registry.get(identity)
+        if msg.cmd == P.READY:
+            if record is not None:
+                self.worker_lost(record, "re-registered")
+            if not isinstance(msg.body.get("model"), str):
+                log.warning("worker %r sent READY without a model", identity)
+                return
+            record = self.registry.add(identity, msg.body, now)
+            log.info("worker %s ready: %s on %s, pid %s, n_ctx %s, %s slot(s)", record.name,
+                     record.model, msg.body.get("device"), msg.body.get("pid"),
+                     msg.body.get("n_ctx"), record.slots)
+            self.broadcast_state()
+            return
+        if record is None:
+            # A worker we do not know (we restarted, or expired it): make it register again.
+            self._send_worker(identity, P.DISCONNECT)
+            return
+        record.refresh(now)
+        if msg.cmd == P.HEARTBEAT:
+            pass
+        elif msg.cmd == P.FIRST:
+            job = record.running.get(msg.request_id)
+            if job is not None:
+                job.first_token = True
+        elif msg.cmd == P.DONE:
+            self.job_done(record, msg.request_id, msg.body)
+        elif msg.cmd == P.DISCONNECT:
+            self.worker_lost(record, "disconnected")
+        else:
+            log.warning("unknown command %r from worker %s", msg.cmd, record.name)
+
+    def job_done(self, record: WorkerRecord, request_id: str, body: dict) -> None:
+        job = record.running.get(request_id)
+        if job is None or int(body.get("attempt", 1)) != job.attempt:
+            return
+        del record.running[request_id]
+        usage = body.get("usage") or {}
+        record.tokens += int(usage.get("completion_tokens", 0))
+        if body.get("cancelled"):
+            record.cancelled += 1
+            self.stats["cancelled"] += 1
+        else:
+            record.completed += 1
+            self.stats["completed"] += 1
+        record.last_done = {"id": request_id, **body}
+        self._send_frontend(job.frontend, P.FINISHED, request_id,
+                            {"attempt": job.attempt, "last_seq": body.get("last_seq")})
+
+    def worker_lost(self, record: WorkerRecord, reason: str) -> None:
+        """Drop a worker; requeue its jobs that sent no text yet, fail the others."""
+        self.registry.remove(record.identity)
+        log.error("worker %s lost (%s) with %d request(s)", record.name, reason,
+                  len(record.running))
+        for job in record.running.values():
+            job.worker = None
+            if not job.first_token and job.attempt < 2:
+                job.attempt += 1
+                self.stats["requeued"] += 1
+                self.queue.push(job, front=True)
+            else:
+                self.stats["failed"] += 1
+                self._send_frontend(job.frontend, P.FAILED, job.request_id, {
+                    "status": 503, "type": "server_error", "code": "worker_lost",
+                    "message": f"the worker serving this request was lost ({reason})"})
+        record.running.clear()
+        self.broadcast_state()
+
+    def dispatch(self) -> None:
+        for model in self.queue.models_waiting():
+            while True:
+                worker = self.registry.pick(model)
+                if worker is None:
+                    break
+                job = self.queue.take_for(model)
+                if job is None:
+                    break
+                body = {**job.body, "topic": job.frontend.decode(), "attempt": job.attempt}
+                if not self._send_worker(worker.identity, P.REQUEST, job.request_id, body):
+                    self.queue.push(job, front=True)
+                    self.worker_lost(worker, "unreachable")
+                    continue
+                job.worker = worker.identity
+                worker.running[job.request_id] = job
+                worker.last_assigned = time.monotonic()
+
+    def _expire_unservable(self, now: float) -> None:
+        models = self.registry.models()
+        orphaned = {m for m in self.queue.models_waiting() if m not in models}
+        for job in self.queue.expire(now - NO_WORKER_TIMEOUT, orphaned):
+            self._reject(job.frontend, job.request_id, 503, "server_error", "no_worker_ready",
+                         f"no worker for '{job.model}' became ready in {NO_WORKER_TIMEOUT:.0f}s",
+                         retry_after=config.RETRY_AFTER_SECONDS)
+
+    # -- state -------------------------------------------------------------------------
+    def models(self) -> dict[str, dict]:
+        models = {m: {"ready": 0, "n_ctx": info.get("n_ctx", 0), "slots": 0}
+                  for m, info in self.known_models.items()}
+        models.update(self.registry.models())
+        for info in models.values():
+            info["created"] = int(self.started)
+        return models
+
+    def state(self) -> dict:
+        return {"workers_ready": len(self.registry), "models": self.models(),
+                "queued": len(self.queue)}
+
+    def broadcast_state(self) -> None:
+        state = self.state()
+        for fe_id in list(self.frontends):
+            self._send_frontend(fe_id, P.STATE, body=state)
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        children = self.supervisor.children if self.supervisor else {}
+        workers = []
+        for name, child in children.items():
+            if child.kind == "worker" and name.encode() not in self.registry:
+                workers.append({"name": name, "state": "starting" if child.process
+                                else "restarting", "restarts": child.restarts,
+                                "pid": child.pid, "device": child.extra.get("device"),
+                                "model": child.extra.get("model")})
+        for record in self.registry.workers.values():
+            child = children.get(record.name)
+            workers.append({
+                "name": record.name, "state": "busy" if record.running else "idle",
+                "device": record.info.get("device"), "model": record.model,
+                "pid": record.info.get("pid"), "n_ctx": record.info.get("n_ctx"),
+                "slots": record.slots, "busy_slots": len(record.running),
+                "running": sorted(record.running), "completed": record.completed,
+                "cancelled": record.cancelled, "tokens": record.tokens,
+                "uptime_s": round(now - record.ready_at, 1),
+                "restarts": child.restarts if child else 0,
+                "placement": record.info.get("placement"), "last_done": record.last_done})
+        return {"workers": sorted(workers, key=lambda w: w["name"]),
+                "queue": self.queue.depth_by_model(), "stats": dict(self.stats),
+                "frontends": [{"id": k.decode(errors="replace"),
+                               "open": v.get("open"), "pid": v.get("pid")}
+                              for k, v in self.frontends.items()]}
+
+    def process_control(self, frames: list[bytes]) -> None:
+        identity, request = frames[0], frames[-1]
+        try:
+            command = json.loads(request).get("cmd")
+        except (ValueError, AttributeError):
+            command = None
+        if command == "status":
+            reply = self.status()
+        else:
+            reply = {"error": f"unknown command {command!r}"}
+        self.control.send_multipart([identity, b"", P.encode_json(reply)])
+
+    def close(self) -> None:
+        try:
+            self._proxy_control.send(b"TERMINATE")
+        except zmq.ZMQError:
+            pass
+        self._proxy_thread.join(timeout=2)
+        for sock in (self.frontend, self.backend, self.control, self._proxy_control):
+            sock.close(0)
+        self.context.term()

@@ -1,0 +1,120 @@
+"""Every setting, its default, its flag and its environment variable, in one place.
+
+Each option `foo_bar` is the flag `--foo-bar` and the variable `COMPLETIONS_FOO_BAR`.
+A flag beats the variable, the variable beats the default. Repeatable options take a
+comma-separated list in their variable (`COMPLETIONS_DEVICE=cuda:0,cuda:1`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+ENV_PREFIX = "COMPLETIONS_"
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str
+    default: Any
+    help: str
+    type: Callable[[str], Any] = str
+    repeat: bool = False
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+OPTIONS: dict[str, Option] = {o.name: o for o in [
+    Option("host", "127.0.0.1", "address the HTTP front ends listen on"),
+    Option("port", 8080, "port the HTTP front ends listen on", _non_negative_int),
+    Option("frontends", 1, "number of gunicorn front-end processes (0: none)", _non_negative_int),
+    Option("model", None, "path of the GGUF model (default: the bundled Gemma 3 270M Q4_K_M)"),
+    Option("model_id", None, "model name clients send (default: the file name without .gguf)"),
+    Option("device", ["cpu"], "device of one worker, repeatable: cpu, cpu:0-3, cuda:0, npu:0",
+           repeat=True),
+    Option("nctx", 4096, "context length of each sequence, in tokens", _positive_int),
+    Option("ngl", 999, "layers offloaded to the accelerator (ignored for cpu devices)",
+           _non_negative_int),
+    Option("slots", 1, "sequences one worker decodes at a time", _positive_int),
+    Option("engine", "llama", "inference engine: llama, or fake (a test double, no model)"),
+    Option("dispatcher", None,
+           "dispatcher address: ipc:///dir (sockets in dir) or tcp://host:port (port..port+4); "
+           "default: a private ipc directory"),
+    Option("name", None, "worker name (default: derived from the device and pid)"),
+    Option("log_level", "info", "log level: debug, info, warning, error"),
+    Option("max_body", 8 * 1024 * 1024, "largest request body accepted, in bytes", _positive_int),
+]}
+
+# Timing of the heartbeats between every pair of processes (ZeroMQ guide, Paranoid Pirate).
+HEARTBEAT_INTERVAL = 1.0
+HEARTBEAT_LIVENESS = 3
+# How long a front end waits for the dispatcher to accept a job before giving up.
+SUBMIT_TIMEOUT = 5.0
+# How long a front end waits for stream messages after the dispatcher says a job is done.
+DONE_GRACE = 2.0
+# How long a worker waits for a front end's subscription to reach its PUB socket.
+SUBSCRIPTION_WAIT = 5.0
+# Worker respawn backoff (seconds): doubles from the first value up to the second.
+RESPAWN_BACKOFF = (0.5, 30.0)
+# Grace given to children on shutdown before they are killed.
+STOP_GRACE = 10.0
+# Retry-After sent with a 503 when no worker is ready.
+RETRY_AFTER_SECONDS = 5
+
+
+def env_value(option: Option, environ: dict | None = None) -> Any:
+    """The option's value from the environment, or its default."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(option.env)
+    if raw is None or raw == "":
+        return option.default
+    if option.repeat:
+        return [option.type(part.strip()) for part in raw.split(",") if part.strip()]
+    return option.type(raw)
+
+
+def add_options(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
+    """Declare the named options on an argparse parser, defaulting to env, then default."""
+    for name in names:
+        option = OPTIONS[name]
+        try:
+            default = env_value(option)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            parser.error(f"{option.env}: {exc}")
+        help_text = f"{option.help} [env {option.env}; default {option.default!r}]"
+        if option.repeat:
+            parser.add_argument(option.flag, dest=name, action="append", type=option.type,
+                                default=None, help=help_text)
+            parser.set_defaults(**{f"_{name}_default": default})
+        else:
+            parser.add_argument(option.flag, dest=name, type=option.type, default=default,
+                                help=help_text)
+
+
+def resolve_repeats(args: argparse.Namespace) -> argparse.Namespace:
+    """Repeatable flags replace, not extend, the env/default list."""
+    for name, option in OPTIONS.items():
+        if option.repeat and hasattr(args, name) and getattr(args, name) is None:
+            setattr(args, name, getattr(args, f"_{name}_default", option.default))
+    return args

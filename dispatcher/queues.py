@@ -1,0 +1,147 @@
+"""The dispatcher's state: the request queue and the worker registry."""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from dispatcher import config
+
+
+@dataclass
+class Job:
+    request_id: str
+    frontend: bytes              # the owning front end's id (also its token topic)
+    body: dict                   # the job as the front end sent it
+    attempt: int = 1
+    enqueued_at: float = field(default_factory=time.monotonic)
+    worker: bytes | None = None  # the worker running it, once dispatched
+    first_token: bool = False    # the worker said its first text is going out
+
+    @property
+    def model(self) -> str:
+        return self.body["model"]
+
+
+class RequestQueue:
+    """FIFO per model: a job waits only behind jobs that could run on the same workers."""
+
+    def __init__(self) -> None:
+        self._jobs: deque[Job] = deque()
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def push(self, job: Job, front: bool = False) -> None:
+        (self._jobs.appendleft if front else self._jobs.append)(job)
+
+    def remove(self, request_id: str) -> Job | None:
+        for job in self._jobs:
+            if job.request_id == request_id:
+                self._jobs.remove(job)
+                return job
+        return None
+
+    def take_for(self, model: str) -> Job | None:
+        for job in self._jobs:
+            if job.model == model:
+                self._jobs.remove(job)
+                return job
+        return None
+
+    def models_waiting(self) -> set[str]:
+        return {job.model for job in self._jobs}
+
+    def expire(self, older_than: float, models: set[str]) -> list[Job]:
+        """Remove and return jobs of `models` that have waited since before `older_than`."""
+        old = [j for j in self._jobs if j.model in models and j.enqueued_at < older_than]
+        for job in old:
+            self._jobs.remove(job)
+        return old
+
+    def depth_by_model(self) -> dict[str, int]:
+        depth: dict[str, int] = {}
+        for job in self._jobs:
+            depth[job.model] = depth.get(job.model, 0) + 1
+        return depth
+
+    def __iter__(self):
+        return iter(list(self._jobs))
+
+
+@dataclass
+class WorkerRecord:
+    identity: bytes
+    info: dict                   # what the worker said in READY
+    expires_at: float = 0.0
+    running: dict[str, Job] = field(default_factory=dict)
+    ready_at: float = field(default_factory=time.monotonic)
+    completed: int = 0
+    cancelled: int = 0
+    tokens: int = 0
+    last_done: dict = field(default_factory=dict)
+    last_assigned: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.identity.decode(errors="replace")
+
+    @property
+    def model(self) -> str:
+        return self.info["model"]
+
+    @property
+    def slots(self) -> int:
+        return max(1, int(self.info.get("slots", 1)))
+
+    @property
+    def free_slots(self) -> int:
+        return self.slots - len(self.running)
+
+    def refresh(self, now: float) -> None:
+        self.expires_at = now + config.HEARTBEAT_INTERVAL * config.HEARTBEAT_LIVENESS
+
+
+class WorkerRegistry:
+    """Ready workers by identity; expiry as in the guide's Paranoid Pirate pattern."""
+
+    def __init__(self) -> None:
+        self.workers: dict[bytes, WorkerRecord] = {}
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def __contains__(self, identity: bytes) -> bool:
+        return identity in self.workers
+
+    def get(self, identity: bytes) -> WorkerRecord | None:
+        return self.workers.get(identity)
+
+    def add(self, identity: bytes, info: dict, now: float) -> WorkerRecord:
+        record = WorkerRecord(identity, info)
+        record.refresh(now)
+        self.workers[identity] = record
+        return record
+
+    def remove(self, identity: bytes) -> WorkerRecord | None:
+        return self.workers.pop(identity, None)
+
+    def expired(self, now: float) -> list[WorkerRecord]:
+        return [w for w in self.workers.values() if w.expires_at < now]
+
+    def pick(self, model: str) -> WorkerRecord | None:
+        """The worker of `model` with the most free slots (ties: the least recently used)."""
+        candidates = [w for w in self.workers.values()
+                      if w.model == model and w.free_slots > 0]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda w: (-w.free_slots, w.last_assigned))
+
+    def models(self) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for worker in self.workers.values():
+            entry = out.setdefault(worker.model, {"ready": 0, "n_ctx": 0, "slots": 0})
+            entry["ready"] += 1
+            entry["slots"] += worker.slots
+            entry["n_ctx"] = max(entry["n_ctx"], int(worker.info.get("n_ctx", 0)))
+        return out

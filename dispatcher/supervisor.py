@@ -1,0 +1,134 @@
+"""Child processes of `serve`: spawn, watch, respawn with backoff, stop without orphans.
+
+Children are fresh interpreters (`python -m workers ...`, `python -m gunicorn ...`), the
+equivalent of multiprocessing's spawn start method: nothing (no ZeroMQ context, no model)
+is inherited across a fork. Each child also asks the kernel to kill it if this process
+dies (`die_with_parent`), so even `kill -9` of the launcher leaves no orphans.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from dispatcher import config
+
+log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: get SIGTERM when the parent exits; exit now if it already has."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    kind: str = "worker"                 # worker or frontend
+    process: subprocess.Popen | None = None
+    restarts: int = 0
+    backoff: float = config.RESPAWN_BACKOFF[0]
+    respawn_at: float | None = None
+    started_at: float = 0.0
+    last_exit: int | None = None
+    stopping: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process else None
+
+
+class Supervisor:
+    """Owns the child processes; `poll()` reports those that exited since the last call."""
+
+    def __init__(self) -> None:
+        self.children: dict[str, Child] = {}
+        self.stopping = False
+
+    def add(self, child: Child) -> None:
+        self.children[child.name] = child
+        self._start(child)
+
+    def _start(self, child: Child) -> None:
+        env = {**os.environ, **child.env, "COMPLETIONS_PARENT_PID": str(os.getpid())}
+        child.process = subprocess.Popen(child.argv, env=env, stdin=subprocess.DEVNULL)
+        child.started_at = time.monotonic()
+        child.respawn_at = None
+        log.info("started %s %s (pid %d)", child.kind, child.name, child.process.pid)
+
+    def poll(self) -> list[tuple[Child, int]]:
+        """Reap exited children and schedule their respawn; start those whose time came."""
+        now = time.monotonic()
+        exited = []
+        for child in self.children.values():
+            proc = child.process
+            if proc is not None and proc.poll() is not None:
+                exited.append((child, proc.pid))
+                child.last_exit = proc.returncode
+                child.process = None
+                if self.stopping or child.stopping:
+                    continue
+                # a child that ran a while before dying starts again from the short backoff
+                if now - child.started_at > 60:
+                    child.backoff = config.RESPAWN_BACKOFF[0]
+                child.respawn_at = now + child.backoff
+                log.error("%s %s (pid %d) exited with %s; respawning in %.1fs", child.kind,
+                          child.name, proc.pid, _describe_exit(proc.returncode), child.backoff)
+                child.backoff = min(child.backoff * 2, config.RESPAWN_BACKOFF[1])
+            elif proc is None and child.respawn_at is not None and now >= child.respawn_at \
+                    and not self.stopping:
+                child.restarts += 1
+                self._start(child)
+        return exited
+
+    def stop_all(self, grace: float = config.STOP_GRACE) -> None:
+        """SIGTERM every child, wait up to `grace`, then SIGKILL what is left."""
+        self.stopping = True
+        running = [c.process for c in self.children.values() if c.process is not None]
+        for proc in running:
+            _signal(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("pid %d did not stop in %.0fs: killing it", proc.pid, grace)
+                _signal(proc, signal.SIGKILL)
+                proc.wait()
+        for child in self.children.values():
+            child.process = None
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            pass
+    return f"code {code}"
+
+
+def python_module_argv(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]

@@ -1,0 +1,1 @@
+"""Worker processes: one per device, each holding one loaded model."""

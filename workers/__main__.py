@@ -1,0 +1,5 @@
+import sys
+
+from workers.worker import main
+
+sys.exit(main())

@@ -1,0 +1,51 @@
+"""Token bytes to text a client may see: whole UTF-8 characters, and never a stop string.
+
+A stop string can span several tokens, so text that could still turn out to be the start
+of one is held back until it is ruled out (then sent) or completed (then cut off).
+"""
+from __future__ import annotations
+
+import codecs
+
+
+class TextAssembler:
+    def __init__(self, stops: list[str] | None = None):
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._stops = [s for s in (stops or []) if s]
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, data: bytes) -> str:
+        """Add one token's bytes; return the text that is now safe to send."""
+        if self.stopped:
+            return ""
+        self._held += self._decoder.decode(data)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """Generation ended without a stop string: flush everything still held."""
+        if self.stopped:
+            return ""
+        self._held += self._decoder.decode(b"", final=True)
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        held = self._held
+        cut = min((i for i in (held.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._held = ""
+            return held[:cut]
+        keep = 0 if final else self._partial_stop_suffix(held)
+        self._held = held[len(held) - keep:] if keep else ""
+        return held[:len(held) - keep]
+
+    def _partial_stop_suffix(self, text: str) -> int:
+        """Length of the longest end of `text` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best

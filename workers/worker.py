@@ -1,0 +1,191 @@
+"""One worker process: pinned to one device, one model loaded, serving the dispatcher.
+
+Two threads. The IO thread owns the DEALER to the dispatcher: READY, heartbeats (which
+keep flowing while the other thread is inside a long decode, since llama.cpp releases
+the GIL), jobs and cancels in, FIRST/DONE out. The main thread runs the generation loop
+and owns the engine and the XPUB socket that streams tokens to the front ends.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+import time
+
+import zmq
+
+from dispatcher import config, protocol as P
+from dispatcher.devices import parse_device
+from dispatcher.models import default_model_id, resolve_model_path
+from workers.generation import GenerationLoop, Publisher
+from workers.pinning import pin
+
+log = logging.getLogger("workers")
+RECONNECT_MAX = 4.0
+
+
+class DispatcherLink(threading.Thread):
+    """The IO thread: the DEALER socket and the heartbeat protocol (Paranoid Pirate)."""
+
+    def __init__(self, context: zmq.Context, endpoints: P.Endpoints, identity: bytes,
+                 info: dict, loop: GenerationLoop, notify_address: str):
+        super().__init__(name="dispatcher-link", daemon=True)
+        self.context = context
+        self.endpoints = endpoints
+        self.identity = identity
+        self.info = info
+        self.loop = loop
+        self.notify_address = notify_address
+        self.stopping = threading.Event()
+        self.leaving: list[str] = []
+        self.connects = 0
+
+    def _connect(self) -> zmq.Socket:
+        sock = self.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.identity)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoints.worker)
+        sock.send_multipart(P.encode(P.READY, body=self.info))
+        self.connects += 1
+        return sock
+
+    def run(self) -> None:
+        notify = self.context.socket(zmq.PAIR)
+        notify.connect(self.notify_address)
+        dealer = self._connect()
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(notify, zmq.POLLIN)
+        interval = config.HEARTBEAT_INTERVAL
+        expires = time.monotonic() + interval * config.HEARTBEAT_LIVENESS
+        next_beat = time.monotonic() + interval
+        reconnect_delay = interval
+        while not self.stopping.is_set():
+            ready = dict(poller.poll(100))
+            now = time.monotonic()
+            if dealer in ready:
+                while dealer.poll(0, zmq.POLLIN):
+                    expires = now + interval * config.HEARTBEAT_LIVENESS
+                    reconnect_delay = interval
+                    if not self._handle(dealer):
+                        expires = 0.0           # told to reconnect
+            if notify in ready:
+                while notify.poll(0, zmq.POLLIN):
+                    dealer.send_multipart(notify.recv_multipart())
+            if now >= next_beat:
+                dealer.send_multipart(P.encode(P.HEARTBEAT))
+                next_beat = now + interval
+            if now > expires:
+                log.warning("dispatcher silent: reconnecting in %.1fs", reconnect_delay)
+                self.loop.inbox.put(("reset",))
+                poller.unregister(dealer)
+                dealer.close(0)
+                time.sleep(reconnect_delay)
+                reconnect_delay = min(reconnect_delay * 2, RECONNECT_MAX)
+                dealer = self._connect()
+                poller.register(dealer, zmq.POLLIN)
+                expires = time.monotonic() + interval * config.HEARTBEAT_LIVENESS
+        while notify.poll(0, zmq.POLLIN):
+            dealer.send_multipart(notify.recv_multipart())
+        dealer.send_multipart(P.encode(P.DISCONNECT))
+        time.sleep(0.05)
+        dealer.close(linger=500)
+        notify.close(0)
+
+    def _handle(self, dealer: zmq.Socket) -> bool:
+        try:
+            msg = P.decode(dealer.recv_multipart())
+        except P.ProtocolError as exc:
+            log.warning("bad message from the dispatcher: %s", exc)
+            return True
+        if msg.cmd == P.REQUEST:
+            self.loop.inbox.put(("job", msg.request_id, msg.body))
+        elif msg.cmd == P.CANCEL:
+            self.loop.inbox.put(("cancel", msg.request_id))
+        elif msg.cmd == P.DISCONNECT:
+            log.warning("the dispatcher does not know us: registering again")
+            return False
+        return True
+
+
+def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: int,
+                n_gpu_layers: int, verbose: bool):
+    if kind == "fake":
+        from workers.fake_engine import FakeEngine
+        return FakeEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose)
+    if kind == "llama":
+        from workers.engine import LlamaEngine      # imported only after pinning
+        return LlamaEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose)
+    raise ValueError(f"unknown engine {kind!r}: use llama or fake")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m workers",
+        description="Run one worker: pin it to a device, load the model, serve the dispatcher.")
+    config.add_options(parser, ["dispatcher", "device", "model", "model_id", "nctx", "ngl",
+                                "slots", "engine", "name", "log_level"])
+    args = config.resolve_repeats(parser.parse_args(argv))
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
+    if not args.dispatcher:
+        parser.error(f"--dispatcher (or {config.OPTIONS['dispatcher'].env}) is required")
+    if len(args.device) != 1:
+        parser.error(f"a worker serves exactly one device, got {args.device}")
+    try:
+        spec = parse_device(args.device[0])
+        endpoints = P.Endpoints.from_base(args.dispatcher)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if os.environ.get("COMPLETIONS_PARENT_PID"):
+        from dispatcher.supervisor import die_with_parent
+        die_with_parent(int(os.environ["COMPLETIONS_PARENT_PID"]))
+
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+
+    placement = pin(spec, args.ngl)          # before the inference library is imported
+    model_path = resolve_model_path(args.model)
+    model_id = args.model_id or default_model_id(model_path)
+    name = args.name or f"{spec.slug}-{os.getpid()}"
+    started = time.monotonic()
+    engine = load_engine(args.engine, str(model_path), args.nctx, args.slots,
+                         placement.n_threads, placement.n_gpu_layers,
+                         args.log_level.lower() == "debug")
+    log.info("worker %s: %s loaded on %s in %.1fs (%d threads, cores %s, %s)", name,
+             model_id, spec, time.monotonic() - started, placement.n_threads,
+             list(placement.cores), placement.visible_devices or "no accelerator variables")
+
+    context = zmq.Context()
+    xpub = context.socket(zmq.XPUB)
+    xpub.setsockopt(zmq.SNDHWM, 100_000)
+    xpub.setsockopt(zmq.LINGER, 2000)
+    xpub.connect(endpoints.tokens_in)
+    notify_address = f"inproc://notify-{os.getpid()}"
+    notify = context.socket(zmq.PAIR)
+    notify.bind(notify_address)
+
+    def send_notice(cmd: bytes, request_id: str, body: dict | None) -> None:
+        notify.send_multipart(P.encode(cmd, request_id, body))
+
+    loop = GenerationLoop(engine, Publisher(xpub), send_notice)
+    info = {"model": model_id, "model_path": str(model_path), "device": str(spec),
+            "compute": spec.compute, "pid": os.getpid(), "n_ctx": engine.n_ctx,
+            "slots": engine.n_slots, "engine": engine.name, "placement": placement.to_dict()}
+    link = DispatcherLink(context, endpoints, name.encode(), info, loop, notify_address)
+    link.start()
+    try:
+        loop.run(stopping)
+    finally:
+        loop.abort_all("the worker is shutting down")
+        link.stopping.set()
+        link.join(timeout=5)
+        xpub.close()
+        notify.close(0)
+        engine.close()
+        context.term()
+    log.info("worker %s stopped", name)
+    return 0
