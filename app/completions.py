@@ -56,6 +56,8 @@ def resolve_model(requested: str | None, state: dict | None) -> str:
     if state is None:
         raise ServiceUnavailable("the dispatcher is unreachable", headers=retry)
     models = state.get("models", {})
+    if not models:
+        raise ServiceUnavailable("no worker is ready yet", headers=retry, code="no_worker_ready")
     if requested is None:
         if len(models) != 1:
             raise InvalidRequest("'model' is required: this server has "
@@ -94,19 +96,19 @@ def create_completion():
     created = int(time.time())
     job = build_job(request_id, model, req)
     watcher = watch_disconnect(request.environ, lambda: client.client_gone(request_id))
+    stream = None
     try:
         stream = client.submit(job)
         first = stream.next_event()
-    except ClientGone:
+        if first["e"] == P.EV_ERROR:
+            raise from_wire(first)
+    except BaseException as exc:
         _stop(watcher)
-        return Response(status=499)
-    except BaseException:
-        _stop(watcher)
+        if stream is not None:
+            stream.close()
+        if isinstance(exc, ClientGone):
+            return Response(status=499)     # nobody is listening; nginx logs 499 too
         raise
-    if first["e"] == P.EV_ERROR:
-        _stop(watcher)
-        stream.close()
-        raise from_wire(first)
     headers = {"X-Request-Id": request_id}
     if req["stream"]:
         include_usage = bool((req["stream_options"] or {}).get("include_usage"))

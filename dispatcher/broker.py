@@ -174,6 +174,9 @@ class Broker:
         if not request_id or not isinstance(model, str):
             return self._reject(fe_id, request_id, 400, "invalid_request_error", "bad_job",
                                 "the job lacks an id or a model")
+        if not models:
+            return self._reject(fe_id, request_id, 503, "server_error", "no_worker_ready",
+                                "no worker is ready", retry_after=config.RETRY_AFTER_SECONDS)
         if model not in models:
             return self._reject(fe_id, request_id, 404, "invalid_request_error",
                                 "model_not_found", f"The model '{model}' does not exist")

@@ -79,6 +79,11 @@ def cmd_serve(args) -> int:
         devices = [parse_device(d) for d in args.device]
     except ValueError as exc:
         raise SystemExit(f"--device: {exc}")
+    allowed = os.sched_getaffinity(0)
+    for spec in devices:
+        if spec.cores is not None and not set(spec.cores) <= allowed:
+            raise SystemExit(f"--device {spec}: this machine lets us use cores "
+                             f"{sorted(allowed)} only")
     if args.frontends and not _port_free(args.host, args.port):
         raise SystemExit(f"{args.host}:{args.port} is already in use")
     model_path = resolve_model_path(args.model)
@@ -93,7 +98,8 @@ def cmd_serve(args) -> int:
             "--model-id", model_id, "--nctx", str(args.nctx), "--ngl", str(args.ngl),
             "--slots", str(args.slots), "--engine", args.engine, "--name", name,
             "--log-level", args.log_level)
-        supervisor.add(Child(name, argv, env={}, extra={"device": str(spec), "model": model_id}))
+        supervisor.add(Child(name, argv, env=spec.visible_devices(),
+                             extra={"device": str(spec), "model": model_id}))
     if args.frontends:
         env = {"COMPLETIONS_DISPATCHER": base, "COMPLETIONS_HOST": args.host,
                "COMPLETIONS_PORT": str(args.port), "COMPLETIONS_FRONTENDS": str(args.frontends),

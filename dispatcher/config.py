@@ -21,6 +21,7 @@ class Option:
     help: str
     type: Callable[[str], Any] = str
     repeat: bool = False
+    choices: tuple | None = None
 
     @property
     def flag(self) -> str:
@@ -57,12 +58,14 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("ngl", 999, "layers offloaded to the accelerator (ignored for cpu devices)",
            _non_negative_int),
     Option("slots", 1, "sequences one worker decodes at a time", _positive_int),
-    Option("engine", "llama", "inference engine: llama, or fake (a test double, no model)"),
+    Option("engine", "llama", "inference engine: llama, or fake (a test double, no model)",
+           str.lower, choices=("llama", "fake")),
     Option("dispatcher", None,
            "dispatcher address: ipc:///dir (sockets in dir) or tcp://host:port (port..port+4); "
-           "default: a private ipc directory"),
+           "default: ipc:///tmp/completions-PORT"),
     Option("name", None, "worker name (default: derived from the device and pid)"),
-    Option("log_level", "info", "log level: debug, info, warning, error"),
+    Option("log_level", "info", "log level", str.lower,
+           choices=("debug", "info", "warning", "error")),
     Option("max_body", 8 * 1024 * 1024, "largest request body accepted, in bytes", _positive_int),
 ]}
 
@@ -91,7 +94,10 @@ def env_value(option: Option, environ: dict | None = None) -> Any:
         return option.default
     if option.repeat:
         return [option.type(part.strip()) for part in raw.split(",") if part.strip()]
-    return option.type(raw)
+    value = option.type(raw)
+    if option.choices and value not in option.choices:
+        raise ValueError(f"{value!r} is not one of {', '.join(option.choices)}")
+    return value
 
 
 def add_options(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
@@ -105,11 +111,11 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
         help_text = f"{option.help} [env {option.env}; default {option.default!r}]"
         if option.repeat:
             parser.add_argument(option.flag, dest=name, action="append", type=option.type,
-                                default=None, help=help_text)
+                                default=None, choices=option.choices, help=help_text)
             parser.set_defaults(**{f"_{name}_default": default})
         else:
             parser.add_argument(option.flag, dest=name, type=option.type, default=default,
-                                help=help_text)
+                                choices=option.choices, help=help_text)
 
 
 def resolve_repeats(args: argparse.Namespace) -> argparse.Namespace:

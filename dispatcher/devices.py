@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 KINDS = {"cpu": "cpu", "cuda": "gpu", "npu": "npu"}   # device kind -> compute class
+# The variable each accelerator runtime reads to choose its visible devices. npu is
+# llama.cpp's CANN backend (Ascend NPUs).
+VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,12 @@ class DeviceSpec:
         if self.kind == "cpu":
             return "cpu" if self.cores is None else "cpu:" + _format_cores(self.cores)
         return f"{self.kind}:{self.index}"
+
+    def visible_devices(self) -> dict[str, str]:
+        """Environment that makes exactly this accelerator visible (as device 0)."""
+        if self.kind in VISIBLE_DEVICES_ENV:
+            return {VISIBLE_DEVICES_ENV[self.kind]: str(self.index)}
+        return {}
 
     @property
     def slug(self) -> str:

@@ -10,10 +10,6 @@ from dataclasses import dataclass
 
 from dispatcher.devices import DeviceSpec
 
-# The variable each accelerator runtime reads to choose its visible devices. npu is
-# llama.cpp's CANN backend (Ascend NPUs).
-VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
-
 
 @dataclass(frozen=True)
 class Placement:
@@ -33,17 +29,14 @@ class Placement:
 def pin(spec: DeviceSpec, ngl: int) -> Placement:
     """Apply `spec` to this process; raises ValueError for cores it may not use."""
     allowed = os.sched_getaffinity(0)
-    visible: dict[str, str] = {}
     if spec.kind == "cpu" and spec.cores is not None:
         missing = sorted(set(spec.cores) - allowed)
         if missing:
             raise ValueError(f"{spec}: cores {missing} are not available "
                              f"(this process may use {sorted(allowed)})")
         os.sched_setaffinity(0, spec.cores)
-    elif spec.kind in VISIBLE_DEVICES_ENV:
-        name = VISIBLE_DEVICES_ENV[spec.kind]
-        os.environ[name] = str(spec.index)
-        visible[name] = str(spec.index)
+    visible = spec.visible_devices()
+    os.environ.update(visible)
     cores = tuple(sorted(os.sched_getaffinity(0)))
     return Placement(device=str(spec), compute=spec.compute, cores=cores,
                      n_threads=len(cores), n_gpu_layers=0 if spec.kind == "cpu" else ngl,

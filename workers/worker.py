@@ -147,7 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
 
-    placement = pin(spec, args.ngl)          # before the inference library is imported
+    try:
+        placement = pin(spec, args.ngl)      # before the inference library is imported
+    except ValueError as exc:
+        parser.error(str(exc))
     model_path = resolve_model_path(args.model)
     model_id = args.model_id or default_model_id(model_path)
     name = args.name or f"{spec.slug}-{os.getpid()}"

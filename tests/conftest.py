@@ -1,0 +1,206 @@
+"""Fixtures that start the real stack (`python -m dispatcher serve`) as a separate process."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from dispatcher.cli import control_request, default_dispatcher_address
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port(count: int = 1) -> int:
+    """A port p such that p..p+count-1 are free right now."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + count > 65531:
+            continue
+        socks = []
+        try:
+            for p in range(port, port + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def http_json(port: int, method: str, path: str, body=None, headers=None, timeout=60):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    hdrs = {"Content-Type": "application/json"} if data is not None else {}
+    hdrs.update(headers or {})
+    conn.request(method, path, body=data, headers=hdrs)
+    resp = conn.getresponse()
+    raw = resp.read()
+    conn.close()
+    try:
+        payload = json.loads(raw) if raw else None
+    except ValueError:
+        payload = raw
+    return resp.status, dict(resp.getheaders()), payload
+
+
+class ServerProcess:
+    """`python -m dispatcher serve ...` on a free port, in its own process group."""
+
+    def __init__(self, *args: str, env: dict | None = None, workers: int = 1,
+                 log_name: str = "server"):
+        self.port = free_port()
+        self.args = list(args)
+        self.workers = workers
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.log_path = Path(tempfile.mkdtemp(prefix="cs-test-")) / f"{log_name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.dispatcher = default_dispatcher_address(self.port)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, wait: bool = True) -> "ServerProcess":
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dispatcher", "serve", "--port", str(self.port),
+             *self.args], cwd=ROOT, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.output()}")
+            try:
+                status, _, body = http_json(self.port, "GET", "/health", timeout=5)
+                if status == 200 and body.get("workers_ready") == self.workers:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready in {timeout}s:\n{self.output()}")
+
+    def status(self) -> dict:
+        return control_request(self.dispatcher, {"cmd": "status"})
+
+    def worker(self, name_prefix: str = "w0") -> dict:
+        return next(w for w in self.status()["workers"] if w["name"].startswith(name_prefix))
+
+    def wait_for(self, predicate, timeout: float = 30.0, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def output(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-6000:]
+        except OSError:
+            return ""
+
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Stop the server and wait for every process it started to be gone."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise
+        deadline = time.monotonic() + 10
+        while self.group_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        orphans = self.group_alive()
+        if orphans:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+        assert not orphans, "processes of the server outlived it"
+        return code
+
+
+@pytest.fixture(scope="session")
+def real_server():
+    """The whole stack on the bundled model: one front end, one cpu worker."""
+    server = ServerProcess(log_name="real").start()
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="session")
+def model_id(real_server) -> str:
+    _, _, body = http_json(real_server.port, "GET", "/v1/models")
+    return body["data"][0]["id"]
+
+
+class SSEStream:
+    """A raw HTTP streaming request: headers, then events one at a time, then close."""
+
+    def __init__(self, port: int, body: dict, timeout: float = 60):
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        self.conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                          headers={"Content-Type": "application/json"})
+        self.response = self.conn.getresponse()
+        self.status = self.response.status
+        self.headers = {k.lower(): v for k, v in self.response.getheaders()}
+        self.raw = b""
+
+    def next_data(self) -> str | None:
+        """The payload of the next `data:` event, or None at end of stream."""
+        lines = []
+        while True:
+            line = self.response.readline()
+            self.raw += line
+            if not line:
+                return None
+            if line == b"\n":
+                break
+            lines.append(line)
+        assert len(lines) == 1 and lines[0].startswith(b"data: "), lines
+        return lines[0][len(b"data: "):-1].decode()
+
+    def events(self):
+        while True:
+            data = self.next_data()
+            if data is None:
+                return
+            yield data
+
+    def close(self) -> None:
+        """Drop the connection abruptly, as a client that goes away does."""
+        try:
+            self.conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.conn.close()

@@ -1,0 +1,51 @@
+"""Options: flag beats environment beats default (unit)."""
+import argparse
+
+import pytest
+
+from dispatcher import config
+
+
+def parse(argv, env, monkeypatch, names=("port", "device", "engine", "log_level")):
+    for key in list(__import__("os").environ):
+        if key.startswith(config.ENV_PREFIX):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    parser = argparse.ArgumentParser()
+    config.add_options(parser, names)
+    return config.resolve_repeats(parser.parse_args(argv))
+
+
+def test_defaults(monkeypatch):
+    args = parse([], {}, monkeypatch)
+    assert (args.port, args.device, args.engine, args.log_level) == (8080, ["cpu"], "llama",
+                                                                      "info")
+
+
+def test_environment_overrides_defaults(monkeypatch):
+    args = parse([], {"COMPLETIONS_PORT": "9000", "COMPLETIONS_DEVICE": "cuda:0, cuda:1",
+                      "COMPLETIONS_LOG_LEVEL": "DEBUG"}, monkeypatch)
+    assert args.port == 9000 and args.device == ["cuda:0", "cuda:1"]
+    assert args.log_level == "debug"
+
+
+def test_flags_override_environment_and_repeat_replaces_the_list(monkeypatch):
+    args = parse(["--port", "9100", "--device", "cpu:0", "--device", "cpu:1"],
+                 {"COMPLETIONS_PORT": "9000", "COMPLETIONS_DEVICE": "cuda:0"}, monkeypatch)
+    assert args.port == 9100 and args.device == ["cpu:0", "cpu:1"]
+
+
+@pytest.mark.parametrize("env", [{"COMPLETIONS_PORT": "eighty"},
+                                 {"COMPLETIONS_ENGINE": "vllm"}])
+def test_bad_environment_values_are_reported_by_name(env, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        parse([], env, monkeypatch)
+    assert next(iter(env)) in capsys.readouterr().err
+
+
+def test_bad_flag_values_are_rejected(monkeypatch):
+    with pytest.raises(SystemExit):
+        parse(["--engine", "vllm"], {}, monkeypatch)
+    with pytest.raises(SystemExit):
+        parse(["--port", "-1"], {}, monkeypatch)

@@ -1,0 +1,78 @@
+"""Device specs and pinning (unit; pinning runs in a child process)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dispatcher.devices import DeviceSpec, parse_device
+
+
+@pytest.mark.parametrize("text, spec", [
+    ("cpu", DeviceSpec("cpu")),
+    ("cpu:3", DeviceSpec("cpu", cores=(3,))),
+    ("cpu:0-3", DeviceSpec("cpu", cores=(0, 1, 2, 3))),
+    ("CPU:0-1+4-5", DeviceSpec("cpu", cores=(0, 1, 4, 5))),
+    ("cuda:0", DeviceSpec("cuda", index=0)),
+    ("npu:2", DeviceSpec("npu", index=2)),
+])
+def test_parse_device(text, spec):
+    assert parse_device(text) == spec
+    assert parse_device(str(spec)) == spec        # str() round-trips
+
+
+@pytest.mark.parametrize("text", ["gpu:0", "cuda", "cuda:x", "cpu:3-1", "cpu:a", "cpu:1,2", ""])
+def test_bad_device_specs_are_rejected(text):
+    with pytest.raises(ValueError):
+        parse_device(text)
+
+
+def test_compute_classes():
+    assert [parse_device(d).compute for d in ("cpu", "cuda:1", "npu:0")] == ["cpu", "gpu", "npu"]
+
+
+PIN_SCRIPT = """
+import json, os, sys
+from dispatcher.devices import parse_device
+from workers.pinning import pin
+placement = pin(parse_device(sys.argv[1]), 999)
+print(json.dumps({"placement": placement.to_dict(),
+                  "affinity": sorted(os.sched_getaffinity(0)),
+                  "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                  "npu": os.environ.get("ASCEND_RT_VISIBLE_DEVICES")}))
+"""
+
+
+def run_pin(device: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.endswith("VISIBLE_DEVICES")}
+    out = subprocess.run([sys.executable, "-c", PIN_SCRIPT, device], env=env,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_cpu_core_set_sets_affinity_and_thread_count():
+    result = run_pin("cpu:0")
+    assert result["affinity"] == [0]
+    assert result["placement"]["n_threads"] == 1
+    assert result["placement"]["n_gpu_layers"] == 0
+    assert result["cuda"] is None
+
+
+def test_cuda_device_makes_exactly_that_gpu_visible():
+    result = run_pin("cuda:1")
+    assert result["cuda"] == "1"
+    assert result["placement"]["visible_devices"] == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert result["placement"]["n_gpu_layers"] == 999
+    assert result["placement"]["compute"] == "gpu"
+
+
+def test_npu_device_sets_the_cann_variable():
+    result = run_pin("npu:3")
+    assert result["npu"] == "3" and result["cuda"] is None
+
+
+def test_cores_outside_the_allowed_set_are_an_error():
+    with pytest.raises(subprocess.CalledProcessError) as info:
+        run_pin(f"cpu:{os.cpu_count() + 64}")
+    assert "not available" in info.value.stderr

@@ -1,0 +1,212 @@
+"""The whole stack on the bundled Gemma 3 270M: `python -m dispatcher serve`, gunicorn,
+the dispatcher and real llama-cpp-python workers, driven by the `openai` client and by
+raw HTTP."""
+import json
+import os
+import threading
+import time
+
+import openai
+import pytest
+
+from conftest import ServerProcess, SSEStream, http_json
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "The capital of France is"
+CODE_PROMPT = "def fibonacci(n):\n"
+
+
+@pytest.fixture(scope="module")
+def client(real_server):
+    return openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """llama-cpp-python in this process, with the worker's settings: the ground truth."""
+    from llama_cpp import Llama
+
+    from dispatcher.models import bundled_model_path
+    llm = Llama(str(bundled_model_path()), n_ctx=512, n_batch=512, verbose=False,
+                n_threads=len(os.sched_getaffinity(0)))
+    yield llm
+    llm.close()
+
+
+def test_plain_completion_with_the_openai_client(client, model_id, reference):
+    result = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=12,
+                                       temperature=0)
+    assert result.id.startswith("cmpl-") and result.object == "text_completion"
+    assert result.model == model_id
+    choice = result.choices[0]
+    assert choice.index == 0 and choice.logprobs is None and choice.finish_reason == "length"
+    assert choice.text.strip()
+    n_prompt = len(reference.tokenize(PROMPT.encode()))
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens,
+            result.usage.total_tokens) == (n_prompt, 12, n_prompt + 12)
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, CODE_PROMPT])
+def test_greedy_text_equals_llama_cpp_python_in_process(client, model_id, reference, prompt):
+    ours = client.completions.create(model=model_id, prompt=prompt, max_tokens=24,
+                                     temperature=0).choices[0].text
+    theirs = reference.create_completion(prompt, max_tokens=24, temperature=0)
+    assert ours == theirs["choices"][0]["text"]
+
+
+def test_streaming_with_the_openai_client_matches_the_plain_text(client, model_id):
+    plain = client.completions.create(model=model_id, prompt=CODE_PROMPT, max_tokens=20,
+                                      temperature=0)
+    chunks = list(client.completions.create(
+        model=model_id, prompt=CODE_PROMPT, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == plain.choices[0].text
+    assert len(text_chunks) > 5                      # token by token, not one lump
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 20
+    assert usage_chunk.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_raw_sse_bytes_and_headers(real_server):
+    stream = SSEStream(real_server.port, {"prompt": PROMPT, "max_tokens": 5,
+                                          "temperature": 0, "stream": True})
+    assert stream.status == 200
+    assert stream.headers["content-type"].startswith("text/event-stream")
+    assert stream.headers["cache-control"] == "no-cache"
+    assert stream.headers["x-accel-buffering"] == "no"
+    payloads = list(stream.events())
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert all(set(c) == {"id", "object", "created", "model", "choices"} for c in chunks)
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # every event is exactly "data: <one line>\n\n" and nothing follows [DONE]
+    assert stream.raw.endswith(b"data: [DONE]\n\n")
+    events = stream.raw.split(b"\n\n")
+    assert events[-1] == b"" and all(e.startswith(b"data: ") for e in events[:-1])
+
+
+def test_stop_string_is_never_part_of_the_text(client, model_id, reference):
+    full = reference.create_completion(PROMPT, max_tokens=24, temperature=0)
+    full_text = full["choices"][0]["text"]
+    stop = full_text.split()[3]                     # a word the model will produce
+    expected = full_text[:full_text.index(stop)]
+    plain = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=24,
+                                      temperature=0, stop=[stop, "zzzz"])
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model_id, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop,
+        stream=True))
+    assert plain.choices[0].text == streamed == expected
+    assert plain.choices[0].finish_reason == "stop"
+    assert stop not in streamed
+
+
+def test_echo_returns_the_prompt_then_the_completion(client, model_id):
+    plain = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=6,
+                                      temperature=0)
+    echoed = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=6,
+                                       temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+
+
+def test_same_seed_same_text(client, model_id):
+    def sample(seed):
+        return client.completions.create(model=model_id, prompt="Once upon a time",
+                                         max_tokens=16, temperature=1.0,
+                                         seed=seed, extra_body={"top_k": 40}
+                                         ).choices[0].text
+    assert sample(1234) == sample(1234)
+
+
+def test_penalties_and_truncation_samplers_are_accepted(client, model_id):
+    result = client.completions.create(
+        model=model_id, prompt=CODE_PROMPT, max_tokens=8, temperature=0.7, top_p=0.9,
+        presence_penalty=0.5, frequency_penalty=0.5, seed=7,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1})
+    assert result.usage.completion_tokens <= 8 and result.choices[0].finish_reason
+
+
+def test_errors_use_the_openai_envelope(client, model_id, real_server):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="no-such-model", prompt="x")
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model_id, prompt="x", temperature=3)
+    assert info.value.body["param"] == "temperature"
+    status, _, body = http_json(real_server.port, "POST", "/v1/completions",
+                                {"model": model_id, "prompt": "hello " * 5000})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    status, _, body = http_json(real_server.port, "POST", "/v1/completions",
+                                {"prompt": "x", "stream": True, "max_tokens": "5"})
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+
+
+def test_models_and_health(real_server, model_id):
+    status, _, body = http_json(real_server.port, "GET", "/v1/models")
+    assert status == 200 and body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == [model_id] == ["gemma-3-270m-q4_k_m"]
+    status, _, body = http_json(real_server.port, "GET", "/health")
+    assert status == 200 and body == {"status": "ok", "workers_ready": 1}
+
+
+def test_model_may_be_omitted_when_one_is_served(real_server, model_id):
+    status, _, body = http_json(real_server.port, "POST", "/v1/completions",
+                                {"prompt": PROMPT, "max_tokens": 2})
+    assert status == 200 and body["model"] == model_id
+
+
+def test_disconnect_cancels_generation(real_server):
+    stream = SSEStream(real_server.port, {"prompt": "List every number from 1 to 1000: 1, 2,",
+                                          "max_tokens": 1500, "temperature": 0,
+                                          "stream": True})
+    read = sum(1 for _, _ in zip(range(5), stream.events()))
+    stream.close()
+    worker = real_server.wait_for(
+        lambda: (w := real_server.worker()) and w["state"] == "idle"
+        and (w["last_done"] or {}).get("cancelled") and w, timeout=15,
+        what="the worker to go idle")
+    generated = worker["last_done"]["usage"]["completion_tokens"]
+    # 5 chunks read; a few more may have been in flight; far from 1500
+    assert read == 5 and generated <= read + 10, generated
+    started = time.monotonic()
+    status, _, _ = http_json(real_server.port, "POST", "/v1/completions",
+                             {"prompt": PROMPT, "max_tokens": 4})
+    assert status == 200 and time.monotonic() - started < 30
+
+
+def test_two_workers_serve_two_streams_in_parallel():
+    server = ServerProcess("--device", "cpu:0", "--device", "cpu:1", workers=2,
+                           log_name="two-real").start()
+    try:
+        spans, texts = {}, {}
+
+        def run(i):
+            stream = SSEStream(server.port, {"prompt": CODE_PROMPT, "max_tokens": 48,
+                                             "temperature": 0, "stream": True})
+            chunks = []
+            for data in stream.events():
+                if not chunks:
+                    first = time.monotonic()
+                chunks.append(data)
+            spans[i] = (first, time.monotonic())
+            texts[i] = "".join(json.loads(c)["choices"][0]["text"] for c in chunks[:-1])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        # both streams were producing tokens at the same time ...
+        assert max(s[0] for s in spans.values()) < min(s[1] for s in spans.values())
+        # ... on two different workers, each pinned to its own core
+        workers = server.status()["workers"]
+        assert sorted(w["completed"] for w in workers) == [1, 1]
+        assert sorted(tuple(w["placement"]["cores"]) for w in workers) == [(0,), (1,)]
+        assert texts[0] == texts[1] and texts[0]
+    finally:
+        assert server.stop() == 0

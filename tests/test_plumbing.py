@@ -1,0 +1,218 @@
+"""The real processes (launcher, dispatcher, gunicorn, workers) around FakeEngine.
+
+FakeEngine is a test double (workers/fake_engine.py), not a model: it makes timing and
+faults controllable, so these tests check the plumbing precisely. The same behaviours
+are checked against the real model in test_integration.py.
+"""
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ServerProcess, SSEStream, http_json
+from workers.fake_engine import SCRIPT
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    server = ServerProcess("--engine", "fake", log_name="fake").start()
+    yield server
+    assert server.stop() == 0
+
+
+def collect_text(stream: SSEStream) -> tuple[str, list[dict]]:
+    chunks = [json.loads(d) for d in stream.events() if d != "[DONE]"]
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"]), chunks
+
+
+def test_plain_completion_returns_the_generated_text(fake_server):
+    status, headers, body = http_json(fake_server.port, "POST", "/v1/completions",
+                                      {"prompt": "x", "max_tokens": 9})
+    assert status == 200
+    assert body["choices"][0]["text"] == SCRIPT[:9].decode()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 9, "total_tokens": 11}
+    assert headers["X-Request-Id"] == body["id"]
+
+
+def test_stream_never_splits_a_utf8_character(fake_server):
+    # the script's "é", "ï" and "東京" are 2- and 3-byte characters sent one byte per token
+    stream = SSEStream(fake_server.port, {"prompt": "x", "max_tokens": len(SCRIPT),
+                                          "stream": True})
+    text, chunks = collect_text(stream)
+    assert text == SCRIPT.decode()
+    assert "\ufffd" not in text
+    assert any(c["choices"][0]["text"] == "東" for c in chunks)
+
+
+def test_stop_string_spanning_tokens_is_cut_in_stream_and_plain(fake_server):
+    body = {"prompt": "x", "max_tokens": 40, "stop": ["brown fox"]}
+    _, _, plain = http_json(fake_server.port, "POST", "/v1/completions", body)
+    stream = SSEStream(fake_server.port, {**body, "stream": True})
+    text, chunks = collect_text(stream)
+    assert plain["choices"][0]["text"] == text == "The quick "
+    assert plain["choices"][0]["finish_reason"] == chunks[-1]["choices"][0]["finish_reason"] \
+        == "stop"
+    assert not any("b" in c["choices"][0]["text"] for c in chunks)   # never leaked
+
+
+def test_eos_finishes_with_stop_and_is_not_counted(fake_server):
+    _, _, body = http_json(fake_server.port, "POST", "/v1/completions",
+                           {"prompt": "[eos=4]", "max_tokens": 50})
+    assert body["choices"][0] == {"text": "The ", "index": 0, "logprobs": None,
+                                  "finish_reason": "stop"}
+    assert body["usage"]["completion_tokens"] == 4
+
+
+def test_disconnect_cancels_generation_within_one_token(fake_server):
+    # 0.2 s per token: a late cancel would show up as several extra tokens
+    stream = SSEStream(fake_server.port, {"prompt": "[slow=0.2]", "max_tokens": 500,
+                                          "stream": True})
+    read = 0
+    for data in stream.events():
+        read += 1
+        if read == 3:
+            break
+    stream.close()
+    dropped_at = time.monotonic()
+    worker = fake_server.wait_for(
+        lambda: (w := fake_server.worker()) and w["state"] == "idle" and w["last_done"]
+        and w["last_done"]["id"] != "" and w["last_done"].get("cancelled") and w,
+        timeout=10, what="the worker to go idle")
+    assert time.monotonic() - dropped_at < 2.0
+    # tokens generated = those read + at most the one in flight when the client left
+    assert worker["last_done"]["usage"]["completion_tokens"] <= read + 1
+    status, _, _ = http_json(fake_server.port, "POST", "/v1/completions",
+                             {"prompt": "x", "max_tokens": 2})
+    assert status == 200
+
+
+def test_client_leaving_while_queued_never_runs(fake_server):
+    before = fake_server.status()["stats"]
+    busy = SSEStream(fake_server.port, {"prompt": "[slow=0.05]", "max_tokens": 40,
+                                        "stream": True})
+    fake_server.wait_for(lambda: fake_server.worker()["state"] == "busy", what="busy worker")
+    queued = SSEStream.__new__(SSEStream)
+    import http.client
+    queued.conn = http.client.HTTPConnection("127.0.0.1", fake_server.port, timeout=30)
+    queued.conn.request("POST", "/v1/completions", body=json.dumps(
+        {"prompt": "queued", "max_tokens": 5, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    fake_server.wait_for(lambda: sum(fake_server.status()["queue"].values()) == 1,
+                         what="the second request to be queued")
+    queued.close()
+    fake_server.wait_for(lambda: sum(fake_server.status()["queue"].values()) == 0,
+                         timeout=5, what="the queue to drop the request")
+    text, _ = collect_text(busy)
+    assert len(text) == 40
+    after = fake_server.status()["stats"]
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["submitted"] == before["submitted"] + 2
+    assert after["completed"] == before["completed"] + 1
+
+
+def test_unknown_model_is_404_and_bad_field_is_400(fake_server):
+    status, _, body = http_json(fake_server.port, "POST", "/v1/completions",
+                                {"prompt": "x", "model": "nope"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, _, body = http_json(fake_server.port, "POST", "/v1/completions",
+                                {"prompt": "x", "temperature": -1})
+    assert status == 400 and body["error"]["param"] == "temperature"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_unknown_route_and_wrong_method_use_the_envelope(fake_server):
+    status, _, body = http_json(fake_server.port, "GET", "/v1/nothing")
+    assert status == 404 and body["error"]["type"] == "invalid_request_error"
+    status, _, body = http_json(fake_server.port, "GET", "/v1/completions")
+    assert status == 405 and "error" in body
+
+
+def test_body_over_the_limit_is_413():
+    server = ServerProcess("--engine", "fake", "--max-body", "1000", log_name="small").start()
+    try:
+        status, _, body = http_json(server.port, "POST", "/v1/completions",
+                                    {"prompt": "x" * 2000})
+        assert status == 413 and "error" in body
+        status, _, _ = http_json(server.port, "POST", "/v1/completions", {"prompt": "x"})
+        assert status == 200
+    finally:
+        assert server.stop() == 0
+
+
+def test_worker_crash_before_first_token_is_retried_then_fails_cleanly():
+    server = ServerProcess("--engine", "fake", log_name="crash").start()
+    try:
+        # "[crash]" kills whichever worker runs it: the retry dies too, and the
+        # client gets a 503 envelope rather than a hang or a 500
+        status, _, body = http_json(server.port, "POST", "/v1/completions",
+                                    {"prompt": "[crash]", "max_tokens": 5})
+        assert status == 503 and body["error"]["code"] == "worker_lost"
+        assert server.status()["stats"]["requeued"] == 1
+        server.wait_ready()                      # the supervisor respawned the worker
+        assert server.worker()["restarts"] == 2
+        status, _, body = http_json(server.port, "POST", "/v1/completions",
+                                    {"prompt": "x", "max_tokens": 3})
+        assert status == 200 and body["choices"][0]["text"] == "The"
+    finally:
+        assert server.stop() == 0
+
+
+def test_workers_are_pinned_and_report_it_on_ready():
+    server = ServerProcess("--engine", "fake", "--device", "cpu:0", "--device", "cuda:1",
+                           workers=2, log_name="pinned").start()
+    try:
+        workers = {w["name"]: w for w in server.status()["workers"]}
+        cpu, gpu = workers["w0-cpu0"], workers["w1-cuda1"]
+        assert cpu["device"] == "cpu:0" and gpu["device"] == "cuda:1"
+        assert cpu["placement"]["cores"] == [0] and cpu["placement"]["n_threads"] == 1
+        assert os.sched_getaffinity(cpu["pid"]) == {0}
+        environ = Path(f"/proc/{gpu['pid']}/environ").read_bytes().split(b"\0")
+        assert b"CUDA_VISIBLE_DEVICES=1" in environ
+        assert gpu["placement"]["visible_devices"] == {"CUDA_VISIBLE_DEVICES": "1"}
+        assert gpu["placement"]["n_gpu_layers"] == 999
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_leaves_no_processes_and_no_ipc_files(sig):
+    server = ServerProcess("--engine", "fake", "--frontends", "2", log_name="stop").start()
+    ipc_dir = Path(server.dispatcher[len("ipc://"):])
+    assert ipc_dir.is_dir() and len(list(ipc_dir.iterdir())) == 5
+    stream = SSEStream(server.port, {"prompt": "[slow=0.05]", "max_tokens": 100,
+                                     "stream": True})
+    stream.next_data()
+    assert server.stop(sig) == 0                   # asserts the process group is empty
+    assert not ipc_dir.exists()
+    stream.close()
+
+
+def test_two_fake_workers_run_two_streams_at_once():
+    server = ServerProcess("--engine", "fake", "--device", "cpu", "--device", "cpu",
+                           workers=2, log_name="two").start()
+    try:
+        spans = {}
+
+        def run(i):
+            stream = SSEStream(server.port, {"prompt": "[slow=0.05]", "max_tokens": 20,
+                                             "stream": True})
+            stream.next_data()
+            first = time.monotonic()
+            list(stream.events())
+            spans[i] = (first, time.monotonic())
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert max(s[0] for s in spans.values()) < min(s[1] for s in spans.values())
+        done = sorted(w["completed"] for w in server.status()["workers"])
+        assert done == [1, 1]
+    finally:
+        assert server.stop() == 0

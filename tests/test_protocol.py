@@ -1,0 +1,60 @@
+"""Wire protocol codecs and addresses (unit)."""
+import pytest
+
+from dispatcher import protocol as P
+
+
+def test_message_round_trip():
+    frames = P.encode(P.SUBMIT, "cmpl-1", {"model": "m", "prompt": "é"})
+    msg = P.decode(frames)
+    assert msg == P.Message(P.SUBMIT, "cmpl-1", {"model": "m", "prompt": "é"})
+
+
+def test_empty_body_is_an_empty_frame():
+    assert P.encode(P.PING)[3] == b""
+    assert P.decode(P.encode(P.PING)).body == {}
+
+
+@pytest.mark.parametrize("frames", [
+    [b"CMPL0", P.PING, b"", b""],              # other protocol
+    [P.PROTO, P.PING, b""],                    # too few frames
+    [P.PROTO, P.PING, b"", b"[1]"],            # body not an object
+    [P.PROTO, P.PING, b"", b"{nope"],          # body not JSON
+    [P.PROTO, P.PING, b"\xff", b""],           # request id not ASCII
+])
+def test_malformed_messages_raise_protocol_error(frames):
+    with pytest.raises(P.ProtocolError):
+        P.decode(frames)
+
+
+def test_event_round_trip_and_validation():
+    frames = P.encode_event(b"fe-0123456789ab", "cmpl-1", {"s": 3, "a": 1, "e": "text",
+                                                           "text": "x"})
+    assert frames[0] == b"fe-0123456789ab"
+    assert P.decode_event(frames) == ("cmpl-1", {"s": 3, "a": 1, "e": "text", "text": "x"})
+    with pytest.raises(P.ProtocolError):
+        P.decode_event([b"t", b"r", b'{"e": "text"}'])     # no sequence number
+
+
+def test_frontend_ids_are_fixed_width_so_topics_never_prefix_each_other():
+    ids = {P.new_frontend_id() for _ in range(100)}
+    assert {len(i) for i in ids} == {P.FRONTEND_ID_LEN}
+
+
+def test_endpoints_from_ipc_directory():
+    e = P.Endpoints.from_base("ipc:///run/cs/")
+    assert e.frontend == "ipc:///run/cs/frontend.sock"
+    assert e.control == "ipc:///run/cs/control.sock"
+    assert len(e.ipc_paths()) == 5
+
+
+def test_endpoints_from_tcp_base_port():
+    e = P.Endpoints.from_base("tcp://10.0.0.5:5550")
+    assert [e.frontend, e.worker, e.tokens_in, e.tokens_out, e.control] == [
+        f"tcp://10.0.0.5:{p}" for p in range(5550, 5555)]
+
+
+@pytest.mark.parametrize("base", ["udp://x:1", "tcp://host", "tcp://:5550", "tcp://h:65535"])
+def test_bad_dispatcher_addresses_are_rejected(base):
+    with pytest.raises(ValueError):
+        P.Endpoints.from_base(base)

@@ -1,0 +1,131 @@
+"""RequestStream: ordering and completeness checks of a front end's token stream (unit)."""
+import pytest
+
+from app.client import ClientGone, RequestStream
+from app.errors import APIError
+from dispatcher import config, protocol as P
+
+
+class FakeClient:
+    """Stands in for DispatcherClient: records what the stream sends."""
+
+    def __init__(self):
+        self.sent = []
+        self.forgotten = []
+
+    def send(self, cmd, request_id="", body=None):
+        self.sent.append((cmd, request_id))
+        return True
+
+    def forget(self, request_id):
+        self.forgotten.append(request_id)
+
+
+def ev(s, e, a=1, **fields):
+    return ("ev", {"s": s, "e": e, "a": a, **fields})
+
+
+def make(*items):
+    stream = RequestStream(FakeClient(), "cmpl-1")
+    for item in items:
+        stream.inbox.put(item)
+    return stream
+
+
+def drain(stream):
+    events = []
+    while True:
+        event = stream.next_event()
+        events.append(event)
+        if event["e"] in (P.EV_END, P.EV_ERROR):
+            return events
+
+
+def test_events_in_order_pass_through():
+    stream = make(ev(0, "start", prompt_tokens=3), ev(1, "text", text="a"),
+                  ev(2, "end", finish_reason="stop"))
+    assert [e["e"] for e in drain(stream)] == ["start", "text", "end"]
+
+
+def test_a_sequence_gap_becomes_an_error_not_missing_text():
+    stream = make(ev(0, "start"), ev(1, "text", text="a"), ev(3, "text", text="c"))
+    events = drain(stream)
+    assert events[-1]["e"] == "error" and events[-1]["code"] == "stream_gap"
+    assert "2..2" in events[-1]["message"]
+
+
+def test_events_of_an_older_attempt_are_ignored():
+    stream = make(ev(0, "start", a=2), ev(1, "text", a=1, text="stale"),
+                  ev(1, "text", a=2, text="fresh"), ev(2, "end", a=2))
+    events = drain(stream)
+    assert [e.get("text") for e in events if e["e"] == "text"] == ["fresh"]
+
+
+def test_a_requeued_attempt_restarts_the_sequence_before_any_text():
+    stream = make(ev(0, "start", a=1), ev(0, "start", a=2), ev(1, "end", a=2))
+    assert [e["e"] for e in drain(stream)] == ["start", "start", "end"]
+
+
+def test_a_new_attempt_after_text_was_shown_is_an_error():
+    stream = make(ev(0, "start"), ev(1, "text", text="shown"), ev(0, "start", a=2))
+    events = drain(stream)
+    assert events[-1]["code"] == "worker_lost"
+
+
+def test_failed_from_the_dispatcher_ends_the_stream():
+    stream = make(ev(0, "start"), ("ctl", P.FAILED, {"status": 503, "code": "worker_lost",
+                                                   "message": "gone"}))
+    events = drain(stream)
+    assert events[-1] == {"e": "error", "status": 503, "code": "worker_lost", "message": "gone"}
+
+
+def test_messages_missing_after_finished_become_an_error(monkeypatch):
+    monkeypatch.setattr(config, "DONE_GRACE", 0.05)
+    stream = make(ev(0, "start"), ("ctl", P.FINISHED, {"attempt": 1, "last_seq": 2}))
+    events = drain(stream)
+    assert events[-1]["code"] == "stream_incomplete"
+
+
+def test_finished_overtaking_the_last_events_is_fine(monkeypatch):
+    monkeypatch.setattr(config, "DONE_GRACE", 5)
+    stream = make(ev(0, "start"), ("ctl", P.FINISHED, {"attempt": 1, "last_seq": 1}),
+                  ev(1, "end", finish_reason="length"))
+    assert drain(stream)[-1]["e"] == "end"
+
+
+def test_lost_dispatcher_fails_the_request():
+    stream = make(ev(0, "start"), ("lost",))
+    assert drain(stream)[-1]["code"] == "dispatcher_unavailable"
+
+
+def test_client_gone_raises():
+    stream = make(("gone",))
+    with pytest.raises(ClientGone):
+        stream.next_event()
+
+
+def test_events_arriving_before_accepted_are_kept_in_order():
+    stream = make(ev(0, "start"), ev(1, "text", text="a"), ("ctl", P.ACCEPTED, {}),
+                  ev(2, "end"))
+    stream.wait_accepted(timeout=1)
+    assert [e["e"] for e in drain(stream)] == ["start", "text", "end"]
+
+
+def test_rejection_raises_the_api_error_it_describes():
+    stream = make(("ctl", P.REJECTED, {"status": 503, "type": "server_error",
+                                       "code": "no_worker_ready", "message": "none",
+                                       "retry_after": 5}))
+    with pytest.raises(APIError) as info:
+        stream.wait_accepted(timeout=1)
+    assert info.value.status == 503 and info.value.headers == {"Retry-After": "5"}
+
+
+def test_close_cancels_an_unfinished_request_once():
+    stream = make()
+    stream.close()
+    stream.close()
+    assert stream.client.sent == [(P.CANCEL, "cmpl-1")]
+    finished = make(ev(0, "end"))
+    drain(finished)
+    finished.close()
+    assert finished.client.sent == []

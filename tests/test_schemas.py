@@ -1,0 +1,101 @@
+"""Request validation: every field, strict types, errors naming the field (unit)."""
+import pytest
+from flask import Flask
+
+from app.completions import parse_json_body, validate
+from app.errors import InvalidRequest, UnsupportedMediaType
+
+
+def test_defaults_follow_openai():
+    req = validate({"prompt": "hi"})
+    assert req["max_tokens"] == 16
+    assert req["temperature"] == 1.0 and req["top_p"] == 1.0
+    assert req["stop"] == [] and req["stream"] is False and req["echo"] is False
+    assert req["model"] is None
+
+
+def test_prompt_may_be_a_one_element_array():
+    assert validate({"prompt": ["hi"]})["prompt"] == "hi"
+
+
+def test_stop_string_becomes_a_list_without_empties_or_duplicates():
+    assert validate({"prompt": "p", "stop": "\n"})["stop"] == ["\n"]
+    assert validate({"prompt": "p", "stop": ["a", "", "a", "b"]})["stop"] == ["a", "b"]
+
+
+def test_explicit_null_means_default_but_max_tokens_null_means_unlimited():
+    req = validate({"prompt": "p", "temperature": None, "max_tokens": None, "stop": None})
+    assert req["temperature"] == 1.0 and req["stop"] == []
+    assert req["max_tokens"] is None
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "p", "max_tokens": "16"}, "max_tokens"),
+    ({"prompt": "p", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "p", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "p", "max_tokens": -2}, "max_tokens"),
+    ({"prompt": "p", "temperature": 2.5}, "temperature"),
+    ({"prompt": "p", "temperature": "0.5"}, "temperature"),
+    ({"prompt": "p", "top_p": 1.1}, "top_p"),
+    ({"prompt": "p", "top_k": -5}, "top_k"),
+    ({"prompt": "p", "min_p": -0.1}, "min_p"),
+    ({"prompt": "p", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "p", "frequency_penalty": -2.1}, "frequency_penalty"),
+    ({"prompt": "p", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "p", "seed": "1"}, "seed"),
+    ({"prompt": "p", "seed": 2 ** 70}, "seed"),
+    ({"prompt": "p", "stop": [1]}, "stop"),
+    ({"prompt": "p", "stop": ["x"] * 33}, "stop"),
+    ({"prompt": "p", "echo": 1}, "echo"),
+    ({"prompt": "p", "stream": "true"}, "stream"),
+    ({"prompt": "p", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "p", "stream": True, "stream_options": {"bogus": 1}}, "stream_options.bogus"),
+    ({"prompt": "p", "model": 7}, "model"),
+    ({"prompt": "p", "no_such_field": 1}, "no_such_field"),
+])
+def test_bad_fields_are_rejected_naming_the_field(body, param):
+    with pytest.raises(InvalidRequest) as info:
+        validate(body)
+    assert info.value.param == param
+    assert info.value.status == 400
+    assert param.split(".")[-1] in info.value.message
+
+
+def test_unknown_field_message_names_it_as_openai_does():
+    with pytest.raises(InvalidRequest) as info:
+        validate({"prompt": "p", "best_off": 2})
+    assert info.value.message == "Unrecognized request argument supplied: best_off"
+
+
+def test_body_must_be_an_object():
+    with pytest.raises(InvalidRequest):
+        validate(["prompt"])
+
+
+@pytest.fixture
+def flask_app():
+    return Flask(__name__)
+
+
+@pytest.mark.parametrize("data", [b'{"prompt": NaN}', b'{"prompt": Infinity}', b"{",
+                                  b"\xff\xfe", b"[" * 100000 + b"]" * 100000])
+def test_body_that_is_not_strict_json_is_a_400(flask_app, data):
+    with flask_app.test_request_context(data=data, content_type="application/json"):
+        with pytest.raises(InvalidRequest):
+            parse_json_body()
+
+
+def test_json_body_without_content_type_is_accepted(flask_app):
+    with flask_app.test_request_context(data=b'{"prompt": "x"}'):
+        assert parse_json_body() == {"prompt": "x"}
+
+
+def test_other_content_types_are_a_415(flask_app):
+    with flask_app.test_request_context(data=b"prompt=x",
+                                        content_type="application/x-www-form-urlencoded"):
+        with pytest.raises(UnsupportedMediaType):
+            parse_json_body()

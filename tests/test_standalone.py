@@ -1,0 +1,83 @@
+"""Each part on its own, joined only by TCP addresses: `python -m dispatcher broker`,
+`python -m workers` and gunicorn with deploy/gunicorn.conf.py."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, free_port, http_json
+from dispatcher.cli import control_request
+
+
+def spawn(argv, env_extra, log):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_extra}
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop(proc):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+def wait_until(predicate, timeout=60, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def health(port):
+    try:
+        return http_json(port, "GET", "/health", timeout=5)
+    except OSError:
+        return None, None, None
+
+
+@pytest.mark.parametrize("engine", ["fake", "llama"])
+def test_parts_joined_by_tcp_addresses(tmp_path, engine):
+    base_port, http_port = free_port(5), free_port()
+    dispatcher = f"tcp://127.0.0.1:{base_port}"
+    log = open(tmp_path / "parts.log", "wb")
+    procs = []
+    try:
+        procs.append(spawn([sys.executable, "-m", "dispatcher", "broker",
+                            "--dispatcher", dispatcher], {}, log))
+        procs.append(spawn([sys.executable, "-m", "gunicorn", "-c",
+                            str(ROOT / "deploy" / "gunicorn.conf.py")],
+                           {"COMPLETIONS_DISPATCHER": dispatcher,
+                            "COMPLETIONS_PORT": str(http_port)}, log))
+        # no worker yet: not healthy, and completions are refused with Retry-After
+        wait_until(lambda: health(http_port)[0] == 503, what="front end up")
+        status, headers, body = http_json(http_port, "POST", "/v1/completions",
+                                          {"prompt": "x"})
+        assert status == 503 and headers["Retry-After"] and "error" in body
+        worker = spawn([sys.executable, "-m", "workers", "--dispatcher", dispatcher,
+                        "--device", "cpu", "--engine", engine, "--model-id", "m",
+                        "--name", "remote-1"], {}, log)
+        procs.append(worker)
+        wait_until(lambda: health(http_port)[0] == 200, what="worker ready")
+        status, _, body = http_json(http_port, "POST", "/v1/completions",
+                                    {"model": "m", "prompt": "Hello", "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        workers = control_request(dispatcher, {"cmd": "status"})["workers"]
+        assert [(w["name"], w["completed"]) for w in workers] == [("remote-1", 1)]
+        # the worker's host disappears: the dispatcher notices and reports no capacity
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+        wait_until(lambda: health(http_port)[0] == 503, timeout=10,
+                   what="health to report the lost worker")
+    finally:
+        codes = [stop(p) for p in reversed(procs)]
+        log.close()
+    assert codes[-1] == 0, (tmp_path / "parts.log").read_text()[-3000:]
