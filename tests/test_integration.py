@@ -173,10 +173,9 @@ def test_disconnect_cancels_generation(real_server):
     generated = worker["last_done"]["usage"]["completion_tokens"]
     # 5 chunks read; a few more may have been in flight; far from 1500
     assert read == 5 and generated <= read + 10, generated
-    started = time.monotonic()
-    status, _, _ = http_json(real_server.port, "POST", "/v1/completions",
-                             {"prompt": PROMPT, "max_tokens": 4})
-    assert status == 200 and time.monotonic() - started < 30
+    status, _, body = http_json(real_server.port, "POST", "/v1/completions",
+                                {"prompt": PROMPT, "max_tokens": 4})
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
 
 
 def test_two_workers_serve_two_streams_in_parallel():
@@ -204,8 +203,11 @@ def test_two_workers_serve_two_streams_in_parallel():
         # both streams were producing tokens at the same time ...
         assert max(s[0] for s in spans.values()) < min(s[1] for s in spans.values())
         # ... on two different workers, each pinned to its own core
-        workers = server.status()["workers"]
-        assert sorted(w["completed"] for w in workers) == [1, 1]
+        def one_each():
+            workers = server.status()["workers"]
+            return workers if sorted(w["completed"] for w in workers) == [1, 1] else None
+
+        workers = server.wait_for(one_each, timeout=10, what="one request done by each worker")
         assert sorted(tuple(w["placement"]["cores"]) for w in workers) == [(0,), (1,)]
         assert texts[0] == texts[1] and texts[0]
     finally:

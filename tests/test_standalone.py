@@ -70,8 +70,10 @@ def test_parts_joined_by_tcp_addresses(tmp_path, engine):
         status, _, body = http_json(http_port, "POST", "/v1/completions",
                                     {"model": "m", "prompt": "Hello", "max_tokens": 3})
         assert status == 200 and body["usage"]["completion_tokens"] == 3
-        workers = control_request(dispatcher, {"cmd": "status"})["workers"]
-        assert [(w["name"], w["completed"]) for w in workers] == [("remote-1", 1)]
+        # the worker's DONE reaches the dispatcher by another path than the tokens
+        wait_until(lambda: [(w["name"], w["completed"]) for w in control_request(
+            dispatcher, {"cmd": "status"})["workers"]] == [("remote-1", 1)], timeout=10,
+            what="the dispatcher to count the request against remote-1")
         # the worker's host disappears: the dispatcher notices and reports no capacity
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait()
