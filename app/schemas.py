@@ -45,26 +45,29 @@ class StrictInteger(fields.Field):
         return int(value)
 
 
-class StrictBoolean(fields.Field):
+class _ExactType(fields.Field):
+    """A JSON value of exactly `json_type`, no coercion."""
+
+    json_type: type = object
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if not isinstance(value, self.json_type):
+            raise self.make_error("invalid")
+        return value
+
+
+class StrictBoolean(_ExactType):
     """A JSON true or false."""
 
+    json_type = bool
     default_error_messages = {"invalid": "Must be true or false."}
 
-    def _deserialize(self, value, attr, data, **kwargs):
-        if not isinstance(value, bool):
-            raise self.make_error("invalid")
-        return value
 
-
-class StrictString(fields.Field):
+class StrictString(_ExactType):
     """A JSON string."""
 
+    json_type = str
     default_error_messages = {"invalid": "Must be a string."}
-
-    def _deserialize(self, value, attr, data, **kwargs):
-        if not isinstance(value, str):
-            raise self.make_error("invalid")
-        return value
 
 
 class PromptField(fields.Field):

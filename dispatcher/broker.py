@@ -83,23 +83,21 @@ class Broker:
         thread.start()
         return thread
 
-    def _send_frontend(self, frontend: bytes, cmd: bytes, request_id: str = "",
-                       body: dict | None = None) -> bool:
+    @staticmethod
+    def _send(sock: zmq.Socket, peer: bytes, cmd: bytes, request_id: str = "",
+              body: dict | None = None) -> bool:
+        """Send to one peer of a ROUTER; False if it is gone or not keeping up."""
         try:
-            self.frontend.send_multipart([frontend] + P.encode(cmd, request_id, body),
-                                         zmq.NOBLOCK)
+            sock.send_multipart([peer] + P.encode(cmd, request_id, body), zmq.NOBLOCK)
             return True
-        except (zmq.Again, zmq.ZMQError):
+        except zmq.ZMQError:          # EHOSTUNREACH (ROUTER_MANDATORY) or EAGAIN
             return False
 
-    def _send_worker(self, worker: bytes, cmd: bytes, request_id: str = "",
-                     body: dict | None = None) -> bool:
-        try:
-            self.backend.send_multipart([worker] + P.encode(cmd, request_id, body),
-                                        zmq.NOBLOCK)
-            return True
-        except (zmq.Again, zmq.ZMQError):
-            return False
+    def _send_frontend(self, frontend: bytes, *args, **kwargs) -> bool:
+        return self._send(self.frontend, frontend, *args, **kwargs)
+
+    def _send_worker(self, worker: bytes, *args, **kwargs) -> bool:
+        return self._send(self.backend, worker, *args, **kwargs)
 
     # -- the loop ----------------------------------------------------------------------
     def stop(self) -> None:
