@@ -25,9 +25,9 @@ def create_app(test_config: dict | None = None) -> Flask:
     app.json.sort_keys = False
     app.json.ensure_ascii = False
 
-    from app import completions, errors, status
+    from app import completions, errors, openapi, status, tokens
     errors.register_error_handlers(app)
-    app.register_blueprint(completions.bp)
-    app.register_blueprint(status.bp)
+    for module in (completions, status, tokens, openapi):
+        app.register_blueprint(module.bp)
     logging.getLogger("app").setLevel(logging.INFO)
     return app

@@ -1,21 +1,26 @@
-"""POST /v1/completions: validate, hand the job to the dispatcher, relay the worker's events."""
+"""POST /v1/completions: validate, hand the jobs to the dispatcher, relay the events."""
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
 from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
-from marshmallow import ValidationError
+from marshmallow import Schema, ValidationError
 
 from app import sse
-from app.client import ClientGone, RequestStream, get_client, watch_disconnect
+from app.client import ClientGone, get_client, watch_disconnect
 from app.errors import (InvalidRequest, NotFound, ServiceUnavailable, UnsupportedMediaType,
                         from_wire)
-from app.schemas import CompletionRequestSchema, fill_nulls, first_error
+from app.fanout import Fanout
+from app.jobs import plan_jobs
+from app.schemas import CompletionRequestSchema, first_error, normalize
 from dispatcher import config, protocol as P
+from dispatcher.routing import explain_unfit, fits
 
 bp = Blueprint("completions", __name__)
 _schema = CompletionRequestSchema()
+PROFILE_HEADER = "X-SIE-MACHINE-PROFILE"
 
 
 def _reject_constant(name: str):
@@ -38,9 +43,9 @@ def parse_json_body() -> object:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json")
 
 
-def validate(body: object) -> dict:
+def validate(body: object, schema: Schema = _schema) -> dict:
     try:
-        return fill_nulls(_schema, _schema.load(body))
+        data = schema.load(body)
     except ValidationError as exc:
         param, message = first_error(exc.messages)
         if message == "Unknown field.":
@@ -48,6 +53,7 @@ def validate(body: object) -> dict:
         else:
             text = f"Invalid value for '{param}': {message}" if param else message
         raise InvalidRequest(text, param=param, code="invalid_value") from None
+    return normalize(schema, data, body) if schema is _schema else data
 
 
 def resolve_model(requested: str | None, state: dict | None) -> str:
@@ -72,56 +78,57 @@ def resolve_model(requested: str | None, state: dict | None) -> str:
     return requested
 
 
-def build_job(request_id: str, model: str, req: dict) -> dict:
-    max_tokens = req["max_tokens"]
-    return {
-        "id": request_id,
-        "model": model,
-        "prompt": req["prompt"],
-        "max_tokens": None if max_tokens is None or max_tokens < 0 else max_tokens,
-        "stop": req["stop"],
-        "echo": req["echo"],
-        "sampling": {name: req[name] for name in (
-            "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-            "frequency_penalty", "repetition_penalty")},
-    }
+def check_route(job: dict, state: dict) -> None:
+    """400 naming what is available when no worker could ever run the job (the dispatcher
+    checks again; this answers before anything is queued)."""
+    workers = state.get("workers", [])
+    if any(fits(job, w) for w in workers) or len(workers) < state.get("expected_workers", 0):
+        return
+    param, code, message = explain_unfit(job, workers)
+    raise InvalidRequest(message, param=param, code=code)
 
 
 @bp.post("/v1/completions")
 def create_completion():
     req = validate(parse_json_body())
     client = get_client(current_app)
-    model = resolve_model(req["model"], client.wait_state())
+    state = client.wait_state()
+    model = resolve_model(req["model"], state)
     request_id = P.new_request_id()
-    created = int(time.time())
-    job = build_job(request_id, model, req)
-    watcher = watch_disconnect(request.environ, lambda: client.client_gone(request_id))
-    stream = None
+    plans = plan_jobs(request_id, model, req, request.headers.get(PROFILE_HEADER))
+    check_route(plans[0].job, state)
+    fanout = Fanout(client, [p.job for p in plans])
+    watcher = watch_disconnect(request.environ, fanout.client_gone)
+    result = Result(request_id, int(time.time()), model, req, plans)
     try:
-        stream = client.submit(job)
-        first = stream.next_event()
-        if first["e"] == P.EV_ERROR:
-            raise from_wire(first)
+        fanout.submit()
+        events = fanout.events()
+        first = next(events)
+        if first[1]["e"] == P.EV_ERROR:
+            raise from_wire(first[1])
     except BaseException as exc:
         _stop(watcher)
-        if stream is not None:
-            stream.close()
+        fanout.close()
         if isinstance(exc, ClientGone):
             return Response(status=499)     # nobody is listening; nginx logs 499 too
         raise
+    events = itertools.chain([first], events)
     headers = {"X-Request-Id": request_id}
     if req["stream"]:
-        include_usage = bool((req["stream_options"] or {}).get("include_usage"))
-        body = _stream_events(stream, watcher, request_id, created, model, include_usage)
+        body = _stream(result, events, fanout, watcher)
         return Response(stream_with_context(body), mimetype="text/event-stream",
                         headers={**sse.SSE_HEADERS, **headers})
     try:
-        return _collect(stream, request_id, created, model), 200, headers
+        for index, event in events:
+            if event["e"] == P.EV_ERROR:
+                raise from_wire(event)
+            result.add(index, event)
+        return jsonify(result.body()), 200, headers
     except ClientGone:
         return Response(status=499)
     finally:
         _stop(watcher)
-        stream.close()
+        fanout.close()
 
 
 def _stop(watcher) -> None:
@@ -129,53 +136,116 @@ def _stop(watcher) -> None:
         watcher.kill(block=False)
 
 
-def _collect(stream: RequestStream, request_id: str, created: int, model: str):
-    parts: list[str] = []
-    while True:
-        event = stream.next_event()
-        if event["e"] == P.EV_TEXT:
-            parts.append(event["text"])
-        elif event["e"] == P.EV_ERROR:
-            raise from_wire(event)
-        elif event["e"] == P.EV_END:
-            usage = event["usage"]
-            return jsonify(sse.completion(
-                request_id, created, model,
-                [sse.choice("".join(parts), event["finish_reason"])],
-                sse.usage(usage["prompt_tokens"], usage["completion_tokens"])))
+class Result:
+    """Choices assembled from the jobs' events: OpenAI's numbering (prompt × n), best_of
+    selection by mean token logprob, usage over every job."""
 
+    def __init__(self, request_id: str, created: int, model: str, req: dict, plans):
+        self.request_id, self.created, self.model = request_id, created, model
+        self.plans = plans
+        self.n = req["n"]
+        self.want_logprobs = req.get("logprobs") is not None
+        self.include_usage = bool((req.get("stream_options") or {}).get("include_usage"))
+        self.texts = [[] for _ in plans]
+        self.logprobs = [None] * len(plans)
+        self.finish = [None] * len(plans)
+        self.scores = [0.0] * len(plans)
+        self.prompt_tokens = [0] * len(plans)
+        self.completion_tokens = [0] * len(plans)
+        self.fingerprint = None
 
-def _stream_events(stream: RequestStream, watcher, request_id: str, created: int, model: str,
-                   include_usage: bool):
-    """SSE chunks; an error after the stream started goes out as an error event."""
-    def chunk(text: str, finish_reason: str | None) -> bytes:
-        obj = sse.completion(request_id, created, model, [sse.choice(text, finish_reason)],
-                             None)
+    def index(self, job_index: int) -> int:
+        plan = self.plans[job_index]
+        return plan.prompt_index * self.n + plan.candidate
+
+    def add(self, job_index: int, event: dict) -> None:
+        kind = event["e"]
+        if kind == P.EV_START:
+            self.prompt_tokens[job_index] = event["prompt_tokens"]
+            self.fingerprint = self.fingerprint or event.get("fingerprint")
+        elif kind == P.EV_TEXT:
+            self.texts[job_index].append(event["text"])
+        elif kind == P.EV_END:
+            self.finish[job_index] = event["finish_reason"]
+            self.completion_tokens[job_index] = event["usage"]["completion_tokens"]
+            self.scores[job_index] = event.get("score", 0.0)
+        if self.want_logprobs and event.get("logprobs"):
+            self.logprobs[job_index] = merge_logprobs(self.logprobs[job_index],
+                                                      event["logprobs"])
+
+    def usage(self) -> dict:
+        prompts = {}
+        for plan, tokens in zip(self.plans, self.prompt_tokens):
+            prompts.setdefault(plan.prompt_index, tokens)
+        return sse.usage(sum(prompts.values()), sum(self.completion_tokens))
+
+    def body(self) -> dict:
+        by_prompt: dict[int, list[int]] = {}
+        for i, plan in enumerate(self.plans):
+            by_prompt.setdefault(plan.prompt_index, []).append(i)
+        choices = []
+        for prompt_index, jobs in sorted(by_prompt.items()):
+            if len(jobs) > self.n:        # best_of: the n with the best mean logprob
+                jobs = sorted(jobs, key=lambda i: -self.scores[i])[:self.n]
+            for rank, i in enumerate(jobs):
+                choice = sse.choice("".join(self.texts[i]), self.finish[i],
+                                    prompt_index * self.n + rank)
+                choice["logprobs"] = self._logprobs(i)
+                choices.append(choice)
+        return sse.completion(self.request_id, self.created, self.model, choices,
+                              self.usage(), system_fingerprint=self.fingerprint)
+
+    def _logprobs(self, i: int) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        return self.logprobs[i] or {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                    "text_offset": []}
+
+    def chunk(self, job_index: int, event: dict, include_usage: bool) -> bytes | None:
+        kind = event["e"]
+        if kind == P.EV_TEXT:
+            choice = sse.choice(event["text"], None, self.index(job_index))
+        elif kind == P.EV_END:
+            choice = sse.choice("", event["finish_reason"], self.index(job_index))
+        else:
+            return None
+        if self.want_logprobs:
+            choice["logprobs"] = event.get("logprobs")
+        obj = sse.completion(self.request_id, self.created, self.model, [choice], None,
+                             system_fingerprint=self.fingerprint)
         if not include_usage:
             del obj["usage"]
         return sse.event(obj)
 
+
+def merge_logprobs(into: dict | None, more: dict) -> dict:
+    if into is None:
+        return {key: list(values) for key, values in more.items()}
+    for key, values in more.items():
+        into[key].extend(values)
+    return into
+
+
+def _stream(result: Result, events, fanout: Fanout, watcher):
+    """SSE chunks; an error after the stream started goes out as an error event."""
+    include_usage = result.include_usage
     try:
-        while True:
-            try:
-                event = stream.next_event()
-            except ClientGone:
-                return
-            if event["e"] == P.EV_TEXT:
-                yield chunk(event["text"], None)
-            elif event["e"] == P.EV_END:
-                yield chunk("", event["finish_reason"])
-                if include_usage:
-                    usage = event["usage"]
-                    yield sse.event(sse.completion(
-                        request_id, created, model, [],
-                        sse.usage(usage["prompt_tokens"], usage["completion_tokens"])))
-                yield sse.DONE
-                return
-            elif event["e"] == P.EV_ERROR:
+        for index, event in events:
+            result.add(index, event)
+            if event["e"] == P.EV_ERROR:
                 yield sse.event(from_wire(event).to_dict())
                 yield sse.DONE
                 return
+            chunk = result.chunk(index, event, include_usage)
+            if chunk is not None:
+                yield chunk
+        if include_usage:
+            yield sse.event(sse.completion(result.request_id, result.created, result.model,
+                                           [], result.usage(),
+                                           system_fingerprint=result.fingerprint))
+        yield sse.DONE
+    except ClientGone:
+        return
     finally:
         _stop(watcher)
-        stream.close()
+        fanout.close()

@@ -1,7 +1,8 @@
 """marshmallow schemas for the request bodies; every accepted field is declared here.
 
 Numbers and booleans are strict: `"0.5"` is not a temperature and `1` is not `true`,
-as in OpenAI's API. Unknown fields are rejected by name.
+as in OpenAI's API. Unknown fields are rejected by name. Each field's `metadata` is its
+OpenAPI description (`app.openapi` builds /openapi.json from these declarations).
 """
 from __future__ import annotations
 
@@ -11,9 +12,17 @@ import numbers
 from marshmallow import (RAISE, Schema, ValidationError, fields, pre_load, validate,
                          validates_schema)
 
-MAX_STOP_STRINGS = 32
+MAX_STOP_STRINGS = 256
 MAX_STOP_LENGTH = 512
+MAX_PROMPTS = 64
+MAX_CHOICES = 128
+MAX_LOGPROBS = 5
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+COMPUTE_KINDS = ("cpu", "gpu", "npu", "hybrid")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class StrictFloat(fields.Field):
@@ -36,11 +45,9 @@ class StrictInteger(fields.Field):
     default_error_messages = {"invalid": "Must be an integer."}
 
     def _deserialize(self, value, attr, data, **kwargs):
-        if isinstance(value, bool):
-            raise self.make_error("invalid")
-        if isinstance(value, float) and value.is_integer():
+        if isinstance(value, float) and value.is_integer() and not isinstance(value, bool):
             value = int(value)
-        if not isinstance(value, numbers.Integral):
+        if not _is_int(value):
             raise self.make_error("invalid")
         return int(value)
 
@@ -70,24 +77,62 @@ class StrictString(_ExactType):
     default_error_messages = {"invalid": "Must be a string."}
 
 
+class JSONObject(_ExactType):
+    """Any JSON object."""
+
+    json_type = dict
+    default_error_messages = {"invalid": "Must be a JSON object."}
+
+
 class PromptField(fields.Field):
-    """A string, or an array holding exactly one string."""
+    """OpenAI's and llama.cpp's prompt forms, as a list of prompts.
+
+    A string; an array of strings (a batch); an array of token ids; an array of
+    token-id arrays (a batch); llama.cpp's mix of ids and strings `[12, "text", 34]`
+    (one prompt), also as batch elements. Each prompt comes out as a string or as a
+    list of ints and strings.
+    """
 
     default_error_messages = {
-        "invalid": "Must be a string or an array of one string.",
+        "invalid": "Must be a string, an array of strings, an array of token ids, or an "
+                   "array of such arrays.",
         "empty": "Must not be empty.",
+        "too_many": f"At most {MAX_PROMPTS} prompts in one request.",
+        "negative": "Token ids are not negative.",
     }
 
     def _deserialize(self, value, attr, data, **kwargs):
-        if isinstance(value, list):
-            if len(value) != 1 or not isinstance(value[0], str):
-                raise self.make_error("invalid")
-            value = value[0]
-        if not isinstance(value, str):
-            raise self.make_error("invalid")
-        if value == "":
+        if isinstance(value, str):
+            prompts = [value]
+        elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            prompts = list(value)
+        elif isinstance(value, list) and value and any(_is_int(v) for v in value):
+            prompts = [value]                    # token ids, maybe mixed with text
+        elif isinstance(value, list) and value and all(isinstance(v, (list, str))
+                                                       for v in value):
+            prompts = list(value)
+        elif value == []:
             raise self.make_error("empty")
-        return value
+        else:
+            raise self.make_error("invalid")
+        if len(prompts) > MAX_PROMPTS:
+            raise self.make_error("too_many")
+        return [self._one(p) for p in prompts]
+
+    def _one(self, prompt):
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise self.make_error("empty")
+            return prompt
+        if not prompt or all(isinstance(p, str) and p == "" for p in prompt):
+            raise self.make_error("empty")
+        for part in prompt:
+            if _is_int(part):
+                if part < 0:
+                    raise self.make_error("negative")
+            elif not isinstance(part, str):
+                raise self.make_error("invalid")
+        return [int(p) if _is_int(p) else p for p in prompt]
 
 
 class StopField(fields.Field):
@@ -112,44 +157,190 @@ class StopField(fields.Field):
         return list(dict.fromkeys(value))
 
 
+class LogitBiasField(fields.Field):
+    """OpenAI's `{"token id": bias}` or llama.cpp's `[[id, bias], ...]`; bias -100..100,
+    or `false` (llama.cpp: never this token)."""
+
+    default_error_messages = {
+        "invalid": "Must map token ids to numbers from -100 to 100.",
+        "too_many": "At most 1024 biased tokens.",
+    }
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, dict):
+            pairs = list(value.items())
+        elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2
+                                             for p in value):
+            pairs = [tuple(p) for p in value]
+        else:
+            raise self.make_error("invalid")
+        if len(pairs) > 1024:
+            raise self.make_error("too_many")
+        out: dict[str, float] = {}
+        for token, bias in pairs:
+            if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+                token = int(token)
+            if not _is_int(token) or token < 0:
+                raise self.make_error("invalid")
+            if bias is False:
+                bias = -100.0
+            if isinstance(bias, bool) or not isinstance(bias, numbers.Real) \
+                    or not math.isfinite(bias) or not -100 <= bias <= 100:
+                raise self.make_error("invalid")
+            out[str(token)] = float(bias)
+        return out
+
+
+def _range(low=None, high=None, **kw):
+    return validate.Range(min=low, max=high, **kw)
+
+
+def _doc(text: str, **extra) -> dict:
+    return {"description": text, **extra}
+
+
 class StreamOptionsSchema(Schema):
     class Meta:
         unknown = RAISE
 
-    include_usage = StrictBoolean(load_default=False)
+    include_usage = StrictBoolean(load_default=False, metadata=_doc(
+        "Send a last chunk with `usage` and empty `choices`.", type="boolean"))
 
 
 class CompletionRequestSchema(Schema):
-    """POST /v1/completions."""
+    """POST /v1/completions: OpenAI's fields, llama.cpp's, geniex's."""
 
     class Meta:
         unknown = RAISE
 
-    model = StrictString(load_default=None, allow_none=True)
-    prompt = PromptField(required=True)
-    max_tokens = StrictInteger(load_default=16, allow_none=True,
-                               validate=validate.Range(min=-1))
-    temperature = StrictFloat(load_default=1.0, allow_none=True,
-                              validate=validate.Range(min=0.0, max=2.0))
-    top_p = StrictFloat(load_default=1.0, allow_none=True,
-                        validate=validate.Range(min=0.0, max=1.0))
-    top_k = StrictInteger(load_default=0, allow_none=True, validate=validate.Range(min=-1))
-    min_p = StrictFloat(load_default=0.0, allow_none=True,
-                        validate=validate.Range(min=0.0, max=1.0))
-    stop = StopField(load_default=list, allow_none=True)
-    seed = StrictInteger(load_default=None, allow_none=True,
-                         validate=validate.Range(min=SEED_RANGE[0], max=SEED_RANGE[1]))
+    # -- OpenAI ------------------------------------------------------------------------
+    model = StrictString(load_default=None, allow_none=True, metadata=_doc(
+        "Model id (see /v1/models); may be omitted when one model is served.",
+        type="string"))
+    prompt = PromptField(required=True, metadata=_doc(
+        "A string, an array of strings (one choice set per prompt), an array of token "
+        "ids, an array of token-id arrays, or llama.cpp's mix `[12, \"text\", 34]`.",
+        oneOf=[{"type": "string"}, {"type": "array", "items": {"type": "string"}},
+               {"type": "array", "items": {"oneOf": [{"type": "integer"},
+                                                     {"type": "string"}]}},
+               {"type": "array", "items": {"type": "array"}}]))
+    suffix = StrictString(load_default=None, allow_none=True, metadata=_doc(
+        "Text after the completion: a fill-in-the-middle request laid out with the "
+        "model's FIM tokens (400 if the model has none).", type="string"))
+    max_tokens = StrictInteger(load_default=16, allow_none=True, validate=_range(-1),
+                               metadata=_doc("Tokens to generate; null or -1: until the "
+                                             "end of sequence or of the context.",
+                                             type="integer", minimum=-1, default=16))
+    temperature = StrictFloat(load_default=1.0, allow_none=True, validate=_range(0.0, 2.0),
+                              metadata=_doc("0 is greedy.", type="number", minimum=0,
+                                            maximum=2, default=1))
+    top_p = StrictFloat(load_default=1.0, allow_none=True, validate=_range(0.0, 1.0),
+                        metadata=_doc("Nucleus sampling.", type="number", minimum=0,
+                                      maximum=1, default=1))
+    n = StrictInteger(load_default=1, allow_none=True, validate=_range(1, MAX_CHOICES),
+                      metadata=_doc("Choices per prompt.", type="integer", minimum=1,
+                                    maximum=MAX_CHOICES, default=1))
+    best_of = StrictInteger(load_default=None, allow_none=True, validate=_range(1, 20),
+                            metadata=_doc("Candidates per prompt; the n with the highest "
+                                          "mean token logprob are returned. ≥ n; not with "
+                                          "stream.", type="integer", minimum=1, maximum=20))
+    stream = StrictBoolean(load_default=False, allow_none=True,
+                           metadata=_doc("Server-Sent Events.", type="boolean",
+                                         default=False))
+    stream_options = fields.Nested(StreamOptionsSchema, load_default=None, allow_none=True,
+                                   metadata=_doc("Only with stream.", type="object"))
+    logprobs = StrictInteger(load_default=None, allow_none=True,
+                             validate=_range(0, MAX_LOGPROBS), metadata=_doc(
+                                 "Return the sampled tokens' logprobs and this many most "
+                                 "likely alternatives.", type="integer", minimum=0,
+                                 maximum=MAX_LOGPROBS))
+    echo = StrictBoolean(load_default=False, allow_none=True, metadata=_doc(
+        "Prepend the prompt (and, with logprobs, its tokens' logprobs).", type="boolean",
+        default=False))
+    stop = StopField(load_default=list, allow_none=True, metadata=_doc(
+        "Strings that end the completion; never part of the text.",
+        oneOf=[{"type": "string"}, {"type": "array", "items": {"type": "string"},
+                                    "maxItems": MAX_STOP_STRINGS}]))
     presence_penalty = StrictFloat(load_default=0.0, allow_none=True,
-                                   validate=validate.Range(min=-2.0, max=2.0))
+                                   validate=_range(-2.0, 2.0), metadata=_doc(
+                                       "Penalty for tokens already generated at all.",
+                                       type="number", minimum=-2, maximum=2, default=0))
     frequency_penalty = StrictFloat(load_default=0.0, allow_none=True,
-                                    validate=validate.Range(min=-2.0, max=2.0))
-    repetition_penalty = StrictFloat(load_default=1.0, allow_none=True,
-                                     validate=validate.Range(min=0.0, max=10.0,
-                                                             min_inclusive=False))
-    echo = StrictBoolean(load_default=False, allow_none=True)
-    stream = StrictBoolean(load_default=False, allow_none=True)
-    stream_options = fields.Nested(StreamOptionsSchema, load_default=None, allow_none=True)
-    user = StrictString(load_default=None, allow_none=True)
+                                    validate=_range(-2.0, 2.0), metadata=_doc(
+                                        "Penalty growing with how often a token was "
+                                        "generated.", type="number", minimum=-2, maximum=2,
+                                        default=0))
+    logit_bias = LogitBiasField(load_default=None, allow_none=True, metadata=_doc(
+        "Token id → bias (-100..100); llama.cpp's [[id, bias]] form too, bias false bans.",
+        oneOf=[{"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
+                                                           "maximum": 100}},
+               {"type": "array", "items": {"type": "array"}}]))
+    seed = StrictInteger(load_default=None, allow_none=True,
+                         validate=_range(SEED_RANGE[0], SEED_RANGE[1]), metadata=_doc(
+                             "Same seed and parameters → same text.", type="integer"))
+    user = StrictString(load_default=None, allow_none=True,
+                        metadata=_doc("Accepted and ignored.", type="string"))
+    # -- llama.cpp ---------------------------------------------------------------------
+    n_predict = StrictInteger(load_default=None, allow_none=True, validate=_range(-1),
+                              metadata=_doc("llama.cpp's name for max_tokens.",
+                                            type="integer", minimum=-1))
+    top_k = StrictInteger(load_default=0, allow_none=True, validate=_range(-1), metadata=_doc(
+        "Keep the k most likely tokens; 0 or -1: off.", type="integer", minimum=-1,
+        default=0))
+    min_p = StrictFloat(load_default=0.0, allow_none=True, validate=_range(0.0, 1.0),
+                        metadata=_doc("Drop tokens less likely than min_p × the most "
+                                      "likely one; 0: off.", type="number", minimum=0,
+                                      maximum=1, default=0))
+    typical_p = StrictFloat(load_default=1.0, allow_none=True, validate=_range(0.0, 1.0),
+                            metadata=_doc("Locally typical sampling; 1: off.", type="number",
+                                          minimum=0, maximum=1, default=1))
+    repetition_penalty = StrictFloat(load_default=None, allow_none=True,
+                                     validate=_range(0.0, 10.0, min_inclusive=False),
+                                     metadata=_doc("1: off.", type="number",
+                                                   exclusiveMinimum=0, maximum=10,
+                                                   default=1))
+    repeat_penalty = StrictFloat(load_default=None, allow_none=True,
+                                 validate=_range(0.0, 10.0, min_inclusive=False),
+                                 metadata=_doc("llama.cpp's name for repetition_penalty.",
+                                               type="number", exclusiveMinimum=0,
+                                               maximum=10))
+    repeat_last_n = StrictInteger(load_default=-1, allow_none=True, validate=_range(-1),
+                                  metadata=_doc("Tokens the penalties look back over; -1: "
+                                                "all generated.", type="integer", minimum=-1,
+                                                default=-1))
+    mirostat = StrictInteger(load_default=0, allow_none=True,
+                             validate=validate.OneOf([0, 1, 2]), metadata=_doc(
+                                 "0 off, 1 Mirostat, 2 Mirostat 2.0.", type="integer",
+                                 enum=[0, 1, 2], default=0))
+    mirostat_tau = StrictFloat(load_default=5.0, allow_none=True,
+                               validate=_range(0.0, 100.0, min_inclusive=False),
+                               metadata=_doc("Mirostat target entropy.", type="number",
+                                             exclusiveMinimum=0, maximum=100, default=5))
+    mirostat_eta = StrictFloat(load_default=0.1, allow_none=True,
+                               validate=_range(0.0, 1.0, min_inclusive=False),
+                               metadata=_doc("Mirostat learning rate.", type="number",
+                                             exclusiveMinimum=0, maximum=1, default=0.1))
+    grammar = StrictString(load_default=None, allow_none=True, metadata=_doc(
+        "GBNF grammar (root rule `root`) the output must follow.", type="string"))
+    json_schema = JSONObject(load_default=None, allow_none=True, metadata=_doc(
+        "JSON schema the output must validate against.", type="object"))
+    min_tokens = StrictInteger(load_default=0, allow_none=True, validate=_range(0),
+                               metadata=_doc("No end of sequence before this many tokens.",
+                                             type="integer", minimum=0, default=0))
+    ignore_eos = StrictBoolean(load_default=False, allow_none=True, metadata=_doc(
+        "Never end at end of sequence.", type="boolean", default=False))
+    # -- geniex ------------------------------------------------------------------------
+    nctx = StrictInteger(load_default=None, allow_none=True, validate=_range(1),
+                         metadata=_doc("This request's context length; goes to a worker "
+                                       "with at least this context.", type="integer",
+                                       minimum=1))
+    ngl = StrictInteger(load_default=None, allow_none=True, validate=_range(0),
+                        metadata=_doc("0: a worker without offload; N: one with at least N "
+                                      "layers offloaded.", type="integer", minimum=0))
+    compute = StrictString(load_default=None, allow_none=True,
+                           validate=validate.OneOf(COMPUTE_KINDS), metadata=_doc(
+                               "Workers of this kind only.", type="string",
+                               enum=list(COMPUTE_KINDS)))
 
     @pre_load
     def require_object(self, data, **kwargs):
@@ -157,18 +348,49 @@ class CompletionRequestSchema(Schema):
             raise ValidationError("The request body must be a JSON object.", "_body")
         return data
 
-    @validates_schema
-    def check_stream_options(self, data, **kwargs):
+    @validates_schema(pass_original=True)
+    def check_combinations(self, data, original, **kwargs):
         if data.get("stream_options") is not None and not data.get("stream"):
             raise ValidationError("stream_options is only allowed when stream is true.",
                                   "stream_options")
+        n, best_of = data.get("n") or 1, data.get("best_of")
+        if best_of is not None and best_of < n:
+            raise ValidationError(f"best_of ({best_of}) must be at least n ({n}).",
+                                  "best_of")
+        if best_of is not None and best_of > 1 and data.get("stream"):
+            raise ValidationError("best_of cannot be used with stream.", "best_of")
+        prompts = len(data.get("prompt") or [])
+        if prompts * max(n, best_of or 1) > MAX_CHOICES:
+            raise ValidationError(f"prompts × max(n, best_of) is at most {MAX_CHOICES}.",
+                                  "n")
+        if data.get("grammar") is not None and data.get("json_schema") is not None:
+            raise ValidationError("Use grammar or json_schema, not both.", "json_schema")
+        for alias, name in (("n_predict", "max_tokens"),
+                            ("repeat_penalty", "repetition_penalty")):
+            if data.get(alias) is not None and original.get(name) is not None \
+                    and data[alias] != data[name]:
+                raise ValidationError(f"{alias} and {name} are the same setting and "
+                                      "differ here.", alias)
 
 
-def fill_nulls(schema: Schema, data: dict) -> dict:
-    """An explicit null means the field's default, except where null has its own meaning."""
-    keep_null = {"max_tokens", "seed", "model", "stream_options", "user"}
+ALIASES = {"n_predict": "max_tokens", "repeat_penalty": "repetition_penalty"}
+KEEP_NULL = {"max_tokens", "seed", "model", "stream_options", "user", "suffix", "logprobs",
+             "best_of", "logit_bias", "grammar", "json_schema", "nctx", "ngl", "compute"}
+
+
+def normalize(schema: Schema, data: dict, raw: dict) -> dict:
+    """Fold aliases into their names; an explicit null means the default, except where
+    null has its own meaning."""
+    for alias, name in ALIASES.items():
+        if data.get(alias) is not None and raw.get(name) is None:
+            data[name] = data[alias]
+        data.pop(alias, None)
+    if data.get("repetition_penalty") is None:
+        data["repetition_penalty"] = 1.0
     for name, field in schema.fields.items():
-        if data.get(name) is None and name not in keep_null:
+        if name in ALIASES:
+            continue
+        if data.get(name) is None and name not in KEEP_NULL:
             default = field.load_default
             data[name] = default() if callable(default) else default
     return data
@@ -185,3 +407,32 @@ def first_error(messages) -> tuple[str | None, str]:
     if isinstance(messages, list) and messages:
         return first_error(messages[0])
     return None, str(messages)
+
+
+class TokenizeRequestSchema(Schema):
+    """POST /tokenize (llama.cpp's shape)."""
+
+    class Meta:
+        unknown = RAISE
+
+    model = StrictString(load_default=None, allow_none=True,
+                         metadata=_doc("Model id; may be omitted when one model is served.",
+                                       type="string"))
+    content = StrictString(required=True, metadata=_doc("Text to tokenize.", type="string"))
+    add_special = StrictBoolean(load_default=False, metadata=_doc(
+        "Add BOS (if the model uses one).", type="boolean", default=False))
+    with_pieces = StrictBoolean(load_default=False, metadata=_doc(
+        "Return {id, piece} objects instead of ids.", type="boolean", default=False))
+
+
+class DetokenizeRequestSchema(Schema):
+    """POST /detokenize (llama.cpp's shape)."""
+
+    class Meta:
+        unknown = RAISE
+
+    model = StrictString(load_default=None, allow_none=True,
+                         metadata=_doc("Model id; may be omitted when one model is served.",
+                                       type="string"))
+    tokens = fields.List(StrictInteger(validate=_range(0)), required=True, metadata=_doc(
+        "Token ids.", type="array", items={"type": "integer", "minimum": 0}))

@@ -17,6 +17,7 @@ import zmq
 
 from dispatcher import config, protocol as P
 from dispatcher.queues import Job, RequestQueue, WorkerRecord, WorkerRegistry
+from dispatcher.routing import explain_unfit, fits
 
 log = logging.getLogger(__name__)
 TOKEN_HWM = 100_000
@@ -178,19 +179,47 @@ class Broker:
         if model not in models:
             return self._reject(fe_id, request_id, 404, "invalid_request_error",
                                 "model_not_found", f"The model '{model}' does not exist")
-        if not models[model]["ready"]:
-            return self._reject(fe_id, request_id, 503, "server_error", "no_worker_ready",
-                                f"no worker for '{model}' is ready",
-                                retry_after=config.RETRY_AFTER_SECONDS)
+        infos = self.registry.infos()
+        if not any(fits(body, info) for info in infos):
+            if not models[model]["ready"] or len(self.registry) < self.expected_workers():
+                return self._reject(fe_id, request_id, 503, "server_error", "no_worker_ready",
+                                    f"no worker for '{model}' that can run this is ready",
+                                    retry_after=config.RETRY_AFTER_SECONDS)
+            param, code, message = explain_unfit(body, infos)
+            return self._reject(fe_id, request_id, 400, "invalid_request_error", code,
+                                message, param=param)
         self.stats["submitted"] += 1
-        self.queue.push(Job(request_id, fe_id, body))
+        job = Job(request_id, fe_id, body)
+        if body.get("op"):
+            return self._run_op(job)
+        self.queue.push(job)
         self._send_frontend(fe_id, P.ACCEPTED, request_id)
         self.dispatch()
 
+    def _run_op(self, job: Job) -> None:
+        """Tokenize/detokenize: no queue, no slot; the least busy fitting worker."""
+        worker = self.registry.pick(job.body)
+        self._send_frontend(job.frontend, P.ACCEPTED, job.request_id)
+        body = {**job.body, "topic": job.frontend.decode(), "attempt": job.attempt}
+        if worker is None or not self._send_worker(worker.identity, P.REQUEST,
+                                                   job.request_id, body):
+            self._send_frontend(job.frontend, P.FAILED, job.request_id, {
+                "status": 503, "type": "server_error", "code": "no_worker_ready",
+                "message": "no worker could take the request"})
+            return
+        job.worker = worker.identity
+        worker.ops[job.request_id] = job
+
+    def expected_workers(self) -> int:
+        children = self.supervisor.children.values() if self.supervisor else []
+        return sum(1 for child in children if child.kind == "worker")
+
     def _reject(self, fe_id: bytes, request_id: str, status: int, type_: str, code: str,
-                message: str, retry_after: int | None = None) -> None:
+                message: str, retry_after: int | None = None, param: str | None = None
+                ) -> None:
         self.stats["rejected"] += 1
-        body = {"status": status, "type": type_, "code": code, "message": message}
+        body = {"status": status, "type": type_, "code": code, "message": message,
+                "param": param}
         if retry_after:
             body["retry_after"] = retry_after
         self._send_frontend(fe_id, P.REJECTED, request_id, body)
@@ -200,7 +229,7 @@ class Broker:
             self.stats["cancelled"] += 1
             return
         for record in self.registry.workers.values():
-            if request_id in record.running:
+            if request_id in record.running or request_id in record.ops:
                 self._send_worker(record.identity, P.CANCEL, request_id)
                 return
 
@@ -257,10 +286,11 @@ class Broker:
             log.warning("unknown command %r from worker %s", msg.cmd, record.name)
 
     def job_done(self, record: WorkerRecord, request_id: str, body: dict) -> None:
-        job = record.running.get(request_id)
+        job = record.running.get(request_id) or record.ops.get(request_id)
         if job is None or int(body.get("attempt", 1)) != job.attempt:
             return
-        del record.running[request_id]
+        record.running.pop(request_id, None)
+        record.ops.pop(request_id, None)
         usage = body.get("usage") or {}
         record.tokens += int(usage.get("completion_tokens", 0))
         if body.get("cancelled"):
@@ -289,38 +319,42 @@ class Broker:
                 self._send_frontend(job.frontend, P.FAILED, job.request_id, {
                     "status": 503, "type": "server_error", "code": "worker_lost",
                     "message": f"the worker serving this request was lost ({reason})"})
+        for job in record.ops.values():
+            self._send_frontend(job.frontend, P.FAILED, job.request_id, {
+                "status": 503, "type": "server_error", "code": "worker_lost",
+                "message": f"the worker serving this request was lost ({reason})"})
         record.running.clear()
+        record.ops.clear()
         self.broadcast_state()
 
     def dispatch(self) -> None:
-        for model in self.queue.models_waiting():
-            while True:
-                worker = self.registry.pick(model)
-                if worker is None:
-                    break
-                job = self.queue.take_for(model)
+        """Hand queued jobs to workers with free slots: each worker takes the oldest job
+        it can run; workers with the most free slots (then least recently used) first."""
+        if not len(self.queue):
+            return
+        for worker in self.registry.with_free_slots():
+            while worker.free_slots > 0 and worker.identity in self.registry:
+                job = self.queue.take_for(worker.info)
                 if job is None:
                     break
                 body = {**job.body, "topic": job.frontend.decode(), "attempt": job.attempt}
                 if not self._send_worker(worker.identity, P.REQUEST, job.request_id, body):
                     self.queue.push(job, front=True)
                     self.worker_lost(worker, "unreachable")
-                    continue
+                    break
                 job.worker = worker.identity
                 worker.running[job.request_id] = job
                 worker.last_assigned = time.monotonic()
 
     def _expire_unservable(self, now: float) -> None:
-        models = self.registry.models()
-        orphaned = {m for m in self.queue.models_waiting() if m not in models}
-        for job in self.queue.expire(now - NO_WORKER_TIMEOUT, orphaned):
+        for job in self.queue.expire(now - NO_WORKER_TIMEOUT, self.registry.infos()):
             self._reject(job.frontend, job.request_id, 503, "server_error", "no_worker_ready",
                          f"no worker for '{job.model}' became ready in {NO_WORKER_TIMEOUT:.0f}s",
                          retry_after=config.RETRY_AFTER_SECONDS)
 
     # -- state -------------------------------------------------------------------------
     def models(self) -> dict[str, dict]:
-        models = {m: {"ready": 0, "n_ctx": info.get("n_ctx", 0), "slots": 0}
+        models = {m: {"ready": 0, "n_ctx": info.get("n_ctx", 0), "slots": 0, "fim": False}
                   for m, info in self.known_models.items()}
         models.update(self.registry.models())
         for info in models.values():
@@ -328,8 +362,11 @@ class Broker:
         return models
 
     def state(self) -> dict:
+        capabilities = ("model", "n_ctx", "compute", "n_gpu_layers", "profile", "fim")
         return {"workers_ready": len(self.registry), "models": self.models(),
-                "queued": len(self.queue)}
+                "queued": len(self.queue), "expected_workers": self.expected_workers(),
+                "workers": [{k: info.get(k) for k in capabilities}
+                            for info in self.registry.infos()]}
 
     def broadcast_state(self) -> None:
         state = self.state()

@@ -1,15 +1,18 @@
-"""Device specs: `cpu`, `cpu:0-3`, `cpu:0-1+4-5`, `cuda:0`, `npu:1`.
+"""Device specs: `cpu`, `cpu:0-3`, `cpu:0-1+4-5`, `cuda:0`, `npu:1`, each optionally
+followed by `@profile`, the worker's machine profile (SIE's X-SIE-MACHINE-PROFILE).
 
 A spec says where one worker runs. Parsing lives here so that the launcher can reject a
 bad spec before anything starts; applying it (pinning) is `workers.pinning`.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 KINDS = {"cpu": "cpu", "cuda": "gpu", "npu": "npu"}   # device kind -> compute class
 # The variable each accelerator runtime reads to choose its visible devices. npu is
 # llama.cpp's CANN backend (Ascend NPUs).
+PROFILE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 
 
@@ -18,6 +21,7 @@ class DeviceSpec:
     kind: str                       # cpu, cuda or npu
     index: int | None = None        # accelerator index (cuda, npu)
     cores: tuple[int, ...] | None = None   # CPU cores (cpu); None: every allowed core
+    profile: str | None = None             # machine profile name
 
     @property
     def compute(self) -> str:
@@ -25,8 +29,10 @@ class DeviceSpec:
 
     def __str__(self) -> str:
         if self.kind == "cpu":
-            return "cpu" if self.cores is None else "cpu:" + _format_cores(self.cores)
-        return f"{self.kind}:{self.index}"
+            text = "cpu" if self.cores is None else "cpu:" + _format_cores(self.cores)
+        else:
+            text = f"{self.kind}:{self.index}"
+        return text if self.profile is None else f"{text}@{self.profile}"
 
     def visible_devices(self) -> dict[str, str]:
         """Environment that makes exactly this accelerator visible (as device 0)."""
@@ -37,21 +43,25 @@ class DeviceSpec:
     @property
     def slug(self) -> str:
         """A name fragment safe in worker names and file names."""
-        return str(self).replace(":", "").replace("+", "_")
+        return str(self).replace(":", "").replace("+", "_").replace("@", "-")
 
 
 def parse_device(text: str) -> DeviceSpec:
-    text = text.strip().lower()
+    text, at, profile = text.strip().partition("@")
+    if at and not PROFILE_NAME.fullmatch(profile):
+        raise ValueError(f"bad profile name {profile!r}: letters, digits, '.', '_', '-'")
+    profile = profile if at else None
+    text = text.lower()
     kind, sep, rest = text.partition(":")
     if kind not in KINDS:
         raise ValueError(f"unknown device kind {kind!r} in {text!r}: use cpu, cuda or npu")
     if kind == "cpu":
         if not sep:
-            return DeviceSpec("cpu")
-        return DeviceSpec("cpu", cores=_parse_cores(rest, text))
+            return DeviceSpec("cpu", profile=profile)
+        return DeviceSpec("cpu", cores=_parse_cores(rest, text), profile=profile)
     if not sep or not rest.isdigit():
         raise ValueError(f"{kind} device needs an index, e.g. {kind}:0, got {text!r}")
-    return DeviceSpec(kind, index=int(rest))
+    return DeviceSpec(kind, index=int(rest), profile=profile)
 
 
 def _parse_cores(rest: str, text: str) -> tuple[int, ...]:

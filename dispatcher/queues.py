@@ -6,6 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dispatcher import config
+from dispatcher.routing import fits
 
 
 @dataclass
@@ -42,19 +43,19 @@ class RequestQueue:
                 return job
         return None
 
-    def take_for(self, model: str) -> Job | None:
+    def take_for(self, info: dict) -> Job | None:
+        """The oldest job the worker described by `info` can run."""
         for job in self._jobs:
-            if job.model == model:
+            if fits(job.body, info):
                 self._jobs.remove(job)
                 return job
         return None
 
-    def models_waiting(self) -> set[str]:
-        return {job.model for job in self._jobs}
-
-    def expire(self, older_than: float, models: set[str]) -> list[Job]:
-        """Remove and return jobs of `models` that have waited since before `older_than`."""
-        old = [j for j in self._jobs if j.model in models and j.enqueued_at < older_than]
+    def expire(self, older_than: float, infos: list[dict]) -> list[Job]:
+        """Remove and return jobs no worker in `infos` can run that have waited since
+        before `older_than`."""
+        old = [j for j in self._jobs if j.enqueued_at < older_than
+               and not any(fits(j.body, info) for info in infos)]
         for job in old:
             self._jobs.remove(job)
         return old
@@ -75,6 +76,7 @@ class WorkerRecord:
     info: dict                   # what the worker said in READY
     expires_at: float = 0.0
     running: dict[str, Job] = field(default_factory=dict)
+    ops: dict[str, Job] = field(default_factory=dict)        # tokenize/detokenize: no slot
     ready_at: float = field(default_factory=time.monotonic)
     completed: int = 0
     cancelled: int = 0
@@ -129,19 +131,28 @@ class WorkerRegistry:
     def expired(self, now: float) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if w.expires_at < now]
 
-    def pick(self, model: str) -> WorkerRecord | None:
-        """The worker of `model` with the most free slots (ties: the least recently used)."""
-        candidates = [w for w in self.workers.values()
-                      if w.model == model and w.free_slots > 0]
+    def with_free_slots(self) -> list[WorkerRecord]:
+        """Workers that can take a job, most free slots first (ties: least recently used)."""
+        return sorted((w for w in self.workers.values() if w.free_slots > 0),
+                      key=lambda w: (-w.free_slots, w.last_assigned))
+
+    def pick(self, job: dict) -> WorkerRecord | None:
+        """The least busy worker that can run `job`, free slot or not (for slotless work)."""
+        candidates = [w for w in self.workers.values() if fits(job, w.info)]
         if not candidates:
             return None
-        return min(candidates, key=lambda w: (-w.free_slots, w.last_assigned))
+        return min(candidates, key=lambda w: (len(w.running) + len(w.ops), w.last_assigned))
+
+    def infos(self) -> list[dict]:
+        return [w.info for w in self.workers.values()]
 
     def models(self) -> dict[str, dict]:
         out: dict[str, dict] = {}
         for worker in self.workers.values():
-            entry = out.setdefault(worker.model, {"ready": 0, "n_ctx": 0, "slots": 0})
+            entry = out.setdefault(worker.model, {"ready": 0, "n_ctx": 0, "slots": 0,
+                                                  "fim": False})
             entry["ready"] += 1
             entry["slots"] += worker.slots
             entry["n_ctx"] = max(entry["n_ctx"], int(worker.info.get("n_ctx", 0)))
+            entry["fim"] = entry["fim"] or bool(worker.info.get("fim"))
         return out

@@ -152,8 +152,9 @@ class ServerProcess:
 
 @pytest.fixture(scope="session")
 def real_server():
-    """The whole stack on the bundled model: one front end, one cpu worker."""
-    server = ServerProcess(log_name="real").start()
+    """The whole stack on the bundled model: one front end, one cpu worker whose
+    machine profile is `interactive`."""
+    server = ServerProcess("--device", "cpu@interactive", log_name="real").start()
     yield server
     assert server.stop() == 0
 
@@ -204,3 +205,15 @@ class SSEStream:
         except OSError:
             pass
         self.conn.close()
+
+
+@pytest.fixture(scope="session")
+def reference_llm():
+    """llama-cpp-python in this process, with the worker's settings: the ground truth."""
+    from llama_cpp import Llama
+
+    from dispatcher.models import bundled_model_path
+    llm = Llama(str(bundled_model_path()), n_ctx=512, n_batch=512, verbose=False,
+                logits_all=True, n_threads=len(os.sched_getaffinity(0)))
+    yield llm
+    llm.close()

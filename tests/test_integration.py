@@ -23,15 +23,8 @@ def client(real_server):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """llama-cpp-python in this process, with the worker's settings: the ground truth."""
-    from llama_cpp import Llama
-
-    from dispatcher.models import bundled_model_path
-    llm = Llama(str(bundled_model_path()), n_ctx=512, n_batch=512, verbose=False,
-                n_threads=len(os.sched_getaffinity(0)))
-    yield llm
-    llm.close()
+def reference(reference_llm):
+    return reference_llm
 
 
 def test_plain_completion_with_the_openai_client(client, model_id, reference):
@@ -82,7 +75,9 @@ def test_raw_sse_bytes_and_headers(real_server):
     payloads = list(stream.events())
     assert payloads[-1] == "[DONE]"
     chunks = [json.loads(p) for p in payloads[:-1]]
-    assert all(set(c) == {"id", "object", "created", "model", "choices"} for c in chunks)
+    assert all(set(c) == {"id", "object", "created", "model", "choices",
+                       "system_fingerprint"} for c in chunks)
+    assert chunks[0]["system_fingerprint"].startswith("fp_")
     assert all(c["object"] == "text_completion" for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     # every event is exactly "data: <one line>\n\n" and nothing follows [DONE]

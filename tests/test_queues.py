@@ -1,26 +1,40 @@
-"""Request queue and worker registry (unit)."""
+"""Request queue, worker registry and routing rules (unit)."""
 from dispatcher.queues import Job, RequestQueue, WorkerRegistry
+from dispatcher.routing import explain_unfit, fits
 
 
-def job(rid, model="m"):
-    return Job(rid, b"fe-000000000000", {"model": model})
+def job(rid, model="m", **extra):
+    return Job(rid, b"fe-000000000000", {"model": model, **extra})
 
 
-def test_queue_is_fifo_per_model():
+def info(model="m", **extra):
+    return {"model": model, "n_ctx": 4096, "compute": "cpu", "n_gpu_layers": 0,
+            "profile": None, "fim": False, "slots": 1, **extra}
+
+
+def test_queue_is_fifo_among_jobs_a_worker_can_run():
     q = RequestQueue()
     for rid, model in [("a", "m1"), ("b", "m2"), ("c", "m1")]:
         q.push(job(rid, model))
-    assert q.take_for("m1").request_id == "a"
-    assert q.take_for("m1").request_id == "c"
-    assert q.take_for("m1") is None
+    assert q.take_for(info("m1")).request_id == "a"
+    assert q.take_for(info("m1")).request_id == "c"
+    assert q.take_for(info("m1")) is None
     assert q.depth_by_model() == {"m2": 1}
+
+
+def test_a_job_waits_only_for_workers_that_fit_it():
+    q = RequestQueue()
+    q.push(job("big", route={"nctx": 8192}))
+    q.push(job("small"))
+    assert q.take_for(info()).request_id == "small"        # skips what it cannot run
+    assert q.take_for(info(n_ctx=16384)).request_id == "big"
 
 
 def test_requeued_job_goes_first():
     q = RequestQueue()
     q.push(job("a"))
     q.push(job("b"), front=True)
-    assert q.take_for("m").request_id == "b"
+    assert q.take_for(info()).request_id == "b"
 
 
 def test_remove_is_idempotent():
@@ -30,36 +44,74 @@ def test_remove_is_idempotent():
     assert q.remove("a") is None
 
 
-def test_expire_only_old_jobs_of_given_models():
+def test_expire_only_old_jobs_that_no_worker_fits():
     q = RequestQueue()
-    old, new, other = job("old"), job("new"), job("other", "m2")
-    old.enqueued_at, other.enqueued_at = 0.0, 0.0
-    for j in (old, new, other):
+    old, new, served = job("old", "gone"), job("new", "gone"), job("served")
+    old.enqueued_at, served.enqueued_at = 0.0, 0.0
+    for j in (old, new, served):
         q.push(j)
-    assert [j.request_id for j in q.expire(10.0, {"m"})] == ["old"]
+    assert [j.request_id for j in q.expire(10.0, [info()])] == ["old"]
     assert len(q) == 2
 
 
-def test_registry_picks_most_free_slots_then_least_recently_used():
+def test_registry_orders_by_free_slots_then_least_recently_used():
     r = WorkerRegistry()
-    a = r.add(b"a", {"model": "m", "slots": 2}, 0.0)
-    b = r.add(b"b", {"model": "m", "slots": 2}, 0.0)
-    r.add(b"c", {"model": "other", "slots": 4}, 0.0)
+    a = r.add(b"a", info(slots=2), 0.0)
+    b = r.add(b"b", info(slots=2), 0.0)
     a.last_assigned, b.last_assigned = 5.0, 1.0
-    assert r.pick("m") is b
+    assert r.with_free_slots() == [b, a]
     b.running["x"] = job("x")
-    assert r.pick("m") is a
-    a.running["y"] = job("y")              # both have one free slot: b was used last now
-    a.last_assigned, b.last_assigned = 1.0, 5.0
-    assert r.pick("m") is a
-    a.running["w"], b.running["z"] = job("w"), job("z")
-    assert r.pick("m") is None
-    assert r.pick("nope") is None
+    assert r.with_free_slots() == [a, b]
+    a.running["y"], a.running["z"], b.running["w"] = job("y"), job("z"), job("w")
+    assert r.with_free_slots() == []
+
+
+def test_pick_for_slotless_work_takes_the_least_busy_fitting_worker():
+    r = WorkerRegistry()
+    a = r.add(b"a", info(), 0.0)
+    r.add(b"b", info("other"), 0.0)
+    a.running["x"] = job("x")
+    assert r.pick({"model": "m"}) is a                     # busy, but the only fit
+    c = r.add(b"c", info(), 0.0)
+    assert r.pick({"model": "m"}) is c
+    assert r.pick({"model": "none"}) is None
 
 
 def test_registry_expiry_and_models_summary():
     r = WorkerRegistry()
-    r.add(b"a", {"model": "m", "slots": 1, "n_ctx": 2048}, now=0.0)
-    r.add(b"b", {"model": "m", "slots": 3, "n_ctx": 4096}, now=100.0)
+    r.add(b"a", info(slots=1, n_ctx=2048), now=0.0)
+    r.add(b"b", info(slots=3, fim=True), now=100.0)
     assert [w.name for w in r.expired(50.0)] == ["a"]
-    assert r.models() == {"m": {"ready": 2, "n_ctx": 4096, "slots": 4}}
+    assert r.models() == {"m": {"ready": 2, "n_ctx": 4096, "slots": 4, "fim": True}}
+
+
+def test_routing_requirements():
+    gpu = info(compute="gpu", n_gpu_layers=999, profile="fast", n_ctx=8192, fim=True)
+    cpu = info()
+    assert fits({"model": "m", "route": {"nctx": 8192}}, gpu)
+    assert not fits({"model": "m", "route": {"nctx": 8192}}, cpu)
+    assert fits({"model": "m", "route": {"compute": "cpu"}}, cpu)
+    assert not fits({"model": "m", "route": {"compute": "cpu"}}, gpu)
+    assert fits({"model": "m", "route": {"ngl": 0}}, cpu)
+    assert not fits({"model": "m", "route": {"ngl": 0}}, gpu)
+    assert fits({"model": "m", "route": {"ngl": 20}}, gpu)
+    assert fits({"model": "m", "route": {"profile": "fast"}}, gpu)
+    assert not fits({"model": "m", "route": {"profile": "fast"}}, cpu)
+    assert fits({"model": "m", "suffix": "x"}, gpu)
+    assert not fits({"model": "m", "suffix": "x"}, cpu)
+    assert not fits({"model": "other"}, cpu)
+
+
+def test_unfit_requests_are_explained_with_what_is_available():
+    workers = [info(n_ctx=2048), info(n_ctx=4096, profile="fast")]
+    param, code, message = explain_unfit({"model": "m", "route": {"nctx": 9000}}, workers)
+    assert (param, code) == ("nctx", "context_length_unavailable")
+    assert "2048" in message and "4096" in message
+    param, code, message = explain_unfit({"model": "m", "route": {"compute": "npu"}},
+                                         workers)
+    assert code == "compute_unavailable" and "cpu" in message
+    param, code, message = explain_unfit({"model": "m", "route": {"profile": "slow"}},
+                                         workers)
+    assert param == "X-SIE-MACHINE-PROFILE" and "fast" in message
+    param, code, _ = explain_unfit({"model": "m", "suffix": ""}, workers)
+    assert (param, code) == ("suffix", "fim_unsupported")

@@ -4,6 +4,7 @@ from flask import Flask
 
 from app.completions import parse_json_body, validate
 from app.errors import InvalidRequest, UnsupportedMediaType
+from app.schemas import CompletionRequestSchema
 
 
 def test_defaults_follow_openai():
@@ -14,8 +15,17 @@ def test_defaults_follow_openai():
     assert req["model"] is None
 
 
-def test_prompt_may_be_a_one_element_array():
-    assert validate({"prompt": ["hi"]})["prompt"] == "hi"
+@pytest.mark.parametrize("prompt, prompts", [
+    ("hi", ["hi"]),
+    (["hi"], ["hi"]),
+    (["a", "b"], ["a", "b"]),                          # a batch of two
+    ([1, 2, 3], [[1, 2, 3]]),                          # token ids: one prompt
+    ([[1, 2], [3]], [[1, 2], [3]]),                    # a batch of token prompts
+    ([12, "text", 34], [[12, "text", 34]]),            # llama.cpp's mix: one prompt
+    ([[12, "x"], "y"], [[12, "x"], "y"]),              # mixed batch
+])
+def test_prompt_forms_become_a_list_of_prompts(prompt, prompts):
+    assert validate({"prompt": prompt})["prompt"] == prompts
 
 
 def test_stop_string_becomes_a_list_without_empties_or_duplicates():
@@ -32,8 +42,36 @@ def test_explicit_null_means_default_but_max_tokens_null_means_unlimited():
 @pytest.mark.parametrize("body, param", [
     ({}, "prompt"),
     ({"prompt": ""}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": [1, -2]}, "prompt"),
+    ({"prompt": [1, 2.5]}, "prompt"),
+    ({"prompt": [[1], [True]]}, "prompt"),
+    ({"prompt": ["x"] * 65}, "prompt"),
     ({"prompt": 5}, "prompt"),
+    ({"prompt": "p", "n": 0}, "n"),
+    ({"prompt": "p", "n": 2, "best_of": 1}, "best_of"),
+    ({"prompt": "p", "best_of": 2, "stream": True}, "best_of"),
+    ({"prompt": ["p"] * 10, "n": 20}, "n"),
+    ({"prompt": "p", "logprobs": 6}, "logprobs"),
+    ({"prompt": "p", "logprobs": True}, "logprobs"),
+    ({"prompt": "p", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "p", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "p", "logit_bias": [[5]]}, "logit_bias"),
+    ({"prompt": "p", "mirostat": 3}, "mirostat"),
+    ({"prompt": "p", "mirostat_tau": 0}, "mirostat_tau"),
+    ({"prompt": "p", "typical_p": 1.5}, "typical_p"),
+    ({"prompt": "p", "grammar": 'root ::= "a"', "json_schema": {}}, "json_schema"),
+    ({"prompt": "p", "json_schema": "{}"}, "json_schema"),
+    ({"prompt": "p", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "p", "ignore_eos": "yes"}, "ignore_eos"),
+    ({"prompt": "p", "compute": "tpu"}, "compute"),
+    ({"prompt": "p", "nctx": 0}, "nctx"),
+    ({"prompt": "p", "ngl": -1}, "ngl"),
+    ({"prompt": "p", "suffix": 3}, "suffix"),
+    ({"prompt": "p", "n_predict": 5, "max_tokens": 6}, "n_predict"),
+    ({"prompt": "p", "repeat_penalty": 1.1, "repetition_penalty": 1.2}, "repeat_penalty"),
     ({"prompt": "p", "max_tokens": "16"}, "max_tokens"),
     ({"prompt": "p", "max_tokens": 1.5}, "max_tokens"),
     ({"prompt": "p", "max_tokens": True}, "max_tokens"),
@@ -49,7 +87,7 @@ def test_explicit_null_means_default_but_max_tokens_null_means_unlimited():
     ({"prompt": "p", "seed": "1"}, "seed"),
     ({"prompt": "p", "seed": 2 ** 70}, "seed"),
     ({"prompt": "p", "stop": [1]}, "stop"),
-    ({"prompt": "p", "stop": ["x"] * 33}, "stop"),
+    ({"prompt": "p", "stop": ["x"] * 257}, "stop"),
     ({"prompt": "p", "echo": 1}, "echo"),
     ({"prompt": "p", "stream": "true"}, "stream"),
     ({"prompt": "p", "stream_options": {"include_usage": True}}, "stream_options"),
@@ -99,3 +137,24 @@ def test_other_content_types_are_a_415(flask_app):
                                         content_type="application/x-www-form-urlencoded"):
         with pytest.raises(UnsupportedMediaType):
             parse_json_body()
+
+
+def test_aliases_fold_into_their_openai_names():
+    req = validate({"prompt": "p", "n_predict": 7, "repeat_penalty": 1.3})
+    assert req["max_tokens"] == 7 and req["repetition_penalty"] == 1.3
+    assert "n_predict" not in req and "repeat_penalty" not in req
+    assert validate({"prompt": "p"})["repetition_penalty"] == 1.0
+
+
+def test_logit_bias_forms():
+    assert validate({"prompt": "p", "logit_bias": {"5": -100, "7": 2.5}})["logit_bias"] == \
+        {"5": -100.0, "7": 2.5}
+    assert validate({"prompt": "p", "logit_bias": [[5, False], [7, 1]]})["logit_bias"] == \
+        {"5": -100.0, "7": 1.0}
+
+
+def test_every_openai_completions_field_is_declared():
+    openai_fields = {"model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias",
+                     "logprobs", "max_tokens", "n", "presence_penalty", "seed", "stop",
+                     "stream", "stream_options", "suffix", "temperature", "top_p", "user"}
+    assert openai_fields <= set(CompletionRequestSchema().fields)

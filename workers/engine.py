@@ -5,28 +5,33 @@ cache holds `slots` sequences (unified pool), one `llama_batch` per step, one sa
 chain per sequence. `step()` decodes one token for every generating slot plus prompt
 chunks of the admitted ones in a single `llama_decode`, then samples each slot from its
 own batch row. Calls into llama.cpp release the GIL, so the worker's IO thread keeps
-heartbeating during a long decode. See shared notes (llama-cpp-python batching) for the
-API facts this relies on: exact-size pieces (the wrapper's 32-byte buffer drops long
-pieces), `llama_sampler_sample` already accepting the token, `n_batch` being a hard
-assert.
+heartbeating during a long decode. API facts this relies on (see the shared notes on
+llama-cpp-python batching): pieces must be read with an exact-size buffer (the
+wrapper's 32-byte buffer drops long pieces), `llama_sampler_sample` already accepts the
+token, `n_batch` is a hard assert, a grammar sampler must only accept tokens its own
+chain sampled.
 """
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 
 import llama_cpp
+import numpy as np
 
-from workers.errors import EngineError
-from workers.sampling import SamplingParams
+from workers.errors import EngineError, InvalidInput
+from workers.sampling import SamplingParams, TokenOut
 
 log = logging.getLogger(__name__)
 
-
 _VERBOSE = False
 _GGML_LOG_ERROR = 4      # ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
+BANNED = -1e30           # a logit no token wins with, yet finite: a grammar stays satisfiable
+PROMPT_LOGPROB_CHUNK = 64   # prompt rows per step when every row's logits are kept (1 MiB each)
 
 
 @llama_cpp.llama_log_callback
@@ -40,10 +45,18 @@ def _log_to_stderr(level: int, text: bytes, user_data) -> None:
 class _Slot:
     seq: int
     pending: list[int] = field(default_factory=list)   # prompt tokens still to decode
+    prompt: list[int] = field(default_factory=list)
     n_past: int = 0                                     # tokens in this slot's KV cache
     next_token: int | None = None                       # sampled, to be decoded next step
     chain: object = None                                # llama_sampler* while in use
     row: int = -1                                       # batch row to sample from
+    logprobs: int | None = None                         # top-k to report, None: none
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # (row, position)
+    prompt_logprobs: list | None = None
+    sampled: int = 0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    has_grammar: bool = False
 
     @property
     def busy(self) -> bool:
@@ -66,6 +79,7 @@ class LlamaEngine:
             raise EngineError(f"llama.cpp could not load {model_path}")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.n_layer = llama_cpp.llama_model_n_layer(self.model)
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx * slots
         cparams.n_seq_max = slots
@@ -85,21 +99,33 @@ class LlamaEngine:
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.slots = [_Slot(seq) for seq in range(slots)]
         self._piece_buf = ctypes.create_string_buffer(256)
+        self.eog_tokens = [t for t in range(self.n_vocab)
+                           if llama_cpp.llama_vocab_is_eog(self.vocab, t)]
+        fim = (llama_cpp.llama_vocab_fim_pre(self.vocab), llama_cpp.llama_vocab_fim_suf(self.vocab),
+               llama_cpp.llama_vocab_fim_mid(self.vocab))
+        self.fim_tokens = fim if all(t >= 0 for t in fim) else None
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        self.fingerprint = _fingerprint(model_path)
 
     # -- vocabulary --------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[int]:
-        """The prompt verbatim, with the model's BOS, special-token syntax parsed."""
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """Text verbatim, special-token syntax parsed; BOS added if asked and the model
+        wants one."""
         data = text.encode("utf-8")
         size = len(data) + 8
         buf = (llama_cpp.llama_token * size)()
-        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, size, True, True)
+        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, size, add_special, True)
         if n < 0:
             size = -n
             buf = (llama_cpp.llama_token * size)()
-            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, size, True, True)
+            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, size, add_special,
+                                         True)
         if n < 0:
             raise EngineError("tokenization failed")
         return list(buf[:n])
+
+    def bos(self) -> list[int]:
+        return [llama_cpp.llama_vocab_bos(self.vocab)] if self.add_bos else []
 
     def piece(self, token: int) -> bytes:
         """The exact bytes of one token (may be part of a UTF-8 character)."""
@@ -113,19 +139,42 @@ class LlamaEngine:
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
+    def check_tokens(self, tokens: list[int]) -> None:
+        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
+        if bad:
+            raise InvalidInput(f"token ids {bad[:5]} are outside the vocabulary "
+                               f"(0..{self.n_vocab - 1})", param="prompt")
+
+    def grammar_from_json_schema(self, schema: dict) -> str:
+        import json
+
+        from llama_cpp.llama_grammar import json_schema_to_gbnf
+        try:
+            return json_schema_to_gbnf(json.dumps(schema))
+        except Exception as exc:          # the converter raises many kinds
+            raise InvalidInput(f"unsupported or invalid JSON schema: {exc}",
+                               param="json_schema") from None
+
     # -- sequences ---------------------------------------------------------------------
     @property
     def n_slots(self) -> int:
         return len(self.slots)
 
-    def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams) -> None:
+    def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
+            logprobs: int | None = None, prompt_logprobs: bool = False) -> None:
         """Start a sequence in a free slot; its prompt is decoded by the coming steps."""
         slot = self.slots[slot_id]
         if slot.busy:
             raise EngineError(f"slot {slot_id} is busy")
+        self.check_tokens(tokens)
+        chain = self._sampler_chain(sampling)
         llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
-        slot.pending, slot.n_past, slot.next_token, slot.row = list(tokens), 0, None, -1
-        slot.chain = self._sampler_chain(sampling)
+        slot.pending, slot.prompt, slot.n_past = list(tokens), list(tokens), 0
+        slot.next_token, slot.row, slot.chain, slot.sampled = None, -1, chain, 0
+        slot.logprobs = logprobs
+        slot.prompt_logprobs = [] if prompt_logprobs else None
+        slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
+        slot.has_grammar = sampling.grammar is not None
 
     def release(self, slot_id: int) -> None:
         """End the slot's sequence; the slot is free at once."""
@@ -134,32 +183,63 @@ class LlamaEngine:
             llama_cpp.llama_sampler_free(slot.chain)
         llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
         slot.chain, slot.pending, slot.n_past, slot.next_token, slot.row = None, [], 0, None, -1
+        slot.prompt_rows, slot.prompt_logprobs = [], None
 
     def _sampler_chain(self, p: SamplingParams):
+        """penalties → logit bias → grammar → greedy | mirostat | top-k … dist, as in
+        llama.cpp's common sampler (the grammar before any truncation)."""
+        samplers = []
+        if p.penalized:
+            last_n = self.n_ctx if p.repeat_last_n < 0 else p.repeat_last_n
+            samplers.append(llama_cpp.llama_sampler_init_penalties(
+                self.n_vocab, last_n, p.repetition_penalty, p.frequency_penalty,
+                p.presence_penalty))
+        if p.logit_bias:
+            self.check_tokens(list(p.logit_bias))
+            biases = (llama_cpp.llama_logit_bias * len(p.logit_bias))(
+                *[llama_cpp.llama_logit_bias(t, b) for t, b in p.logit_bias.items()])
+            samplers.append(llama_cpp.llama_sampler_init_logit_bias(
+                self.n_vocab, len(p.logit_bias), biases))
+        if p.grammar is not None:
+            grammar = llama_cpp.llama_sampler_init_grammar(self.vocab, p.grammar.encode(),
+                                                           b"root")
+            if not grammar:
+                for sampler in samplers:
+                    llama_cpp.llama_sampler_free(sampler)
+                raise InvalidInput("the grammar does not parse (GBNF with a 'root' rule)",
+                                   param="grammar")
+            samplers.append(grammar)
+        if p.greedy:
+            samplers.append(llama_cpp.llama_sampler_init_greedy())
+        elif p.mirostat:
+            samplers.append(llama_cpp.llama_sampler_init_temp(p.temperature))
+            if p.mirostat == 1:
+                samplers.append(llama_cpp.llama_sampler_init_mirostat(
+                    self.n_vocab, p.seed32, p.mirostat_tau, p.mirostat_eta, 100))
+            else:
+                samplers.append(llama_cpp.llama_sampler_init_mirostat_v2(
+                    p.seed32, p.mirostat_tau, p.mirostat_eta))
+        else:
+            if p.top_k > 0:
+                samplers.append(llama_cpp.llama_sampler_init_top_k(p.top_k))
+            if p.typical_p < 1.0:
+                samplers.append(llama_cpp.llama_sampler_init_typical(p.typical_p, 1))
+            if p.top_p < 1.0:
+                samplers.append(llama_cpp.llama_sampler_init_top_p(p.top_p, 1))
+            if p.min_p > 0.0:
+                samplers.append(llama_cpp.llama_sampler_init_min_p(p.min_p, 1))
+            samplers.append(llama_cpp.llama_sampler_init_temp(p.temperature))
+            samplers.append(llama_cpp.llama_sampler_init_dist(p.seed32))
         chain = llama_cpp.llama_sampler_chain_init(
             llama_cpp.llama_sampler_chain_default_params())
-        add = lambda sampler: llama_cpp.llama_sampler_chain_add(chain, sampler)  # noqa: E731
-        if p.penalized:
-            add(llama_cpp.llama_sampler_init_penalties(
-                self.n_vocab, -1, p.repetition_penalty, p.frequency_penalty,
-                p.presence_penalty))
-        if p.greedy:
-            add(llama_cpp.llama_sampler_init_greedy())
-            return chain
-        if p.top_k > 0:
-            add(llama_cpp.llama_sampler_init_top_k(p.top_k))
-        if p.top_p < 1.0:
-            add(llama_cpp.llama_sampler_init_top_p(p.top_p, 1))
-        if p.min_p > 0.0:
-            add(llama_cpp.llama_sampler_init_min_p(p.min_p, 1))
-        add(llama_cpp.llama_sampler_init_temp(p.temperature))
-        add(llama_cpp.llama_sampler_init_dist(p.seed32))
+        for sampler in samplers:
+            llama_cpp.llama_sampler_chain_add(chain, sampler)   # the chain owns it now
         return chain
 
     # -- decoding ----------------------------------------------------------------------
-    def step(self) -> dict[int, int]:
-        """One decode for every busy slot; returns {slot: sampled token} for those that
-        finished their prompt or are generating."""
+    def step(self) -> dict[int, TokenOut]:
+        """One decode for every busy slot; returns what each slot that finished its
+        prompt or is generating sampled."""
         batch = self.batch
         n = 0
 
@@ -180,11 +260,18 @@ class LlamaEngine:
                 slot.next_token = None
         for slot in self.slots:                    # then prompt chunks, in the room left
             if slot.busy and slot.pending and n < self.n_batch:
-                chunk = slot.pending[:self.n_batch - n]
+                room = self.n_batch - n
+                if slot.prompt_logprobs is not None:
+                    room = min(room, PROMPT_LOGPROB_CHUNK)
+                chunk = slot.pending[:room]
                 slot.pending = slot.pending[len(chunk):]
+                slot.prompt_rows = []
                 for i, token in enumerate(chunk):
                     last = not slot.pending and i == len(chunk) - 1
-                    row = add_row(slot, token, last)
+                    position = slot.n_past
+                    row = add_row(slot, token, last or slot.prompt_logprobs is not None)
+                    if slot.prompt_logprobs is not None and not last:
+                        slot.prompt_rows.append((row, position))
                     if last:
                         slot.row = row
         if n == 0:
@@ -193,14 +280,60 @@ class LlamaEngine:
         rc = llama_cpp.llama_decode(self.ctx, batch)
         if rc != 0:
             raise EngineError(f"llama_decode returned {rc}")
-        sampled: dict[int, int] = {}
+        out: dict[int, TokenOut] = {}
         for slot_id, slot in enumerate(self.slots):
-            if slot.busy and slot.row >= 0:
-                token = llama_cpp.llama_sampler_sample(slot.chain, self.ctx, slot.row)
-                slot.row = -1
-                slot.next_token = token
-                sampled[slot_id] = token
-        return sampled
+            if not slot.busy:
+                continue
+            if slot.prompt_rows:
+                for row, position in slot.prompt_rows:
+                    following = slot.prompt[position + 1]
+                    lse, logits = self._row(row)
+                    slot.prompt_logprobs.append((following, float(logits[following] - lse),
+                                                 self._top(logits, lse, slot.logprobs or 0)))
+                slot.prompt_rows = []
+            if slot.row >= 0:
+                out[slot_id] = self._sample(slot)
+        return out
+
+    def _row(self, row: int) -> tuple[float, np.ndarray]:
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, row)
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        peak = float(logits.max())
+        return peak + float(np.log(np.exp(logits - peak).sum())), logits
+
+    @staticmethod
+    def _top(logits: np.ndarray, lse: float, k: int) -> list[tuple[int, float]]:
+        if k <= 0:
+            return []
+        top = np.argpartition(logits, -k)[-k:]
+        top = top[np.argsort(-logits[top])]
+        return [(int(t), float(logits[t] - lse)) for t in top]
+
+    def _sample(self, slot: _Slot) -> TokenOut:
+        lse = logits = None
+        if slot.logprobs is not None:
+            lse, logits = self._row(slot.row)
+            top = self._top(logits, lse, slot.logprobs)
+        if slot.ignore_eos or slot.sampled < slot.min_tokens:
+            if logits is None:
+                logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, slot.row),
+                                               shape=(self.n_vocab,))
+            saved = logits[self.eog_tokens].copy()
+            logits[self.eog_tokens] = BANNED
+        else:
+            saved = None
+        token = llama_cpp.llama_sampler_sample(slot.chain, self.ctx, slot.row)
+        if saved is not None:
+            logits[self.eog_tokens] = saved
+        slot.row = -1
+        slot.next_token = token
+        slot.sampled += 1
+        result = TokenOut(token)
+        if lse is not None:
+            result.logprob, result.top = float(logits[token] - lse), top
+        if slot.prompt_logprobs is not None:
+            result.prompt, slot.prompt_logprobs = slot.prompt_logprobs, None
+        return result
 
     def close(self) -> None:
         for slot_id in range(len(self.slots)):
@@ -208,3 +341,15 @@ class LlamaEngine:
         llama_cpp.llama_batch_free(self.batch)
         llama_cpp.llama_free(self.ctx)
         llama_cpp.llama_model_free(self.model)
+
+
+def _fingerprint(model_path: str) -> str:
+    """Model file (size, first and last MiB) and build (llama-cpp-python version)."""
+    digest = hashlib.sha256()
+    size = os.path.getsize(model_path)
+    with open(model_path, "rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    digest.update(f"{size}:{llama_cpp.__version__}".encode())
+    return "fp_" + digest.hexdigest()[:12]

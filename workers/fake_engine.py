@@ -3,7 +3,8 @@
 It has the engine's interface and timing shape (one `step()` per token for all slots),
 with byte-level tokens (0..255), BOS 256 and EOS 257. It "generates" a fixed script,
 byte by byte, so stop strings and UTF-8 characters span several tokens, as they do
-with a real tokenizer. Prompt markers steer it for tests:
+with a real tokenizer. Its logprobs are made up (-0.5 for the sampled token). Prompt
+markers steer it for tests:
 
     [eos=N]     end of generation (EOS) after N tokens
     [slow=S]    this request's steps take S seconds each
@@ -15,7 +16,8 @@ import os
 import re
 import time
 
-from workers.sampling import SamplingParams
+from workers.errors import InvalidInput
+from workers.sampling import SamplingParams, TokenOut
 
 BOS, EOS = 256, 257
 SCRIPT = "The quick brown fox jumps over the lazy dog; café, naïve, 東京. ".encode()
@@ -23,6 +25,9 @@ SCRIPT = "The quick brown fox jumps over the lazy dog; café, naïve, 東京. ".
 
 class FakeEngine:
     name = "fake"
+    fingerprint = "fp_fake"
+    fim_tokens = None
+    n_layer = 1
 
     def __init__(self, model_path: str, n_ctx: int, slots: int, n_threads: int = 1,
                  n_gpu_layers: int = 0, verbose: bool = False, step_delay: float | None = None):
@@ -38,8 +43,11 @@ class FakeEngine:
     def n_slots(self) -> int:
         return len(self._slots)
 
-    def tokenize(self, text: str) -> list[int]:
-        return [BOS] + list(text.encode("utf-8"))
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return ([BOS] if add_special else []) + list(text.encode("utf-8"))
+
+    def bos(self) -> list[int]:
+        return [BOS]
 
     def piece(self, token: int) -> bytes:
         return bytes([token]) if token < 256 else b""
@@ -47,12 +55,23 @@ class FakeEngine:
     def is_eog(self, token: int) -> bool:
         return token == EOS
 
-    def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams) -> None:
+    def check_tokens(self, tokens: list[int]) -> None:
+        if any(not 0 <= t < self.n_vocab for t in tokens):
+            raise InvalidInput("token ids outside the vocabulary", param="prompt")
+
+    def grammar_from_json_schema(self, schema: dict) -> str:
+        raise InvalidInput("the fake engine has no grammar support", param="json_schema")
+
+    def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
+            logprobs: int | None = None, prompt_logprobs: bool = False) -> None:
+        self.check_tokens(tokens)
+        if sampling.grammar is not None:
+            raise InvalidInput("the fake engine has no grammar support", param="grammar")
         prompt = bytes(t for t in tokens if t < 256).decode("utf-8", "replace")
         eos = re.search(r"\[eos=(\d+)\]", prompt)
         slow = re.search(r"\[slow=([0-9.]+)\]", prompt)
         self._slots[slot_id] = {
-            "n": 0,
+            "n": 0, "logprobs": logprobs, "tokens": tokens, "prompt_logprobs": prompt_logprobs,
             "eos_after": int(eos.group(1)) if eos else None,
             "delay": float(slow.group(1)) if slow else self.step_delay,
             "crash": "[crash]" in prompt,
@@ -61,7 +80,7 @@ class FakeEngine:
     def release(self, slot_id: int) -> None:
         self._slots[slot_id] = None
 
-    def step(self) -> dict[int, int]:
+    def step(self) -> dict[int, TokenOut]:
         busy = {i: s for i, s in enumerate(self._slots) if s is not None}
         if not busy:
             return {}
@@ -71,9 +90,15 @@ class FakeEngine:
             if state["crash"]:
                 os._exit(3)
             if state["eos_after"] is not None and state["n"] >= state["eos_after"]:
-                out[slot_id] = EOS
+                token = EOS
             else:
-                out[slot_id] = SCRIPT[state["n"] % len(SCRIPT)]
+                token = SCRIPT[state["n"] % len(SCRIPT)]
+            result = TokenOut(token)
+            if state["logprobs"] is not None:
+                result.logprob, result.top = -0.5, [(token, -0.5)][:state["logprobs"]]
+            if state["prompt_logprobs"] and state["n"] == 0:
+                result.prompt = [(t, -1.0, []) for t in state["tokens"][1:]]
+            out[slot_id] = result
             state["n"] += 1
         return out
 

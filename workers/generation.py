@@ -2,7 +2,8 @@
 
 Runs in one thread that owns the engine and the XPUB socket. Jobs and cancels arrive
 from the IO thread through a queue and take effect between steps, so a cancel frees its
-slot within one token.
+slot within one token. Tokenize/detokenize jobs are answered between steps without a
+slot.
 """
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 import zmq
 
 from dispatcher import config, protocol as P
-from workers.errors import EngineError
+from workers.errors import EngineError, InvalidInput
+from workers.requests import (Active, LogprobLedger, prompt_text, prompt_tokens,
+                              token_text)
 from workers.sampling import SamplingParams
 from workers.textstream import TextAssembler
 
@@ -56,22 +58,6 @@ class Publisher:
         self.sock.send_multipart(P.encode_event(topic, request_id, event))
 
 
-@dataclass
-class Active:
-    """One request admitted into a slot."""
-    request_id: str
-    topic: bytes
-    attempt: int
-    slot: int
-    max_tokens: int | None
-    prompt_tokens: int
-    assembler: TextAssembler
-    seq: int = 0
-    generated: int = 0
-    text_sent: bool = False
-    started: float = field(default_factory=time.monotonic)
-
-
 class GenerationLoop:
     def __init__(self, engine, publisher: Publisher,
                  notify: Callable[[bytes, str, dict | None], None]):
@@ -106,7 +92,10 @@ class GenerationLoop:
     def _apply(self, item: tuple) -> None:
         kind = item[0]
         if kind == "job":
-            self.waiting.append((item[1], item[2]))
+            if item[2].get("op"):
+                self._utility(item[1], item[2])
+            else:
+                self.waiting.append((item[1], item[2]))
         elif kind == "cancel":
             self.cancel(item[1])
         elif kind == "reset":
@@ -136,6 +125,28 @@ class GenerationLoop:
         self.engine.release(active.slot)
         self.free_slots.append(active.slot)
 
+    # -- utility jobs ------------------------------------------------------------------
+    def _utility(self, request_id: str, body: dict) -> None:
+        """/tokenize and /detokenize, answered at once (one `end` event with a result)."""
+        topic, attempt = body["topic"].encode(), int(body.get("attempt", 1))
+        try:
+            if body["op"] == "tokenize":
+                tokens = self.engine.tokenize(body["content"], bool(body.get("add_special")))
+                result = {"tokens": [
+                    {"id": t, "piece": token_text(self.engine.piece(t))} for t in tokens]
+                    if body.get("with_pieces") else tokens}
+            elif body["op"] == "detokenize":
+                self.engine.check_tokens(body["tokens"])
+                data = b"".join(self.engine.piece(t) for t in body["tokens"])
+                result = {"content": data.decode("utf-8", "replace")}
+            else:
+                raise InvalidInput(f"unknown operation {body['op']!r}")
+        except InvalidInput as exc:
+            return self._reject(request_id, topic, attempt, exc)
+        self.publisher.publish(topic, request_id, {"e": P.EV_END, "s": 0, "a": attempt,
+                                                   "result": result})
+        self.notify(P.DONE, request_id, {"attempt": attempt, "last_seq": 0})
+
     # -- admission ---------------------------------------------------------------------
     def _admit(self) -> None:
         while self.waiting and self.free_slots:
@@ -145,95 +156,154 @@ class GenerationLoop:
             except EngineError as exc:
                 active = self.active.get(request_id)
                 if active is not None:
-                    self._fail(active, 500, "server_error", "engine_error", str(exc))
+                    self._fail(active, exc)
                 else:
                     self._reject(request_id, body["topic"].encode(),
-                                 int(body.get("attempt", 1)), 500, "server_error",
-                                 "engine_error", str(exc))
+                                 int(body.get("attempt", 1)), exc)
 
     def _start(self, request_id: str, body: dict) -> None:
         topic = body["topic"].encode()
-        attempt = int(body.get("attempt", 1))
-        tokens = self.engine.tokenize(body["prompt"])
-        n_ctx = self.engine.n_ctx
+        sampling = dict(body.get("sampling", {}))
+        if sampling.get("json_schema") is not None:
+            sampling["grammar"] = self.engine.grammar_from_json_schema(sampling["json_schema"])
+        tokens = prompt_tokens(self.engine, body["prompt"], body.get("suffix"))
+        n_ctx = min(self.engine.n_ctx, body.get("nctx") or self.engine.n_ctx)
         if len(tokens) >= n_ctx:
-            self._reject(request_id, topic, attempt, 400, "invalid_request_error",
-                         "context_length_exceeded",
-                         f"This model's maximum context length is {n_ctx} tokens, "
-                         f"but the prompt has {len(tokens)} tokens.", param="prompt")
-            return
-        active = Active(request_id, topic, attempt, self.free_slots.pop(0),
-                        body.get("max_tokens"), len(tokens), TextAssembler(body.get("stop")))
+            raise InvalidInput(f"This model's maximum context length is {n_ctx} tokens, but "
+                               f"the prompt has {len(tokens)} tokens.",
+                               code="context_length_exceeded", param="prompt")
+        if not tokens:
+            raise InvalidInput("the prompt has no tokens", param="prompt")
+        logprobs = body.get("logprobs")
+        echo = bool(body.get("echo"))
+        active = Active(request_id, topic, int(body.get("attempt", 1)), self.free_slots[0],
+                        body.get("max_tokens"), n_ctx, len(tokens),
+                        TextAssembler(body.get("stop")),
+                        ledger=LogprobLedger(logprobs) if logprobs is not None else None,
+                        score=bool(body.get("score")))
+        want = logprobs if logprobs is not None else (0 if active.score else None)
+        prompt_lp = echo and logprobs is not None
+        self.engine.add(active.slot, tokens, SamplingParams.from_job(sampling), want,
+                        prompt_logprobs=prompt_lp)
+        self.free_slots.pop(0)
         self.active[request_id] = active
-        self._publish(active, {"e": P.EV_START, "prompt_tokens": len(tokens)})
-        if body.get("echo"):
-            self._send_text(active, body["prompt"])
-        if active.max_tokens == 0:
+        self._publish(active, {"e": P.EV_START, "prompt_tokens": len(tokens),
+                               "fingerprint": getattr(self.engine, "fingerprint", None)})
+        if echo:
+            active.echo_text = prompt_text(self.engine, body["prompt"], tokens)
+            active.echo_pending = prompt_lp        # then it waits for the prompt logprobs
+            active.prompt_ids = tokens if prompt_lp else None
+            if not prompt_lp:
+                self._send_echo(active, None, tokens)
+        if active.max_tokens == 0 and not prompt_lp:
             self._finish(active, "length")
-            return
-        self.engine.add(active.slot, tokens, SamplingParams.from_job(body.get("sampling", {})))
 
-    def _reject(self, request_id: str, topic: bytes, attempt: int, status: int, type_: str,
-                code: str, message: str, param: str | None = None) -> None:
-        event = {"e": P.EV_ERROR, "s": 0, "a": attempt, "status": status, "type": type_,
-                 "code": code, "message": message, "param": param}
-        self.publisher.publish(topic, request_id, event)
-        self.notify(P.DONE, request_id, {"attempt": attempt, "last_seq": 0, "error": code})
+    def _send_echo(self, active: Active, prompt_lp: list | None, tokens: list[int]) -> None:
+        active.echo_pending = False
+        logprobs = None
+        if active.ledger is not None:
+            offset, ledger = 0, LogprobLedger(active.ledger.k)
+            entries = [(tokens[0], None, None)] + (prompt_lp or [])
+            for token, lp, top in entries:
+                piece = self.engine.piece(token)
+                ledger.add(offset, token_text(piece), lp, None if top is None else
+                           self._top_dict(top))
+                offset += len(piece.decode("utf-8", "replace"))
+            logprobs = ledger.release(None)
+        self._send_text(active, active.echo_text, logprobs)
+
+    def _reject(self, request_id: str, topic: bytes, attempt: int, exc: EngineError) -> None:
+        self.publisher.publish(topic, request_id, {"s": 0, "a": attempt, **_error_of(exc)})
+        self.notify(P.DONE, request_id, {"attempt": attempt, "last_seq": 0,
+                                         "error": _error_of(exc)["code"]})
 
     # -- generation --------------------------------------------------------------------
     def _step(self) -> None:
         try:
-            sampled = self.engine.step()
+            produced = self.engine.step()
         except EngineError as exc:
             log.error("engine step failed: %s", exc)
             for active in list(self.active.values()):
-                self._fail(active, 500, "server_error", "engine_error",
-                           f"the inference engine failed: {exc}")
+                self._fail(active, exc)
             return
         by_slot = {a.slot: a for a in self.active.values()}
-        for slot, token in sampled.items():
+        for slot, out in produced.items():
             active = by_slot.get(slot)
             if active is not None:
-                self._on_token(active, token)
+                self._on_token(active, out)
 
-    def _on_token(self, active: Active, token: int) -> None:
-        if self.engine.is_eog(token):
+    def _on_token(self, active: Active, out) -> None:
+        if active.echo_pending:
+            self._send_echo(active, out.prompt, active.prompt_ids)
+            if active.max_tokens == 0:
+                self._finish(active, "length")
+                return
+        if self.engine.is_eog(out.token):
             self._finish(active, "stop")
             return
         active.generated += 1
-        text = active.assembler.feed(self.engine.piece(token))
+        piece = self.engine.piece(out.token)
+        if out.logprob is not None:
+            active.logprob_sum += out.logprob
+        if active.ledger is not None:
+            top = self._top_dict(out.top or [])
+            top.setdefault(token_text(piece), out.logprob)
+            active.ledger.add(self._offset(active) + active.assembler.decoded,
+                              token_text(piece), out.logprob, top)
+        text = active.assembler.feed(piece)
         if text:
             self._send_text(active, text)
         if active.assembler.stopped:
             self._finish(active, "stop")
         elif active.max_tokens is not None and active.generated >= active.max_tokens:
             self._finish(active, "length")
-        elif active.prompt_tokens + active.generated >= self.engine.n_ctx:
+        elif active.prompt_tokens + active.generated >= active.n_ctx:
             self._finish(active, "length")
 
-    def _send_text(self, active: Active, text: str) -> None:
+    def _offset(self, active: Active) -> int:
+        return len(active.echo_text) if active.echo_text is not None else 0
+
+    def _top_dict(self, top: list[tuple[int, float]]) -> dict:
+        return {token_text(self.engine.piece(t)): lp for t, lp in top}
+
+    def _send_text(self, active: Active, text: str, logprobs: dict | None = None) -> None:
         if not active.text_sent:
             active.text_sent = True
             self.notify(P.FIRST, active.request_id, None)
-        self._publish(active, {"e": P.EV_TEXT, "text": text})
+        active.chars_out += len(text)
+        if logprobs is None and active.ledger is not None:
+            logprobs = active.ledger.release(active.chars_out)
+        event = {"e": P.EV_TEXT, "text": text}
+        if logprobs is not None:
+            event["logprobs"] = logprobs
+        self._publish(active, event)
 
     def _finish(self, active: Active, reason: str) -> None:
         tail = active.assembler.finish()
         if tail:
             self._send_text(active, tail)
         usage = {"prompt_tokens": active.prompt_tokens, "completion_tokens": active.generated}
-        self._publish(active, {"e": P.EV_END, "finish_reason": reason, "usage": usage})
+        event = {"e": P.EV_END, "finish_reason": reason, "usage": usage}
+        if active.ledger is not None:
+            rest = active.ledger.release(None if reason == "length" or
+                                         not active.assembler.stopped else active.chars_out)
+            if rest is not None:
+                event["logprobs"] = rest
+        if active.score:
+            event["score"] = active.logprob_sum / max(1, active.generated)
+        self._publish(active, event)
         self._drop(active)
         self.notify(P.DONE, active.request_id, {
             "attempt": active.attempt, "last_seq": active.seq - 1, "finish_reason": reason,
             "usage": usage, "seconds": round(time.monotonic() - active.started, 3)})
 
-    def _fail(self, active: Active, status: int, type_: str, code: str, message: str) -> None:
-        self._publish(active, {"e": P.EV_ERROR, "status": status, "type": type_,
-                               "code": code, "message": message})
+    def _fail(self, active: Active, exc: EngineError) -> None:
+        error = _error_of(exc)
+        self._publish(active, error)
         self._drop(active)
         self.notify(P.DONE, active.request_id, {"attempt": active.attempt,
-                                                "last_seq": active.seq - 1, "error": code})
+                                                "last_seq": active.seq - 1,
+                                                "error": error["code"]})
 
     def _publish(self, active: Active, event: dict) -> None:
         event["s"] = active.seq
@@ -247,9 +317,24 @@ class GenerationLoop:
         untouched = [request_id for request_id, _ in self.waiting]
         for active in list(self.active.values()):
             if active.text_sent:
-                self._fail(active, 503, "server_error", "worker_stopping", reason)
+                self._fail(active, _Stopping(reason))
             else:
                 self._drop(active)
                 untouched.append(active.request_id)
         self.waiting.clear()
         return untouched
+
+
+class _Stopping(EngineError):
+    status, type, code = 503, "server_error", "worker_stopping"
+
+
+def _error_of(exc: EngineError) -> dict:
+    if isinstance(exc, InvalidInput):
+        return {"e": P.EV_ERROR, "status": 400, "type": "invalid_request_error",
+                "code": exc.code, "message": str(exc), "param": exc.param}
+    return {"e": P.EV_ERROR, "status": getattr(exc, "status", 500),
+            "type": getattr(exc, "type", "server_error"),
+            "code": getattr(exc, "code", "engine_error"),
+            "message": f"the inference engine failed: {exc}" if type(exc) is EngineError
+            else str(exc)}

@@ -14,19 +14,24 @@ class TextAssembler:
         self._stops = [s for s in (stops or []) if s]
         self._held = ""
         self.stopped = False
+        self.decoded = 0            # characters decoded so far, held ones included
 
     def feed(self, data: bytes) -> str:
         """Add one token's bytes; return the text that is now safe to send."""
         if self.stopped:
             return ""
-        self._held += self._decoder.decode(data)
+        text = self._decoder.decode(data)
+        self.decoded += len(text)
+        self._held += text
         return self._release(final=False)
 
     def finish(self) -> str:
         """Generation ended without a stop string: flush everything still held."""
         if self.stopped:
             return ""
-        self._held += self._decoder.decode(b"", final=True)
+        text = self._decoder.decode(b"", final=True)
+        self.decoded += len(text)
+        self._held += text
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:

@@ -110,6 +110,13 @@ class DispatcherLink(threading.Thread):
         return True
 
 
+def compute_kind(device_compute: str, n_gpu_layers: int, n_layer: int) -> str:
+    """cpu, gpu or npu; `hybrid` for an accelerator holding only some of the layers."""
+    if device_compute == "cpu" or n_gpu_layers == 0:
+        return "cpu"
+    return device_compute if n_gpu_layers >= n_layer else "hybrid"
+
+
 def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: int,
                 n_gpu_layers: int, verbose: bool):
     if kind == "fake":
@@ -176,8 +183,11 @@ def main(argv: list[str] | None = None) -> int:
 
     loop = GenerationLoop(engine, Publisher(xpub), send_notice)
     info = {"model": model_id, "model_path": str(model_path), "device": str(spec),
-            "compute": spec.compute, "pid": os.getpid(), "n_ctx": engine.n_ctx,
-            "slots": engine.n_slots, "engine": engine.name, "placement": placement.to_dict()}
+            "compute": compute_kind(spec.compute, placement.n_gpu_layers, engine.n_layer),
+            "n_gpu_layers": placement.n_gpu_layers, "profile": spec.profile,
+            "pid": os.getpid(), "n_ctx": engine.n_ctx, "slots": engine.n_slots,
+            "fim": engine.fim_tokens is not None, "fingerprint": engine.fingerprint,
+            "engine": engine.name, "placement": placement.to_dict()}
     link = DispatcherLink(context, endpoints, name.encode(), info, loop, notify_address)
     link.start()
     try:

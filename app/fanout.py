@@ -1,0 +1,70 @@
+"""One HTTP request, several jobs (prompts × candidates): their events merged.
+
+Each job's `RequestStream` is read by its own greenlet, which forwards events tagged with
+the job's position into one queue; the HTTP handler reads that queue. A disconnect of
+the HTTP client reaches every job.
+"""
+from __future__ import annotations
+
+import gevent
+import gevent.queue
+
+from app.client import ClientGone, DispatcherClient, RequestStream
+from dispatcher import protocol as P
+
+
+class Fanout:
+    def __init__(self, client: DispatcherClient, jobs: list[dict]):
+        self.client = client
+        self.jobs = jobs
+        self.streams: list[RequestStream] = []
+        self.merged: gevent.queue.Queue = gevent.queue.Queue()
+        self._readers: list[gevent.Greenlet] = []
+        self._gone = False
+
+    def submit(self) -> None:
+        """Queue every job (raises the first rejection, after cancelling the others)."""
+        try:
+            for job in self.jobs:
+                if self._gone:
+                    raise ClientGone()
+                self.streams.append(self.client.submit(job))
+        except BaseException:
+            self.close()
+            raise
+        self._readers = [gevent.spawn(self._read, i, s) for i, s in enumerate(self.streams)]
+
+    def _read(self, index: int, stream: RequestStream) -> None:
+        while True:
+            try:
+                event = stream.next_event()
+            except ClientGone:
+                self.merged.put((None, None))
+                return
+            self.merged.put((index, event))
+            if event["e"] in (P.EV_END, P.EV_ERROR):
+                return
+
+    def client_gone(self) -> None:
+        self._gone = True
+        for job in self.jobs:
+            self.client.client_gone(job["id"])
+        self.merged.put((None, None))
+
+    def events(self):
+        """(job index, event) in arrival order until every job has ended; raises
+        ClientGone when the HTTP client left."""
+        open_jobs = len(self.streams)
+        while open_jobs:
+            index, event = self.merged.get()
+            if index is None:
+                raise ClientGone()
+            if event["e"] in (P.EV_END, P.EV_ERROR):
+                open_jobs -= 1
+            yield index, event
+
+    def close(self) -> None:
+        """Stop reading; cancel every job that has not finished (idempotent)."""
+        gevent.killall(self._readers, block=False)
+        for stream in self.streams:
+            stream.close()

@@ -1,0 +1,50 @@
+"""A validated request → the jobs the dispatcher runs: one per prompt × candidate."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "typical_p", "seed",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "repeat_last_n", "mirostat", "mirostat_tau", "mirostat_eta", "logit_bias",
+                   "grammar", "json_schema", "min_tokens", "ignore_eos")
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    job: dict
+    prompt_index: int
+    candidate: int          # 0 .. best_of-1 within its prompt
+
+
+def route_of(req: dict, profile: str | None) -> dict:
+    """Worker requirements: geniex's nctx/ngl/compute and SIE's machine profile."""
+    route = {"nctx": req.get("nctx"), "ngl": req.get("ngl"), "compute": req.get("compute"),
+             "profile": profile}
+    return {k: v for k, v in route.items() if v is not None}
+
+
+def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
+              ) -> list[JobPlan]:
+    """One job per prompt and candidate. Candidates of one prompt get seeds seed, seed+1,
+    ... so that n > 1 gives different texts and the same request gives the same ones."""
+    max_tokens = req["max_tokens"]
+    candidates = req["best_of"] or req["n"]
+    scoring = candidates > req["n"]
+    route = route_of(req, profile)
+    plans = []
+    for p, prompt in enumerate(req["prompt"]):
+        for c in range(candidates):
+            sampling = {name: req.get(name) for name in SAMPLING_FIELDS}
+            if sampling["seed"] is not None:
+                sampling["seed"] += c
+            sub_id = request_id if len(req["prompt"]) * candidates == 1 \
+                else f"{request_id}.{p}.{c}"
+            job = {
+                "id": sub_id, "model": model, "prompt": prompt, "suffix": req.get("suffix"),
+                "max_tokens": None if max_tokens is None or max_tokens < 0 else max_tokens,
+                "stop": req["stop"], "echo": req["echo"], "logprobs": req.get("logprobs"),
+                "score": scoring, "sampling": sampling, "nctx": req.get("nctx"),
+                "route": route,
+            }
+            plans.append(JobPlan(job, p, c))
+    return plans

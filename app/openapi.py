@@ -1,0 +1,143 @@
+"""GET /openapi.json: the API described from the marshmallow schemas themselves.
+
+Request bodies are generated from the schema declarations (each field's OpenAPI
+description is its `metadata`), so the document cannot drift from what the server
+accepts; tests/test_openapi.py checks the ranges and enums against the validators too.
+"""
+from __future__ import annotations
+
+from flask import Blueprint, jsonify
+from marshmallow import Schema, fields
+
+from app.schemas import (CompletionRequestSchema, DetokenizeRequestSchema,
+                         TokenizeRequestSchema)
+
+bp = Blueprint("openapi", __name__)
+VERSION = "0.1.0"
+
+
+def field_schema(field: fields.Field) -> dict:
+    if isinstance(field, fields.Nested):
+        schema = object_schema(field.schema)
+        if field.metadata.get("description"):
+            schema["description"] = field.metadata["description"]
+    else:
+        schema = {k: v for k, v in field.metadata.items() if v != ""}
+    if field.allow_none:
+        if "oneOf" in schema:
+            schema["oneOf"] = schema["oneOf"] + [{"type": "null"}]
+        elif "type" in schema:
+            schema["type"] = [schema["type"], "null"]
+    return schema
+
+
+def object_schema(schema: Schema) -> dict:
+    out = {"type": "object", "additionalProperties": False,
+           "properties": {name: field_schema(f) for name, f in schema.fields.items()}}
+    required = [name for name, f in schema.fields.items() if f.required]
+    if required:
+        out["required"] = required
+    return out
+
+
+def _error_responses(*statuses: int) -> dict:
+    text = {400: "Invalid request", 401: "No valid API key", 404: "Unknown model or route",
+            413: "Body too large", 415: "Body is not JSON", 429: "Queue full",
+            503: "No worker ready, dispatcher unreachable or worker lost"}
+    return {str(s): {"description": text[s], "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/Error"}}}} for s in statuses}
+
+
+def _json(ref: str) -> dict:
+    return {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}
+
+
+LOGPROBS = {"type": ["object", "null"], "properties": {
+    "tokens": {"type": "array", "items": {"type": "string"}},
+    "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+    "top_logprobs": {"type": "array", "items": {"type": ["object", "null"]}},
+    "text_offset": {"type": "array", "items": {"type": "integer"}}}}
+USAGE = {"type": "object", "properties": {
+    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+    "total_tokens": {"type": "integer"}}}
+
+
+def build_openapi() -> dict:
+    completion = {"type": "object", "required": ["id", "object", "created", "model",
+                                                 "choices"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "text_completion"},
+        "created": {"type": "integer"}, "model": {"type": "string"},
+        "system_fingerprint": {"type": ["string", "null"]},
+        "choices": {"type": "array", "items": {"type": "object", "properties": {
+            "text": {"type": "string"}, "index": {"type": "integer"},
+            "logprobs": LOGPROBS,
+            "finish_reason": {"enum": ["stop", "length", None]}}}},
+        "usage": {"oneOf": [USAGE, {"type": "null"}]}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "completions-server", "version": VERSION,
+                 "description": "OpenAI-compatible raw-text completions (with llama.cpp's, "
+                                "geniex's and SIE's extensions)."},
+        "paths": {
+            "/v1/completions": {"post": {
+                "summary": "Create a completion (JSON, or SSE with stream: true)",
+                "parameters": [{"name": "X-SIE-MACHINE-PROFILE", "in": "header",
+                                "required": False, "schema": {"type": "string"},
+                                "description": "Only workers of this machine profile."}],
+                "requestBody": {"required": True, "content": _json("CompletionRequest")},
+                "responses": {"200": {"description": "A completion, or its chunks as "
+                                                     "Server-Sent Events ending in "
+                                                     "`data: [DONE]`",
+                                      "content": {**_json("Completion"),
+                                                  "text/event-stream": {"schema": {
+                                                      "type": "string"}}}},
+                              **_error_responses(400, 404, 413, 415, 429, 503)}}},
+            "/v1/models": {"get": {"summary": "Models served", "responses": {
+                "200": {"description": "Model list", "content": _json("ModelList")},
+                **_error_responses(503)}}},
+            "/health": {"get": {"summary": "200 when at least one worker is ready",
+                                "responses": {"200": {"description": "Ready"},
+                                              "503": {"description": "No worker ready"}}}},
+            "/tokenize": {"post": {
+                "summary": "Text to token ids (llama.cpp's shape)",
+                "requestBody": {"required": True, "content": _json("TokenizeRequest")},
+                "responses": {"200": {"description": "Tokens", "content": _json(
+                    "TokenizeResponse")}, **_error_responses(400, 404, 503)}}},
+            "/detokenize": {"post": {
+                "summary": "Token ids to text (llama.cpp's shape)",
+                "requestBody": {"required": True, "content": _json("DetokenizeRequest")},
+                "responses": {"200": {"description": "Text", "content": _json(
+                    "DetokenizeResponse")}, **_error_responses(400, 404, 503)}}},
+            "/openapi.json": {"get": {"summary": "This document",
+                                      "responses": {"200": {"description": "OpenAPI 3.1"}}}},
+        },
+        "components": {"schemas": {
+            "CompletionRequest": object_schema(CompletionRequestSchema()),
+            "TokenizeRequest": object_schema(TokenizeRequestSchema()),
+            "DetokenizeRequest": object_schema(DetokenizeRequestSchema()),
+            "Completion": completion,
+            "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+                "type": "object", "required": ["message", "type", "param", "code"],
+                "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                               "param": {"type": ["string", "null"]},
+                               "code": {"type": ["string", "null"]}}}}},
+            "ModelList": {"type": "object", "properties": {
+                "object": {"const": "list"}, "data": {"type": "array", "items": {
+                    "type": "object", "properties": {"id": {"type": "string"},
+                                                     "object": {"const": "model"},
+                                                     "created": {"type": "integer"},
+                                                     "owned_by": {"type": "string"}}}}}},
+            "TokenizeResponse": {"type": "object", "properties": {"tokens": {
+                "type": "array", "items": {"oneOf": [
+                    {"type": "integer"},
+                    {"type": "object", "properties": {"id": {"type": "integer"},
+                                                      "piece": {"type": "string"}}}]}}}},
+            "DetokenizeResponse": {"type": "object", "properties": {
+                "content": {"type": "string"}}},
+        }},
+    }
+
+
+@bp.get("/openapi.json")
+def openapi_document():
+    return jsonify(build_openapi())

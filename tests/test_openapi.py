@@ -1,0 +1,79 @@
+"""/openapi.json: a valid OpenAPI 3.1 document that says exactly what the schemas accept."""
+import pytest
+from marshmallow import fields
+from openapi_spec_validator import validate as validate_spec
+
+from app import create_app
+from app.completions import validate
+from app.errors import InvalidRequest
+from app.openapi import build_openapi
+from app.schemas import CompletionRequestSchema
+
+DOC = build_openapi()
+REQUEST = DOC["components"]["schemas"]["CompletionRequest"]
+
+
+def test_document_is_valid_openapi():
+    validate_spec(DOC)
+
+
+def test_served_document_is_the_built_one():
+    app = create_app({"DISPATCHER": "ipc:///nonexistent"})
+    response = app.test_client().get("/openapi.json")
+    assert response.status_code == 200 and response.get_json() == DOC
+
+
+def test_every_schema_field_is_documented_and_nothing_else():
+    schema = CompletionRequestSchema()
+    assert set(REQUEST["properties"]) == set(schema.fields)
+    assert REQUEST["required"] == [n for n, f in schema.fields.items() if f.required]
+    assert REQUEST["additionalProperties"] is False
+    for name, field in schema.fields.items():
+        documented = REQUEST["properties"][name]
+        assert documented.get("description"), f"{name} has no description"
+        if field.allow_none:
+            types = documented.get("type", [])
+            assert "null" in types or {"type": "null"} in documented.get("oneOf", []), name
+
+
+def _numeric_fields():
+    for name, prop in REQUEST["properties"].items():
+        for key in ("minimum", "maximum", "exclusiveMinimum"):
+            if key in prop:
+                yield name, key, prop[key], prop
+
+
+@pytest.mark.parametrize("name, key, bound, prop", list(_numeric_fields()),
+                         ids=lambda v: str(v) if not isinstance(v, dict) else "")
+def test_documented_bounds_are_the_validators_bounds(name, key, bound, prop):
+    types = prop["type"] if isinstance(prop["type"], list) else [prop["type"]]
+    step = 1 if "integer" in types else 0.001
+    outside = {"minimum": bound - step, "maximum": bound + step,
+               "exclusiveMinimum": bound}[key]
+    inside = {"minimum": bound, "maximum": bound, "exclusiveMinimum": bound + step}[key]
+    extra = {"stream": True} if name == "stream_options" else {}
+    validate({"prompt": "p", name: inside, **extra})
+    with pytest.raises(InvalidRequest) as info:
+        validate({"prompt": "p", name: outside, **extra})
+    assert info.value.param == name
+
+
+@pytest.mark.parametrize("name", [n for n, p in REQUEST["properties"].items() if "enum" in p])
+def test_documented_enums_are_accepted_and_others_rejected(name):
+    for value in REQUEST["properties"][name]["enum"]:
+        validate({"prompt": "p", name: value})
+    with pytest.raises(InvalidRequest):
+        validate({"prompt": "p", name: "not-in-enum" if isinstance(
+            REQUEST["properties"][name]["enum"][0], str) else 99})
+
+
+def test_documented_types_match_the_field_classes():
+    kinds = {"StrictFloat": "number", "StrictInteger": "integer", "StrictBoolean": "boolean",
+             "StrictString": "string", "JSONObject": "object"}
+    for name, field in CompletionRequestSchema().fields.items():
+        kind = kinds.get(type(field).__name__)
+        if kind:
+            documented = REQUEST["properties"][name]["type"]
+            assert kind == (documented[0] if isinstance(documented, list) else documented)
+        elif isinstance(field, fields.Nested):
+            assert REQUEST["properties"][name]["type"][0] == "object"
