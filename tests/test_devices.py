@@ -16,13 +16,16 @@ from dispatcher.devices import DeviceSpec, parse_device
     ("CPU:0-1+4-5", DeviceSpec("cpu", cores=(0, 1, 4, 5))),
     ("cuda:0", DeviceSpec("cuda", index=0)),
     ("npu:2", DeviceSpec("npu", index=2)),
+    ("cuda:1@fast", DeviceSpec("cuda", index=1, profile="fast")),
+    ("cpu:0-1@Batch_2", DeviceSpec("cpu", cores=(0, 1), profile="Batch_2")),
 ])
 def test_parse_device(text, spec):
     assert parse_device(text) == spec
     assert parse_device(str(spec)) == spec        # str() round-trips
 
 
-@pytest.mark.parametrize("text", ["gpu:0", "cuda", "cuda:x", "cpu:3-1", "cpu:a", "cpu:1,2", ""])
+@pytest.mark.parametrize("text", ["gpu:0", "cuda", "cuda:x", "cpu:3-1", "cpu:a", "cpu:1,2", "",
+                                  "cuda:0@", "cuda:0@a b"])
 def test_bad_device_specs_are_rejected(text):
     with pytest.raises(ValueError):
         parse_device(text)
