@@ -21,6 +21,7 @@ from dispatcher.routing import explain_unfit, fits
 bp = Blueprint("completions", __name__)
 _schema = CompletionRequestSchema()
 PROFILE_HEADER = "X-SIE-MACHINE-PROFILE"
+SESSION_HEADER = "X-Session-Id"     # a new request of a session supersedes the older ones
 
 
 def _reject_constant(name: str):
@@ -95,7 +96,8 @@ def create_completion():
     state = client.wait_state()
     model = resolve_model(req["model"], state)
     request_id = P.new_request_id()
-    plans = plan_jobs(request_id, model, req, request.headers.get(PROFILE_HEADER))
+    plans = plan_jobs(request_id, model, req, request.headers.get(PROFILE_HEADER),
+                      request.headers.get(SESSION_HEADER) or None)
     check_route(plans[0].job, state)
     fanout = Fanout(client, [p.job for p in plans])
     watcher = watch_disconnect(request.environ, fanout.client_gone)
@@ -151,6 +153,7 @@ class Result:
         self.finish = [None] * len(plans)
         self.scores = [0.0] * len(plans)
         self.prompt_tokens = [0] * len(plans)
+        self.cached_tokens = [0] * len(plans)
         self.completion_tokens = [0] * len(plans)
         self.fingerprint = None
 
@@ -162,6 +165,7 @@ class Result:
         kind = event["e"]
         if kind == P.EV_START:
             self.prompt_tokens[job_index] = event["prompt_tokens"]
+            self.cached_tokens[job_index] = event.get("cached_tokens", 0)
             self.fingerprint = self.fingerprint or event.get("fingerprint")
         elif kind == P.EV_TEXT:
             self.texts[job_index].append(event["text"])
@@ -174,10 +178,13 @@ class Result:
                                                       event["logprobs"])
 
     def usage(self) -> dict:
-        prompts = {}
-        for plan, tokens in zip(self.plans, self.prompt_tokens):
+        prompts, cached = {}, {}
+        for plan, tokens, hit in zip(self.plans, self.prompt_tokens, self.cached_tokens):
             prompts.setdefault(plan.prompt_index, tokens)
-        return sse.usage(sum(prompts.values()), sum(self.completion_tokens))
+            cached.setdefault(plan.prompt_index, hit)
+        usage = sse.usage(sum(prompts.values()), sum(self.completion_tokens))
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(cached.values())}
+        return usage
 
     def body(self) -> dict:
         by_prompt: dict[int, list[int]] = {}

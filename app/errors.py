@@ -54,6 +54,13 @@ class MethodNotAllowed(APIError):
     type = "invalid_request_error"
 
 
+class Conflict(APIError):
+    """Superseded by a newer request of the same session (409)."""
+    status = 409
+    type = "invalid_request_error"
+    code = "superseded"
+
+
 class PayloadTooLarge(APIError):
     """The body or prompt is over the configured limit (413)."""
     status = 413
@@ -94,7 +101,7 @@ class ServerError(APIError):
 
 
 _BY_STATUS = {cls.status: cls for cls in (InvalidRequest, Unauthorized, NotFound,
-                                          MethodNotAllowed, PayloadTooLarge,
+                                          MethodNotAllowed, Conflict, PayloadTooLarge,
                                           UnsupportedMediaType, Overloaded,
                                           ServiceUnavailable, GatewayTimeout, ServerError)}
 

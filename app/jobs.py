@@ -23,8 +23,8 @@ def route_of(req: dict, profile: str | None) -> dict:
     return {k: v for k, v in route.items() if v is not None}
 
 
-def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
-              ) -> list[JobPlan]:
+def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None,
+              session: str | None = None) -> list[JobPlan]:
     """One job per prompt and candidate. Candidates of one prompt get seeds seed, seed+1,
     ... so that n > 1 gives different texts and the same request gives the same ones."""
     max_tokens = req["max_tokens"]
@@ -44,7 +44,8 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
                 "max_tokens": None if max_tokens is None or max_tokens < 0 else max_tokens,
                 "stop": req["stop"], "echo": req["echo"], "logprobs": req.get("logprobs"),
                 "score": scoring, "sampling": sampling, "nctx": req.get("nctx"),
-                "route": route,
+                "route": route, "cache_prompt": req["cache_prompt"],
+                "session": session, "parent": request_id,
             }
             plans.append(JobPlan(job, p, c))
     return plans

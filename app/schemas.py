@@ -329,6 +329,10 @@ class CompletionRequestSchema(Schema):
                                              type="integer", minimum=0, default=0))
     ignore_eos = StrictBoolean(load_default=False, allow_none=True, metadata=_doc(
         "Never end at end of sequence.", type="boolean", default=False))
+    cache_prompt = StrictBoolean(load_default=True, allow_none=True, metadata=_doc(
+        "Reuse the longest prefix of this prompt already in a worker's KV cache "
+        "(usage.prompt_tokens_details.cached_tokens says how much).", type="boolean",
+        default=True))
     # -- geniex ------------------------------------------------------------------------
     nctx = StrictInteger(load_default=None, allow_none=True, validate=_range(1),
                          metadata=_doc("This request's context length; goes to a worker "

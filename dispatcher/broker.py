@@ -41,8 +41,9 @@ class Broker:
         self.queue = RequestQueue()
         self.registry = WorkerRegistry()
         self.frontends: dict[bytes, dict] = {}     # id -> {"seen": t, "pid": ...}
+        self.sessions: dict[str, dict[str, Job]] = {}   # X-Session-Id -> its open jobs
         self.stats = {"submitted": 0, "rejected": 0, "requeued": 0, "failed": 0,
-                      "completed": 0, "cancelled": 0}
+                      "completed": 0, "cancelled": 0, "superseded": 0}
         self._stop = threading.Event()
         self._next_heartbeat = 0.0
         self._proxy_thread = self._start_proxy()
@@ -192,9 +193,35 @@ class Broker:
         job = Job(request_id, fe_id, body)
         if body.get("op"):
             return self._run_op(job)
+        if body.get("session"):
+            self._supersede(job)
         self.queue.push(job)
         self._send_frontend(fe_id, P.ACCEPTED, request_id)
         self.dispatch()
+
+    def _supersede(self, job: Job) -> None:
+        """A new request of a session (X-Session-Id) ends the session's older ones,
+        queued or running: an editor sends one per keystroke and wants only the last."""
+        session, parent = job.body["session"], job.body.get("parent")
+        older = self.sessions.setdefault(session, {})
+        for request_id, old in list(older.items()):
+            if old.body.get("parent") == parent:
+                continue                     # a sibling (n > 1, batch): same request
+            del older[request_id]
+            self.stats["superseded"] += 1
+            self._send_frontend(old.frontend, P.FAILED, request_id, {
+                "status": 409, "type": "invalid_request_error", "code": "superseded",
+                "message": "superseded by a newer request of the same session"})
+            if self.queue.remove(request_id) is None and old.worker is not None:
+                self._send_worker(old.worker, P.CANCEL, request_id)
+        older[job.request_id] = job
+
+    def _forget(self, job: Job) -> None:
+        session = job.body.get("session")
+        if session and session in self.sessions:
+            self.sessions[session].pop(job.request_id, None)
+            if not self.sessions[session]:
+                del self.sessions[session]
 
     def _run_op(self, job: Job) -> None:
         """Tokenize/detokenize: no queue, no slot; the least busy fitting worker."""
@@ -225,8 +252,10 @@ class Broker:
         self._send_frontend(fe_id, P.REJECTED, request_id, body)
 
     def cancel(self, request_id: str) -> None:
-        if self.queue.remove(request_id) is not None:
+        job = self.queue.remove(request_id)
+        if job is not None:
             self.stats["cancelled"] += 1
+            self._forget(job)
             return
         for record in self.registry.workers.values():
             if request_id in record.running or request_id in record.ops:
@@ -291,6 +320,7 @@ class Broker:
             return
         record.running.pop(request_id, None)
         record.ops.pop(request_id, None)
+        self._forget(job)
         usage = body.get("usage") or {}
         record.tokens += int(usage.get("completion_tokens", 0))
         if body.get("cancelled"):
@@ -316,6 +346,7 @@ class Broker:
                 self.queue.push(job, front=True)
             else:
                 self.stats["failed"] += 1
+                self._forget(job)
                 self._send_frontend(job.frontend, P.FAILED, job.request_id, {
                     "status": 503, "type": "server_error", "code": "worker_lost",
                     "message": f"the worker serving this request was lost ({reason})"})
@@ -328,26 +359,31 @@ class Broker:
         self.broadcast_state()
 
     def dispatch(self) -> None:
-        """Hand queued jobs to workers with free slots: each worker takes the oldest job
-        it can run; workers with the most free slots (then least recently used) first."""
-        if not len(self.queue):
+        """Hand queued jobs, oldest first, to the worker the registry chooses for each
+        (cache affinity, then load); a job no free worker fits waits without blocking
+        the jobs behind it."""
+        if not len(self.queue) or not self.registry.with_free_slots():
             return
-        for worker in self.registry.with_free_slots():
-            while worker.free_slots > 0 and worker.identity in self.registry:
-                job = self.queue.take_for(worker.info)
-                if job is None:
-                    break
-                body = {**job.body, "topic": job.frontend.decode(), "attempt": job.attempt}
-                if not self._send_worker(worker.identity, P.REQUEST, job.request_id, body):
-                    self.queue.push(job, front=True)
-                    self.worker_lost(worker, "unreachable")
-                    break
-                job.worker = worker.identity
-                worker.running[job.request_id] = job
-                worker.last_assigned = time.monotonic()
+        for job in self.queue:
+            worker = self.registry.choose(job)
+            if worker is None:
+                continue
+            self.queue.take(job)
+            body = {**job.body, "topic": job.frontend.decode(), "attempt": job.attempt}
+            if not self._send_worker(worker.identity, P.REQUEST, job.request_id, body):
+                self.queue.push(job, front=True)
+                self.worker_lost(worker, "unreachable")
+                continue
+            job.worker = worker.identity
+            worker.running[job.request_id] = job
+            worker.last_assigned = time.monotonic()
+            worker.remember(job)
+            if not self.registry.with_free_slots():
+                return
 
     def _expire_unservable(self, now: float) -> None:
         for job in self.queue.expire(now - NO_WORKER_TIMEOUT, self.registry.infos()):
+            self._forget(job)
             self._reject(job.frontend, job.request_id, 503, "server_error", "no_worker_ready",
                          f"no worker for '{job.model}' became ready in {NO_WORKER_TIMEOUT:.0f}s",
                          retry_after=config.RETRY_AFTER_SECONDS)

@@ -96,8 +96,8 @@ def cmd_serve(args) -> int:
         argv = python_module_argv(
             "workers", "--dispatcher", base, "--device", str(spec), "--model", str(model_path),
             "--model-id", model_id, "--nctx", str(args.nctx), "--ngl", str(args.ngl),
-            "--slots", str(args.slots), "--engine", args.engine, "--name", name,
-            "--log-level", args.log_level)
+            "--slots", str(args.slots), "--deterministic", str(args.deterministic),
+            "--engine", args.engine, "--name", name, "--log-level", args.log_level)
         supervisor.add(Child(name, argv, env=spec.visible_devices(),
                              extra={"device": str(spec), "model": model_id}))
     if args.frontends:
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the dispatcher, the workers and the front ends")
     config.add_options(serve, ["host", "port", "frontends", "model", "model_id", "device",
-                               "nctx", "ngl", "slots", "engine", "dispatcher", "log_level",
-                               "max_body"])
+                               "nctx", "ngl", "slots", "deterministic", "engine",
+                               "dispatcher", "log_level", "max_body"])
     serve.set_defaults(func=cmd_serve)
     broker = sub.add_parser("broker", help="run the dispatcher alone; workers and front ends "
                                            "connect to it by address")
@@ -175,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     config.add_options(status, ["dispatcher", "port"])
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
     status.set_defaults(func=cmd_status, log_level="warning")
+    bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server (this one "
+                                         "by default) and print latency and throughput")
+    config.add_options(bench, ["port"])
+    from dispatcher import bench as bench_module
+    bench_module.add_arguments(bench)
+    bench.set_defaults(func=bench_module.run, log_level="warning")
     args = config.resolve_repeats(parser.parse_args(argv))
     _setup_logging(args.log_level)
     return args.func(args)

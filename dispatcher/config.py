@@ -39,12 +39,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
+
+DEFAULT_SLOTS = {"cpu": 8, "gpu": 16, "npu": 16}
 
 OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("host", "127.0.0.1", "address the HTTP front ends listen on"),
@@ -57,7 +68,11 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("nctx", 4096, "context length of each sequence, in tokens", _positive_int),
     Option("ngl", 999, "layers offloaded to the accelerator (ignored for cpu devices)",
            _non_negative_int),
-    Option("slots", 1, "sequences one worker decodes at a time", _positive_int),
+    Option("slots", 0, "sequences one worker decodes at once (continuous batching); "
+           f"0: {DEFAULT_SLOTS['cpu']} on cpu, {DEFAULT_SLOTS['gpu']} on accelerators",
+           _non_negative_int),
+    Option("deterministic", False, "batch composition never changes results (slower: no "
+           "CPU weight repacking, prompts prefilled alone)", _boolean),
     Option("engine", "llama", "inference engine: llama, or fake (a test double, no model)",
            str.lower, choices=("llama", "fake")),
     Option("dispatcher", None,

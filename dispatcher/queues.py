@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dispatcher import config
-from dispatcher.routing import fits
+from dispatcher.routing import MIN_SHARED_PREFIX, fits, prompt_key, shared_prefix
 
 
 @dataclass
@@ -51,6 +51,9 @@ class RequestQueue:
                 return job
         return None
 
+    def take(self, job: Job) -> None:
+        self._jobs.remove(job)
+
     def expire(self, older_than: float, infos: list[dict]) -> list[Job]:
         """Remove and return jobs no worker in `infos` can run that have waited since
         before `older_than`."""
@@ -83,6 +86,17 @@ class WorkerRecord:
     tokens: int = 0
     last_done: dict = field(default_factory=dict)
     last_assigned: float = 0.0
+    recent: deque = field(default_factory=lambda: deque(maxlen=64))   # prompt keys
+
+    def remember(self, job: Job) -> None:
+        """Note the prompt this worker now holds (or will hold) in a KV cache."""
+        self.recent.append(prompt_key(job.body))
+        while len(self.recent) > 2 * self.slots:
+            self.recent.popleft()
+
+    def cached_prefix(self, key: str) -> int:
+        """The longest prefix `key` shares with a prompt this worker ran recently."""
+        return max((shared_prefix(key, other) for other in self.recent), default=0)
 
     @property
     def name(self) -> str:
@@ -130,6 +144,23 @@ class WorkerRegistry:
 
     def expired(self, now: float) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if w.expires_at < now]
+
+    def choose(self, job: Job) -> WorkerRecord | None:
+        """Where a queued job should run now, among workers with a free slot that fit it:
+        the one whose recent prompts share the longest prefix with it (at least
+        MIN_SHARED_PREFIX characters: its KV cache likely holds that prefix), otherwise
+        the least loaded (most free slots, then least recently used)."""
+        candidates = [w for w in self.workers.values()
+                      if w.free_slots > 0 and fits(job.body, w.info)]
+        if not candidates:
+            return None
+        key = prompt_key(job.body)
+
+        def affinity(worker: WorkerRecord) -> int:
+            shared = worker.cached_prefix(key)
+            return shared if shared >= MIN_SHARED_PREFIX else 0
+
+        return max(candidates, key=lambda w: (affinity(w), w.free_slots, -w.last_assigned))
 
     def with_free_slots(self) -> list[WorkerRecord]:
         """Workers that can take a job, most free slots first (ties: least recently used)."""

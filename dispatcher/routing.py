@@ -1,9 +1,31 @@
-"""Which workers may run a job: model, context, compute kind, offload, profile, FIM.
+"""Which workers may run a job (model, context, compute kind, offload, profile, FIM), and
+which of those should (the one most likely to hold the prompt's prefix in its KV cache).
 
 Pure functions over the `info` a worker sends in READY, shared by the dispatcher (which
 routes) and the front ends (which answer 400 early with what is available).
 """
 from __future__ import annotations
+
+import json
+import os
+
+# Shorter shared prefixes are not worth steering a request away from the least loaded
+# worker: prefilling a few dozen tokens costs less than queueing behind other work.
+MIN_SHARED_PREFIX = 32
+
+
+def prompt_key(job: dict) -> str:
+    """The job's prompt as text laid out the way its tokens will be (FIM: prefix, then
+    suffix), so that a common text prefix means a common token prefix, roughly."""
+    prompt = job.get("prompt")
+    key = prompt if isinstance(prompt, str) else json.dumps(prompt)
+    if job.get("suffix") is not None:
+        key = "\x00fim\x00" + key + "\x00suffix\x00" + job["suffix"]
+    return key
+
+
+def shared_prefix(a: str, b: str) -> int:
+    return len(os.path.commonprefix([a, b]))
 
 
 REQUIREMENTS = ("nctx", "compute", "ngl", "profile", "suffix")

@@ -214,6 +214,6 @@ def reference_llm():
 
     from dispatcher.models import bundled_model_path
     llm = Llama(str(bundled_model_path()), n_ctx=512, n_batch=512, verbose=False,
-                logits_all=True, n_threads=len(os.sched_getaffinity(0)))
+                logits_all=True, flash_attn=True, n_threads=len(os.sched_getaffinity(0)))
     yield llm
     llm.close()

@@ -19,7 +19,7 @@ from workers.fake_engine import SCRIPT
 
 @pytest.fixture(scope="module")
 def fake_server():
-    server = ServerProcess("--engine", "fake", log_name="fake").start()
+    server = ServerProcess("--engine", "fake", "--slots", "1", log_name="fake").start()
     yield server
     assert server.stop() == 0
 

@@ -41,7 +41,7 @@ def _log_to_stderr(level: int, text: bytes, user_data) -> None:
         sys.stderr.write(text.decode("utf-8", "replace"))
 
 
-@dataclass
+@dataclass(eq=False)
 class _Slot:
     seq: int
     pending: list[int] = field(default_factory=list)   # prompt tokens still to decode
@@ -56,7 +56,8 @@ class _Slot:
     sampled: int = 0
     min_tokens: int = 0
     ignore_eos: bool = False
-    has_grammar: bool = False
+    plain_greedy: bool = False                          # argmax is the whole chain
+    cached: list[int] = field(default_factory=list)     # the tokens in this slot's KV cache
 
     @property
     def busy(self) -> bool:
@@ -67,13 +68,16 @@ class LlamaEngine:
     name = "llama"
 
     def __init__(self, model_path: str, n_ctx: int, slots: int, n_threads: int,
-                 n_gpu_layers: int, verbose: bool = False):
+                 n_gpu_layers: int, verbose: bool = False, deterministic: bool = False):
         global _VERBOSE
         _VERBOSE = verbose
         llama_cpp.llama_log_set(_log_to_stderr, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
+        # CPU weight repacking makes matmul results depend on how many rows a batch has
+        mparams.use_extra_bufts = not deterministic
+        self.deterministic = deterministic
         self.model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mparams)
         if not self.model:
             raise EngineError(f"llama.cpp could not load {model_path}")
@@ -85,8 +89,13 @@ class LlamaEngine:
         cparams.n_seq_max = slots
         cparams.n_batch = cparams.n_ubatch = 512
         cparams.n_threads = cparams.n_threads_batch = n_threads
-        cparams.kv_unified = True        # one pool; any seq order in a batch is cheap
-        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED  # as Llama()
+        # One KV stream per slot: a sequence attends over its own cells only (a unified
+        # pool makes every sequence scan every slot's cells, cached prefixes included).
+        cparams.kv_unified = False
+        # llama.cpp picks flash attention where the backend has it (on CPU too: ~10%
+        # faster batched decode here); it changes the numbers slightly, so reference
+        # runs of llama-cpp-python must use flash_attn=True to compare token for token.
+        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
         cparams.no_perf = True
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
@@ -160,28 +169,67 @@ class LlamaEngine:
     def n_slots(self) -> int:
         return len(self.slots)
 
+    def best_slot(self, tokens: list[int], free: list[int]) -> int:
+        """The free slot whose cached tokens share the longest prefix with `tokens`
+        (ties: the one with the least cached, so long caches survive)."""
+        return max(free, key=lambda i: (_common_prefix(self.slots[i].cached, tokens),
+                                        -len(self.slots[i].cached)))
+
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
-            logprobs: int | None = None, prompt_logprobs: bool = False) -> None:
-        """Start a sequence in a free slot; its prompt is decoded by the coming steps."""
+            logprobs: int | None = None, prompt_logprobs: bool = False,
+            reuse: bool = True) -> int:
+        """Start a sequence in a free slot; its prompt is decoded by the coming steps.
+        Returns how many prompt tokens were already in the slot's KV cache (reused)."""
         slot = self.slots[slot_id]
         if slot.busy:
             raise EngineError(f"slot {slot_id} is busy")
         self.check_tokens(tokens)
         chain = self._sampler_chain(sampling)
-        llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
-        slot.pending, slot.prompt, slot.n_past = list(tokens), list(tokens), 0
+        # At least the last prompt token is decoded again: its logits start generation.
+        # Prompt logprobs need every prompt row's logits, so nothing is reused then.
+        n_past = 0
+        # Decoding a prompt in other pieces changes its numbers: deterministic mode
+        # never reuses a cached prefix.
+        if reuse and not prompt_logprobs and not self.deterministic:
+            n_past = min(_common_prefix(slot.cached, tokens), len(tokens) - 1)
+        if not self._truncate(slot, n_past):
+            n_past = 0
+        slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
         slot.next_token, slot.row, slot.chain, slot.sampled = None, -1, chain, 0
         slot.logprobs = logprobs
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
-        slot.has_grammar = sampling.grammar is not None
+        slot.plain_greedy = (sampling.greedy and not sampling.penalized
+                             and not sampling.logit_bias and sampling.grammar is None)
+        return n_past
 
-    def release(self, slot_id: int) -> None:
-        """End the slot's sequence; the slot is free at once."""
+    def clear_caches(self) -> None:
+        """Forget every idle slot's cached prefix (after a failed decode, say)."""
+        for slot in self.slots:
+            if not slot.busy:
+                llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
+                slot.cached = []
+
+    def _truncate(self, slot: _Slot, n_past: int) -> bool:
+        """Keep the first `n_past` cached tokens of the slot, drop the rest."""
+        ok = n_past > 0 and llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, n_past, -1) \
+            and llama_cpp.llama_memory_seq_pos_max(self.memory, slot.seq) == n_past - 1
+        if not ok:
+            llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
+            slot.cached = []
+            return False
+        del slot.cached[n_past:]
+        return True
+
+    def release(self, slot_id: int, keep_cache: bool = True) -> None:
+        """End the slot's sequence; the slot is free at once. Its KV cache stays for
+        the next prompt that shares a prefix with it, unless `keep_cache` is False."""
         slot = self.slots[slot_id]
         if slot.chain is not None:
             llama_cpp.llama_sampler_free(slot.chain)
-        llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
+        if not keep_cache:
+            llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
+            slot.cached = []
         slot.chain, slot.pending, slot.n_past, slot.next_token, slot.row = None, [], 0, None, -1
         slot.prompt_rows, slot.prompt_logprobs = [], None
 
@@ -239,7 +287,13 @@ class LlamaEngine:
     # -- decoding ----------------------------------------------------------------------
     def step(self) -> dict[int, TokenOut]:
         """One decode for every busy slot; returns what each slot that finished its
-        prompt or is generating sampled."""
+        prompt or is generating sampled.
+
+        Rows go in slot order (ascending sequence ids keep llama.cpp's per-stream batch
+        split to few micro-batches). Every generating slot gets its row first; prompt
+        chunks share the room left in `n_batch`. In deterministic mode a prompt chunk is
+        decoded in a batch of its own, so batch composition never changes the numbers.
+        """
         batch = self.batch
         n = 0
 
@@ -251,20 +305,25 @@ class LlamaEngine:
             batch.seq_id[n][0] = slot.seq
             batch.logits[n] = logits
             slot.n_past += 1
+            slot.cached.append(token)
             n += 1
             return n - 1
 
-        for slot in self.slots:                    # generating slots: one token each
-            if slot.busy and slot.next_token is not None:
+        prefilling = [s for s in self.slots if s.busy and s.pending]
+        if self.deterministic and prefilling:
+            generating, prefilling = [], prefilling[:1]
+        else:
+            generating = [s for s in self.slots if s.busy and s.next_token is not None]
+        room = self.n_batch - len(generating)
+        for slot in self.slots:
+            if slot in generating:
                 slot.row = add_row(slot, slot.next_token, True)
                 slot.next_token = None
-        for slot in self.slots:                    # then prompt chunks, in the room left
-            if slot.busy and slot.pending and n < self.n_batch:
-                room = self.n_batch - n
-                if slot.prompt_logprobs is not None:
-                    room = min(room, PROMPT_LOGPROB_CHUNK)
-                chunk = slot.pending[:room]
-                slot.pending = slot.pending[len(chunk):]
+            elif slot in prefilling and room > 0:
+                take = min(room, PROMPT_LOGPROB_CHUNK) if slot.prompt_logprobs is not None \
+                    else room
+                chunk, slot.pending = slot.pending[:take], slot.pending[take:]
+                room -= len(chunk)
                 slot.prompt_rows = []
                 for i, token in enumerate(chunk):
                     last = not slot.pending and i == len(chunk) - 1
@@ -322,7 +381,14 @@ class LlamaEngine:
             logits[self.eog_tokens] = BANNED
         else:
             saved = None
-        token = llama_cpp.llama_sampler_sample(slot.chain, self.ctx, slot.row)
+        if slot.plain_greedy:
+            # argmax is all a bare greedy chain does; numpy skips copying 262k candidates
+            if logits is None:
+                logits = np.ctypeslib.as_array(
+                    llama_cpp.llama_get_logits_ith(self.ctx, slot.row), shape=(self.n_vocab,))
+            token = int(np.argmax(logits))
+        else:
+            token = llama_cpp.llama_sampler_sample(slot.chain, self.ctx, slot.row)
         if saved is not None:
             logits[self.eog_tokens] = saved
         slot.row = -1
@@ -337,10 +403,18 @@ class LlamaEngine:
 
     def close(self) -> None:
         for slot_id in range(len(self.slots)):
-            self.release(slot_id)
+            self.release(slot_id, keep_cache=False)
         llama_cpp.llama_batch_free(self.batch)
         llama_cpp.llama_free(self.ctx)
         llama_cpp.llama_model_free(self.model)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _fingerprint(model_path: str) -> str:

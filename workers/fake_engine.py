@@ -30,7 +30,8 @@ class FakeEngine:
     n_layer = 1
 
     def __init__(self, model_path: str, n_ctx: int, slots: int, n_threads: int = 1,
-                 n_gpu_layers: int = 0, verbose: bool = False, step_delay: float | None = None):
+                 n_gpu_layers: int = 0, verbose: bool = False, deterministic: bool = False,
+                 step_delay: float | None = None):
         self.n_ctx = n_ctx
         self.n_ctx_train = n_ctx
         self.n_vocab = 258
@@ -62,8 +63,15 @@ class FakeEngine:
     def grammar_from_json_schema(self, schema: dict) -> str:
         raise InvalidInput("the fake engine has no grammar support", param="json_schema")
 
+    def best_slot(self, tokens: list[int], free: list[int]) -> int:
+        return free[0]
+
+    def clear_caches(self) -> None:
+        pass
+
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
-            logprobs: int | None = None, prompt_logprobs: bool = False) -> None:
+            logprobs: int | None = None, prompt_logprobs: bool = False,
+            reuse: bool = True) -> int:
         self.check_tokens(tokens)
         if sampling.grammar is not None:
             raise InvalidInput("the fake engine has no grammar support", param="grammar")
@@ -76,8 +84,9 @@ class FakeEngine:
             "delay": float(slow.group(1)) if slow else self.step_delay,
             "crash": "[crash]" in prompt,
         }
+        return 0
 
-    def release(self, slot_id: int) -> None:
+    def release(self, slot_id: int, keep_cache: bool = True) -> None:
         self._slots[slot_id] = None
 
     def step(self) -> dict[int, TokenOut]:

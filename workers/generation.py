@@ -176,19 +176,21 @@ class GenerationLoop:
             raise InvalidInput("the prompt has no tokens", param="prompt")
         logprobs = body.get("logprobs")
         echo = bool(body.get("echo"))
-        active = Active(request_id, topic, int(body.get("attempt", 1)), self.free_slots[0],
+        slot = self.engine.best_slot(tokens, self.free_slots)
+        active = Active(request_id, topic, int(body.get("attempt", 1)), slot,
                         body.get("max_tokens"), n_ctx, len(tokens),
                         TextAssembler(body.get("stop")),
                         ledger=LogprobLedger(logprobs) if logprobs is not None else None,
                         score=bool(body.get("score")))
         want = logprobs if logprobs is not None else (0 if active.score else None)
         prompt_lp = echo and logprobs is not None
-        self.engine.add(active.slot, tokens, SamplingParams.from_job(sampling), want,
-                        prompt_logprobs=prompt_lp)
-        self.free_slots.pop(0)
+        cached = self.engine.add(slot, tokens, SamplingParams.from_job(sampling), want,
+                                 prompt_logprobs=prompt_lp,
+                                 reuse=body.get("cache_prompt", True))
+        self.free_slots.remove(slot)
         self.active[request_id] = active
         self._publish(active, {"e": P.EV_START, "prompt_tokens": len(tokens),
-                               "fingerprint": getattr(self.engine, "fingerprint", None)})
+                               "cached_tokens": cached, "fingerprint": self.engine.fingerprint})
         if echo:
             active.echo_text = prompt_text(self.engine, body["prompt"], tokens)
             active.echo_pending = prompt_lp        # then it waits for the prompt logprobs
@@ -225,6 +227,7 @@ class GenerationLoop:
             log.error("engine step failed: %s", exc)
             for active in list(self.active.values()):
                 self._fail(active, exc)
+            self.engine.clear_caches()
             return
         by_slot = {a.slot: a for a in self.active.values()}
         for slot, out in produced.items():

@@ -118,13 +118,15 @@ def compute_kind(device_compute: str, n_gpu_layers: int, n_layer: int) -> str:
 
 
 def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: int,
-                n_gpu_layers: int, verbose: bool):
+                n_gpu_layers: int, verbose: bool, deterministic: bool = False):
     if kind == "fake":
         from workers.fake_engine import FakeEngine
-        return FakeEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose)
+        return FakeEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose,
+                          deterministic)
     if kind == "llama":
         from workers.engine import LlamaEngine      # imported only after pinning
-        return LlamaEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose)
+        return LlamaEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose,
+                           deterministic)
     raise ValueError(f"unknown engine {kind!r}: use llama or fake")
 
 
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m workers",
         description="Run one worker: pin it to a device, load the model, serve the dispatcher.")
     config.add_options(parser, ["dispatcher", "device", "model", "model_id", "nctx", "ngl",
-                                "slots", "engine", "name", "log_level"])
+                                "slots", "deterministic", "engine", "name", "log_level"])
     args = config.resolve_repeats(parser.parse_args(argv))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
@@ -162,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     model_id = args.model_id or default_model_id(model_path)
     name = args.name or f"{spec.slug}-{os.getpid()}"
     started = time.monotonic()
-    engine = load_engine(args.engine, str(model_path), args.nctx, args.slots,
+    slots = args.slots or config.DEFAULT_SLOTS[spec.compute]
+    engine = load_engine(args.engine, str(model_path), args.nctx, slots,
                          placement.n_threads, placement.n_gpu_layers,
-                         args.log_level.lower() == "debug")
+                         args.log_level.lower() == "debug", args.deterministic)
     log.info("worker %s: %s loaded on %s in %.1fs (%d threads, cores %s, %s)", name,
              model_id, spec, time.monotonic() - started, placement.n_threads,
              list(placement.cores), placement.visible_devices or "no accelerator variables")
@@ -187,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             "n_gpu_layers": placement.n_gpu_layers, "profile": spec.profile,
             "pid": os.getpid(), "n_ctx": engine.n_ctx, "slots": engine.n_slots,
             "fim": engine.fim_tokens is not None, "fingerprint": engine.fingerprint,
+            "deterministic": args.deterministic,
             "engine": engine.name, "placement": placement.to_dict()}
     link = DispatcherLink(context, endpoints, name.encode(), info, loop, notify_address)
     link.start()
