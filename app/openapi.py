@@ -59,7 +59,9 @@ LOGPROBS = {"type": ["object", "null"], "properties": {
     "text_offset": {"type": "array", "items": {"type": "integer"}}}}
 USAGE = {"type": "object", "properties": {
     "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
-    "total_tokens": {"type": "integer"}}}
+    "total_tokens": {"type": "integer"},
+    "prompt_tokens_details": {"type": "object", "properties": {
+        "cached_tokens": {"type": "integer"}}}}}
 
 
 def build_openapi() -> dict:

@@ -160,6 +160,16 @@ def real_server():
 
 
 @pytest.fixture(scope="session")
+def det_server():
+    """The whole stack in the deterministic configuration (--deterministic): batch
+    composition and concurrency never change a result, so outputs can be compared
+    exactly however requests overlap."""
+    server = ServerProcess("--deterministic", "true", log_name="det").start()
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture(scope="session")
 def model_id(real_server) -> str:
     _, _, body = http_json(real_server.port, "GET", "/v1/models")
     return body["data"][0]["id"]
@@ -215,5 +225,20 @@ def reference_llm():
     from dispatcher.models import bundled_model_path
     llm = Llama(str(bundled_model_path()), n_ctx=512, n_batch=512, verbose=False,
                 logits_all=True, flash_attn=True, n_threads=len(os.sched_getaffinity(0)))
-    yield llm
+    yield FreshReference(llm)
     llm.close()
+
+
+class FreshReference:
+    """A Llama that decodes every prompt in full: llama-cpp-python otherwise reuses the
+    prefix of its previous prompt, which changes the numbers slightly."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def create_completion(self, *args, **kwargs):
+        self.llm.reset()
+        return self.llm.create_completion(*args, **kwargs)
+
+    def tokenize(self, *args, **kwargs):
+        return self.llm.tokenize(*args, **kwargs)

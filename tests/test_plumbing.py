@@ -35,7 +35,8 @@ def test_plain_completion_returns_the_generated_text(fake_server):
     assert status == 200
     assert body["choices"][0]["text"] == SCRIPT[:9].decode()
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 9, "total_tokens": 11}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 9, "total_tokens": 11,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert headers["X-Request-Id"] == body["id"]
 
 

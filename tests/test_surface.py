@@ -19,6 +19,12 @@ def port(real_server):
     return real_server.port
 
 
+@pytest.fixture(scope="module")
+def det_port(det_server):
+    """For comparisons across concurrent requests (see det_server)."""
+    return det_server.port
+
+
 def complete(port, **body):
     status, headers, payload = http_json(port, "POST", "/v1/completions", body)
     assert status == 200, payload
@@ -38,29 +44,32 @@ def tokens_of(port, text, add_special=True):
 
 
 def greedy(port, prompt, max_tokens=8, **extra):
+    """Greedy, decoded in full (no cached prefix): the same prompt always gives the same
+    text, on the default server too, when nothing else runs at the same time."""
+    extra.setdefault("cache_prompt", False)
     return complete(port, prompt=prompt, max_tokens=max_tokens, temperature=0, **extra)
 
 
 # -- 1. prompt forms ---------------------------------------------------------------------
-def test_token_id_and_mixed_prompts_mean_the_same_as_text(port):
-    text = greedy(port, PROMPT)
-    ids = tokens_of(port, PROMPT)
-    by_ids = greedy(port, ids)
-    mixed = greedy(port, [ids[0], PROMPT])                  # BOS id, then text
+def test_token_id_and_mixed_prompts_mean_the_same_as_text(det_port):
+    text = greedy(det_port, PROMPT)
+    ids = tokens_of(det_port, PROMPT)
+    by_ids = greedy(det_port, ids)
+    mixed = greedy(det_port, [ids[0], PROMPT])                  # BOS id, then text
     assert by_ids["choices"][0]["text"] == mixed["choices"][0]["text"] \
         == text["choices"][0]["text"]
     assert by_ids["usage"]["prompt_tokens"] == mixed["usage"]["prompt_tokens"] == len(ids)
 
 
-def test_batched_prompts_give_one_choice_per_prompt_in_order(port):
+def test_batched_prompts_give_one_choice_per_prompt_in_order(det_port):
     prompts = [PROMPT, "def fibonacci(n):"]
-    singles = [greedy(port, p)["choices"][0]["text"] for p in prompts]
-    batch = greedy(port, prompts)
+    singles = [greedy(det_port, p)["choices"][0]["text"] for p in prompts]
+    batch = greedy(det_port, prompts)
     assert [c["index"] for c in batch["choices"]] == [0, 1]
     assert [c["text"] for c in batch["choices"]] == singles
-    token_batch = greedy(port, [tokens_of(port, p) for p in prompts])
+    token_batch = greedy(det_port, [tokens_of(det_port, p) for p in prompts])
     assert [c["text"] for c in token_batch["choices"]] == singles
-    assert batch["usage"]["prompt_tokens"] == sum(len(tokens_of(port, p)) for p in prompts)
+    assert batch["usage"]["prompt_tokens"] == sum(len(tokens_of(det_port, p)) for p in prompts)
 
 
 @pytest.mark.parametrize("prompt", ["", [], [""], [[]]])
@@ -75,22 +84,22 @@ def test_token_ids_outside_the_vocabulary_are_400(port):
 
 
 # -- 2. n and best_of --------------------------------------------------------------------
-def test_n_choices_are_numbered_across_prompts(port):
-    body = complete(port, prompt=[PROMPT, "Once upon a time"], n=2, max_tokens=6,
+def test_n_choices_are_numbered_across_prompts(det_port):
+    body = complete(det_port, prompt=[PROMPT, "Once upon a time"], n=2, max_tokens=6,
                     temperature=1.0, seed=11)
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
-    singles = [complete(port, prompt=p, max_tokens=6, temperature=1.0, seed=11 + c)
+    singles = [complete(det_port, prompt=p, max_tokens=6, temperature=1.0, seed=11 + c)
                for p in (PROMPT, "Once upon a time") for c in range(2)]
     assert [c["text"] for c in body["choices"]] == [s["choices"][0]["text"] for s in singles]
     assert body["usage"]["prompt_tokens"] == sum(
-        len(tokens_of(port, p)) for p in (PROMPT, "Once upon a time"))
+        len(tokens_of(det_port, p)) for p in (PROMPT, "Once upon a time"))
     assert body["usage"]["completion_tokens"] == sum(
         s["usage"]["completion_tokens"] for s in singles)
 
 
-def test_best_of_returns_the_candidate_with_the_best_mean_logprob(port):
+def test_best_of_returns_the_candidate_with_the_best_mean_logprob(det_port):
     seeds = [21, 22, 23]
-    candidates = [complete(port, prompt=PROMPT, max_tokens=6, temperature=1.5, seed=s,
+    candidates = [complete(det_port, prompt=PROMPT, max_tokens=6, temperature=1.5, seed=s,
                            logprobs=0) for s in seeds]
 
     def mean(c):
@@ -98,21 +107,21 @@ def test_best_of_returns_the_candidate_with_the_best_mean_logprob(port):
         return sum(lps) / len(lps)
 
     best = max(candidates, key=mean)
-    body = complete(port, prompt=PROMPT, max_tokens=6, temperature=1.5, seed=21, best_of=3)
+    body = complete(det_port, prompt=PROMPT, max_tokens=6, temperature=1.5, seed=21, best_of=3)
     assert len(body["choices"]) == 1
     assert body["choices"][0]["text"] == best["choices"][0]["text"]
     assert body["usage"]["completion_tokens"] == sum(
         c["usage"]["completion_tokens"] for c in candidates)
 
 
-def test_streamed_n_chunks_carry_their_index(port):
-    stream = SSEStream(port, {"prompt": PROMPT, "n": 2, "max_tokens": 4, "temperature": 0,
+def test_streamed_n_chunks_carry_their_index(det_port):
+    stream = SSEStream(det_port, {"prompt": PROMPT, "n": 2, "max_tokens": 4, "temperature": 0,
                               "stream": True})
     chunks = [json.loads(d) for d in stream.events() if d != "[DONE]"]
     texts = {0: "", 1: ""}
     for chunk in chunks:
         texts[chunk["choices"][0]["index"]] += chunk["choices"][0]["text"]
-    assert texts[0] == texts[1] == greedy(port, PROMPT, 4)["choices"][0]["text"]
+    assert texts[0] == texts[1] == greedy(det_port, PROMPT, 4)["choices"][0]["text"]
     finals = [c for c in chunks if c["choices"][0]["finish_reason"]]
     assert sorted(c["choices"][0]["index"] for c in finals) == [0, 1]
 
@@ -158,7 +167,8 @@ def test_echo_with_logprobs_scores_the_prompt(port):
     assert all(v < 0 for v in lp["token_logprobs"][1:])
     assert "".join(lp["tokens"]) == PROMPT
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0,
-                             "total_tokens": len(ids)}
+                             "total_tokens": len(ids),
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     more = complete(port, prompt=PROMPT, max_tokens=3, echo=True, logprobs=1, temperature=0)
     assert len(more["choices"][0]["logprobs"]["tokens"]) == len(ids) + 3
 
@@ -212,12 +222,12 @@ def test_penalties_change_greedy_output(port):
     assert greedy(port, prompt, 12, presence_penalty=2.0)["choices"][0]["text"] != plain
 
 
-def test_same_seed_same_text_under_concurrency(port):
+def test_same_seed_same_text_under_concurrency(det_port):
     body = {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 99}
     texts = []
 
     def run():
-        texts.append(complete(port, **body)["choices"][0]["text"])
+        texts.append(complete(det_port, **body)["choices"][0]["text"])
 
     threads = [threading.Thread(target=run) for _ in range(4)]
     for t in threads:

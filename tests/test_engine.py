@@ -1,0 +1,120 @@
+"""LlamaEngine in this process on the bundled model: batching, prefix reuse, slots."""
+import pytest
+
+from workers.sampling import SamplingParams
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
+           "The planets of the solar system are"]
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    from dispatcher.models import bundled_model_path
+    return str(bundled_model_path())
+
+
+def make(model_path, slots=4, deterministic=False):
+    from workers.engine import LlamaEngine
+    return LlamaEngine(model_path, 1024, slots, 2, 0, deterministic=deterministic)
+
+
+def generate(engine, jobs, n=16, logprobs=None):
+    """jobs: [(slot, prompt)] started together; returns {slot: [(token, logprob)]}."""
+    out = {slot: [] for slot, _ in jobs}
+    for slot, prompt in jobs:
+        engine.add(slot, engine.tokenize(prompt), GREEDY, logprobs=logprobs)
+    while any(len(v) < n for v in out.values()):
+        for slot, result in engine.step().items():
+            if len(out[slot]) < n:
+                out[slot].append((result.token, result.logprob))
+    for slot, _ in jobs:
+        engine.release(slot)
+    return out
+
+
+def test_batched_equals_unbatched_in_the_deterministic_configuration(model_path):
+    engine = make(model_path, deterministic=True)
+    try:
+        alone = [generate(engine, [(0, p)], logprobs=0)[0] for p in PROMPTS]
+        together = generate(engine, list(enumerate(PROMPTS)), logprobs=0)
+        assert [together[i] for i in range(len(PROMPTS))] == alone    # tokens and logprobs
+    finally:
+        engine.close()
+
+
+def test_batched_greedy_text_is_close_in_the_default_configuration(model_path):
+    """Not bit-identical (batch composition changes the kernels' arithmetic), but the
+    first tokens agree and every sequence is served."""
+    engine = make(model_path)
+    try:
+        alone = [generate(engine, [(0, p)], n=4)[0] for p in PROMPTS]
+        engine.clear_caches()
+        together = generate(engine, list(enumerate(PROMPTS)), n=4)
+        assert [together[i][0][0] for i in range(len(PROMPTS))] == [a[0][0] for a in alone]
+    finally:
+        engine.close()
+
+
+def test_prefix_reuse_keeps_the_common_part_of_the_slot_cache(model_path):
+    engine = make(model_path, slots=2)
+    try:
+        first = engine.tokenize(PROMPTS[0])
+        generate(engine, [(0, PROMPTS[0])], n=3)
+        extended = engine.tokenize(PROMPTS[0] + " a city")
+        assert engine.best_slot(extended, [0, 1]) == 0                 # where the cache is
+        reused = engine.add(0, extended, GREEDY)
+        assert reused == len(first)
+        assert engine.slots[0].pending == extended[reused:]
+        engine.step()                                   # decodes the new part
+        engine.release(0)
+        # the same prompt again: all but the last token (its logits start generation)
+        assert engine.add(0, extended, GREEDY) == len(extended) - 1
+        engine.release(0)
+        assert engine.add(0, extended, GREEDY, reuse=False) == 0       # cache_prompt: false
+        engine.release(0)
+    finally:
+        engine.close()
+
+
+def test_deterministic_mode_never_reuses(model_path):
+    engine = make(model_path, slots=1, deterministic=True)
+    try:
+        generate(engine, [(0, PROMPTS[0])], n=2)
+        assert engine.add(0, engine.tokenize(PROMPTS[0]), GREEDY) == 0
+        engine.release(0)
+    finally:
+        engine.close()
+
+
+def test_release_frees_a_slot_mid_generation_for_the_next_request(model_path):
+    engine = make(model_path, slots=1)
+    try:
+        engine.add(0, engine.tokenize(PROMPTS[1]), GREEDY)
+        engine.step()
+        engine.step()
+        engine.release(0)                                              # a cancel
+        assert not engine.slots[0].busy
+        out = generate(engine, [(0, PROMPTS[2])], n=4)
+        assert len(out[0]) == 4
+    finally:
+        engine.close()
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_alongside_generating_slots(model_path):
+    engine = make(model_path, slots=2)
+    try:
+        long_prompt = "word " * 700                                    # > n_batch tokens
+        engine.add(0, engine.tokenize(PROMPTS[0]), GREEDY)
+        engine.step()                                                  # slot 0 generating
+        engine.add(1, engine.tokenize(long_prompt), GREEDY)
+        steps_with_both = 0
+        while engine.slots[1].pending:
+            produced = engine.step()
+            assert 0 in produced                                       # never starved
+            steps_with_both += 1
+        assert steps_with_both >= 2                                    # chunked
+    finally:
+        engine.close()
