@@ -1,0 +1,173 @@
+"""Continuous batching, prefix-cache reuse, cache-aware routing, superseding and the
+bench command, through the whole stack."""
+import json
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from conftest import ROOT, ServerProcess, SSEStream, http_json
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
+           "The planets of the solar system are"]
+LONG = "# utility module for parsing configuration files and validating them\n"
+
+
+def complete(port, body, headers=None):
+    status, _, payload = http_json(port, "POST", "/v1/completions", body, headers=headers)
+    return status, payload
+
+
+@pytest.mark.integration
+def test_batched_equals_unbatched_at_temperature_zero(det_server):
+    """In the deterministic configuration, requests decoded together in one batch give
+    exactly what each gives alone (tokens and logprobs)."""
+    body = {"max_tokens": 24, "temperature": 0, "logprobs": 1}
+    alone = [complete(det_server.port, {**body, "prompt": p})[1]["choices"][0]
+             for p in PROMPTS]
+    streams = [SSEStream(det_server.port, {**body, "prompt": p, "stream": True})
+               for p in PROMPTS]
+    firsts = [s.next_data() for s in streams]               # every stream has started ...
+    busy = det_server.worker()["busy_slots"]
+    texts = [json.loads(f)["choices"][0]["text"] for f in firsts]
+    lps = [json.loads(f)["choices"][0]["logprobs"]["token_logprobs"] for f in firsts]
+    for i, stream in enumerate(streams):
+        for data in stream.events():
+            if data == "[DONE]":
+                break
+            choice = json.loads(data)["choices"][0]
+            texts[i] += choice["text"]
+            lps[i] += (choice["logprobs"] or {}).get("token_logprobs", [])
+    assert busy == len(PROMPTS)                              # ... in one worker, together
+    assert texts == [a["text"] for a in alone]
+    assert lps == [a["logprobs"]["token_logprobs"] for a in alone]
+
+
+@pytest.mark.integration
+def test_a_prompt_extending_the_last_reuses_its_cached_prefix(real_server):
+    port = real_server.port
+    first = LONG + "def load(path):"
+    _, a = complete(port, {"prompt": first, "max_tokens": 2, "temperature": 0})
+    _, b = complete(port, {"prompt": first + "\n    with open(path) as f:", "max_tokens": 2,
+                           "temperature": 0})
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= \
+        a["usage"]["prompt_tokens"] - 1
+    _, c = complete(port, {"prompt": first, "max_tokens": 2, "temperature": 0,
+                           "cache_prompt": False})
+    assert c["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+@pytest.fixture(scope="module")
+def two_fake_workers():
+    server = ServerProcess("--engine", "fake", "--device", "cpu", "--device", "cpu",
+                           "--slots", "3", workers=2, log_name="routing").start()
+    yield server
+    assert server.stop() == 0
+
+
+def running_on(server) -> dict[str, list[str]]:
+    return {w["name"]: w["running"] for w in server.status()["workers"]}
+
+
+def start_slow(server, prompt, tokens=60, headers=None):
+    stream = SSEStream(server.port, {"prompt": prompt, "max_tokens": tokens,
+                                     "stream": True})
+    assert stream.status == 200
+    return stream
+
+
+def worker_of(server, request_id) -> str:
+    return next(name for name, ids in running_on(server).items() if request_id in ids)
+
+
+def test_routing_prefers_the_cached_prefix_then_the_least_loaded(two_fake_workers):
+    server = two_fake_workers
+    slow = "[slow=0.1] "
+    x = start_slow(server, slow + LONG + "def a():")
+    w_x = worker_of(server, x.headers["x-request-id"])
+    u1 = start_slow(server, slow + "unrelated one")
+    w_u1 = worker_of(server, u1.headers["x-request-id"])
+    assert w_u1 != w_x                                # more free slots there
+    u2 = start_slow(server, slow + "unrelated two")
+    assert worker_of(server, u2.headers["x-request-id"]) == w_x   # least recently used
+    # now w_x has 1 free slot and the other 2; the shared prefix still wins
+    x2 = start_slow(server, slow + LONG + "def b():")
+    assert worker_of(server, x2.headers["x-request-id"]) == w_x
+    u3 = start_slow(server, slow + "unrelated three")
+    assert worker_of(server, u3.headers["x-request-id"]) == w_u1  # least loaded again
+    for stream in (x, u1, u2, x2, u3):
+        stream.close()
+
+
+def test_a_new_request_of_a_session_supersedes_the_running_one(two_fake_workers):
+    server = two_fake_workers
+    headers = {"X-Session-Id": "editor-1"}
+    old = SSEStream.__new__(SSEStream)
+    import http.client
+    old.conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    old.conn.request("POST", "/v1/completions", body=json.dumps(
+        {"prompt": "[slow=0.1] def f(", "max_tokens": 200, "stream": True}).encode(),
+        headers={"Content-Type": "application/json", **headers})
+    old.response = old.conn.getresponse()
+    old.raw = b""
+    assert json.loads(old.next_data())["choices"][0]["text"]
+    before = sum(w["cancelled"] for w in server.status()["workers"])
+    status, new = complete(server.port, {"prompt": "def f(x", "max_tokens": 5}, headers)
+    assert status == 200 and new["choices"][0]["finish_reason"] == "length"
+    rest = list(old.events())
+    error = json.loads(rest[-2])["error"]
+    assert error["code"] == "superseded" and rest[-1] == "[DONE]"
+    server.wait_for(lambda: sum(w["cancelled"] for w in server.status()["workers"])
+                    == before + 1, timeout=10, what="the worker to drop the old request")
+
+
+def test_a_queued_request_superseded_never_runs_and_siblings_are_kept():
+    server = ServerProcess("--engine", "fake", "--slots", "1", log_name="supersede").start()
+    try:
+        blocker = start_slow(server, "[slow=0.05]", tokens=30)
+        headers = {"X-Session-Id": "editor-2"}
+        results = {}
+
+        def first():
+            results["first"] = complete(server.port, {"prompt": "v1", "max_tokens": 3},
+                                        headers)
+
+        thread = threading.Thread(target=first)
+        thread.start()
+        server.wait_for(lambda: sum(server.status()["queue"].values()) == 1,
+                        what="the first request to queue")
+        status, body = complete(server.port, {"prompt": "v2", "max_tokens": 3, "n": 2},
+                                headers)
+        thread.join(timeout=30)
+        assert results["first"][0] == 409
+        assert results["first"][1]["error"]["code"] == "superseded"
+        assert status == 200 and len(body["choices"]) == 2      # siblings both ran
+        list(blocker.events())
+        stats = server.status()["stats"]
+        assert stats["superseded"] == 1
+        assert sum(w["completed"] for w in server.status()["workers"]) == 3
+    finally:
+        assert server.stop() == 0
+
+
+def test_bench_reports_every_workload(two_fake_workers):
+    out = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "bench", "--url", two_fake_workers.url,
+         "--concurrency", "1,2", "--requests", "2", "--max-tokens", "8",
+         "--fim-keystrokes", "4", "--keystroke-interval", "0.05", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = {row["name"]: row for row in json.loads(out.stdout)}
+    assert set(rows) == {"stream x1", "stream x2", "extend prompt", "FIM keystrokes"}
+    for name in ("stream x1", "stream x2", "extend prompt"):
+        row = rows[name]
+        assert row["ok"] == row["requests"] and row["errors"] == row["truncated"] == 0
+        assert row["ttft_p50_ms"] > 0 and row["aggregate_tok_s"] > 0
+    fim = rows["FIM keystrokes"]
+    assert fim["ok"] >= 1 and fim["superseded"] >= 1 and fim["errors"] == 0
+    table = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "bench", "--url", two_fake_workers.url,
+         "--concurrency", "1", "--requests", "1", "--max-tokens", "4", "--no-fim"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300).stdout
+    assert "TTFT p50 ms" in table and "stream x1" in table
