@@ -14,7 +14,9 @@ def create_app(test_config: dict | None = None) -> Flask:
     app.config.from_mapping(
         DISPATCHER=None,
         MAX_BODY=config.OPTIONS["max_body"].default,
-        JSON_SORT_KEYS=False,
+        MAX_PROMPT_CHARS=config.OPTIONS["max_prompt_chars"].default,
+        API_KEY="",
+        API_KEY_FILE=None,
     )
     app.config.from_prefixed_env(config.ENV_PREFIX.rstrip("_"))
     if test_config:
@@ -25,8 +27,9 @@ def create_app(test_config: dict | None = None) -> Flask:
     app.json.sort_keys = False
     app.json.ensure_ascii = False
 
-    from app import completions, errors, openapi, status, tokens
+    from app import auth, completions, errors, openapi, status, tokens
     errors.register_error_handlers(app)
+    auth.init_app(app)
     for module in (completions, status, tokens, openapi):
         app.register_blueprint(module.bp)
     logging.getLogger("app").setLevel(logging.INFO)

@@ -10,8 +10,8 @@ from marshmallow import Schema, ValidationError
 
 from app import sse
 from app.client import ClientGone, get_client, watch_disconnect
-from app.errors import (InvalidRequest, NotFound, ServiceUnavailable, UnsupportedMediaType,
-                        from_wire)
+from app.errors import (InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable,
+                        UnsupportedMediaType, from_wire)
 from app.fanout import Fanout
 from app.jobs import plan_jobs
 from app.schemas import CompletionRequestSchema, first_error, normalize
@@ -21,6 +21,7 @@ from dispatcher.routing import explain_unfit, fits
 bp = Blueprint("completions", __name__)
 _schema = CompletionRequestSchema()
 PROFILE_HEADER = "X-SIE-MACHINE-PROFILE"
+TIMEOUT_HEADER = "X-Request-Timeout"  # seconds the request may wait in the queue
 SESSION_HEADER = "X-Session-Id"     # a new request of a session supersedes the older ones
 
 
@@ -89,15 +90,41 @@ def check_route(job: dict, state: dict) -> None:
     raise InvalidRequest(message, param=param, code=code)
 
 
+def queue_timeout() -> float | None:
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 86400 or value != value:
+        raise InvalidRequest(f"{TIMEOUT_HEADER} must be a number of seconds, more than 0 "
+                             "and at most 86400", param=TIMEOUT_HEADER)
+    return value
+
+
+def check_prompt_size(req: dict) -> None:
+    size = sum(len(p) if isinstance(p, str) else sum(
+        len(x) if isinstance(x, str) else 1 for x in p) for p in req["prompt"])
+    size += len(req.get("suffix") or "")
+    limit = int(current_app.config["MAX_PROMPT_CHARS"])
+    if size > limit:
+        raise PayloadTooLarge(f"the prompt has {size} characters; this server takes at "
+                              f"most {limit}", param="prompt", code="prompt_too_large")
+
+
 @bp.post("/v1/completions")
 def create_completion():
     req = validate(parse_json_body())
+    check_prompt_size(req)
+    timeout = queue_timeout()
     client = get_client(current_app)
     state = client.wait_state()
     model = resolve_model(req["model"], state)
     request_id = P.new_request_id()
     plans = plan_jobs(request_id, model, req, request.headers.get(PROFILE_HEADER),
-                      request.headers.get(SESSION_HEADER) or None)
+                      request.headers.get(SESSION_HEADER) or None, timeout)
     check_route(plans[0].job, state)
     fanout = Fanout(client, [p.job for p in plans])
     watcher = watch_disconnect(request.environ, fanout.client_gone)

@@ -24,7 +24,7 @@ def route_of(req: dict, profile: str | None) -> dict:
 
 
 def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None,
-              session: str | None = None) -> list[JobPlan]:
+              session: str | None = None, timeout: float | None = None) -> list[JobPlan]:
     """One job per prompt and candidate. Candidates of one prompt get seeds seed, seed+1,
     ... so that n > 1 gives different texts and the same request gives the same ones."""
     max_tokens = req["max_tokens"]
@@ -45,7 +45,7 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
                 "stop": req["stop"], "echo": req["echo"], "logprobs": req.get("logprobs"),
                 "score": scoring, "sampling": sampling, "nctx": req.get("nctx"),
                 "route": route, "cache_prompt": req["cache_prompt"],
-                "session": session, "parent": request_id,
+                "session": session, "parent": request_id, "timeout": timeout,
             }
             plans.append(JobPlan(job, p, c))
     return plans

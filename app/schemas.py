@@ -18,6 +18,7 @@ MAX_PROMPTS = 64
 MAX_CHOICES = 128
 MAX_LOGPROBS = 5
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+INT_MAX = 2 ** 31 - 1      # token counts and the like: anything larger is a mistake
 COMPUTE_KINDS = ("cpu", "gpu", "npu", "hybrid")
 
 
@@ -227,10 +228,10 @@ class CompletionRequestSchema(Schema):
     suffix = StrictString(load_default=None, allow_none=True, metadata=_doc(
         "Text after the completion: a fill-in-the-middle request laid out with the "
         "model's FIM tokens (400 if the model has none).", type="string"))
-    max_tokens = StrictInteger(load_default=16, allow_none=True, validate=_range(-1),
-                               metadata=_doc("Tokens to generate; null or -1: until the "
-                                             "end of sequence or of the context.",
-                                             type="integer", minimum=-1, default=16))
+    max_tokens = StrictInteger(
+        load_default=16, allow_none=True, validate=_range(-1, INT_MAX),
+        metadata=_doc("Tokens to generate; null or -1: until the end of sequence or of the "
+                      "context.", type="integer", minimum=-1, maximum=INT_MAX, default=16))
     temperature = StrictFloat(load_default=1.0, allow_none=True, validate=_range(0.0, 2.0),
                               metadata=_doc("0 is greedy.", type="number", minimum=0,
                                             maximum=2, default=1))
@@ -281,12 +282,14 @@ class CompletionRequestSchema(Schema):
     user = StrictString(load_default=None, allow_none=True,
                         metadata=_doc("Accepted and ignored.", type="string"))
     # -- llama.cpp ---------------------------------------------------------------------
-    n_predict = StrictInteger(load_default=None, allow_none=True, validate=_range(-1),
-                              metadata=_doc("llama.cpp's name for max_tokens.",
-                                            type="integer", minimum=-1))
-    top_k = StrictInteger(load_default=0, allow_none=True, validate=_range(-1), metadata=_doc(
-        "Keep the k most likely tokens; 0 or -1: off.", type="integer", minimum=-1,
-        default=0))
+    n_predict = StrictInteger(
+        load_default=None, allow_none=True, validate=_range(-1, INT_MAX),
+        metadata=_doc("llama.cpp's name for max_tokens.", type="integer", minimum=-1,
+                      maximum=INT_MAX))
+    top_k = StrictInteger(
+        load_default=0, allow_none=True, validate=_range(-1, INT_MAX),
+        metadata=_doc("Keep the k most likely tokens; 0 or -1: off.", type="integer",
+                      minimum=-1, maximum=INT_MAX, default=0))
     min_p = StrictFloat(load_default=0.0, allow_none=True, validate=_range(0.0, 1.0),
                         metadata=_doc("Drop tokens less likely than min_p × the most "
                                       "likely one; 0: off.", type="number", minimum=0,
@@ -304,10 +307,10 @@ class CompletionRequestSchema(Schema):
                                  metadata=_doc("llama.cpp's name for repetition_penalty.",
                                                type="number", exclusiveMinimum=0,
                                                maximum=10))
-    repeat_last_n = StrictInteger(load_default=-1, allow_none=True, validate=_range(-1),
-                                  metadata=_doc("Tokens the penalties look back over; -1: "
-                                                "all generated.", type="integer", minimum=-1,
-                                                default=-1))
+    repeat_last_n = StrictInteger(
+        load_default=-1, allow_none=True, validate=_range(-1, INT_MAX),
+        metadata=_doc("Tokens the penalties look back over; -1: all generated.",
+                      type="integer", minimum=-1, maximum=INT_MAX, default=-1))
     mirostat = StrictInteger(load_default=0, allow_none=True,
                              validate=validate.OneOf([0, 1, 2]), metadata=_doc(
                                  "0 off, 1 Mirostat, 2 Mirostat 2.0.", type="integer",
@@ -324,9 +327,10 @@ class CompletionRequestSchema(Schema):
         "GBNF grammar (root rule `root`) the output must follow.", type="string"))
     json_schema = JSONObject(load_default=None, allow_none=True, metadata=_doc(
         "JSON schema the output must validate against.", type="object"))
-    min_tokens = StrictInteger(load_default=0, allow_none=True, validate=_range(0),
-                               metadata=_doc("No end of sequence before this many tokens.",
-                                             type="integer", minimum=0, default=0))
+    min_tokens = StrictInteger(
+        load_default=0, allow_none=True, validate=_range(0, INT_MAX),
+        metadata=_doc("No end of sequence before this many tokens.", type="integer",
+                      minimum=0, maximum=INT_MAX, default=0))
     ignore_eos = StrictBoolean(load_default=False, allow_none=True, metadata=_doc(
         "Never end at end of sequence.", type="boolean", default=False))
     cache_prompt = StrictBoolean(load_default=True, allow_none=True, metadata=_doc(
@@ -334,13 +338,14 @@ class CompletionRequestSchema(Schema):
         "(usage.prompt_tokens_details.cached_tokens says how much).", type="boolean",
         default=True))
     # -- geniex ------------------------------------------------------------------------
-    nctx = StrictInteger(load_default=None, allow_none=True, validate=_range(1),
-                         metadata=_doc("This request's context length; goes to a worker "
-                                       "with at least this context.", type="integer",
-                                       minimum=1))
-    ngl = StrictInteger(load_default=None, allow_none=True, validate=_range(0),
-                        metadata=_doc("0: a worker without offload; N: one with at least N "
-                                      "layers offloaded.", type="integer", minimum=0))
+    nctx = StrictInteger(
+        load_default=None, allow_none=True, validate=_range(1, INT_MAX),
+        metadata=_doc("This request's context length; goes to a worker with at least this "
+                      "context.", type="integer", minimum=1, maximum=INT_MAX))
+    ngl = StrictInteger(
+        load_default=None, allow_none=True, validate=_range(0, INT_MAX),
+        metadata=_doc("0: a worker without offload; N: one with at least N layers "
+                      "offloaded.", type="integer", minimum=0, maximum=INT_MAX))
     compute = StrictString(load_default=None, allow_none=True,
                            validate=validate.OneOf(COMPUTE_KINDS), metadata=_doc(
                                "Workers of this kind only.", type="string",

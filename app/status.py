@@ -15,11 +15,15 @@ def health():
     state = get_client(current_app).wait_state()
     if state is None:
         body, status = {"status": "unavailable", "reason": "dispatcher unreachable"}, 503
+    elif state.get("draining"):
+        body, status = {"status": "draining", "reason": "shutting down"}, 503
     elif state.get("workers_ready", 0) < 1:
         body, status = {"status": "unavailable", "reason": "no worker ready",
                         "workers_ready": 0}, 503
     else:
-        body, status = {"status": "ok", "workers_ready": state["workers_ready"]}, 200
+        body, status = {"status": "ok", "workers_ready": state["workers_ready"],
+                        "workers_expected": max(state.get("expected_workers", 0),
+                                                state["workers_ready"])}, 200
     response = jsonify(body)
     response.status_code = status
     if status == 503:

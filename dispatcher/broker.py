@@ -27,8 +27,12 @@ NO_WORKER_TIMEOUT = 30.0
 
 class Broker:
     def __init__(self, endpoints: P.Endpoints, supervisor=None,
-                 known_models: dict[str, dict] | None = None):
+                 known_models: dict[str, dict] | None = None, max_queue: int = 64,
+                 queue_timeout: float = 0.0):
         self.endpoints = endpoints
+        self.max_queue = max_queue
+        self.queue_timeout = queue_timeout
+        self.draining_until: float | None = None
         self.supervisor = supervisor
         self.known_models = dict(known_models or {})
         self.started = time.time()
@@ -43,7 +47,8 @@ class Broker:
         self.frontends: dict[bytes, dict] = {}     # id -> {"seen": t, "pid": ...}
         self.sessions: dict[str, dict[str, Job]] = {}   # X-Session-Id -> its open jobs
         self.stats = {"submitted": 0, "rejected": 0, "requeued": 0, "failed": 0,
-                      "completed": 0, "cancelled": 0, "superseded": 0}
+                      "completed": 0, "cancelled": 0, "superseded": 0, "queue_full": 0,
+                      "timed_out": 0}
         self._stop = threading.Event()
         self._next_heartbeat = 0.0
         self._proxy_thread = self._start_proxy()
@@ -105,6 +110,18 @@ class Broker:
     def stop(self) -> None:
         self._stop.set()
 
+    def drain(self, grace: float) -> None:
+        """Stop admitting work (503) and stop once in-flight work is done or `grace`
+        seconds have passed."""
+        if self.draining_until is None:
+            self.draining_until = time.monotonic() + grace
+            log.info("draining: no new requests; waiting up to %.0fs for %d running and "
+                     "%d queued", grace, self.in_flight(), len(self.queue))
+            self.broadcast_state()
+
+    def in_flight(self) -> int:
+        return sum(len(w.running) + len(w.ops) for w in self.registry.workers.values())
+
     def run(self) -> None:
         poller = zmq.Poller()
         for sock in (self.frontend, self.backend, self.control):
@@ -146,7 +163,13 @@ class Broker:
             for identity in list(self.registry.workers):
                 self._send_worker(identity, P.HEARTBEAT)
         self._expire_unservable(now)
+        self._expire_deadlines(now)
         self.dispatch()
+        if self.draining_until is not None and (
+                now >= self.draining_until or not (len(self.queue) or self.in_flight())):
+            log.info("drained" if now < self.draining_until else
+                     "grace period over with %d requests in flight", self.in_flight())
+            self.stop()
 
     # -- front ends --------------------------------------------------------------------
     def process_frontend(self, frames: list[bytes]) -> None:
@@ -174,6 +197,10 @@ class Broker:
         if not request_id or not isinstance(model, str):
             return self._reject(fe_id, request_id, 400, "invalid_request_error", "bad_job",
                                 "the job lacks an id or a model")
+        if self.draining_until is not None:
+            return self._reject(fe_id, request_id, 503, "server_error", "shutting_down",
+                                "the server is shutting down",
+                                retry_after=config.RETRY_AFTER_SECONDS)
         if not models:
             return self._reject(fe_id, request_id, 503, "server_error", "no_worker_ready",
                                 "no worker is ready", retry_after=config.RETRY_AFTER_SECONDS)
@@ -195,6 +222,16 @@ class Broker:
             return self._run_op(job)
         if body.get("session"):
             self._supersede(job)
+        key = self.queue.key(job)
+        if self.queue.depth(key) >= self.max_queue:
+            self.stats["queue_full"] += 1
+            return self._reject(fe_id, request_id, 429, "rate_limit_error", "queue_full",
+                                f"{self.max_queue} requests are already waiting for "
+                                f"'{key[0]}'" + (f" (profile '{key[1]}')" if key[1] else ""),
+                                retry_after=1)
+        timeout = body.get("timeout") or self.queue_timeout
+        if timeout:
+            job.deadline = job.enqueued_at + float(timeout)
         self.queue.push(job)
         self._send_frontend(fe_id, P.ACCEPTED, request_id)
         self.dispatch()
@@ -381,6 +418,15 @@ class Broker:
             if not self.registry.with_free_slots():
                 return
 
+    def _expire_deadlines(self, now: float) -> None:
+        """Queued requests past their deadline get a 504 before they take a slot."""
+        for job in self.queue.past_deadline(now):
+            self.stats["timed_out"] += 1
+            self._forget(job)
+            waited = now - job.enqueued_at
+            self._reject(job.frontend, job.request_id, 504, "server_error", "queue_timeout",
+                         f"waited {waited:.1f}s in the queue, past the request's deadline")
+
     def _expire_unservable(self, now: float) -> None:
         for job in self.queue.expire(now - NO_WORKER_TIMEOUT, self.registry.infos()):
             self._forget(job)
@@ -401,6 +447,7 @@ class Broker:
         capabilities = ("model", "n_ctx", "compute", "n_gpu_layers", "profile", "fim")
         return {"workers_ready": len(self.registry), "models": self.models(),
                 "queued": len(self.queue), "expected_workers": self.expected_workers(),
+                "draining": self.draining_until is not None,
                 "workers": [{k: info.get(k) for k in capabilities}
                             for info in self.registry.infos()]}
 

@@ -41,10 +41,15 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def _run_broker(broker, cleanup_dir: str | None) -> int:
+def _run_broker(broker, cleanup_dir: str | None, grace: float = 0.0) -> int:
     def on_signal(signum, frame):
-        log.info("%s: stopping", signal.Signals(signum).name)
-        broker.stop()
+        if broker.draining_until is None and grace > 0:
+            log.info("%s: finishing in-flight requests (up to %.0fs; again to stop now)",
+                     signal.Signals(signum).name, grace)
+            broker.drain(grace)
+        else:
+            log.info("%s: stopping", signal.Signals(signum).name)
+            broker.stop()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -90,7 +95,8 @@ def cmd_serve(args) -> int:
     model_id = args.model_id or default_model_id(model_path)
     endpoints, base, cleanup = _endpoints(args)
     supervisor = Supervisor()
-    broker = Broker(endpoints, supervisor, known_models={model_id: {"n_ctx": args.nctx}})
+    broker = Broker(endpoints, supervisor, known_models={model_id: {"n_ctx": args.nctx}},
+                    max_queue=args.max_queue, queue_timeout=args.queue_timeout)
     for i, spec in enumerate(devices):
         name = f"w{i}-{spec.slug}"
         argv = python_module_argv(
@@ -104,21 +110,25 @@ def cmd_serve(args) -> int:
         env = {"COMPLETIONS_DISPATCHER": base, "COMPLETIONS_HOST": args.host,
                "COMPLETIONS_PORT": str(args.port), "COMPLETIONS_FRONTENDS": str(args.frontends),
                "COMPLETIONS_MAX_BODY": str(args.max_body),
-               "COMPLETIONS_LOG_LEVEL": args.log_level}
+               "COMPLETIONS_MAX_PROMPT_CHARS": str(args.max_prompt_chars),
+               "COMPLETIONS_LOG_LEVEL": args.log_level,
+               # keys travel in the environment, never on a command line (ps shows those)
+               "COMPLETIONS_API_KEY": ",".join(args.api_key),
+               "COMPLETIONS_API_KEY_FILE": args.api_key_file or ""}
         supervisor.add(Child("frontend", python_module_argv(
             "gunicorn", "-c", "python:app.gunicorn_conf"), env, kind="frontend"))
     print(f"serving {model_id} ({model_path}) on http://{args.host}:{args.port} with "
           f"{args.frontends} front end(s) and {len(devices)} worker(s): "
           f"{', '.join(map(str, devices))}; dispatcher at {base}", file=sys.stderr, flush=True)
-    return _run_broker(broker, cleanup)
+    return _run_broker(broker, cleanup, args.stop_grace)
 
 
 def cmd_broker(args) -> int:
     from dispatcher.broker import Broker
     endpoints, base, cleanup = _endpoints(args)
-    broker = Broker(endpoints)
+    broker = Broker(endpoints, max_queue=args.max_queue, queue_timeout=args.queue_timeout)
     print(f"dispatcher at {base}", file=sys.stderr, flush=True)
-    return _run_broker(broker, cleanup)
+    return _run_broker(broker, cleanup, args.stop_grace)
 
 
 def control_request(base: str, request: dict, timeout: float = 3.0) -> dict:
@@ -165,11 +175,14 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the dispatcher, the workers and the front ends")
     config.add_options(serve, ["host", "port", "frontends", "model", "model_id", "device",
                                "nctx", "ngl", "slots", "deterministic", "engine",
-                               "dispatcher", "log_level", "max_body"])
+                               "dispatcher", "log_level", "max_body", "max_prompt_chars",
+                               "max_queue", "queue_timeout", "stop_grace", "api_key",
+                               "api_key_file"])
     serve.set_defaults(func=cmd_serve)
     broker = sub.add_parser("broker", help="run the dispatcher alone; workers and front ends "
                                            "connect to it by address")
-    config.add_options(broker, ["dispatcher", "port", "log_level"])
+    config.add_options(broker, ["dispatcher", "port", "log_level", "max_queue",
+                                "queue_timeout", "stop_grace"])
     broker.set_defaults(func=cmd_broker)
     status = sub.add_parser("status", help="show workers, queue and front ends")
     config.add_options(status, ["dispatcher", "port"])
@@ -181,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     from dispatcher import bench as bench_module
     bench_module.add_arguments(bench)
     bench.set_defaults(func=bench_module.run, log_level="warning")
+    soak = sub.add_parser("soak", help="a bounded chaos run on loopback: mixed requests, "
+                                       "dropped clients, killed workers; lost must be 0")
+    from dispatcher import soak as soak_module
+    soak_module.add_arguments(soak)
+    soak.set_defaults(func=soak_module.run, log_level="warning")
     args = config.resolve_repeats(parser.parse_args(argv))
     _setup_logging(args.log_level)
     return args.func(args)

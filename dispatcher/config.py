@@ -48,6 +48,13 @@ def _boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -82,6 +89,18 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("log_level", "info", "log level", str.lower,
            choices=("debug", "info", "warning", "error")),
     Option("max_body", 8 * 1024 * 1024, "largest request body accepted, in bytes", _positive_int),
+    Option("max_prompt_chars", 1 << 20, "largest prompt (all prompts of a request), in "
+           "characters; 413 above", _positive_int),
+    Option("max_queue", 64, "queued requests per model and profile; 429 above",
+           _positive_int),
+    Option("queue_timeout", 0.0, "seconds a request may wait in the queue before a 504 "
+           "(0: no limit; a request's X-Request-Timeout header overrides it)",
+           _non_negative_float),
+    Option("stop_grace", 30.0, "seconds in-flight requests get to finish after SIGTERM",
+           _non_negative_float),
+    Option("api_key", [], "API key clients must send as 'Authorization: Bearer KEY'; "
+           "repeatable", repeat=True),
+    Option("api_key_file", None, "file of API keys, one per line"),
 ]}
 
 # Timing of the heartbeats between every pair of processes (ZeroMQ guide, Paranoid Pirate).
@@ -95,7 +114,7 @@ DONE_GRACE = 2.0
 SUBSCRIPTION_WAIT = 5.0
 # Worker respawn backoff (seconds): doubles from the first value up to the second.
 RESPAWN_BACKOFF = (0.5, 30.0)
-# Grace given to children on shutdown before they are killed.
+# Grace given to children, once asked to stop, before they are killed.
 STOP_GRACE = 10.0
 # Retry-After sent with a 503 when no worker is ready.
 RETRY_AFTER_SECONDS = 5

@@ -18,6 +18,7 @@ class Job:
     enqueued_at: float = field(default_factory=time.monotonic)
     worker: bytes | None = None  # the worker running it, once dispatched
     first_token: bool = False    # the worker said its first text is going out
+    deadline: float | None = None   # leave the queue with a 504 after this (monotonic)
 
     @property
     def model(self) -> str:
@@ -53,6 +54,20 @@ class RequestQueue:
 
     def take(self, job: Job) -> None:
         self._jobs.remove(job)
+
+    @staticmethod
+    def key(job: Job) -> tuple[str, str | None]:
+        """Admission is bounded per model and machine profile."""
+        return job.model, (job.body.get("route") or {}).get("profile")
+
+    def depth(self, key: tuple[str, str | None]) -> int:
+        return sum(1 for job in self._jobs if self.key(job) == key)
+
+    def past_deadline(self, now: float) -> list[Job]:
+        late = [j for j in self._jobs if j.deadline is not None and j.deadline <= now]
+        for job in late:
+            self._jobs.remove(job)
+        return late
 
     def expire(self, older_than: float, infos: list[dict]) -> list[Job]:
         """Remove and return jobs no worker in `infos` can run that have waited since

@@ -8,6 +8,7 @@ slot.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -58,6 +59,24 @@ class Publisher:
         self.sock.send_multipart(P.encode_event(topic, request_id, event))
 
 
+class FaultInjection:
+    """Test hooks that lose stream events on purpose, to show that a front end turns
+    the loss into an error: COMPLETIONS_FAULT_DROP_EVENT=N drops every request's event
+    with sequence number N; COMPLETIONS_FAULT_DROP_END=1 drops every `end` event."""
+
+    def __init__(self, drop_seq: int | None = None, drop_end: bool = False):
+        self.drop_seq, self.drop_end = drop_seq, drop_end
+
+    @classmethod
+    def from_env(cls) -> "FaultInjection":
+        seq = os.environ.get("COMPLETIONS_FAULT_DROP_EVENT")
+        return cls(int(seq) if seq else None,
+                   os.environ.get("COMPLETIONS_FAULT_DROP_END") == "1")
+
+    def drops(self, event: dict) -> bool:
+        return event["s"] == self.drop_seq or (self.drop_end and event["e"] == P.EV_END)
+
+
 class GenerationLoop:
     def __init__(self, engine, publisher: Publisher,
                  notify: Callable[[bytes, str, dict | None], None]):
@@ -68,6 +87,7 @@ class GenerationLoop:
         self.waiting: deque[tuple[str, dict]] = deque()
         self.active: dict[str, Active] = {}
         self.free_slots = list(range(engine.n_slots))
+        self.faults = FaultInjection.from_env()
 
     # -- inbox -------------------------------------------------------------------------
     def run(self, stopping: threading.Event) -> None:
@@ -312,6 +332,10 @@ class GenerationLoop:
         event["s"] = active.seq
         event["a"] = active.attempt
         active.seq += 1
+        if self.faults.drops(event):
+            log.warning("fault injection: dropping event %d of %s", event["s"],
+                        active.request_id)
+            return
         self.publisher.publish(active.topic, active.request_id, event)
 
     def abort_all(self, reason: str) -> list[str]:

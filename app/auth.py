@@ -1,0 +1,50 @@
+"""API keys: `Authorization: Bearer KEY` on every route but /health.
+
+Keys come from COMPLETIONS_API_KEY (comma-separated) and COMPLETIONS_API_KEY_FILE (one
+per line, `#` comments). Comparison is constant-time and checks every key, so timing
+tells nothing about how much of a key matched. Keys are never logged.
+"""
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+from flask import Flask, request
+
+from app.errors import Unauthorized
+
+OPEN_PATHS = {"/health"}
+
+
+def load_keys(inline: str | None, path: str | None) -> list[bytes]:
+    keys = [k.strip() for k in (inline or "").split(",") if k.strip()]
+    if path:
+        for line in Path(path).read_text().splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                keys.append(line)
+    return [k.encode() for k in keys]
+
+
+def key_matches(candidate: bytes, keys: list[bytes]) -> bool:
+    found = False
+    for key in keys:                       # no early exit: every key is compared
+        found |= hmac.compare_digest(candidate, key)
+    return found
+
+
+def init_app(app: Flask) -> None:
+    keys = load_keys(str(app.config.get("API_KEY") or ""), app.config.get("API_KEY_FILE"))
+    app.config["API_KEYS_ENABLED"] = bool(keys)
+    if not keys:
+        return
+
+    @app.before_request
+    def require_key():
+        if request.path in OPEN_PATHS:
+            return None
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key_matches(token.strip().encode(), keys):
+            raise Unauthorized("Missing or invalid API key: send 'Authorization: Bearer "
+                               "<key>'.", headers={"WWW-Authenticate": "Bearer"})
+        return None
