@@ -82,6 +82,13 @@ class Overloaded(APIError):
     code = "queue_full"
 
 
+class BadGateway(APIError):
+    """The token stream from the worker lost messages (502): never silently missing text."""
+    status = 502
+    type = "server_error"
+    code = "stream_gap"
+
+
 class ServiceUnavailable(APIError):
     """No worker can take the request now: none ready, dispatcher gone, worker lost (503)."""
     status = 503
@@ -102,7 +109,7 @@ class ServerError(APIError):
 
 _BY_STATUS = {cls.status: cls for cls in (InvalidRequest, Unauthorized, NotFound,
                                           MethodNotAllowed, Conflict, PayloadTooLarge,
-                                          UnsupportedMediaType, Overloaded,
+                                          UnsupportedMediaType, Overloaded, BadGateway,
                                           ServiceUnavailable, GatewayTimeout, ServerError)}
 
 

@@ -149,7 +149,7 @@ def test_models_and_health(real_server, model_id):
     assert status == 200 and body["object"] == "list"
     assert [m["id"] for m in body["data"]] == [model_id] == ["gemma-3-270m-q4_k_m"]
     status, _, body = http_json(real_server.port, "GET", "/health")
-    assert status == 200 and body == {"status": "ok", "workers_ready": 1}
+    assert status == 200 and body == {"status": "ok", "workers_ready": 1, "workers_expected": 1}
 
 
 def test_model_may_be_omitted_when_one_is_served(real_server, model_id):

@@ -1,0 +1,346 @@
+"""Overload, faults and shutdown on the real stack: nothing lost, everyone else served."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from conftest import ROOT, ServerProcess, SSEStream, free_port, http_json
+
+pytestmark = pytest.mark.integration
+
+PREFIX = "# module that parses configuration files and validates their fields\n"
+
+
+def complete(port, body, headers=None, timeout=120):
+    status, hdrs, payload = http_json(port, "POST", "/v1/completions", body,
+                                      headers=headers, timeout=timeout)
+    return status, hdrs, payload
+
+
+def read_all(stream: SSEStream) -> list:
+    return [d if d == "[DONE]" else json.loads(d) for d in stream.events()]
+
+
+def running_on(server) -> dict[str, list[str]]:
+    return {w["name"]: w["running"] for w in server.status()["workers"]}
+
+
+# -- 1. admission --------------------------------------------------------------------------
+def test_full_queue_is_429_and_a_deadline_is_504_before_running():
+    server = ServerProcess("--slots", "1", "--max-queue", "1", log_name="admission").start()
+    try:
+        blocker = SSEStream(server.port, {"prompt": "Once upon a time", "max_tokens": 400,
+                                          "temperature": 0, "ignore_eos": True,
+                                          "stream": True})
+        blocker.next_data()
+        results = {}
+
+        def queued():
+            results["queued"] = complete(server.port, {"prompt": "hi", "max_tokens": 2})
+
+        thread = threading.Thread(target=queued)
+        thread.start()
+        server.wait_for(lambda: sum(server.status()["queue"].values()) == 1,
+                        what="one queued request")
+        status, headers, body = complete(server.port, {"prompt": "more", "max_tokens": 2})
+        assert status == 429 and body["error"]["code"] == "queue_full"
+        assert headers["Retry-After"]
+        blocker.close()                                  # frees the slot for "queued"
+        thread.join(timeout=60)
+        assert results["queued"][0] == 200
+        # a deadline shorter than the wait: 504, and the request never runs
+        blocker = SSEStream(server.port, {"prompt": "Once upon a time", "max_tokens": 400,
+                                          "temperature": 0, "ignore_eos": True,
+                                          "stream": True})
+        blocker.next_data()
+        done_before = server.worker()["completed"]
+        status, _, body = complete(server.port, {"prompt": "late", "max_tokens": 2},
+                                   headers={"X-Request-Timeout": "0.5"})
+        assert status == 504 and body["error"]["code"] == "queue_timeout"
+        status, _, body = complete(server.port, {"prompt": "late"},
+                                   headers={"X-Request-Timeout": "soon"})
+        assert status == 400 and body["error"]["param"] == "X-Request-Timeout"
+        blocker.close()
+        server.wait_for(lambda: server.worker()["state"] == "idle", what="idle worker")
+        assert server.worker()["completed"] == done_before          # "late" never ran
+        assert server.status()["stats"]["timed_out"] == 1
+    finally:
+        assert server.stop() == 0
+
+
+# -- 2. worker death -----------------------------------------------------------------------
+def test_killed_worker_requeues_unstarted_fails_started_and_spares_the_rest():
+    server = ServerProcess("--device", "cpu:0", "--device", "cpu:1", workers=2,
+                           log_name="death").start()
+    try:
+        port = server.port
+        long_run = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        victim_stream = SSEStream(port, {"prompt": PREFIX + "def a():", "stream": True,
+                                         **long_run})
+        victim_stream.next_data()
+        victim = next(n for n, ids in running_on(server).items()
+                      if victim_stream.headers["x-request-id"] in ids)
+        bystander = SSEStream(port, {"prompt": "Once upon a time", "max_tokens": 30,
+                                     "temperature": 0, "stream": True})
+        bystander.next_data()
+        assert bystander.headers["x-request-id"] not in running_on(server)[victim]
+        results = {}
+
+        def plain(name, prompt, max_tokens):
+            results[name] = complete(port, {"prompt": prompt, "max_tokens": max_tokens,
+                                            "temperature": 0, "ignore_eos": True})
+
+        # same prefix → same worker (cache affinity): one generating, one still prefilling
+        started = threading.Thread(target=plain, args=("started", PREFIX + "def b():", 300))
+        started.start()
+        server.wait_for(lambda: len(running_on(server)[victim]) == 2, what="second request")
+        server.wait_for(lambda: len(next(w for w in server.status()["workers"]
+                                         if w["name"] == victim)["generating"]) == 2,
+                        what="the second request's first text")
+        unstarted = threading.Thread(target=plain, args=(
+            "unstarted", PREFIX + "def c():\n" + "x = 1\n" * 300, 3))
+        unstarted.start()
+        server.wait_for(lambda: len(running_on(server)[victim]) == 3, what="third request")
+        pid = next(w["pid"] for w in server.status()["workers"] if w["name"] == victim)
+        os.kill(pid, signal.SIGKILL)
+        events = read_all(victim_stream)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "worker_lost"
+        status, _, _ = http_json(port, "GET", "/health")
+        health = server.wait_for(lambda: (h := http_json(port, "GET", "/health")[2])
+                                 and h.get("workers_ready") == 1 and h, timeout=10,
+                                 what="health to show reduced capacity")
+        assert health["workers_expected"] == 2
+        started.join(timeout=120)
+        unstarted.join(timeout=300)
+        assert results["started"][0] == 503
+        assert results["started"][2]["error"]["code"] == "worker_lost"
+        assert results["unstarted"][0] == 200                     # requeued, then served
+        assert results["unstarted"][2]["usage"]["completion_tokens"] == 3
+        rest = read_all(bystander)
+        assert rest[-1] == "[DONE]" and rest[-2]["choices"][0]["finish_reason"] == "length"
+        stats = server.status()["stats"]
+        assert stats["requeued"] == 1 and stats["failed"] == 2
+        server.wait_ready()                                        # respawned
+        assert next(w for w in server.status()["workers"]
+                    if w["name"] == victim)["restarts"] == 1
+    finally:
+        assert server.stop() == 0
+
+
+# -- 3. dispatcher loss --------------------------------------------------------------------
+def spawn(argv, env, log):
+    return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_front_ends_notice_a_lost_dispatcher_and_reconnect(tmp_path):
+    base, http_port = free_port(5), free_port()
+    dispatcher = f"tcp://127.0.0.1:{base}"
+    log = open(tmp_path / "parts.log", "wb")
+    broker_argv = [sys.executable, "-m", "dispatcher", "broker", "--dispatcher", dispatcher]
+    broker = spawn(broker_argv, {}, log)
+    frontend = spawn([sys.executable, "-m", "gunicorn", "-c",
+                      str(ROOT / "deploy" / "gunicorn.conf.py")],
+                     {"COMPLETIONS_DISPATCHER": dispatcher,
+                      "COMPLETIONS_PORT": str(http_port)}, log)
+    worker = spawn([sys.executable, "-m", "workers", "--dispatcher", dispatcher, "--device",
+                    "cpu"], {}, log)
+    procs = [broker, frontend, worker]
+
+    def health():
+        try:
+            return http_json(http_port, "GET", "/health", timeout=5)
+        except OSError:
+            return None, None, None
+
+    def wait(predicate, timeout, what):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if predicate():
+                return time.monotonic()
+            time.sleep(0.1)
+        raise AssertionError(f"timed out: {what}\n" + (tmp_path / "parts.log").read_text()[-3000:])
+
+    try:
+        wait(lambda: health()[0] == 200, 90, "stack up")
+        stream = SSEStream(http_port, {"prompt": "Once upon a time", "max_tokens": 2000,
+                                       "ignore_eos": True, "stream": True})
+        stream.next_data()
+        os.killpg(broker.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        events = read_all(stream)
+        noticed = time.monotonic() - killed
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "dispatcher_unavailable"
+        assert noticed < 10                                     # heartbeats: about 3 s
+        status, _, body = health()
+        assert status == 503
+        status, headers, body = complete(http_port, {"prompt": "x"})
+        assert status == 503 and headers["Retry-After"]
+        procs[0] = broker = spawn(broker_argv, {}, log)          # back at the same address
+        wait(lambda: health()[0] == 200, 60, "front end and worker reconnected")
+        status, _, body = complete(http_port, {"prompt": "Hello", "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+    finally:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+# -- 4. token stream integrity -------------------------------------------------------------
+@pytest.mark.parametrize("fault, code, status", [
+    ({"COMPLETIONS_FAULT_DROP_EVENT": "3"}, "stream_gap", 502),
+    ({"COMPLETIONS_FAULT_DROP_END": "1"}, "stream_incomplete", 502),
+])
+def test_lost_stream_messages_become_errors_not_missing_text(fault, code, status):
+    server = ServerProcess(env=fault, log_name="fault").start()
+    try:
+        events = read_all(SSEStream(server.port, {"prompt": "Once upon a time",
+                                                  "max_tokens": 8, "stream": True}))
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == code
+        got, _, body = complete(server.port, {"prompt": "Once upon a time", "max_tokens": 8})
+        assert got == status and body["error"]["code"] == code
+    finally:
+        assert server.stop() == 0
+
+
+# -- 5. graceful stop ----------------------------------------------------------------------
+def test_sigterm_finishes_in_flight_streams_refuses_new_ones_and_cleans_up():
+    server = ServerProcess(log_name="drain").start()
+    ipc_dir = Path(server.dispatcher[len("ipc://"):])
+    stream = SSEStream(server.port, {"prompt": "Once upon a time", "max_tokens": 120,
+                                     "ignore_eos": True, "temperature": 0, "stream": True})
+    stream.next_data()
+    server.proc.send_signal(signal.SIGTERM)
+    status, _, body = server.wait_for(
+        lambda: (r := http_json(server.port, "GET", "/health")) and r[0] == 503 and r,
+        timeout=10, what="health to report draining")
+    assert body["status"] == "draining"
+    status, headers, body = complete(server.port, {"prompt": "new", "max_tokens": 2})
+    assert status == 503 and body["error"]["code"] == "shutting_down"
+    events = read_all(stream)
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert server.stop() == 0                          # also: no process of it is left
+    assert not ipc_dir.exists()
+
+
+def test_grace_period_ends_streams_cleanly_when_they_run_too_long():
+    server = ServerProcess("--stop-grace", "1", log_name="grace").start()
+    stream = SSEStream(server.port, {"prompt": "Once upon a time", "max_tokens": 3000,
+                                     "ignore_eos": True, "stream": True})
+    stream.next_data()
+    server.proc.send_signal(signal.SIGTERM)
+    events = read_all(stream)
+    assert events[-1] == "[DONE]" and "error" in events[-2]
+    assert server.stop() == 0
+
+
+# -- 6. API keys ---------------------------------------------------------------------------
+def test_api_keys(tmp_path):
+    key_file = tmp_path / "keys"
+    key_file.write_text("# team keys\nsecret-from-file-2\n")
+    server = ServerProcess("--api-key", "secret-inline-1", "--api-key-file", str(key_file),
+                           log_name="keys").start()
+    try:
+        port = server.port
+        status, headers, body = complete(port, {"prompt": "x", "max_tokens": 1})
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        assert headers["WWW-Authenticate"] == "Bearer"
+        status, _, _ = complete(port, {"prompt": "x", "max_tokens": 1},
+                                headers={"Authorization": "Bearer secret-inline-"})
+        assert status == 401
+        for key in ("secret-inline-1", "secret-from-file-2"):
+            status, _, _ = complete(port, {"prompt": "x", "max_tokens": 1},
+                                    headers={"Authorization": f"Bearer {key}"})
+            assert status == 200
+        status, _, _ = http_json(port, "GET", "/v1/models")
+        assert status == 401
+        status, _, _ = http_json(port, "GET", "/health")                  # stays open
+        assert status == 200
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="secret-inline-1",
+                               max_retries=0)
+        assert client.completions.create(model="gemma-3-270m-q4_k_m", prompt="x",
+                                         max_tokens=1).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=server.url + "/v1", api_key="wrong",
+                          max_retries=0).completions.create(model="m", prompt="x")
+        # keys appear in no log and on no child's command line
+        children = subprocess.run(["pgrep", "-g", str(server.proc.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        for pid in children:
+            if int(pid) != server.proc.pid:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                assert b"secret" not in cmdline
+    finally:
+        assert server.stop() == 0
+    assert "secret-inline-1" not in server.output()
+    assert "secret-from-file-2" not in server.log_path.read_text()
+
+
+# -- 7. input hardening --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hardened():
+    server = ServerProcess("--max-body", "65536", "--max-prompt-chars", "20000",
+                           log_name="hardened").start()
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.mark.parametrize("body, headers, status", [
+    (b'{"prompt": "' + b"x" * 70000 + b'"}', {}, 413),
+    (json.dumps({"prompt": "y" * 30000}).encode(), {}, 413),
+    (b"[" * 30000 + b"]" * 30000, {}, 400),
+    (b'{"prompt": "x", "max_tokens": 1e999}', {}, 400),
+    (b'{"prompt": "x", "max_tokens": 99999999999999999999999}', {}, 400),
+    (b'{"prompt": "x", "temperature": NaN}', {}, 400),
+    (b'{"prompt": "\xff\xfe"}', {}, 400),
+    (b"prompt=x", {"Content-Type": "application/x-www-form-urlencoded"}, 415),
+    (b'{"prompt": {"nested": ["deep"]}}', {}, 400),
+    (b"", {}, 400),
+])
+def test_hostile_bodies_get_a_clean_4xx(hardened, body, headers, status):
+    got, _, payload = http_json(hardened.port, "POST", "/v1/completions", body,
+                                headers=headers)
+    assert got == status
+    assert set(payload["error"]) == {"message", "type", "param", "code"}
+
+
+def test_slow_clients_do_not_block_others(hardened):
+    import socket
+    slow = []
+    for _ in range(30):
+        sock = socket.create_connection(("127.0.0.1", hardened.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+        slow.append(sock)
+    try:
+        status, _, body = complete(hardened.port, {"prompt": "Hello", "max_tokens": 2},
+                                   timeout=30)
+        assert status == 200
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+# -- 8. soak -------------------------------------------------------------------------------
+def test_short_soak_loses_nothing():
+    out = subprocess.run([sys.executable, "-m", "dispatcher", "soak", "--duration", "25",
+                          "--rate", "3", "--kill-every", "8", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=400)
+    report = json.loads(out.stdout)
+    assert out.returncode == 0, report
+    assert report["lost"] == 0 and report["garbled"] == 0
+    assert report["completed"] > 10 and report["clean_errors"] > 5
+    assert report["worker_kills"] >= 2 and report["recovered"] and report["server_exit"] == 0
