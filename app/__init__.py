@@ -5,20 +5,22 @@ import logging
 
 from flask import Flask
 
-from dispatcher import config
+from dispatcher import config, configfile
 
 
 def create_app(test_config: dict | None = None) -> Flask:
-    """Defaults, then COMPLETIONS_* environment variables, then `test_config`."""
+    """Defaults, then the config file (COMPLETIONS_CONFIG), then COMPLETIONS_* variables,
+    then `test_config`."""
     app = Flask(__name__)
+    options = configfile.effective(["dispatcher", "max_body", "max_prompt_chars",
+                                    "api_key", "api_key_file"])
     app.config.from_mapping(
-        DISPATCHER=None,
-        MAX_BODY=config.OPTIONS["max_body"].default,
-        MAX_PROMPT_CHARS=config.OPTIONS["max_prompt_chars"].default,
-        API_KEY="",
-        API_KEY_FILE=None,
+        DISPATCHER=options["dispatcher"],
+        MAX_BODY=options["max_body"],
+        MAX_PROMPT_CHARS=options["max_prompt_chars"],
+        API_KEY=",".join(options["api_key"]),
+        API_KEY_FILE=options["api_key_file"],
     )
-    app.config.from_prefixed_env(config.ENV_PREFIX.rstrip("_"))
     if test_config:
         app.config.update(test_config)
     if not app.config["DISPATCHER"]:
@@ -27,10 +29,11 @@ def create_app(test_config: dict | None = None) -> Flask:
     app.json.sort_keys = False
     app.json.ensure_ascii = False
 
-    from app import auth, completions, errors, openapi, status, tokens
+    from app import auth, completions, errors, metrics, openapi, status, tokens
     errors.register_error_handlers(app)
     auth.init_app(app)
-    for module in (completions, status, tokens, openapi):
+    metrics.init_app(app)
+    for module in (completions, status, tokens, openapi, metrics):
         app.register_blueprint(module.bp)
     logging.getLogger("app").setLevel(logging.INFO)
     return app

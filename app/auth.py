@@ -1,4 +1,4 @@
-"""API keys: `Authorization: Bearer KEY` on every route but /health.
+"""API keys: `Authorization: Bearer KEY` on every route but /health and /metrics.
 
 Keys come from COMPLETIONS_API_KEY (comma-separated) and COMPLETIONS_API_KEY_FILE (one
 per line, `#` comments). Comparison is constant-time and checks every key, so timing
@@ -13,7 +13,7 @@ from flask import Flask, request
 
 from app.errors import Unauthorized
 
-OPEN_PATHS = {"/health"}
+OPEN_PATHS = {"/health", "/metrics"}     # for load balancers and Prometheus
 
 
 def load_keys(inline: str | None, path: str | None) -> list[bytes]:

@@ -21,6 +21,7 @@ import zmq.green as zmq
 
 from app.errors import APIError, ServiceUnavailable, from_wire
 from dispatcher import config, protocol as P
+from dispatcher.metrics import LatencyRecorder
 
 log = logging.getLogger(__name__)
 TOKEN_HWM = 100_000
@@ -165,6 +166,8 @@ class DispatcherClient:
         self.state_event = gevent.event.Event()
         self._send_lock = gevent.lock.Semaphore()
         self._alive = False
+        self.recorder = LatencyRecorder()      # increments for the dispatcher's metrics
+        self.served = 0
         self._greenlets = [gevent.spawn(self._read_dealer), gevent.spawn(self._read_sub),
                            gevent.spawn(self._heartbeat)]
 
@@ -245,9 +248,32 @@ class DispatcherClient:
             if stream is not None:
                 stream.inbox.put(("ev", event))
 
+    def metrics_snapshot(self, timeout: float = 3.0) -> dict | None:
+        """The system's metrics, as the dispatcher adds them up; None if it is away."""
+        request_id = P.new_request_id()
+        stream = RequestStream(self, request_id)
+        self.streams[request_id] = stream
+        try:
+            if not self.send(P.METRICS, request_id):
+                return None
+            deadline = time.monotonic() + timeout
+            while True:
+                item = stream.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
+                if item[0] == "ctl" and item[1] == P.METRICS:
+                    return item[2]
+        except gevent.queue.Empty:
+            return None
+        finally:
+            self.forget(request_id)
+
     def _heartbeat(self) -> None:
         while True:
-            self.send(P.PING, body={"open": len(self.streams), "pid": self.pid})
+            body = {"open": len(self.streams), "pid": self.pid, "served": self.served}
+            delta = self.recorder.take()
+            if delta:
+                body["metrics"] = delta
+            if not self.send(P.PING, body=body) and delta:
+                self.recorder.restore(delta)          # the dispatcher is away: keep them
             gevent.sleep(config.HEARTBEAT_INTERVAL)
             if self._alive and not self.dispatcher_alive:
                 self._alive = False

@@ -114,8 +114,29 @@ def check_prompt_size(req: dict) -> None:
                               f"most {limit}", param="prompt", code="prompt_too_large")
 
 
+def measured(events, started: float, recorder):
+    """Pass events through, recording time to first text and between texts per job."""
+    last_text: dict[int, float] = {}
+    origin: dict[int, tuple[str, str]] = {}
+    for index, event in events:
+        kind = event["e"]
+        if kind == P.EV_START:
+            origin[index] = (str(event.get("worker", "unknown")),
+                             str(event.get("device", "unknown")))
+        elif kind == P.EV_TEXT:
+            now = time.perf_counter()
+            worker, device = origin.get(index, ("unknown", "unknown"))
+            if index in last_text:
+                recorder.observe("itl", worker, device, now - last_text[index])
+            else:
+                recorder.observe("ttft", worker, device, now - started)
+            last_text[index] = now
+        yield index, event
+
+
 @bp.post("/v1/completions")
 def create_completion():
+    started = time.perf_counter()
     req = validate(parse_json_body())
     check_prompt_size(req)
     timeout = queue_timeout()
@@ -131,7 +152,7 @@ def create_completion():
     result = Result(request_id, int(time.time()), model, req, plans)
     try:
         fanout.submit()
-        events = fanout.events()
+        events = measured(fanout.events(), started, client.recorder)
         first = next(events)
         if first[1]["e"] == P.EV_ERROR:
             raise from_wire(first[1])

@@ -1,18 +1,19 @@
-"""gunicorn settings for the front ends, from COMPLETIONS_* variables.
+"""gunicorn settings for the front ends, from COMPLETIONS_* variables (and the config file
+that COMPLETIONS_CONFIG names).
 
 Used by `python -m dispatcher serve` (as `-c python:app.gunicorn_conf`) and by
 `deploy/gunicorn.conf.py` for a front end run on its own.
 """
 import os
 
-from dispatcher import config as _config
+from dispatcher.configfile import effective as _effective
 
-_host = _config.env_value(_config.OPTIONS["host"])
-_port = _config.env_value(_config.OPTIONS["port"])
+_options = _effective(["host", "port", "frontends", "log_level"])
+_host, _port = _options["host"], _options["port"]
 
 wsgi_app = "app:create_app()"
 bind = [f"[{_host}]:{_port}" if ":" in _host else f"{_host}:{_port}"]
-workers = max(1, _config.env_value(_config.OPTIONS["frontends"]))
+workers = max(1, _options["frontends"])
 worker_class = "gevent"
 worker_connections = 1000
 timeout = 30            # gevent workers heartbeat from a greenlet: not a request timeout
@@ -20,7 +21,7 @@ graceful_timeout = 30   # in-flight streams get this long after SIGTERM
 keepalive = 75          # longer than nginx's upstream keepalive_timeout
 proc_name = "completions-frontend"
 control_socket_disable = True   # gunicorn 27's control socket: one fixed path per user
-loglevel = _config.env_value(_config.OPTIONS["log_level"])
+loglevel = _options["log_level"]
 
 
 def on_starting(server):

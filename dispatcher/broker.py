@@ -16,6 +16,8 @@ import time
 import zmq
 
 from dispatcher import config, protocol as P
+from dispatcher.metrics import SystemMetrics
+from dispatcher.operations import Operations, tokens_per_second
 from dispatcher.queues import Job, RequestQueue, WorkerRecord, WorkerRegistry
 from dispatcher.routing import explain_unfit, fits
 
@@ -49,6 +51,8 @@ class Broker:
         self.stats = {"submitted": 0, "rejected": 0, "requeued": 0, "failed": 0,
                       "completed": 0, "cancelled": 0, "superseded": 0, "queue_full": 0,
                       "timed_out": 0}
+        self.metrics = SystemMetrics()
+        self.ops = Operations(self)
         self._stop = threading.Event()
         self._next_heartbeat = 0.0
         self._proxy_thread = self._start_proxy()
@@ -164,11 +168,14 @@ class Broker:
                 self._send_worker(identity, P.HEARTBEAT)
         self._expire_unservable(now)
         self._expire_deadlines(now)
+        self.ops.tick(now)
         self.dispatch()
         if self.draining_until is not None and (
                 now >= self.draining_until or not (len(self.queue) or self.in_flight())):
-            log.info("drained" if now < self.draining_until else
-                     "grace period over with %d requests in flight", self.in_flight())
+            if now < self.draining_until:
+                log.info("drained")
+            else:
+                log.info("grace period over with %d requests in flight", self.in_flight())
             self.stop()
 
     # -- front ends --------------------------------------------------------------------
@@ -182,8 +189,14 @@ class Broker:
         info = self.frontends.setdefault(fe_id, {"since": time.time()})
         info["seen"] = time.monotonic()
         if msg.cmd == P.PING:
-            info.update(msg.body)
+            body = dict(msg.body)
+            delta = body.pop("metrics", None)
+            if isinstance(delta, dict):
+                self.metrics.absorb(delta)
+            info.update(body)
             self._send_frontend(fe_id, P.STATE, body=self.state())
+        elif msg.cmd == P.METRICS:
+            self._send_frontend(fe_id, P.METRICS, msg.request_id, self.ops.metrics_snapshot())
         elif msg.cmd == P.SUBMIT:
             self.submit(fe_id, msg.request_id, msg.body)
         elif msg.cmd == P.CANCEL:
@@ -328,6 +341,8 @@ class Broker:
                 log.warning("worker %r sent READY without a model", identity)
                 return
             record = self.registry.add(identity, msg.body, now)
+            if self.supervisor is not None:
+                self.supervisor.mark_healthy(record.name)
             log.info("worker %s ready: %s on %s, pid %s, n_ctx %s, %s slot(s)", record.name,
                      record.model, msg.body.get("device"), msg.body.get("pid"),
                      msg.body.get("n_ctx"), record.slots)
@@ -367,6 +382,8 @@ class Broker:
             record.completed += 1
             self.stats["completed"] += 1
         record.last_done = {"id": request_id, **body}
+        record.history.append((time.monotonic(), int(usage.get("completion_tokens", 0))))
+        self.metrics.job_done(record.name, str(record.info.get("device")), body)
         self._send_frontend(job.frontend, P.FINISHED, request_id,
                             {"attempt": job.attempt, "last_seq": body.get("last_seq")})
 
@@ -375,6 +392,8 @@ class Broker:
         self.registry.remove(record.identity)
         log.error("worker %s lost (%s) with %d request(s)", record.name, reason,
                   len(record.running))
+        self.metrics.worker_lost(record.name, str(record.info.get("device")),
+                                 len(record.running) + len(record.ops))
         for job in record.running.values():
             job.worker = None
             if not job.first_token and job.attempt < 2:
@@ -436,8 +455,13 @@ class Broker:
 
     # -- state -------------------------------------------------------------------------
     def models(self) -> dict[str, dict]:
+        configured = None
+        if self.supervisor is not None:          # what the workers are set to load now
+            configured = {c.extra.get("model") for c in self.supervisor.children.values()
+                          if c.kind == "worker"}
         models = {m: {"ready": 0, "n_ctx": info.get("n_ctx", 0), "slots": 0, "fim": False}
-                  for m, info in self.known_models.items()}
+                  for m, info in self.known_models.items()
+                  if configured is None or m in configured}
         models.update(self.registry.models())
         for info in models.values():
             info["created"] = int(self.started)
@@ -468,8 +492,11 @@ class Broker:
                                 "model": child.extra.get("model")})
         for record in self.registry.workers.values():
             child = children.get(record.name)
+            state = ("draining" if record.running else "drained") if record.draining \
+                else "busy" if record.running else "idle"
             workers.append({
-                "name": record.name, "state": "busy" if record.running else "idle",
+                "name": record.name, "state": state,
+                "tokens_per_s": tokens_per_second(record.history, now),
                 "device": record.info.get("device"), "model": record.model,
                 "pid": record.info.get("pid"), "n_ctx": record.info.get("n_ctx"),
                 "slots": record.slots, "busy_slots": len(record.running),
@@ -482,20 +509,18 @@ class Broker:
                 "placement": record.info.get("placement"), "last_done": record.last_done})
         return {"workers": sorted(workers, key=lambda w: w["name"]),
                 "queue": self.queue.depth_by_model(), "stats": dict(self.stats),
-                "frontends": [{"id": k.decode(errors="replace"),
-                               "open": v.get("open"), "pid": v.get("pid")}
+                "frontends": [{"id": k.decode(errors="replace"), "open": v.get("open"),
+                               "served": v.get("served"), "pid": v.get("pid")}
                               for k, v in self.frontends.items()]}
 
     def process_control(self, frames: list[bytes]) -> None:
         identity, request = frames[0], frames[-1]
         try:
-            command = json.loads(request).get("cmd")
-        except (ValueError, AttributeError):
-            command = None
-        if command == "status":
-            reply = self.status()
-        else:
-            reply = {"error": f"unknown command {command!r}"}
+            body = json.loads(request)
+            reply = self.ops.handle(body) if isinstance(body, dict) else \
+                {"error": "a request is a JSON object"}
+        except ValueError:
+            reply = {"error": "a request is a JSON object"}
         self.control.send_multipart([identity, b"", P.encode_json(reply)])
 
     def close(self) -> None:

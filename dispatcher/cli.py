@@ -1,4 +1,5 @@
-"""`python -m dispatcher`: the launcher (`serve`, `broker`) and the ops tool (`status`)."""
+"""`python -m dispatcher`: the launcher (`serve`, `broker`), the ops tool (`status`,
+`drain`, `resume`, `restart`, `reload`, `check-config`), `bench` and `soak`."""
 from __future__ import annotations
 
 import argparse
@@ -9,20 +10,16 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 
-import zmq
-
-from dispatcher import config, protocol as P
-from dispatcher.devices import parse_device
+from dispatcher import config, configfile, protocol as P
 from dispatcher.models import default_model_id, resolve_model_path
+from dispatcher.ops import control_request, default_dispatcher_address  # noqa: F401
 
 log = logging.getLogger("dispatcher")
-
-
-def default_dispatcher_address(port: int) -> str:
-    """A private ipc directory named after the HTTP port, so ops commands can find it."""
-    return f"ipc://{os.path.join(tempfile.gettempdir(), f'completions-{port}')}"
+SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "device",
+                 "nctx", "ngl", "slots", "deterministic", "engine", "dispatcher",
+                 "log_level", "max_body", "max_prompt_chars", "max_queue", "queue_timeout",
+                 "stop_grace", "api_key", "api_key_file"]
 
 
 def _setup_logging(level: str) -> None:
@@ -76,36 +73,31 @@ def _endpoints(args) -> tuple[P.Endpoints, str, str | None]:
     return endpoints, base, cleanup
 
 
+def make_plan(args) -> configfile.Plan:
+    return configfile.plan(args._config_data, args, resolve_model_path, default_model_id)
+
+
 def cmd_serve(args) -> int:
     from dispatcher.broker import Broker
     from dispatcher.supervisor import Child, Supervisor, python_module_argv
 
     try:
-        devices = [parse_device(d) for d in args.device]
-    except ValueError as exc:
-        raise SystemExit(f"--device: {exc}")
-    allowed = os.sched_getaffinity(0)
-    for spec in devices:
-        if spec.cores is not None and not set(spec.cores) <= allowed:
-            raise SystemExit(f"--device {spec}: this machine lets us use cores "
-                             f"{sorted(allowed)} only")
+        plan = make_plan(args)
+    except configfile.ConfigError as exc:
+        raise SystemExit("configuration problems:\n  " + "\n  ".join(exc.problems))
+    if args.api_key_file and not os.access(args.api_key_file, os.R_OK):
+        raise SystemExit(f"--api-key-file {args.api_key_file}: not readable")
     if args.frontends and not _port_free(args.host, args.port):
         raise SystemExit(f"{args.host}:{args.port} is already in use")
-    model_path = resolve_model_path(args.model)
-    model_id = args.model_id or default_model_id(model_path)
     endpoints, base, cleanup = _endpoints(args)
     supervisor = Supervisor()
-    broker = Broker(endpoints, supervisor, known_models={model_id: {"n_ctx": args.nctx}},
+    broker = Broker(endpoints, supervisor,
+                    known_models={m.id: {"n_ctx": m.nctx} for m in plan.models},
                     max_queue=args.max_queue, queue_timeout=args.queue_timeout)
-    for i, spec in enumerate(devices):
-        name = f"w{i}-{spec.slug}"
-        argv = python_module_argv(
-            "workers", "--dispatcher", base, "--device", str(spec), "--model", str(model_path),
-            "--model-id", model_id, "--nctx", str(args.nctx), "--ngl", str(args.ngl),
-            "--slots", str(args.slots), "--deterministic", str(args.deterministic),
-            "--engine", args.engine, "--name", name, "--log-level", args.log_level)
-        supervisor.add(Child(name, argv, env=spec.visible_devices(),
-                             extra={"device": str(spec), "model": model_id}))
+    for worker in plan.workers:
+        argv = python_module_argv("workers", *worker.argv(base, args.engine, args.log_level))
+        supervisor.add(Child(worker.name, argv, env=worker.device.visible_devices(),
+                             extra={"device": str(worker.device), "model": worker.model.id}))
     if args.frontends:
         env = {"COMPLETIONS_DISPATCHER": base, "COMPLETIONS_HOST": args.host,
                "COMPLETIONS_PORT": str(args.port), "COMPLETIONS_FRONTENDS": str(args.frontends),
@@ -117,9 +109,11 @@ def cmd_serve(args) -> int:
                "COMPLETIONS_API_KEY_FILE": args.api_key_file or ""}
         supervisor.add(Child("frontend", python_module_argv(
             "gunicorn", "-c", "python:app.gunicorn_conf"), env, kind="frontend"))
-    print(f"serving {model_id} ({model_path}) on http://{args.host}:{args.port} with "
-          f"{args.frontends} front end(s) and {len(devices)} worker(s): "
-          f"{', '.join(map(str, devices))}; dispatcher at {base}", file=sys.stderr, flush=True)
+    models = ", ".join(f"{m.id} ({m.path})" for m in plan.models)
+    print(f"serving {models} on http://{args.host}:{args.port} with {args.frontends} front "
+          f"end(s) and {len(plan.workers)} worker(s): "
+          f"{', '.join(str(w.device) for w in plan.workers)}; dispatcher at {base}",
+          file=sys.stderr, flush=True)
     return _run_broker(broker, cleanup, args.stop_grace)
 
 
@@ -131,66 +125,76 @@ def cmd_broker(args) -> int:
     return _run_broker(broker, cleanup, args.stop_grace)
 
 
-def control_request(base: str, request: dict, timeout: float = 3.0) -> dict:
-    endpoints = P.Endpoints.from_base(base)
-    context = zmq.Context()
-    sock = context.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoints.control)
+def cmd_check_config(args) -> int:
+    """Everything `serve` would check, without starting anything."""
+    problems: list[str] = []
     try:
-        sock.send(P.encode_json(request))
-        if not sock.poll(int(timeout * 1000)):
-            raise SystemExit(f"no answer from the dispatcher at {base} in {timeout:.0f}s")
-        return json.loads(sock.recv())
-    finally:
-        sock.close()
-        context.term()
-
-
-def cmd_status(args) -> int:
-    base = args.dispatcher or default_dispatcher_address(args.port)
-    status = control_request(base, {"cmd": "status"})
+        plan = make_plan(args)
+    except configfile.ConfigError as exc:
+        problems, plan = exc.problems, None
+    if args.api_key_file and not os.access(args.api_key_file, os.R_OK):
+        problems.append(f"api_key_file {args.api_key_file}: not readable")
+    try:
+        P.Endpoints.from_base(args.dispatcher or default_dispatcher_address(args.port))
+    except ValueError as exc:
+        problems.append(f"dispatcher: {exc}")
     if args.json:
-        print(json.dumps(status, indent=2))
-        return 0
-    rows = [("WORKER", "STATE", "DEVICE", "MODEL", "PID", "BUSY", "DONE", "CANCELLED",
-             "TOKENS", "RESTARTS")]
-    for w in status["workers"]:
-        rows.append((w["name"], w["state"], w.get("device") or "-", w.get("model") or "-",
-                     str(w.get("pid") or "-"),
-                     f"{w.get('busy_slots', 0)}/{w.get('slots', '-')}",
-                     str(w.get("completed", 0)), str(w.get("cancelled", 0)),
-                     str(w.get("tokens", 0)), str(w.get("restarts", 0))))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-    queue = ", ".join(f"{m}: {n}" for m, n in status["queue"].items()) or "empty"
-    print(f"\nqueue: {queue}; front ends connected: {len(status['frontends'])}")
-    return 0
+        print(json.dumps({"ok": not problems, "problems": problems, "models": [
+            {"id": m.id, "path": str(m.path), "nctx": m.nctx} for m in plan.models]
+            if plan else [], "workers": [
+            {"name": w.name, "device": str(w.device), "model": w.model.id, "slots": w.slots,
+             "nctx": w.nctx} for w in plan.workers] if plan else []}, indent=2))
+    elif problems:
+        print(f"{len(problems)} problem(s):")
+        for problem in problems:
+            print(f"  - {problem}")
+    else:
+        print(f"config OK: {len(plan.models)} model(s), {len(plan.workers)} worker(s), "
+              f"{args.frontends} front end(s) on {args.host}:{args.port}")
+        for w in plan.workers:
+            print(f"  {w.name}: {w.device} serves {w.model.id} ({w.model.path}), "
+                  f"{w.slots} slots, context {w.nctx}")
+    return 1 if problems else 0
+
+
+def _config_values(argv: list[str] | None) -> dict:
+    """Phase one: find and read the config file (--config or COMPLETIONS_CONFIG)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=config.env_value(config.OPTIONS["config"]))
+    known, _ = pre.parse_known_args(argv)
+    try:
+        return configfile.read(known.config)
+    except configfile.ConfigError as exc:
+        raise SystemExit("configuration problems:\n  " + "\n  ".join(exc.problems))
 
 
 def main(argv: list[str] | None = None) -> int:
+    data = _config_values(argv)
+    file_values = configfile.server_defaults(data)
     parser = argparse.ArgumentParser(prog="python -m dispatcher", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the dispatcher, the workers and the front ends")
-    config.add_options(serve, ["host", "port", "frontends", "model", "model_id", "device",
-                               "nctx", "ngl", "slots", "deterministic", "engine",
-                               "dispatcher", "log_level", "max_body", "max_prompt_chars",
-                               "max_queue", "queue_timeout", "stop_grace", "api_key",
-                               "api_key_file"])
+    config.add_options(serve, SERVE_OPTIONS, file_values)
     serve.set_defaults(func=cmd_serve)
+    check = sub.add_parser("check-config", help="check the configuration (file, variables, "
+                                                "flags) without starting anything")
+    config.add_options(check, SERVE_OPTIONS, file_values)
+    check.add_argument("--json", action="store_true")
+    check.set_defaults(func=cmd_check_config, log_level="warning")
     broker = sub.add_parser("broker", help="run the dispatcher alone; workers and front ends "
                                            "connect to it by address")
-    config.add_options(broker, ["dispatcher", "port", "log_level", "max_queue",
-                                "queue_timeout", "stop_grace"])
+    config.add_options(broker, ["config", "dispatcher", "port", "log_level", "max_queue",
+                                "queue_timeout", "stop_grace"], file_values)
     broker.set_defaults(func=cmd_broker)
+    from dispatcher import ops
     status = sub.add_parser("status", help="show workers, queue and front ends")
-    config.add_options(status, ["dispatcher", "port"])
+    config.add_options(status, ["dispatcher", "port"], file_values)
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
-    status.set_defaults(func=cmd_status, log_level="warning")
+    status.set_defaults(func=ops.cmd_status, log_level="warning")
+    ops.add_worker_commands(sub, config, file_values)
     bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server (this one "
                                          "by default) and print latency and throughput")
-    config.add_options(bench, ["port"])
+    config.add_options(bench, ["port"], file_values)
     from dispatcher import bench as bench_module
     bench_module.add_arguments(bench)
     bench.set_defaults(func=bench_module.run, log_level="warning")
@@ -200,5 +204,6 @@ def main(argv: list[str] | None = None) -> int:
     soak_module.add_arguments(soak)
     soak.set_defaults(func=soak_module.run, log_level="warning")
     args = config.resolve_repeats(parser.parse_args(argv))
+    args._config_data = data
     _setup_logging(args.log_level)
     return args.func(args)

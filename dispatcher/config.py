@@ -86,6 +86,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "dispatcher address: ipc:///dir (sockets in dir) or tcp://host:port (port..port+4); "
            "default: ipc:///tmp/completions-PORT"),
     Option("name", None, "worker name (default: derived from the device and pid)"),
+    Option("config", None, "TOML config file (see deploy/workstation-4gpu.toml)"),
     Option("log_level", "info", "log level", str.lower,
            choices=("debug", "info", "warning", "error")),
     Option("max_body", 8 * 1024 * 1024, "largest request body accepted, in bytes", _positive_int),
@@ -134,12 +135,21 @@ def env_value(option: Option, environ: dict | None = None) -> Any:
     return value
 
 
-def add_options(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
-    """Declare the named options on an argparse parser, defaulting to env, then default."""
+def env_is_set(option: Option, environ: dict | None = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return environ.get(option.env, "") != ""
+
+
+def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
+                file_values: dict | None = None) -> None:
+    """Declare the named options on an argparse parser. Each defaults to its environment
+    variable, else to the config file's value (`file_values`), else to its default."""
+    file_values = file_values or {}
     for name in names:
         option = OPTIONS[name]
         try:
-            default = env_value(option)
+            default = env_value(option) if env_is_set(option) else \
+                file_values.get(name, option.default)
         except (ValueError, argparse.ArgumentTypeError) as exc:
             parser.error(f"{option.env}: {exc}")
         help_text = f"{option.help} [env {option.env}; default {option.default!r}]"
@@ -153,8 +163,18 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
 
 
 def resolve_repeats(args: argparse.Namespace) -> argparse.Namespace:
-    """Repeatable flags replace, not extend, the env/default list."""
+    """Repeatable flags replace, not extend, the env/default list. Also notes, as
+    `_NAME_explicit`, whether a flag or variable (not a file, not a default) set it."""
     for name, option in OPTIONS.items():
-        if option.repeat and hasattr(args, name) and getattr(args, name) is None:
-            setattr(args, name, getattr(args, f"_{name}_default", option.default))
+        if not hasattr(args, name):
+            continue
+        explicit = env_is_set(option)
+        if option.repeat:
+            if getattr(args, name) is None:
+                setattr(args, name, getattr(args, f"_{name}_default", option.default))
+            else:
+                explicit = True
+        elif option.default is None and getattr(args, name) is not None:
+            explicit = True
+        setattr(args, f"_{name}_explicit", explicit)
     return args

@@ -26,7 +26,8 @@ PROTO = b"CMPL1"
 # front end -> dispatcher
 SUBMIT = b"S"       # body: the job
 CANCEL = b"C"       # no body; idempotent
-PING = b"P"         # heartbeat; dispatcher answers STATE
+PING = b"P"         # heartbeat (+ metrics increments); dispatcher answers STATE
+METRICS = b"M"      # the system's metrics; the answer is METRICS with the snapshot
 # dispatcher -> front end
 ACCEPTED = b"A"     # the job is queued
 REJECTED = b"R"     # body: {status, type, code, message, retry_after?}

@@ -102,6 +102,8 @@ class WorkerRecord:
     last_done: dict = field(default_factory=dict)
     last_assigned: float = 0.0
     recent: deque = field(default_factory=lambda: deque(maxlen=64))   # prompt keys
+    history: deque = field(default_factory=lambda: deque(maxlen=512))  # (t, tokens) done
+    draining: bool = False       # takes no new work (ops: drain, restart, reload)
 
     def remember(self, job: Job) -> None:
         """Note the prompt this worker now holds (or will hold) in a KV cache."""
@@ -166,7 +168,7 @@ class WorkerRegistry:
         MIN_SHARED_PREFIX characters: its KV cache likely holds that prefix), otherwise
         the least loaded (most free slots, then least recently used)."""
         candidates = [w for w in self.workers.values()
-                      if w.free_slots > 0 and fits(job.body, w.info)]
+                      if w.free_slots > 0 and not w.draining and fits(job.body, w.info)]
         if not candidates:
             return None
         key = prompt_key(job.body)
@@ -179,7 +181,7 @@ class WorkerRegistry:
 
     def with_free_slots(self) -> list[WorkerRecord]:
         """Workers that can take a job, most free slots first (ties: least recently used)."""
-        return sorted((w for w in self.workers.values() if w.free_slots > 0),
+        return sorted((w for w in self.workers.values() if w.free_slots > 0 and not w.draining),
                       key=lambda w: (-w.free_slots, w.last_assigned))
 
     def pick(self, job: dict) -> WorkerRecord | None:

@@ -44,7 +44,7 @@ INVALID_BODIES = [
 @dataclass
 class Outcome:
     kind: str
-    detail: str = ""
+    detail: str = ""          # for a clean error: its code
 
 
 def _rss_kb(pid: int) -> int:
@@ -71,6 +71,7 @@ class Soak:
         self.args = args
         self.rng = random.Random(args.seed)
         self.outcomes: Counter = Counter()
+        self.error_codes: Counter = Counter()
         self.details: list[str] = []
         self.lock = threading.Lock()
         self.kills = 0
@@ -150,6 +151,8 @@ class Soak:
     def record(self, outcome: Outcome) -> None:
         with self.lock:
             self.outcomes[outcome.kind] += 1
+            if outcome.kind == "clean_error":
+                self.error_codes[outcome.detail] += 1
             if outcome.kind in ("lost", "garbled") and len(self.details) < 20:
                 self.details.append(outcome.detail)
 
@@ -193,7 +196,7 @@ class Soak:
             assert {"message", "type", "param", "code"} <= set(error)
         except (ValueError, KeyError, TypeError, AssertionError):
             return Outcome("lost", f"HTTP {status} without the envelope: {raw[:200]!r}")
-        return Outcome("clean_error")
+        return Outcome("clean_error", f"{status} {error['code']}")
 
     def expected_text_ok(self, text: str) -> bool:
         if self.args.engine != "fake":
@@ -236,7 +239,7 @@ class Soak:
                     if not (finished or errored):
                         return Outcome("lost", "[DONE] before the choice finished")
                     if errored:
-                        return Outcome("clean_error")
+                        return Outcome("clean_error", f"stream {code}")
                     if not self.expected_text_ok(text):
                         return Outcome("garbled", f"text {text!r}")
                     return Outcome("completed")
@@ -246,6 +249,7 @@ class Soak:
                     return Outcome("garbled", f"chunk {data[:80]!r}")
                 if "error" in event:
                     errored = True
+                    code = event["error"].get("code")
                     continue
                 choice = event["choices"][0]
                 text += choice["text"]
@@ -307,6 +311,7 @@ class Soak:
         report = {"seconds": round(time.monotonic() - started, 1), "requests": sent,
                   "completed": self.outcomes["completed"],
                   "clean_errors": self.outcomes["clean_error"],
+                  "error_codes": dict(self.error_codes.most_common()),
                   "disconnected": self.outcomes["disconnected"],
                   "lost": self.outcomes["lost"], "garbled": self.outcomes["garbled"],
                   "worker_kills": self.kills, "recovered": recovered,
@@ -340,6 +345,8 @@ def run(args) -> int:
         for key in ("seconds", "requests", "completed", "clean_errors", "disconnected",
                     "lost", "garbled", "worker_kills", "recovered", "server_exit"):
             print(f"{key:>14}: {report[key]}")
+        print(f"{'error codes':>14}: " + ", ".join(f"{k} ×{v}" for k, v in
+                                                   report["error_codes"].items()))
         for when in ("rss_before", "rss_after"):
             print(f"{when:>14}: " + ", ".join(f"{k} {v / 1024:.0f} MiB"
                                               for k, v in report[when].items()))

@@ -46,6 +46,7 @@ class Child:
     started_at: float = 0.0
     last_exit: int | None = None
     stopping: bool = False
+    restart_now: bool = False            # an asked-for restart: no backoff
     extra: dict = field(default_factory=dict)
 
     @property
@@ -83,9 +84,15 @@ class Supervisor:
                 child.process = None
                 if self.stopping or child.stopping:
                     continue
-                # a child that ran a while before dying starts again from the short backoff
-                if now - child.started_at > 60:
-                    child.backoff = config.RESPAWN_BACKOFF[0]
+                if child.restart_now:
+                    child.restart_now = False
+                    child.restarts += 1
+                    log.info("%s %s (pid %d) stopped for a restart", child.kind, child.name,
+                             proc.pid)
+                    self._start(child)
+                    continue
+                if child.kind != "worker" and now - child.started_at > 60:
+                    child.backoff = config.RESPAWN_BACKOFF[0]   # (workers: on READY)
                 child.respawn_at = now + child.backoff
                 log.error("%s %s (pid %d) exited with %s; respawning in %.1fs", child.kind,
                           child.name, proc.pid, _describe_exit(proc.returncode), child.backoff)
@@ -95,6 +102,27 @@ class Supervisor:
                 child.restarts += 1
                 self._start(child)
         return exited
+
+    def mark_healthy(self, name: str) -> None:
+        """The child proved itself (a worker said READY): its next crash is respawned
+        after the shortest backoff again. Only a child that dies before becoming healthy
+        waits longer each time (a crash loop: a bad model, a missing GPU)."""
+        child = self.children.get(name)
+        if child is not None:
+            child.backoff = config.RESPAWN_BACKOFF[0]
+
+    def restart(self, name: str, argv: list[str] | None = None) -> None:
+        """Replace a child's process now (SIGTERM, then start again at once), with a new
+        command line if given."""
+        child = self.children[name]
+        if argv is not None:
+            child.argv = argv
+        if child.process is None:
+            child.restarts += 1
+            self._start(child)
+            return
+        child.restart_now = True
+        _signal(child.process, signal.SIGTERM)
 
     def stop_all(self, grace: float = config.STOP_GRACE) -> None:
         """SIGTERM every child, wait up to `grace`, then SIGKILL what is left."""

@@ -79,8 +79,10 @@ class FaultInjection:
 
 class GenerationLoop:
     def __init__(self, engine, publisher: Publisher,
-                 notify: Callable[[bytes, str, dict | None], None]):
+                 notify: Callable[[bytes, str, dict | None], None],
+                 identity: dict | None = None):
         self.engine = engine
+        self.identity = identity or {}            # {"worker", "device"}: in start events
         self.publisher = publisher
         self.notify = notify                      # -> dispatcher, through the IO thread
         self.inbox: queue.Queue = queue.Queue()   # ("job", id, body) | ("cancel", id) | ("reset",)
@@ -208,9 +210,11 @@ class GenerationLoop:
                                  prompt_logprobs=prompt_lp,
                                  reuse=body.get("cache_prompt", True))
         self.free_slots.remove(slot)
+        active.cached = cached
         self.active[request_id] = active
         self._publish(active, {"e": P.EV_START, "prompt_tokens": len(tokens),
-                               "cached_tokens": cached, "fingerprint": self.engine.fingerprint})
+                               "cached_tokens": cached, "fingerprint": self.engine.fingerprint,
+                               **self.identity})
         if echo:
             active.echo_text = prompt_text(self.engine, body["prompt"], tokens)
             active.echo_pending = prompt_lp        # then it waits for the prompt logprobs
@@ -318,7 +322,8 @@ class GenerationLoop:
         self._drop(active)
         self.notify(P.DONE, active.request_id, {
             "attempt": active.attempt, "last_seq": active.seq - 1, "finish_reason": reason,
-            "usage": usage, "seconds": round(time.monotonic() - active.started, 3)})
+            "usage": usage, "cached_tokens": active.cached,
+            "seconds": round(time.monotonic() - active.started, 3)})
 
     def _fail(self, active: Active, exc: EngineError) -> None:
         error = _error_of(exc)

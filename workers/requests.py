@@ -96,6 +96,7 @@ class Active:
     prompt_ids: list[int] | None = None
     ledger: LogprobLedger | None = None
     score: bool = False             # sum logprobs, for best_of
+    cached: int = 0                 # prompt tokens reused from the slot's KV cache
     seq: int = 0
     generated: int = 0
     logprob_sum: float = 0.0

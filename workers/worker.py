@@ -16,7 +16,7 @@ import time
 
 import zmq
 
-from dispatcher import config, protocol as P
+from dispatcher import config, configfile, protocol as P
 from dispatcher.devices import parse_device
 from dispatcher.models import default_model_id, resolve_model_path
 from workers.generation import GenerationLoop, Publisher
@@ -110,6 +110,26 @@ class DispatcherLink(threading.Thread):
         return True
 
 
+def _config(argv: list[str] | None) -> dict:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=config.env_value(config.OPTIONS["config"]))
+    return configfile.read(pre.parse_known_args(argv)[0].config)
+
+
+def _from_config_file(args, spec):
+    """This device's [[workers]] entry: its model, profile, name and sizes, unless a flag
+    or variable gave them."""
+    data = configfile.worker_entry(configfile.read(args.config), str(spec))
+    args._device_explicit = False
+    worker = configfile.plan(data, args, resolve_model_path, default_model_id).workers[0]
+    if not getattr(args, "_model_explicit", False):
+        args.model, args.model_id = str(worker.model.path), worker.model.id
+        args.deterministic = worker.model.deterministic
+    args.name = args.name or worker.name
+    args.nctx, args.ngl, args.slots = worker.nctx, worker.ngl, worker.slots
+    return worker.device, args
+
+
 def compute_kind(device_compute: str, n_gpu_layers: int, n_layer: int) -> str:
     """cpu, gpu or npu; `hybrid` for an accelerator holding only some of the layers."""
     if device_compute == "cpu" or n_gpu_layers == 0:
@@ -133,9 +153,12 @@ def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: i
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m workers",
-        description="Run one worker: pin it to a device, load the model, serve the dispatcher.")
-    config.add_options(parser, ["dispatcher", "device", "model", "model_id", "nctx", "ngl",
-                                "slots", "deterministic", "engine", "name", "log_level"])
+        description="Run one worker: pin it to a device, load the model, serve the "
+                    "dispatcher. With --config, the file's [[workers]] entry for the device "
+                    "supplies its model, profile and sizes; flags override them.")
+    config.add_options(parser, ["config", "dispatcher", "device", "model", "model_id", "nctx",
+                                "ngl", "slots", "deterministic", "engine", "name",
+                                "log_level"], configfile.server_defaults(_config(argv)))
     args = config.resolve_repeats(parser.parse_args(argv))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
@@ -146,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = parse_device(args.device[0])
         endpoints = P.Endpoints.from_base(args.dispatcher)
-    except ValueError as exc:
+        if args.config:
+            spec, args = _from_config_file(args, spec)
+    except (ValueError, configfile.ConfigError) as exc:
         parser.error(str(exc))
     if os.environ.get("COMPLETIONS_PARENT_PID"):
         from dispatcher.supervisor import die_with_parent
@@ -184,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     def send_notice(cmd: bytes, request_id: str, body: dict | None) -> None:
         notify.send_multipart(P.encode(cmd, request_id, body))
 
-    loop = GenerationLoop(engine, Publisher(xpub), send_notice)
+    loop = GenerationLoop(engine, Publisher(xpub), send_notice,
+                          identity={"worker": name, "device": str(spec)})
     info = {"model": model_id, "model_path": str(model_path), "device": str(spec),
             "compute": compute_kind(spec.compute, placement.n_gpu_layers, engine.n_layer),
             "n_gpu_layers": placement.n_gpu_layers, "profile": spec.profile,

@@ -1,0 +1,119 @@
+"""GET /metrics in Prometheus' text format: the whole system, from the dispatcher.
+
+This front end records what only it sees (HTTP statuses, time to first token and
+inter-token latency by worker and device) into a LatencyRecorder whose increments ride
+on the heartbeats; the dispatcher sums every front end's and answers a METRICS request
+with the system's snapshot, rendered here with prometheus_client.
+"""
+from __future__ import annotations
+
+from flask import Blueprint, Response, current_app, request
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from app.client import get_client
+from app.errors import ServiceUnavailable
+from dispatcher import config
+
+bp = Blueprint("metrics", __name__)
+HISTOGRAM_NAMES = {
+    "ttft": ("completions_time_to_first_token_seconds",
+             "Time from the request's arrival to its first text, per worker and device."),
+    "itl": ("completions_inter_token_latency_seconds",
+            "Time between two texts of one stream, per worker and device."),
+}
+
+
+class SnapshotCollector:
+    """Turns the dispatcher's snapshot into metric families."""
+
+    def __init__(self, snapshot: dict):
+        self.snapshot = snapshot
+
+    def collect(self):
+        snap = self.snapshot
+        requests = CounterMetricFamily("completions_requests", "HTTP requests answered by "
+                                       "the front ends, by route and status.",
+                                       labels=["route", "status"])
+        for route, status, n in snap.get("requests", []):
+            requests.add_metric([route, status], n)
+        yield requests
+        for kind, (name, doc) in HISTOGRAM_NAMES.items():
+            family = HistogramMetricFamily(name, doc, labels=["worker", "device"])
+            for k, worker, device, h in snap.get("histograms", []):
+                if k != kind:
+                    continue
+                cumulative, buckets = 0, []
+                for bound, count in zip(list(h["buckets"]) + ["+Inf"], h["counts"]):
+                    cumulative += count
+                    buckets.append((str(bound), cumulative))
+                family.add_metric([worker, device], buckets, h["sum"])
+            yield family
+        tokens = {kind: CounterMetricFamily(f"completions_{kind}_tokens", doc,
+                                            labels=["worker", "device"])
+                  for kind, doc in (("prompt", "Prompt tokens processed."),
+                                    ("generated", "Tokens generated."),
+                                    ("cached", "Prompt tokens reused from a KV cache."))}
+        for kind, worker, device, n in snap.get("tokens", []):
+            tokens[kind].add_metric([worker, device], n)
+        yield from tokens.values()
+        outcomes = CounterMetricFamily("completions_worker_requests", "Requests a worker "
+                                       "ended, by outcome.", labels=["worker", "device",
+                                                                      "outcome"])
+        for outcome, worker, device, n in snap.get("outcomes", []):
+            outcomes.add_metric([worker, device, outcome], n)
+        yield outcomes
+        gauges = {key: GaugeMetricFamily(f"completions_worker_{key}", doc,
+                                         labels=["worker", "device", "model"])
+                  for key, doc in (("up", "1 if the worker is ready."),
+                                   ("slots", "Sequences the worker decodes at once."),
+                                   ("busy", "Busy slots."))}
+        restarts = CounterMetricFamily("completions_worker_restarts", "Times the worker's "
+                                       "process was restarted.", labels=["worker", "device"])
+        for w in snap.get("workers", []):
+            labels = [w["worker"], str(w["device"]), str(w["model"])]
+            for key, family in gauges.items():
+                family.add_metric(labels, w[key])
+            restarts.add_metric(labels[:2], w["restarts"])
+        yield from gauges.values()
+        yield restarts
+        queue = GaugeMetricFamily("completions_queue_depth", "Requests waiting, by model.",
+                                  labels=["model"])
+        for model, depth in snap.get("queue", {}).items():
+            queue.add_metric([model], depth)
+        yield queue
+        dispatcher = CounterMetricFamily("completions_dispatcher_requests", "Jobs seen by "
+                                         "the dispatcher, by outcome.", labels=["outcome"])
+        for outcome, n in snap.get("dispatcher", {}).items():
+            dispatcher.add_metric([outcome], n)
+        yield dispatcher
+        frontends = GaugeMetricFamily("completions_frontends", "Front-end processes "
+                                      "connected to the dispatcher.")
+        frontends.add_metric([], snap.get("frontends", 0))
+        yield frontends
+
+
+@bp.get("/metrics")
+def metrics():
+    snapshot = get_client(current_app).metrics_snapshot()
+    if snapshot is None:
+        raise ServiceUnavailable("the dispatcher is unreachable",
+                                 headers={"Retry-After": str(config.RETRY_AFTER_SECONDS)})
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(snapshot))
+    return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+
+
+def init_app(app) -> None:
+    """Count every answered request (by route pattern, so ids do not explode labels)."""
+
+    @app.after_request
+    def count(response):
+        client = app.extensions.get("dispatcher_client")   # made at worker start
+        if client is not None and request.path not in ("/metrics", "/health"):
+            route = request.url_rule.rule if request.url_rule else "unmatched"
+            client.recorder.requests[(route, str(response.status_code))] += 1
+            client.served += 1
+        return response

@@ -1,0 +1,235 @@
+"""The TOML config file: server options, models, and the workers that serve them.
+
+    [server]                  # any option of `serve`, by its flag name with underscores
+    port = 8080
+    frontends = 4
+
+    [[models]]
+    id = "coder"              # default: the file name without .gguf
+    path = "/models/coder.gguf"   # default: the bundled model
+    nctx = 8192               # default: server nctx; also ngl, slots, deterministic
+
+    [[workers]]
+    device = "cuda:0"         # required
+    model = "coder"           # a model id; default: the first model
+    profile = "interactive"   # SIE machine profile; also name, nctx, ngl, slots
+
+Precedence: option defaults < this file < COMPLETIONS_* variables < flags. A `--model`
+or `--device` flag (or variable) replaces the file's models or workers as a whole.
+`python -m dispatcher check-config` reports every problem with its place in the file.
+"""
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dispatcher import config
+from dispatcher.devices import DeviceSpec, parse_device
+
+MODEL_KEYS = {"id", "path", "nctx", "ngl", "slots", "deterministic"}
+WORKER_KEYS = {"device", "model", "profile", "name", "nctx", "ngl", "slots"}
+# options that describe one process or a client, not the server: not in [server]
+NOT_SERVER = {"device", "model", "model_id", "name", "config"}
+
+
+class ConfigError(Exception):
+    """The config file has problems; `problems` lists each with its place."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+@dataclass
+class ModelPlan:
+    id: str
+    path: Path
+    nctx: int
+    ngl: int
+    slots: int
+    deterministic: bool
+
+
+@dataclass
+class WorkerPlan:
+    name: str
+    device: DeviceSpec
+    model: ModelPlan
+    nctx: int
+    ngl: int
+    slots: int
+
+    def argv(self, dispatcher: str, engine: str, log_level: str) -> list[str]:
+        return ["--dispatcher", dispatcher, "--device", str(self.device),
+                "--model", str(self.model.path), "--model-id", self.model.id,
+                "--nctx", str(self.nctx), "--ngl", str(self.ngl), "--slots", str(self.slots),
+                "--deterministic", str(self.model.deterministic), "--engine", engine,
+                "--name", self.name, "--log-level", log_level]
+
+
+@dataclass
+class Plan:
+    models: list[ModelPlan] = field(default_factory=list)
+    workers: list[WorkerPlan] = field(default_factory=list)
+
+
+def read(path: str | None) -> dict:
+    """The file as a dict ({} without a file); a syntax error is a ConfigError."""
+    if not path:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError([f"{path}: {exc.strerror}"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: not valid TOML: {exc}"]) from None
+    problems = [f"unknown section [{key}]" for key in data
+                if key not in ("server", "models", "workers")]
+    for key, value in data.get("server", {}).items():
+        if key not in config.OPTIONS or key in NOT_SERVER:
+            problems.append(f"[server] {key}: unknown option")
+            continue
+        try:
+            coerce(config.OPTIONS[key], value)
+        except (ValueError, TypeError) as exc:
+            problems.append(f"[server] {key}: {exc}")
+    if problems:
+        raise ConfigError(problems)
+    return data
+
+
+def coerce(option: config.Option, value):
+    """A TOML value as the option's type (through the same parser as flags)."""
+    if option.repeat:
+        if not isinstance(value, list):
+            value = [value]
+        return [option.type(str(v)) for v in value]
+    if isinstance(value, bool):
+        value = "true" if value else "false"
+    parsed = option.type(str(value))
+    if option.choices and parsed not in option.choices:
+        raise ValueError(f"{parsed!r} is not one of {', '.join(option.choices)}")
+    return parsed
+
+
+def server_defaults(data: dict) -> dict:
+    return {key: coerce(config.OPTIONS[key], value)
+            for key, value in data.get("server", {}).items()}
+
+
+def effective(names, environ: dict | None = None) -> dict:
+    """Option values for a process without flags (a front end under gunicorn): the
+    variable, else the file named by COMPLETIONS_CONFIG, else the default."""
+    environ = os.environ if environ is None else environ
+    file_values = server_defaults(read(environ.get(config.OPTIONS["config"].env)))
+    return {name: config.env_value(config.OPTIONS[name], environ)
+            if config.env_is_set(config.OPTIONS[name], environ)
+            else file_values.get(name, config.OPTIONS[name].default) for name in names}
+
+
+def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
+    """Models and workers from the file, unless flags or variables name them."""
+    problems: list[str] = []
+    flag_models = _given(args, "model") or _given(args, "model_id")
+    flag_devices = _given(args, "device")
+    if flag_models or not data.get("models"):
+        entries = [{k: v for k, v in (("id", args.model_id), ("path", args.model)) if v}]
+    else:
+        entries = data["models"]
+    models: list[ModelPlan] = []
+    broken: set[str] = set()          # models with a problem already reported
+    for i, entry in enumerate(entries):
+        where = f"models[{i}]"
+        unknown = set(entry) - MODEL_KEYS
+        if unknown:
+            problems.append(f"{where}: unknown keys {sorted(unknown)}")
+            broken.add(str(entry.get("id")))
+            continue
+        try:
+            path = resolve_model(str(entry["path"]) if entry.get("path") else None)
+            models.append(ModelPlan(
+                id=str(entry.get("id") or model_id_of(path)), path=path,
+                nctx=_int(entry, "nctx", args.nctx, 1), ngl=_int(entry, "ngl", args.ngl, 0),
+                slots=_int(entry, "slots", args.slots, 0),
+                deterministic=bool(entry.get("deterministic", args.deterministic))))
+        except (ValueError, TypeError, SystemExit) as exc:
+            problems.append(f"{where}: {exc}")
+            broken.add(str(entry.get("id") or ""))
+    ids = [m.id for m in models]
+    problems += [f"models: id '{i}' is used twice" for i in set(ids) if ids.count(i) > 1]
+    by_id = {m.id: m for m in models}
+    if flag_devices or not data.get("workers"):
+        workers = [{"device": d} for d in args.device]
+    else:
+        workers = data["workers"]
+    plans: list[WorkerPlan] = []
+    devices: list[DeviceSpec] = []
+    allowed = os.sched_getaffinity(0)
+    for i, entry in enumerate(workers):
+        where = f"workers[{i}]"
+        unknown = set(entry) - WORKER_KEYS
+        if unknown:
+            problems.append(f"{where}: unknown keys {sorted(unknown)}")
+            continue
+        try:
+            text = str(entry["device"]) if "device" in entry else ""
+            if not text:
+                raise ValueError("a device is required")
+            if entry.get("profile"):
+                text = text.split("@")[0] + "@" + str(entry["profile"])
+            device = parse_device(text)
+            devices.append(device)
+            if device.cores is not None and not set(device.cores) <= allowed:
+                raise ValueError(f"cores {list(device.cores)} are not all available "
+                                 f"(this machine lets us use {sorted(allowed)})")
+            model_id = entry.get("model") or (models[0].id if models else
+                                               next(iter(broken), None))
+            if model_id in broken or (model_id is None and broken):
+                continue                     # its model's problem is reported already
+            if model_id not in by_id:
+                raise ValueError(f"model '{model_id}' is not among the models "
+                                 f"({', '.join(by_id) or 'none'})")
+            model = by_id[model_id]
+            slots = _int(entry, "slots", model.slots, 0) or config.DEFAULT_SLOTS[device.compute]
+            plans.append(WorkerPlan(
+                name=str(entry.get("name") or f"w{i}-{device.slug}"), device=device,
+                model=model, nctx=_int(entry, "nctx", model.nctx, 1),
+                ngl=_int(entry, "ngl", model.ngl, 0), slots=slots))
+        except (ValueError, TypeError) as exc:
+            problems.append(f"{where}: {exc}")
+    names = [w.name for w in plans]
+    problems += [f"workers: name '{n}' is used twice" for n in set(names)
+                 if names.count(n) > 1]
+    accelerators = [(d.kind, d.index) for d in devices if d.index is not None]
+    problems += [f"workers: {k}:{i} is used by more than one worker" for k, i in
+                 set(accelerators) if accelerators.count((k, i)) > 1]
+    if not plans and not problems:
+        problems.append("no workers")
+    if problems:
+        raise ConfigError(problems)
+    return Plan(models, plans)
+
+
+def worker_entry(data: dict, device: str) -> dict:
+    """The file's [[workers]] entry for `device` (matched without its profile), with only
+    that worker, for a worker process started on its own (systemd, another host)."""
+    wanted = device.split("@")[0].strip().lower()
+    for entry in data.get("workers", []):
+        if str(entry.get("device", "")).split("@")[0].strip().lower() == wanted:
+            return {**data, "workers": [entry]}
+    raise ConfigError([f"no [[workers]] entry for device {device!r} in the config file"])
+
+
+def _int(entry: dict, key: str, default: int, minimum: int) -> int:
+    value = entry.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{key} must be an integer ≥ {minimum}, got {value!r}")
+    return value
+
+
+def _given(args, name: str) -> bool:
+    """Whether a flag or a variable (not the file, not the default) set this option."""
+    return bool(getattr(args, f"_{name}_explicit", False))

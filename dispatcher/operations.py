@@ -1,0 +1,130 @@
+"""The dispatcher's control socket: status, drain, resume, restart, reload, metrics.
+
+Restart and reload are graceful: the worker takes no new work, finishes what it runs
+(up to a grace period), then its process is replaced, at once, with the same or a new
+model; every other worker keeps serving meanwhile.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+RATE_WINDOW = 10.0          # seconds over which status reports tokens/s
+
+
+class Operations:
+    def __init__(self, broker):
+        self.broker = broker
+        self.pending: dict[str, dict] = {}     # worker name -> {"deadline", "argv"}
+
+    # -- commands ----------------------------------------------------------------------
+    def handle(self, request: dict) -> dict:
+        command = request.get("cmd")
+        handlers = {"status": lambda: self.broker.status(), "drain": self.drain,
+                    "resume": self.resume, "restart": self.restart, "reload": self.reload,
+                    "metrics": lambda: self.metrics_snapshot()}
+        if command not in handlers:
+            return {"error": f"unknown command {command!r}: use "
+                             + ", ".join(sorted(handlers))}
+        if command in ("status", "metrics"):
+            return handlers[command]()
+        return handlers[command](request)
+
+    def _record(self, name: str):
+        return self.broker.registry.get(str(name).encode())
+
+    def drain(self, request: dict) -> dict:
+        record = self._record(request.get("worker"))
+        if record is None:
+            return {"error": f"no ready worker named {request.get('worker')!r}"}
+        record.draining = True
+        return {"ok": True, "worker": record.name, "running": len(record.running)}
+
+    def resume(self, request: dict) -> dict:
+        record = self._record(request.get("worker"))
+        if record is None:
+            return {"error": f"no ready worker named {request.get('worker')!r}"}
+        record.draining = False
+        self.broker.dispatch()
+        return {"ok": True, "worker": record.name}
+
+    def restart(self, request: dict) -> dict:
+        name = str(request.get("worker"))
+        supervisor = self.broker.supervisor
+        child = supervisor.children.get(name) if supervisor else None
+        if child is None or child.kind != "worker":
+            return {"error": f"{name!r} is not a worker this dispatcher started (a remote "
+                             "worker is restarted on its own host)"}
+        argv = list(child.argv)
+        if request.get("model"):
+            path = Path(request["model"]).expanduser()
+            if not path.is_file():
+                return {"error": f"model file not found: {path}"}
+            model_id = request.get("model_id") or _model_id(path)
+            argv = _replace(argv, "--model", str(path.resolve()))
+            argv = _replace(argv, "--model-id", model_id)
+            self.broker.known_models.setdefault(model_id, {"n_ctx": 0})
+            child.extra["model"] = model_id
+        record = self._record(name)
+        if record is not None:
+            record.draining = True
+        grace = float(request.get("grace", 30.0))
+        self.pending[name] = {"deadline": time.monotonic() + grace, "argv": argv}
+        log.info("restarting %s once its %d request(s) finish (at most %.0fs)", name,
+                 len(record.running) if record else 0, grace)
+        return {"ok": True, "worker": name, "model": child.extra.get("model"),
+                "waiting_for": len(record.running) if record else 0}
+
+    def reload(self, request: dict) -> dict:
+        return self.restart(request)
+
+    def tick(self, now: float) -> None:
+        for name, plan in list(self.pending.items()):
+            record = self._record(name)
+            if record is None or not record.running or now >= plan["deadline"]:
+                del self.pending[name]
+                self.broker.supervisor.restart(name, plan["argv"])
+
+    # -- views -------------------------------------------------------------------------
+    def metrics_snapshot(self) -> dict:
+        broker = self.broker
+        snapshot = broker.metrics.snapshot()
+        children = broker.supervisor.children if broker.supervisor else {}
+        workers = []
+        for record in broker.registry.workers.values():
+            child = children.get(record.name)
+            workers.append({"worker": record.name, "device": record.info.get("device"),
+                            "model": record.model, "up": 1, "slots": record.slots,
+                            "busy": len(record.running),
+                            "restarts": child.restarts if child else 0})
+        registered = {w["worker"] for w in workers}
+        for name, child in children.items():
+            if child.kind == "worker" and name not in registered:
+                workers.append({"worker": name, "device": child.extra.get("device"),
+                                "model": child.extra.get("model"), "up": 0, "slots": 0,
+                                "busy": 0, "restarts": child.restarts})
+        snapshot.update(workers=workers, queue=broker.queue.depth_by_model(),
+                        dispatcher=dict(broker.stats), frontends=len(broker.frontends))
+        return snapshot
+
+
+def tokens_per_second(history, now: float) -> float:
+    """Generated tokens per second over the last RATE_WINDOW seconds."""
+    recent = sum(n for t, n in history if t >= now - RATE_WINDOW)
+    return round(recent / RATE_WINDOW, 1)
+
+
+def _replace(argv: list[str], flag: str, value: str) -> list[str]:
+    argv = list(argv)
+    if flag in argv:
+        argv[argv.index(flag) + 1] = value
+    else:
+        argv += [flag, value]
+    return argv
+
+
+def _model_id(path: Path) -> str:
+    from dispatcher.models import default_model_id
+    return default_model_id(path)

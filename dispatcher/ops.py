@@ -1,0 +1,106 @@
+"""The ops side of `python -m dispatcher`: status, drain, resume, restart, reload,
+check-config. Each talks to a running dispatcher over its control socket (or, for
+check-config, only reads the configuration) and prints a table, or JSON with --json."""
+from __future__ import annotations
+
+import json
+import os
+
+import zmq
+
+from dispatcher import protocol as P
+
+
+def default_dispatcher_address(port: int) -> str:
+    """A private ipc directory named after the HTTP port, so ops commands can find it."""
+    import tempfile
+    return f"ipc://{os.path.join(tempfile.gettempdir(), f'completions-{port}')}"
+
+
+def control_request(base: str, request: dict, timeout: float = 3.0) -> dict:
+    endpoints = P.Endpoints.from_base(base)
+    context = zmq.Context()
+    sock = context.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoints.control)
+    try:
+        sock.send(P.encode_json(request))
+        if not sock.poll(int(timeout * 1000)):
+            raise SystemExit(f"no answer from the dispatcher at {base} in {timeout:.0f}s")
+        return json.loads(sock.recv())
+    finally:
+        sock.close()
+        context.term()
+
+
+def _base(args) -> str:
+    return args.dispatcher or default_dispatcher_address(args.port)
+
+
+def table(rows: list[tuple]) -> str:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+                     for row in rows)
+
+
+def format_status(status: dict) -> str:
+    rows = [("WORKER", "STATE", "DEVICE", "MODEL", "PID", "BUSY", "TOK/S", "DONE",
+             "CANCELLED", "TOKENS", "UPTIME", "RESTARTS")]
+    for w in status["workers"]:
+        uptime = w.get("uptime_s")
+        rows.append((w["name"], w["state"], w.get("device") or "-", w.get("model") or "-",
+                     w.get("pid") or "-", f"{w.get('busy_slots', 0)}/{w.get('slots', '-')}",
+                     w.get("tokens_per_s", "-"), w.get("completed", 0), w.get("cancelled", 0),
+                     w.get("tokens", 0), "-" if uptime is None else f"{uptime:.0f}s",
+                     w.get("restarts", 0)))
+    queue = ", ".join(f"{m}: {n}" for m, n in status["queue"].items()) or "empty"
+    fronts = [("FRONT END", "PID", "OPEN", "SERVED")] + [
+        (f["id"], f.get("pid") or "-", f.get("open", 0), f.get("served") or 0)
+        for f in status["frontends"]]
+    return (table(rows) + f"\n\nqueue: {queue}\n\n" + table(fronts))
+
+
+def cmd_status(args) -> int:
+    status = control_request(_base(args), {"cmd": "status"})
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
+
+
+def cmd_worker_action(args) -> int:
+    request = {"cmd": args.command, "worker": args.worker}
+    if args.command in ("restart", "reload"):
+        request["grace"] = args.grace
+    if args.command == "reload":
+        if args.model:
+            request["model"] = os.path.abspath(args.model)
+        if args.model_id:
+            request["model_id"] = args.model_id
+    reply = control_request(_base(args), request)
+    if args.json:
+        print(json.dumps(reply, indent=2))
+    elif "error" in reply:
+        print(f"error: {reply['error']}")
+    else:
+        details = ", ".join(f"{k} {v}" for k, v in reply.items() if k not in ("ok", "worker"))
+        print(f"{args.command}: {reply['worker']}" + (f" ({details})" if details else ""))
+    return 1 if "error" in reply else 0
+
+
+def add_worker_commands(sub, config, file_values: dict) -> None:
+    helps = {"drain": "stop giving WORKER new work; it finishes what it runs, then idles",
+             "resume": "give a drained WORKER work again",
+             "restart": "drain WORKER, then restart its process (other workers serve on)",
+             "reload": "drain WORKER, then restart it on the same or another model"}
+    for name, text in helps.items():
+        parser = sub.add_parser(name, help=text)
+        parser.add_argument("worker", help="worker name, as `status` shows it")
+        config.add_options(parser, ["dispatcher", "port"], file_values)
+        if name in ("restart", "reload"):
+            parser.add_argument("--grace", type=float, default=30.0,
+                                help="seconds to wait for its requests (default 30)")
+        if name == "reload":
+            parser.add_argument("--model", default=None, help="GGUF file to load instead")
+            parser.add_argument("--model-id", default=None,
+                                help="id clients use for it (default: from the file name)")
+        parser.add_argument("--json", action="store_true")
+        parser.set_defaults(func=cmd_worker_action, log_level="warning")

@@ -1,0 +1,286 @@
+"""deploy/ tested for real: systemd units (verified, and their commands run), nginx with
+deploy/nginx.conf in front of two front ends, and a worker on another "host" (its own
+network namespace) joining over TCP."""
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, free_port, http_json
+
+pytestmark = pytest.mark.integration
+DEPLOY = ROOT / "deploy"
+UNITS = DEPLOY / "systemd"
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def ensure_nginx() -> str:
+    """nginx from Debian's packages, installed by the test when the machine lacks it
+    (without letting the package start its own server)."""
+    found = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
+                                       else None)
+    if found:
+        return found
+    policy = Path("/usr/sbin/policy-rc.d")
+    created = not policy.exists()
+    if created:
+        policy.write_text("#!/bin/sh\nexit 101\n")
+        policy.chmod(0o755)
+    try:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update"], env=env, check=True, capture_output=True,
+                       timeout=900)
+        subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "nginx"],
+                       env=env, check=True, capture_output=True, timeout=900)
+    finally:
+        if created:
+            policy.unlink()
+    return shutil.which("nginx") or "/usr/sbin/nginx"
+
+
+def unit_command(unit: Path, instance: str, config: Path) -> tuple[list[str], dict]:
+    """A unit's ExecStart and Environment, as this machine would run them: %i filled in,
+    the install paths (/opt/completions, /etc/completions) pointed at this checkout."""
+    text = unit.read_text().replace("%i", instance)
+    text = text.replace("/etc/completions/config.toml", str(config))
+    env = {}
+    for key, value in re.findall(r"^Environment=(\w+)=(.*)$", text, re.M):
+        env[key] = value
+    command = re.search(r"^ExecStart=(.*)$", text, re.M).group(1).split()
+    if command[0].endswith("/python"):
+        command[0] = sys.executable
+    elif command[0].endswith("/gunicorn"):
+        command[:1] = [sys.executable, "-m", "gunicorn"]
+    command = [c.replace("/opt/completions/deploy", str(DEPLOY)) for c in command]
+    return command, env
+
+
+class Stack:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.log = open(tmp / "stack.log", "wb")
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, command: list[str], env: dict, netns: str | None = None):
+        if netns:
+            command = ["ip", "netns", "exec", netns, *command]
+        self.procs[name] = subprocess.Popen(
+            command, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self.procs[name]
+
+    def kill(self, name: str, sig=signal.SIGKILL) -> None:
+        proc = self.procs.pop(name)
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        for name in list(self.procs)[::-1]:
+            proc = self.procs.pop(name)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        self.log.close()
+
+    def output(self) -> str:
+        return (self.tmp / "stack.log").read_text(errors="replace")[-4000:]
+
+
+def wait(predicate, timeout, what, stack=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"timed out: {what}\n" + (stack.output() if stack else ""))
+
+
+def healthy(port, workers=1) -> bool:
+    status, _, body = http_json(port, "GET", "/health", timeout=5)
+    return status == 200 and body.get("workers_ready") == workers
+
+
+def write_config(tmp: Path, base_port: int, host: str = "127.0.0.1") -> Path:
+    from dispatcher.models import bundled_model_path
+    config = tmp / "config.toml"
+    config.write_text(f'[server]\nhost = "127.0.0.1"\ndispatcher = "tcp://{host}:{base_port}"\n'
+                      f'nctx = 2048\n[[models]]\npath = "{bundled_model_path()}"\n'
+                      f'[[workers]]\ndevice = "cpu"\n')
+    return config
+
+
+# -- systemd -------------------------------------------------------------------------------
+def test_systemd_units_verify_cleanly(tmp_path):
+    """systemd's own checker finds nothing wrong (and does find a planted mistake)."""
+    instances = {"completions-dispatcher.service": "completions-dispatcher.service",
+                 "completions-worker@.service": "completions-worker@cpu.service",
+                 "completions-frontend@.service": "completions-frontend@8081.service"}
+    paths = []
+    for template, instance in instances.items():
+        text = (UNITS / template).read_text()
+        text = text.replace("/opt/completions/venv/bin/python", sys.executable)
+        text = text.replace("/opt/completions/venv/bin/gunicorn", shutil.which("gunicorn")
+                            or sys.executable)
+        (tmp_path / instance).write_text(text)
+        paths.append(str(tmp_path / instance))
+    out = subprocess.run(["systemd-analyze", "verify", "--man=no", *paths],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout + out.stderr == "", out.stdout + out.stderr
+    broken = tmp_path / "broken.service"
+    broken.write_text((tmp_path / "completions-dispatcher.service").read_text()
+                      + "[Service]\nRestartSecs=2\n")
+    out = subprocess.run(["systemd-analyze", "verify", "--man=no", str(broken)],
+                         capture_output=True, text=True, timeout=60)
+    assert "RestartSecs" in out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    """The units' commands (dispatcher, one worker, front ends on two ports) behind nginx
+    configured by deploy/nginx.conf."""
+    tmp = tmp_path_factory.mktemp("deploy")
+    base, fe1, fe2, edge = free_port(5), free_port(), free_port(), free_port()
+    config = write_config(tmp, base)
+    stack = Stack(tmp)
+    stack.start("dispatcher", *unit_command(UNITS / "completions-dispatcher.service", "", config))
+    stack.start("worker", *unit_command(UNITS / "completions-worker@.service", "cpu", config))
+    for name, port in (("fe1", fe1), ("fe2", fe2)):
+        stack.start(name, *unit_command(UNITS / "completions-frontend@.service", str(port),
+                                        config))
+    text = (DEPLOY / "nginx.conf").read_text()
+    text = text.replace("127.0.0.1:8081", f"127.0.0.1:{fe1}").replace(
+        "127.0.0.1:8082", f"127.0.0.1:{fe2}").replace("listen 8080;", f"listen 127.0.0.1:{edge};")
+    text = text.replace("/run/nginx-completions.pid", str(tmp / "nginx.pid"))
+    text = re.sub(r"/var/log/nginx/", str(tmp) + "/", text)
+    (tmp / "nginx.conf").write_text(text)
+    nginx = ensure_nginx()
+    check = subprocess.run([nginx, "-t", "-p", str(tmp), "-c", str(tmp / "nginx.conf")],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    stack.start("nginx", [nginx, "-p", str(tmp), "-c", str(tmp / "nginx.conf"), "-g",
+                          "daemon off;"], {})
+    try:
+        for port in (fe1, fe2):
+            wait(lambda: healthy(port), 120, f"front end {port}", stack)
+        wait(lambda: healthy(edge), 30, "nginx", stack)
+        yield {"stack": stack, "edge": edge, "fe": (fe1, fe2), "dispatcher":
+               f"tcp://127.0.0.1:{base}"}
+    finally:
+        stack.stop()
+
+
+def test_tokens_stream_through_nginx_as_they_are_made(deployed):
+    conn = http.client.HTTPConnection("127.0.0.1", deployed["edge"], timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True,
+         "stream": True}), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.getheader("Content-Type").startswith("text/event-stream")
+    times = []
+    for line in response:
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            times.append(time.monotonic())
+    conn.close()
+    assert len(times) >= 60
+    # unbuffered: the first token arrives long before the last (64 tokens take ~1 s),
+    # and tokens arrive spread out rather than in one burst at the end
+    assert times[-1] - times[0] > 0.3
+    assert times[len(times) // 2] - times[0] > 0.1
+
+
+def test_load_spreads_over_both_front_ends(deployed):
+    from dispatcher.ops import control_request
+    for i in range(12):
+        status, _, _ = http_json(deployed["edge"], "POST", "/v1/completions",
+                                 {"prompt": f"spread {i}", "max_tokens": 2})
+        assert status == 200
+    time.sleep(1.5)                           # front ends report with their heartbeat
+    served = [f["served"] or 0 for f in control_request(deployed["dispatcher"],
+                                                         {"cmd": "status"})["frontends"]]
+    assert len(served) == 2 and min(served) >= 1 and sum(served) >= 12
+
+
+def test_a_dead_front_end_fails_no_new_request(deployed):
+    deployed["stack"].kill("fe1")
+    statuses = [http_json(deployed["edge"], "POST", "/v1/completions",
+                          {"prompt": f"after {i}", "max_tokens": 2})[0] for i in range(10)]
+    assert statuses == [200] * 10
+
+
+# -- multi-host ------------------------------------------------------------------------------
+@pytest.fixture
+def netns():
+    """A second "host": a network namespace joined to this one by a veth pair."""
+    name, host_if, ns_if = f"cs{os.getpid() % 10000}", f"csh{os.getpid() % 10000}", "csw0"
+    run = lambda *a: subprocess.run(a, check=True, capture_output=True)  # noqa: E731
+    run("ip", "netns", "add", name)
+    try:
+        run("ip", "link", "add", host_if, "type", "veth", "peer", "name", ns_if, "netns", name)
+        run("ip", "addr", "add", "10.231.0.1/24", "dev", host_if)
+        run("ip", "link", "set", host_if, "up")
+        run("ip", "netns", "exec", name, "ip", "addr", "add", "10.231.0.2/24", "dev", ns_if)
+        run("ip", "netns", "exec", name, "ip", "link", "set", ns_if, "up")
+        run("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
+        yield {"name": name, "host_if": host_if, "ip": "10.231.0.1"}
+    finally:
+        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_a_worker_on_another_host_joins_over_tcp_and_its_loss_is_handled(netns, tmp_path):
+    from dispatcher.ops import control_request
+    base, http_port = free_port(5), free_port()
+    config = write_config(tmp_path, base, host=netns["ip"])
+    dispatcher = f"tcp://{netns['ip']}:{base}"
+    stack = Stack(tmp_path)
+    try:
+        stack.start("dispatcher", [sys.executable, "-m", "dispatcher", "broker",
+                                   "--dispatcher", dispatcher], {})
+        stack.start("frontend", [sys.executable, "-m", "gunicorn", "-c",
+                                 str(DEPLOY / "gunicorn.conf.py")],
+                    {"COMPLETIONS_CONFIG": str(config), "COMPLETIONS_PORT": str(http_port)})
+        # the worker knows only the dispatcher's address, and lives in the other namespace
+        stack.start("worker", [sys.executable, "-m", "workers", "--dispatcher", dispatcher,
+                               "--device", "cpu", "--name", "remote-gpu-box"], {},
+                    netns=netns["name"])
+        wait(lambda: healthy(http_port), 120, "remote worker ready", stack)
+        status, _, body = http_json(http_port, "POST", "/v1/completions",
+                                    {"prompt": "Hello", "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        wait(lambda: [(w["name"], w["completed"]) for w in control_request(
+            dispatcher, {"cmd": "status"})["workers"]] == [("remote-gpu-box", 1)], 10,
+             "the request to be counted against the remote worker", stack)
+        # the host disappears from the network: within the heartbeat liveness (3 s) it
+        # is dropped, and clients are told there is no worker rather than left waiting
+        subprocess.run(["ip", "link", "set", netns["host_if"], "down"], check=True)
+        wait(lambda: http_json(http_port, "GET", "/health", timeout=5)[0] == 503, 15,
+             "the lost host to be noticed", stack)
+        status, headers, body = http_json(http_port, "POST", "/v1/completions",
+                                          {"prompt": "x", "max_tokens": 2})
+        assert status == 503 and headers["Retry-After"]
+        # it comes back: the worker registers again by itself
+        subprocess.run(["ip", "link", "set", netns["host_if"], "up"], check=True)
+        wait(lambda: healthy(http_port), 60, "the host to rejoin", stack)
+        status, _, body = http_json(http_port, "POST", "/v1/completions",
+                                    {"prompt": "Hello again", "max_tokens": 2})
+        assert status == 200
+    finally:
+        stack.stop()

@@ -1,0 +1,307 @@
+"""The ops tool, Prometheus metrics and the config file, on the real stack."""
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import ROOT, ServerProcess, SSEStream, http_json
+
+pytestmark = pytest.mark.integration
+
+
+def ops(server, *args, check=True):
+    out = subprocess.run([sys.executable, "-m", "dispatcher", *args, "--port",
+                          str(server.port)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    if check:
+        assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def workers_by_name(server) -> dict:
+    return {w["name"]: w for w in server.status()["workers"]}
+
+
+def complete(port, body, timeout=120):
+    status, _, payload = http_json(port, "POST", "/v1/completions", body, timeout=timeout)
+    assert status == 200, payload
+    return payload
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    server = ServerProcess("--device", "cpu:0", "--device", "cpu:1", "--frontends", "2",
+                           workers=2, log_name="ops").start()
+    yield server
+    assert server.stop() == 0
+
+
+def test_status_shows_workers_queue_and_front_ends(two):
+    complete(two.port, {"prompt": "Hello", "max_tokens": 4})
+    status = json.loads(ops(two, "status", "--json").stdout)
+    assert {w["name"] for w in status["workers"]} == {"w0-cpu0", "w1-cpu1"}
+    for worker in status["workers"]:
+        for key in ("device", "model", "state", "busy_slots", "slots", "tokens_per_s",
+                    "uptime_s", "restarts", "completed", "pid"):
+            assert key in worker, key
+    assert len(status["frontends"]) == 2 and all(f["pid"] for f in status["frontends"])
+    assert "queue" in status
+    table = ops(two, "status").stdout
+    for text in ("WORKER", "TOK/S", "RESTARTS", "w0-cpu0", "w1-cpu1", "cpu:0", "FRONT END",
+                 "queue:"):
+        assert text in table
+
+
+def test_drain_moves_new_work_elsewhere_then_resume(two):
+    stream = SSEStream(two.port, {"prompt": "Once upon a time", "max_tokens": 60,
+                                  "ignore_eos": True, "stream": True})
+    stream.next_data()
+    busy = next(n for n, w in workers_by_name(two).items() if w["running"])
+    other = ({"w0-cpu0", "w1-cpu1"} - {busy}).pop()
+    assert "drain" in ops(two, "drain", busy).stdout
+    assert workers_by_name(two)[busy]["state"] == "draining"
+    done = {n: w["completed"] for n, w in workers_by_name(two).items()}
+    for i in range(3):
+        complete(two.port, {"prompt": f"drained {i}", "max_tokens": 2})
+    events = list(stream.events())                     # the running stream finishes
+    assert events[-1] == "[DONE]" and "error" not in json.loads(events[-2])
+    two.wait_for(lambda: workers_by_name(two)[busy]["state"] == "drained", timeout=10,
+                 what="drained")
+    after = workers_by_name(two)
+    assert after[other]["completed"] >= done[other] + 3
+    assert after[busy]["completed"] == done[busy] + 1   # only the stream it had
+    ops(two, "resume", busy)
+    assert workers_by_name(two)[busy]["state"] == "idle"
+    out = ops(two, "drain", "no-such-worker", check=False)
+    assert out.returncode == 1 and "no ready worker" in out.stdout
+
+
+def test_restart_and_reload_keep_other_workers_serving(two, tmp_path):
+    from tiny_gguf import write_tiny_fim_model
+    tiny = write_tiny_fim_model(tmp_path / "tiny-fim.gguf")
+    before = workers_by_name(two)
+    target, other = "w0-cpu0", "w1-cpu1"
+    results = []
+
+    def keep_asking():
+        for i in range(6):
+            results.append(http_json(two.port, "POST", "/v1/completions",
+                                     {"prompt": f"still here {i}", "max_tokens": 3,
+                                      "model": "gemma-3-270m-q4_k_m"})[0])
+
+    thread = threading.Thread(target=keep_asking)
+    thread.start()
+    ops(two, "restart", target)
+    thread.join(timeout=120)
+    assert results == [200] * 6
+    two.wait_for(lambda: workers_by_name(two).get(target, {}).get("pid") not in
+                 (None, before[target]["pid"]) and workers_by_name(two)[target]["state"]
+                 == "idle", timeout=60, what="the restarted worker")
+    assert workers_by_name(two)[target]["restarts"] == before[target]["restarts"] + 1
+    assert workers_by_name(two)[other]["pid"] == before[other]["pid"]
+    # reload onto another model: both are served, each by its worker
+    ops(two, "reload", target, "--model", str(tiny), "--model-id", "tiny-fim")
+    two.wait_for(lambda: workers_by_name(two).get(target, {}).get("model") == "tiny-fim"
+                 and workers_by_name(two)[target]["state"] == "idle", timeout=60,
+                 what="the reloaded worker")
+    status, _, models = http_json(two.port, "GET", "/v1/models")
+    assert {m["id"] for m in models["data"]} == {"gemma-3-270m-q4_k_m", "tiny-fim"}
+    body = complete(two.port, {"model": "tiny-fim", "prompt": "def", "suffix": "x",
+                               "max_tokens": 2})
+    assert body["model"] == "tiny-fim"
+    assert workers_by_name(two)[target]["completed"] >= 1
+    ops(two, "reload", target, "--model", str(ROOT / "no-such.gguf"), check=False)
+    ops(two, "reload", target, "--model",
+        str(__import__("dispatcher.models", fromlist=["x"]).bundled_model_path()))
+    two.wait_for(lambda: workers_by_name(two).get(target, {}).get("model")
+                 == "gemma-3-270m-q4_k_m" and workers_by_name(two)[target]["state"] == "idle",
+                 timeout=60, what="back on the bundled model")
+
+
+def metric_samples(port) -> dict:
+    status, headers, _ = http_json(port, "GET", "/metrics")
+    assert status == 200
+    import urllib.request
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return samples
+
+
+def total(samples, name, **labels) -> float:
+    return sum(v for l, v in samples.get(name, []) if all(l.get(k) == x
+                                                          for k, x in labels.items()))
+
+
+def test_metrics_show_the_whole_system_from_any_front_end(two):
+    before = metric_samples(two.port)
+    for i in range(6):
+        list(SSEStream(two.port, {"prompt": f"metrics {i}", "max_tokens": 5,
+                                  "stream": True}).events())
+    http_json(two.port, "POST", "/v1/completions", {"prompt": ""})          # a 400
+    want = total(before, "completions_requests_total", route="/v1/completions",
+                 status="200") + 6
+
+    def settled():
+        samples = metric_samples(two.port)
+        return samples if total(samples, "completions_requests_total",
+                                route="/v1/completions", status="200") >= want else None
+
+    # front ends report every second; whichever answers /metrics shows every request
+    samples = two.wait_for(settled, timeout=10, what="metrics from both front ends")
+    samples_again = two.wait_for(settled, timeout=10, what="metrics again")
+    assert total(samples, "completions_requests_total", status="400") >= 1
+    assert total(samples_again, "completions_requests_total", route="/v1/completions",
+                 status="200") >= want
+    ttft = total(samples, "completions_time_to_first_token_seconds_count")
+    assert ttft >= 6
+    assert total(samples, "completions_worker_requests_total", outcome="completed") >= 6
+    workers = {l["worker"] for l, _ in samples["completions_time_to_first_token_seconds_count"]}
+    assert workers <= {"w0-cpu0", "w1-cpu1"} and workers
+    assert total(samples, "completions_inter_token_latency_seconds_count") >= 6 * 3
+    assert total(samples, "completions_generated_tokens_total") >= 30
+    assert total(samples, "completions_prompt_tokens_total") > 0
+    assert {l["worker"] for l, _ in samples["completions_worker_busy"]} == {"w0-cpu0",
+                                                                           "w1-cpu1"}
+    assert "completions_worker_restarts_total" in samples
+    assert total(samples, "completions_frontends") == 2
+
+
+# -- config file --------------------------------------------------------------------------
+def check_config(*args, env=None):
+    import os
+    out = subprocess.run([sys.executable, "-m", "dispatcher", "check-config", *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **(env or {})})
+    return out
+
+
+def test_the_example_workstation_config_is_valid(tmp_path):
+    from dispatcher.models import bundled_model_path
+    text = (ROOT / "deploy" / "workstation-4gpu.toml").read_text()
+    keys = tmp_path / "keys"
+    keys.write_text("k\n")
+    text = text.replace("/srv/models/qwen2.5-coder-7b-q4_k_m.gguf", str(bundled_model_path()))
+    text = text.replace("/etc/completions/keys", str(keys))
+    config = tmp_path / "config.toml"
+    config.write_text(text)
+    out = check_config("--config", str(config), "--json")
+    report = json.loads(out.stdout)
+    assert out.returncode == 0 and report["ok"], report
+    assert [w["device"] for w in report["workers"]] == [
+        "cuda:0@interactive", "cuda:1@interactive", "cuda:2@interactive", "cuda:3@batch"]
+    assert [w["slots"] for w in report["workers"]] == [16, 16, 16, 4]
+    assert report["workers"][3]["nctx"] == 32768 and report["workers"][0]["nctx"] == 8192
+    human = check_config("--config", str(config)).stdout
+    assert human.startswith("config OK: 1 model(s), 4 worker(s)")
+
+
+def test_check_config_reports_every_problem_with_its_place(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text(textwrap.dedent("""
+        [server]
+        port = "eighty"
+        colour = "blue"
+        [[models]]
+        id = "m"
+        path = "/nope/model.gguf"
+        [[workers]]
+        device = "gpu:0"
+        [[workers]]
+        device = "cuda:1"
+        model = "other"
+        speed = 11
+    """))
+    out = check_config("--config", str(config))
+    assert out.returncode == 1
+    assert "[server] port" in out.stderr + out.stdout
+    assert "[server] colour: unknown option" in out.stderr + out.stdout
+    config.write_text(textwrap.dedent("""
+        [[models]]
+        id = "m"
+        path = "/nope/model.gguf"
+        [[workers]]
+        device = "gpu:0"
+        [[workers]]
+        device = "cuda:1"
+        model = "other"
+        [[workers]]
+        device = "cuda:2"
+        speed = 11
+        [[workers]]
+        device = "cuda:3"
+        [[workers]]
+        device = "cuda:3"
+    """))
+    out = check_config("--config", str(config))
+    assert out.returncode == 1
+    for text in ("models[0]: model file not found", "workers[0]: unknown device kind",
+                 "workers[1]: model 'other'", "workers[2]: unknown keys ['speed']",
+                 "cuda:3 is used by more than one worker"):
+        assert text in out.stdout, (text, out.stdout)
+    out = check_config("--config", str(tmp_path / "missing.toml"))
+    assert out.returncode == 1 and "missing.toml" in out.stderr
+
+
+def test_flags_and_variables_override_the_file(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text("[server]\nnctx = 1024\nport = 9100\n[[workers]]\ndevice = \"cpu\"\n"
+                      "[[workers]]\ndevice = \"cpu\"\n")
+    report = json.loads(check_config("--config", str(config), "--json").stdout)
+    assert [w["nctx"] for w in report["workers"]] == [1024, 1024]
+    report = json.loads(check_config("--config", str(config), "--json",
+                                     env={"COMPLETIONS_NCTX": "2048"}).stdout)
+    assert report["workers"][0]["nctx"] == 2048
+    report = json.loads(check_config("--config", str(config), "--json", "--nctx", "512",
+                                     env={"COMPLETIONS_NCTX": "2048"}).stdout)
+    assert report["workers"][0]["nctx"] == 512
+    report = json.loads(check_config("--config", str(config), "--json", "--device",
+                                     "cpu:0").stdout)
+    assert [w["device"] for w in report["workers"]] == ["cpu:0"]     # replaces the list
+
+
+def test_serve_from_a_config_file_with_two_models(tmp_path):
+    from dispatcher.models import bundled_model_path
+    from tiny_gguf import write_tiny_fim_model
+    tiny = write_tiny_fim_model(tmp_path / "tiny.gguf")
+    config = tmp_path / "two-models.toml"
+    config.write_text(textwrap.dedent(f"""
+        [server]
+        nctx = 2048
+        [[models]]
+        id = "gemma"
+        path = "{bundled_model_path()}"
+        slots = 2
+        [[models]]
+        id = "tiny"
+        path = "{tiny}"
+        nctx = 256
+        [[workers]]
+        device = "cpu:0"
+        model = "gemma"
+        profile = "interactive"
+        [[workers]]
+        device = "cpu:1"
+        model = "tiny"
+    """))
+    server = ServerProcess("--config", str(config), workers=2, log_name="config").start()
+    try:
+        status, _, models = http_json(server.port, "GET", "/v1/models")
+        assert {m["id"]: m["meta"]["n_ctx"] for m in models["data"]} == {"gemma": 2048,
+                                                                         "tiny": 256}
+        assert complete(server.port, {"model": "gemma", "prompt": "Hi",
+                                      "max_tokens": 2})["model"] == "gemma"
+        assert complete(server.port, {"model": "tiny", "prompt": "def", "suffix": "x",
+                                      "max_tokens": 2})["model"] == "tiny"
+        workers = workers_by_name(server)
+        assert workers["w0-cpu0-interactive"]["slots"] == 2
+        assert workers["w1-cpu1"]["model"] == "tiny"
+    finally:
+        assert server.stop() == 0
