@@ -105,7 +105,9 @@ class Operations:
                 workers.append({"worker": name, "device": child.extra.get("device"),
                                 "model": child.extra.get("model"), "up": 0, "slots": 0,
                                 "busy": 0, "restarts": child.restarts})
-        snapshot.update(workers=workers, queue=broker.queue.depth_by_model(),
+        depth = broker.queue.depth_by_model()
+        snapshot.update(workers=workers,
+                        queue={m: depth.get(m, 0) for m in set(broker.models()) | set(depth)},
                         dispatcher=dict(broker.stats), frontends=len(broker.frontends))
         return snapshot
 
