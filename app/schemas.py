@@ -418,8 +418,8 @@ def first_error(messages) -> tuple[str | None, str]:
     return None, str(messages)
 
 
-class TokenizeRequestSchema(Schema):
-    """POST /tokenize (llama.cpp's shape)."""
+class _VocabularyRequestSchema(Schema):
+    """A request about a model's vocabulary: which model, nothing unknown."""
 
     class Meta:
         unknown = RAISE
@@ -427,6 +427,11 @@ class TokenizeRequestSchema(Schema):
     model = StrictString(load_default=None, allow_none=True,
                          metadata=_doc("Model id; may be omitted when one model is served.",
                                        type="string"))
+
+
+class TokenizeRequestSchema(_VocabularyRequestSchema):
+    """POST /tokenize (llama.cpp's shape)."""
+
     content = StrictString(required=True, metadata=_doc("Text to tokenize.", type="string"))
     add_special = StrictBoolean(load_default=False, metadata=_doc(
         "Add BOS (if the model uses one).", type="boolean", default=False))
@@ -434,14 +439,8 @@ class TokenizeRequestSchema(Schema):
         "Return {id, piece} objects instead of ids.", type="boolean", default=False))
 
 
-class DetokenizeRequestSchema(Schema):
+class DetokenizeRequestSchema(_VocabularyRequestSchema):
     """POST /detokenize (llama.cpp's shape)."""
 
-    class Meta:
-        unknown = RAISE
-
-    model = StrictString(load_default=None, allow_none=True,
-                         metadata=_doc("Model id; may be omitted when one model is served.",
-                                       type="string"))
     tokens = fields.List(StrictInteger(validate=_range(0)), required=True, metadata=_doc(
         "Token ids.", type="array", items={"type": "integer", "minimum": 0}))

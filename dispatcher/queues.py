@@ -26,7 +26,8 @@ class Job:
 
 
 class RequestQueue:
-    """FIFO per model: a job waits only behind jobs that could run on the same workers."""
+    """One FIFO; the dispatcher takes, oldest first, the jobs some free worker can run, so
+    a job waits only behind jobs that could run on the same workers."""
 
     def __init__(self) -> None:
         self._jobs: deque[Job] = deque()
@@ -40,14 +41,6 @@ class RequestQueue:
     def remove(self, request_id: str) -> Job | None:
         for job in self._jobs:
             if job.request_id == request_id:
-                self._jobs.remove(job)
-                return job
-        return None
-
-    def take_for(self, info: dict) -> Job | None:
-        """The oldest job the worker described by `info` can run."""
-        for job in self._jobs:
-            if fits(job.body, info):
                 self._jobs.remove(job)
                 return job
         return None

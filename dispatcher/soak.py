@@ -227,7 +227,7 @@ class Soak:
             resp = conn.getresponse()
             if resp.status != 200:
                 return self.error_outcome(resp.status, resp.read())
-            text, chunks, finished, errored = "", 0, False, False
+            text, chunks, finished, errored, code = "", 0, False, False, None
             for raw in resp:
                 line = raw.strip()
                 if not line:

@@ -2,7 +2,6 @@
 the dispatcher and real llama-cpp-python workers, driven by the `openai` client and by
 raw HTTP."""
 import json
-import os
 import threading
 import time
 

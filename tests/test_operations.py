@@ -4,7 +4,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -136,8 +135,8 @@ def metric_samples(port) -> dict:
 
 
 def total(samples, name, **labels) -> float:
-    return sum(v for l, v in samples.get(name, []) if all(l.get(k) == x
-                                                          for k, x in labels.items()))
+    return sum(v for lab, v in samples.get(name, [])
+               if all(lab.get(k) == x for k, x in labels.items()))
 
 
 def test_metrics_show_the_whole_system_from_any_front_end(two):
@@ -163,12 +162,13 @@ def test_metrics_show_the_whole_system_from_any_front_end(two):
     ttft = total(samples, "completions_time_to_first_token_seconds_count")
     assert ttft >= 6
     assert total(samples, "completions_worker_requests_total", outcome="completed") >= 6
-    workers = {l["worker"] for l, _ in samples["completions_time_to_first_token_seconds_count"]}
+    workers = {lab["worker"] for lab, _ in
+               samples["completions_time_to_first_token_seconds_count"]}
     assert workers <= {"w0-cpu0", "w1-cpu1"} and workers
     assert total(samples, "completions_inter_token_latency_seconds_count") >= 6 * 3
     assert total(samples, "completions_generated_tokens_total") >= 30
     assert total(samples, "completions_prompt_tokens_total") > 0
-    assert {l["worker"] for l, _ in samples["completions_worker_busy"]} == {"w0-cpu0",
+    assert {lab["worker"] for lab, _ in samples["completions_worker_busy"]} == {"w0-cpu0",
                                                                            "w1-cpu1"}
     assert "completions_worker_restarts_total" in samples
     assert total(samples, "completions_frontends") == 2

@@ -12,29 +12,55 @@ def info(model="m", **extra):
             "profile": None, "fim": False, "slots": 1, **extra}
 
 
-def test_queue_is_fifo_among_jobs_a_worker_can_run():
+def test_queue_keeps_arrival_order_and_counts_per_model_and_profile():
     q = RequestQueue()
     for rid, model in [("a", "m1"), ("b", "m2"), ("c", "m1")]:
         q.push(job(rid, model))
-    assert q.take_for(info("m1")).request_id == "a"
-    assert q.take_for(info("m1")).request_id == "c"
-    assert q.take_for(info("m1")) is None
-    assert q.depth_by_model() == {"m2": 1}
+    q.push(job("d", "m1", route={"profile": "batch"}))
+    assert [j.request_id for j in q] == ["a", "b", "c", "d"]
+    assert q.depth(("m1", None)) == 2 and q.depth(("m1", "batch")) == 1
+    q.take(next(iter(q)))
+    assert [j.request_id for j in q] == ["b", "c", "d"]
+    assert q.depth_by_model() == {"m2": 1, "m1": 2}
 
 
-def test_a_job_waits_only_for_workers_that_fit_it():
+def test_jobs_past_their_deadline_leave_the_queue():
     q = RequestQueue()
-    q.push(job("big", route={"nctx": 8192}))
-    q.push(job("small"))
-    assert q.take_for(info()).request_id == "small"        # skips what it cannot run
-    assert q.take_for(info(n_ctx=16384)).request_id == "big"
+    late, fine = job("late"), job("fine")
+    late.deadline, fine.deadline = 5.0, 50.0
+    q.push(late)
+    q.push(fine)
+    assert [j.request_id for j in q.past_deadline(10.0)] == ["late"]
+    assert [j.request_id for j in q] == ["fine"]
+
+
+def test_choose_prefers_the_cached_prefix_then_the_least_loaded():
+    r = WorkerRegistry()
+    a = r.add(b"a", info(slots=4), 0.0)
+    b = r.add(b"b", info(slots=4), 0.0)
+    prefix = "x" * 40
+    a.remember(job("old", prompt=prefix + " first"))
+    a.running["busy"] = job("busy")
+    assert r.choose(job("new", prompt=prefix + " second")) is a        # affinity wins
+    assert r.choose(job("other", prompt="unrelated")) is b             # least loaded
+    assert r.choose(job("short", prompt="x" * 10 + "!")) is b          # prefix too short
+    a.draining = True
+    assert r.choose(job("new", prompt=prefix + " second")) is b        # a takes no work
+    assert r.choose(job("m2", "other-model")) is None
+
+
+def test_a_job_only_goes_to_workers_that_fit_it():
+    r = WorkerRegistry()
+    r.add(b"small", info(), 0.0)
+    big = r.add(b"big", info(n_ctx=16384), 0.0)
+    assert r.choose(job("j", route={"nctx": 8192})) is big
 
 
 def test_requeued_job_goes_first():
     q = RequestQueue()
     q.push(job("a"))
     q.push(job("b"), front=True)
-    assert q.take_for(info()).request_id == "b"
+    assert next(iter(q)).request_id == "b"
 
 
 def test_remove_is_idempotent():
