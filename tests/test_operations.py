@@ -150,8 +150,10 @@ def test_metrics_show_the_whole_system_from_any_front_end(two):
 
     def settled():
         samples = metric_samples(two.port)
-        return samples if total(samples, "completions_requests_total",
-                                route="/v1/completions", status="200") >= want else None
+        settled = total(samples, "completions_requests_total", route="/v1/completions",
+                        status="200") >= want and \
+            total(samples, "completions_requests_total", status="400") >= 1
+        return samples if settled else None
 
     # front ends report every second; whichever answers /metrics shows every request
     samples = two.wait_for(settled, timeout=10, what="metrics from both front ends")
