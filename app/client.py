@@ -61,16 +61,14 @@ class RequestStream:
             try:
                 item = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
             except gevent.queue.Empty:
-                raise ServiceUnavailable("the dispatcher did not answer in time",
-                                         headers={"Retry-After": str(config.RETRY_AFTER_SECONDS)})
+                raise ServiceUnavailable("the dispatcher did not answer in time")
             kind = item[0]
             if kind == "ctl" and item[1] == P.ACCEPTED:
                 return
             if kind == "ctl" and item[1] in (P.REJECTED, P.FAILED):
                 raise from_wire(item[2])
             if kind == "lost":
-                raise ServiceUnavailable("the dispatcher is unreachable",
-                                         headers={"Retry-After": str(config.RETRY_AFTER_SECONDS)})
+                raise ServiceUnavailable("the dispatcher is unreachable")
             if kind == "gone":
                 raise ClientGone()
             # token events can overtake ACCEPTED (they travel another path): keep them
@@ -185,8 +183,7 @@ class DispatcherClient:
         self.streams[job["id"]] = stream
         if not self.send(P.SUBMIT, job["id"], job):
             self.forget(job["id"])
-            raise ServiceUnavailable("the dispatcher is unreachable",
-                                     headers={"Retry-After": str(config.RETRY_AFTER_SECONDS)})
+            raise ServiceUnavailable("the dispatcher is unreachable")
         try:
             stream.wait_accepted()
         except (APIError, ClientGone):

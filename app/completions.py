@@ -15,7 +15,7 @@ from app.errors import (InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavai
 from app.fanout import Fanout
 from app.jobs import plan_jobs
 from app.schemas import CompletionRequestSchema, first_error, normalize
-from dispatcher import config, protocol as P
+from dispatcher import protocol as P
 from dispatcher.routing import explain_unfit, fits
 
 bp = Blueprint("completions", __name__)
@@ -60,12 +60,11 @@ def validate(body: object, schema: Schema = _schema) -> dict:
 
 def resolve_model(requested: str | None, state: dict | None) -> str:
     """The model id to serve, or 404 (unknown) / 503 (known, nothing ready / no dispatcher)."""
-    retry = {"Retry-After": str(config.RETRY_AFTER_SECONDS)}
     if state is None:
-        raise ServiceUnavailable("the dispatcher is unreachable", headers=retry)
+        raise ServiceUnavailable("the dispatcher is unreachable")
     models = state.get("models", {})
     if not models:
-        raise ServiceUnavailable("no worker is ready yet", headers=retry, code="no_worker_ready")
+        raise ServiceUnavailable("no worker is ready yet", code="no_worker_ready")
     if requested is None:
         if len(models) != 1:
             raise InvalidRequest("'model' is required: this server has "
@@ -75,7 +74,7 @@ def resolve_model(requested: str | None, state: dict | None) -> str:
         raise NotFound(f"The model '{requested}' does not exist. Served: "
                        + ", ".join(sorted(models)), param="model", code="model_not_found")
     if not models[requested].get("ready"):
-        raise ServiceUnavailable(f"no worker for '{requested}' is ready yet", headers=retry,
+        raise ServiceUnavailable(f"no worker for '{requested}' is ready yet",
                                  code="no_worker_ready")
     return requested
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from flask import Flask, jsonify
 from werkzeug.exceptions import HTTPException
 
+from dispatcher.config import RETRY_AFTER_SECONDS
+
 
 class APIError(Exception):
     """An error a client can act on; the base of every error the API returns."""
@@ -90,10 +92,15 @@ class BadGateway(APIError):
 
 
 class ServiceUnavailable(APIError):
-    """No worker can take the request now: none ready, dispatcher gone, worker lost (503)."""
+    """No worker can take the request now: none ready, dispatcher gone, worker lost (503).
+    Always says when to try again."""
     status = 503
     type = "server_error"
     code = "service_unavailable"
+
+    def __init__(self, message: str, **kwargs):
+        super().__init__(message, **kwargs)
+        self.headers.setdefault("Retry-After", str(RETRY_AFTER_SECONDS))
 
 
 class GatewayTimeout(APIError):

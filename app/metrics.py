@@ -15,7 +15,6 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from app.client import get_client
 from app.errors import ServiceUnavailable
-from dispatcher import config
 
 bp = Blueprint("metrics", __name__)
 HISTOGRAM_NAMES = {
@@ -99,8 +98,7 @@ class SnapshotCollector:
 def metrics():
     snapshot = get_client(current_app).metrics_snapshot()
     if snapshot is None:
-        raise ServiceUnavailable("the dispatcher is unreachable",
-                                 headers={"Retry-After": str(config.RETRY_AFTER_SECONDS)})
+        raise ServiceUnavailable("the dispatcher is unreachable")
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(snapshot))
     return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)

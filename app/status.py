@@ -35,8 +35,7 @@ def health():
 def list_models():
     state = get_client(current_app).wait_state()
     if state is None:
-        raise ServiceUnavailable("the dispatcher is unreachable",
-                                 headers={"Retry-After": str(config.RETRY_AFTER_SECONDS)})
+        raise ServiceUnavailable("the dispatcher is unreachable")
     data = [{"id": model_id, "object": "model", "created": info.get("created", 0),
              "owned_by": "completions-server",
              "meta": {"n_ctx": info.get("n_ctx"), "workers_ready": info.get("ready", 0)}}

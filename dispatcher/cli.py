@@ -13,7 +13,7 @@ import sys
 
 from dispatcher import config, configfile, protocol as P
 from dispatcher.models import default_model_id, resolve_model_path
-from dispatcher.ops import control_request, default_dispatcher_address  # noqa: F401
+from dispatcher.ops import default_dispatcher_address
 
 log = logging.getLogger("dispatcher")
 SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "device",

@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from dispatcher import config
-from dispatcher.cli import control_request, default_dispatcher_address
+from dispatcher.ops import control_request, default_dispatcher_address
 
 INVALID_BODIES = [
     b'{"prompt": "x", "temperature": "hot"}', b'{"prompt": ""}', b'{"prompt": NaN}',

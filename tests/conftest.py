@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatcher.cli import control_request, default_dispatcher_address
+from dispatcher.ops import control_request, default_dispatcher_address
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -343,18 +343,15 @@ class GenerationLoop:
             return
         self.publisher.publish(active.topic, active.request_id, event)
 
-    def abort_all(self, reason: str) -> list[str]:
-        """On shutdown: fail requests that already sent text; return the others' ids,
-        which the dispatcher requeues when we disconnect."""
-        untouched = [request_id for request_id, _ in self.waiting]
+    def abort_all(self, reason: str) -> None:
+        """On shutdown: fail requests that already sent text; drop the others, which the
+        dispatcher requeues when we disconnect."""
         for active in list(self.active.values()):
             if active.text_sent:
                 self._fail(active, _Stopping(reason))
             else:
                 self._drop(active)
-                untouched.append(active.request_id)
         self.waiting.clear()
-        return untouched
 
 
 class _Stopping(EngineError):
