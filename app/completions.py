@@ -1,6 +1,7 @@
 """POST /v1/completions: validate, hand the jobs to the dispatcher, relay the events."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import time
@@ -36,13 +37,58 @@ def parse_json_body() -> object:
         raise UnsupportedMediaType(f"Content-Type must be application/json, not {mimetype}")
     raw = request.get_data(cache=False)
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
+        body = json.loads(raw, parse_constant=_reject_constant)
     except UnicodeDecodeError:
         raise InvalidRequest("The request body is not valid UTF-8.", code="invalid_json")
     except RecursionError:
         raise InvalidRequest("The request body is nested too deeply.", code="invalid_json")
     except ValueError as exc:
         raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json")
+    check_encodable(body)
+    return body
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def unencodable_field(body: object) -> tuple[str, str] | None:
+    """(top-level field, path) of the first string, object keys included, that is not
+    Unicode text: a lone UTF-16 surrogate (`"\\ud800"`) is valid JSON but cannot be
+    encoded as UTF-8, so it must never reach a tokenizer or a grammar parser."""
+    stack: list[tuple[object, list]] = [(body, [])]
+    while stack:                                  # iterative: any nesting json accepts
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _encodable(value):
+                return _path_text(path[:1]), _path_text(path)
+        elif isinstance(value, dict):
+            for key, item in reversed(list(value.items())):
+                if not _encodable(key):
+                    return _path_text((path + [key])[:1]), _path_text(path + [key])
+                stack.append((item, path + [key]))
+        elif isinstance(value, list):
+            stack.extend((item, path + [i]) for i, item in reversed(list(enumerate(value))))
+    return None
+
+
+def _path_text(path: list) -> str:
+    text = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") or "_body"
+
+
+def check_encodable(body: object) -> None:
+    found = unencodable_field(body)
+    if found is not None:
+        param, where = found
+        raise InvalidRequest(f"Invalid value for '{where}': the text contains a lone UTF-16 "
+                             "surrogate (\\ud800-\\udfff), which is not a Unicode "
+                             "character and cannot be encoded as UTF-8.", param=param,
+                             code="invalid_unicode")
 
 
 def validate(body: object, schema: Schema = _schema) -> dict:
@@ -103,6 +149,17 @@ def queue_timeout() -> float | None:
     return value
 
 
+def session_of(req) -> str | None:
+    """The X-Session-Id, scoped by API key: with keys configured, one key's clients can
+    never supersede (cancel) another key's requests by sending the same value."""
+    session = req.headers.get(SESSION_HEADER) or None
+    if session is None or not current_app.config.get("API_KEYS_ENABLED"):
+        return session
+    _, _, token = req.headers.get("Authorization", "").partition(" ")
+    scope = hashlib.sha256(token.strip().encode()).hexdigest()[:16]
+    return f"{scope}:{session}"
+
+
 def check_prompt_size(req: dict) -> None:
     size = sum(len(p) if isinstance(p, str) else sum(
         len(x) if isinstance(x, str) else 1 for x in p) for p in req["prompt"])
@@ -144,7 +201,7 @@ def create_completion():
     model = resolve_model(req["model"], state)
     request_id = P.new_request_id()
     plans = plan_jobs(request_id, model, req, request.headers.get(PROFILE_HEADER),
-                      request.headers.get(SESSION_HEADER) or None, timeout)
+                      session_of(request), timeout)
     check_route(plans[0].job, state)
     fanout = Fanout(client, [p.job for p in plans])
     watcher = watch_disconnect(request.environ, fanout.client_gone)

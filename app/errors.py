@@ -5,7 +5,7 @@ started, or as the next SSE event once a stream has (see `app.sse`).
 """
 from __future__ import annotations
 
-from flask import Flask, jsonify
+from flask import Flask, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from dispatcher.config import RETRY_AFTER_SECONDS
@@ -151,6 +151,12 @@ def register_error_handlers(app: Flask) -> None:
         error.status = exc.code or 500
         if exc.code == 404:
             error.code = "not_found"
+        elif exc.code == 405:
+            allowed = sorted(getattr(exc, "valid_methods", None) or [])
+            error.code = "method_not_allowed"
+            error.message = f"{request.method} is not allowed here; use " + \
+                " or ".join(allowed) if allowed else error.message
+            error.headers["Allow"] = ", ".join(allowed)
         return error_response(error)
 
     @app.errorhandler(Exception)

@@ -46,6 +46,7 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
                 "score": scoring, "sampling": sampling, "nctx": req.get("nctx"),
                 "route": route, "cache_prompt": req["cache_prompt"],
                 "session": session, "parent": request_id, "timeout": timeout,
+                "fanout": len(req["prompt"]) * candidates,
             }
             plans.append(JobPlan(job, p, c))
     return plans

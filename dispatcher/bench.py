@@ -151,9 +151,10 @@ class HttpTarget:
             conn.close()
 
     def complete(self, prompt: str, max_tokens: int, suffix: str | None = None,
-                 session: str | None = None, timeout: float = 600) -> Sample:
+                 session: str | None = None, timeout: float = 600,
+                 extra: dict | None = None) -> Sample:
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
+                "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
         if self.model:
             body["model"] = self.model
         if suffix is not None:
@@ -221,8 +222,11 @@ class InProcessTarget:
         from llama_cpp import Llama
         import os
         self.name = "llama-cpp-python in-process"
-        self.llm = Llama(model_path, n_ctx=n_ctx, n_batch=512, flash_attn=True,
-                         n_threads=n_threads or len(os.sched_getaffinity(0)), verbose=False)
+        from workers.engine import llama_loads_like_workers
+        with llama_loads_like_workers():
+            self.llm = Llama(model_path, n_ctx=n_ctx, n_batch=512, flash_attn=True,
+                             n_threads=n_threads or len(os.sched_getaffinity(0)),
+                             verbose=False)
         self.lock = threading.Lock()
 
     def complete(self, prompt: str, max_tokens: int, suffix: str | None = None,
@@ -334,6 +338,48 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# A schema the bench's constrained stream follows; its prompt invites prose, so the
+# grammar has to reject the model's own choice now and then.
+BENCH_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"},
+    "languages": {"type": "array", "items": {"type": "string"}}},
+    "required": ["name", "age", "languages"]}
+
+
+def run_constrained(target, requests: int, prompt_chars: int, max_tokens: int,
+                    salt: int) -> list[Level]:
+    """A plain stream's speed alone, then with one json_schema stream running beside it
+    the whole time: grammar sampling must not slow the rest of the batch."""
+    def plain_run(name: str, offset: int) -> Level:
+        samples, started = [], time.perf_counter()
+        for i in range(requests):
+            samples.append(target.complete(prompt_of(prompt_chars, salt + offset + i),
+                                           max_tokens))
+        return summarize(name, 1, samples, time.perf_counter() - started)
+
+    alone = plain_run("plain alone", 0)
+    stop = threading.Event()
+    constrained: list[Sample] = []
+
+    def beside():
+        i = 0
+        while not stop.is_set():
+            constrained.append(target.complete(
+                f"Person {salt + i}, described as JSON:", max_tokens,
+                extra={"json_schema": BENCH_SCHEMA}))
+            i += 1
+
+    thread = threading.Thread(target=beside, daemon=True)
+    started = time.perf_counter()
+    thread.start()
+    time.sleep(0.5)                     # the constrained stream is decoding by now
+    with_grammar = plain_run("plain + json_schema", requests)
+    stop.set()
+    thread.join(timeout=600)
+    return [alone, with_grammar, summarize("json_schema beside", 1, constrained,
+                                           time.perf_counter() - started)]
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--url", action="append", default=[],
                         help="an OpenAI-compatible base URL; repeatable (default: this "
@@ -355,7 +401,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--keystroke-interval", type=float, default=0.15)
     parser.add_argument("--no-fim", action="store_true",
                         help="skip the FIM replay (for servers without FIM support)")
+    parser.add_argument("--constrained", action="store_true",
+                        help="also: a plain stream alone and beside a json_schema stream "
+                             "(prints the slowdown; targets that take json_schema only)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def constrained_slowdowns(rows: list[dict]) -> dict[str, float]:
+    """Per target: ITL of the plain stream beside the json_schema one / alone."""
+    out = {}
+    for target in {r["target"] for r in rows}:
+        itl = {r["name"]: r["itl_ms"] for r in rows if r["target"] == target}
+        if itl.get("plain alone") and itl.get("plain + json_schema"):
+            out[target] = itl["plain + json_schema"] / itl["plain alone"]
+    return out
 
 
 def run(args) -> int:
@@ -383,12 +442,19 @@ def run(args) -> int:
         if args.fim_keystrokes and not args.no_fim and not in_process:
             results.append(run_fim_replay(target, args.fim_keystrokes, args.max_tokens,
                                           salt + 1, args.keystroke_interval))
+        if args.constrained and not in_process:
+            results += run_constrained(target, args.requests or 4, args.prompt_chars,
+                                       args.max_tokens, salt + 2 + args.fim_keystrokes)
         for result in results:
             rows.append({"target": target.name, **asdict(result)})
+    slowdowns = constrained_slowdowns(rows)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         print(table(rows))
+        for target, ratio in slowdowns.items():
+            print(f"  {target}: a plain stream's time per token beside a json_schema "
+                  f"stream = {ratio:.2f}x alone")
         for row in rows:
             for message in row["error_samples"]:
                 print(f"  {row['target']} / {row['name']}: {message}")

@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 TOKEN_HWM = 100_000
 # A queued job whose model has had no ready worker for this long is turned away.
 NO_WORKER_TIMEOUT = 30.0
+# A job that never started is requeued when its worker is lost, up to this many attempts.
+MAX_ATTEMPTS = 3
+# How long the rest of an admitted request's jobs may take to arrive.
+UNIT_TIMEOUT = 60.0
 
 
 class Broker:
@@ -48,12 +52,15 @@ class Broker:
         self.registry = WorkerRegistry()
         self.frontends: dict[bytes, dict] = {}     # id -> {"seen": t, "pid": ...}
         self.sessions: dict[str, dict[str, Job]] = {}   # X-Session-Id -> its open jobs
+        # requests being admitted job by job: parent id -> [jobs still to come, since]
+        self.units: dict[str, list] = {}
         self.stats = {"submitted": 0, "rejected": 0, "requeued": 0, "failed": 0,
                       "completed": 0, "cancelled": 0, "superseded": 0, "queue_full": 0,
                       "timed_out": 0}
         self.metrics = SystemMetrics()
         self.ops = Operations(self)
         self._stop = threading.Event()
+        self.exit_code = 0
         self._next_heartbeat = 0.0
         self._proxy_thread = self._start_proxy()
 
@@ -156,6 +163,8 @@ class Broker:
                 record = self.registry.get(child.name.encode())
                 if record is not None and record.info.get("pid") == pid:
                     self.worker_lost(record, f"process exited ({child.last_exit})")
+                if child.gave_up:
+                    self._check_models_loadable()
         for record in self.registry.expired(now):
             self.worker_lost(record, "stopped answering heartbeats")
             self._send_worker(record.identity, P.DISCONNECT)
@@ -168,6 +177,9 @@ class Broker:
                 self._send_worker(identity, P.HEARTBEAT)
         self._expire_unservable(now)
         self._expire_deadlines(now)
+        for parent, (_, since) in list(self.units.items()):
+            if since < now - UNIT_TIMEOUT:         # its front end never sent the rest
+                del self.units[parent]
         self.ops.tick(now)
         self.dispatch()
         if self.draining_until is not None and (
@@ -177,6 +189,17 @@ class Broker:
             else:
                 log.info("grace period over with %d requests in flight", self.in_flight())
             self.stop()
+
+    def _check_models_loadable(self) -> None:
+        """Stop, with a non-zero exit, when every worker of some model has given up on
+        loading it: `serve` must not pretend to serve a model nothing can load."""
+        workers = [c for c in self.supervisor.children.values() if c.kind == "worker"]
+        for model in {c.extra.get("model") for c in workers}:
+            mine = [c for c in workers if c.extra.get("model") == model]
+            if mine and all(c.gave_up for c in mine):
+                log.error("no worker can load the model '%s': stopping", model)
+                self.exit_code = 1
+                self.stop()
 
     # -- front ends --------------------------------------------------------------------
     def process_frontend(self, frames: list[bytes]) -> None:
@@ -236,7 +259,7 @@ class Broker:
         if body.get("session"):
             self._supersede(job)
         key = self.queue.key(job)
-        if self.queue.depth(key) >= self.max_queue:
+        if not self._admit_unit(job) and self.queue.depth(key) >= self.max_queue:
             self.stats["queue_full"] += 1
             return self._reject(fe_id, request_id, 429, "rate_limit_error", "queue_full",
                                 f"{self.max_queue} requests are already waiting for "
@@ -245,9 +268,23 @@ class Broker:
         timeout = body.get("timeout") or self.queue_timeout
         if timeout:
             job.deadline = job.enqueued_at + float(timeout)
+        fanout = int(body.get("fanout") or 1)
+        if fanout > 1 and job.parent not in self.units:
+            self.units[job.parent] = [fanout - 1, time.monotonic()]
         self.queue.push(job)
         self._send_frontend(fe_id, P.ACCEPTED, request_id)
         self.dispatch()
+
+    def _admit_unit(self, job: Job) -> bool:
+        """True for a later job of a request whose first job was admitted: a request's
+        prompts × choices are admitted (or refused) as one unit, never half of them."""
+        unit = self.units.get(job.parent)
+        if unit is None:
+            return False
+        unit[0] -= 1
+        if unit[0] <= 0:
+            del self.units[job.parent]
+        return True
 
     def _supersede(self, job: Job) -> None:
         """A new request of a session (X-Session-Id) ends the session's older ones,
@@ -355,10 +392,14 @@ class Broker:
         record.refresh(now)
         if msg.cmd == P.HEARTBEAT:
             pass
+        elif msg.cmd == P.STARTED:
+            job = record.running.get(msg.request_id)
+            if job is not None and int(msg.body.get("attempt", 1)) == job.attempt:
+                job.started = True
         elif msg.cmd == P.FIRST:
             job = record.running.get(msg.request_id)
             if job is not None:
-                job.first_token = True
+                job.started = job.first_token = True
         elif msg.cmd == P.DONE:
             self.job_done(record, msg.request_id, msg.body)
         elif msg.cmd == P.DISCONNECT:
@@ -372,6 +413,9 @@ class Broker:
             return
         record.running.pop(request_id, None)
         record.ops.pop(request_id, None)
+        if body.get("released"):          # a stopping worker handed it back unstarted
+            self._requeue(job)
+            return
         self._forget(job)
         usage = body.get("usage") or {}
         record.tokens += int(usage.get("completion_tokens", 0))
@@ -387,8 +431,16 @@ class Broker:
         self._send_frontend(job.frontend, P.FINISHED, request_id,
                             {"attempt": job.attempt, "last_seq": body.get("last_seq")})
 
+    def _requeue(self, job: Job) -> None:
+        job.worker, job.started, job.first_token = None, False, False
+        job.attempt += 1
+        self.stats["requeued"] += 1
+        self.queue.push(job, front=True)
+
     def worker_lost(self, record: WorkerRecord, reason: str) -> None:
-        """Drop a worker; requeue its jobs that sent no text yet, fail the others."""
+        """Drop a worker; requeue its jobs that had not started (they cannot be what
+        killed it), fail the others: a request that was being prefilled or generated when
+        its worker died is never handed to a second worker to kill."""
         self.registry.remove(record.identity)
         log.error("worker %s lost (%s) with %d request(s)", record.name, reason,
                   len(record.running))
@@ -396,10 +448,8 @@ class Broker:
                                  len(record.running) + len(record.ops))
         for job in record.running.values():
             job.worker = None
-            if not job.first_token and job.attempt < 2:
-                job.attempt += 1
-                self.stats["requeued"] += 1
-                self.queue.push(job, front=True)
+            if not job.started and job.attempt < MAX_ATTEMPTS:
+                self._requeue(job)
             else:
                 self.stats["failed"] += 1
                 self._forget(job)
@@ -420,7 +470,11 @@ class Broker:
         the jobs behind it."""
         if not len(self.queue) or not self.registry.with_free_slots():
             return
-        for job in self.queue:
+        running: dict[str, int] = {}
+        for record in self.registry.workers.values():
+            for job in record.running.values():
+                running[job.parent] = running.get(job.parent, 0) + 1
+        for job in self.queue.in_fair_order(running):
             worker = self.registry.choose(job)
             if worker is None:
                 continue
@@ -486,8 +540,9 @@ class Broker:
         workers = []
         for name, child in children.items():
             if child.kind == "worker" and name.encode() not in self.registry:
-                workers.append({"name": name, "state": "starting" if child.process
-                                else "restarting", "restarts": child.restarts,
+                state = "failed" if child.gave_up else \
+                    "starting" if child.process else "restarting"
+                workers.append({"name": name, "state": state, "restarts": child.restarts,
                                 "pid": child.pid, "device": child.extra.get("device"),
                                 "model": child.extra.get("model")})
         for record in self.registry.workers.values():

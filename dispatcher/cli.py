@@ -13,7 +13,7 @@ import sys
 
 from dispatcher import config, configfile, protocol as P
 from dispatcher.models import default_model_id, resolve_model_path
-from dispatcher.ops import default_dispatcher_address
+from dispatcher.ops import default_dispatcher_address, dispatcher_answers
 
 log = logging.getLogger("dispatcher")
 SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "device",
@@ -58,12 +58,17 @@ def _run_broker(broker, cleanup_dir: str | None, grace: float = 0.0) -> int:
         broker.close()
         if cleanup_dir:
             shutil.rmtree(cleanup_dir, ignore_errors=True)
-    return 0
+    return broker.exit_code
 
 
 def _endpoints(args) -> tuple[P.Endpoints, str, str | None]:
     base = args.dispatcher or default_dispatcher_address(args.port)
     endpoints = P.Endpoints.from_base(base)
+    # Binding an ipc address takes it over silently (and the leaving process would
+    # remove the live one's directory): refuse while another dispatcher answers there.
+    if dispatcher_answers(base):
+        raise SystemExit(f"a dispatcher is already running at {base}: stop it first, or "
+                         "choose another --port or --dispatcher")
     cleanup = None
     if base.startswith("ipc://"):
         cleanup = base[len("ipc://"):]
@@ -71,6 +76,14 @@ def _endpoints(args) -> tuple[P.Endpoints, str, str | None]:
         if args.dispatcher:
             cleanup = None           # a directory the operator chose is theirs to keep
     return endpoints, base, cleanup
+
+
+def _make_broker(broker_class, base: str, *args, **kwargs):
+    import zmq
+    try:
+        return broker_class(*args, **kwargs)
+    except zmq.ZMQError as exc:           # a tcp port in use, an ipc path not writable
+        raise SystemExit(f"cannot listen at {base}: {exc}") from None
 
 
 def make_plan(args) -> configfile.Plan:
@@ -91,9 +104,9 @@ def cmd_serve(args) -> int:
         raise SystemExit(f"{args.host}:{args.port} is already in use")
     endpoints, base, cleanup = _endpoints(args)
     supervisor = Supervisor()
-    broker = Broker(endpoints, supervisor,
-                    known_models={m.id: {"n_ctx": m.nctx} for m in plan.models},
-                    max_queue=args.max_queue, queue_timeout=args.queue_timeout)
+    broker = _make_broker(Broker, base, endpoints, supervisor,
+                          known_models={m.id: {"n_ctx": m.nctx} for m in plan.models},
+                          max_queue=args.max_queue, queue_timeout=args.queue_timeout)
     for worker in plan.workers:
         argv = python_module_argv("workers", *worker.argv(base, args.engine, args.log_level))
         supervisor.add(Child(worker.name, argv, env=worker.device.visible_devices(),
@@ -120,7 +133,8 @@ def cmd_serve(args) -> int:
 def cmd_broker(args) -> int:
     from dispatcher.broker import Broker
     endpoints, base, cleanup = _endpoints(args)
-    broker = Broker(endpoints, max_queue=args.max_queue, queue_timeout=args.queue_timeout)
+    broker = _make_broker(Broker, base, endpoints, max_queue=args.max_queue,
+                          queue_timeout=args.queue_timeout)
     print(f"dispatcher at {base}", file=sys.stderr, flush=True)
     return _run_broker(broker, cleanup, args.stop_grace)
 

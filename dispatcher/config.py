@@ -117,6 +117,9 @@ SUBSCRIPTION_WAIT = 5.0
 RESPAWN_BACKOFF = (0.5, 30.0)
 # Grace given to children, once asked to stop, before they are killed.
 STOP_GRACE = 10.0
+# A worker's exit status when its model cannot be loaded on its device (EX_CONFIG): the
+# supervisor does not respawn it, and `serve` stops if no worker of a model is left.
+EXIT_CANNOT_LOAD = 78
 # Retry-After sent with a 503 when no worker is ready.
 RETRY_AFTER_SECONDS = 5
 
@@ -157,6 +160,9 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
             parser.add_argument(option.flag, dest=name, action="append", type=option.type,
                                 default=None, choices=option.choices, help=help_text)
             parser.set_defaults(**{f"_{name}_default": default})
+        elif option.type is _boolean:        # `--flag` alone means true; `--flag false`
+            parser.add_argument(option.flag, dest=name, type=option.type, default=default,
+                                nargs="?", const=True, help=help_text)
         else:
             parser.add_argument(option.flag, dest=name, type=option.type, default=default,
                                 choices=option.choices, help=help_text)

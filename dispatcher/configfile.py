@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dispatcher import config
-from dispatcher.devices import DeviceSpec, parse_device
+from dispatcher.devices import DeviceSpec, format_cores, parse_device
 
 MODEL_KEYS = {"id", "path", "nctx", "ngl", "slots", "deterministic"}
 WORKER_KEYS = {"device", "model", "profile", "name", "nctx", "ngl", "slots"}
@@ -183,8 +183,8 @@ def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
             device = parse_device(text)
             devices.append(device)
             if device.cores is not None and not set(device.cores) <= allowed:
-                raise ValueError(f"cores {list(device.cores)} are not all available "
-                                 f"(this machine lets us use {sorted(allowed)})")
+                raise ValueError(f"cores {format_cores(device.cores)} are not all available "
+                                 f"(this process may use {format_cores(allowed)})")
             model_id = entry.get("model") or (models[0].id if models else
                                                next(iter(broken), None))
             if model_id in broken or (model_id is None and broken):

@@ -6,6 +6,7 @@ bad spec before anything starts; applying it (pinning) is `workers.pinning`.
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -14,6 +15,10 @@ KINDS = {"cpu": "cpu", "cuda": "gpu", "npu": "npu"}   # device kind -> compute c
 # llama.cpp's CANN backend (Ascend NPUs).
 PROFILE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+# Linux's largest CPU count (NR_CPUS): a spec naming a higher core is refused as it is
+# parsed, before any set of its cores is built. Cores this machine lacks are refused when
+# the launcher plans the workers (configfile.plan), against the cores it may use.
+MAX_CORES = 8192
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,20 @@ def _parse_cores(rest: str, text: str) -> tuple[int, ...]:
         first, last = int(low), int(high) if dash else int(low)
         if last < first:
             raise ValueError(f"bad core range {part!r} in {text!r}")
+        if last >= MAX_CORES:
+            raise ValueError(f"core {last} in {text!r} cannot exist (Linux counts at most "
+                             f"{MAX_CORES} cores); this machine has {machine_cores()}")
         cores.update(range(first, last + 1))
     return tuple(sorted(cores))
+
+
+def machine_cores() -> int:
+    return os.cpu_count() or 1
+
+
+def format_cores(cores) -> str:
+    """`0-3+8`: a core set as a short range list."""
+    return _format_cores(tuple(sorted(cores)))
 
 
 def _format_cores(cores: tuple[int, ...]) -> str:

@@ -16,13 +16,29 @@ def bundled_model_path() -> Path:
     return Path(path)
 
 
+GGUF_MAGIC = b"GGUF"
+
+
 def resolve_model_path(path: str | None) -> Path:
     if not path:
         return bundled_model_path()
     resolved = Path(path).expanduser()
     if not resolved.is_file():
         raise SystemExit(f"model file not found: {resolved}")
+    check_gguf(resolved)
     return resolved.resolve()
+
+
+def check_gguf(path: Path) -> None:
+    """Refuse at once a file that is not a GGUF model, rather than start workers that can
+    only crash on it."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise SystemExit(f"model file {path}: {exc.strerror}") from None
+    if magic != GGUF_MAGIC:
+        raise SystemExit(f"{path} is not a GGUF model file (it does not start with 'GGUF')")
 
 
 def default_model_id(path: Path) -> str:

@@ -33,6 +33,24 @@ def control_request(base: str, request: dict, timeout: float = 3.0) -> dict:
         context.term()
 
 
+def dispatcher_answers(base: str, timeout: float = 1.0) -> bool:
+    """Whether a live dispatcher answers on `base` (its control socket)."""
+    endpoints = P.Endpoints.from_base(base)
+    if endpoints.control.startswith("ipc://") and \
+            not os.path.exists(endpoints.control[len("ipc://"):]):
+        return False
+    context = zmq.Context()
+    sock = context.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoints.control)
+        sock.send(P.encode_json({"cmd": "status"}))
+        return bool(sock.poll(int(timeout * 1000)))
+    finally:
+        sock.close()
+        context.term()
+
+
 def _base(args) -> str:
     return args.dispatcher or default_dispatcher_address(args.port)
 

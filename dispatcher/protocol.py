@@ -37,6 +37,7 @@ STATE = b"T"        # heartbeat reply; body: {workers_ready, models, ...}
 # worker -> dispatcher
 READY = b"Y"        # body: worker info
 HEARTBEAT = b"H"
+STARTED = b"2"      # the request took a slot: prefill begins (no requeue after this)
 FIRST = b"1"        # the request's first text is about to be published
 DONE = b"E"         # body: {attempt, last_seq, finish_reason, usage, cancelled}
 DISCONNECT = b"X"

@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dispatcher import config
-from dispatcher.routing import MIN_SHARED_PREFIX, fits, prompt_key, shared_prefix
+from dispatcher.routing import affinity_allowed, fits, prompt_key, shared_prefix
 
 
 @dataclass
@@ -17,12 +17,18 @@ class Job:
     attempt: int = 1
     enqueued_at: float = field(default_factory=time.monotonic)
     worker: bytes | None = None  # the worker running it, once dispatched
+    started: bool = False        # the worker took it into a slot (prefill began)
     first_token: bool = False    # the worker said its first text is going out
     deadline: float | None = None   # leave the queue with a 504 after this (monotonic)
 
     @property
     def model(self) -> str:
         return self.body["model"]
+
+    @property
+    def parent(self) -> str:
+        """The HTTP request this job is part of (one of its prompts × choices)."""
+        return self.body.get("parent") or self.request_id
 
 
 class RequestQueue:
@@ -54,7 +60,16 @@ class RequestQueue:
         return job.model, (job.body.get("route") or {}).get("profile")
 
     def depth(self, key: tuple[str, str | None]) -> int:
-        return sum(1 for job in self._jobs if self.key(job) == key)
+        """Queued requests (not jobs: a request's n × prompts jobs count once)."""
+        return len({job.parent for job in self._jobs if self.key(job) == key})
+
+    def in_fair_order(self, running: dict[str, int]) -> list[Job]:
+        """The jobs, those of requests with the fewest jobs running first, then oldest
+        first: a request of 128 choices cannot keep a single-choice request behind all
+        of them."""
+        jobs = list(self._jobs)
+        order = sorted(range(len(jobs)), key=lambda i: (running.get(jobs[i].parent, 0), i))
+        return [jobs[i] for i in order]
 
     def past_deadline(self, now: float) -> list[Job]:
         late = [j for j in self._jobs if j.deadline is not None and j.deadline <= now]
@@ -157,18 +172,19 @@ class WorkerRegistry:
 
     def choose(self, job: Job) -> WorkerRecord | None:
         """Where a queued job should run now, among workers with a free slot that fit it:
-        the one whose recent prompts share the longest prefix with it (at least
-        MIN_SHARED_PREFIX characters: its KV cache likely holds that prefix), otherwise
-        the least loaded (most free slots, then least recently used)."""
+        the one whose recent prompts share the longest prefix with it, when that prefix is
+        worth the load difference (`routing.affinity_allowed`), otherwise the least loaded
+        (most free slots, then least recently used)."""
         candidates = [w for w in self.workers.values()
                       if w.free_slots > 0 and not w.draining and fits(job.body, w.info)]
         if not candidates:
             return None
         key = prompt_key(job.body)
+        least_busy = min(len(w.running) for w in candidates)
 
         def affinity(worker: WorkerRecord) -> int:
             shared = worker.cached_prefix(key)
-            return shared if shared >= MIN_SHARED_PREFIX else 0
+            return shared if affinity_allowed(shared, len(worker.running), least_busy) else 0
 
         return max(candidates, key=lambda w: (affinity(w), w.free_slots, -w.last_assigned))
 

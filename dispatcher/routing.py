@@ -9,9 +9,19 @@ from __future__ import annotations
 import json
 import os
 
-# Shorter shared prefixes are not worth steering a request away from the least loaded
-# worker: prefilling a few dozen tokens costs less than queueing behind other work.
-MIN_SHARED_PREFIX = 32
+# Cache affinity against load. A worker that recently ran a prompt sharing at least
+# MIN_SHARED_PREFIX characters with this one (~64 tokens of code) is preferred only if it
+# is at most one busy slot ahead of the least busy candidate per AFFINITY_CHARS_PER_SLOT
+# shared characters (~256 tokens: about what one extra sequence in a batch costs in decode
+# speed over a completion). A short shared licence header never piles a team onto one
+# device; a long cached file still draws its next keystroke to the worker that holds it.
+MIN_SHARED_PREFIX = 256
+AFFINITY_CHARS_PER_SLOT = 1024
+
+
+def affinity_allowed(shared: int, busy: int, least_busy: int) -> bool:
+    return shared >= MIN_SHARED_PREFIX and \
+        busy - least_busy <= shared // AFFINITY_CHARS_PER_SLOT
 
 
 def prompt_key(job: dict) -> str:

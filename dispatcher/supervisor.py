@@ -47,6 +47,7 @@ class Child:
     last_exit: int | None = None
     stopping: bool = False
     restart_now: bool = False            # an asked-for restart: no backoff
+    gave_up: bool = False                # it cannot load its model: not respawned
     extra: dict = field(default_factory=dict)
 
     @property
@@ -84,6 +85,12 @@ class Supervisor:
                 child.process = None
                 if self.stopping or child.stopping:
                     continue
+                if child.kind == "worker" and proc.returncode == config.EXIT_CANNOT_LOAD \
+                        and not child.restart_now:
+                    child.gave_up = True
+                    log.error("worker %s cannot load its model: not restarting it",
+                              child.name)
+                    continue
                 if child.restart_now:
                     child.restart_now = False
                     child.restarts += 1
@@ -115,6 +122,7 @@ class Supervisor:
         """Replace a child's process now (SIGTERM, then start again at once), with a new
         command line if given."""
         child = self.children[name]
+        child.gave_up = False
         if argv is not None:
             child.argv = argv
         if child.process is None:

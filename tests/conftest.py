@@ -223,8 +223,11 @@ def reference_llm():
     from llama_cpp import Llama
 
     from dispatcher.models import bundled_model_path
-    llm = Llama(str(bundled_model_path()), n_ctx=512, n_batch=512, verbose=False,
-                logits_all=True, flash_attn=True, n_threads=len(os.sched_getaffinity(0)))
+    from workers.engine import llama_loads_like_workers
+    with llama_loads_like_workers():
+        llm = Llama(str(bundled_model_path()), n_ctx=512, n_batch=512, verbose=False,
+                    logits_all=True, flash_attn=True,
+                    n_threads=len(os.sched_getaffinity(0)))
     yield FreshReference(llm)
     llm.close()
 

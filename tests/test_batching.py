@@ -84,15 +84,16 @@ def worker_of(server, request_id) -> str:
 def test_routing_prefers_the_cached_prefix_then_the_least_loaded(two_fake_workers):
     server = two_fake_workers
     slow = "[slow=0.1] "
-    x = start_slow(server, slow + LONG + "def a():")
+    source = LONG * 16                   # > 1,024 characters: worth one busy slot more
+    x = start_slow(server, slow + source + "def a():")
     w_x = worker_of(server, x.headers["x-request-id"])
     u1 = start_slow(server, slow + "unrelated one")
     w_u1 = worker_of(server, u1.headers["x-request-id"])
     assert w_u1 != w_x                                # more free slots there
     u2 = start_slow(server, slow + "unrelated two")
     assert worker_of(server, u2.headers["x-request-id"]) == w_x   # least recently used
-    # now w_x has 1 free slot and the other 2; the shared prefix still wins
-    x2 = start_slow(server, slow + LONG + "def b():")
+    # now w_x has 1 free slot and the other 2; the long shared prefix still wins
+    x2 = start_slow(server, slow + source + "def b():")
     assert worker_of(server, x2.headers["x-request-id"]) == w_x
     u3 = start_slow(server, slow + "unrelated three")
     assert worker_of(server, u3.headers["x-request-id"]) == w_u1  # least loaded again

@@ -143,20 +143,47 @@ def test_body_over_the_limit_is_413():
         assert server.stop() == 0
 
 
-def test_worker_crash_before_first_token_is_retried_then_fails_cleanly():
+def test_a_request_that_kills_its_worker_is_failed_not_handed_to_another():
     server = ServerProcess("--engine", "fake", log_name="crash").start()
     try:
-        # "[crash]" kills whichever worker runs it: the retry dies too, and the
-        # client gets a 503 envelope rather than a hang or a 500
+        # "[crash]" kills the worker running it: it had started, so it could be a poison
+        # pill; it is failed with a 503 envelope instead of killing the respawned worker
         status, _, body = http_json(server.port, "POST", "/v1/completions",
                                     {"prompt": "[crash]", "max_tokens": 5})
         assert status == 503 and body["error"]["code"] == "worker_lost"
-        assert server.status()["stats"]["requeued"] == 1
+        assert server.status()["stats"]["requeued"] == 0
         server.wait_ready()                      # the supervisor respawned the worker
-        assert server.worker()["restarts"] == 2
+        assert server.worker()["restarts"] == 1
         status, _, body = http_json(server.port, "POST", "/v1/completions",
                                     {"prompt": "x", "max_tokens": 3})
         assert status == 200 and body["choices"][0]["text"] == "The"
+        assert server.worker()["restarts"] == 1  # and nothing killed it again
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_request_its_worker_had_not_started_is_requeued_when_the_worker_dies():
+    server = ServerProcess("--engine", "fake", log_name="requeue").start()
+    try:
+        # one step of the blocker takes 5 s: a job dispatched meanwhile waits in the
+        # worker's inbox, not started, until the step ends
+        blocker = SSEStream(server.port, {"prompt": "[slow=5] x", "max_tokens": 3,
+                                          "stream": True})
+        assert blocker.status == 200
+        server.wait_for(lambda: server.worker()["busy_slots"] == 1, what="the blocker")
+        results = {}
+        waiter = threading.Thread(target=lambda: results.update(r=http_json(
+            server.port, "POST", "/v1/completions", {"prompt": "y", "max_tokens": 3})))
+        waiter.start()
+        server.wait_for(lambda: server.worker()["busy_slots"] == 2, what="dispatch")
+        os.kill(server.worker()["pid"], signal.SIGKILL)
+        waiter.join(timeout=60)
+        status, _, body = results["r"]
+        assert status == 200 and body["choices"][0]["text"] == "The"   # served after all
+        stats = server.status()["stats"]
+        assert stats["requeued"] == 1 and stats["failed"] == 1          # the blocker
+        events = list(blocker.events())
+        assert json.loads(events[-2])["error"]["code"] == "worker_lost"
     finally:
         assert server.stop() == 0
 

@@ -34,19 +34,35 @@ def test_jobs_past_their_deadline_leave_the_queue():
     assert [j.request_id for j in q] == ["fine"]
 
 
-def test_choose_prefers_the_cached_prefix_then_the_least_loaded():
+def test_choose_weighs_the_cached_prefix_against_load():
     r = WorkerRegistry()
     a = r.add(b"a", info(slots=4), 0.0)
     b = r.add(b"b", info(slots=4), 0.0)
-    prefix = "x" * 40
-    a.remember(job("old", prompt=prefix + " first"))
+    long, header = "x" * 1100, "y" * 300
+    a.remember(job("old", prompt=long + " first"))
+    a.remember(job("old2", prompt=header + " first"))
+    assert r.choose(job("h", prompt=header + " second")) is a       # idle both: cache wins
     a.running["busy"] = job("busy")
-    assert r.choose(job("new", prompt=prefix + " second")) is a        # affinity wins
-    assert r.choose(job("other", prompt="unrelated")) is b             # least loaded
-    assert r.choose(job("short", prompt="x" * 10 + "!")) is b          # prefix too short
+    assert r.choose(job("new", prompt=long + " second")) is a       # worth one slot ahead
+    assert r.choose(job("h", prompt=header + " second")) is b       # 300 chars: not worth it
+    assert r.choose(job("other", prompt="unrelated")) is b          # least loaded
+    assert r.choose(job("short", prompt="x" * 200 + "!")) is b      # prefix too short
+    a.running["busy2"] = job("busy2")
+    assert r.choose(job("new", prompt=long + " second")) is b       # two ahead: load wins
     a.draining = True
-    assert r.choose(job("new", prompt=prefix + " second")) is b        # a takes no work
+    assert r.choose(job("new", prompt=long + " second")) is b       # a takes no work
     assert r.choose(job("m2", "other-model")) is None
+
+
+def test_a_request_counts_once_in_the_queue_and_cannot_starve_others():
+    q = RequestQueue()
+    for c in range(5):
+        q.push(job(f"big.0.{c}", parent="big"))
+    q.push(job("small"))
+    assert q.depth(("m", None)) == 2                 # two requests, six jobs
+    order = [j.request_id for j in q.in_fair_order({"big": 3})]
+    assert order[0] == "small"                       # fewest running jobs first
+    assert order[1:] == [f"big.0.{c}" for c in range(5)]   # then oldest first
 
 
 def test_a_job_only_goes_to_workers_that_fit_it():

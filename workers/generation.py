@@ -60,21 +60,38 @@ class Publisher:
 
 
 class FaultInjection:
-    """Test hooks that lose stream events on purpose, to show that a front end turns
-    the loss into an error: COMPLETIONS_FAULT_DROP_EVENT=N drops every request's event
-    with sequence number N; COMPLETIONS_FAULT_DROP_END=1 drops every `end` event."""
+    """Test hooks. Lost stream events, to show that a front end turns the loss into an
+    error: COMPLETIONS_FAULT_DROP_EVENT=N drops every request's event with sequence number
+    N; COMPLETIONS_FAULT_DROP_END=1 drops every `end` event. A failure inside one request,
+    to show that it ends that request alone: COMPLETIONS_FAULT_RAISE=PHASE:MARKER raises
+    in PHASE (admit, token, finish) for requests whose prompt contains MARKER (several
+    PHASE:MARKER pairs separated by commas)."""
 
-    def __init__(self, drop_seq: int | None = None, drop_end: bool = False):
+    PHASES = ("admit", "token", "finish")
+
+    def __init__(self, drop_seq: int | None = None, drop_end: bool = False,
+                 raises: dict[str, str] | None = None):
         self.drop_seq, self.drop_end = drop_seq, drop_end
+        self.raises = raises or {}              # phase -> marker
 
     @classmethod
     def from_env(cls) -> "FaultInjection":
         seq = os.environ.get("COMPLETIONS_FAULT_DROP_EVENT")
+        raises = {}
+        for spec in os.environ.get("COMPLETIONS_FAULT_RAISE", "").split(","):
+            phase, _, marker = spec.strip().partition(":")
+            if phase in cls.PHASES and marker:
+                raises[phase] = marker
         return cls(int(seq) if seq else None,
-                   os.environ.get("COMPLETIONS_FAULT_DROP_END") == "1")
+                   os.environ.get("COMPLETIONS_FAULT_DROP_END") == "1", raises)
 
     def drops(self, event: dict) -> bool:
         return event["s"] == self.drop_seq or (self.drop_end and event["e"] == P.EV_END)
+
+    def check(self, phase: str, prompt) -> None:
+        marker = self.raises.get(phase)
+        if marker and marker in str(prompt):
+            raise RuntimeError(f"fault injection: failing in {phase}")
 
 
 class GenerationLoop:
@@ -94,10 +111,15 @@ class GenerationLoop:
     # -- inbox -------------------------------------------------------------------------
     def run(self, stopping: threading.Event) -> None:
         while not stopping.is_set():
-            self._read_inbox(block=not self.active and not self.waiting)
-            self._admit()
-            if self.active:
-                self._step()
+            try:
+                self._read_inbox(block=not self.active and not self.waiting)
+                self._admit()
+                if self.active:
+                    self._step()
+            except Exception:
+                # Every request-level failure is caught where it happens; this is the last
+                # line: whatever escaped, the worker goes on serving.
+                log.exception("generation loop error")
 
     def _read_inbox(self, block: bool) -> None:
         try:
@@ -114,7 +136,9 @@ class GenerationLoop:
     def _apply(self, item: tuple) -> None:
         kind = item[0]
         if kind == "job":
-            if item[2].get("op"):
+            if not isinstance(item[2].get("topic"), str):
+                log.warning("job %s without a topic: dropped", item[1])
+            elif item[2].get("op"):
                 self._utility(item[1], item[2])
             else:
                 self.waiting.append((item[1], item[2]))
@@ -142,9 +166,12 @@ class GenerationLoop:
                           "completion_tokens": active.generated}})
             log.info("%s cancelled after %d tokens", request_id, active.generated)
 
-    def _drop(self, active: Active) -> None:
-        self.active.pop(active.request_id, None)
-        self.engine.release(active.slot)
+    def _drop(self, active: Active, keep_cache: bool = True) -> None:
+        """Free the request's slot (idempotent). A failed sequence's cache is not kept:
+        nothing of a request that broke something is reused."""
+        if self.active.pop(active.request_id, None) is None:
+            return
+        self.engine.release(active.slot, keep_cache=keep_cache)
         self.free_slots.append(active.slot)
 
     # -- utility jobs ------------------------------------------------------------------
@@ -163,7 +190,9 @@ class GenerationLoop:
                 result = {"content": data.decode("utf-8", "replace")}
             else:
                 raise InvalidInput(f"unknown operation {body['op']!r}")
-        except InvalidInput as exc:
+        except Exception as exc:         # bad content must never end the worker
+            if not isinstance(exc, EngineError):
+                log.exception("%s: %s failed", request_id, body.get("op"))
             return self._reject(request_id, topic, attempt, exc)
         self.publisher.publish(topic, request_id, {"e": P.EV_END, "s": 0, "a": attempt,
                                                    "result": result})
@@ -175,7 +204,9 @@ class GenerationLoop:
             request_id, body = self.waiting.popleft()
             try:
                 self._start(request_id, body)
-            except EngineError as exc:
+            except Exception as exc:     # this request fails; the others go on
+                if not isinstance(exc, EngineError):
+                    log.exception("%s: admission failed", request_id)
                 active = self.active.get(request_id)
                 if active is not None:
                     self._fail(active, exc)
@@ -184,6 +215,10 @@ class GenerationLoop:
                                  int(body.get("attempt", 1)), exc)
 
     def _start(self, request_id: str, body: dict) -> None:
+        # From here on the request counts as started: if this process dies now, the
+        # dispatcher fails it rather than handing a possible poison pill to another worker.
+        self.notify(P.STARTED, request_id, {"attempt": int(body.get("attempt", 1))})
+        self.faults.check("admit", body.get("prompt"))
         topic = body["topic"].encode()
         sampling = dict(body.get("sampling", {}))
         if sampling.get("json_schema") is not None:
@@ -211,6 +246,7 @@ class GenerationLoop:
                                  reuse=body.get("cache_prompt", True))
         self.free_slots.remove(slot)
         active.cached = cached
+        active.prompt = body.get("prompt")
         self.active[request_id] = active
         self._publish(active, {"e": P.EV_START, "prompt_tokens": len(tokens),
                                "cached_tokens": cached, "fingerprint": self.engine.fingerprint,
@@ -247,19 +283,29 @@ class GenerationLoop:
     def _step(self) -> None:
         try:
             produced = self.engine.step()
-        except EngineError as exc:
-            log.error("engine step failed: %s", exc)
+        except Exception as exc:          # the decode itself failed: every sequence in it
+            log.error("engine step failed: %r", exc)
             for active in list(self.active.values()):
-                self._fail(active, exc)
+                self._fail(active, exc, keep_cache=False)
             self.engine.clear_caches()
             return
         by_slot = {a.slot: a for a in self.active.values()}
         for slot, out in produced.items():
             active = by_slot.get(slot)
-            if active is not None:
+            if active is None:
+                continue
+            try:
+                if out.error is not None:
+                    raise out.error
                 self._on_token(active, out)
+            except Exception as exc:      # sampling or finishing this one request failed
+                if not isinstance(exc, EngineError):
+                    log.exception("%s: generation failed", active.request_id)
+                if active.request_id in self.active:
+                    self._fail(active, exc, keep_cache=False)
 
     def _on_token(self, active: Active, out) -> None:
+        self.faults.check("token", active.prompt)
         if active.echo_pending:
             self._send_echo(active, out.prompt, active.prompt_ids)
             if active.max_tokens == 0:
@@ -306,6 +352,7 @@ class GenerationLoop:
         self._publish(active, event)
 
     def _finish(self, active: Active, reason: str) -> None:
+        self.faults.check("finish", active.prompt)
         tail = active.assembler.finish()
         if tail:
             self._send_text(active, tail)
@@ -325,10 +372,10 @@ class GenerationLoop:
             "usage": usage, "cached_tokens": active.cached,
             "seconds": round(time.monotonic() - active.started, 3)})
 
-    def _fail(self, active: Active, exc: EngineError) -> None:
+    def _fail(self, active: Active, exc: Exception, keep_cache: bool = True) -> None:
         error = _error_of(exc)
+        self._drop(active, keep_cache)
         self._publish(active, error)
-        self._drop(active)
         self.notify(P.DONE, active.request_id, {"attempt": active.attempt,
                                                 "last_seq": active.seq - 1,
                                                 "error": error["code"]})
@@ -344,13 +391,19 @@ class GenerationLoop:
         self.publisher.publish(active.topic, active.request_id, event)
 
     def abort_all(self, reason: str) -> None:
-        """On shutdown: fail requests that already sent text; drop the others, which the
-        dispatcher requeues when we disconnect."""
+        """On shutdown: fail requests that already sent text; hand the others back to the
+        dispatcher (released), which queues them again for another worker."""
         for active in list(self.active.values()):
             if active.text_sent:
                 self._fail(active, _Stopping(reason))
             else:
                 self._drop(active)
+                self.notify(P.DONE, active.request_id, {"attempt": active.attempt,
+                                                        "last_seq": active.seq - 1,
+                                                        "released": True})
+        for request_id, body in self.waiting:
+            self.notify(P.DONE, request_id, {"attempt": int(body.get("attempt", 1)),
+                                             "last_seq": -1, "released": True})
         self.waiting.clear()
 
 
@@ -358,12 +411,15 @@ class _Stopping(EngineError):
     status, type, code = 503, "server_error", "worker_stopping"
 
 
-def _error_of(exc: EngineError) -> dict:
+def _error_of(exc: Exception) -> dict:
     if isinstance(exc, InvalidInput):
         return {"e": P.EV_ERROR, "status": 400, "type": "invalid_request_error",
                 "code": exc.code, "message": str(exc), "param": exc.param}
-    return {"e": P.EV_ERROR, "status": getattr(exc, "status", 500),
-            "type": getattr(exc, "type", "server_error"),
-            "code": getattr(exc, "code", "engine_error"),
-            "message": f"the inference engine failed: {exc}" if type(exc) is EngineError
-            else str(exc)}
+    if isinstance(exc, _Stopping):
+        return {"e": P.EV_ERROR, "status": exc.status, "type": exc.type, "code": exc.code,
+                "message": str(exc)}
+    # Anything else (the engine refused, or a bug met odd content): this request failed,
+    # the worker did not (SIE's "generation failed").
+    detail = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+    return {"e": P.EV_ERROR, "status": 500, "type": "server_error",
+            "code": "generation_failed", "message": f"generation failed: {detail}"}

@@ -103,3 +103,4 @@ class Active:
     text_sent: bool = False
     chars_out: int = 0              # characters sent so far (echo included)
     started: float = field(default_factory=time.monotonic)
+    prompt: object = None           # as the job gave it (for fault injection)

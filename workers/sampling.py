@@ -60,3 +60,4 @@ class TokenOut:
     top: list[tuple[int, float]] | None = None       # the k most likely tokens
     prompt: list[tuple[int, float, list]] | None = None   # echo: (token, logprob, top) per
                                                           # prompt token after the first
+    error: Exception | None = None   # sampling this slot failed: its request fails alone

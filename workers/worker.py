@@ -19,11 +19,13 @@ import zmq
 from dispatcher import config, configfile, protocol as P
 from dispatcher.devices import parse_device
 from dispatcher.models import default_model_id, resolve_model_path
+from workers.errors import EngineError
 from workers.generation import GenerationLoop, Publisher
 from workers.pinning import pin
 
 log = logging.getLogger("workers")
 RECONNECT_MAX = 4.0
+EXIT_CANNOT_LOAD = config.EXIT_CANNOT_LOAD
 
 
 class DispatcherLink(threading.Thread):
@@ -190,9 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or f"{spec.slug}-{os.getpid()}"
     started = time.monotonic()
     slots = args.slots or config.DEFAULT_SLOTS[spec.compute]
-    engine = load_engine(args.engine, str(model_path), args.nctx, slots,
-                         placement.n_threads, placement.n_gpu_layers,
-                         args.log_level.lower() == "debug", args.deterministic)
+    try:
+        engine = load_engine(args.engine, str(model_path), args.nctx, slots,
+                             placement.n_threads, placement.n_gpu_layers,
+                             args.log_level.lower() == "debug", args.deterministic)
+    except EngineError as exc:
+        # One line, and an exit status that tells the supervisor not to try again.
+        log.error("worker %s cannot serve %s on %s: %s", name, model_path, spec, exc)
+        return EXIT_CANNOT_LOAD
     log.info("worker %s: %s loaded on %s in %.1fs (%d threads, cores %s, %s)", name,
              model_id, spec, time.monotonic() - started, placement.n_threads,
              list(placement.cores), placement.visible_devices or "no accelerator variables")

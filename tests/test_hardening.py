@@ -1,0 +1,476 @@
+"""No request can hurt a worker or another request: content checks, failures confined to
+their request, poison pills not requeued, fan-out admitted as a unit, bounded windows,
+routing that weighs cache against load. The whole stack on the bundled model."""
+import json
+import os
+import random
+import threading
+import time
+
+import pytest
+import zmq
+
+from conftest import ServerProcess, SSEStream, http_json
+from dispatcher import protocol as P
+
+FAULTS = "admit:[[fail-admit]],token:[[fail-token]],finish:[[fail-finish]]"
+
+
+@pytest.fixture(scope="module")
+def two():
+    """Two pinned workers of the real model, with failure hooks keyed by prompt markers."""
+    server = ServerProcess("--device", "cpu:0", "--device", "cpu:1", workers=2,
+                           env={"COMPLETIONS_FAULT_RAISE": FAULTS}, log_name="hardening")
+    server.start()
+    yield server
+    assert server.stop() == 0
+
+
+def post(port, body, path="/v1/completions", headers=None, timeout=120):
+    status, hdrs, payload = http_json(port, "POST", path, body, headers, timeout)
+    return status, payload
+
+
+def lives(server) -> dict:
+    """Each worker's pid and restart count: unchanged means no worker died."""
+    return {w["name"]: (w["pid"], w["restarts"]) for w in server.status()["workers"]}
+
+
+def running_on(server) -> dict[str, list[str]]:
+    return {w["name"]: w["running"] for w in server.status()["workers"]}
+
+
+def worker_of(server, request_id: str) -> str:
+    return next(n for n, ids in running_on(server).items() if request_id in ids)
+
+
+# -- 1. content can never end a worker ------------------------------------------------------
+SURROGATE = "a\ud800b"
+
+
+@pytest.mark.parametrize("body, path, param", [
+    ({"prompt": SURROGATE}, "/v1/completions", "prompt"),
+    ({"prompt": ["fine", SURROGATE]}, "/v1/completions", "prompt"),
+    ({"prompt": [1, 2, SURROGATE]}, "/v1/completions", "prompt"),
+    ({"prompt": "x", "suffix": SURROGATE}, "/v1/completions", "suffix"),
+    ({"prompt": "x", "grammar": 'root ::= "' + SURROGATE + '"'}, "/v1/completions", "grammar"),
+    ({"prompt": "x", "json_schema": {"type": "string", "enum": [SURROGATE]}},
+     "/v1/completions", "json_schema"),
+    ({"prompt": "x", "json_schema": {SURROGATE: 1}}, "/v1/completions", "json_schema"),
+    ({"prompt": "x", "stop": [SURROGATE]}, "/v1/completions", "stop"),
+    ({"content": SURROGATE}, "/tokenize", "content"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(two, body, path, param):
+    raw = json.dumps(body).encode()                  # json escapes it: \ud800
+    assert b"\\ud800" in raw
+    status, payload = post(two.port, raw, path)
+    assert status == 400, payload
+    assert payload["error"]["param"] == param and payload["error"]["code"] == "invalid_unicode"
+    assert "surrogate" in payload["error"]["message"]
+
+
+class RawFrontEnd:
+    """A front end's two sockets, to hand the dispatcher jobs no HTTP front end would
+    let through (as a buggy or hostile peer on the dispatcher's network could)."""
+
+    def __init__(self, server):
+        endpoints = P.Endpoints.from_base(server.dispatcher)
+        self.id = P.new_frontend_id()
+        self.context = zmq.Context()
+        self.sub = self.context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, self.id)
+        self.sub.connect(endpoints.tokens_out)
+        self.dealer = self.context.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.IDENTITY, self.id)
+        self.dealer.connect(endpoints.frontend)
+        time.sleep(0.3)                              # the subscription reaches the proxy
+
+    def run(self, job: dict) -> dict:
+        """The job's last stream event (end or error)."""
+        self.dealer.send_multipart(P.encode(P.SUBMIT, job["id"], job))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.sub.poll(100):
+                request_id, event = P.decode_event(self.sub.recv_multipart())
+                if request_id == job["id"] and event["e"] in (P.EV_END, P.EV_ERROR):
+                    return event
+        raise AssertionError("no answer from the worker")
+
+    def close(self):
+        self.sub.close(0)
+        self.dealer.close(0)
+        self.context.term()
+
+
+def test_content_that_breaks_a_worker_fails_only_its_own_request(two, model_id):
+    before = lives(two)
+    raw = RawFrontEnd(two)
+    try:
+        base = {"model": model_id, "max_tokens": 3, "stop": [], "sampling": {},
+                "route": {}, "cache_prompt": True}
+        for job in ({**base, "prompt": SURROGATE}, {**base, "prompt": "x", "suffix": None,
+                                                    "sampling": {"grammar": SURROGATE}},
+                    {"model": model_id, "op": "tokenize", "content": SURROGATE},
+                    {"model": model_id, "op": "detokenize", "tokens": ["x"]}):
+            event = raw.run({**job, "id": P.new_request_id()})
+            assert event["e"] == P.EV_ERROR and event["status"] in (400, 500), event
+            assert event["code"] in ("generation_failed", "invalid_value"), event
+    finally:
+        raw.close()
+    status, body = post(two.port, {"prompt": "Hello", "max_tokens": 3})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+    assert lives(two) == before
+
+
+@pytest.mark.parametrize("phase", ["admit", "token", "finish"])
+def test_a_failure_inside_one_request_ends_it_alone(two, phase):
+    before = lives(two)
+    neighbours = [SSEStream(two.port, {"prompt": f"Count to ten {i}:", "max_tokens": 40,
+                                       "temperature": 0, "ignore_eos": True,
+                                       "stream": True}) for i in range(2)]
+    for stream in neighbours:
+        assert stream.next_data() is not None        # both workers are generating
+    status, body = post(two.port, {"prompt": f"[[fail-{phase}]] x", "max_tokens": 5})
+    assert status == 500, body
+    assert body["error"]["code"] == "generation_failed"
+    assert body["error"]["message"].startswith("generation failed")
+    stream = SSEStream(two.port, {"prompt": f"[[fail-{phase}]] y", "max_tokens": 5,
+                                  "stream": True})
+    if phase == "admit":
+        assert stream.status == 500
+    else:
+        events = list(stream.events())
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "generation_failed"
+    for stream in neighbours:
+        events = list(stream.events())
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert lives(two) == before
+    status, body = post(two.port, {"prompt": "Hello", "max_tokens": 2})
+    assert status == 200
+
+
+# -- 2. fan-out is admitted as a unit ----------------------------------------------------------
+def test_the_documented_choice_limit_is_served_on_an_idle_default_server(real_server):
+    port = real_server.port
+    status, body = post(port, {"prompt": "Hi", "n": 128, "max_tokens": 2, "temperature": 1,
+                               "seed": 1})
+    assert status == 200, body
+    assert sorted(c["index"] for c in body["choices"]) == list(range(128))
+    stream = SSEStream(port, {"prompt": ["A", "B"], "n": 64, "max_tokens": 2,
+                              "stream": True, "seed": 2})
+    assert stream.status == 200
+    finished = {}
+    for data in stream.events():
+        if data != "[DONE]":
+            for choice in json.loads(data)["choices"]:
+                if choice["finish_reason"]:
+                    finished[choice["index"]] = choice["finish_reason"]
+    assert sorted(finished) == list(range(128))
+    status, body = post(port, {"prompt": ["A", "B"], "n": 65, "max_tokens": 1})
+    assert status == 400 and "128" in body["error"]["message"]   # never a 429
+
+
+def test_one_request_cannot_keep_a_single_one_behind_all_its_choices(real_server):
+    port = real_server.port
+    done: dict[str, float] = {}
+
+    def big():
+        status, _ = post(port, {"prompt": "List:", "n": 64, "max_tokens": 12,
+                                "ignore_eos": True})
+        done["big"] = time.monotonic() if status == 200 else -1
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    real_server.wait_for(lambda: real_server.status()["queue"], what="a queue")
+    status, _ = post(port, {"prompt": "Hi", "max_tokens": 2})
+    done["small"] = time.monotonic()
+    thread.join(timeout=300)
+    assert status == 200 and done["big"] > 0
+    assert done["small"] < done["big"]
+
+
+def test_a_fanned_out_request_takes_one_place_in_the_queue():
+    server = ServerProcess("--engine", "fake", "--slots", "1", "--max-queue", "1",
+                           log_name="units").start()
+    try:
+        blocker = SSEStream(server.port, {"prompt": "[slow=0.2] x", "max_tokens": 200,
+                                          "stream": True})
+        assert blocker.status == 200
+        results = {}
+        thread = threading.Thread(target=lambda: results.update(n=post(
+            server.port, {"prompt": "y", "n": 5, "max_tokens": 2})))
+        thread.start()
+        server.wait_for(lambda: sum(server.status()["queue"].values()) == 5,
+                        what="five jobs of one request queued")
+        status, body = post(server.port, {"prompt": "z", "max_tokens": 2})
+        assert status == 429 and body["error"]["code"] == "queue_full"    # the queue: 1
+        blocker.close()
+        thread.join(timeout=60)
+        status, body = results["n"]
+        assert status == 200 and len(body["choices"]) == 5
+    finally:
+        assert server.stop() == 0
+
+
+# -- 3. client numbers are bounded by what the model can use ---------------------------------
+def _peak_rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_huge_penalty_window_costs_no_memory(two):
+    before = {w["name"]: _peak_rss_kb(w["pid"]) for w in two.status()["workers"]}
+    for _ in range(2):
+        status, body = post(two.port, {"prompt": "one two one two", "max_tokens": 4,
+                                       "repeat_last_n": 2 ** 31 - 1,
+                                       "repetition_penalty": 1.3, "top_k": 2 ** 31 - 1,
+                                       "min_tokens": 2 ** 31 - 1, "temperature": 0})
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+    after = {w["name"]: _peak_rss_kb(w["pid"]) for w in two.status()["workers"]}
+    # a window of 2^31 tokens, allocated, would be 8 GiB; the context is 4096 tokens
+    assert all(after[n] - before[n] < 64 * 1024 for n in before), (before, after)
+
+
+# -- 4. routing balances load against cache benefit ---------------------------------------
+HEADER = "# Copyright 2026 Example Corp. Licensed under the Apache License 2.0.\n" \
+         "# See LICENSE\n"
+
+
+def test_streams_sharing_a_short_header_spread_over_idle_workers(two):
+    assert 64 < len(HEADER) < 256
+    streams = []
+    for i in range(4):
+        stream = SSEStream(two.port, {"prompt": HEADER + f"def f{i}():", "max_tokens": 200,
+                                      "ignore_eos": True, "temperature": 0, "stream": True})
+        assert stream.next_data() is not None
+        streams.append(stream)
+    counts = [len(ids) for ids in running_on(two).values()]
+    for stream in streams:
+        stream.close()
+    assert sorted(counts) == [2, 2]
+    two.wait_for(lambda: all(not ids for ids in running_on(two).values()), what="idle")
+
+
+def test_a_long_cached_prefix_still_draws_its_request(two):
+    source = "".join(f"def helper_{i}(value):\n    return value * {i}\n\n" for i in range(40))
+    assert len(source) > 1100
+    first = SSEStream(two.port, {"prompt": source + "def a():", "max_tokens": 200,
+                                 "ignore_eos": True, "temperature": 0, "stream": True})
+    assert first.next_data() is not None
+    home = worker_of(two, first.headers["x-request-id"])
+    second = SSEStream(two.port, {"prompt": source + "def b():", "max_tokens": 200,
+                                  "ignore_eos": True, "temperature": 0, "stream": True})
+    assert second.next_data() is not None
+    try:
+        assert worker_of(two, second.headers["x-request-id"]) == home   # one slot ahead
+    finally:
+        first.close()
+        second.close()
+    two.wait_for(lambda: all(not ids for ids in running_on(two).values()), what="idle")
+
+
+# -- 8. valid but odd content reaches the workers and never restarts one -------------------
+SPECIAL = ["<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>", "<unk>",
+           "<start_of_image>", "[multimodal]", "<mask>"]
+ODD_CHARS = ["\x00", "\ufffe", "\uffff", "\ufdd0", "\U0010ffff", "\u202e", "\u0301",
+             "\U0001f600", "\t", "\r\n", "\\", "\"", "é", "東京", "\u200b"]
+
+
+def odd_text(rng: random.Random) -> str:
+    parts = []
+    for _ in range(rng.randint(1, 12)):
+        kind = rng.random()
+        if kind < 0.3:
+            parts.append(rng.choice(SPECIAL))
+        elif kind < 0.7:
+            parts.append(rng.choice(ODD_CHARS))
+        else:
+            parts.append("".join(chr(rng.choice([rng.randint(32, 0xd7ff),
+                                                 rng.randint(0xe000, 0x10ffff)]))
+                                 for _ in range(rng.randint(1, 6))))
+    return "".join(parts)
+
+
+def odd_grammar(rng: random.Random) -> str:
+    pieces = [json.dumps(odd_text(rng)), "[a-z]", "[^\\x00]", "\"x\"*", "(\"a\" | \"b\")+",
+              "[\\u0100-\\uffff]", "\"\\u00e9\""]
+    body = " ".join(rng.choice(pieces) for _ in range(rng.randint(1, 4)))
+    return f"root ::= {body}" if rng.random() < 0.8 else body       # some do not parse
+
+
+def odd_schema(rng: random.Random) -> dict:
+    return rng.choice([
+        {"type": "string", "enum": [odd_text(rng), odd_text(rng)]},
+        {"type": "object", "properties": {odd_text(rng): {"type": "integer"}}},
+        {"type": "array", "items": {"type": "string", "pattern": "^[a-z]+$"}, "maxItems": 2},
+        {"type": "string", "minLength": 2, "maxLength": 3},
+        {"type": "integer", "minimum": -5, "maximum": 5},
+        {"$ref": "#/definitions/nowhere"},
+        {"type": "nonsense"},
+    ])
+
+
+def odd_request(rng: random.Random, n_vocab: int) -> dict:
+    body = {"max_tokens": rng.randint(0, 4), "temperature": rng.choice([0, 0.7, 2])}
+    kind = rng.randrange(7)
+    if kind == 0:
+        body["prompt"] = odd_text(rng)
+    elif kind == 1:                    # token ids at the vocabulary's edges
+        body["prompt"] = [rng.choice([0, 1, 2, 3, n_vocab - 2, n_vocab - 1, n_vocab,
+                                      n_vocab + 1, 2 ** 31 - 1]) for _ in range(4)]
+    elif kind == 2:
+        body["prompt"] = [odd_text(rng), rng.randint(0, n_vocab - 1), odd_text(rng)]
+    elif kind == 3:
+        body.update(prompt=odd_text(rng), grammar=odd_grammar(rng))
+    elif kind == 4:
+        body.update(prompt=odd_text(rng), json_schema=odd_schema(rng))
+    elif kind == 5:                    # windows and counts at their largest
+        body.update(prompt=odd_text(rng), repeat_last_n=2 ** 31 - 1, top_k=2 ** 31 - 1,
+                    repetition_penalty=10.0, presence_penalty=2.0, frequency_penalty=-2.0,
+                    mirostat=rng.choice([0, 1, 2]), mirostat_tau=100.0, min_tokens=2 ** 31 - 1,
+                    logit_bias={str(n_vocab - 1): 100, "0": -100}, logprobs=5,
+                    echo=rng.random() < 0.5, stop=[odd_text(rng) for _ in range(8)])
+    else:
+        body.update(prompt=odd_text(rng), echo=True, logprobs=rng.choice([None, 0, 5]),
+                    n=rng.randint(1, 3), stream=rng.random() < 0.5, seed=rng.randint(0, 9))
+    return body
+
+
+def test_odd_but_valid_content_never_restarts_a_worker(two):
+    rng = random.Random(int(os.environ.get("HARDENING_SEED", "20261129")))
+    _, vocab = post(two.port, {"content": "<eos>", "add_special": False}, "/tokenize")
+    status, body = post(two.port, {"tokens": [0]}, "/detokenize")
+    assert status == 200
+    n_vocab = 262144                     # Gemma 3's vocabulary
+    status, _ = post(two.port, {"tokens": [n_vocab - 1]}, "/detokenize")
+    assert status == 200
+    status, _ = post(two.port, {"tokens": [n_vocab]}, "/detokenize")
+    assert status == 400
+    before = lives(two)
+    outcomes: dict[int, int] = {}
+    for _ in range(60):
+        body = odd_request(rng, n_vocab)
+        status, payload = post(two.port, json.dumps(body).encode())
+        outcomes[status] = outcomes.get(status, 0) + 1
+        assert status in (200, 400), (body, payload)
+        if status == 400:
+            assert payload["error"]["message"]
+        for text in (odd_text(rng), "".join(SPECIAL)):
+            status, payload = post(two.port, {"content": text, "with_pieces": True},
+                                   "/tokenize")
+            assert status == 200, (text, payload)
+    assert outcomes.get(200, 0) > 20 and vocab
+    assert lives(two) == before
+
+
+# -- 6. the command line refuses what it cannot do ------------------------------------------
+def run_cli(*args, timeout=60, env=None):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    return subprocess.run([sys.executable, "-m", "dispatcher", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_a_second_dispatcher_on_a_live_address_is_refused_and_harms_nothing():
+    server = ServerProcess("--engine", "fake", log_name="twice").start()
+    try:
+        ipc_dir = server.dispatcher[len("ipc://"):]
+        for command in ("broker", "serve"):
+            extra = ("--engine", "fake", "--frontends", "0") if command == "serve" else ()
+            result = run_cli(command, "--port", str(server.port), *extra)
+            assert result.returncode != 0
+            assert "already running" in result.stderr and len(result.stderr) < 300
+        assert os.path.isdir(ipc_dir)
+        assert server.status()["workers"][0]["state"] == "idle"   # still answers
+        status, _ = post(server.port, {"prompt": "x", "max_tokens": 2})
+        assert status == 200
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_file_that_is_not_gguf_is_refused_at_once(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_text("not a model\n" * 10)
+    for command in ("serve", "check-config"):
+        result = run_cli(command, "--model", str(bad), "--port", "1")
+        assert result.returncode != 0
+        assert str(bad) in result.stderr + result.stdout
+        assert "not a GGUF model file" in result.stderr + result.stdout
+        assert "Traceback" not in result.stderr
+
+
+def test_serve_exits_when_no_worker_can_load_the_model(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + os.urandom(4096))       # the magic, then garbage
+    started = time.monotonic()
+    result = run_cli("serve", "--model", str(broken), "--frontends", "0", "--port",
+                     str(ServerProcess().port), timeout=120)
+    assert result.returncode != 0
+    assert "no worker can load the model" in result.stderr
+    assert result.stderr.count("Traceback") == 0
+    assert time.monotonic() - started < 60
+
+
+def test_core_ranges_beyond_the_machine_are_refused_at_once():
+    for spec in ("cpu:0-20000000", "cpu:0-5000", f"cpu:{os.cpu_count()}"):
+        started = time.monotonic()
+        result = run_cli("check-config", "--device", spec)
+        assert result.returncode != 0 and time.monotonic() - started < 20
+        assert len(result.stdout + result.stderr) < 600, result.stdout + result.stderr
+
+
+def test_boolean_flags_work_bare():
+    from dispatcher.cli import main  # noqa: F401  (the parser is built in main)
+    result = run_cli("check-config", "--deterministic", "--json")
+    assert result.returncode == 0, result.stderr
+    result = run_cli("check-config", "--deterministic", "false", "--json")
+    assert result.returncode == 0, result.stderr
+    result = run_cli("check-config", "--deterministic", "maybe")
+    assert result.returncode != 0 and "true or false" in result.stderr
+
+
+# -- 7. HTTP details ----------------------------------------------------------------------
+def test_wrong_method_gets_allow_and_a_code(two):
+    status, headers, body = http_json(two.port, "GET", "/v1/completions")
+    assert status == 405 and headers["Allow"] and "POST" in headers["Allow"]
+    assert body["error"]["code"] == "method_not_allowed"
+    status, headers, body = http_json(two.port, "DELETE", "/v1/models")
+    assert status == 405 and "GET" in headers["Allow"]
+
+
+def test_session_ids_are_scoped_by_api_key():
+    server = ServerProcess("--engine", "fake", "--api-key", "key-a", "--api-key", "key-b",
+                           log_name="sessions").start()
+    try:
+        def stream(key):
+            s = SSEStream.__new__(SSEStream)
+            import http.client
+            s.conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+            s.conn.request("POST", "/v1/completions", body=json.dumps(
+                {"prompt": "[slow=0.05] x", "max_tokens": 40, "stream": True}).encode(),
+                headers={"Content-Type": "application/json", "X-Session-Id": "same",
+                         "Authorization": f"Bearer {key}"})
+            s.response = s.conn.getresponse()
+            s.raw = b""
+            return s
+
+        a = stream("key-a")
+        assert a.next_data() is not None
+        b = stream("key-b")                          # same session id, other key
+        events = list(b.events())
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        events = list(a.events())                    # not superseded by key b
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        a2, a3 = stream("key-a"), None
+        assert a2.next_data() is not None
+        a3 = stream("key-a")                         # same key: supersedes a2
+        events = list(a2.events())
+        assert json.loads(events[-2])["error"]["code"] == "superseded"
+        list(a3.events())
+    finally:
+        assert server.stop() == 0
