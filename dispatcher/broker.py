@@ -556,6 +556,7 @@ class Broker:
                 "pid": record.info.get("pid"), "n_ctx": record.info.get("n_ctx"),
                 "slots": record.slots, "busy_slots": len(record.running),
                 "running": sorted(record.running),
+                "started": sorted(i for i, j in record.running.items() if j.started),
                 "generating": sorted(i for i, j in record.running.items() if j.first_token),
                 "completed": record.completed,
                 "cancelled": record.cancelled, "tokens": record.tokens,

@@ -38,7 +38,15 @@ INVALID_BODIES = [
     b'{"prompt": "x", "no_such_field": 1}', b'{"model": "no-such-model", "prompt": "x"}',
     b'{"prompt": "x", "best_of": 2, "stream": true}', b'{"prompt": [1, -1]}', b"null",
     b'{"prompt": "x", "logit_bias": {"a": 1}}', b'{"prompt": "x", "stop": 5}',
+    # lone UTF-16 surrogates: valid JSON, not text (they used to kill workers)
+    b'{"prompt": "a\\ud800b"}', b'{"prompt": ["fine", "\\udfff"]}',
+    b'{"prompt": "x", "suffix": "\\ud800"}', b'{"prompt": "x", "grammar": "root ::= \\"\\ud834\\""}',
+    b'{"prompt": "x", "json_schema": {"enum": ["\\udc00"]}}', b'{"prompt": [5, "\\ud800"]}',
 ]
+# Valid but odd content that reaches the workers: special-token text, NUL,
+# noncharacters, token ids at the vocabulary's edges, windows at their largest.
+ODD_TEXT = ["<bos>", "<eos>", "<start_of_turn>", "<pad>", "\x00", "\ufffe", "\uffff",
+            "\U0010ffff", "\u202e", "東京", "\U0001f600", "\r\n"]
 
 
 @dataclass
@@ -157,8 +165,8 @@ class Soak:
                 self.details.append(outcome.detail)
 
     def one(self) -> None:
-        kind = self.rng.choices(["plain", "stream", "drop", "invalid", "batch"],
-                                weights=[3, 3, 2, 3, 1])[0]
+        kind = self.rng.choices(["plain", "stream", "drop", "invalid", "batch", "odd"],
+                                weights=[3, 3, 2, 3, 1, 2])[0]
         max_tokens = self.rng.randint(4, 24)
         try:
             if kind == "invalid":
@@ -166,6 +174,8 @@ class Soak:
             elif kind == "plain":
                 outcome = self.plain({"prompt": self.prompt(), "max_tokens": max_tokens,
                                       "temperature": 0}, 1, max_tokens)
+            elif kind == "odd":
+                outcome = self.plain(self.odd_body(max_tokens), 1, max_tokens)
             elif kind == "batch":
                 outcome = self.plain({"prompt": [self.prompt(), self.prompt()], "n": 2,
                                       "max_tokens": max_tokens, "logprobs": 1}, 4, max_tokens)
@@ -177,6 +187,17 @@ class Soak:
         except (OSError, http.client.HTTPException) as exc:
             outcome = Outcome("lost", f"{kind}: {type(exc).__name__}: {exc}")
         self.record(outcome)
+
+    def odd_body(self, max_tokens: int) -> dict:
+        text = "".join(self.rng.choice(ODD_TEXT) for _ in range(self.rng.randint(1, 8)))
+        body = {"prompt": text, "max_tokens": max_tokens, "temperature": 0}
+        choice = self.rng.randrange(3)
+        if choice == 0:
+            body["prompt"] = [self.rng.choice([0, 1, 2, 262143, 262144]), 5, text]
+        elif choice == 1:
+            body.update(repeat_last_n=2 ** 31 - 1, repetition_penalty=1.5,
+                        top_k=2 ** 31 - 1, min_tokens=2 ** 31 - 1)
+        return body
 
     def prompt(self) -> str:
         words = ["def", "return", "class", "import", "for", "value", "self", "data"]
@@ -307,6 +328,7 @@ class Soak:
         time.sleep(config.HEARTBEAT_INTERVAL * config.HEARTBEAT_LIVENESS)
         recovered = self.wait_healthy(60)
         after = self.rss()
+        restarts = sum(w.get("restarts", 0) for w in self.status()["workers"])
         code = self.stop_server()
         report = {"seconds": round(time.monotonic() - started, 1), "requests": sent,
                   "completed": self.outcomes["completed"],
@@ -314,7 +336,9 @@ class Soak:
                   "error_codes": dict(self.error_codes.most_common()),
                   "disconnected": self.outcomes["disconnected"],
                   "lost": self.outcomes["lost"], "garbled": self.outcomes["garbled"],
-                  "worker_kills": self.kills, "recovered": recovered,
+                  "worker_kills": self.kills, "worker_restarts": restarts,
+                  "unexpected_restarts": max(0, restarts - self.kills),
+                  "recovered": recovered,
                   "server_exit": code, "rss_before": before, "rss_after": after,
                   "problems": self.details, "log": self.log.name}
         return report
@@ -343,7 +367,8 @@ def run(args) -> int:
         print(json.dumps(report, indent=2))
     else:
         for key in ("seconds", "requests", "completed", "clean_errors", "disconnected",
-                    "lost", "garbled", "worker_kills", "recovered", "server_exit"):
+                    "lost", "garbled", "worker_kills", "worker_restarts",
+                    "unexpected_restarts", "recovered", "server_exit"):
             print(f"{key:>14}: {report[key]}")
         print(f"{'error codes':>14}: " + ", ".join(f"{k} ×{v}" for k, v in
                                                    report["error_codes"].items()))
@@ -352,4 +377,5 @@ def run(args) -> int:
                                               for k, v in report[when].items()))
         for problem in report["problems"]:
             print(f"  problem: {problem}")
-    return 0 if report["lost"] == 0 and report["garbled"] == 0 else 1
+    return 0 if report["lost"] == 0 and report["garbled"] == 0 and \
+        report["unexpected_restarts"] == 0 else 1

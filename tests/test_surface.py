@@ -215,11 +215,52 @@ def test_samplers_are_deterministic_under_a_seed(port, params):
         complete(port, **body)["choices"][0]["text"]
 
 
+SAMPLED = "Once upon a time, in a small village by the sea,"
+
+
+def sampled(port, **params):
+    body = dict(prompt=SAMPLED, max_tokens=16, temperature=1.5, seed=1)
+    body.update(params)
+    return complete(port, **body)["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("params", [
+    {"top_k": 1},
+    {"min_p": 1.0},                           # only tokens as likely as the best one
+    {"mirostat": 2, "mirostat_tau": 0.01},    # target surprise ~0: the most likely token
+    {"mirostat": 1, "mirostat_tau": 0.01},
+])
+def test_each_truncating_sampler_is_applied(det_port, params):
+    """Each of these keeps only the most likely token here, so hot sampling gives the
+    greedy text whatever the seed; ignored, the seeds would wander off it."""
+    plain = sampled(det_port, temperature=0)
+    assert any(sampled(det_port, seed=s) != plain for s in (1, 2))     # it could fail
+    assert [sampled(det_port, seed=s, **params) for s in (1, 2)] == [plain, plain]
+
+
+def test_typical_p_is_applied(det_port):
+    """typical_p 0 keeps one token (the most typical, not always the most likely): the
+    seed no longer matters."""
+    assert sampled(det_port, seed=1) != sampled(det_port, seed=2)
+    assert sampled(det_port, seed=1, typical_p=0.0) == sampled(det_port, seed=2, typical_p=0.0)
+
+
+def test_repeat_last_n_sets_the_penalty_window(det_port):
+    prompt = "one two one two one two one two"
+    plain = greedy(det_port, prompt, 16)["choices"][0]["text"]
+    penalized = dict(repetition_penalty=1.8)
+    assert greedy(det_port, prompt, 16, repeat_last_n=0, **penalized)["choices"][0]["text"] \
+        == plain                                              # 0: no window, no penalty
+    assert greedy(det_port, prompt, 16, repeat_last_n=64, **penalized)["choices"][0]["text"] \
+        != plain
+
+
 def test_penalties_change_greedy_output(port):
     prompt = "one two one two one two one two"
     plain = greedy(port, prompt, 12)["choices"][0]["text"]
     assert greedy(port, prompt, 12, repetition_penalty=1.8)["choices"][0]["text"] != plain
     assert greedy(port, prompt, 12, presence_penalty=2.0)["choices"][0]["text"] != plain
+    assert greedy(port, prompt, 12, frequency_penalty=2.0)["choices"][0]["text"] != plain
 
 
 def test_same_seed_same_text_under_concurrency(det_port):
@@ -267,10 +308,12 @@ def test_prompt_longer_than_the_request_context_is_400(port):
 
 
 # -- 6. UTF-8 ----------------------------------------------------------------------------
-def test_streamed_multibyte_text_is_never_broken(port):
+def test_streamed_multibyte_text_is_never_broken(det_port):
+    # Equal texts across two requests are promised in deterministic mode only (the
+    # default mode may reuse the first request's cached prompt and flip a near-tie).
     body = {"prompt": "日本の首都は東京です。大阪は", "max_tokens": 24, "temperature": 0}
-    plain = complete(port, **body)["choices"][0]["text"]
-    stream = SSEStream(port, {**body, "stream": True})
+    plain = complete(det_port, **body)["choices"][0]["text"]
+    stream = SSEStream(det_port, {**body, "stream": True})
     chunks = [json.loads(d)["choices"][0]["text"] for d in stream.events() if d != "[DONE]"]
     assert "".join(chunks) == plain
     assert any(ord(ch) > 0x3000 for ch in plain)            # it did produce Japanese
@@ -306,8 +349,8 @@ def test_invalid_grammar_or_schema_is_400(port, body, param):
 # -- 8. FIM ------------------------------------------------------------------------------
 def test_suffix_on_a_model_without_fim_tokens_is_400(port):
     status, error = error_of(port, {"prompt": "def f(", "suffix": "\n    return x"})
-    assert status == 400 and error["code"] == "fim_unsupported" and "FIM" in error["message"] \
-        or "fill-in-the-middle" in error["message"]
+    assert status == 400 and error["code"] == "fim_unsupported"
+    assert "fill-in-the-middle" in error["message"] and error["param"] == "suffix"
 
 
 @pytest.fixture(scope="module")
