@@ -40,7 +40,8 @@ INVALID_BODIES = [
     b'{"prompt": "x", "logit_bias": {"a": 1}}', b'{"prompt": "x", "stop": 5}',
     # lone UTF-16 surrogates: valid JSON, not text (they used to kill workers)
     b'{"prompt": "a\\ud800b"}', b'{"prompt": ["fine", "\\udfff"]}',
-    b'{"prompt": "x", "suffix": "\\ud800"}', b'{"prompt": "x", "grammar": "root ::= \\"\\ud834\\""}',
+    b'{"prompt": "x", "suffix": "\\ud800"}',
+    b'{"prompt": "x", "grammar": "root ::= \\"\\ud834\\""}',
     b'{"prompt": "x", "json_schema": {"enum": ["\\udc00"]}}', b'{"prompt": [5, "\\ud800"]}',
 ]
 # Valid but odd content that reaches the workers: special-token text, NUL,
