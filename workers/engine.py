@@ -60,6 +60,7 @@ class _Slot:
     min_tokens: int = 0
     ignore_eos: bool = False
     plain_greedy: bool = False                          # argmax is the whole chain
+    bare_greedy: bool = False                           # ... but for a grammar, maybe
     cached: list[int] = field(default_factory=list)     # the tokens in this slot's KV cache
 
     @property
@@ -217,8 +218,8 @@ class LlamaEngine:
         slot.logprobs = logprobs
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
-        slot.plain_greedy = (sampling.greedy and not sampling.penalized
-                             and not sampling.logit_bias and sampling.grammar is None)
+        slot.bare_greedy = sampling.greedy and not sampling.penalized and not sampling.logit_bias
+        slot.plain_greedy = slot.bare_greedy and sampling.grammar is None
         return n_past
 
     def clear_caches(self) -> None:
@@ -342,7 +343,10 @@ class LlamaEngine:
         if the grammar rejects it, apply the grammar to the whole vocabulary and pick
         again. The output is exactly what the grammar allows, and a grammar stream costs
         about what a plain one does while the model follows the grammar by itself."""
-        token = self._pick(slot.chain, self._candidates(logits))
+        if slot.bare_greedy:          # the chain is an argmax: no candidate array needed
+            token = int(np.argmax(logits))
+        else:
+            token = self._pick(slot.chain, self._candidates(logits))
         if not self._grammar_allows(slot.grammar, token):
             array = self._candidates(logits)
             llama_cpp.llama_sampler_apply(slot.grammar, ctypes.byref(array))
