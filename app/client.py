@@ -24,15 +24,14 @@ from dispatcher import config, protocol as P
 from dispatcher.metrics import LatencyRecorder
 
 log = logging.getLogger(__name__)
-TOKEN_HWM = 100_000
 
 
 class ClientGone(Exception):
     """The HTTP client closed its connection."""
 
 
-def error_event(status: int, message: str, code: str, type_: str = "server_error") -> dict:
-    return {"e": P.EV_ERROR, "status": status, "type": type_, "code": code, "message": message}
+def error_event(status: int, message: str, code: str) -> dict:
+    return P.WireError(status, code, message).event()
 
 
 class RequestStream:
@@ -154,7 +153,7 @@ class DispatcherClient:
         self.dealer.setsockopt(zmq.LINGER, 0)
         self.dealer.connect(endpoints.frontend)
         self.sub = self.context.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.RCVHWM, TOKEN_HWM)
+        self.sub.setsockopt(zmq.RCVHWM, config.TOKEN_HWM)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, self.id)
         self.sub.connect(endpoints.tokens_out)
@@ -204,8 +203,7 @@ class DispatcherClient:
     # -- state -------------------------------------------------------------------------
     @property
     def dispatcher_alive(self) -> bool:
-        return time.monotonic() - self.state_at < config.HEARTBEAT_INTERVAL * \
-            config.HEARTBEAT_LIVENESS
+        return time.monotonic() - self.state_at < config.HEARTBEAT_EXPIRY
 
     def wait_state(self, timeout: float = 2.0) -> dict | None:
         """The dispatcher's last state, waiting briefly for the first one after start-up."""

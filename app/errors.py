@@ -121,12 +121,11 @@ _BY_STATUS = {cls.status: cls for cls in (InvalidRequest, Unauthorized, NotFound
 
 
 def from_wire(body: dict) -> APIError:
-    """Rebuild an error sent by the dispatcher or a worker ({status, type, code, message})."""
+    """Rebuild an error sent by the dispatcher or a worker (`protocol.WireError`): the class
+    of its status, whose `type` is the one `protocol.error_type` gives that status."""
     cls = _BY_STATUS.get(int(body.get("status", 500)), ServerError)
     error = cls(str(body.get("message", "internal error")), param=body.get("param"),
                 code=body.get("code"))
-    if body.get("type"):
-        error.type = body["type"]
     if body.get("retry_after"):
         error.headers["Retry-After"] = str(body["retry_after"])
     return error

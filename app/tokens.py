@@ -4,7 +4,7 @@ from __future__ import annotations
 from flask import Blueprint, current_app, jsonify
 
 from app.client import get_client
-from app.completions import parse_json_body, resolve_model, validate
+from app.requests import parse_json_body, resolve_model, validate
 from app.errors import from_wire
 from app.schemas import DetokenizeRequestSchema, TokenizeRequestSchema
 from dispatcher import protocol as P

@@ -9,13 +9,13 @@ ceiling for any server built on it.
 """
 from __future__ import annotations
 
-import http.client
 import json
 import statistics
 import threading
 import time
-import urllib.parse
 from dataclasses import asdict, dataclass, field
+
+from dispatcher.bench_targets import HttpTarget, InProcessTarget, Sample
 
 CODE = '''import json
 import os
@@ -58,18 +58,6 @@ def prompt_of(chars: int, salt: int = 0) -> str:
     while len(text) < chars:
         text += CODE
     return text[:chars]
-
-
-@dataclass
-class Sample:
-    ok: bool = False
-    truncated: bool = False
-    superseded: bool = False
-    error: str | None = None
-    ttft: float | None = None       # seconds to the first text
-    tokens: int = 0
-    decode_s: float = 0.0           # first text to last text
-    finish_reason: str | None = None
 
 
 @dataclass
@@ -117,138 +105,6 @@ def summarize(name: str, concurrency: int, samples: list[Sample], wall: float) -
     if wall > 0:
         level.aggregate_tok_s = level.tokens / wall
     return level
-
-
-class HttpTarget:
-    """An OpenAI-compatible server, driven with raw streaming HTTP."""
-
-    def __init__(self, url: str, model: str | None, api_key: str | None = None):
-        parsed = urllib.parse.urlparse(url)
-        self.host, self.port = parsed.hostname, parsed.port or 80
-        self.base = parsed.path.rstrip("/")
-        if not self.base.endswith("/v1"):
-            self.base += "/v1"
-        self.api_key = api_key
-        self.name = url
-        self.model = model or self._first_model()
-
-    def _headers(self, extra: dict | None = None) -> dict:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        headers.update(extra or {})
-        return headers
-
-    def _first_model(self) -> str | None:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
-        try:
-            conn.request("GET", self.base + "/models", headers=self._headers())
-            data = json.loads(conn.getresponse().read())["data"]
-            return data[0]["id"] if data else None
-        except (OSError, ValueError, KeyError, IndexError):
-            return None
-        finally:
-            conn.close()
-
-    def complete(self, prompt: str, max_tokens: int, suffix: str | None = None,
-                 session: str | None = None, timeout: float = 600,
-                 extra: dict | None = None) -> Sample:
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
-        if self.model:
-            body["model"] = self.model
-        if suffix is not None:
-            body["suffix"] = suffix
-        headers = self._headers({"X-Session-Id": session} if session else None)
-        sample = Sample()
-        started = time.perf_counter()
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
-        try:
-            conn.request("POST", self.base + "/completions", json.dumps(body), headers)
-            resp = conn.getresponse()
-            if resp.status != 200:
-                payload = resp.read()[:300].decode(errors="replace")
-                sample.superseded = resp.status == 409
-                sample.error = f"HTTP {resp.status}: {payload}"
-                return sample
-            self._read_stream(resp, sample, started)
-        except (OSError, http.client.HTTPException) as exc:
-            sample.error = f"{type(exc).__name__}: {exc}"
-            sample.truncated = sample.ttft is not None
-        finally:
-            conn.close()
-        return sample
-
-    @staticmethod
-    def _read_stream(resp, sample: Sample, started: float) -> None:
-        chunks = last_text = 0
-        usage_tokens = None
-        done = False
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                done = True
-                break
-            event = json.loads(data)
-            if "error" in event:
-                sample.error = str(event["error"].get("message"))[:200]
-                sample.superseded = event["error"].get("code") == "superseded"
-                return
-            if event.get("usage"):
-                usage_tokens = event["usage"].get("completion_tokens")
-            for choice in event.get("choices") or []:
-                now = time.perf_counter()
-                if choice.get("text"):
-                    chunks += 1
-                    if sample.ttft is None:
-                        sample.ttft = now - started
-                    last_text = now
-                if choice.get("finish_reason"):
-                    sample.finish_reason = choice["finish_reason"]
-        sample.tokens = usage_tokens if usage_tokens is not None else chunks
-        if sample.ttft is not None:
-            sample.decode_s = last_text - started - sample.ttft
-        sample.truncated = not done or sample.finish_reason is None
-        sample.ok = not sample.truncated and sample.error is None
-
-
-class InProcessTarget:
-    """llama-cpp-python's `Llama` in this process, one request at a time."""
-
-    def __init__(self, model_path: str, n_ctx: int, n_threads: int | None):
-        from llama_cpp import Llama
-        import os
-        self.name = "llama-cpp-python in-process"
-        from workers.engine import llama_loads_like_workers
-        with llama_loads_like_workers():
-            self.llm = Llama(model_path, n_ctx=n_ctx, n_batch=512, flash_attn=True,
-                             n_threads=n_threads or len(os.sched_getaffinity(0)),
-                             verbose=False)
-        self.lock = threading.Lock()
-
-    def complete(self, prompt: str, max_tokens: int, suffix: str | None = None,
-                 session: str | None = None, timeout: float = 600) -> Sample:
-        sample = Sample()
-        with self.lock:
-            started = time.perf_counter()
-            last = started
-            for chunk in self.llm.create_completion(prompt, max_tokens=max_tokens,
-                                                    temperature=0, stream=True):
-                choice = chunk["choices"][0]
-                now = time.perf_counter()
-                if choice["text"]:
-                    if sample.ttft is None:
-                        sample.ttft = now - started
-                    last = now
-                    sample.tokens += 1
-                sample.finish_reason = choice.get("finish_reason") or sample.finish_reason
-        if sample.ttft is not None:
-            sample.decode_s = last - started - sample.ttft
-        sample.ok = True
-        return sample
 
 
 def run_level(target, concurrency: int, requests: int, prompt_chars: int, max_tokens: int,

@@ -13,7 +13,7 @@ import sys
 
 from dispatcher import config, configfile, protocol as P
 from dispatcher.models import default_model_id, resolve_model_path
-from dispatcher.ops import default_dispatcher_address, dispatcher_answers
+from dispatcher.ctl import default_dispatcher_address, dispatcher_answers
 
 log = logging.getLogger("dispatcher")
 SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "device",
@@ -40,7 +40,7 @@ def _port_free(host: str, port: int) -> bool:
 
 def _run_broker(broker, cleanup_dir: str | None, grace: float = 0.0) -> int:
     def on_signal(signum, frame):
-        if broker.draining_until is None and grace > 0:
+        if not broker.draining and grace > 0:
             log.info("%s: finishing in-flight requests (up to %.0fs; again to stop now)",
                      signal.Signals(signum).name, grace)
             broker.drain(grace)
@@ -173,11 +173,8 @@ def cmd_check_config(args) -> int:
 
 def _config_values(argv: list[str] | None) -> dict:
     """Phase one: find and read the config file (--config or COMPLETIONS_CONFIG)."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=config.env_value(config.OPTIONS["config"]))
-    known, _ = pre.parse_known_args(argv)
     try:
-        return configfile.read(known.config)
+        return configfile.read_for(argv)
     except configfile.ConfigError as exc:
         raise SystemExit("configuration problems:\n  " + "\n  ".join(exc.problems))
 
@@ -200,12 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     config.add_options(broker, ["config", "dispatcher", "port", "log_level", "max_queue",
                                 "queue_timeout", "stop_grace"], file_values)
     broker.set_defaults(func=cmd_broker)
-    from dispatcher import ops
+    from dispatcher import ctl
     status = sub.add_parser("status", help="show workers, queue and front ends")
     config.add_options(status, ["dispatcher", "port"], file_values)
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
-    status.set_defaults(func=ops.cmd_status, log_level="warning")
-    ops.add_worker_commands(sub, config, file_values)
+    status.set_defaults(func=ctl.cmd_status, log_level="warning")
+    ctl.add_worker_commands(sub, config, file_values)
     bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server (this one "
                                          "by default) and print latency and throughput")
     config.add_options(bench, ["port"], file_values)

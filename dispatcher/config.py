@@ -107,6 +107,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
 # Timing of the heartbeats between every pair of processes (ZeroMQ guide, Paranoid Pirate).
 HEARTBEAT_INTERVAL = 1.0
 HEARTBEAT_LIVENESS = 3
+# A peer silent for this long is gone.
+HEARTBEAT_EXPIRY = HEARTBEAT_INTERVAL * HEARTBEAT_LIVENESS
+# High-water mark of every socket on the token path (worker XPUB, proxy, front-end SUB).
+TOKEN_HWM = 100_000
 # How long a front end waits for the dispatcher to accept a job before giving up.
 SUBMIT_TIMEOUT = 5.0
 # How long a front end waits for stream messages after the dispatcher says a job is done.

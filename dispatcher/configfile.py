@@ -75,6 +75,16 @@ class Plan:
     workers: list[WorkerPlan] = field(default_factory=list)
 
 
+def read_for(argv: list[str] | None) -> dict:
+    """Phase one of every command line: find the config file (`--config`, else
+    COMPLETIONS_CONFIG) and read it, once per process; its values become the flags'
+    defaults (file < variables < flags)."""
+    import argparse
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=config.env_value(config.OPTIONS["config"]))
+    return read(pre.parse_known_args(argv)[0].config)
+
+
 def read(path: str | None) -> dict:
     """The file as a dict ({} without a file); a syntax error is a ConfigError."""
     if not path:

@@ -15,14 +15,18 @@ RATE_WINDOW = 10.0          # seconds over which status reports tokens/s
 
 
 class Operations:
-    def __init__(self, broker):
-        self.broker = broker
+    """The control channel's commands, over the core's state and the launcher's
+    children (`supervisor`, None for a dispatcher run alone)."""
+
+    def __init__(self, core, supervisor=None):
+        self.core = core
+        self.supervisor = supervisor
         self.pending: dict[str, dict] = {}     # worker name -> {"deadline", "argv"}
 
     # -- commands ----------------------------------------------------------------------
     def handle(self, request: dict) -> dict:
         command = request.get("cmd")
-        handlers = {"status": lambda: self.broker.status(), "drain": self.drain,
+        handlers = {"status": self.status, "drain": self.drain,
                     "resume": self.resume, "restart": self.restart, "reload": self.reload,
                     "metrics": lambda: self.metrics_snapshot()}
         if command not in handlers:
@@ -33,7 +37,7 @@ class Operations:
         return handlers[command](request)
 
     def _record(self, name: str):
-        return self.broker.registry.get(str(name).encode())
+        return self.core.registry.get(str(name).encode())
 
     def drain(self, request: dict) -> dict:
         record = self._record(request.get("worker"))
@@ -47,12 +51,12 @@ class Operations:
         if record is None:
             return {"error": f"no ready worker named {request.get('worker')!r}"}
         record.draining = False
-        self.broker.dispatch()
+        self.core.dispatch()
         return {"ok": True, "worker": record.name}
 
     def restart(self, request: dict) -> dict:
         name = str(request.get("worker"))
-        supervisor = self.broker.supervisor
+        supervisor = self.supervisor
         child = supervisor.children.get(name) if supervisor else None
         if child is None or child.kind != "worker":
             return {"error": f"{name!r} is not a worker this dispatcher started (a remote "
@@ -65,7 +69,7 @@ class Operations:
             model_id = request.get("model_id") or _model_id(path)
             argv = _replace(argv, "--model", str(path.resolve()))
             argv = _replace(argv, "--model-id", model_id)
-            self.broker.known_models.setdefault(model_id, {"n_ctx": 0})
+            self.core.known_models.setdefault(model_id, {"n_ctx": 0})
             child.extra["model"] = model_id
         record = self._record(name)
         if record is not None:
@@ -85,30 +89,70 @@ class Operations:
             record = self._record(name)
             if record is None or not record.running or now >= plan["deadline"]:
                 del self.pending[name]
-                self.broker.supervisor.restart(name, plan["argv"])
+                self.supervisor.restart(name, plan["argv"])
 
     # -- views -------------------------------------------------------------------------
-    def metrics_snapshot(self) -> dict:
-        broker = self.broker
-        snapshot = broker.metrics.snapshot()
-        children = broker.supervisor.children if broker.supervisor else {}
-        workers = []
-        for record in broker.registry.workers.values():
-            child = children.get(record.name)
-            workers.append({"worker": record.name, "device": record.info.get("device"),
-                            "model": record.model, "up": 1, "slots": record.slots,
-                            "busy": len(record.running),
-                            "restarts": child.restarts if child else 0})
-        registered = {w["worker"] for w in workers}
+    def _fleet(self):
+        """(name, ready record or None, launcher's child or None) for every worker: the
+        ready ones, then those the launcher runs that are not (yet) ready."""
+        children = self.supervisor.children if self.supervisor else {}
+        for record in self.core.registry.workers.values():
+            yield record.name, record, children.get(record.name)
         for name, child in children.items():
-            if child.kind == "worker" and name not in registered:
+            if child.kind == "worker" and name.encode() not in self.core.registry:
+                yield name, None, child
+
+    def status(self) -> dict:
+        core, now = self.core, time.monotonic()
+        workers = []
+        for name, record, child in self._fleet():
+            if record is None:
+                state = "failed" if child.gave_up else \
+                    "starting" if child.process else "restarting"
+                workers.append({"name": name, "state": state, "restarts": child.restarts,
+                                "pid": child.pid, "device": child.extra.get("device"),
+                                "model": child.extra.get("model")})
+                continue
+            state = ("draining" if record.running else "drained") if record.draining \
+                else "busy" if record.running else "idle"
+            workers.append({
+                "name": name, "state": state,
+                "tokens_per_s": tokens_per_second(record.history, now),
+                "device": record.info.get("device"), "model": record.model,
+                "pid": record.info.get("pid"), "n_ctx": record.info.get("n_ctx"),
+                "slots": record.slots, "busy_slots": len(record.running),
+                "running": sorted(record.running),
+                "started": sorted(i for i, j in record.running.items() if j.started),
+                "generating": sorted(i for i, j in record.running.items() if j.first_token),
+                "completed": record.completed,
+                "cancelled": record.cancelled, "tokens": record.tokens,
+                "uptime_s": round(now - record.ready_at, 1),
+                "restarts": child.restarts if child else 0,
+                "placement": record.info.get("placement"), "last_done": record.last_done})
+        return {"workers": sorted(workers, key=lambda w: w["name"]),
+                "queue": core.queue.depth_by_model(), "stats": dict(core.stats),
+                "frontends": [{"id": k.decode(errors="replace"), "open": v.get("open"),
+                               "served": v.get("served"), "pid": v.get("pid")}
+                              for k, v in core.frontends.items()]}
+
+    def metrics_snapshot(self) -> dict:
+        core = self.core
+        snapshot = core.metrics.snapshot()
+        workers = []
+        for name, record, child in self._fleet():
+            if record is None:
                 workers.append({"worker": name, "device": child.extra.get("device"),
                                 "model": child.extra.get("model"), "up": 0, "slots": 0,
                                 "busy": 0, "restarts": child.restarts})
-        depth = broker.queue.depth_by_model()
+            else:
+                workers.append({"worker": name, "device": record.info.get("device"),
+                                "model": record.model, "up": 1, "slots": record.slots,
+                                "busy": len(record.running),
+                                "restarts": child.restarts if child else 0})
+        depth = core.queue.depth_by_model()
         snapshot.update(workers=workers,
-                        queue={m: depth.get(m, 0) for m in set(broker.models()) | set(depth)},
-                        dispatcher=dict(broker.stats), frontends=len(broker.frontends))
+                        queue={m: depth.get(m, 0) for m in set(core.models()) | set(depth)},
+                        dispatcher=dict(core.stats), frontends=len(core.frontends))
         return snapshot
 
 

@@ -58,6 +58,55 @@ class ProtocolError(Exception):
     """A message that does not follow this protocol."""
 
 
+# Readable names for logs.
+COMMAND_NAMES = {SUBMIT: "SUBMIT", CANCEL: "CANCEL", PING: "PING", METRICS: "METRICS",
+                 ACCEPTED: "ACCEPTED", REJECTED: "REJECTED", FAILED: "FAILED",
+                 FINISHED: "FINISHED", STATE: "STATE", READY: "READY",
+                 HEARTBEAT: "HEARTBEAT", STARTED: "STARTED", FIRST: "FIRST", DONE: "DONE",
+                 DISCONNECT: "DISCONNECT", REQUEST: "REQUEST"}
+
+
+def command_name(cmd: bytes) -> str:
+    return COMMAND_NAMES.get(cmd, repr(cmd))
+
+
+# OpenAI's error `type` follows from the HTTP status: one table for every layer.
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+               404: "invalid_request_error", 405: "invalid_request_error",
+               409: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "server_error" if status >= 500 else
+                           "invalid_request_error")
+
+
+@dataclass(frozen=True)
+class WireError:
+    """An error for one request, as it crosses the wire (REJECTED and FAILED bodies, the
+    `error` stream event): status, code and message; the OpenAI type from the status."""
+    status: int
+    code: str
+    message: str
+    param: str | None = None
+    retry_after: int | None = None
+
+    @property
+    def type(self) -> str:
+        return error_type(self.status)
+
+    def body(self) -> dict:
+        body = {"status": self.status, "type": self.type, "code": self.code,
+                "message": self.message, "param": self.param}
+        if self.retry_after:
+            body["retry_after"] = self.retry_after
+        return body
+
+    def event(self) -> dict:
+        return {"e": EV_ERROR, **self.body()}
+
+
 @dataclass(frozen=True)
 class Message:
     cmd: bytes

@@ -140,7 +140,7 @@ class WorkerRecord:
         return self.slots - len(self.running)
 
     def refresh(self, now: float) -> None:
-        self.expires_at = now + config.HEARTBEAT_INTERVAL * config.HEARTBEAT_LIVENESS
+        self.expires_at = now + config.HEARTBEAT_EXPIRY
 
 
 class WorkerRegistry:

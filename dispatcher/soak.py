@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from dispatcher import config
-from dispatcher.ops import control_request, default_dispatcher_address
+from dispatcher.ctl import control_request, default_dispatcher_address
 
 INVALID_BODIES = [
     b'{"prompt": "x", "temperature": "hot"}', b'{"prompt": ""}', b'{"prompt": NaN}',
@@ -326,7 +326,7 @@ class Soak:
         hung = sum(1 for t in threads if t.is_alive())
         self.outcomes["lost"] += hung
         # long enough for a kill just before the end to be noticed, then respawned
-        time.sleep(config.HEARTBEAT_INTERVAL * config.HEARTBEAT_LIVENESS)
+        time.sleep(config.HEARTBEAT_EXPIRY)
         recovered = self.wait_healthy(60)
         after = self.rss()
         restarts = sum(w.get("restarts", 0) for w in self.status()["workers"])

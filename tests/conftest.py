@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dispatcher.ops import control_request, default_dispatcher_address
+from dispatcher.ctl import control_request, default_dispatcher_address
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -223,7 +223,7 @@ def reference_llm():
     from llama_cpp import Llama
 
     from dispatcher.models import bundled_model_path
-    from workers.engine import llama_loads_like_workers
+    from workers.repacking import llama_loads_like_workers
     with llama_loads_like_workers():
         llm = Llama(str(bundled_model_path()), n_ctx=512, n_batch=512, verbose=False,
                     logits_all=True, flash_attn=True,

@@ -207,15 +207,18 @@ def test_tokens_stream_through_nginx_as_they_are_made(deployed):
 
 
 def test_load_spreads_over_both_front_ends(deployed):
-    from dispatcher.ops import control_request
+    from dispatcher.ctl import control_request
     for i in range(12):
         status, _, _ = http_json(deployed["edge"], "POST", "/v1/completions",
                                  {"prompt": f"spread {i}", "max_tokens": 2})
         assert status == 200
-    time.sleep(1.5)                           # front ends report with their heartbeat
-    served = [f["served"] or 0 for f in control_request(deployed["dispatcher"],
-                                                         {"cmd": "status"})["frontends"]]
-    assert len(served) == 2 and min(served) >= 1 and sum(served) >= 12
+
+    def served() -> list[int]:                # front ends report with their heartbeat
+        return [f["served"] or 0 for f in control_request(
+            deployed["dispatcher"], {"cmd": "status"})["frontends"]]
+
+    wait(lambda: sum(served()) >= 12, 15, "the front ends' counts")
+    assert len(served()) == 2 and min(served()) >= 1
 
 
 def test_a_dead_front_end_fails_no_new_request(deployed):
@@ -250,7 +253,7 @@ def netns():
 
 
 def test_a_worker_on_another_host_joins_over_tcp_and_its_loss_is_handled(netns, tmp_path):
-    from dispatcher.ops import control_request
+    from dispatcher.ctl import control_request
     base, http_port = free_port(5), free_port()
     config = write_config(tmp_path, base, host=netns["ip"])
     dispatcher = f"tcp://{netns['ip']}:{base}"

@@ -83,7 +83,7 @@ class RawFrontEnd:
         self.dealer = self.context.socket(zmq.DEALER)
         self.dealer.setsockopt(zmq.IDENTITY, self.id)
         self.dealer.connect(endpoints.frontend)
-        time.sleep(0.3)                              # the subscription reaches the proxy
+        # no wait for the subscription: the worker waits for it before publishing
 
     def run(self, job: dict) -> dict:
         """The job's last stream event (end or error)."""

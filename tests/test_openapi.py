@@ -4,7 +4,7 @@ from marshmallow import fields
 from openapi_spec_validator import validate as validate_spec
 
 from app import create_app
-from app.completions import validate
+from app.requests import validate
 from app.errors import InvalidRequest
 from app.openapi import build_openapi
 from app.schemas import CompletionRequestSchema

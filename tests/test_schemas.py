@@ -2,7 +2,7 @@
 import pytest
 from flask import Flask
 
-from app.completions import parse_json_body, validate
+from app.requests import parse_json_body, validate
 from app.errors import InvalidRequest, UnsupportedMediaType
 from app.schemas import CompletionRequestSchema
 

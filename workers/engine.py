@@ -13,7 +13,6 @@ chain sampled.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import logging
@@ -26,7 +25,7 @@ import numpy as np
 
 from workers.errors import EngineError, InvalidInput
 from workers.repacking import extra_buffers_work
-from workers.sampling import SamplingParams, TokenOut
+from workers.sampling import Candidates, SamplerChain, SamplingParams, TokenOut
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +49,7 @@ class _Slot:
     prompt: list[int] = field(default_factory=list)
     n_past: int = 0                                     # tokens in this slot's KV cache
     next_token: int | None = None                       # sampled, to be decoded next step
-    chain: object = None                                # llama_sampler* while in use
-    grammar: object = None                              # its grammar sampler, kept apart
+    chain: SamplerChain | None = None                   # while in use
     row: int = -1                                       # batch row to sample from
     logprobs: int | None = None                         # top-k to report, None: none
     prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # (row, position)
@@ -59,8 +57,6 @@ class _Slot:
     sampled: int = 0
     min_tokens: int = 0
     ignore_eos: bool = False
-    plain_greedy: bool = False                          # argmax is the whole chain
-    bare_greedy: bool = False                           # ... but for a grammar, maybe
     cached: list[int] = field(default_factory=list)     # the tokens in this slot's KV cache
 
     @property
@@ -116,16 +112,7 @@ class LlamaEngine:
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.slots = [_Slot(seq) for seq in range(slots)]
         self._piece_buf = ctypes.create_string_buffer(256)
-        # candidate buffers for grammar-constrained sampling (llama_token_data layout)
-        self._cand = np.zeros(self.n_vocab, dtype=np.dtype(
-            [("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True))
-        assert self._cand.dtype.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
-        self._vocab_ids = np.arange(self.n_vocab, dtype=np.int32)
-        self._cand_ptr = self._cand.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data))
-        self._cand_array = llama_cpp.llama_token_data_array()
-        self._one = (llama_cpp.llama_token_data * 1)()
-        self._one_array = llama_cpp.llama_token_data_array(
-            ctypes.cast(self._one, ctypes.POINTER(llama_cpp.llama_token_data)), 1, -1, False)
+        self.candidates = Candidates(llama_cpp, self.n_vocab)   # shared by every slot
         self.eog_tokens = [t for t in range(self.n_vocab)
                            if llama_cpp.llama_vocab_is_eog(self.vocab, t)]
         fim = (llama_cpp.llama_vocab_fim_pre(self.vocab), llama_cpp.llama_vocab_fim_suf(self.vocab),
@@ -202,7 +189,8 @@ class LlamaEngine:
         if slot.busy:
             raise EngineError(f"slot {slot_id} is busy")
         self.check_tokens(tokens)
-        chain, grammar = self._sampler_chain(sampling)
+        chain = SamplerChain(llama_cpp, self.vocab, self.n_vocab, self.n_ctx, sampling,
+                             self.candidates)
         # At least the last prompt token is decoded again: its logits start generation.
         # Prompt logprobs need every prompt row's logits, so nothing is reused then.
         n_past = 0
@@ -214,12 +202,9 @@ class LlamaEngine:
             n_past = 0
         slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
         slot.next_token, slot.row, slot.chain, slot.sampled = None, -1, chain, 0
-        slot.grammar = grammar
         slot.logprobs = logprobs
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
-        slot.bare_greedy = sampling.greedy and not sampling.penalized and not sampling.logit_bias
-        slot.plain_greedy = slot.bare_greedy and sampling.grammar is None
         return n_past
 
     def clear_caches(self) -> None:
@@ -245,118 +230,12 @@ class LlamaEngine:
         the next prompt that shares a prefix with it, unless `keep_cache` is False."""
         slot = self.slots[slot_id]
         if slot.chain is not None:
-            llama_cpp.llama_sampler_free(slot.chain)
-        if slot.grammar is not None:
-            llama_cpp.llama_sampler_free(slot.grammar)
-            slot.grammar = None
+            slot.chain.free()
         if not keep_cache:
             llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
             slot.cached = []
         slot.chain, slot.pending, slot.n_past, slot.next_token, slot.row = None, [], 0, None, -1
         slot.prompt_rows, slot.prompt_logprobs = [], None
-
-    def _sampler_chain(self, p: SamplingParams):
-        """(chain, grammar): penalties → logit bias → greedy | mirostat | top-k … dist, as
-        in llama.cpp's common sampler, and the grammar sampler (or None) kept out of the
-        chain: it is checked against the token the chain picks and applied to the whole
-        vocabulary only when it rejects that token (`_sample_constrained`)."""
-        samplers = []
-        grammar = None
-        if p.penalized:
-            # The window is a ring buffer of this many tokens: never more than a sequence
-            # can hold, whatever the client asked for.
-            last_n = self.n_ctx if p.repeat_last_n < 0 else min(p.repeat_last_n, self.n_ctx)
-            samplers.append(llama_cpp.llama_sampler_init_penalties(
-                self.n_vocab, last_n, p.repetition_penalty, p.frequency_penalty,
-                p.presence_penalty))
-        if p.logit_bias:
-            self.check_tokens(list(p.logit_bias))
-            biases = (llama_cpp.llama_logit_bias * len(p.logit_bias))(
-                *[llama_cpp.llama_logit_bias(t, b) for t, b in p.logit_bias.items()])
-            samplers.append(llama_cpp.llama_sampler_init_logit_bias(
-                self.n_vocab, len(p.logit_bias), biases))
-        if p.grammar is not None:
-            grammar = llama_cpp.llama_sampler_init_grammar(self.vocab, p.grammar.encode(),
-                                                           b"root")
-            if not grammar:
-                for sampler in samplers:
-                    llama_cpp.llama_sampler_free(sampler)
-                raise InvalidInput("the grammar does not parse (GBNF with a 'root' rule)",
-                                   param="grammar")
-        if p.greedy:
-            samplers.append(llama_cpp.llama_sampler_init_greedy())
-        elif p.mirostat:
-            samplers.append(llama_cpp.llama_sampler_init_temp(p.temperature))
-            if p.mirostat == 1:
-                samplers.append(llama_cpp.llama_sampler_init_mirostat(
-                    self.n_vocab, p.seed32, p.mirostat_tau, p.mirostat_eta, 100))
-            else:
-                samplers.append(llama_cpp.llama_sampler_init_mirostat_v2(
-                    p.seed32, p.mirostat_tau, p.mirostat_eta))
-        else:
-            if p.top_k > 0:
-                samplers.append(llama_cpp.llama_sampler_init_top_k(p.top_k))
-            if p.typical_p < 1.0:
-                samplers.append(llama_cpp.llama_sampler_init_typical(p.typical_p, 1))
-            if p.top_p < 1.0:
-                samplers.append(llama_cpp.llama_sampler_init_top_p(p.top_p, 1))
-            if p.min_p > 0.0:
-                samplers.append(llama_cpp.llama_sampler_init_min_p(p.min_p, 1))
-            samplers.append(llama_cpp.llama_sampler_init_temp(p.temperature))
-            samplers.append(llama_cpp.llama_sampler_init_dist(p.seed32))
-        chain = llama_cpp.llama_sampler_chain_init(
-            llama_cpp.llama_sampler_chain_default_params())
-        for sampler in samplers:
-            llama_cpp.llama_sampler_chain_add(chain, sampler)   # the chain owns it now
-        return chain, grammar
-
-    # -- constrained sampling ----------------------------------------------------------
-    def _candidates(self, logits: np.ndarray):
-        """The whole vocabulary as a llama_token_data_array over `logits` (a reused
-        buffer: ids, logits, p = 0)."""
-        self._cand["id"] = self._vocab_ids
-        self._cand["logit"] = logits
-        self._cand["p"] = 0.0
-        array = self._cand_array
-        array.data = self._cand_ptr
-        array.size = self.n_vocab
-        array.selected = -1
-        array.sorted = False
-        return array
-
-    def _grammar_allows(self, grammar, token: int) -> bool:
-        one = self._one_array
-        one.data[0].id, one.data[0].logit, one.data[0].p = token, 1.0, 0.0
-        one.size, one.selected, one.sorted = 1, -1, False
-        llama_cpp.llama_sampler_apply(grammar, ctypes.byref(one))
-        return one.data[0].logit != float("-inf")
-
-    def _pick(self, chain, array) -> int:
-        llama_cpp.llama_sampler_apply(chain, ctypes.byref(array))
-        if not 0 <= array.selected < array.size:
-            raise EngineError("the sampler chain selected no token")
-        return int(array.data[array.selected].id)
-
-    def _sample_constrained(self, slot: _Slot, logits: np.ndarray) -> int:
-        """llama.cpp's own approach (common_sampler_sample): let the chain pick from the
-        unconstrained distribution and check only that token against the grammar; only
-        if the grammar rejects it, apply the grammar to the whole vocabulary and pick
-        again. The output is exactly what the grammar allows, and a grammar stream costs
-        about what a plain one does while the model follows the grammar by itself."""
-        if slot.bare_greedy:          # the chain is an argmax: no candidate array needed
-            token = int(np.argmax(logits))
-        else:
-            token = self._pick(slot.chain, self._candidates(logits))
-        if not self._grammar_allows(slot.grammar, token):
-            array = self._candidates(logits)
-            llama_cpp.llama_sampler_apply(slot.grammar, ctypes.byref(array))
-            token = self._pick(slot.chain, array)
-            if not self._grammar_allows(slot.grammar, token):
-                # accepting it would throw inside llama.cpp: fail this request instead
-                raise EngineError("the grammar allows no token here")
-        llama_cpp.llama_sampler_accept(slot.grammar, token)
-        llama_cpp.llama_sampler_accept(slot.chain, token)
-        return token
 
     # -- decoding ----------------------------------------------------------------------
     def step(self) -> dict[int, TokenOut]:
@@ -460,19 +339,10 @@ class LlamaEngine:
             logits[self.eog_tokens] = BANNED
         else:
             saved = None
-        if slot.plain_greedy:
-            # argmax is all a bare greedy chain does; numpy skips copying 262k candidates
-            if logits is None:
-                logits = np.ctypeslib.as_array(
-                    llama_cpp.llama_get_logits_ith(self.ctx, slot.row), shape=(self.n_vocab,))
-            token = int(np.argmax(logits))
-        elif slot.grammar is not None:
-            if logits is None:
-                logits = np.ctypeslib.as_array(
-                    llama_cpp.llama_get_logits_ith(self.ctx, slot.row), shape=(self.n_vocab,))
-            token = self._sample_constrained(slot, logits)
-        else:
-            token = llama_cpp.llama_sampler_sample(slot.chain, self.ctx, slot.row)
+        if logits is None and slot.chain.wants_logits:
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, slot.row),
+                                           shape=(self.n_vocab,))
+        token = slot.chain.sample(self.ctx, slot.row, logits)
         if saved is not None:
             logits[self.eog_tokens] = saved
         slot.row = -1
@@ -491,29 +361,6 @@ class LlamaEngine:
         llama_cpp.llama_batch_free(self.batch)
         llama_cpp.llama_free(self.ctx)
         llama_cpp.llama_model_free(self.model)
-
-
-@contextlib.contextmanager
-def llama_loads_like_workers():
-    """For llama-cpp-python's own `Llama` in this process (the tests' reference, the
-    bench's in-process target): load weights as workers do on this machine, without
-    extra buffer types where they crash (`Llama` has no option for it)."""
-    if extra_buffers_work():
-        yield
-        return
-    import llama_cpp.llama_cpp as bindings        # the module `Llama` calls into
-    original = bindings.llama_model_default_params
-
-    def without_extra_buffers():
-        params = original()
-        params.use_extra_bufts = False
-        return params
-
-    bindings.llama_model_default_params = without_extra_buffers
-    try:
-        yield
-    finally:
-        bindings.llama_model_default_params = original
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -8,17 +8,17 @@ slot.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 from collections import deque
 from typing import Callable
 
-import zmq
 
-from dispatcher import config, protocol as P
+from dispatcher import protocol as P
 from workers.errors import EngineError, InvalidInput
+from workers.publisher import FaultInjection, Publisher
+from workers.interface import Engine
 from workers.requests import (Active, LogprobLedger, prompt_text, prompt_tokens,
                               token_text)
 from workers.sampling import SamplingParams
@@ -27,75 +27,8 @@ from workers.textstream import TextAssembler
 log = logging.getLogger(__name__)
 
 
-class Publisher:
-    """Publishes stream events on an XPUB socket, once the topic's subscriber is there.
-
-    XPUB hands us the subscriptions forwarded by the dispatcher's proxy, so before the
-    first event for a front end we can wait until its subscription has arrived instead
-    of losing messages to the slow-joiner race.
-    """
-
-    def __init__(self, sock: zmq.Socket):
-        self.sock = sock
-        self.topics: set[bytes] = set()
-
-    def _read_subscriptions(self, timeout_ms: int) -> None:
-        while self.sock.poll(timeout_ms, zmq.POLLIN):
-            msg = self.sock.recv()
-            if msg[:1] == b"\x01":
-                self.topics.add(msg[1:])
-            elif msg[:1] == b"\x00":
-                self.topics.discard(msg[1:])
-            timeout_ms = 0
-
-    def publish(self, topic: bytes, request_id: str, event: dict) -> None:
-        self._read_subscriptions(0)
-        if topic not in self.topics:
-            deadline = time.monotonic() + config.SUBSCRIPTION_WAIT
-            while topic not in self.topics and time.monotonic() < deadline:
-                self._read_subscriptions(50)
-            if topic not in self.topics:
-                log.warning("front end %r has not subscribed; publishing anyway", topic)
-        self.sock.send_multipart(P.encode_event(topic, request_id, event))
-
-
-class FaultInjection:
-    """Test hooks. Lost stream events, to show that a front end turns the loss into an
-    error: COMPLETIONS_FAULT_DROP_EVENT=N drops every request's event with sequence number
-    N; COMPLETIONS_FAULT_DROP_END=1 drops every `end` event. A failure inside one request,
-    to show that it ends that request alone: COMPLETIONS_FAULT_RAISE=PHASE:MARKER raises
-    in PHASE (admit, token, finish) for requests whose prompt contains MARKER (several
-    PHASE:MARKER pairs separated by commas)."""
-
-    PHASES = ("admit", "token", "finish")
-
-    def __init__(self, drop_seq: int | None = None, drop_end: bool = False,
-                 raises: dict[str, str] | None = None):
-        self.drop_seq, self.drop_end = drop_seq, drop_end
-        self.raises = raises or {}              # phase -> marker
-
-    @classmethod
-    def from_env(cls) -> "FaultInjection":
-        seq = os.environ.get("COMPLETIONS_FAULT_DROP_EVENT")
-        raises = {}
-        for spec in os.environ.get("COMPLETIONS_FAULT_RAISE", "").split(","):
-            phase, _, marker = spec.strip().partition(":")
-            if phase in cls.PHASES and marker:
-                raises[phase] = marker
-        return cls(int(seq) if seq else None,
-                   os.environ.get("COMPLETIONS_FAULT_DROP_END") == "1", raises)
-
-    def drops(self, event: dict) -> bool:
-        return event["s"] == self.drop_seq or (self.drop_end and event["e"] == P.EV_END)
-
-    def check(self, phase: str, prompt) -> None:
-        marker = self.raises.get(phase)
-        if marker and marker in str(prompt):
-            raise RuntimeError(f"fault injection: failing in {phase}")
-
-
 class GenerationLoop:
-    def __init__(self, engine, publisher: Publisher,
+    def __init__(self, engine: Engine, publisher: Publisher,
                  notify: Callable[[bytes, str, dict | None], None],
                  identity: dict | None = None):
         self.engine = engine
@@ -408,18 +341,19 @@ class GenerationLoop:
 
 
 class _Stopping(EngineError):
-    status, type, code = 503, "server_error", "worker_stopping"
+    """The worker is shutting down with this request's text already out."""
 
 
 def _error_of(exc: Exception) -> dict:
+    """The `error` event for a request that failed with `exc`."""
     if isinstance(exc, InvalidInput):
-        return {"e": P.EV_ERROR, "status": 400, "type": "invalid_request_error",
-                "code": exc.code, "message": str(exc), "param": exc.param}
-    if isinstance(exc, _Stopping):
-        return {"e": P.EV_ERROR, "status": exc.status, "type": exc.type, "code": exc.code,
-                "message": str(exc)}
-    # Anything else (the engine refused, or a bug met odd content): this request failed,
-    # the worker did not (SIE's "generation failed").
-    detail = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
-    return {"e": P.EV_ERROR, "status": 500, "type": "server_error",
-            "code": "generation_failed", "message": f"generation failed: {detail}"}
+        error = P.WireError(400, exc.code, str(exc), exc.param)
+    elif isinstance(exc, _Stopping):
+        error = P.WireError(503, "worker_stopping", str(exc))
+    else:
+        # Anything else (the engine refused, or a bug met odd content): this request
+        # failed, the worker did not (SIE's "generation failed").
+        detail = str(exc) if isinstance(exc, EngineError) else \
+            f"{type(exc).__name__}: {exc}"
+        error = P.WireError(500, "generation_failed", f"generation failed: {detail}")
+    return error.event()

@@ -13,6 +13,7 @@ CPU kernels: slower, never crashing) and say so in their log.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -90,3 +91,26 @@ def extra_buffers_work() -> bool:
     except OSError:
         pass
     return works
+
+
+@contextlib.contextmanager
+def llama_loads_like_workers():
+    """For llama-cpp-python's own `Llama` in this process (the tests' reference, the
+    bench's in-process target): load weights as workers do on this machine, without
+    extra buffer types where they crash (`Llama` has no option for it)."""
+    if extra_buffers_work():
+        yield
+        return
+    import llama_cpp.llama_cpp as bindings        # the module `Llama` calls into
+    original = bindings.llama_model_default_params
+
+    def without_extra_buffers():
+        params = original()
+        params.use_extra_bufts = False
+        return params
+
+    bindings.llama_model_default_params = without_extra_buffers
+    try:
+        yield
+    finally:
+        bindings.llama_model_default_params = original

@@ -1,7 +1,12 @@
 """Per-request sampling settings, as the engines take them."""
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from workers.errors import EngineError, InvalidInput
 
 RANDOM_SEED = 0xFFFFFFFF     # llama.cpp's LLAMA_DEFAULT_SEED: draw a random seed
 
@@ -61,3 +66,158 @@ class TokenOut:
     prompt: list[tuple[int, float, list]] | None = None   # echo: (token, logprob, top) per
                                                           # prompt token after the first
     error: Exception | None = None   # sampling this slot failed: its request fails alone
+
+
+class Candidates:
+    """Buffers for a whole-vocabulary `llama_token_data_array` (id, logit, p), reused by
+    every slot of an engine, and a one-token array for grammar checks."""
+
+    def __init__(self, lib, n_vocab: int):
+        self.lib, self.n_vocab = lib, n_vocab
+        self.data = np.zeros(n_vocab, dtype=np.dtype(
+            [("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True))
+        assert self.data.dtype.itemsize == ctypes.sizeof(lib.llama_token_data)
+        self.ids = np.arange(n_vocab, dtype=np.int32)
+        self.pointer = self.data.ctypes.data_as(ctypes.POINTER(lib.llama_token_data))
+        self.array = lib.llama_token_data_array()
+        self.one = (lib.llama_token_data * 1)()
+        self.one_array = lib.llama_token_data_array(
+            ctypes.cast(self.one, ctypes.POINTER(lib.llama_token_data)), 1, -1, False)
+
+    def whole(self, logits):
+        """The whole vocabulary over `logits` (p = 0, nothing selected)."""
+        self.data["id"] = self.ids
+        self.data["logit"] = logits
+        self.data["p"] = 0.0
+        array = self.array
+        array.data, array.size, array.selected, array.sorted = \
+            self.pointer, self.n_vocab, -1, False
+        return ctypes.byref(array)
+
+    def single(self, token: int):
+        one = self.one_array
+        one.data[0].id, one.data[0].logit, one.data[0].p = token, 1.0, 0.0
+        one.size, one.selected, one.sorted = 1, -1, False
+        return ctypes.byref(one)
+
+
+class SamplerChain:
+    """One sequence's samplers, built from its `SamplingParams`: penalties → logit bias →
+    greedy | mirostat | top-k, typical, top-p, min-p, temperature, dist (llama.cpp's common
+    sampler order), and the grammar sampler kept out of the chain.
+
+    `lib` is llama-cpp-python's module, handed over by the engine (the one importer of
+    llama_cpp, after the worker is pinned). The grammar is checked against the token the
+    chain picks and applied to the whole vocabulary only when it rejects that token, as
+    llama.cpp's own `common_sampler_sample` does: the output is exactly what the grammar
+    allows, and a grammar stream costs about what a plain one does while the model follows
+    it by itself (applying it to all candidates every step made a plain stream beside it
+    5× slower). A token the grammar rejects is never accepted into it (that throws inside
+    llama.cpp).
+    """
+
+    def __init__(self, lib, vocab, n_vocab: int, n_ctx: int, p: SamplingParams,
+                 candidates: Candidates):
+        self.lib, self.candidates = lib, candidates
+        self.grammar = None
+        bare_greedy = p.greedy and not p.penalized and not p.logit_bias
+        self.plain_greedy = bare_greedy and p.grammar is None   # argmax is the whole chain
+        self.bare_greedy = bare_greedy                  # ... apart from a grammar
+        samplers = []
+        if p.penalized:
+            # The window is a ring buffer of this many tokens: never more than a sequence
+            # can hold, whatever the client asked for.
+            last_n = n_ctx if p.repeat_last_n < 0 else min(p.repeat_last_n, n_ctx)
+            samplers.append(lib.llama_sampler_init_penalties(
+                n_vocab, last_n, p.repetition_penalty, p.frequency_penalty,
+                p.presence_penalty))
+        if p.logit_bias:
+            bad = [t for t in p.logit_bias if not 0 <= t < n_vocab]
+            if bad:
+                self._free_all(samplers)
+                raise InvalidInput(f"token ids {bad[:5]} are outside the vocabulary "
+                                   f"(0..{n_vocab - 1})", param="logit_bias")
+            biases = (lib.llama_logit_bias * len(p.logit_bias))(
+                *[lib.llama_logit_bias(t, b) for t, b in p.logit_bias.items()])
+            samplers.append(lib.llama_sampler_init_logit_bias(
+                n_vocab, len(p.logit_bias), biases))
+        if p.grammar is not None:
+            self.grammar = lib.llama_sampler_init_grammar(vocab, p.grammar.encode(), b"root")
+            if not self.grammar:
+                self._free_all(samplers)
+                raise InvalidInput("the grammar does not parse (GBNF with a 'root' rule)",
+                                   param="grammar")
+        if p.greedy:
+            samplers.append(lib.llama_sampler_init_greedy())
+        elif p.mirostat:
+            samplers.append(lib.llama_sampler_init_temp(p.temperature))
+            if p.mirostat == 1:
+                samplers.append(lib.llama_sampler_init_mirostat(
+                    n_vocab, p.seed32, p.mirostat_tau, p.mirostat_eta, 100))
+            else:
+                samplers.append(lib.llama_sampler_init_mirostat_v2(
+                    p.seed32, p.mirostat_tau, p.mirostat_eta))
+        else:
+            if p.top_k > 0:
+                samplers.append(lib.llama_sampler_init_top_k(p.top_k))
+            if p.typical_p < 1.0:
+                samplers.append(lib.llama_sampler_init_typical(p.typical_p, 1))
+            if p.top_p < 1.0:
+                samplers.append(lib.llama_sampler_init_top_p(p.top_p, 1))
+            if p.min_p > 0.0:
+                samplers.append(lib.llama_sampler_init_min_p(p.min_p, 1))
+            samplers.append(lib.llama_sampler_init_temp(p.temperature))
+            samplers.append(lib.llama_sampler_init_dist(p.seed32))
+        self.chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        for sampler in samplers:
+            lib.llama_sampler_chain_add(self.chain, sampler)   # the chain owns it now
+
+    def _free_all(self, samplers) -> None:
+        for sampler in samplers:
+            self.lib.llama_sampler_free(sampler)
+
+    @property
+    def wants_logits(self) -> bool:
+        """Whether `sample` needs the logits row as an array (else it reads the context)."""
+        return self.plain_greedy or self.grammar is not None
+
+    def sample(self, ctx, row: int, logits) -> int:
+        """The next token from batch row `row` (`logits`: that row, possibly with banned
+        tokens, when `wants_logits`), accepted into the samplers' state."""
+        if self.plain_greedy:
+            # argmax is all a bare greedy chain does; numpy skips copying 262k candidates
+            return int(logits.argmax())
+        if self.grammar is None:
+            return self.lib.llama_sampler_sample(self.chain, ctx, row)   # accepts too
+        lib, candidates = self.lib, self.candidates
+        if self.bare_greedy:          # the chain is an argmax: no candidate array needed
+            token = int(logits.argmax())
+        else:
+            token = self._pick(candidates.whole(logits))
+        if not self._allows(token):
+            array = candidates.whole(logits)
+            lib.llama_sampler_apply(self.grammar, array)
+            token = self._pick(array)
+            if not self._allows(token):
+                raise EngineError("the grammar allows no token here")
+        lib.llama_sampler_accept(self.grammar, token)
+        lib.llama_sampler_accept(self.chain, token)
+        return token
+
+    def _allows(self, token: int) -> bool:
+        one = self.candidates.single(token)
+        self.lib.llama_sampler_apply(self.grammar, one)
+        return self.candidates.one[0].logit != float("-inf")
+
+    def _pick(self, array_ref) -> int:
+        self.lib.llama_sampler_apply(self.chain, array_ref)
+        array = self.candidates.array
+        if not 0 <= array.selected < array.size:
+            raise EngineError("the sampler chain selected no token")
+        return int(array.data[array.selected].id)
+
+    def free(self) -> None:
+        self.lib.llama_sampler_free(self.chain)
+        if self.grammar is not None:
+            self.lib.llama_sampler_free(self.grammar)
+            self.grammar = None

@@ -20,7 +20,8 @@ from dispatcher import config, configfile, protocol as P
 from dispatcher.devices import parse_device
 from dispatcher.models import default_model_id, resolve_model_path
 from workers.errors import EngineError
-from workers.generation import GenerationLoop, Publisher
+from workers.generation import GenerationLoop
+from workers.publisher import Publisher
 from workers.pinning import pin
 
 log = logging.getLogger("workers")
@@ -61,7 +62,7 @@ class DispatcherLink(threading.Thread):
         poller.register(dealer, zmq.POLLIN)
         poller.register(notify, zmq.POLLIN)
         interval = config.HEARTBEAT_INTERVAL
-        expires = time.monotonic() + interval * config.HEARTBEAT_LIVENESS
+        expires = time.monotonic() + config.HEARTBEAT_EXPIRY
         next_beat = time.monotonic() + interval
         reconnect_delay = interval
         while not self.stopping.is_set():
@@ -69,7 +70,7 @@ class DispatcherLink(threading.Thread):
             now = time.monotonic()
             if dealer in ready:
                 while dealer.poll(0, zmq.POLLIN):
-                    expires = now + interval * config.HEARTBEAT_LIVENESS
+                    expires = now + config.HEARTBEAT_EXPIRY
                     reconnect_delay = interval
                     if not self._handle(dealer):
                         expires = 0.0           # told to reconnect
@@ -88,7 +89,7 @@ class DispatcherLink(threading.Thread):
                 reconnect_delay = min(reconnect_delay * 2, RECONNECT_MAX)
                 dealer = self._connect()
                 poller.register(dealer, zmq.POLLIN)
-                expires = time.monotonic() + interval * config.HEARTBEAT_LIVENESS
+                expires = time.monotonic() + config.HEARTBEAT_EXPIRY
         while notify.poll(0, zmq.POLLIN):
             dealer.send_multipart(notify.recv_multipart())
         dealer.send_multipart(P.encode(P.DISCONNECT))
@@ -112,16 +113,10 @@ class DispatcherLink(threading.Thread):
         return True
 
 
-def _config(argv: list[str] | None) -> dict:
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config", default=config.env_value(config.OPTIONS["config"]))
-    return configfile.read(pre.parse_known_args(argv)[0].config)
-
-
-def _from_config_file(args, spec):
+def _from_config_file(args, spec, file_data: dict):
     """This device's [[workers]] entry: its model, profile, name and sizes, unless a flag
     or variable gave them."""
-    data = configfile.worker_entry(configfile.read(args.config), str(spec))
+    data = configfile.worker_entry(file_data, str(spec))
     args._device_explicit = False
     worker = configfile.plan(data, args, resolve_model_path, default_model_id).workers[0]
     if not getattr(args, "_model_explicit", False):
@@ -153,6 +148,7 @@ def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: i
 
 
 def main(argv: list[str] | None = None) -> int:
+    file_data = configfile.read_for(argv)          # the config file, read once
     parser = argparse.ArgumentParser(
         prog="python -m workers",
         description="Run one worker: pin it to a device, load the model, serve the "
@@ -160,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                     "supplies its model, profile and sizes; flags override them.")
     config.add_options(parser, ["config", "dispatcher", "device", "model", "model_id", "nctx",
                                 "ngl", "slots", "deterministic", "engine", "name",
-                                "log_level"], configfile.server_defaults(_config(argv)))
+                                "log_level"], configfile.server_defaults(file_data))
     args = config.resolve_repeats(parser.parse_args(argv))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
@@ -172,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = parse_device(args.device[0])
         endpoints = P.Endpoints.from_base(args.dispatcher)
         if args.config:
-            spec, args = _from_config_file(args, spec)
+            spec, args = _from_config_file(args, spec, file_data)
     except (ValueError, configfile.ConfigError) as exc:
         parser.error(str(exc))
     if os.environ.get("COMPLETIONS_PARENT_PID"):
@@ -206,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
     context = zmq.Context()
     xpub = context.socket(zmq.XPUB)
-    xpub.setsockopt(zmq.SNDHWM, 100_000)
+    xpub.setsockopt(zmq.SNDHWM, config.TOKEN_HWM)
     xpub.setsockopt(zmq.LINGER, 2000)
     xpub.connect(endpoints.tokens_in)
     notify_address = f"inproc://notify-{os.getpid()}"

@@ -1,6 +1,7 @@
-"""The ops side of `python -m dispatcher`: status, drain, resume, restart, reload,
-check-config. Each talks to a running dispatcher over its control socket (or, for
-check-config, only reads the configuration) and prints a table, or JSON with --json."""
+"""The ops client of `python -m dispatcher` (a client only: the server's side of these
+commands is `dispatcher.operations`): status, drain, resume, restart, reload. Each talks
+to a running dispatcher over its control socket and prints a table, or JSON with --json.
+"""
 from __future__ import annotations
 
 import json

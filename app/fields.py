@@ -1,0 +1,188 @@
+"""marshmallow fields for JSON as OpenAI's API reads it: strict numbers, booleans and
+strings (no coercion), and the compound fields of the completion request (prompt forms,
+stop strings, logit bias), with the limits they enforce."""
+from __future__ import annotations
+
+import math
+import numbers
+
+from marshmallow import fields
+
+MAX_STOP_STRINGS = 256
+MAX_STOP_LENGTH = 512
+MAX_PROMPTS = 64
+MAX_CHOICES = 128
+MAX_LOGPROBS = 5
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+INT_MAX = 2 ** 31 - 1      # token counts and the like: anything larger is a mistake
+COMPUTE_KINDS = ("cpu", "gpu", "npu", "hybrid")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+class StrictFloat(fields.Field):
+    """A JSON number (not a string, not a boolean), finite, as a float."""
+
+    default_error_messages = {"invalid": "Must be a number."}
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise self.make_error("invalid")
+        value = float(value)
+        if not math.isfinite(value):
+            raise self.make_error("invalid")
+        return value
+
+
+class StrictInteger(fields.Field):
+    """A JSON integer (not a string, not a boolean, not 1.5)."""
+
+    default_error_messages = {"invalid": "Must be an integer."}
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, float) and value.is_integer() and not isinstance(value, bool):
+            value = int(value)
+        if not _is_int(value):
+            raise self.make_error("invalid")
+        return int(value)
+
+
+class _ExactType(fields.Field):
+    """A JSON value of exactly `json_type`, no coercion."""
+
+    json_type: type = object
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if not isinstance(value, self.json_type):
+            raise self.make_error("invalid")
+        return value
+
+
+class StrictBoolean(_ExactType):
+    """A JSON true or false."""
+
+    json_type = bool
+    default_error_messages = {"invalid": "Must be true or false."}
+
+
+class StrictString(_ExactType):
+    """A JSON string."""
+
+    json_type = str
+    default_error_messages = {"invalid": "Must be a string."}
+
+
+class JSONObject(_ExactType):
+    """Any JSON object."""
+
+    json_type = dict
+    default_error_messages = {"invalid": "Must be a JSON object."}
+
+
+class PromptField(fields.Field):
+    """OpenAI's and llama.cpp's prompt forms, as a list of prompts.
+
+    A string; an array of strings (a batch); an array of token ids; an array of
+    token-id arrays (a batch); llama.cpp's mix of ids and strings `[12, "text", 34]`
+    (one prompt), also as batch elements. Each prompt comes out as a string or as a
+    list of ints and strings.
+    """
+
+    default_error_messages = {
+        "invalid": "Must be a string, an array of strings, an array of token ids, or an "
+                   "array of such arrays.",
+        "empty": "Must not be empty.",
+        "too_many": f"At most {MAX_PROMPTS} prompts in one request.",
+        "negative": "Token ids are not negative.",
+    }
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, str):
+            prompts = [value]
+        elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            prompts = list(value)
+        elif isinstance(value, list) and value and any(_is_int(v) for v in value):
+            prompts = [value]                    # token ids, maybe mixed with text
+        elif isinstance(value, list) and value and all(isinstance(v, (list, str))
+                                                       for v in value):
+            prompts = list(value)
+        elif value == []:
+            raise self.make_error("empty")
+        else:
+            raise self.make_error("invalid")
+        if len(prompts) > MAX_PROMPTS:
+            raise self.make_error("too_many")
+        return [self._one(p) for p in prompts]
+
+    def _one(self, prompt):
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise self.make_error("empty")
+            return prompt
+        if not prompt or all(isinstance(p, str) and p == "" for p in prompt):
+            raise self.make_error("empty")
+        for part in prompt:
+            if _is_int(part):
+                if part < 0:
+                    raise self.make_error("negative")
+            elif not isinstance(part, str):
+                raise self.make_error("invalid")
+        return [int(p) if _is_int(p) else p for p in prompt]
+
+
+class StopField(fields.Field):
+    """A string or an array of strings; empty strings are ignored."""
+
+    default_error_messages = {
+        "invalid": "Must be a string or an array of strings.",
+        "too_many": f"At most {MAX_STOP_STRINGS} stop strings.",
+        "too_long": f"A stop string is at most {MAX_STOP_LENGTH} characters.",
+    }
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise self.make_error("invalid")
+        value = [s for s in value if s]
+        if len(value) > MAX_STOP_STRINGS:
+            raise self.make_error("too_many")
+        if any(len(s) > MAX_STOP_LENGTH for s in value):
+            raise self.make_error("too_long")
+        return list(dict.fromkeys(value))
+
+
+class LogitBiasField(fields.Field):
+    """OpenAI's `{"token id": bias}` or llama.cpp's `[[id, bias], ...]`; bias -100..100,
+    or `false` (llama.cpp: never this token)."""
+
+    default_error_messages = {
+        "invalid": "Must map token ids to numbers from -100 to 100.",
+        "too_many": "At most 1024 biased tokens.",
+    }
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, dict):
+            pairs = list(value.items())
+        elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2
+                                             for p in value):
+            pairs = [tuple(p) for p in value]
+        else:
+            raise self.make_error("invalid")
+        if len(pairs) > 1024:
+            raise self.make_error("too_many")
+        out: dict[str, float] = {}
+        for token, bias in pairs:
+            if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+                token = int(token)
+            if not _is_int(token) or token < 0:
+                raise self.make_error("invalid")
+            if bias is False:
+                bias = -100.0
+            if isinstance(bias, bool) or not isinstance(bias, numbers.Real) \
+                    or not math.isfinite(bias) or not -100 <= bias <= 100:
+                raise self.make_error("invalid")
+            out[str(token)] = float(bias)
+        return out

@@ -1,0 +1,164 @@
+"""What a request must be before anything is queued: strict JSON, Unicode text, a valid
+body (the marshmallow schemas), a served model, a route some worker can meet, sizes
+within the limits. Shared by every route that takes a body."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from flask import current_app, request
+from marshmallow import Schema, ValidationError
+
+from app.errors import (InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable,
+                        UnsupportedMediaType)
+from app.schemas import CompletionRequestSchema, first_error, normalize
+from dispatcher.routing import explain_unfit, fits
+
+_schema = CompletionRequestSchema()
+PROFILE_HEADER = "X-SIE-MACHINE-PROFILE"
+TIMEOUT_HEADER = "X-Request-Timeout"  # seconds the request may wait in the queue
+SESSION_HEADER = "X-Session-Id"     # a new request of a session supersedes the older ones
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_body() -> object:
+    """The body as strict JSON (no NaN/Infinity), any JSON content type or none at all."""
+    mimetype = request.mimetype
+    if mimetype and mimetype != "application/json" and not mimetype.endswith("+json"):
+        raise UnsupportedMediaType(f"Content-Type must be application/json, not {mimetype}")
+    raw = request.get_data(cache=False)
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise InvalidRequest("The request body is not valid UTF-8.", code="invalid_json")
+    except RecursionError:
+        raise InvalidRequest("The request body is nested too deeply.", code="invalid_json")
+    except ValueError as exc:
+        raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json")
+    check_encodable(body)
+    return body
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def unencodable_field(body: object) -> tuple[str, str] | None:
+    """(top-level field, path) of the first string, object keys included, that is not
+    Unicode text: a lone UTF-16 surrogate (`"\\ud800"`) is valid JSON but cannot be
+    encoded as UTF-8, so it must never reach a tokenizer or a grammar parser."""
+    stack: list[tuple[object, list]] = [(body, [])]
+    while stack:                                  # iterative: any nesting json accepts
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _encodable(value):
+                return _path_text(path[:1]), _path_text(path)
+        elif isinstance(value, dict):
+            for key, item in reversed(list(value.items())):
+                if not _encodable(key):
+                    return _path_text((path + [key])[:1]), _path_text(path + [key])
+                stack.append((item, path + [key]))
+        elif isinstance(value, list):
+            stack.extend((item, path + [i]) for i, item in reversed(list(enumerate(value))))
+    return None
+
+
+def _path_text(path: list) -> str:
+    text = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") or "_body"
+
+
+def check_encodable(body: object) -> None:
+    found = unencodable_field(body)
+    if found is not None:
+        param, where = found
+        raise InvalidRequest(f"Invalid value for '{where}': the text contains a lone UTF-16 "
+                             "surrogate (\\ud800-\\udfff), which is not a Unicode "
+                             "character and cannot be encoded as UTF-8.", param=param,
+                             code="invalid_unicode")
+
+
+def validate(body: object, schema: Schema = _schema) -> dict:
+    try:
+        data = schema.load(body)
+    except ValidationError as exc:
+        param, message = first_error(exc.messages)
+        if message == "Unknown field.":
+            text = f"Unrecognized request argument supplied: {param}"
+        else:
+            text = f"Invalid value for '{param}': {message}" if param else message
+        raise InvalidRequest(text, param=param, code="invalid_value") from None
+    return normalize(schema, data, body) if schema is _schema else data
+
+
+def resolve_model(requested: str | None, state: dict | None) -> str:
+    """The model id to serve, or 404 (unknown) / 503 (known, nothing ready / no dispatcher)."""
+    if state is None:
+        raise ServiceUnavailable("the dispatcher is unreachable")
+    models = state.get("models", {})
+    if not models:
+        raise ServiceUnavailable("no worker is ready yet", code="no_worker_ready")
+    if requested is None:
+        if len(models) != 1:
+            raise InvalidRequest("'model' is required: this server has "
+                                 f"{len(models)} models", param="model")
+        requested = next(iter(models))
+    if requested not in models:
+        raise NotFound(f"The model '{requested}' does not exist. Served: "
+                       + ", ".join(sorted(models)), param="model", code="model_not_found")
+    if not models[requested].get("ready"):
+        raise ServiceUnavailable(f"no worker for '{requested}' is ready yet",
+                                 code="no_worker_ready")
+    return requested
+
+
+def check_route(job: dict, state: dict) -> None:
+    """400 naming what is available when no worker could ever run the job (the dispatcher
+    checks again; this answers before anything is queued)."""
+    workers = state.get("workers", [])
+    if any(fits(job, w) for w in workers) or len(workers) < state.get("expected_workers", 0):
+        return
+    param, code, message = explain_unfit(job, workers)
+    raise InvalidRequest(message, param=param, code=code)
+
+
+def queue_timeout() -> float | None:
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 86400 or value != value:
+        raise InvalidRequest(f"{TIMEOUT_HEADER} must be a number of seconds, more than 0 "
+                             "and at most 86400", param=TIMEOUT_HEADER)
+    return value
+
+
+def session_of(req) -> str | None:
+    """The X-Session-Id, scoped by API key: with keys configured, one key's clients can
+    never supersede (cancel) another key's requests by sending the same value."""
+    session = req.headers.get(SESSION_HEADER) or None
+    if session is None or not current_app.config.get("API_KEYS_ENABLED"):
+        return session
+    _, _, token = req.headers.get("Authorization", "").partition(" ")
+    scope = hashlib.sha256(token.strip().encode()).hexdigest()[:16]
+    return f"{scope}:{session}"
+
+
+def check_prompt_size(req: dict) -> None:
+    size = sum(len(p) if isinstance(p, str) else sum(
+        len(x) if isinstance(x, str) else 1 for x in p) for p in req["prompt"])
+    size += len(req.get("suffix") or "")
+    limit = int(current_app.config["MAX_PROMPT_CHARS"])
+    if size > limit:
+        raise PayloadTooLarge(f"the prompt has {size} characters; this server takes at "
+                              f"most {limit}", param="prompt", code="prompt_too_large")

@@ -1,0 +1,101 @@
+"""The answer's shape: choices assembled from the jobs' events (OpenAI's numbering,
+best_of selection, usage over every job), whole or as SSE chunks."""
+from __future__ import annotations
+
+from app import sse
+from dispatcher import protocol as P
+
+
+class Result:
+    """Choices assembled from the jobs' events: OpenAI's numbering (prompt × n), best_of
+    selection by mean token logprob, usage over every job."""
+
+    def __init__(self, request_id: str, created: int, model: str, req: dict, plans):
+        self.request_id, self.created, self.model = request_id, created, model
+        self.plans = plans
+        self.n = req["n"]
+        self.want_logprobs = req.get("logprobs") is not None
+        self.include_usage = bool((req.get("stream_options") or {}).get("include_usage"))
+        self.texts = [[] for _ in plans]
+        self.logprobs = [None] * len(plans)
+        self.finish = [None] * len(plans)
+        self.scores = [0.0] * len(plans)
+        self.prompt_tokens = [0] * len(plans)
+        self.cached_tokens = [0] * len(plans)
+        self.completion_tokens = [0] * len(plans)
+        self.fingerprint = None
+
+    def index(self, job_index: int) -> int:
+        plan = self.plans[job_index]
+        return plan.prompt_index * self.n + plan.candidate
+
+    def add(self, job_index: int, event: dict) -> None:
+        kind = event["e"]
+        if kind == P.EV_START:
+            self.prompt_tokens[job_index] = event["prompt_tokens"]
+            self.cached_tokens[job_index] = event.get("cached_tokens", 0)
+            self.fingerprint = self.fingerprint or event.get("fingerprint")
+        elif kind == P.EV_TEXT:
+            self.texts[job_index].append(event["text"])
+        elif kind == P.EV_END:
+            self.finish[job_index] = event["finish_reason"]
+            self.completion_tokens[job_index] = event["usage"]["completion_tokens"]
+            self.scores[job_index] = event.get("score", 0.0)
+        if self.want_logprobs and event.get("logprobs"):
+            self.logprobs[job_index] = merge_logprobs(self.logprobs[job_index],
+                                                      event["logprobs"])
+
+    def usage(self) -> dict:
+        prompts, cached = {}, {}
+        for plan, tokens, hit in zip(self.plans, self.prompt_tokens, self.cached_tokens):
+            prompts.setdefault(plan.prompt_index, tokens)
+            cached.setdefault(plan.prompt_index, hit)
+        usage = sse.usage(sum(prompts.values()), sum(self.completion_tokens))
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(cached.values())}
+        return usage
+
+    def body(self) -> dict:
+        by_prompt: dict[int, list[int]] = {}
+        for i, plan in enumerate(self.plans):
+            by_prompt.setdefault(plan.prompt_index, []).append(i)
+        choices = []
+        for prompt_index, jobs in sorted(by_prompt.items()):
+            if len(jobs) > self.n:        # best_of: the n with the best mean logprob
+                jobs = sorted(jobs, key=lambda i: -self.scores[i])[:self.n]
+            for rank, i in enumerate(jobs):
+                choice = sse.choice("".join(self.texts[i]), self.finish[i],
+                                    prompt_index * self.n + rank)
+                choice["logprobs"] = self._logprobs(i)
+                choices.append(choice)
+        return sse.completion(self.request_id, self.created, self.model, choices,
+                              self.usage(), system_fingerprint=self.fingerprint)
+
+    def _logprobs(self, i: int) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        return self.logprobs[i] or {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                    "text_offset": []}
+
+    def chunk(self, job_index: int, event: dict, include_usage: bool) -> bytes | None:
+        kind = event["e"]
+        if kind == P.EV_TEXT:
+            choice = sse.choice(event["text"], None, self.index(job_index))
+        elif kind == P.EV_END:
+            choice = sse.choice("", event["finish_reason"], self.index(job_index))
+        else:
+            return None
+        if self.want_logprobs:
+            choice["logprobs"] = event.get("logprobs")
+        obj = sse.completion(self.request_id, self.created, self.model, [choice], None,
+                             system_fingerprint=self.fingerprint)
+        if not include_usage:
+            del obj["usage"]
+        return sse.event(obj)
+
+
+def merge_logprobs(into: dict | None, more: dict) -> dict:
+    if into is None:
+        return {key: list(values) for key, values in more.items()}
+    for key, values in more.items():
+        into[key].extend(values)
+    return into

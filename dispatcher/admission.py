@@ -1,0 +1,137 @@
+"""Admission, the front-end half of the dispatcher's core (`DispatcherCore` is an
+`Admission`): which jobs are queued, refused, superseded or cancelled.
+
+Pure state like the rest of the core: it appends the messages to send to the core's
+outbox (`_to_frontend`, `_to_worker`, `_reject`, `_fail`).
+"""
+from __future__ import annotations
+
+import logging
+
+from dispatcher import config, protocol as P
+from dispatcher.queues import Job
+from dispatcher.routing import explain_unfit, fits
+
+log = logging.getLogger("dispatcher.broker")
+
+
+class Admission:
+    def submit(self, fe_id: bytes, request_id: str, body: dict) -> None:
+        model = body.get("model")
+        models = self.models()
+        if not request_id or not isinstance(model, str):
+            return self._reject(fe_id, request_id, P.WireError(
+                400, "bad_job", "the job lacks an id or a model"))
+        if self.draining_until is not None:
+            return self._reject(fe_id, request_id, P.WireError(
+                503, "shutting_down", "the server is shutting down",
+                retry_after=config.RETRY_AFTER_SECONDS))
+        if not models:
+            return self._reject(fe_id, request_id, P.WireError(
+                503, "no_worker_ready", "no worker is ready",
+                retry_after=config.RETRY_AFTER_SECONDS))
+        if model not in models:
+            return self._reject(fe_id, request_id, P.WireError(
+                404, "model_not_found", f"The model '{model}' does not exist"))
+        infos = self.registry.infos()
+        if not any(fits(body, info) for info in infos):
+            if not models[model]["ready"] or \
+                    len(self.registry) < self.fleet.expected_workers():
+                return self._reject(fe_id, request_id, P.WireError(
+                    503, "no_worker_ready",
+                    f"no worker for '{model}' that can run this is ready",
+                    retry_after=config.RETRY_AFTER_SECONDS))
+            param, code, message = explain_unfit(body, infos)
+            return self._reject(fe_id, request_id, P.WireError(400, code, message, param))
+        self.stats["submitted"] += 1
+        job = Job(request_id, fe_id, body, enqueued_at=self.now)
+        if body.get("op"):
+            return self._run_op(job)
+        if body.get("session"):
+            self._supersede(job)
+        key = self.queue.key(job)
+        if not self._admit_unit(job) and self.queue.depth(key) >= self.max_queue:
+            self.stats["queue_full"] += 1
+            return self._reject(fe_id, request_id, P.WireError(
+                429, "queue_full", f"{self.max_queue} requests are already waiting for "
+                f"'{key[0]}'" + (f" (profile '{key[1]}')" if key[1] else ""),
+                retry_after=1))
+        timeout = body.get("timeout") or self.queue_timeout
+        if timeout:
+            job.deadline = job.enqueued_at + float(timeout)
+        fanout = int(body.get("fanout") or 1)
+        if fanout > 1 and job.parent not in self.units:
+            self.units[job.parent] = [fanout - 1, self.now]
+        self.queue.push(job)
+        self._to_frontend(fe_id, P.ACCEPTED, request_id)
+        self.dispatch()
+
+    def _admit_unit(self, job: Job) -> bool:
+        """True for a later job of a request whose first job was admitted: a request's
+        prompts × choices are admitted (or refused) as one unit, never half of them."""
+        unit = self.units.get(job.parent)
+        if unit is None:
+            return False
+        unit[0] -= 1
+        if unit[0] <= 0:
+            del self.units[job.parent]
+        return True
+
+    def _supersede(self, job: Job) -> None:
+        """A new request of a session (X-Session-Id) ends the session's older ones,
+        queued or running: an editor sends one per keystroke and wants only the last."""
+        session, parent = job.body["session"], job.body.get("parent")
+        older = self.sessions.setdefault(session, {})
+        for request_id, old in list(older.items()):
+            if old.body.get("parent") == parent:
+                continue                     # a sibling (n > 1, batch): same request
+            del older[request_id]
+            self.stats["superseded"] += 1
+            self._fail(old, P.WireError(409, "superseded",
+                                        "superseded by a newer request of the same session"))
+            if self.queue.remove(request_id) is None and old.worker is not None:
+                self._to_worker(old.worker, P.CANCEL, request_id)
+        older[job.request_id] = job
+
+    def _forget(self, job: Job) -> None:
+        session = job.body.get("session")
+        if session and session in self.sessions:
+            self.sessions[session].pop(job.request_id, None)
+            if not self.sessions[session]:
+                del self.sessions[session]
+
+    def _run_op(self, job: Job) -> None:
+        """Tokenize/detokenize: no queue, no slot; the least busy fitting worker."""
+        worker = self.registry.pick(job.body)
+        self._to_frontend(job.frontend, P.ACCEPTED, job.request_id)
+        if worker is None:
+            return self._fail(job, P.WireError(503, "no_worker_ready",
+                                               "no worker could take the request"))
+        body = {**job.body, "topic": job.frontend.decode(), "attempt": job.attempt}
+        self._to_worker(worker.identity, P.REQUEST, job.request_id, body)
+        job.worker = worker.identity
+        worker.ops[job.request_id] = job
+
+    def cancel(self, request_id: str) -> None:
+        job = self.queue.remove(request_id)
+        if job is not None:
+            self.stats["cancelled"] += 1
+            self._forget(job)
+            return
+        for record in self.registry.workers.values():
+            if request_id in record.running or request_id in record.ops:
+                self._to_worker(record.identity, P.CANCEL, request_id)
+                return
+
+    def frontend_lost(self, fe_id: bytes) -> None:
+        """A front end stopped heartbeating: its clients are gone with it."""
+        self.frontends.pop(fe_id, None)
+        for job in list(self.queue):
+            if job.frontend == fe_id:
+                self.cancel(job.request_id)
+        for record in self.registry.workers.values():
+            for job in list(record.running.values()):
+                if job.frontend == fe_id:
+                    self._to_worker(record.identity, P.CANCEL, job.request_id)
+        log.warning("front end %s stopped heartbeating", fe_id.decode(errors="replace"))
+

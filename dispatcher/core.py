@@ -1,0 +1,361 @@
+"""The dispatcher's core: every decision, no sockets, no processes, no clock of its own.
+
+Messages go in (`frontend_message`, `worker_message`, `worker_exited`, `send_failed`),
+time goes in (`tick(now)`), and each call returns the messages to send (`Send`). The
+broker (`dispatcher.broker`) owns the sockets and the poll loop and only carries these
+messages; the tests drive the core directly with messages and a fake clock.
+
+What it decides: admission (the queue's bound, counted per request; draining; unknown
+models; routes no worker can meet), superseding by session, dispatch (fair order,
+routing), heartbeats by expiry (workers and front ends), worker loss (requeue what had
+not started, fail the rest), deadlines, and when a graceful stop is complete.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+from dispatcher import config, protocol as P
+from dispatcher.admission import Admission
+from dispatcher.metrics import SystemMetrics
+from dispatcher.queues import Job, RequestQueue, WorkerRecord, WorkerRegistry
+
+log = logging.getLogger("dispatcher.broker")
+# A queued job whose model has had no ready worker for this long is turned away.
+NO_WORKER_TIMEOUT = 30.0
+# A job that never started is requeued when its worker is lost, up to this many attempts.
+MAX_ATTEMPTS = 3
+# How long the rest of an admitted request's jobs may take to arrive.
+UNIT_TIMEOUT = 60.0
+HEARTBEAT_EXPIRY = config.HEARTBEAT_EXPIRY
+
+
+@dataclass(frozen=True)
+class Send:
+    """One message for the broker to send: to a front end or a worker, by identity."""
+    to: str                     # "frontend" or "worker"
+    peer: bytes
+    cmd: bytes
+    request_id: str = ""
+    body: dict | None = None
+
+    def __repr__(self) -> str:
+        return (f"Send({self.to} {self.peer.decode(errors='replace')} "
+                f"{P.command_name(self.cmd)} {self.request_id})")
+
+
+class Fleet(Protocol):
+    """What the core needs to know of the processes a launcher started (none for a
+    dispatcher run alone)."""
+
+    def expected_workers(self) -> int: ...
+
+    def configured_models(self) -> set[str] | None: ...
+
+
+class NoFleet:
+    def expected_workers(self) -> int:
+        return 0
+
+    def configured_models(self) -> set[str] | None:
+        return None
+
+
+class DispatcherCore(Admission):
+    def __init__(self, fleet: Fleet | None = None, known_models: dict | None = None,
+                 max_queue: int = 64, queue_timeout: float = 0.0, started: float = 0.0):
+        self.fleet = fleet or NoFleet()
+        self.known_models = dict(known_models or {})
+        self.max_queue = max_queue
+        self.queue_timeout = queue_timeout
+        self.started = started                     # wall clock, for `created`
+        self.queue = RequestQueue()
+        self.registry = WorkerRegistry()
+        self.frontends: dict[bytes, dict] = {}     # id -> {"seen": t, "pid": ...}
+        self.sessions: dict[str, dict[str, Job]] = {}   # X-Session-Id -> its open jobs
+        # requests being admitted job by job: parent id -> [jobs still to come, since]
+        self.units: dict[str, list] = {}
+        self.stats = {"submitted": 0, "rejected": 0, "requeued": 0, "failed": 0,
+                      "completed": 0, "cancelled": 0, "superseded": 0, "queue_full": 0,
+                      "timed_out": 0}
+        self.metrics = SystemMetrics()
+        self.draining_until: float | None = None
+        self.stopped = False                       # a graceful stop is complete
+        self.now = 0.0
+        self._next_heartbeat = 0.0
+        self._out: list[Send] = []
+
+    # -- plumbing ----------------------------------------------------------------------
+    def pending(self) -> list[Send]:
+        """What changes made outside a message (operations: resume) have to send."""
+        return self._take()
+
+    def _take(self) -> list[Send]:
+        out, self._out = self._out, []
+        return out
+
+    def _to_frontend(self, fe_id: bytes, cmd: bytes, request_id: str = "",
+                     body: dict | None = None) -> None:
+        self._out.append(Send("frontend", fe_id, cmd, request_id, body))
+
+    def _to_worker(self, identity: bytes, cmd: bytes, request_id: str = "",
+                   body: dict | None = None) -> None:
+        self._out.append(Send("worker", identity, cmd, request_id, body))
+
+    def _reject(self, fe_id: bytes, request_id: str, error: P.WireError) -> None:
+        self.stats["rejected"] += 1
+        self._to_frontend(fe_id, P.REJECTED, request_id, error.body())
+
+    def _fail(self, job: Job, error: P.WireError) -> None:
+        self._to_frontend(job.frontend, P.FAILED, job.request_id, error.body())
+
+    # -- time --------------------------------------------------------------------------
+    def tick(self, now: float) -> list[Send]:
+        """Expiry of workers, front ends, deadlines and admissions; heartbeats; dispatch;
+        whether a graceful stop is complete."""
+        self.now = now
+        self.expire_workers(now)
+        self.expire_frontends(now)
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + config.HEARTBEAT_INTERVAL
+            for identity in list(self.registry.workers):
+                self._to_worker(identity, P.HEARTBEAT)
+        self.expire_unservable(now)
+        self.expire_deadlines(now)
+        for parent, (_, since) in list(self.units.items()):
+            if since < now - UNIT_TIMEOUT:         # its front end never sent the rest
+                del self.units[parent]
+        self.dispatch()
+        if self.draining_until is not None and (
+                now >= self.draining_until or not (len(self.queue) or self.in_flight())):
+            if now < self.draining_until:
+                log.info("drained")
+            else:
+                log.info("grace period over with %d requests in flight", self.in_flight())
+            self.stopped = True
+        return self._take()
+
+    def expire_workers(self, now: float) -> None:
+        for record in self.registry.expired(now):
+            self.worker_lost(record, "stopped answering heartbeats")
+            self._to_worker(record.identity, P.DISCONNECT)
+
+    def expire_frontends(self, now: float) -> None:
+        for fe_id, info in list(self.frontends.items()):
+            if info["seen"] < now - HEARTBEAT_EXPIRY:
+                self.frontend_lost(fe_id)
+
+    def expire_deadlines(self, now: float) -> None:
+        """Queued requests past their deadline get a 504 before they take a slot."""
+        for job in self.queue.past_deadline(now):
+            self.stats["timed_out"] += 1
+            self._forget(job)
+            waited = now - job.enqueued_at
+            self._reject(job.frontend, job.request_id, P.WireError(
+                504, "queue_timeout",
+                f"waited {waited:.1f}s in the queue, past the request's deadline"))
+
+    def expire_unservable(self, now: float) -> None:
+        for job in self.queue.expire(now - NO_WORKER_TIMEOUT, self.registry.infos()):
+            self._forget(job)
+            self._reject(job.frontend, job.request_id, P.WireError(
+                503, "no_worker_ready",
+                f"no worker for '{job.model}' became ready in {NO_WORKER_TIMEOUT:.0f}s",
+                retry_after=config.RETRY_AFTER_SECONDS))
+
+    def drain(self, grace: float, now: float) -> list[Send]:
+        """Stop admitting work (503) and stop once in-flight work is done or `grace`
+        seconds have passed."""
+        if self.draining_until is None:
+            self.draining_until = now + grace
+            log.info("draining: no new requests; waiting up to %.0fs for %d running and "
+                     "%d queued", grace, self.in_flight(), len(self.queue))
+            self.broadcast_state()
+        return self._take()
+
+    def in_flight(self) -> int:
+        return sum(len(w.running) + len(w.ops) for w in self.registry.workers.values())
+
+    # -- front ends --------------------------------------------------------------------
+    def frontend_message(self, fe_id: bytes, msg: P.Message, now: float,
+                         wall: float = 0.0) -> list[Send]:
+        self.now = now
+        info = self.frontends.setdefault(fe_id, {"since": wall})
+        info["seen"] = now
+        if msg.cmd == P.PING:
+            body = dict(msg.body)
+            delta = body.pop("metrics", None)
+            if isinstance(delta, dict):
+                self.metrics.absorb(delta)
+            info.update(body)
+            self._to_frontend(fe_id, P.STATE, body=self.state())
+        elif msg.cmd == P.SUBMIT:
+            self.submit(fe_id, msg.request_id, msg.body)
+        elif msg.cmd == P.CANCEL:
+            self.cancel(msg.request_id)
+        elif msg.cmd != P.METRICS:                 # METRICS: answered by the broker
+            log.warning("unknown command %s from front end %r", P.command_name(msg.cmd),
+                        fe_id)
+        return self._take()
+
+    # -- workers -----------------------------------------------------------------------
+    def worker_message(self, identity: bytes, msg: P.Message, now: float) -> list[Send]:
+        self.now = now
+        record = self.registry.get(identity)
+        if msg.cmd == P.READY:
+            if record is not None:
+                self.worker_lost(record, "re-registered")
+            if not isinstance(msg.body.get("model"), str):
+                log.warning("worker %r sent READY without a model", identity)
+                return self._take()
+            record = self.registry.add(identity, msg.body, now)
+            log.info("worker %s ready: %s on %s, pid %s, n_ctx %s, %s slot(s)", record.name,
+                     record.model, msg.body.get("device"), msg.body.get("pid"),
+                     msg.body.get("n_ctx"), record.slots)
+            self.broadcast_state()
+            self.dispatch()
+            return self._take()
+        if record is None:
+            # A worker we do not know (we restarted, or expired it): make it register again.
+            self._to_worker(identity, P.DISCONNECT)
+            return self._take()
+        record.refresh(now)
+        if msg.cmd == P.STARTED:
+            job = record.running.get(msg.request_id)
+            if job is not None and int(msg.body.get("attempt", 1)) == job.attempt:
+                job.started = True
+        elif msg.cmd == P.FIRST:
+            job = record.running.get(msg.request_id)
+            if job is not None:
+                job.started = job.first_token = True
+        elif msg.cmd == P.DONE:
+            self.job_done(record, msg.request_id, msg.body)
+        elif msg.cmd == P.DISCONNECT:
+            self.worker_lost(record, "disconnected")
+        elif msg.cmd != P.HEARTBEAT:
+            log.warning("unknown command %s from worker %s", P.command_name(msg.cmd),
+                        record.name)
+        return self._take()
+
+    def job_done(self, record: WorkerRecord, request_id: str, body: dict) -> None:
+        job = record.running.get(request_id) or record.ops.get(request_id)
+        if job is None or int(body.get("attempt", 1)) != job.attempt:
+            return
+        record.running.pop(request_id, None)
+        record.ops.pop(request_id, None)
+        if body.get("released"):          # a stopping worker handed it back unstarted
+            self._requeue(job)
+            self.dispatch()
+            return
+        self._forget(job)
+        usage = body.get("usage") or {}
+        record.tokens += int(usage.get("completion_tokens", 0))
+        if body.get("cancelled"):
+            record.cancelled += 1
+            self.stats["cancelled"] += 1
+        else:
+            record.completed += 1
+            self.stats["completed"] += 1
+        record.last_done = {"id": request_id, **body}
+        record.history.append((self.now, int(usage.get("completion_tokens", 0))))
+        self.metrics.job_done(record.name, str(record.info.get("device")), body)
+        self._to_frontend(job.frontend, P.FINISHED, request_id,
+                          {"attempt": job.attempt, "last_seq": body.get("last_seq")})
+        self.dispatch()
+
+    def worker_exited(self, name: str, pid: int, reason: str) -> list[Send]:
+        """The launcher saw a worker's process exit."""
+        record = self.registry.get(name.encode())
+        if record is not None and record.info.get("pid") == pid:
+            self.worker_lost(record, reason)
+            self.dispatch()
+        return self._take()
+
+    def send_failed(self, send: Send) -> list[Send]:
+        """The broker could not deliver `send` (the peer is gone or not keeping up)."""
+        if send.to == "worker":
+            record = self.registry.get(send.peer)
+            if record is not None:
+                self.worker_lost(record, "unreachable")
+                self.dispatch()
+        return self._take()
+
+    def _requeue(self, job: Job) -> None:
+        job.worker, job.started, job.first_token = None, False, False
+        job.attempt += 1
+        self.stats["requeued"] += 1
+        self.queue.push(job, front=True)
+
+    def worker_lost(self, record: WorkerRecord, reason: str) -> None:
+        """Drop a worker; requeue its jobs that had not started (they cannot be what
+        killed it), fail the others: a request that was being prefilled or generated when
+        its worker died is never handed to a second worker to kill."""
+        self.registry.remove(record.identity)
+        log.error("worker %s lost (%s) with %d request(s)", record.name, reason,
+                  len(record.running))
+        self.metrics.worker_lost(record.name, str(record.info.get("device")),
+                                 len(record.running) + len(record.ops))
+        lost = P.WireError(503, "worker_lost",
+                           f"the worker serving this request was lost ({reason})")
+        for job in record.running.values():
+            job.worker = None
+            if not job.started and job.attempt < MAX_ATTEMPTS:
+                self._requeue(job)
+            else:
+                self.stats["failed"] += 1
+                self._forget(job)
+                self._fail(job, lost)
+        for job in record.ops.values():
+            self._fail(job, lost)
+        record.running.clear()
+        record.ops.clear()
+        self.broadcast_state()
+
+    def dispatch(self) -> None:
+        """Hand queued jobs to the worker the registry chooses for each (cache affinity
+        weighed against load), requests with the fewest jobs running first, then oldest
+        first; a job no free worker fits waits without blocking the jobs behind it."""
+        if not len(self.queue) or not self.registry.with_free_slots():
+            return
+        running: dict[str, int] = {}
+        for record in self.registry.workers.values():
+            for job in record.running.values():
+                running[job.parent] = running.get(job.parent, 0) + 1
+        for job in self.queue.in_fair_order(running):
+            worker = self.registry.choose(job)
+            if worker is None:
+                continue
+            self.queue.take(job)
+            body = {**job.body, "topic": job.frontend.decode(), "attempt": job.attempt}
+            self._to_worker(worker.identity, P.REQUEST, job.request_id, body)
+            job.worker = worker.identity
+            worker.running[job.request_id] = job
+            worker.last_assigned = self.now
+            worker.remember(job)
+            if not self.registry.with_free_slots():
+                return
+
+    # -- views -------------------------------------------------------------------------
+    def models(self) -> dict[str, dict]:
+        configured = self.fleet.configured_models()    # what workers are set to load now
+        models = {m: {"ready": 0, "n_ctx": info.get("n_ctx", 0), "slots": 0, "fim": False}
+                  for m, info in self.known_models.items()
+                  if configured is None or m in configured}
+        models.update(self.registry.models())
+        for info in models.values():
+            info["created"] = int(self.started)
+        return models
+
+    def state(self) -> dict:
+        capabilities = ("model", "n_ctx", "compute", "n_gpu_layers", "profile", "fim")
+        return {"workers_ready": len(self.registry), "models": self.models(),
+                "queued": len(self.queue), "expected_workers": self.fleet.expected_workers(),
+                "draining": self.draining_until is not None,
+                "workers": [{k: info.get(k) for k in capabilities}
+                            for info in self.registry.infos()]}
+
+    def broadcast_state(self) -> None:
+        state = self.state()
+        for fe_id in list(self.frontends):
+            self._to_frontend(fe_id, P.STATE, body=state)

@@ -1,0 +1,186 @@
+"""The HTTP front end in-process, flaskr style: `create_app(test_config)` with a fake
+dispatcher client standing in for the dispatcher and the workers. Routes, validation and
+response assembly; the real stack is tested elsewhere."""
+import json
+import os
+
+import pytest
+
+from app import create_app
+from dispatcher import protocol as P
+from dispatcher.metrics import LatencyRecorder
+
+MODEL = "tiny"
+STATE = {"workers_ready": 1, "expected_workers": 1, "queued": 0, "draining": False,
+         "models": {MODEL: {"ready": 1, "n_ctx": 4096, "slots": 8, "fim": False,
+                            "created": 0}},
+         "workers": [{"model": MODEL, "n_ctx": 4096, "compute": "cpu", "n_gpu_layers": 0,
+                      "profile": None, "fim": False}]}
+
+
+class FakeStream:
+    """One job's scripted events."""
+
+    def __init__(self, events: list[dict]):
+        self.events = list(events)
+        self.closed = False
+
+    def next_event(self) -> dict:
+        return self.events.pop(0)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakeDispatcherClient:
+    """Answers every job with `script(job)`'s events; remembers the jobs."""
+
+    def __init__(self, script):
+        self.pid = os.getpid()
+        self.script = script
+        self.jobs: list[dict] = []
+        self.recorder = LatencyRecorder()
+        self.served = 0
+
+    def wait_state(self, timeout: float = 2.0) -> dict:
+        return STATE
+
+    def submit(self, job: dict) -> FakeStream:
+        self.jobs.append(job)
+        return FakeStream(self.script(job))
+
+    def client_gone(self, request_id: str) -> None:
+        pass
+
+    def metrics_snapshot(self, timeout: float = 3.0):
+        return None
+
+
+def completion(text: str, reason: str = "length", score: float = 0.0) -> list[dict]:
+    events = [{"e": P.EV_START, "prompt_tokens": 3, "cached_tokens": 1,
+               "fingerprint": "fp_test", "worker": "w0", "device": "cpu"}]
+    events += [{"e": P.EV_TEXT, "text": ch} for ch in text]
+    events.append({"e": P.EV_END, "finish_reason": reason, "score": score,
+                   "usage": {"prompt_tokens": 3, "completion_tokens": len(text)}})
+    return events
+
+
+@pytest.fixture
+def client_of():
+    def make(script):
+        app = create_app({"TESTING": True, "DISPATCHER": "ipc:///nonexistent"})
+        fake = FakeDispatcherClient(script)
+        app.extensions["dispatcher_client"] = fake
+        return app.test_client(), fake
+    return make
+
+
+@pytest.fixture
+def client(client_of):
+    return client_of(lambda job: completion("Hello"))
+
+
+def test_a_completion_is_assembled_from_the_job_events(client):
+    http, fake = client
+    response = http.post("/v1/completions", json={"prompt": "Say hi", "max_tokens": 5,
+                                                  "temperature": 0})
+    body = response.get_json()
+    assert response.status_code == 200 and response.headers["X-Request-Id"]
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert body["choices"] == [{"text": "Hello", "index": 0, "logprobs": None,
+                                "finish_reason": "length"}]
+    assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 5
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 1}
+    assert body["system_fingerprint"] == "fp_test"
+    job = fake.jobs[0]
+    assert job["model"] == MODEL and job["prompt"] == "Say hi" and job["max_tokens"] == 5
+    assert job["sampling"]["temperature"] == 0 and job["fanout"] == 1
+
+
+def test_prompts_times_choices_become_numbered_jobs(client):
+    http, fake = client
+    body = http.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2}).get_json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [(j["prompt"], j["fanout"]) for j in fake.jobs] == [("a", 4)] * 2 + [("b", 4)] * 2
+    assert len({j["id"] for j in fake.jobs}) == 4
+    assert body["usage"]["prompt_tokens"] == 6           # each prompt counted once
+
+
+def test_best_of_keeps_the_candidates_with_the_best_mean_logprob(client_of):
+    scores = iter([-3.0, -0.5, -2.0])
+    texts = iter(["bad", "best", "mid"])
+    http, fake = client_of(lambda job: completion(next(texts), score=next(scores)))
+    body = http.post("/v1/completions", json={"prompt": "p", "best_of": 3,
+                                              "n": 1}).get_json()
+    assert [c["text"] for c in body["choices"]] == ["best"]
+    assert all(j["score"] for j in fake.jobs)
+    assert body["usage"]["completion_tokens"] == 3 + 4 + 3      # discarded ones count
+
+
+def test_a_stream_is_sse_chunks_then_done(client):
+    http, _ = client
+    response = http.post("/v1/completions", json={
+        "prompt": "p", "stream": True, "stream_options": {"include_usage": True}})
+    assert response.status_code == 200 and response.mimetype == "text/event-stream"
+    frames = [f for f in response.get_data(as_text=True).split("\n\n") if f]
+    assert frames[-1] == "data: [DONE]"
+    chunks = [json.loads(f[len("data: "):]) for f in frames[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Hello"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_a_worker_error_before_any_text_is_the_status_it_carries(client_of):
+    error = P.WireError(400, "context_length_exceeded", "too long", "prompt").event()
+    http, _ = client_of(lambda job: [{**error, "s": 0}])
+    response = http.post("/v1/completions", json={"prompt": "p"})
+    assert response.status_code == 400
+    assert response.get_json()["error"] == {"message": "too long",
+                                            "type": "invalid_request_error",
+                                            "param": "prompt",
+                                            "code": "context_length_exceeded"}
+
+
+def test_an_error_after_the_stream_started_is_an_error_event(client_of):
+    failed = P.WireError(500, "generation_failed", "generation failed: x").event()
+    http, _ = client_of(lambda job: completion("Hi")[:2] + [failed])
+    response = http.post("/v1/completions", json={"prompt": "p", "stream": True})
+    frames = [f for f in response.get_data(as_text=True).split("\n\n") if f]
+    assert frames[-1] == "data: [DONE]"
+    assert json.loads(frames[-2][len("data: "):])["error"]["code"] == "generation_failed"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "p", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "p", "unknown": 1}, 400, "unknown"),
+    ({"prompt": "a\ud800"}, 400, "prompt"),
+    ({"prompt": "p", "model": "other"}, 404, "model"),
+    ({"prompt": "p", "compute": "gpu"}, 400, "compute"),
+])
+def test_bad_requests_never_reach_the_dispatcher(client, body, status, param):
+    http, fake = client
+    response = http.post("/v1/completions", data=json.dumps(body),
+                         content_type="application/json")
+    assert response.status_code == status
+    assert response.get_json()["error"]["param"] == param
+    assert fake.jobs == []
+
+
+def test_a_wrong_method_is_405_with_allow(client):
+    http, _ = client
+    response = http.get("/v1/completions")
+    assert response.status_code == 405 and response.headers["Allow"] == "OPTIONS, POST"
+    assert response.get_json()["error"]["code"] == "method_not_allowed"
+
+
+def test_models_and_health_come_from_the_dispatcher_state(client):
+    http, _ = client
+    assert [m["id"] for m in http.get("/v1/models").get_json()["data"]] == [MODEL]
+    health = http.get("/health")
+    assert health.status_code == 200 and health.get_json()["workers_ready"] == 1
+
+
+def test_tokenize_is_a_job_for_a_worker(client_of):
+    http, fake = client_of(lambda job: [{"e": P.EV_END, "s": 0, "result": {"tokens": [7]}}])
+    body = http.post("/tokenize", json={"content": "hi"}).get_json()
+    assert body == {"tokens": [7]} and fake.jobs[0]["op"] == "tokenize"

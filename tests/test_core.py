@@ -1,0 +1,151 @@
+"""The dispatcher's core, driven by messages and a fake clock: no sockets, no processes."""
+from dispatcher import protocol as P
+from dispatcher.core import HEARTBEAT_EXPIRY, DispatcherCore, Send
+
+FE = b"fe-000000000001"
+FE2 = b"fe-000000000002"
+
+
+def ready(core, name=b"w0", now=0.0, slots=2, model="m", **info):
+    return core.worker_message(name, P.Message(P.READY, "", {
+        "model": model, "slots": slots, "n_ctx": 4096, "compute": "cpu", "pid": 1,
+        **info}), now)
+
+
+def submit(core, rid, now=0.0, fe=FE, **body):
+    job = {"id": rid, "model": "m", "prompt": f"prompt of {rid}", **body}
+    return core.frontend_message(fe, P.Message(P.SUBMIT, rid, job), now)
+
+
+def from_worker(core, cmd, rid, now=0.0, name=b"w0", **body):
+    return core.worker_message(name, P.Message(cmd, rid, body), now)
+
+
+def kinds(sends: list[Send]) -> list[tuple[str, str]]:
+    return [(P.command_name(s.cmd), s.request_id) for s in sends if s.cmd != P.STATE]
+
+
+def test_a_job_is_accepted_then_sent_to_a_free_worker():
+    core = DispatcherCore()
+    ready(core)
+    assert kinds(submit(core, "a")) == [("ACCEPTED", "a"), ("REQUEST", "a")]
+    request = next(s for s in submit(core, "b") if s.cmd == P.REQUEST)
+    assert request.peer == b"w0" and request.body["topic"] == FE.decode()
+    assert kinds(submit(core, "c")) == [("ACCEPTED", "c")]           # two slots: queued
+    assert len(core.queue) == 1
+    sends = from_worker(core, P.DONE, "a", attempt=1, last_seq=3)
+    assert kinds(sends) == [("FINISHED", "a"), ("REQUEST", "c")]     # its slot, at once
+
+
+def test_admission_refuses_what_cannot_run():
+    core = DispatcherCore(max_queue=1)
+    assert submit(core, "x")[0].body["code"] == "no_worker_ready"
+    ready(core, slots=1)
+    assert submit(core, "y", model="other")[0].body["code"] == "model_not_found"
+    submit(core, "a")                                  # runs
+    submit(core, "b")                                  # queued
+    rejected = submit(core, "c")[0]
+    assert rejected.cmd == P.REJECTED and rejected.body["status"] == 429
+    assert rejected.body["type"] == "rate_limit_error" and rejected.body["retry_after"] == 1
+    sends = submit(core, "d", route={"nctx": 100000})
+    assert sends[0].body["code"] == "context_length_unavailable"
+
+
+def test_a_request_is_admitted_as_one_unit():
+    core = DispatcherCore(max_queue=1)
+    ready(core, slots=1)
+    submit(core, "busy")
+    for c in range(5):                                 # five choices of one request
+        sends = submit(core, f"r.0.{c}", parent="r", fanout=5)
+        assert kinds(sends) == [("ACCEPTED", f"r.0.{c}")]
+    assert core.queue.depth(("m", None)) == 1
+    assert submit(core, "other")[0].body["code"] == "queue_full"
+
+
+def test_a_new_request_of_a_session_supersedes_queued_and_running_ones():
+    core = DispatcherCore()
+    ready(core, slots=1)
+    submit(core, "a", session="s", parent="a")        # running
+    submit(core, "b", session="s", parent="b")        # supersedes a; queued
+    sends = submit(core, "c", session="s", parent="c")
+    failed = {s.request_id: s.body["code"] for s in sends if s.cmd == P.FAILED}
+    assert failed == {"b": "superseded"}
+    assert "b" not in [j.request_id for j in core.queue]
+    assert core.stats["superseded"] == 2
+
+
+def test_a_lost_worker_requeues_what_it_had_not_started_and_fails_the_rest():
+    core = DispatcherCore()
+    ready(core, b"w0", slots=3)
+    for rid in ("started", "generating", "waiting"):
+        submit(core, rid)
+    from_worker(core, P.STARTED, "started", attempt=1)
+    from_worker(core, P.FIRST, "generating")
+    sends = core.worker_exited("w0", 1, "killed")
+    failed = {s.request_id: s.body["code"] for s in sends if s.cmd == P.FAILED}
+    assert failed == {"started": "worker_lost", "generating": "worker_lost"}
+    assert [j.request_id for j in core.queue] == ["waiting"]
+    assert core.stats["requeued"] == 1 and core.stats["failed"] == 2
+    sends = ready(core, b"w1")
+    request = next(s for s in sends if s.cmd == P.REQUEST)
+    assert request.request_id == "waiting" and request.body["attempt"] == 2
+
+
+def test_a_stopping_worker_hands_back_what_it_had_not_started():
+    core = DispatcherCore()
+    ready(core, b"w0")
+    ready(core, b"w1")
+    submit(core, "a")
+    worker = next(n for n, r in core.registry.workers.items() if "a" in r.running)
+    sends = from_worker(core, P.DONE, "a", name=worker, attempt=1, released=True)
+    request = next(s for s in sends if s.cmd == P.REQUEST)
+    assert request.body["attempt"] == 2 and core.stats["completed"] == 0
+
+
+def test_workers_and_front_ends_expire_without_heartbeats():
+    core = DispatcherCore()
+    ready(core, now=0.0)
+    submit(core, "a", now=0.0)
+    assert kinds(core.tick(HEARTBEAT_EXPIRY - 0.1)) == [("HEARTBEAT", "")]
+    from_worker(core, P.HEARTBEAT, "", now=HEARTBEAT_EXPIRY - 0.1)
+    assert len(core.registry) == 1
+    core.frontend_message(FE, P.Message(P.PING, "", {}), 2 * HEARTBEAT_EXPIRY - 0.1)
+    sends = core.tick(2 * HEARTBEAT_EXPIRY)
+    assert len(core.registry) == 0 and ("DISCONNECT", "") in kinds(sends)
+    assert [j.request_id for j in core.queue] == ["a"]  # not started: kept for later
+    core.tick(3 * HEARTBEAT_EXPIRY)
+    assert core.frontends == {} and len(core.queue) == 0   # its front end went quiet
+
+
+def test_a_queued_job_past_its_deadline_gets_a_504():
+    core = DispatcherCore()
+    ready(core, slots=1)
+    submit(core, "a")
+    submit(core, "late", now=1.0, timeout=2.0)
+    assert kinds(core.tick(2.9)) == [("HEARTBEAT", "")]
+    sends = core.tick(3.1)
+    assert [(s.request_id, s.body["status"]) for s in sends if s.cmd == P.REJECTED] == \
+        [("late", 504)]
+
+
+def test_a_graceful_stop_waits_for_work_in_flight():
+    core = DispatcherCore()
+    ready(core)
+    submit(core, "a")
+    core.drain(30.0, now=1.0)
+    assert submit(core, "b", now=1.0)[0].body["code"] == "shutting_down"
+    core.tick(2.0)
+    assert not core.stopped
+    from_worker(core, P.DONE, "a", now=2.0, attempt=1)
+    core.tick(2.1)
+    assert core.stopped
+
+
+def test_an_undeliverable_request_requeues_it_on_another_worker():
+    core = DispatcherCore()
+    ready(core, b"w0")
+    request = next(s for s in submit(core, "a") if s.cmd == P.REQUEST)
+    ready(core, b"w1")
+    sends = core.send_failed(request)
+    retried = next(s for s in sends if s.cmd == P.REQUEST)
+    assert retried.peer != request.peer and retried.body["attempt"] == 2

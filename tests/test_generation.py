@@ -1,0 +1,113 @@
+"""The worker's generation loop in-process, on FakeEngine (a test double, not a model):
+admission, streaming, cancel, failures confined to one request, shutdown."""
+import pytest
+
+from dispatcher import protocol as P
+from workers.fake_engine import SCRIPT, FakeEngine
+from workers.generation import GenerationLoop
+from workers.publisher import FaultInjection
+
+
+class RecordingPublisher:
+    def __init__(self):
+        self.events: list[tuple[str, dict]] = []
+
+    def publish(self, topic: bytes, request_id: str, event: dict) -> None:
+        self.events.append((request_id, dict(event)))
+
+
+@pytest.fixture
+def loop():
+    engine = FakeEngine("fake.gguf", 256, 2, step_delay=0.0)
+    notices: list[tuple[str, str, dict | None]] = []
+    loop = GenerationLoop(engine, RecordingPublisher(),
+                          lambda cmd, rid, body: notices.append((P.command_name(cmd), rid,
+                                                                 body)))
+    loop.notices = notices
+    return loop
+
+
+def job(prompt="x", max_tokens=3, **extra):
+    return {"topic": "fe-000000000001", "attempt": 1, "prompt": prompt,
+            "max_tokens": max_tokens, "stop": [], "sampling": {}, **extra}
+
+
+def submit(loop, request_id, body):
+    loop.inbox.put(("job", request_id, body))
+
+
+def run(loop, steps=50):
+    """What `GenerationLoop.run` does, a bounded number of times, without blocking."""
+    for _ in range(steps):
+        loop._read_inbox(block=False)
+        loop._admit()
+        if not loop.active and not loop.waiting:
+            return
+        loop._step()
+
+
+def events_of(loop, request_id):
+    return [e for rid, e in loop.publisher.events if rid == request_id]
+
+
+def test_a_job_streams_start_text_and_end_in_sequence(loop):
+    submit(loop, "a", job(max_tokens=4))
+    run(loop)
+    events = events_of(loop, "a")
+    assert [e["e"] for e in events] == ["start", "text", "text", "text", "text", "end"]
+    assert [e["s"] for e in events] == list(range(6))
+    assert "".join(e.get("text", "") for e in events) == SCRIPT[:4].decode()
+    assert events[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 4}
+    assert [n[0] for n in loop.notices] == ["STARTED", "FIRST", "DONE"]
+    assert sorted(loop.free_slots) == [0, 1]
+
+
+def test_cancel_frees_the_slot_and_spares_the_other_request(loop):
+    submit(loop, "a", job(max_tokens=20))
+    submit(loop, "b", job(max_tokens=5))
+    loop._read_inbox(block=False)
+    loop._admit()
+    loop._step()
+    loop.inbox.put(("cancel", "a"))
+    run(loop)
+    done = {rid: body for cmd, rid, body in loop.notices if cmd == "DONE"}
+    assert done["a"]["cancelled"] and done["b"]["finish_reason"] == "length"
+    assert events_of(loop, "b")[-1]["e"] == "end"
+    assert sorted(loop.free_slots) == [0, 1]
+
+
+@pytest.mark.parametrize("phase", ["admit", "token", "finish"])
+def test_a_failure_inside_one_request_ends_it_alone(loop, phase):
+    loop.faults = FaultInjection(raises={phase: "[boom]"})
+    submit(loop, "ok", job(max_tokens=6))
+    submit(loop, "bad", job("[boom]", max_tokens=3))
+    run(loop)
+    error = events_of(loop, "bad")[-1]
+    assert error["e"] == "error" and error["status"] == 500
+    assert error["code"] == "generation_failed" and error["type"] == "server_error"
+    assert events_of(loop, "ok")[-1]["e"] == "end"
+    assert sorted(loop.free_slots) == [0, 1]
+
+
+def test_text_that_cannot_be_encoded_fails_its_request_not_the_loop(loop):
+    submit(loop, "bad", job("a\ud800b"))
+    loop.inbox.put(("job", "tok", {"topic": "fe-000000000001", "op": "tokenize",
+                                   "content": "\udfff"}))
+    submit(loop, "ok", job())
+    run(loop)
+    assert events_of(loop, "bad")[-1]["code"] == "generation_failed"
+    assert events_of(loop, "tok")[-1]["code"] == "generation_failed"
+    assert events_of(loop, "ok")[-1]["e"] == "end"
+
+
+def test_shutdown_hands_back_what_sent_no_text_and_fails_the_rest(loop):
+    submit(loop, "talking", job(max_tokens=50))
+    run(loop, steps=2)
+    submit(loop, "silent", job(max_tokens=50))
+    loop._read_inbox(block=False)
+    loop._admit()                                      # started, no text yet
+    loop.abort_all("stopping")
+    done = {rid: body for cmd, rid, body in loop.notices if cmd == "DONE"}
+    assert done["silent"]["released"] is True
+    assert events_of(loop, "talking")[-1]["code"] == "worker_stopping"
+    assert sorted(loop.free_slots) == [0, 1]

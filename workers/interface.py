@@ -1,0 +1,50 @@
+"""What the generation loop needs of an inference engine.
+
+`workers.engine.LlamaEngine` (llama.cpp through llama-cpp-python) and
+`workers.fake_engine.FakeEngine` (the test double) both implement it, so the loop
+(`workers.generation`) runs in-process on the fake in the tests.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from workers.sampling import SamplingParams, TokenOut
+
+
+class Engine(Protocol):
+    name: str                       # "llama" or "fake", reported in READY
+    fingerprint: str                # model file and build, for `system_fingerprint`
+    fim_tokens: tuple[int, int, int] | None    # (PRE, SUF, MID), None: no FIM
+    n_ctx: int                      # context per sequence, in tokens
+    n_layer: int
+
+    @property
+    def n_slots(self) -> int: ...
+
+    # vocabulary
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
+
+    def bos(self) -> list[int]: ...
+
+    def piece(self, token: int) -> bytes: ...
+
+    def is_eog(self, token: int) -> bool: ...
+
+    def check_tokens(self, tokens: list[int]) -> None: ...
+
+    def grammar_from_json_schema(self, schema: dict) -> str: ...
+
+    # sequences
+    def best_slot(self, tokens: list[int], free: list[int]) -> int: ...
+
+    def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
+            logprobs: int | None = None, prompt_logprobs: bool = False,
+            reuse: bool = True) -> int: ...
+
+    def release(self, slot_id: int, keep_cache: bool = True) -> None: ...
+
+    def clear_caches(self) -> None: ...
+
+    def step(self) -> dict[int, TokenOut]: ...
+
+    def close(self) -> None: ...
