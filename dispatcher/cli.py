@@ -16,6 +16,7 @@ from dispatcher.models import default_model_id, resolve_model_path
 from dispatcher.ctl import default_dispatcher_address, dispatcher_answers
 
 log = logging.getLogger("dispatcher")
+FRONTEND_STOP_GRACE = 3     # seconds gunicorn gets once the dispatcher has drained
 SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "device",
                  "nctx", "ngl", "slots", "deterministic", "engine", "dispatcher",
                  "log_level", "max_body", "max_prompt_chars", "max_queue", "queue_timeout",
@@ -121,7 +122,11 @@ def cmd_serve(args) -> int:
                "COMPLETIONS_API_KEY": ",".join(args.api_key),
                "COMPLETIONS_API_KEY_FILE": args.api_key_file or ""}
         supervisor.add(Child("frontend", python_module_argv(
-            "gunicorn", "-c", "python:app.gunicorn_conf"), env, kind="frontend"))
+            # The dispatcher has drained in-flight requests (--stop-grace) before the
+            # front ends are stopped: what they still hold is idle keep-alive connections,
+            # which gunicorn would otherwise wait out for its whole graceful timeout.
+            "gunicorn", "-c", "python:app.gunicorn_conf", "--graceful-timeout",
+            str(FRONTEND_STOP_GRACE)), env, kind="frontend"))
     models = ", ".join(f"{m.id} ({m.path})" for m in plan.models)
     print(f"serving {models} on http://{args.host}:{args.port} with {args.frontends} front "
           f"end(s) and {len(plan.workers)} worker(s): "

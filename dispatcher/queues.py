@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dispatcher import config
-from dispatcher.routing import affinity_allowed, fits, prompt_key, shared_prefix
+from dispatcher.routing import choose_worker, fits, prompt_key, shared_prefix
 
 
 @dataclass
@@ -171,22 +171,10 @@ class WorkerRegistry:
         return [w for w in self.workers.values() if w.expires_at < now]
 
     def choose(self, job: Job) -> WorkerRecord | None:
-        """Where a queued job should run now, among workers with a free slot that fit it:
-        the one whose recent prompts share the longest prefix with it, when that prefix is
-        worth the load difference (`routing.affinity_allowed`), otherwise the least loaded
-        (most free slots, then least recently used)."""
-        candidates = [w for w in self.workers.values()
-                      if w.free_slots > 0 and not w.draining and fits(job.body, w.info)]
-        if not candidates:
-            return None
-        key = prompt_key(job.body)
-        least_busy = min(len(w.running) for w in candidates)
-
-        def affinity(worker: WorkerRecord) -> int:
-            shared = worker.cached_prefix(key)
-            return shared if affinity_allowed(shared, len(worker.running), least_busy) else 0
-
-        return max(candidates, key=lambda w: (affinity(w), w.free_slots, -w.last_assigned))
+        """Where a queued job should run now (`routing.choose_worker`), among the workers
+        with a free slot that take work."""
+        return choose_worker(job.body, [w for w in self.workers.values()
+                                        if w.free_slots > 0 and not w.draining])
 
     def with_free_slots(self) -> list[WorkerRecord]:
         """Workers that can take a job, most free slots first (ties: least recently used)."""

@@ -38,6 +38,24 @@ def shared_prefix(a: str, b: str) -> int:
     return len(os.path.commonprefix([a, b]))
 
 
+def choose_worker(job: dict, free: list):
+    """Which of the `free` workers (WorkerRecords with a free slot) should run `job`: among
+    those that fit it, the one whose recent prompts share the longest prefix with it when
+    that prefix is worth the load difference (`affinity_allowed`), otherwise the least
+    loaded (most free slots, then least recently used). None if none fits."""
+    candidates = [w for w in free if fits(job, w.info)]
+    if not candidates:
+        return None
+    key = prompt_key(job)
+    least_busy = min(len(w.running) for w in candidates)
+
+    def affinity(worker) -> int:
+        shared = worker.cached_prefix(key)
+        return shared if affinity_allowed(shared, len(worker.running), least_busy) else 0
+
+    return max(candidates, key=lambda w: (affinity(w), w.free_slots, -w.last_assigned))
+
+
 REQUIREMENTS = ("nctx", "compute", "ngl", "profile", "suffix")
 
 

@@ -177,7 +177,7 @@ def test_one_request_cannot_keep_a_single_one_behind_all_its_choices(real_server
     done: dict[str, float] = {}
 
     def big():
-        status, _ = post(port, {"prompt": "List:", "n": 64, "max_tokens": 12,
+        status, _ = post(port, {"prompt": "List:", "n": 40, "max_tokens": 8,
                                 "ignore_eos": True})
         done["big"] = time.monotonic() if status == 200 else -1
 
@@ -350,7 +350,7 @@ def test_odd_but_valid_content_never_restarts_a_worker(two):
     assert status == 400
     before = lives(two)
     outcomes: dict[int, int] = {}
-    for _ in range(60):
+    for _ in range(36):
         body = odd_request(rng, n_vocab)
         status, payload = post(two.port, json.dumps(body).encode())
         outcomes[status] = outcomes.get(status, 0) + 1
@@ -361,7 +361,7 @@ def test_odd_but_valid_content_never_restarts_a_worker(two):
             status, payload = post(two.port, {"content": text, "with_pieces": True},
                                    "/tokenize")
             assert status == 200, (text, payload)
-    assert outcomes.get(200, 0) > 20 and vocab
+    assert outcomes.get(200, 0) > 12 and vocab
     assert lives(two) == before
 
 
@@ -376,21 +376,18 @@ def run_cli(*args, timeout=60, env=None):
                           env={**os.environ, **(env or {})})
 
 
-def test_a_second_dispatcher_on_a_live_address_is_refused_and_harms_nothing():
-    server = ServerProcess("--engine", "fake", log_name="twice").start()
-    try:
-        ipc_dir = server.dispatcher[len("ipc://"):]
-        for command in ("broker", "serve"):
-            extra = ("--engine", "fake", "--frontends", "0") if command == "serve" else ()
-            result = run_cli(command, "--port", str(server.port), *extra)
-            assert result.returncode != 0
-            assert "already running" in result.stderr and len(result.stderr) < 300
-        assert os.path.isdir(ipc_dir)
-        assert server.status()["workers"][0]["state"] == "idle"   # still answers
-        status, _ = post(server.port, {"prompt": "x", "max_tokens": 2})
-        assert status == 200
-    finally:
-        assert server.stop() == 0
+def test_a_second_dispatcher_on_a_live_address_is_refused_and_harms_nothing(real_server):
+    server = real_server
+    ipc_dir = server.dispatcher[len("ipc://"):]
+    for command in ("broker", "serve"):
+        extra = ("--engine", "fake", "--frontends", "0") if command == "serve" else ()
+        result = run_cli(command, "--port", str(server.port), *extra)
+        assert result.returncode != 0
+        assert "already running" in result.stderr and len(result.stderr) < 300
+    assert os.path.isdir(ipc_dir)
+    assert server.status()["workers"][0]["state"] in ("idle", "busy")   # still answers
+    status, _ = post(server.port, {"prompt": "x", "max_tokens": 2})
+    assert status == 200
 
 
 def test_a_file_that_is_not_gguf_is_refused_at_once(tmp_path):
@@ -452,7 +449,7 @@ def test_session_ids_are_scoped_by_api_key():
             import http.client
             s.conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
             s.conn.request("POST", "/v1/completions", body=json.dumps(
-                {"prompt": "[slow=0.05] x", "max_tokens": 40, "stream": True}).encode(),
+                {"prompt": "[slow=0.05] x", "max_tokens": 16, "stream": True}).encode(),
                 headers={"Content-Type": "application/json", "X-Session-Id": "same",
                          "Authorization": f"Bearer {key}"})
             s.response = s.conn.getresponse()

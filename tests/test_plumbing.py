@@ -165,9 +165,9 @@ def test_a_request_that_kills_its_worker_is_failed_not_handed_to_another():
 def test_a_request_its_worker_had_not_started_is_requeued_when_the_worker_dies():
     server = ServerProcess("--engine", "fake", log_name="requeue").start()
     try:
-        # one step of the blocker takes 5 s: a job dispatched meanwhile waits in the
+        # one step of the blocker takes 3 s: a job dispatched meanwhile waits in the
         # worker's inbox, not started, until the step ends
-        blocker = SSEStream(server.port, {"prompt": "[slow=5] x", "max_tokens": 3,
+        blocker = SSEStream(server.port, {"prompt": "[slow=3] x", "max_tokens": 3,
                                           "stream": True})
         assert blocker.status == 200
         server.wait_for(lambda: server.worker()["busy_slots"] == 1, what="the blocker")
@@ -210,7 +210,7 @@ def test_stop_leaves_no_processes_and_no_ipc_files(sig):
     server = ServerProcess("--engine", "fake", "--frontends", "2", log_name="stop").start()
     ipc_dir = Path(server.dispatcher[len("ipc://"):])
     assert ipc_dir.is_dir() and len(list(ipc_dir.iterdir())) == 5
-    stream = SSEStream(server.port, {"prompt": "[slow=0.05]", "max_tokens": 100,
+    stream = SSEStream(server.port, {"prompt": "[slow=0.05]", "max_tokens": 30,
                                      "stream": True})
     stream.next_data()
     assert server.stop(sig) == 0                   # asserts the process group is empty

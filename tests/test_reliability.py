@@ -181,6 +181,7 @@ def test_front_ends_notice_a_lost_dispatcher_and_reconnect(tmp_path):
         killed = time.monotonic()
         events = read_all(stream)
         noticed = time.monotonic() - killed
+        stream.close()                  # (a kept-alive connection holds gunicorn's stop)
         assert events[-1] == "[DONE]"
         assert events[-2]["error"]["code"] == "dispatcher_unavailable"
         assert noticed < 10                                     # heartbeats: about 3 s
@@ -340,12 +341,12 @@ def test_slow_clients_do_not_block_others(hardened):
 
 # -- 8. soak -------------------------------------------------------------------------------
 def test_short_soak_loses_nothing():
-    out = subprocess.run([sys.executable, "-m", "dispatcher", "soak", "--duration", "25",
-                          "--rate", "3", "--kill-every", "8", "--json"],
+    out = subprocess.run([sys.executable, "-m", "dispatcher", "soak", "--duration", "8",
+                          "--rate", "4", "--kill-every", "2.5", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=400)
     report = json.loads(out.stdout)
     assert out.returncode == 0, report
     assert report["lost"] == 0 and report["garbled"] == 0
-    assert report["completed"] > 10 and report["clean_errors"] > 5
+    assert report["completed"] > 5 and report["clean_errors"] > 2
     assert report["worker_kills"] >= 2 and report["recovered"] and report["server_exit"] == 0
     assert report["unexpected_restarts"] == 0        # odd and surrogate bodies killed none
