@@ -13,13 +13,14 @@ def create_app(test_config: dict | None = None) -> Flask:
     then `test_config`."""
     app = Flask(__name__)
     options = configfile.effective(["dispatcher", "max_body", "max_prompt_chars",
-                                    "api_key", "api_key_file"])
+                                    "api_key", "api_key_file", "cors_origin"])
     app.config.from_mapping(
         DISPATCHER=options["dispatcher"],
         MAX_BODY=options["max_body"],
         MAX_PROMPT_CHARS=options["max_prompt_chars"],
         API_KEY=",".join(options["api_key"]),
         API_KEY_FILE=options["api_key_file"],
+        CORS_ORIGINS=options["cors_origin"],
     )
     if test_config:
         app.config.update(test_config)
@@ -29,8 +30,9 @@ def create_app(test_config: dict | None = None) -> Flask:
     app.json.sort_keys = False
     app.json.ensure_ascii = False
 
-    from app import auth, completions, errors, metrics, openapi, status, tokens
+    from app import auth, completions, cors, errors, metrics, openapi, status, tokens
     errors.register_error_handlers(app)
+    cors.init_app(app)                 # before auth: a preflight carries no credentials
     auth.init_app(app)
     metrics.init_app(app)
     for module in (completions, status, tokens, openapi, metrics):

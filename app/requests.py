@@ -110,6 +110,7 @@ def resolve_model(requested: str | None, state: dict | None) -> str:
             raise InvalidRequest("'model' is required: this server has "
                                  f"{len(models)} models", param="model")
         requested = next(iter(models))
+    requested = state.get("aliases", {}).get(requested, requested)    # --model-alias
     if requested not in models:
         raise NotFound(f"The model '{requested}' does not exist. Served: "
                        + ", ".join(sorted(models)), param="model", code="model_not_found")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from flask import Blueprint, current_app, jsonify
 
 from app.client import get_client
-from app.errors import ServiceUnavailable
+from app.errors import NotFound, ServiceUnavailable
 from dispatcher import config
 
 bp = Blueprint("status", __name__)
@@ -31,13 +31,36 @@ def health():
     return response
 
 
-@bp.get("/v1/models")
-def list_models():
+def _state() -> dict:
     state = get_client(current_app).wait_state()
     if state is None:
         raise ServiceUnavailable("the dispatcher is unreachable")
-    data = [{"id": model_id, "object": "model", "created": info.get("created", 0),
-             "owned_by": "completions-server",
-             "meta": {"n_ctx": info.get("n_ctx"), "workers_ready": info.get("ready", 0)}}
-            for model_id, info in sorted(state.get("models", {}).items())]
-    return jsonify({"object": "list", "data": data})
+    return state
+
+
+def _model_object(model_id: str, info: dict, aliases: dict) -> dict:
+    return {"id": model_id, "object": "model", "created": info.get("created", 0),
+            "owned_by": "completions-server",
+            "aliases": sorted(a for a, m in aliases.items() if m == model_id),
+            "meta": {"n_ctx": info.get("n_ctx"), "workers_ready": info.get("ready", 0)}}
+
+
+@bp.get("/v1/models")
+def list_models():
+    state = _state()
+    aliases = state.get("aliases", {})
+    return jsonify({"object": "list", "data": [
+        _model_object(model_id, info, aliases)
+        for model_id, info in sorted(state.get("models", {}).items())]})
+
+
+@bp.get("/v1/models/<path:model>")
+def retrieve_model(model: str):
+    """OpenAI's `models.retrieve`: the model, also by one of its aliases."""
+    state = _state()
+    models, aliases = state.get("models", {}), state.get("aliases", {})
+    model_id = aliases.get(model, model)
+    if model_id not in models:
+        raise NotFound(f"The model '{model}' does not exist. Served: "
+                       + ", ".join(sorted(models)), param="model", code="model_not_found")
+    return jsonify(_model_object(model_id, models[model_id], aliases))

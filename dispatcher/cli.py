@@ -17,7 +17,8 @@ from dispatcher.ctl import default_dispatcher_address, dispatcher_answers
 
 log = logging.getLogger("dispatcher")
 FRONTEND_STOP_GRACE = 3     # seconds gunicorn gets once the dispatcher has drained
-SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "device",
+SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "model_alias",
+                 "cors_origin", "device",
                  "nctx", "ngl", "slots", "deterministic", "engine", "dispatcher",
                  "log_level", "max_body", "max_prompt_chars", "max_queue", "queue_timeout",
                  "stop_grace", "api_key", "api_key_file"]
@@ -106,7 +107,8 @@ def cmd_serve(args) -> int:
     endpoints, base, cleanup = _endpoints(args)
     supervisor = Supervisor()
     broker = _make_broker(Broker, base, endpoints, supervisor,
-                          known_models={m.id: {"n_ctx": m.nctx} for m in plan.models},
+                          known_models={m.id: {"n_ctx": m.nctx, "aliases": list(m.aliases)}
+                                        for m in plan.models},
                           max_queue=args.max_queue, queue_timeout=args.queue_timeout)
     for worker in plan.workers:
         argv = python_module_argv("workers", *worker.argv(base, args.engine, args.log_level))
@@ -120,7 +122,8 @@ def cmd_serve(args) -> int:
                "COMPLETIONS_LOG_LEVEL": args.log_level,
                # keys travel in the environment, never on a command line (ps shows those)
                "COMPLETIONS_API_KEY": ",".join(args.api_key),
-               "COMPLETIONS_API_KEY_FILE": args.api_key_file or ""}
+               "COMPLETIONS_API_KEY_FILE": args.api_key_file or "",
+               "COMPLETIONS_CORS_ORIGIN": ",".join(args.cors_origin)}
         supervisor.add(Child("frontend", python_module_argv(
             # The dispatcher has drained in-flight requests (--stop-grace) before the
             # front ends are stopped: what they still hold is idle keep-alive connections,

@@ -70,6 +70,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("frontends", 1, "number of gunicorn front-end processes (0: none)", _non_negative_int),
     Option("model", None, "path of the GGUF model (default: the bundled Gemma 3 270M Q4_K_M)"),
     Option("model_id", None, "model name clients send (default: the file name without .gguf)"),
+    Option("model_alias", [], "another name clients may send for the model (editor plugins "
+           "hard-code names such as gpt-3.5-turbo); repeatable", repeat=True),
     Option("device", ["cpu"], "device of one worker, repeatable: cpu, cpu:0-3, cuda:0, npu:0",
            repeat=True),
     Option("nctx", 4096, "context length of each sequence, in tokens", _positive_int),
@@ -102,6 +104,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("api_key", [], "API key clients must send as 'Authorization: Bearer KEY'; "
            "repeatable", repeat=True),
     Option("api_key_file", None, "file of API keys, one per line"),
+    Option("cors_origin", [], "a browser origin allowed to call the API (CORS), e.g. "
+           "https://editor.example.com, or * for any; repeatable; none by default",
+           repeat=True),
 ]}
 
 # Timing of the heartbeats between every pair of processes (ZeroMQ guide, Paranoid Pirate).

@@ -28,10 +28,10 @@ from pathlib import Path
 from dispatcher import config
 from dispatcher.devices import DeviceSpec, format_cores, parse_device
 
-MODEL_KEYS = {"id", "path", "nctx", "ngl", "slots", "deterministic"}
+MODEL_KEYS = {"id", "path", "nctx", "ngl", "slots", "deterministic", "aliases"}
 WORKER_KEYS = {"device", "model", "profile", "name", "nctx", "ngl", "slots"}
 # options that describe one process or a client, not the server: not in [server]
-NOT_SERVER = {"device", "model", "model_id", "name", "config"}
+NOT_SERVER = {"device", "model", "model_id", "model_alias", "name", "config"}
 
 
 class ConfigError(Exception):
@@ -50,6 +50,7 @@ class ModelPlan:
     ngl: int
     slots: int
     deterministic: bool
+    aliases: tuple[str, ...] = ()      # other names clients may send for it
 
 
 @dataclass
@@ -148,7 +149,10 @@ def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
     if flag_models or not data.get("models"):
         entries = [{k: v for k, v in (("id", args.model_id), ("path", args.model)) if v}]
     else:
-        entries = data["models"]
+        entries = [dict(e) for e in data["models"]]
+    flag_aliases = list(getattr(args, "model_alias", None) or [])
+    if flag_aliases and entries:         # --model-alias names the first (or only) model
+        entries[0]["aliases"] = list(entries[0].get("aliases") or []) + flag_aliases
     models: list[ModelPlan] = []
     broken: set[str] = set()          # models with a problem already reported
     for i, entry in enumerate(entries):
@@ -164,12 +168,16 @@ def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
                 id=str(entry.get("id") or model_id_of(path)), path=path,
                 nctx=_int(entry, "nctx", args.nctx, 1), ngl=_int(entry, "ngl", args.ngl, 0),
                 slots=_int(entry, "slots", args.slots, 0),
-                deterministic=bool(entry.get("deterministic", args.deterministic))))
+                deterministic=bool(entry.get("deterministic", args.deterministic)),
+                aliases=_aliases(entry.get("aliases"))))
         except (ValueError, TypeError, SystemExit) as exc:
             problems.append(f"{where}: {exc}")
             broken.add(str(entry.get("id") or ""))
     ids = [m.id for m in models]
     problems += [f"models: id '{i}' is used twice" for i in set(ids) if ids.count(i) > 1]
+    names = ids + [a for m in models for a in m.aliases]
+    problems += [f"models: alias '{a}' names more than one model, or a model id" for a in
+                 sorted({a for m in models for a in m.aliases}) if names.count(a) > 1]
     by_id = {m.id: m for m in models}
     if flag_devices or not data.get("workers"):
         workers = [{"device": d} for d in args.device]
@@ -221,6 +229,14 @@ def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
     if problems:
         raise ConfigError(problems)
     return Plan(models, plans)
+
+
+def _aliases(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(a, str) and a for a in value):
+        raise ValueError("aliases must be a list of names")
+    return tuple(dict.fromkeys(value))
 
 
 def worker_entry(data: dict, device: str) -> dict:

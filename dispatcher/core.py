@@ -350,6 +350,8 @@ class DispatcherCore(Admission):
     def state(self) -> dict:
         capabilities = ("model", "n_ctx", "compute", "n_gpu_layers", "profile", "fim")
         return {"workers_ready": len(self.registry), "models": self.models(),
+                "aliases": {alias: model for model, info in self.known_models.items()
+                            for alias in info.get("aliases", ())},
                 "queued": len(self.queue), "expected_workers": self.fleet.expected_workers(),
                 "draining": self.draining_until is not None,
                 "workers": [{k: info.get(k) for k in capabilities}
