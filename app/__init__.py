@@ -30,12 +30,13 @@ def create_app(test_config: dict | None = None) -> Flask:
     app.json.sort_keys = False
     app.json.ensure_ascii = False
 
-    from app import auth, completions, cors, errors, metrics, openapi, status, tokens
+    from app import (auth, completions, cors, errors, metrics, native, openapi, status,
+                     tokens)
     errors.register_error_handlers(app)
     cors.init_app(app)                 # before auth: a preflight carries no credentials
     auth.init_app(app)
     metrics.init_app(app)
-    for module in (completions, status, tokens, openapi, metrics):
+    for module in (completions, native, status, tokens, openapi, metrics):
         app.register_blueprint(module.bp)
     logging.getLogger("app").setLevel(logging.INFO)
     return app

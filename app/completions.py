@@ -43,8 +43,14 @@ def measured(events, started: float, recorder):
 
 @bp.post("/v1/completions")
 def create_completion():
-    started = time.perf_counter()
     req = validate(parse_json_body())
+    return serve(req, Result)
+
+
+def serve(req: dict, result_class, extra_job: dict | None = None):
+    """Run a validated request (OpenAI's or llama.cpp's shape: `result_class` assembles
+    the answer) through the dispatcher: whole, or as a stream."""
+    started = time.perf_counter()
     check_prompt_size(req)
     timeout = queue_timeout()
     client = get_client(current_app)
@@ -52,11 +58,11 @@ def create_completion():
     model = resolve_model(req["model"], state)
     request_id = P.new_request_id()
     plans = plan_jobs(request_id, model, req, request.headers.get(PROFILE_HEADER),
-                      session_of(request), timeout)
+                      session_of(request), timeout, extra_job)
     check_route(plans[0].job, state)
     fanout = Fanout(client, [p.job for p in plans])
     watcher = watch_disconnect(request.environ, fanout.client_gone)
-    result = Result(request_id, int(time.time()), model, req, plans)
+    result = result_class(request_id, int(time.time()), model, req, plans)
     try:
         fanout.submit()
         events = measured(fanout.events(), started, client.recorder)
@@ -93,24 +99,19 @@ def _stop(watcher) -> None:
         watcher.kill(block=False)
 
 
-def _stream(result: Result, events, fanout: Fanout, watcher):
+def _stream(result, events, fanout: Fanout, watcher):
     """SSE chunks; an error after the stream started goes out as an error event."""
-    include_usage = result.include_usage
     try:
         for index, event in events:
             result.add(index, event)
             if event["e"] == P.EV_ERROR:
                 yield sse.event(from_wire(event).to_dict())
-                yield sse.DONE
+                yield from result.trailer(error=True)
                 return
-            chunk = result.chunk(index, event, include_usage)
+            chunk = result.chunk(index, event)
             if chunk is not None:
                 yield chunk
-        if include_usage:
-            yield sse.event(sse.completion(result.request_id, result.created, result.model,
-                                           [], result.usage(),
-                                           system_fingerprint=result.fingerprint))
-        yield sse.DONE
+        yield from result.trailer(error=False)
     except ClientGone:
         return
     finally:

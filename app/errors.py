@@ -114,10 +114,19 @@ class ServerError(APIError):
     """A fault of ours; never the result of bad input (500)."""
 
 
+class NotSupported(APIError):
+    """The model cannot do what the request asks (501, llama.cpp's answer to /infill on a
+    model without fill-in-the-middle)."""
+    status = 501
+    type = "not_supported_error"
+    code = "not_supported"
+
+
 _BY_STATUS = {cls.status: cls for cls in (InvalidRequest, Unauthorized, NotFound,
                                           MethodNotAllowed, Conflict, PayloadTooLarge,
                                           UnsupportedMediaType, Overloaded, BadGateway,
-                                          ServiceUnavailable, GatewayTimeout, ServerError)}
+                                          ServiceUnavailable, GatewayTimeout, ServerError,
+                                          NotSupported)}
 
 
 def from_wire(body: dict) -> APIError:

@@ -24,7 +24,8 @@ def route_of(req: dict, profile: str | None) -> dict:
 
 
 def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None,
-              session: str | None = None, timeout: float | None = None) -> list[JobPlan]:
+              session: str | None = None, timeout: float | None = None,
+              extra: dict | None = None) -> list[JobPlan]:
     """One job per prompt and candidate. Candidates of one prompt get seeds seed, seed+1,
     ... so that n > 1 gives different texts and the same request gives the same ones."""
     max_tokens = req["max_tokens"]
@@ -46,7 +47,7 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
                 "score": scoring, "sampling": sampling, "nctx": req.get("nctx"),
                 "route": route, "cache_prompt": req["cache_prompt"],
                 "session": session, "parent": request_id, "timeout": timeout,
-                "fanout": len(req["prompt"]) * candidates,
+                "fanout": len(req["prompt"]) * candidates, **(extra or {}),
             }
             plans.append(JobPlan(job, p, c))
     return plans

@@ -24,10 +24,12 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json_body() -> object:
-    """The body as strict JSON (no NaN/Infinity), any JSON content type or none at all."""
+def parse_json_body(any_content_type: bool = False) -> object:
+    """The body as strict JSON (no NaN/Infinity), with a JSON content type or none at all
+    (any content type for llama.cpp's native endpoints, which do not look at it)."""
     mimetype = request.mimetype
-    if mimetype and mimetype != "application/json" and not mimetype.endswith("+json"):
+    if mimetype and mimetype != "application/json" and not mimetype.endswith("+json") \
+            and not any_content_type:
         raise UnsupportedMediaType(f"Content-Type must be application/json, not {mimetype}")
     raw = request.get_data(cache=False)
     try:
@@ -95,7 +97,8 @@ def validate(body: object, schema: Schema = _schema) -> dict:
         else:
             text = f"Invalid value for '{param}': {message}" if param else message
         raise InvalidRequest(text, param=param, code="invalid_value") from None
-    return normalize(schema, data, body) if schema is _schema else data
+    return normalize(schema, data, body) if isinstance(schema, CompletionRequestSchema) \
+        else data
 
 
 def resolve_model(requested: str | None, state: dict | None) -> str:

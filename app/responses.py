@@ -76,7 +76,17 @@ class Result:
         return self.logprobs[i] or {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                     "text_offset": []}
 
-    def chunk(self, job_index: int, event: dict, include_usage: bool) -> bytes | None:
+    def trailer(self, error: bool) -> list[bytes]:
+        """What ends a stream: the usage chunk if asked (not after an error), [DONE]."""
+        if self.include_usage and not error:
+            return [sse.event(sse.completion(self.request_id, self.created, self.model, [],
+                                             self.usage(),
+                                             system_fingerprint=self.fingerprint)),
+                    sse.DONE]
+        return [sse.DONE]
+
+    def chunk(self, job_index: int, event: dict) -> bytes | None:
+        include_usage = self.include_usage
         kind = event["e"]
         if kind == P.EV_TEXT:
             choice = sse.choice(event["text"], None, self.index(job_index))

@@ -190,7 +190,8 @@ class CompletionRequestSchema(Schema):
                                   "best_of")
         if best_of is not None and best_of > 1 and data.get("stream"):
             raise ValidationError("best_of cannot be used with stream.", "best_of")
-        prompts = len(data.get("prompt") or [])
+        prompt = data.get("prompt")
+        prompts = len(prompt) if isinstance(prompt, list) else 1
         if prompts * max(n, best_of or 1) > MAX_CHOICES:
             raise ValidationError(f"prompts × max(n, best_of) is at most {MAX_CHOICES}.",
                                   "n")

@@ -18,6 +18,7 @@ from dispatcher.ctl import default_dispatcher_address, dispatcher_answers
 log = logging.getLogger("dispatcher")
 FRONTEND_STOP_GRACE = 3     # seconds gunicorn gets once the dispatcher has drained
 SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "model_alias",
+                 "fim_template",
                  "cors_origin", "device",
                  "nctx", "ngl", "slots", "deterministic", "engine", "dispatcher",
                  "log_level", "max_body", "max_prompt_chars", "max_queue", "queue_timeout",

@@ -70,6 +70,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("frontends", 1, "number of gunicorn front-end processes (0: none)", _non_negative_int),
     Option("model", None, "path of the GGUF model (default: the bundled Gemma 3 270M Q4_K_M)"),
     Option("model_id", None, "model name clients send (default: the file name without .gguf)"),
+    Option("fim_template", None, "fill-in-the-middle prompt template with {prefix} and "
+           "{suffix}, special-token text parsed (e.g. '<PRE> {prefix} <SUF>{suffix} <MID>'), "
+           "for models whose GGUF has no FIM tokens, or to override them"),
     Option("model_alias", [], "another name clients may send for the model (editor plugins "
            "hard-code names such as gpt-3.5-turbo); repeatable", repeat=True),
     Option("device", ["cpu"], "device of one worker, repeatable: cpu, cpu:0-3, cuda:0, npu:0",

@@ -28,10 +28,12 @@ from pathlib import Path
 from dispatcher import config
 from dispatcher.devices import DeviceSpec, format_cores, parse_device
 
-MODEL_KEYS = {"id", "path", "nctx", "ngl", "slots", "deterministic", "aliases"}
+MODEL_KEYS = {"id", "path", "nctx", "ngl", "slots", "deterministic", "aliases",
+              "fim_template"}
 WORKER_KEYS = {"device", "model", "profile", "name", "nctx", "ngl", "slots"}
 # options that describe one process or a client, not the server: not in [server]
-NOT_SERVER = {"device", "model", "model_id", "model_alias", "name", "config"}
+NOT_SERVER = {"device", "model", "model_id", "model_alias", "fim_template", "name",
+              "config"}
 
 
 class ConfigError(Exception):
@@ -51,6 +53,7 @@ class ModelPlan:
     slots: int
     deterministic: bool
     aliases: tuple[str, ...] = ()      # other names clients may send for it
+    fim_template: str | None = None    # FIM layout for a model without FIM tokens
 
 
 @dataclass
@@ -67,7 +70,9 @@ class WorkerPlan:
                 "--model", str(self.model.path), "--model-id", self.model.id,
                 "--nctx", str(self.nctx), "--ngl", str(self.ngl), "--slots", str(self.slots),
                 "--deterministic", str(self.model.deterministic), "--engine", engine,
-                "--name", self.name, "--log-level", log_level]
+                "--name", self.name, "--log-level", log_level] + (
+                    ["--fim-template", self.model.fim_template]
+                    if self.model.fim_template else [])
 
 
 @dataclass
@@ -169,7 +174,9 @@ def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
                 nctx=_int(entry, "nctx", args.nctx, 1), ngl=_int(entry, "ngl", args.ngl, 0),
                 slots=_int(entry, "slots", args.slots, 0),
                 deterministic=bool(entry.get("deterministic", args.deterministic)),
-                aliases=_aliases(entry.get("aliases"))))
+                aliases=_aliases(entry.get("aliases")),
+                fim_template=_fim_template(entry.get("fim_template",
+                                                     getattr(args, "fim_template", None)))))
         except (ValueError, TypeError, SystemExit) as exc:
             problems.append(f"{where}: {exc}")
             broken.add(str(entry.get("id") or ""))
@@ -229,6 +236,14 @@ def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
     if problems:
         raise ConfigError(problems)
     return Plan(models, plans)
+
+
+def _fim_template(value) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or "{prefix}" not in value or "{suffix}" not in value:
+        raise ValueError("fim_template needs both {prefix} and {suffix}")
+    return value
 
 
 def _aliases(value) -> tuple[str, ...]:

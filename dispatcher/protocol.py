@@ -74,7 +74,8 @@ def command_name(cmd: bytes) -> str:
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
                404: "invalid_request_error", 405: "invalid_request_error",
                409: "invalid_request_error", 413: "invalid_request_error",
-               415: "invalid_request_error", 429: "rate_limit_error"}
+               415: "invalid_request_error", 429: "rate_limit_error",
+               501: "not_supported_error"}
 
 
 def error_type(status: int) -> str:

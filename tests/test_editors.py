@@ -1,6 +1,10 @@
-"""What editor plugins and browser clients need to connect unchanged: model aliases,
-`GET /v1/models/{id}`, CORS. The whole stack on the bundled model."""
+"""What editor plugins and browser clients need to connect unchanged: llama.cpp's native
+`/completion` and `/infill`, FIM templates, model aliases, `GET /v1/models/{id}`, CORS.
+The whole stack on the bundled model; request bodies modelled on what llama.vim,
+Continue's llama.cpp provider and Tabby send (their public sources), each answer read
+the way that client reads it."""
 import http.client
+import json
 
 import openai
 import pytest
@@ -8,13 +12,14 @@ import pytest
 from conftest import ServerProcess, http_json
 
 ORIGIN = "https://editor.example"
+TEMPLATE = "<PRE> {prefix} <SUF>{suffix} <MID>"      # CodeLlama's, as Tabby configures it
 
 
 @pytest.fixture(scope="module")
 def editor_server():
     server = ServerProcess("--model-alias", "gpt-3.5-turbo", "--model-alias", "codellama",
                            "--cors-origin", ORIGIN, "--api-key", "sk-editor",
-                           log_name="editors").start()
+                           "--fim-template", TEMPLATE, log_name="editors").start()
     yield server
     assert server.stop() == 0
 
@@ -106,3 +111,108 @@ def test_aliases_come_from_the_config_file_too(tmp_path):
     result = subprocess.run([sys.executable, "-m", "dispatcher", "check-config", "--config",
                              str(config)], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+AUTH = {"Authorization": "Bearer sk-editor"}
+
+
+def post_raw(port, path, body, headers=None):
+    """POST as curl does in the editor plugins; returns (status, raw body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", path, body=json.dumps(body).encode(),
+                 headers={"Content-Type": "application/json", **AUTH, **(headers or {})})
+    response = conn.getresponse()
+    raw = response.read()
+    conn.close()
+    return response.status, raw
+
+
+def data_events(raw: bytes) -> list[dict]:
+    return [json.loads(line[len(b"data: "):]) for line in raw.split(b"\n")
+            if line.startswith(b"data: ")]
+
+
+def test_continue_llama_cpp_provider_streams_content(editor_server):
+    body = {"prompt": "def fib(n):", "stream": True, "n_predict": 12, "temperature": 0.01,
+            "top_k": 40, "top_p": 0.95, "min_p": 0.05, "frequency_penalty": 0,
+            "presence_penalty": 0, "mirostat": 0, "stop": ["\n\n\n"],
+            "typical_p": 1, "cache_prompt": True}
+    status, raw = post_raw(editor_server.port, "/completion", body)
+    assert status == 200
+    events = data_events(raw)
+    text = "".join(e.get("content", "") for e in events)      # all Continue reads
+    assert text and b"[DONE]" not in raw
+    assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] <= 12
+    assert all(e["stop"] is False for e in events[:-1])
+
+
+def test_tabby_completion_payload_and_unknown_fields(editor_server):
+    body = {"seed": 0, "prompt": "<PRE> def add(a, b): <SUF>\n <MID>", "n_predict": 8,
+            "temperature": 0.1, "stream": False, "penalty_last_n": 0,
+            "presence_penalty": 0.0, "id_slot": -1, "samplers": ["top_k", "dry"],
+            "dry_multiplier": 0.0}
+    for path in ("/completion", "/completions"):
+        status, raw = post_raw(editor_server.port, path, body)
+        assert status == 200, raw
+        answer = json.loads(raw)
+        assert isinstance(answer["content"], str) and answer["stop"] is True
+        assert answer["stop_type"] in ("eos", "word", "limit")
+        assert answer["tokens_predicted"] <= 8 and answer["tokens_evaluated"] > 0
+        timings = answer["timings"]
+        assert timings["predicted_n"] == answer["tokens_predicted"]
+        assert timings["prompt_n"] + timings["cache_n"] == answer["tokens_evaluated"]
+
+
+def test_a_stop_word_is_reported_as_llama_cpp_does(editor_server):
+    status, raw = post_raw(editor_server.port, "/completion", {
+        "prompt": "1, 2, 3, 4,", "n_predict": 20, "temperature": 0, "stop": ["7"]})
+    answer = json.loads(raw)
+    assert status == 200 and answer["stop_type"] == "word"
+    assert answer["stopping_word"] == "7" and "7" not in answer["content"]
+
+
+def tokens_of(port, text: str) -> list[int]:
+    status, raw = post_raw(port, "/tokenize", {"content": text})
+    return json.loads(raw)["tokens"]
+
+
+def test_llama_vim_infill_lays_out_the_context_with_the_template(editor_server):
+    port = editor_server.port
+    body = {"input_prefix": "def area(r):\n    ", "input_suffix": "\n\nprint(area(2))\n",
+            "input_extra": [{"text": "PI = 3.14159\n", "time": 12.5, "filename": "consts.py"}],
+            "prompt": "return", "n_predict": 16, "stop": [], "n_indent": 4, "top_k": 40,
+            "top_p": 0.99, "stream": False, "samplers": ["top_k", "top_p", "infill"],
+            "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1000,
+            "response_fields": ["content", "timings/prompt_n", "timings/predicted_n",
+                                "tokens_cached", "truncated", "tokens_evaluated"]}
+    status, raw = post_raw(port, "/infill", body)
+    assert status == 200, raw
+    answer = json.loads(raw)
+    assert set(answer) == set(body["response_fields"])          # flat, as llama.cpp
+    assert isinstance(answer["content"], str) and answer["truncated"] is False
+    # [snippet separator, chunk] BOS "<PRE> " prefix " <SUF>" suffix " <MID>" prompt
+    pieces = ["\n\n--- snippet ---\n\n", "PI = 3.14159\n", "<PRE> ", body["input_prefix"],
+              " <SUF>", body["input_suffix"], " <MID>", body["prompt"]]
+    expected = sum(len(tokens_of(port, p)) for p in pieces) + 1   # + BOS
+    assert answer["tokens_evaluated"] == expected
+
+
+def test_llama_vim_warm_up_fills_the_cache_without_generating(editor_server):
+    port = editor_server.port
+    extra = [{"text": "x = 1\n" * 40, "time": 1.0, "filename": "big.py"}]
+    warm = {"id_slot": 0, "input_prefix": "", "input_suffix": "", "input_extra": extra,
+            "prompt": "", "n_predict": 0, "cache_prompt": True, "t_max_prompt_ms": 1,
+            "t_max_predict_ms": 1}
+    status, raw = post_raw(port, "/infill", warm)
+    answer = json.loads(raw)
+    assert status == 200 and answer["tokens_predicted"] == 0 and answer["content"] == ""
+    status, raw = post_raw(port, "/infill", {**warm, "n_predict": 4, "input_prefix": "y"})
+    answer = json.loads(raw)
+    assert status == 200 and answer["tokens_cached"] >= 40          # the chunk was there
+
+
+def test_infill_without_fim_tokens_or_template_is_501(real_server):
+    status, raw = post_raw(real_server.port, "/infill", {"input_prefix": "def f(",
+                                                         "input_suffix": ")"})
+    error = json.loads(raw)["error"]
+    assert status == 501 and error["type"] == "not_supported_error"

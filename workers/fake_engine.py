@@ -27,6 +27,7 @@ class FakeEngine:
     name = "fake"
     fingerprint = "fp_fake"
     fim_tokens = None
+    fim_repo = None
     n_layer = 1
 
     def __init__(self, model_path: str, n_ctx: int, slots: int, n_threads: int = 1,

@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 class GenerationLoop:
     def __init__(self, engine: Engine, publisher: Publisher,
                  notify: Callable[[bytes, str, dict | None], None],
-                 identity: dict | None = None):
+                 identity: dict | None = None, fim_template=None):
         self.engine = engine
+        self.fim_template = fim_template          # FimTemplate for suffix / infill
         self.identity = identity or {}            # {"worker", "device"}: in start events
         self.publisher = publisher
         self.notify = notify                      # -> dispatcher, through the IO thread
@@ -156,7 +157,10 @@ class GenerationLoop:
         sampling = dict(body.get("sampling", {}))
         if sampling.get("json_schema") is not None:
             sampling["grammar"] = self.engine.grammar_from_json_schema(sampling["json_schema"])
-        tokens = prompt_tokens(self.engine, body["prompt"], body.get("suffix"))
+        infill = body.get("infill") or {}
+        tokens = prompt_tokens(self.engine, body["prompt"], body.get("suffix"),
+                               self.fim_template, infill.get("extra"),
+                               infill.get("middle") or "")
         n_ctx = min(self.engine.n_ctx, body.get("nctx") or self.engine.n_ctx)
         if len(tokens) >= n_ctx:
             raise InvalidInput(f"This model's maximum context length is {n_ctx} tokens, but "
@@ -190,8 +194,8 @@ class GenerationLoop:
             active.prompt_ids = tokens if prompt_lp else None
             if not prompt_lp:
                 self._send_echo(active, None, tokens)
-        if active.max_tokens == 0 and not prompt_lp:
-            self._finish(active, "length")
+        if active.max_tokens == 0 and not prompt_lp and not body.get("warm"):
+            self._finish(active, "length")          # (warm-up: after the prefill)
 
     def _send_echo(self, active: Active, prompt_lp: list | None, tokens: list[int]) -> None:
         active.echo_pending = False
@@ -244,8 +248,13 @@ class GenerationLoop:
             if active.max_tokens == 0:
                 self._finish(active, "length")
                 return
+        if active.first_at is None:
+            active.first_at = time.monotonic()
+        if active.max_tokens == 0:                   # a warm-up: the prompt is cached now
+            self._finish(active, "length", "limit")
+            return
         if self.engine.is_eog(out.token):
-            self._finish(active, "stop")
+            self._finish(active, "stop", "eos")
             return
         active.generated += 1
         piece = self.engine.piece(out.token)
@@ -260,11 +269,11 @@ class GenerationLoop:
         if text:
             self._send_text(active, text)
         if active.assembler.stopped:
-            self._finish(active, "stop")
+            self._finish(active, "stop", "word")
         elif active.max_tokens is not None and active.generated >= active.max_tokens:
-            self._finish(active, "length")
+            self._finish(active, "length", "limit")
         elif active.prompt_tokens + active.generated >= active.n_ctx:
-            self._finish(active, "length")
+            self._finish(active, "length", "limit")
 
     def _offset(self, active: Active) -> int:
         return len(active.echo_text) if active.echo_text is not None else 0
@@ -284,13 +293,22 @@ class GenerationLoop:
             event["logprobs"] = logprobs
         self._publish(active, event)
 
-    def _finish(self, active: Active, reason: str) -> None:
+    def _finish(self, active: Active, reason: str, stop_type: str = "limit") -> None:
+        """End the request: `reason` is OpenAI's finish_reason, `stop_type` llama.cpp's
+        (eos, word, limit)."""
         self.faults.check("finish", active.prompt)
         tail = active.assembler.finish()
         if tail:
             self._send_text(active, tail)
         usage = {"prompt_tokens": active.prompt_tokens, "completion_tokens": active.generated}
-        event = {"e": P.EV_END, "finish_reason": reason, "usage": usage}
+        now = time.monotonic()
+        first = active.first_at or now
+        event = {"e": P.EV_END, "finish_reason": reason, "usage": usage,
+                 "stop_type": stop_type,
+                 "timings": {"prompt_ms": round((first - active.started) * 1000, 3),
+                             "predicted_ms": round((now - first) * 1000, 3)}}
+        if stop_type == "word":
+            event["stopping_word"] = active.assembler.stop_word
         if active.ledger is not None:
             rest = active.ledger.release(None if reason == "length" or
                                          not active.assembler.stopped else active.chars_out)

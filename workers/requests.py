@@ -1,6 +1,7 @@
 """One request inside a worker: its prompt tokens, its text so far, its logprobs."""
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -17,23 +18,78 @@ def token_text(piece: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
 
 
-def prompt_tokens(engine, prompt, suffix: str | None) -> list[int]:
+# llama.cpp's separator before each extra chunk when the vocabulary has no FIM_SEP
+CHUNK_SEPARATOR = "\n\n--- snippet ---\n\n"
+
+
+@dataclass(frozen=True)
+class FimTemplate:
+    """A fill-in-the-middle layout for models without FIM tokens (Tabby's idea), e.g.
+    `<PRE> {prefix} <SUF>{suffix} <MID>`: the text around the placeholders is tokenized
+    with special-token syntax parsed; the prefix and suffix are inserted as given."""
+    pieces: tuple[str, ...]           # literal text and the two placeholders, in order
+
+    @classmethod
+    def parse(cls, template: str) -> "FimTemplate":
+        pieces = tuple(p for p in re.split(r"(\{prefix\}|\{suffix\})", template) if p)
+        if pieces.count("{prefix}") != 1 or pieces.count("{suffix}") != 1:
+            raise ValueError("a FIM template has {prefix} and {suffix}, once each")
+        return cls(pieces)
+
+    def tokens(self, engine, prefix: list[int], suffix: list[int]) -> list[int]:
+        out: list[int] = []
+        for piece in self.pieces:
+            out += prefix if piece == "{prefix}" else suffix if piece == "{suffix}" else \
+                engine.tokenize(piece, add_special=False)
+        return out
+
+
+def prompt_tokens(engine, prompt, suffix: str | None,
+                  template: FimTemplate | None = None, extra: list | None = None,
+                  middle: str = "") -> list[int]:
     """Tokens of a prompt given as text, token ids, or llama.cpp's mix of both.
 
     BOS is added (when the model wants one) only in front of text that starts the
     prompt; a prompt that starts with token ids is taken exactly as given. With a
-    `suffix`, the prompt is the prefix of a fill-in-the-middle request, laid out with
-    the model's own FIM tokens: [BOS] PRE prefix SUF suffix MID.
+    `suffix`, the prompt is the prefix of a fill-in-the-middle request (`infill_tokens`).
     """
     if suffix is not None:
-        if engine.fim_tokens is None:
-            raise InvalidInput("this model has no fill-in-the-middle tokens (fim_pre, "
-                               "fim_suf, fim_mid in its GGUF metadata), so 'suffix' cannot "
-                               "be used", code="fim_unsupported", param="suffix")
-        pre, suf, mid = engine.fim_tokens
-        return (engine.bos() + [pre] + _tokens(engine, prompt, first_special=False)
-                + [suf] + engine.tokenize(suffix, add_special=False) + [mid])
+        return infill_tokens(engine, prompt, suffix, template, extra or [], middle)
     return _tokens(engine, prompt, first_special=True)
+
+
+def infill_tokens(engine, prefix, suffix: str, template: FimTemplate | None,
+                  extra: list[dict], middle: str) -> list[int]:
+    """[extra chunks] [BOS] PRE prefix SUF suffix MID middle, as llama.cpp's /infill lays
+    it out: with the vocabulary's FIM_REP/FIM_SEP the extra chunks are a repository
+    (`FIM_REP project FIM_SEP filename text ... FIM_SEP filename`), otherwise each is
+    preceded by a snippet separator. A FIM template (the server's, for this model) takes
+    the place of the FIM tokens."""
+    if template is None and engine.fim_tokens is None:
+        raise InvalidInput("this model has no fill-in-the-middle tokens (fim_pre, fim_suf, "
+                           "fim_mid in its GGUF metadata) and no --fim-template, so "
+                           "'suffix' cannot be used", code="fim_unsupported", param="suffix")
+    text = lambda t: engine.tokenize(t, add_special=False)   # noqa: E731
+    repo = getattr(engine, "fim_repo", None) if template is None else None
+    chunks: list[int] = []
+    if extra:
+        if repo is not None:
+            chunks += [repo[0]] + text("myproject\n")
+        for chunk in extra:
+            if repo is not None:
+                chunks += [repo[1]] + text(str(chunk.get("filename") or "tmp") + "\n")
+            else:
+                chunks += text(CHUNK_SEPARATOR)
+            chunks += text(str(chunk.get("text") or ""))
+        if repo is not None:
+            chunks += [repo[1]] + text("filename\n")
+    prefix_tokens = _tokens(engine, prefix, first_special=False)
+    if template is not None:
+        body = template.tokens(engine, prefix_tokens, text(suffix))
+    else:
+        pre, suf, mid = engine.fim_tokens
+        body = [pre] + prefix_tokens + [suf] + text(suffix) + [mid]
+    return chunks + engine.bos() + body + (text(middle) if middle else [])
 
 
 def _tokens(engine, prompt, first_special: bool) -> list[int]:
@@ -104,3 +160,4 @@ class Active:
     chars_out: int = 0              # characters sent so far (echo included)
     started: float = field(default_factory=time.monotonic)
     prompt: object = None           # as the job gave it (for fault injection)
+    first_at: float | None = None   # when the first token was sampled (prefill done)

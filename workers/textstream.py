@@ -14,6 +14,7 @@ class TextAssembler:
         self._stops = [s for s in (stops or []) if s]
         self._held = ""
         self.stopped = False
+        self.stop_word: str | None = None     # the stop string that ended the text
         self.decoded = 0            # characters decoded so far, held ones included
 
     def feed(self, data: bytes) -> str:
@@ -36,8 +37,9 @@ class TextAssembler:
 
     def _release(self, final: bool) -> str:
         held = self._held
-        cut = min((i for i in (held.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self._stops if (i := held.find(s)) >= 0]
+        if found:
+            cut, self.stop_word = min(found)
             self.stopped = True
             self._held = ""
             return held[:cut]

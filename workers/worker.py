@@ -22,6 +22,7 @@ from dispatcher.models import default_model_id, resolve_model_path
 from workers.errors import EngineError
 from workers.generation import GenerationLoop
 from workers.publisher import Publisher
+from workers.requests import FimTemplate
 from workers.pinning import pin
 
 log = logging.getLogger("workers")
@@ -122,6 +123,7 @@ def _from_config_file(args, spec, file_data: dict):
     if not getattr(args, "_model_explicit", False):
         args.model, args.model_id = str(worker.model.path), worker.model.id
         args.deterministic = worker.model.deterministic
+        args.fim_template = args.fim_template or worker.model.fim_template
     args.name = args.name or worker.name
     args.nctx, args.ngl, args.slots = worker.nctx, worker.ngl, worker.slots
     return worker.device, args
@@ -156,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                     "supplies its model, profile and sizes; flags override them.")
     config.add_options(parser, ["config", "dispatcher", "device", "model", "model_id", "nctx",
                                 "ngl", "slots", "deterministic", "engine", "name",
+                                "fim_template",
                                 "log_level"], configfile.server_defaults(file_data))
     args = config.resolve_repeats(parser.parse_args(argv))
     logging.basicConfig(level=args.log_level.upper(),
@@ -212,13 +215,19 @@ def main(argv: list[str] | None = None) -> int:
     def send_notice(cmd: bytes, request_id: str, body: dict | None) -> None:
         notify.send_multipart(P.encode(cmd, request_id, body))
 
+    try:
+        template = FimTemplate.parse(args.fim_template) if args.fim_template else None
+    except ValueError as exc:
+        parser.error(str(exc))
     loop = GenerationLoop(engine, Publisher(xpub), send_notice,
-                          identity={"worker": name, "device": str(spec)})
+                          identity={"worker": name, "device": str(spec)},
+                          fim_template=template)
     info = {"model": model_id, "model_path": str(model_path), "device": str(spec),
             "compute": compute_kind(spec.compute, placement.n_gpu_layers, engine.n_layer),
             "n_gpu_layers": placement.n_gpu_layers, "profile": spec.profile,
             "pid": os.getpid(), "n_ctx": engine.n_ctx, "slots": engine.n_slots,
-            "fim": engine.fim_tokens is not None, "fingerprint": engine.fingerprint,
+            "fim": engine.fim_tokens is not None or template is not None,
+            "fingerprint": engine.fingerprint,
             "deterministic": args.deterministic,
             "engine": engine.name, "placement": placement.to_dict()}
     link = DispatcherLink(context, endpoints, name.encode(), info, loop, notify_address)

@@ -1,0 +1,209 @@
+"""llama.cpp's native API on the same stack: `POST /completion`, `POST /completions` and
+`POST /infill` (what llama.vim, llama.vscode, Continue's llama.cpp provider and Tabby post).
+
+llama.cpp's conventions, not OpenAI's: its sampling defaults, `n_predict` -1 (until end
+of sequence) by default, unknown fields ignored (logged at debug), answers and stream
+events in its shape (`content`, `stop`, `stop_type`, `timings`, ...), no `[DONE]`.
+Validation, queueing, routing, workers and errors are the OpenAI endpoint's.
+"""
+from __future__ import annotations
+
+import logging
+
+from flask import Blueprint, current_app, request
+from marshmallow import EXCLUDE, Schema, fields
+
+from app import sse
+from app.client import get_client
+from app.completions import serve
+from app.errors import NotSupported, PayloadTooLarge
+from app.fields import INT_MAX, StrictFloat, StrictInteger, StrictString
+from app.requests import parse_json_body, resolve_model, validate
+from app.schemas import CompletionRequestSchema, _doc, _range
+from dispatcher import protocol as P
+
+bp = Blueprint("native", __name__)
+log = logging.getLogger(__name__)
+
+
+class NativeCompletionSchema(CompletionRequestSchema):
+    """POST /completion: the OpenAI endpoint's fields with llama.cpp's defaults; fields
+    it does not know are ignored, as llama.cpp does."""
+
+    class Meta:
+        unknown = EXCLUDE
+
+    max_tokens = StrictInteger(load_default=None, allow_none=True,
+                               validate=_range(-1, INT_MAX), metadata=_doc(
+                                   "Tokens to generate (n_predict); -1 or null: until the "
+                                   "end of sequence.", type="integer"))
+    temperature = StrictFloat(load_default=0.8, allow_none=True, validate=_range(0.0, 2.0),
+                              metadata=_doc("llama.cpp's default 0.8.", type="number"))
+    top_k = StrictInteger(load_default=40, allow_none=True, validate=_range(-1, INT_MAX),
+                          metadata=_doc("llama.cpp's default 40.", type="integer"))
+    top_p = StrictFloat(load_default=0.95, allow_none=True, validate=_range(0.0, 1.0),
+                        metadata=_doc("llama.cpp's default 0.95.", type="number"))
+    min_p = StrictFloat(load_default=0.05, allow_none=True, validate=_range(0.0, 1.0),
+                        metadata=_doc("llama.cpp's default 0.05.", type="number"))
+    repeat_last_n = StrictInteger(load_default=64, allow_none=True,
+                                  validate=_range(-1, INT_MAX),
+                                  metadata=_doc("llama.cpp's default 64.", type="integer"))
+    response_fields = fields.List(StrictString(), load_default=None, allow_none=True)
+
+
+class ExtraChunkSchema(Schema):
+    class Meta:
+        unknown = EXCLUDE
+
+    filename = StrictString(load_default="tmp", allow_none=True)
+    text = StrictString(load_default="", allow_none=True)
+
+
+class NativeInfillSchema(NativeCompletionSchema):
+    """POST /infill: the code before and after the cursor, repository context, and the
+    text already typed on the cursor's line (`prompt`, placed after FIM_MID)."""
+
+    prompt = StrictString(load_default="", allow_none=True)
+    input_prefix = StrictString(load_default="", allow_none=True)
+    input_suffix = StrictString(load_default="", allow_none=True)
+    input_extra = fields.List(fields.Nested(ExtraChunkSchema), load_default=list,
+                              allow_none=True)
+    response_fields = fields.List(StrictString(), load_default=None, allow_none=True)
+
+
+_completion_schema = NativeCompletionSchema()
+_infill_schema = NativeInfillSchema()
+
+
+def _validated(schema: Schema) -> dict:
+    body = parse_json_body(any_content_type=True)
+    if isinstance(body, dict):
+        ignored = sorted(set(body) - set(schema.fields))
+        if ignored:
+            log.debug("%s: ignoring fields %s", request.path, ", ".join(ignored))
+    return validate(body, schema)
+
+
+@bp.post("/completion")
+@bp.post("/completions")
+def completion():
+    return serve(_validated(_completion_schema), NativeResult,
+                 {"warm": True})
+
+
+@bp.post("/infill")
+def infill():
+    req = _validated(_infill_schema)
+    state = get_client(current_app).wait_state()
+    model = resolve_model(req["model"], state)
+    workers = [w for w in (state or {}).get("workers", []) if w.get("model") == model]
+    if workers and not any(w.get("fim") for w in workers):
+        raise NotSupported(f"Infill is not supported by '{model}': its GGUF has no "
+                           "fill-in-the-middle tokens and the server has no --fim-template "
+                           "for it")
+    extra = [{"filename": c.get("filename") or "tmp", "text": c.get("text") or ""}
+             for c in req.pop("input_extra") or []]
+    limit = int(current_app.config["MAX_PROMPT_CHARS"])
+    size = sum(len(c["text"]) for c in extra) + len(req["input_prefix"] or "") + \
+        len(req["input_suffix"] or "") + len(req["prompt"] or "")
+    if size > limit:
+        raise PayloadTooLarge(f"the infill context has {size} characters; this server "
+                              f"takes at most {limit}", param="input_extra",
+                              code="prompt_too_large")
+    middle = req["prompt"] or ""
+    req.update(prompt=[req.pop("input_prefix") or ""], suffix=req.pop("input_suffix") or "")
+    return serve(req, NativeResult, {"warm": True,
+                                     "infill": {"extra": extra, "middle": middle}})
+
+
+SETTINGS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_last_n",
+            "repetition_penalty", "presence_penalty", "frequency_penalty", "mirostat",
+            "mirostat_tau", "mirostat_eta", "seed", "stop", "ignore_eos", "min_tokens",
+            "stream", "cache_prompt", "grammar")
+
+
+class NativeResult:
+    """llama.cpp's answer (`content`, `stop`, `stop_type`, `timings`, ...) assembled from
+    the jobs' events; a list when the request had several prompts."""
+
+    def __init__(self, request_id: str, created: int, model: str, req: dict, plans):
+        self.request_id, self.model, self.req, self.plans = request_id, model, req, plans
+        self.texts: list[list[str]] = [[] for _ in plans]
+        self.starts: list[dict] = [{} for _ in plans]
+        self.ends: list[dict | None] = [None] * len(plans)
+
+    def add(self, job_index: int, event: dict) -> None:
+        kind = event["e"]
+        if kind == P.EV_START:
+            self.starts[job_index] = event
+        elif kind == P.EV_TEXT:
+            self.texts[job_index].append(event["text"])
+        elif kind == P.EV_END:
+            self.ends[job_index] = event
+
+    def settings(self) -> dict:
+        req = self.req
+        out = {name: req.get(name) for name in SETTINGS}
+        out["repeat_penalty"] = out.pop("repetition_penalty")
+        out["n_predict"] = -1 if req.get("max_tokens") is None else req["max_tokens"]
+        out["model"] = self.model
+        return out
+
+    def summary(self, i: int, content: str) -> dict:
+        start, end = self.starts[i], self.ends[i] or {}
+        usage = end.get("usage") or {}
+        prompt_tokens = int(usage.get("prompt_tokens", start.get("prompt_tokens", 0)))
+        cached = int(start.get("cached_tokens", 0))
+        predicted = int(usage.get("completion_tokens", 0))
+        timings = end.get("timings") or {}
+        prompt_ms = float(timings.get("prompt_ms", 0.0))
+        predicted_ms = float(timings.get("predicted_ms", 0.0))
+        prompt_n = max(0, prompt_tokens - cached)
+        text = "".join(self.texts[i])
+        return {
+            "index": i, "content": content, "tokens": [], "id_slot": -1, "stop": True,
+            "model": self.model, "tokens_predicted": predicted,
+            "tokens_evaluated": prompt_tokens, "tokens_cached": cached,
+            "generation_settings": self.settings(), "has_new_line": "\n" in text,
+            "truncated": False, "stop_type": end.get("stop_type", "limit"),
+            "stopping_word": end.get("stopping_word") or "",
+            "timings": {
+                "cache_n": cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+                "prompt_per_second": prompt_n * 1000.0 / prompt_ms if prompt_ms else 0.0,
+                "predicted_n": predicted, "predicted_ms": predicted_ms,
+                "predicted_per_token_ms": predicted_ms / predicted if predicted else 0.0,
+                "predicted_per_second": predicted * 1000.0 / predicted_ms
+                if predicted_ms else 0.0},
+            "fingerprint": start.get("fingerprint"),
+        }
+
+    def body(self):
+        bodies = [self.pick(self.summary(i, "".join(t))) for i, t in enumerate(self.texts)]
+        return bodies[0] if len(bodies) == 1 else bodies
+
+    def pick(self, summary: dict) -> dict:
+        """llama.cpp's `response_fields`: only those, by path (`timings/prompt_n`), flat."""
+        wanted = self.req.get("response_fields")
+        if not wanted:
+            return summary
+        out = {}
+        for path in wanted:
+            value = summary
+            for key in str(path).split("/"):
+                value = value.get(key) if isinstance(value, dict) else None
+            if value is not None:
+                out[path] = value
+        return out
+
+    def chunk(self, job_index: int, event: dict) -> bytes | None:
+        kind = event["e"]
+        if kind == P.EV_TEXT:
+            return sse.event({"index": job_index, "content": event["text"], "tokens": [],
+                              "stop": False, "id_slot": -1})
+        if kind == P.EV_END:                 # llama.cpp's last event: the summary
+            return sse.event(self.summary(job_index, ""))
+        return None
+
+    def trailer(self, error: bool) -> list[bytes]:
+        return []                            # llama.cpp's native stream has no [DONE]
