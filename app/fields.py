@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 
-from marshmallow import fields
+from marshmallow import ValidationError, fields
 
 MAX_STOP_STRINGS = 256
 MAX_STOP_LENGTH = 512
@@ -130,6 +130,32 @@ class PromptField(fields.Field):
             elif not isinstance(part, str):
                 raise self.make_error("invalid")
         return [int(p) if _is_int(p) else p for p in prompt]
+
+
+class StringListField(fields.Field):
+    """An array of at most `max_items` non-empty strings of at most `max_length`
+    characters, each one of `choices` if given."""
+
+    default_error_messages = {"invalid": "Must be an array of strings."}
+
+    def __init__(self, max_items: int = 64, max_length: int = 256,
+                 choices: tuple[str, ...] | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.max_items, self.max_length, self.choices = max_items, max_length, choices
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise self.make_error("invalid")
+        if len(value) > self.max_items:
+            raise ValidationError(f"At most {self.max_items} items.")
+        if any(not s or len(s) > self.max_length for s in value):
+            raise ValidationError(f"Items are 1 to {self.max_length} characters.")
+        if self.choices is not None:
+            unknown = [s for s in value if s not in self.choices]
+            if unknown:
+                raise ValidationError(f"Unknown {unknown[0]!r}; use "
+                                      + ", ".join(self.choices) + ".")
+        return list(value)
 
 
 class StopField(fields.Field):

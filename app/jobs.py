@@ -6,7 +6,10 @@ from dataclasses import dataclass
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "typical_p", "seed",
                    "presence_penalty", "frequency_penalty", "repetition_penalty",
                    "repeat_last_n", "mirostat", "mirostat_tau", "mirostat_eta", "logit_bias",
-                   "grammar", "json_schema", "min_tokens", "ignore_eos")
+                   "grammar", "json_schema", "min_tokens", "ignore_eos", "dry_multiplier",
+                   "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                   "dry_sequence_breakers", "xtc_probability", "xtc_threshold", "top_n_sigma",
+                   "dynatemp_range", "dynatemp_exponent", "samplers")
 
 
 @dataclass(frozen=True)

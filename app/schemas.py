@@ -12,7 +12,8 @@ from marshmallow import (RAISE, Schema, ValidationError, fields, pre_load, valid
 from app.fields import (COMPUTE_KINDS, INT_MAX, MAX_CHOICES, MAX_LOGPROBS,  # noqa: F401
                         MAX_PROMPTS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SEED_RANGE,
                         JSONObject, LogitBiasField, PromptField, StopField, StrictBoolean,
-                        StrictFloat, StrictInteger, StrictString)
+                        StrictFloat, StrictInteger, StrictString, StringListField)
+from dispatcher.protocol import SAMPLER_ALIASES, SAMPLER_NAMES
 
 def _range(low=None, high=None, **kw):
     return validate.Range(min=low, max=high, **kw)
@@ -159,6 +160,78 @@ class CompletionRequestSchema(Schema):
         "Reuse the longest prefix of this prompt already in a worker's KV cache "
         "(usage.prompt_tokens_details.cached_tokens says how much).", type="boolean",
         default=True))
+    # -- llama.cpp's other samplers and fields (its /completion documents them) ------------
+    dry_multiplier = StrictFloat(load_default=0.0, allow_none=True, validate=_range(0.0, 100.0),
+                                 metadata=_doc("DRY (don't repeat yourself) strength; 0: off.",
+                                               type="number", minimum=0, maximum=100,
+                                               default=0))
+    dry_base = StrictFloat(load_default=1.75, allow_none=True, validate=_range(1.0, 10.0),
+                           metadata=_doc("DRY penalty base.", type="number", minimum=1,
+                                         maximum=10, default=1.75))
+    dry_allowed_length = StrictInteger(
+        load_default=2, allow_none=True, validate=_range(0, INT_MAX),
+        metadata=_doc("Repeats up to this long go unpenalized.", type="integer", minimum=0,
+                      maximum=INT_MAX, default=2))
+    dry_penalty_last_n = StrictInteger(
+        load_default=-1, allow_none=True, validate=_range(-1, INT_MAX),
+        metadata=_doc("Tokens DRY looks back over; -1: the context, 0: off.", type="integer",
+                      minimum=-1, maximum=INT_MAX, default=-1))
+    dry_sequence_breakers = StringListField(
+        load_default=None, allow_none=True, max_items=16, max_length=64,
+        metadata=_doc("Strings that end a repeated sequence for DRY (default \\n, :, \", *).",
+                      type="array", items={"type": "string"}))
+    xtc_probability = StrictFloat(load_default=0.0, allow_none=True, validate=_range(0.0, 1.0),
+                                  metadata=_doc("XTC (exclude top choices) chance; 0: off.",
+                                                type="number", minimum=0, maximum=1, default=0))
+    xtc_threshold = StrictFloat(load_default=0.1, allow_none=True, validate=_range(0.0, 1.0),
+                                metadata=_doc("XTC removes choices above this probability "
+                                              "(> 0.5: off).", type="number", minimum=0,
+                                              maximum=1, default=0.1))
+    top_n_sigma = StrictFloat(load_default=-1.0, allow_none=True, validate=_range(-1.0, 100.0),
+                              metadata=_doc("Keep tokens within n standard deviations of the "
+                                            "best logit; -1: off.", type="number", minimum=-1,
+                                            maximum=100, default=-1))
+    dynatemp_range = StrictFloat(load_default=0.0, allow_none=True, validate=_range(0.0, 2.0),
+                                 metadata=_doc("Dynamic temperature: temperature ± this, by "
+                                               "entropy; 0: off.", type="number", minimum=0,
+                                               maximum=2, default=0))
+    dynatemp_exponent = StrictFloat(load_default=1.0, allow_none=True,
+                                    validate=_range(0.0, 10.0, min_inclusive=False),
+                                    metadata=_doc("Dynamic temperature exponent.",
+                                                  type="number", exclusiveMinimum=0,
+                                                  maximum=10, default=1))
+    samplers = StringListField(
+        load_default=None, allow_none=True, max_items=16, max_length=32,
+        choices=SAMPLER_NAMES + tuple(SAMPLER_ALIASES),
+        metadata=_doc("llama.cpp's sampler order (penalties, dry, top_n_sigma, top_k, typ_p, "
+                      "top_p, min_p, xtc, temperature, infill); samplers not listed are not "
+                      "applied.", type="array", items={"type": "string"}))
+    n_probs = StrictInteger(load_default=0, allow_none=True, validate=_range(0, 100),
+                            metadata=_doc("llama.cpp: most likely tokens to report per "
+                                          "position (native endpoints).", type="integer",
+                                          minimum=0, maximum=100, default=0))
+    min_keep = StrictInteger(load_default=0, allow_none=True, validate=_range(0, INT_MAX),
+                             metadata=_doc("Accepted; the samplers always keep one token.",
+                                           type="integer", minimum=0, maximum=INT_MAX,
+                                           default=0))
+    n_keep = StrictInteger(load_default=0, allow_none=True, validate=_range(-1, INT_MAX),
+                           metadata=_doc("Accepted; a prompt never exceeds the context here "
+                                         "(longer is a 400), so nothing is shifted out.",
+                                         type="integer", minimum=-1, maximum=INT_MAX,
+                                         default=0))
+    id_slot = StrictInteger(load_default=-1, allow_none=True, validate=_range(-1, INT_MAX),
+                            metadata=_doc("Accepted; the dispatcher and the worker choose the "
+                                          "slot (by cached prefix).", type="integer",
+                                          minimum=-1, maximum=INT_MAX, default=-1))
+    return_tokens = StrictBoolean(load_default=False, allow_none=True, metadata=_doc(
+        "llama.cpp: also return token ids (native endpoints).", type="boolean",
+        default=False))
+    timings_per_token = StrictBoolean(load_default=False, allow_none=True, metadata=_doc(
+        "Accepted; native answers carry `timings` at the end.", type="boolean",
+        default=False))
+    post_sampling_probs = StrictBoolean(load_default=False, allow_none=True, metadata=_doc(
+        "Accepted; probabilities are the model's, before sampling.", type="boolean",
+        default=False))
     # -- geniex ------------------------------------------------------------------------
     nctx = StrictInteger(
         load_default=None, allow_none=True, validate=_range(1, INT_MAX),

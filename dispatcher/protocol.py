@@ -47,6 +47,12 @@ REQUEST = b"Q"      # body: the job plus {topic, attempt}
 
 FRONTEND_ID_LEN = 15            # "fe-" + 12 hex digits
 
+# llama.cpp's sampler names, as a job's `samplers` order list may give them
+SAMPLER_NAMES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
+                 "xtc", "temperature", "infill")
+SAMPLER_ALIASES = {"typical_p": "typ_p", "typical": "typ_p", "nucleus": "top_p",
+                   "temp": "temperature", "repetition": "penalties"}
+
 # Stream events (field "e")
 EV_START = "start"   # prompt tokenized and admitted: {prompt_tokens}
 EV_TEXT = "text"     # {text}

@@ -245,6 +245,60 @@ def test_typical_p_is_applied(det_port):
     assert sampled(det_port, seed=1, typical_p=0.0) == sampled(det_port, seed=2, typical_p=0.0)
 
 
+def test_a_tiny_top_n_sigma_keeps_only_the_best_token(det_port):
+    plain = sampled(det_port, temperature=0)
+    assert [sampled(det_port, seed=s, top_n_sigma=0.001) for s in (1, 2)] == [plain, plain]
+
+
+def test_the_samplers_list_decides_which_samplers_run(det_port):
+    plain = sampled(det_port, temperature=0)
+    listed = [sampled(det_port, seed=s, top_k=1, samplers=["top_k", "temperature"])
+              for s in (1, 2)]
+    assert listed == [plain, plain]                          # top_k 1 applied: greedy
+    unlisted = [sampled(det_port, seed=s, top_k=1, samplers=["temperature"])
+                for s in (1, 2)]
+    assert any(text != plain for text in unlisted)           # top_k left out: it wanders
+
+
+def test_dynamic_temperature_changes_sampled_text(det_port):
+    base = [sampled(det_port, seed=s, temperature=0.6) for s in (1, 2, 3)]
+    dynamic = [sampled(det_port, seed=s, temperature=0.6, dynatemp_range=0.6,
+                       dynatemp_exponent=0.2) for s in (1, 2, 3)]
+    assert base != dynamic
+
+
+REPEATING = "red green blue red green blue red green blue red green"
+
+
+def test_dry_breaks_repetition_in_greedy_output(det_port):
+    plain = greedy(det_port, REPEATING, 16)["choices"][0]["text"]
+    off = greedy(det_port, REPEATING, 16, dry_multiplier=0.0)["choices"][0]["text"]
+    dry = greedy(det_port, REPEATING, 16, dry_multiplier=3.0, dry_allowed_length=1,
+                 dry_penalty_last_n=-1)["choices"][0]["text"]
+    assert off == plain and dry != plain
+
+
+def test_xtc_removes_the_top_choices(det_port):
+    """At a low temperature the likeliest token nearly always wins; XTC at probability 1
+    removes every choice above the threshold but the least likely of them."""
+    cold = [sampled(det_port, seed=s, temperature=0.05) for s in (1, 2)]
+    xtc = [sampled(det_port, seed=s, temperature=0.05, xtc_probability=1.0,
+                   xtc_threshold=0.01) for s in (1, 2)]
+    assert all(a != b for a, b in zip(cold, xtc))
+
+
+def test_llama_cpp_fields_are_accepted_on_the_openai_endpoint(port):
+    body = complete(port, prompt="Hi", max_tokens=2, n_probs=3, min_keep=1, n_keep=-1,
+                    id_slot=0, return_tokens=True, timings_per_token=True,
+                    post_sampling_probs=True, dry_sequence_breakers=["\n"],
+                    samplers=["top_k", "typical_p", "temperature"])
+    assert body["usage"]["completion_tokens"] == 2
+    status, error = error_of(port, {"prompt": "Hi", "samplers": ["warp_drive"]})
+    assert status == 400 and error["param"] == "samplers"
+    status, error = error_of(port, {"prompt": "Hi", "dry_base": 0.5})
+    assert status == 400 and error["param"] == "dry_base"
+
+
 def test_repeat_last_n_sets_the_penalty_window(det_port):
     prompt = "one two one two one two one two"
     plain = greedy(det_port, prompt, 16)["choices"][0]["text"]

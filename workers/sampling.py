@@ -6,9 +6,13 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from dispatcher.protocol import SAMPLER_ALIASES
 from workers.errors import EngineError, InvalidInput
 
 RANDOM_SEED = 0xFFFFFFFF     # llama.cpp's LLAMA_DEFAULT_SEED: draw a random seed
+DEFAULT_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
+                 "xtc", "temperature")    # llama.cpp's (its `samplers` default)
+DRY_BREAKERS = ("\n", ":", "\"", "*")
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,17 @@ class SamplingParams:
     grammar: str | None = None   # GBNF, root rule "root"
     min_tokens: int = 0          # end of generation is impossible before this many tokens
     ignore_eos: bool = False     # ... or at all
+    dry_multiplier: float = 0.0  # DRY (don't repeat yourself); 0: off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # -1: the context
+    dry_sequence_breakers: tuple[str, ...] = DRY_BREAKERS
+    xtc_probability: float = 0.0  # XTC (exclude top choices); 0: off
+    xtc_threshold: float = 0.1
+    top_n_sigma: float = -1.0    # < 0: off
+    dynatemp_range: float = 0.0  # dynamic temperature: temperature ± range by entropy
+    dynatemp_exponent: float = 1.0
+    samplers: tuple[str, ...] | None = None   # llama.cpp's order list; None: the default
 
     @classmethod
     def from_job(cls, sampling: dict) -> "SamplingParams":
@@ -37,7 +52,17 @@ class SamplingParams:
         values = {k: v for k, v in sampling.items() if k in names and v is not None}
         if "logit_bias" in values:
             values["logit_bias"] = {int(k): float(v) for k, v in values["logit_bias"].items()}
+        for name in ("dry_sequence_breakers", "samplers"):
+            if name in values:
+                values[name] = tuple(values[name])
         return cls(**values)
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The samplers to apply, in order (unknown names are refused at validation)."""
+        if self.samplers is None:
+            return DEFAULT_ORDER
+        return tuple(SAMPLER_ALIASES.get(n, n) for n in self.samplers)
 
     @property
     def greedy(self) -> bool:
@@ -120,21 +145,14 @@ class SamplerChain:
                  candidates: Candidates):
         self.lib, self.candidates = lib, candidates
         self.grammar = None
-        bare_greedy = p.greedy and not p.penalized and not p.logit_bias
+        bare_greedy = p.greedy and not p.penalized and not p.logit_bias and \
+            not p.dry_multiplier
         self.plain_greedy = bare_greedy and p.grammar is None   # argmax is the whole chain
         self.bare_greedy = bare_greedy                  # ... apart from a grammar
         samplers = []
-        if p.penalized:
-            # The window is a ring buffer of this many tokens: never more than a sequence
-            # can hold, whatever the client asked for.
-            last_n = n_ctx if p.repeat_last_n < 0 else min(p.repeat_last_n, n_ctx)
-            samplers.append(lib.llama_sampler_init_penalties(
-                n_vocab, last_n, p.repetition_penalty, p.frequency_penalty,
-                p.presence_penalty))
         if p.logit_bias:
             bad = [t for t in p.logit_bias if not 0 <= t < n_vocab]
             if bad:
-                self._free_all(samplers)
                 raise InvalidInput(f"token ids {bad[:5]} are outside the vocabulary "
                                    f"(0..{n_vocab - 1})", param="logit_bias")
             biases = (lib.llama_logit_bias * len(p.logit_bias))(
@@ -147,6 +165,42 @@ class SamplerChain:
                 self._free_all(samplers)
                 raise InvalidInput("the grammar does not parse (GBNF with a 'root' rule)",
                                    param="grammar")
+        # llama.cpp's common sampler: the listed samplers in order (each only when its
+        # settings turn it on), then greedy, Mirostat, or temperature and a seeded draw.
+        # Windows are ring buffers: never more than a sequence can hold.
+        window = lambda n: n_ctx if n < 0 else min(n, n_ctx)     # noqa: E731
+        for name in p.order:
+            if name == "penalties" and p.penalized:
+                samplers.append(lib.llama_sampler_init_penalties(
+                    n_vocab, window(p.repeat_last_n), p.repetition_penalty,
+                    p.frequency_penalty, p.presence_penalty))
+            elif name == "dry" and p.dry_multiplier > 0:
+                breakers = [b.encode() for b in p.dry_sequence_breakers]
+                array = (ctypes.c_char_p * max(1, len(breakers)))(*breakers)
+                samplers.append(lib.llama_sampler_init_dry(
+                    vocab, p.dry_multiplier, p.dry_base, p.dry_allowed_length,
+                    window(p.dry_penalty_last_n), array, len(breakers)))
+            elif p.greedy or p.mirostat:
+                continue                          # truncation: none before these
+            elif name == "top_n_sigma" and p.top_n_sigma >= 0:
+                samplers.append(lib.llama_sampler_init_top_n_sigma(p.top_n_sigma))
+            elif name == "top_k" and p.top_k > 0:
+                samplers.append(lib.llama_sampler_init_top_k(p.top_k))
+            elif name == "typ_p" and p.typical_p < 1.0:
+                samplers.append(lib.llama_sampler_init_typical(p.typical_p, 1))
+            elif name == "top_p" and p.top_p < 1.0:
+                samplers.append(lib.llama_sampler_init_top_p(p.top_p, 1))
+            elif name == "min_p" and p.min_p > 0.0:
+                samplers.append(lib.llama_sampler_init_min_p(p.min_p, 1))
+            elif name == "xtc" and p.xtc_probability > 0.0:
+                samplers.append(lib.llama_sampler_init_xtc(
+                    p.xtc_probability, p.xtc_threshold, 1, p.seed32))
+            elif name == "temperature":
+                samplers.append(lib.llama_sampler_init_temp_ext(
+                    p.temperature, p.dynatemp_range, p.dynatemp_exponent)
+                    if p.dynatemp_range > 0 else lib.llama_sampler_init_temp(p.temperature))
+            elif name == "infill":
+                samplers.append(lib.llama_sampler_init_infill(vocab))
         if p.greedy:
             samplers.append(lib.llama_sampler_init_greedy())
         elif p.mirostat:
@@ -157,16 +211,7 @@ class SamplerChain:
             else:
                 samplers.append(lib.llama_sampler_init_mirostat_v2(
                     p.seed32, p.mirostat_tau, p.mirostat_eta))
-        else:
-            if p.top_k > 0:
-                samplers.append(lib.llama_sampler_init_top_k(p.top_k))
-            if p.typical_p < 1.0:
-                samplers.append(lib.llama_sampler_init_typical(p.typical_p, 1))
-            if p.top_p < 1.0:
-                samplers.append(lib.llama_sampler_init_top_p(p.top_p, 1))
-            if p.min_p > 0.0:
-                samplers.append(lib.llama_sampler_init_min_p(p.min_p, 1))
-            samplers.append(lib.llama_sampler_init_temp(p.temperature))
+        else:                # (a `samplers` list without temperature: as llama.cpp, none)
             samplers.append(lib.llama_sampler_init_dist(p.seed32))
         self.chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
         for sampler in samplers:
