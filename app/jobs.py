@@ -50,7 +50,9 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
                 "score": scoring, "sampling": sampling, "nctx": req.get("nctx"),
                 "route": route, "cache_prompt": req["cache_prompt"],
                 "session": session, "parent": request_id, "timeout": timeout,
-                "fanout": len(req["prompt"]) * candidates, **(extra or {}),
+                "fanout": len(req["prompt"]) * candidates,
+                "n_indent": req.get("n_indent"), "t_max_predict_ms": req.get("t_max_predict_ms"),
+                "t_max_prompt_ms": req.get("t_max_prompt_ms"), **(extra or {}),
             }
             plans.append(JobPlan(job, p, c))
     return plans

@@ -176,6 +176,8 @@ class NativeResult:
                 "predicted_per_second": predicted * 1000.0 / predicted_ms
                 if predicted_ms else 0.0},
             "fingerprint": start.get("fingerprint"),
+            # t_max_prompt_ms: the oldest input_extra chunks left out to meet it
+            "input_extra_dropped": int(end.get("dropped_chunks", 0)),
         }
 
     def body(self):

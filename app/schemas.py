@@ -232,6 +232,21 @@ class CompletionRequestSchema(Schema):
     post_sampling_probs = StrictBoolean(load_default=False, allow_none=True, metadata=_doc(
         "Accepted; probabilities are the model's, before sampling.", type="boolean",
         default=False))
+    n_indent = StrictInteger(load_default=0, allow_none=True, validate=_range(0, INT_MAX),
+                             metadata=_doc("After the first newline, a line indented less "
+                                           "than this ends the completion (llama.cpp).",
+                                           type="integer", minimum=0, maximum=INT_MAX,
+                                           default=0))
+    t_max_predict_ms = StrictFloat(
+        load_default=-1.0, allow_none=True, validate=_range(-1.0, 86_400_000.0),
+        metadata=_doc("Once a newline has been generated, stop when generating took longer "
+                      "than this (llama.cpp); ≤ 0: off.", type="number", minimum=-1,
+                      maximum=86400000, default=-1))
+    t_max_prompt_ms = StrictFloat(
+        load_default=-1.0, allow_none=True, validate=_range(-1.0, 86_400_000.0),
+        metadata=_doc("Keep the prefill within this by leaving out the oldest extra context "
+                      "chunks (/infill), at the worker's measured rate; ≤ 0: off.",
+                      type="number", minimum=-1, maximum=86400000, default=-1))
     # -- geniex ------------------------------------------------------------------------
     nctx = StrictInteger(
         load_default=None, allow_none=True, validate=_range(1, INT_MAX),

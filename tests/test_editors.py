@@ -216,3 +216,49 @@ def test_infill_without_fim_tokens_or_template_is_501(real_server):
                                                          "input_suffix": ")"})
     error = json.loads(raw)["error"]
     assert status == 501 and error["type"] == "not_supported_error"
+
+
+CODE = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n"
+
+
+def complete_native(port, **body):
+    status, raw = post_raw(port, "/completion", {"prompt": CODE, "temperature": 0, **body})
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def test_n_indent_ends_the_completion_at_a_dedented_line(editor_server):
+    port = editor_server.port
+    free = complete_native(port, n_predict=80, ignore_eos=True)["content"]
+    lines = free.split("\n")[1:]
+    assert any(line.strip() and not line.startswith("        ") for line in lines)
+    cut = complete_native(port, n_predict=80, ignore_eos=True, n_indent=8)
+    assert cut["stop_type"] == "limit" and cut["tokens_predicted"] < 80
+    for line in cut["content"].split("\n")[1:]:
+        assert not line.strip() or line.startswith("        "), cut["content"]
+
+
+def test_t_max_predict_ms_stops_after_a_newline_once_time_is_up(editor_server):
+    port = editor_server.port
+    free = complete_native(port, n_predict=60, ignore_eos=True)
+    assert free["tokens_predicted"] == 60 and "\n" in free["content"]
+    timed = complete_native(port, n_predict=60, ignore_eos=True, t_max_predict_ms=1)
+    assert timed["stop_type"] == "limit" and timed["tokens_predicted"] < 60
+    assert "\n" in timed["content"]
+
+
+def test_t_max_prompt_ms_leaves_out_the_oldest_extra_chunks(editor_server):
+    port = editor_server.port
+    complete_native(port, n_predict=2, prompt="warm up the measured prefill rate " * 8)
+    extra = [{"filename": f"f{i}.py", "text": f"def helper_{i}(v):\n    return v * {i}\n" * 12}
+             for i in range(8)]
+    base = {"input_prefix": "def main():\n    ", "input_suffix": "\n", "input_extra": extra,
+            "n_predict": 4, "temperature": 0}
+    status, raw = post_raw(port, "/infill", base)
+    whole = json.loads(raw)
+    assert status == 200 and whole["input_extra_dropped"] == 0
+    status, raw = post_raw(port, "/infill", {**base, "cache_prompt": False,
+                                             "t_max_prompt_ms": 5})
+    budget = json.loads(raw)
+    assert status == 200 and budget["input_extra_dropped"] > 0
+    assert budget["tokens_evaluated"] < whole["tokens_evaluated"]

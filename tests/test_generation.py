@@ -111,3 +111,24 @@ def test_shutdown_hands_back_what_sent_no_text_and_fails_the_rest(loop):
     assert done["silent"]["released"] is True
     assert events_of(loop, "talking")[-1]["code"] == "worker_stopping"
     assert sorted(loop.free_slots) == [0, 1]
+
+
+def test_n_indent_ends_at_the_first_dedented_line_after_a_newline():
+    from workers.requests import EditorLimits
+    limits = EditorLimits(n_indent=4)
+    assert limits.cut("x = 1") == ("x = 1", False)          # the cursor's line: exempt
+    assert limits.cut("\n    y = 2\n  ") == ("\n    y = 2\n  ", False)
+    assert limits.cut("  z\n") == ("  z\n", False)          # 2 + 2 spaces: indented
+    assert limits.cut("  w") == ("  ", True)                 # 2 spaces: dedented
+    limits = EditorLimits(n_indent=1)
+    assert limits.cut("a\n\tb\nc") == ("a\n\tb\n", True)     # a tab counts one
+
+
+def test_t_max_predict_ms_waits_for_a_newline():
+    from workers.requests import EditorLimits
+    limits = EditorLimits(t_max_predict_ms=100)
+    limits.cut("no newline yet")
+    assert not limits.out_of_time(first_at=0.0, now=1.0)
+    limits.cut("a\n")
+    assert limits.out_of_time(first_at=0.0, now=1.0)
+    assert not limits.out_of_time(first_at=0.0, now=0.05)

@@ -177,6 +177,10 @@ class LlamaEngine:
     def n_slots(self) -> int:
         return len(self.slots)
 
+    def cached_prefix(self, tokens: list[int], free: list[int]) -> int:
+        """The longest prefix of `tokens` some free slot's cache already holds."""
+        return max((_common_prefix(self.slots[i].cached, tokens) for i in free), default=0)
+
     def best_slot(self, tokens: list[int], free: list[int]) -> int:
         """The free slot whose cached tokens share the longest prefix with `tokens`
         (ties: the one with the least cached, so long caches survive)."""

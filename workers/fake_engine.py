@@ -64,6 +64,9 @@ class FakeEngine:
     def grammar_from_json_schema(self, schema: dict) -> str:
         raise InvalidInput("the fake engine has no grammar support", param="json_schema")
 
+    def cached_prefix(self, tokens: list[int], free: list[int]) -> int:
+        return 0
+
     def best_slot(self, tokens: list[int], free: list[int]) -> int:
         return free[0]
 

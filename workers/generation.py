@@ -19,8 +19,8 @@ from dispatcher import protocol as P
 from workers.errors import EngineError, InvalidInput
 from workers.publisher import FaultInjection, Publisher
 from workers.interface import Engine
-from workers.requests import (Active, LogprobLedger, prompt_text, prompt_tokens,
-                              token_text)
+from workers.requests import (Active, EditorLimits, LogprobLedger, prompt_text,
+                              prompt_tokens, token_text)
 from workers.sampling import SamplingParams
 from workers.textstream import TextAssembler
 
@@ -33,6 +33,7 @@ class GenerationLoop:
                  identity: dict | None = None, fim_template=None):
         self.engine = engine
         self.fim_template = fim_template          # FimTemplate for suffix / infill
+        self.prefill_rate: float | None = None    # prompt tokens per ms, measured
         self.identity = identity or {}            # {"worker", "device"}: in start events
         self.publisher = publisher
         self.notify = notify                      # -> dispatcher, through the IO thread
@@ -158,9 +159,22 @@ class GenerationLoop:
         if sampling.get("json_schema") is not None:
             sampling["grammar"] = self.engine.grammar_from_json_schema(sampling["json_schema"])
         infill = body.get("infill") or {}
+        extra = list(infill.get("extra") or [])
         tokens = prompt_tokens(self.engine, body["prompt"], body.get("suffix"),
-                               self.fim_template, infill.get("extra"),
-                               infill.get("middle") or "")
+                               self.fim_template, extra, infill.get("middle") or "")
+        dropped = 0
+        budget = float(body.get("t_max_prompt_ms") or 0)
+        if budget > 0 and extra and (body.get("max_tokens") is None
+                                     or body["max_tokens"] > 1):
+            # llama.cpp declares t_max_prompt_ms and never implemented it: drop the
+            # oldest extra chunks until the prefill fits, at this worker's measured rate
+            # (warm-ups, n_predict 0 or 1, always fill the cache in full)
+            reuse = body.get("cache_prompt", True)
+            while extra and self._prefill_ms(tokens, reuse) > budget:
+                extra.pop(0)
+                dropped += 1
+                tokens = prompt_tokens(self.engine, body["prompt"], body.get("suffix"),
+                                       self.fim_template, extra, infill.get("middle") or "")
         n_ctx = min(self.engine.n_ctx, body.get("nctx") or self.engine.n_ctx)
         if len(tokens) >= n_ctx:
             raise InvalidInput(f"This model's maximum context length is {n_ctx} tokens, but "
@@ -184,6 +198,10 @@ class GenerationLoop:
         self.free_slots.remove(slot)
         active.cached = cached
         active.prompt = body.get("prompt")
+        active.dropped_chunks = dropped
+        if body.get("n_indent") or body.get("t_max_predict_ms"):
+            active.limits = EditorLimits(int(body.get("n_indent") or 0),
+                                         float(body.get("t_max_predict_ms") or 0))
         self.active[request_id] = active
         self._publish(active, {"e": P.EV_START, "prompt_tokens": len(tokens),
                                "cached_tokens": cached, "fingerprint": self.engine.fingerprint,
@@ -196,6 +214,22 @@ class GenerationLoop:
                 self._send_echo(active, None, tokens)
         if active.max_tokens == 0 and not prompt_lp and not body.get("warm"):
             self._finish(active, "length")          # (warm-up: after the prefill)
+
+    def _prefill_ms(self, tokens: list[int], reuse: bool = True) -> float:
+        """How long prefilling `tokens` would take here now: what no free slot holds, at
+        the measured rate (0 until a prefill has been measured)."""
+        if not self.prefill_rate:
+            return 0.0
+        cached = self.engine.cached_prefix(tokens, self.free_slots) if reuse else 0
+        return (len(tokens) - cached) / self.prefill_rate
+
+    def _measure_prefill(self, active: Active) -> None:
+        n = active.prompt_tokens - active.cached
+        ms = (active.first_at - active.started) * 1000
+        if n >= 16 and ms > 0:
+            rate = n / ms
+            self.prefill_rate = rate if self.prefill_rate is None else \
+                0.7 * self.prefill_rate + 0.3 * rate
 
     def _send_echo(self, active: Active, prompt_lp: list | None, tokens: list[int]) -> None:
         active.echo_pending = False
@@ -250,6 +284,7 @@ class GenerationLoop:
                 return
         if active.first_at is None:
             active.first_at = time.monotonic()
+            self._measure_prefill(active)
         if active.max_tokens == 0:                   # a warm-up: the prompt is cached now
             self._finish(active, "length", "limit")
             return
@@ -266,9 +301,16 @@ class GenerationLoop:
             active.ledger.add(self._offset(active) + active.assembler.decoded,
                               token_text(piece), out.logprob, top)
         text = active.assembler.feed(piece)
+        ended = False
+        if active.limits is not None:
+            text, ended = active.limits.cut(text)
+            ended = ended or active.limits.out_of_time(active.first_at, time.monotonic())
         if text:
             self._send_text(active, text)
-        if active.assembler.stopped:
+        if ended:
+            active.assembler.stopped = True       # what it still holds is not sent
+            self._finish(active, "length", "limit")
+        elif active.assembler.stopped:
             self._finish(active, "stop", "word")
         elif active.max_tokens is not None and active.generated >= active.max_tokens:
             self._finish(active, "length", "limit")
@@ -309,6 +351,8 @@ class GenerationLoop:
                              "predicted_ms": round((now - first) * 1000, 3)}}
         if stop_type == "word":
             event["stopping_word"] = active.assembler.stop_word
+        if active.dropped_chunks:
+            event["dropped_chunks"] = active.dropped_chunks
         if active.ledger is not None:
             rest = active.ledger.release(None if reason == "length" or
                                          not active.assembler.stopped else active.chars_out)

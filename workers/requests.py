@@ -152,6 +152,8 @@ class Active:
     prompt_ids: list[int] | None = None
     ledger: LogprobLedger | None = None
     score: bool = False             # sum logprobs, for best_of
+    limits: "EditorLimits | None" = None   # n_indent, t_max_predict_ms
+    dropped_chunks: int = 0         # extra context left out to meet t_max_prompt_ms
     cached: int = 0                 # prompt tokens reused from the slot's KV cache
     seq: int = 0
     generated: int = 0
@@ -161,3 +163,40 @@ class Active:
     started: float = field(default_factory=time.monotonic)
     prompt: object = None           # as the job gave it (for fault injection)
     first_at: float | None = None   # when the first token was sampled (prefill done)
+
+
+@dataclass
+class EditorLimits:
+    """llama.cpp's editor stops, applied to the text as it is released:
+
+    `n_indent`: after the first newline, a line whose first visible character is indented
+    less than this ends the completion there (that line's text is not sent);
+    `t_max_predict_ms`: once a newline has been generated, a completion running longer
+    than this (since its first token) ends at the next token.
+    """
+    n_indent: int = 0
+    t_max_predict_ms: float = 0.0
+    seen_newline: bool = False
+    at_line_start: bool = False
+    indent: int = 0
+
+    def cut(self, text: str) -> tuple[str, bool]:
+        """(the part of `text` to send, whether the completion ends here)."""
+        if self.n_indent <= 0:
+            if "\n" in text:
+                self.seen_newline = True
+            return text, False
+        for i, ch in enumerate(text):
+            if ch == "\n":
+                self.seen_newline, self.at_line_start, self.indent = True, True, 0
+            elif self.at_line_start and ch in " \t":
+                self.indent += 1
+            elif self.at_line_start:
+                self.at_line_start = False
+                if self.indent < self.n_indent:
+                    return text[:i], True
+        return text, False
+
+    def out_of_time(self, first_at: float | None, now: float) -> bool:
+        return self.t_max_predict_ms > 0 and self.seen_newline and first_at is not None \
+            and (now - first_at) * 1000 > self.t_max_predict_ms
