@@ -52,7 +52,9 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
                 "session": session, "parent": request_id, "timeout": timeout,
                 "fanout": len(req["prompt"]) * candidates,
                 "n_indent": req.get("n_indent"), "t_max_predict_ms": req.get("t_max_predict_ms"),
-                "t_max_prompt_ms": req.get("t_max_prompt_ms"), **(extra or {}),
+                "t_max_prompt_ms": req.get("t_max_prompt_ms"),
+                "n_probs": req.get("n_probs"), "return_tokens": req.get("return_tokens"),
+                **(extra or {}),
             }
             plans.append(JobPlan(job, p, c))
     return plans

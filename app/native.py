@@ -129,6 +129,8 @@ class NativeResult:
     def __init__(self, request_id: str, created: int, model: str, req: dict, plans):
         self.request_id, self.model, self.req, self.plans = request_id, model, req, plans
         self.texts: list[list[str]] = [[] for _ in plans]
+        self.ids: list[list[int]] = [[] for _ in plans]
+        self.probs: list[list[dict]] = [[] for _ in plans]
         self.starts: list[dict] = [{} for _ in plans]
         self.ends: list[dict | None] = [None] * len(plans)
 
@@ -138,6 +140,8 @@ class NativeResult:
             self.starts[job_index] = event
         elif kind == P.EV_TEXT:
             self.texts[job_index].append(event["text"])
+            self.ids[job_index] += event.get("ids", [])
+            self.probs[job_index] += event.get("probs", [])
         elif kind == P.EV_END:
             self.ends[job_index] = event
 
@@ -161,7 +165,8 @@ class NativeResult:
         prompt_n = max(0, prompt_tokens - cached)
         text = "".join(self.texts[i])
         return {
-            "index": i, "content": content, "tokens": [], "id_slot": -1, "stop": True,
+            "index": i, "content": content, "tokens": self.ids[i] if content else [],
+            "id_slot": -1, "stop": True,
             "model": self.model, "tokens_predicted": predicted,
             "tokens_evaluated": prompt_tokens, "tokens_cached": cached,
             "generation_settings": self.settings(), "has_new_line": "\n" in text,
@@ -181,7 +186,12 @@ class NativeResult:
         }
 
     def body(self):
-        bodies = [self.pick(self.summary(i, "".join(t))) for i, t in enumerate(self.texts)]
+        bodies = []
+        for i, text in enumerate(self.texts):
+            summary = self.summary(i, "".join(text))
+            if self.req.get("n_probs"):
+                summary["completion_probabilities"] = self.probs[i]
+            bodies.append(self.pick(summary))
         return bodies[0] if len(bodies) == 1 else bodies
 
     def pick(self, summary: dict) -> dict:
@@ -201,8 +211,11 @@ class NativeResult:
     def chunk(self, job_index: int, event: dict) -> bytes | None:
         kind = event["e"]
         if kind == P.EV_TEXT:
-            return sse.event({"index": job_index, "content": event["text"], "tokens": [],
-                              "stop": False, "id_slot": -1})
+            chunk = {"index": job_index, "content": event["text"],
+                     "tokens": event.get("ids", []), "stop": False, "id_slot": -1}
+            if self.req.get("n_probs"):
+                chunk["completion_probabilities"] = event.get("probs", [])
+            return sse.event(chunk)
         if kind == P.EV_END:                 # llama.cpp's last event: the summary
             return sse.event(self.summary(job_index, ""))
         return None

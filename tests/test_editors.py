@@ -262,3 +262,26 @@ def test_t_max_prompt_ms_leaves_out_the_oldest_extra_chunks(editor_server):
     budget = json.loads(raw)
     assert status == 200 and budget["input_extra_dropped"] > 0
     assert budget["tokens_evaluated"] < whole["tokens_evaluated"]
+
+
+def test_n_probs_and_return_tokens_in_llama_cpp_shape(editor_server):
+    port = editor_server.port
+    answer = complete_native(port, n_predict=6, ignore_eos=True, n_probs=3,
+                             return_tokens=True)
+    assert len(answer["tokens"]) == answer["tokens_predicted"] == 6
+    status, raw = post_raw(port, "/detokenize", {"tokens": answer["tokens"]})
+    assert json.loads(raw)["content"] == answer["content"]
+    probs = answer["completion_probabilities"]
+    assert [p["id"] for p in probs] == answer["tokens"]
+    for p in probs:
+        top = p["top_logprobs"]
+        assert len(top) == 3 and top[0]["id"] == p["id"]           # greedy: the best
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top),
+                                                     reverse=True)
+        assert bytes(p["bytes"]).decode("utf-8", "replace") and p["logprob"] <= 0
+    status, raw = post_raw(port, "/completion", {"prompt": CODE, "temperature": 0,
+                                                 "n_predict": 3, "n_probs": 2,
+                                                 "stream": True})
+    events = data_events(raw)
+    streamed = [p for e in events[:-1] for p in e["completion_probabilities"]]
+    assert len(streamed) == 3 and all(len(p["top_logprobs"]) == 2 for p in streamed)

@@ -191,6 +191,10 @@ class GenerationLoop:
                         ledger=LogprobLedger(logprobs) if logprobs is not None else None,
                         score=bool(body.get("score")))
         want = logprobs if logprobs is not None else (0 if active.score else None)
+        active.n_probs = int(body.get("n_probs") or 0)
+        active.return_tokens = bool(body.get("return_tokens"))
+        if active.n_probs:
+            want = max(want or 0, active.n_probs)
         prompt_lp = echo and logprobs is not None
         cached = self.engine.add(slot, tokens, SamplingParams.from_job(sampling), want,
                                  prompt_logprobs=prompt_lp,
@@ -300,6 +304,11 @@ class GenerationLoop:
             top.setdefault(token_text(piece), out.logprob)
             active.ledger.add(self._offset(active) + active.assembler.decoded,
                               token_text(piece), out.logprob, top)
+        if active.return_tokens:
+            active.pending_ids.append(out.token)
+        if active.n_probs:
+            active.pending_probs.append(self._probs_entry(out.token, piece, out.logprob,
+                                                          (out.top or [])[:active.n_probs]))
         text = active.assembler.feed(piece)
         ended = False
         if active.limits is not None:
@@ -333,7 +342,18 @@ class GenerationLoop:
         event = {"e": P.EV_TEXT, "text": text}
         if logprobs is not None:
             event["logprobs"] = logprobs
+        if active.pending_ids:
+            event["ids"], active.pending_ids = active.pending_ids, []
+        if active.pending_probs:
+            event["probs"], active.pending_probs = active.pending_probs, []
         self._publish(active, event)
+
+    def _probs_entry(self, token: int, piece: bytes, logprob, top) -> dict:
+        """llama.cpp's `completion_probabilities` entry for one generated token."""
+        def one(t: int, data: bytes, lp) -> dict:
+            return {"id": t, "token": token_text(data), "bytes": list(data), "logprob": lp}
+        return {**one(token, piece, logprob),
+                "top_logprobs": [one(t, self.engine.piece(t), lp) for t, lp in top]}
 
     def _finish(self, active: Active, reason: str, stop_type: str = "limit") -> None:
         """End the request: `reason` is OpenAI's finish_reason, `stop_type` llama.cpp's

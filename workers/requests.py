@@ -153,6 +153,10 @@ class Active:
     ledger: LogprobLedger | None = None
     score: bool = False             # sum logprobs, for best_of
     limits: "EditorLimits | None" = None   # n_indent, t_max_predict_ms
+    n_probs: int = 0                # llama.cpp's completion_probabilities, per token
+    return_tokens: bool = False     # llama.cpp's `tokens`: the generated ids
+    pending_ids: list = field(default_factory=list)     # ... waiting for their text
+    pending_probs: list = field(default_factory=list)
     dropped_chunks: int = 0         # extra context left out to meet t_max_prompt_ms
     cached: int = 0                 # prompt tokens reused from the slot's KV cache
     seq: int = 0
