@@ -48,27 +48,39 @@ class NativeCompletionSchema(CompletionRequestSchema):
     repeat_last_n = StrictInteger(load_default=64, allow_none=True,
                                   validate=_range(-1, INT_MAX),
                                   metadata=_doc("llama.cpp's default 64.", type="integer"))
-    response_fields = fields.List(StrictString(), load_default=None, allow_none=True)
+    response_fields = fields.List(StrictString(), load_default=None, allow_none=True,
+                                  metadata=_doc("Only these fields of the answer, by path "
+                                                "(`timings/prompt_n`), flat.", type="array",
+                                                items={"type": "string"}))
 
 
 class ExtraChunkSchema(Schema):
     class Meta:
         unknown = EXCLUDE
 
-    filename = StrictString(load_default="tmp", allow_none=True)
-    text = StrictString(load_default="", allow_none=True)
+    filename = StrictString(load_default="tmp", allow_none=True,
+                            metadata=_doc("The chunk's file name.", type="string"))
+    text = StrictString(load_default="", allow_none=True,
+                        metadata=_doc("The chunk's text.", type="string"))
 
 
 class NativeInfillSchema(NativeCompletionSchema):
     """POST /infill: the code before and after the cursor, repository context, and the
     text already typed on the cursor's line (`prompt`, placed after FIM_MID)."""
 
-    prompt = StrictString(load_default="", allow_none=True)
-    input_prefix = StrictString(load_default="", allow_none=True)
-    input_suffix = StrictString(load_default="", allow_none=True)
+    prompt = StrictString(load_default="", allow_none=True, metadata=_doc(
+        "Text already typed on the cursor's line: placed after FIM_MID.", type="string"))
+    input_prefix = StrictString(load_default="", allow_none=True, metadata=_doc(
+        "The code before the cursor.", type="string"))
+    input_suffix = StrictString(load_default="", allow_none=True, metadata=_doc(
+        "The code after the cursor.", type="string"))
     input_extra = fields.List(fields.Nested(ExtraChunkSchema), load_default=list,
-                              allow_none=True)
-    response_fields = fields.List(StrictString(), load_default=None, allow_none=True)
+                              allow_none=True, metadata=_doc(
+                                  "Repository context, oldest first: {filename, text} "
+                                  "chunks laid out before the prefix.", type="array",
+                                  items={"type": "object", "properties": {
+                                      "filename": {"type": "string"},
+                                      "text": {"type": "string"}}}))
 
 
 _completion_schema = NativeCompletionSchema()

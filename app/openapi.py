@@ -9,6 +9,7 @@ from __future__ import annotations
 from flask import Blueprint, jsonify
 from marshmallow import Schema, fields
 
+from app.native import NativeCompletionSchema, NativeInfillSchema
 from app.schemas import (CompletionRequestSchema, DetokenizeRequestSchema,
                          TokenizeRequestSchema)
 
@@ -64,6 +65,21 @@ USAGE = {"type": "object", "properties": {
         "cached_tokens": {"type": "integer"}}}}}
 
 
+NATIVE_COMPLETION = {"type": "object", "properties": {
+    "content": {"type": "string"}, "stop": {"type": "boolean"},
+    "stop_type": {"enum": ["eos", "word", "limit"]}, "stopping_word": {"type": "string"},
+    "tokens_predicted": {"type": "integer"}, "tokens_evaluated": {"type": "integer"},
+    "tokens_cached": {"type": "integer"}, "truncated": {"type": "boolean"},
+    "tokens": {"type": "array", "items": {"type": "integer"}},
+    "completion_probabilities": {"type": "array", "items": {"type": "object"}},
+    "generation_settings": {"type": "object"}, "model": {"type": "string"},
+    "input_extra_dropped": {"type": "integer"},
+    "timings": {"type": "object", "properties": {k: {"type": "number"} for k in (
+        "cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second",
+        "predicted_n", "predicted_ms", "predicted_per_token_ms",
+        "predicted_per_second")}}}}
+
+
 def build_openapi() -> dict:
     completion = {"type": "object", "required": ["id", "object", "created", "model",
                                                  "choices"], "properties": {
@@ -110,11 +126,41 @@ def build_openapi() -> dict:
                 "requestBody": {"required": True, "content": _json("DetokenizeRequest")},
                 "responses": {"200": {"description": "Text", "content": _json(
                     "DetokenizeResponse")}, **_error_responses(400, 404, 503)}}},
+            "/v1/models/{model}": {"get": {
+                "summary": "One model, by id or alias",
+                "parameters": [{"name": "model", "in": "path", "required": True,
+                                "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "The model"},
+                              **_error_responses(404, 503)}}},
+            **{path: {"post": {
+                "summary": "llama.cpp's native completion (its defaults and answer shape; "
+                           "unknown fields ignored; SSE without [DONE] with stream: true)",
+                "requestBody": {"required": True, "content": _json("NativeCompletionRequest")},
+                "responses": {"200": {"description": "llama.cpp's answer",
+                                      "content": {**_json("NativeCompletion"),
+                                                  "text/event-stream": {"schema": {
+                                                      "type": "string"}}}},
+                              **_error_responses(400, 404, 413, 429, 503)}}}
+               for path in ("/completion", "/completions")},
+            "/infill": {"post": {
+                "summary": "llama.cpp's code infill: prefix, suffix, repository context",
+                "requestBody": {"required": True, "content": _json("NativeInfillRequest")},
+                "responses": {"200": {"description": "llama.cpp's answer",
+                                      "content": _json("NativeCompletion")},
+                              "501": {"description": "The model has no fill-in-the-middle "
+                                                     "tokens and no --fim-template",
+                                      "content": _json("Error")},
+                              **_error_responses(400, 404, 413, 429, 503)}}},
             "/openapi.json": {"get": {"summary": "This document",
                                       "responses": {"200": {"description": "OpenAPI 3.1"}}}},
         },
         "components": {"schemas": {
             "CompletionRequest": object_schema(CompletionRequestSchema()),
+            "NativeCompletionRequest": {**object_schema(NativeCompletionSchema()),
+                                        "additionalProperties": True},
+            "NativeInfillRequest": {**object_schema(NativeInfillSchema()),
+                                    "additionalProperties": True},
+            "NativeCompletion": NATIVE_COMPLETION,
             "TokenizeRequest": object_schema(TokenizeRequestSchema()),
             "DetokenizeRequest": object_schema(DetokenizeRequestSchema()),
             "Completion": completion,

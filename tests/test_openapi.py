@@ -77,3 +77,12 @@ def test_documented_types_match_the_field_classes():
             assert kind == (documented[0] if isinstance(documented, list) else documented)
         elif isinstance(field, fields.Nested):
             assert REQUEST["properties"][name]["type"][0] == "object"
+
+
+def test_native_endpoints_are_documented():
+    for path in ("/completion", "/completions", "/infill", "/v1/models/{model}"):
+        assert path in DOC["paths"], path
+    infill = DOC["components"]["schemas"]["NativeInfillRequest"]["properties"]
+    assert {"input_prefix", "input_suffix", "input_extra", "prompt", "n_indent",
+            "t_max_prompt_ms", "t_max_predict_ms", "samplers"} <= set(infill)
+    assert "501" in DOC["paths"]["/infill"]["post"]["responses"]
