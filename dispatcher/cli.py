@@ -163,7 +163,8 @@ def cmd_check_config(args) -> int:
         problems.append(f"dispatcher: {exc}")
     if args.json:
         print(json.dumps({"ok": not problems, "problems": problems, "models": [
-            {"id": m.id, "path": str(m.path), "nctx": m.nctx} for m in plan.models]
+            {"id": m.id, "path": str(m.path), "nctx": m.nctx, "aliases": list(m.aliases),
+             "fim_template": m.fim_template} for m in plan.models]
             if plan else [], "workers": [
             {"name": w.name, "device": str(w.device), "model": w.model.id, "slots": w.slots,
              "nctx": w.nctx} for w in plan.workers] if plan else []}, indent=2))

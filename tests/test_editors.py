@@ -107,10 +107,17 @@ def test_aliases_come_from_the_config_file_too(tmp_path):
     result = subprocess.run([sys.executable, "-m", "dispatcher", "check-config", "--config",
                              str(config)], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode != 0 and "alias 'm'" in result.stdout
-    config.write_text('[[models]]\nid = "m"\naliases = ["starcoder"]\n')
+    config.write_text('[[models]]\nid = "m"\naliases = ["starcoder"]\n'
+                      'fim_template = "<fim_prefix>{prefix}<fim_suffix>{suffix}<fim_middle>"\n')
+    result = subprocess.run([sys.executable, "-m", "dispatcher", "check-config", "--config",
+                             str(config), "--json"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    model = json.loads(result.stdout)["models"][0]
+    assert model["aliases"] == ["starcoder"] and model["fim_template"].startswith("<fim_")
+    config.write_text('[[models]]\nid = "m"\nfim_template = "{prefix} only"\n')
     result = subprocess.run([sys.executable, "-m", "dispatcher", "check-config", "--config",
                              str(config)], cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode != 0 and "{suffix}" in result.stdout
 
 
 AUTH = {"Authorization": "Bearer sk-editor"}
@@ -206,7 +213,8 @@ def test_llama_vim_warm_up_fills_the_cache_without_generating(editor_server):
     status, raw = post_raw(port, "/infill", warm)
     answer = json.loads(raw)
     assert status == 200 and answer["tokens_predicted"] == 0 and answer["content"] == ""
-    status, raw = post_raw(port, "/infill", {**warm, "n_predict": 4, "input_prefix": "y"})
+    status, raw = post_raw(port, "/infill", {**warm, "n_predict": 4, "input_prefix": "y",
+                                             "t_max_prompt_ms": 500})
     answer = json.loads(raw)
     assert status == 200 and answer["tokens_cached"] >= 40          # the chunk was there
 
@@ -285,3 +293,57 @@ def test_n_probs_and_return_tokens_in_llama_cpp_shape(editor_server):
     events = data_events(raw)
     streamed = [p for e in events[:-1] for p in e["completion_probabilities"]]
     assert len(streamed) == 3 and all(len(p["top_logprobs"]) == 2 for p in streamed)
+
+
+@pytest.fixture(scope="module")
+def repo_model_server(tmp_path_factory):
+    from tiny_gguf import write_tiny_fim_model
+    path = write_tiny_fim_model(tmp_path_factory.mktemp("repo") / "tiny-repo.gguf",
+                                repo=True)
+    server = ServerProcess("--model", str(path), "--nctx", "512", log_name="repo").start()
+    yield server
+    assert server.stop() == 0
+
+
+def test_infill_with_fim_rep_and_sep_lays_out_a_repository(repo_model_server):
+    port = repo_model_server.port
+    extra = [{"filename": "a.py", "text": "x = 1\n"}, {"filename": "b.py", "text": "y = 2\n"}]
+    body = {"input_prefix": "def f(", "input_suffix": "):\n", "input_extra": extra,
+            "prompt": "x", "n_predict": 2, "temperature": 0}
+    status, raw = post_raw(port, "/infill", body)
+    assert status == 200, raw
+    pieces = ["myproject\n", "a.py\n", "x = 1\n", "b.py\n", "y = 2\n", "filename\n",
+              "def f(", "):\n", "x"]
+    specials = 8            # REP, SEP × 3, BOS, PRE, SUF, MID
+    expected = specials + sum(len(tokens_of(port, p)) for p in pieces)
+    assert json.loads(raw)["tokens_evaluated"] == expected
+
+
+def test_continue_openai_provider_fills_in_the_middle_through_the_template(editor_server):
+    api = client(editor_server)
+    stream = api.completions.create(model="gpt-3.5-turbo", prompt="def square(x):\n    ",
+                                    suffix="\n\nprint(square(3))\n", max_tokens=8,
+                                    temperature=0, stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert chunks[-1].finish_reason in ("stop", "length")
+    plain = api.completions.create(model="gpt-3.5-turbo", prompt="def square(x):\n    ",
+                                   suffix="\n\nprint(square(3))\n", max_tokens=8,
+                                   temperature=0)
+    expected = len(tokens_of(editor_server.port, "<PRE> ")) + \
+        len(tokens_of(editor_server.port, "def square(x):\n    ")) + \
+        len(tokens_of(editor_server.port, " <SUF>")) + \
+        len(tokens_of(editor_server.port, "\n\nprint(square(3))\n")) + \
+        len(tokens_of(editor_server.port, " <MID>")) + 1
+    assert plain.usage.prompt_tokens == expected
+
+
+def test_llama_vscode_infill_payload(editor_server):
+    body = {"input_prefix": "import os\n\ndef list_py(path):\n    ",
+            "input_suffix": "\n", "input_extra": [], "prompt": "return [",
+            "n_predict": 12, "top_k": 40, "top_p": 0.99, "stream": False,
+            "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True,
+            "t_max_prompt_ms": 500, "t_max_predict_ms": 2500}
+    status, raw = post_raw(editor_server.port, "/infill", body)
+    answer = json.loads(raw)
+    assert status == 200 and isinstance(answer["content"], str)
+    assert answer["tokens_predicted"] <= 12 and answer["timings"]["predicted_n"] >= 0

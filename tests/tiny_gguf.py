@@ -8,14 +8,16 @@ from pathlib import Path
 import numpy as np
 
 FIM_TOKENS = ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")
+REPO_TOKENS = ("<repo_name>", "<file_sep>")      # FIM_REP, FIM_SEP (repository-level FIM)
 
 
-def vocabulary() -> tuple[list[str], list[float], list[int]]:
-    """(tokens, scores, types): unk, bos, eos, the FIM tokens, 256 byte tokens, then
-    a few hundred single characters and short words."""
+def vocabulary(repo: bool = False) -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, types): unk, bos, eos, the FIM tokens (and the repository ones),
+    256 byte tokens, then a few hundred single characters and short words."""
     normal, control, unknown, byte = 1, 3, 2, 6
-    tokens = ["<unk>", "<s>", "</s>", *FIM_TOKENS]
-    types = [unknown, control, control, control, control, control]
+    fim = FIM_TOKENS + (REPO_TOKENS if repo else ())
+    tokens = ["<unk>", "<s>", "</s>", *fim]
+    types = [unknown, control, control] + [control] * len(fim)
     tokens += [f"<0x{b:02X}>" for b in range(256)]
     types += [byte] * 256
     words = ["▁"] + list(string.ascii_letters + string.digits + string.punctuation) + \
@@ -26,11 +28,11 @@ def vocabulary() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write_tiny_fim_model(path: Path, seed: int = 0) -> Path:
+def write_tiny_fim_model(path: Path, seed: int = 0, repo: bool = False) -> Path:
     import gguf
 
     n_embd, n_ff, n_head, n_ctx = 32, 64, 2, 512
-    tokens, scores, types = vocabulary()
+    tokens, scores, types = vocabulary(repo)
     n_vocab = len(tokens)
     rng = np.random.default_rng(seed)
 
@@ -58,6 +60,9 @@ def write_tiny_fim_model(path: Path, seed: int = 0) -> Path:
     writer.add_add_bos_token(True)
     for key, token in zip(("fim_pre", "fim_suf", "fim_mid"), FIM_TOKENS):
         writer.add_uint32(f"tokenizer.ggml.{key}_token_id", tokens.index(token))
+    if repo:
+        for key, token in zip(("fim_rep", "fim_sep"), REPO_TOKENS):
+            writer.add_uint32(f"tokenizer.ggml.{key}_token_id", tokens.index(token))
     writer.add_tensor("token_embd.weight", weights(n_vocab, n_embd))
     writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
     writer.add_tensor("output.weight", weights(n_vocab, n_embd))
