@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import logging
 
-from flask import Flask
+import time
+
+from flask import Flask, request
 
 from dispatcher import config, configfile
 
@@ -33,6 +35,12 @@ def create_app(test_config: dict | None = None) -> Flask:
     from app import (auth, completions, cors, errors, metrics, native, openapi, status,
                      tokens)
     errors.register_error_handlers(app)
+
+    @app.before_request
+    def stamp_arrival():
+        # the client's order of a session's requests (superseding) is their arrival here
+        request.environ["completions.arrived_ns"] = time.time_ns()
+
     cors.init_app(app)                 # before auth: a preflight carries no credentials
     auth.init_app(app)
     metrics.init_app(app)

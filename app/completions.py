@@ -16,7 +16,7 @@ from app.errors import from_wire
 from app.fanout import Fanout
 from app.jobs import plan_jobs
 from app.requests import (PROFILE_HEADER, check_prompt_size, check_route, parse_json_body,
-                          queue_timeout, resolve_model, session_of, validate)
+                          queue_timeout, resolve_model, session_of, session_order, validate)
 from app.responses import Result
 from dispatcher import protocol as P
 
@@ -51,6 +51,7 @@ def serve(req: dict, result_class, extra_job: dict | None = None):
     """Run a validated request (OpenAI's or llama.cpp's shape: `result_class` assembles
     the answer) through the dispatcher: whole, or as a stream."""
     started = time.perf_counter()
+    arrived = request.environ.get("completions.arrived_ns") or time.time_ns()
     check_prompt_size(req)
     timeout = queue_timeout()
     client = get_client(current_app)
@@ -58,7 +59,7 @@ def serve(req: dict, result_class, extra_job: dict | None = None):
     model = resolve_model(req["model"], state)
     request_id = P.new_request_id()
     plans = plan_jobs(request_id, model, req, request.headers.get(PROFILE_HEADER),
-                      session_of(request), timeout, extra_job)
+                      session_of(request), timeout, extra_job, session_order(arrived))
     check_route(plans[0].job, state)
     fanout = Fanout(client, [p.job for p in plans])
     watcher = watch_disconnect(request.environ, fanout.client_gone)

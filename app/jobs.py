@@ -28,7 +28,7 @@ def route_of(req: dict, profile: str | None) -> dict:
 
 def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None,
               session: str | None = None, timeout: float | None = None,
-              extra: dict | None = None) -> list[JobPlan]:
+              extra: dict | None = None, session_order: int = 0) -> list[JobPlan]:
     """One job per prompt and candidate. Candidates of one prompt get seeds seed, seed+1,
     ... so that n > 1 gives different texts and the same request gives the same ones."""
     max_tokens = req["max_tokens"]
@@ -49,7 +49,8 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
                 "stop": req["stop"], "echo": req["echo"], "logprobs": req.get("logprobs"),
                 "score": scoring, "sampling": sampling, "nctx": req.get("nctx"),
                 "route": route, "cache_prompt": req["cache_prompt"],
-                "session": session, "parent": request_id, "timeout": timeout,
+                "session": session, "session_order": session_order,
+                "parent": request_id, "timeout": timeout,
                 "fanout": len(req["prompt"]) * candidates,
                 "n_indent": req.get("n_indent"), "t_max_predict_ms": req.get("t_max_predict_ms"),
                 "t_max_prompt_ms": req.get("t_max_prompt_ms"),

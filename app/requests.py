@@ -158,6 +158,25 @@ def session_of(req) -> str | None:
     return f"{scope}:{session}"
 
 
+SEQUENCE_HEADER = "X-Session-Seq"   # the client's own order of its session's requests
+
+
+def session_order(arrived_ns: int) -> int:
+    """The order of this request among its session's: the client's X-Session-Seq if it
+    sends one (a session should use it always or never), else the arrival time here."""
+    raw = request.headers.get(SEQUENCE_HEADER)
+    if raw is None:
+        return arrived_ns
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2 ** 63:
+        raise InvalidRequest(f"{SEQUENCE_HEADER} must be an integer from 0",
+                             param=SEQUENCE_HEADER)
+    return value
+
+
 def check_prompt_size(req: dict) -> None:
     size = sum(len(p) if isinstance(p, str) else sum(
         len(x) if isinstance(x, str) else 1 for x in p) for p in req["prompt"])

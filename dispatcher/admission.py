@@ -47,8 +47,9 @@ class Admission:
         job = Job(request_id, fe_id, body, enqueued_at=self.now)
         if body.get("op"):
             return self._run_op(job)
-        if body.get("session"):
-            self._supersede(job)
+        if body.get("session") and not self._supersede(job):
+            return self._reject(fe_id, request_id, P.WireError(
+                409, "superseded", "superseded: the session sent a newer request first"))
         key = self.queue.key(job)
         if not self._admit_unit(job) and self.queue.depth(key) >= self.max_queue:
             self.stats["queue_full"] += 1
@@ -77,10 +78,20 @@ class Admission:
             del self.units[job.parent]
         return True
 
-    def _supersede(self, job: Job) -> None:
-        """A new request of a session (X-Session-Id) ends the session's older ones,
-        queued or running: an editor sends one per keystroke and wants only the last."""
+    def _supersede(self, job: Job) -> bool:
+        """A request of a session (X-Session-Id) ends the session's requests the client
+        sent before it, queued or running: an editor sends one per keystroke and wants
+        only the last. Order is the client's (`session_order`: the front end's arrival
+        time, or the client's X-Session-Seq), never the order of arrival here: a request
+        that reaches the dispatcher after a newer one of its session is itself superseded
+        (False), whether that newer one is still open or already done."""
         session, parent = job.body["session"], job.body.get("parent")
+        order = job.body.get("session_order") or 0
+        newest = self.session_newest.get(session)
+        if newest is not None and newest[1] != parent and newest[0] > order:
+            self.stats["superseded"] += 1
+            return False
+        self.session_newest[session] = (order, parent, self.now)
         older = self.sessions.setdefault(session, {})
         for request_id, old in list(older.items()):
             if old.body.get("parent") == parent:
@@ -92,6 +103,7 @@ class Admission:
             if self.queue.remove(request_id) is None and old.worker is not None:
                 self._to_worker(old.worker, P.CANCEL, request_id)
         older[job.request_id] = job
+        return True
 
     def _forget(self, job: Job) -> None:
         session = job.body.get("session")

@@ -28,6 +28,8 @@ NO_WORKER_TIMEOUT = 30.0
 MAX_ATTEMPTS = 3
 # How long the rest of an admitted request's jobs may take to arrive.
 UNIT_TIMEOUT = 60.0
+# How long the newest request of an idle session is remembered (to refuse a late older one).
+SESSION_MEMORY = 600.0
 HEARTBEAT_EXPIRY = config.HEARTBEAT_EXPIRY
 
 
@@ -74,6 +76,8 @@ class DispatcherCore(Admission):
         self.registry = WorkerRegistry()
         self.frontends: dict[bytes, dict] = {}     # id -> {"seen": t, "pid": ...}
         self.sessions: dict[str, dict[str, Job]] = {}   # X-Session-Id -> its open jobs
+        # X-Session-Id -> (order, parent, when) of the newest request the client sent
+        self.session_newest: dict[str, tuple] = {}
         # requests being admitted job by job: parent id -> [jobs still to come, since]
         self.units: dict[str, list] = {}
         self.stats = {"submitted": 0, "rejected": 0, "requeued": 0, "failed": 0,
@@ -126,6 +130,9 @@ class DispatcherCore(Admission):
         for parent, (_, since) in list(self.units.items()):
             if since < now - UNIT_TIMEOUT:         # its front end never sent the rest
                 del self.units[parent]
+        for session, (_, _, seen) in list(self.session_newest.items()):
+            if seen < now - SESSION_MEMORY and session not in self.sessions:
+                del self.session_newest[session]
         self.dispatch()
         if self.draining_until is not None and (
                 now >= self.draining_until or not (len(self.queue) or self.in_flight())):

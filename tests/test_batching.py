@@ -172,3 +172,30 @@ def test_bench_reports_every_workload(two_fake_workers):
          "--concurrency", "1", "--requests", "1", "--max-tokens", "4", "--no-fim"],
         cwd=ROOT, capture_output=True, text=True, timeout=300).stdout
     assert "TTFT p50 ms" in table and "stream x1" in table
+
+
+def test_a_request_the_client_sent_earlier_never_supersedes_a_later_one(two_fake_workers):
+    server = two_fake_workers
+    port = server.port
+    newer = {"X-Session-Id": "order-1", "X-Session-Seq": "2"}
+    older = {"X-Session-Id": "order-1", "X-Session-Seq": "1"}
+    results = {}
+    thread = threading.Thread(target=lambda: results.update(newer=complete(
+        port, {"prompt": "[slow=0.05] newer", "max_tokens": 20}, newer)))
+    thread.start()
+    server.wait_for(lambda: any(w["running"] for w in server.status()["workers"]),
+                    what="the newer request running")
+    status, body = complete(port, {"prompt": "older", "max_tokens": 2}, older)
+    assert status == 409 and body["error"]["code"] == "superseded"     # it lost the race
+    thread.join(timeout=60)
+    status, body = results["newer"]
+    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+    status, _ = complete(port, {"prompt": "late", "max_tokens": 2},
+                         {"X-Session-Id": "order-1", "X-Session-Seq": "1"})
+    assert status == 409                                              # even afterwards
+    status, _ = complete(port, {"prompt": "next", "max_tokens": 2},
+                         {"X-Session-Id": "order-1", "X-Session-Seq": "3"})
+    assert status == 200
+    status, body = complete(port, {"prompt": "x"}, {"X-Session-Id": "order-2",
+                                                    "X-Session-Seq": "soon"})
+    assert status == 400 and body["error"]["param"] == "X-Session-Seq"

@@ -149,3 +149,18 @@ def test_an_undeliverable_request_requeues_it_on_another_worker():
     sends = core.send_failed(request)
     retried = next(s for s in sends if s.cmd == P.REQUEST)
     assert retried.peer != request.peer and retried.body["attempt"] == 2
+
+
+def test_superseding_follows_the_clients_order_not_the_arrival_here():
+    core = DispatcherCore()
+    ready(core, slots=4)
+    submit(core, "newer", session="s", parent="newer", session_order=20)
+    sends = submit(core, "older", session="s", parent="older", session_order=10)
+    assert [(P.command_name(s.cmd), s.request_id, s.body["code"]) for s in sends] == \
+        [("REJECTED", "older", "superseded")]                # it lost the race: never runs
+    assert "newer" in core.registry.get(b"w0").running      # and the newer one goes on
+    from_worker(core, P.DONE, "newer", attempt=1)
+    late = submit(core, "oldest", session="s", parent="oldest", session_order=5)
+    assert late[0].body["code"] == "superseded"             # even once the newer one ended
+    sends = submit(core, "newest", session="s", parent="newest", session_order=30)
+    assert ("REQUEST", "newest") in kinds(sends)
