@@ -18,7 +18,7 @@ from dispatcher.ctl import default_dispatcher_address, dispatcher_answers
 log = logging.getLogger("dispatcher")
 FRONTEND_STOP_GRACE = 3     # seconds gunicorn gets once the dispatcher has drained
 SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "model_alias",
-                 "fim_template",
+                 "fim_template", "prefill_chunk",
                  "cors_origin", "device",
                  "nctx", "ngl", "slots", "deterministic", "engine", "dispatcher",
                  "log_level", "max_body", "max_prompt_chars", "max_queue", "queue_timeout",
@@ -113,7 +113,9 @@ def cmd_serve(args) -> int:
                           max_queue=args.max_queue, queue_timeout=args.queue_timeout)
     for worker in plan.workers:
         argv = python_module_argv("workers", *worker.argv(base, args.engine, args.log_level))
-        supervisor.add(Child(worker.name, argv, env=worker.device.visible_devices(),
+        env = {**worker.device.visible_devices(),
+               "COMPLETIONS_PREFILL_CHUNK": str(args.prefill_chunk)}
+        supervisor.add(Child(worker.name, argv, env=env,
                              extra={"device": str(worker.device), "model": worker.model.id}))
     if args.frontends:
         env = {"COMPLETIONS_DISPATCHER": base, "COMPLETIONS_HOST": args.host,

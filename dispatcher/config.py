@@ -70,6 +70,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("frontends", 1, "number of gunicorn front-end processes (0: none)", _non_negative_int),
     Option("model", None, "path of the GGUF model (default: the bundled Gemma 3 270M Q4_K_M)"),
     Option("model_id", None, "model name clients send (default: the file name without .gguf)"),
+    Option("prefill_chunk", 0, "prompt tokens a worker decodes per step, all prompts "
+           "together, beside the running streams' tokens (0: as many as a batch holds, "
+           "512); smaller keeps streams smoother while a long prompt is prefilled",
+           _non_negative_int),
     Option("fim_template", None, "fill-in-the-middle prompt template with {prefix} and "
            "{suffix}, special-token text parsed (e.g. '<PRE> {prefix} <SUF>{suffix} <MID>'), "
            "for models whose GGUF has no FIM tokens, or to override them"),

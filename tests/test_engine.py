@@ -121,3 +121,32 @@ def test_a_long_prompt_is_prefilled_in_chunks_alongside_generating_slots(model_p
         assert steps_with_both >= 2                                    # chunked
     finally:
         engine.close()
+
+
+def test_chunked_prefill_never_stalls_a_running_stream_and_serves_short_prompts_first(
+        model_path):
+    from workers.engine import LlamaEngine
+    engine = LlamaEngine(model_path, 2048, 3, 2, 0, prefill_chunk=64)
+    try:
+        engine.add(0, engine.tokenize("Once upon a time"), GREEDY)
+        while 0 not in engine.step():                  # slot 0 generates from now on
+            pass
+        long_prompt = engine.tokenize("def helper(value):\n    return value\n" * 100)
+        assert len(long_prompt) > 600
+        engine.add(1, long_prompt, GREEDY)
+        engine.add(2, engine.tokenize("Short one"), GREEDY)
+        steps, first_tokens = 0, {}
+        while 1 not in first_tokens:
+            before = {s: len(engine.slots[s].pending) for s in (1, 2)}
+            produced = engine.step()
+            steps += 1
+            assert 0 in produced                       # the stream got its token every step
+            decoded = sum(before[s] - len(engine.slots[s].pending) for s in (1, 2))
+            assert decoded <= 64                       # at most one chunk of prompt a step
+            for s in (1, 2):
+                if s in produced and s not in first_tokens:
+                    first_tokens[s] = steps
+        assert first_tokens[2] == 1                    # the short prompt went first
+        assert steps >= len(long_prompt) // 64
+    finally:
+        engine.close()

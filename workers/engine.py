@@ -68,7 +68,8 @@ class LlamaEngine:
     name = "llama"
 
     def __init__(self, model_path: str, n_ctx: int, slots: int, n_threads: int,
-                 n_gpu_layers: int, verbose: bool = False, deterministic: bool = False):
+                 n_gpu_layers: int, verbose: bool = False, deterministic: bool = False,
+                 prefill_chunk: int = 0):
         global _VERBOSE
         _VERBOSE = verbose
         llama_cpp.llama_log_set(_log_to_stderr, ctypes.c_void_p(0))
@@ -108,6 +109,8 @@ class LlamaEngine:
         self.n_ctx = n_ctx
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)
+        # prompt tokens decoded per step, all prompts together (0: as many as fit)
+        self.prefill_chunk = prefill_chunk if prefill_chunk > 0 else self.n_batch
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.slots = [_Slot(seq) for seq in range(slots)]
@@ -269,21 +272,33 @@ class LlamaEngine:
             n += 1
             return n - 1
 
-        prefilling = [s for s in self.slots if s.busy and s.pending]
+        # Prefill priority: the prompts with the least left to decode first (the next
+        # keystroke of a session, mostly cached) take the room before cold ones.
+        prefilling = sorted((s for s in self.slots if s.busy and s.pending),
+                            key=lambda s: len(s.pending))
         if self.deterministic and prefilling:
             generating, prefilling = [], prefilling[:1]
         else:
             generating = [s for s in self.slots if s.busy and s.next_token is not None]
-        room = self.n_batch - len(generating)
-        for slot in self.slots:
+        # Every generating slot has its row; prompts share at most `prefill_chunk` more,
+        # so a long prompt holds the running streams back by one chunk a step at most.
+        room = min(self.n_batch - len(generating), self.prefill_chunk)
+        grant: dict[int, int] = {}
+        for slot in prefilling:
+            if room <= 0:
+                break
+            take = min(room, len(slot.pending))
+            if slot.prompt_logprobs is not None:
+                take = min(take, PROMPT_LOGPROB_CHUNK)
+            grant[slot.seq] = take
+            room -= take
+        for slot in self.slots:                        # rows in slot order
             if slot in generating:
                 slot.row = add_row(slot, slot.next_token, True)
                 slot.next_token = None
-            elif slot in prefilling and room > 0:
-                take = min(room, PROMPT_LOGPROB_CHUNK) if slot.prompt_logprobs is not None \
-                    else room
+            elif slot.seq in grant:
+                take = grant[slot.seq]
                 chunk, slot.pending = slot.pending[:take], slot.pending[take:]
-                room -= len(chunk)
                 slot.prompt_rows = []
                 for i, token in enumerate(chunk):
                     last = not slot.pending and i == len(chunk) - 1
