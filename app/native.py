@@ -12,6 +12,7 @@ import logging
 
 from flask import Blueprint, current_app, request
 from marshmallow import EXCLUDE, Schema, fields
+from marshmallow.validate import Length
 
 from app import sse
 from app.client import get_client
@@ -23,6 +24,7 @@ from app.schemas import CompletionRequestSchema, _doc, _range
 from dispatcher import protocol as P
 
 bp = Blueprint("native", __name__)
+MAX_EXTRA_CHUNKS = 256          # llama.vim's ring holds 16 by default
 log = logging.getLogger(__name__)
 
 
@@ -75,9 +77,11 @@ class NativeInfillSchema(NativeCompletionSchema):
     input_suffix = StrictString(load_default="", allow_none=True, metadata=_doc(
         "The code after the cursor.", type="string"))
     input_extra = fields.List(fields.Nested(ExtraChunkSchema), load_default=list,
-                              allow_none=True, metadata=_doc(
+                              allow_none=True, validate=Length(max=MAX_EXTRA_CHUNKS),
+                              metadata=_doc(
                                   "Repository context, oldest first: {filename, text} "
-                                  "chunks laid out before the prefix.", type="array",
+                                  "chunks laid out before the prefix (at most "
+                                  f"{MAX_EXTRA_CHUNKS}).", type="array",
                                   items={"type": "object", "properties": {
                                       "filename": {"type": "string"},
                                       "text": {"type": "string"}}}))
@@ -116,7 +120,8 @@ def infill():
     extra = [{"filename": c.get("filename") or "tmp", "text": c.get("text") or ""}
              for c in req.pop("input_extra") or []]
     limit = int(current_app.config["MAX_PROMPT_CHARS"])
-    size = sum(len(c["text"]) for c in extra) + len(req["input_prefix"] or "") + \
+    size = sum(len(c["text"]) + len(c["filename"]) for c in extra) + \
+        len(req["input_prefix"] or "") + \
         len(req["input_suffix"] or "") + len(req["prompt"] or "")
     if size > limit:
         raise PayloadTooLarge(f"the infill context has {size} characters; this server "

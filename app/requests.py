@@ -55,21 +55,33 @@ def _encodable(text: str) -> bool:
 def unencodable_field(body: object) -> tuple[str, str] | None:
     """(top-level field, path) of the first string, object keys included, that is not
     Unicode text: a lone UTF-16 surrogate (`"\\ud800"`) is valid JSON but cannot be
-    encoded as UTF-8, so it must never reach a tokenizer or a grammar parser."""
-    stack: list[tuple[object, list]] = [(body, [])]
-    while stack:                                  # iterative: any nesting json accepts
-        value, path = stack.pop()
+    encoded as UTF-8, so it must never reach a tokenizer or a grammar parser. Iterative
+    (any nesting json accepts), and a path is only built for the string it reports."""
+    stack: list[tuple[object, tuple | None]] = [(body, None)]     # (value, (key, parent))
+    while stack:
+        value, where = stack.pop()
         if isinstance(value, str):
             if not _encodable(value):
-                return _path_text(path[:1]), _path_text(path)
+                return _report(where)
         elif isinstance(value, dict):
-            for key, item in reversed(list(value.items())):
+            for key, item in value.items():
                 if not _encodable(key):
-                    return _path_text((path + [key])[:1]), _path_text(path + [key])
-                stack.append((item, path + [key]))
+                    return _report((key, where))
+                if isinstance(item, (str, dict, list)):
+                    stack.append((item, (key, where)))
         elif isinstance(value, list):
-            stack.extend((item, path + [i]) for i, item in reversed(list(enumerate(value))))
+            stack.extend((item, (i, where)) for i, item in enumerate(value)
+                         if isinstance(item, (str, dict, list)))
     return None
+
+
+def _report(where: tuple | None) -> tuple[str, str]:
+    path: list = []
+    while where is not None:
+        key, where = where
+        path.append(key)
+    path.reverse()
+    return _path_text(path[:1]), _path_text(path)
 
 
 def _path_text(path: list) -> str:

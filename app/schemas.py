@@ -285,12 +285,71 @@ class CompletionRequestSchema(Schema):
                                   "n")
         if data.get("grammar") is not None and data.get("json_schema") is not None:
             raise ValidationError("Use grammar or json_schema, not both.", "json_schema")
+        if data.get("grammar") is not None and grammar_depth(data["grammar"]) > MAX_GRAMMAR_DEPTH:
+            raise ValidationError(f"The grammar nests groups more than {MAX_GRAMMAR_DEPTH} "
+                                  "deep.", "grammar")
+        if data.get("json_schema") is not None:
+            too_big = schema_count_over(data["json_schema"], MAX_SCHEMA_COUNT)
+            if too_big:
+                raise ValidationError(f"{too_big} is at most {MAX_SCHEMA_COUNT} here (the "
+                                      "grammar built from it grows with it).", "json_schema")
         for alias, name in (("n_predict", "max_tokens"),
                             ("repeat_penalty", "repetition_penalty")):
             if data.get(alias) is not None and original.get(name) is not None \
                     and data[alias] != data[name]:
                 raise ValidationError(f"{alias} and {name} are the same setting and "
                                       "differ here.", alias)
+
+
+# What a worker's grammar builders take: llama.cpp parses GBNF recursively (a deep nest
+# of groups would overflow its stack), and the JSON schema converter repeats an item
+# `minItems`/`maxLength`... times (llama.cpp's own repetition limit is 2000).
+MAX_GRAMMAR_DEPTH = 100
+MAX_SCHEMA_COUNT = 2000
+SCHEMA_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties",
+                 "maxProperties", "minContains", "maxContains")
+
+
+def grammar_depth(grammar: str) -> int:
+    """The deepest nesting of ( ) groups, outside string literals and [ ] classes."""
+    depth = deepest = 0
+    quote = bracket = escaped = False
+    for ch in grammar:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif quote:
+            quote = ch != '"'
+        elif bracket:
+            bracket = ch != "]"
+        elif ch == '"':
+            quote = True
+        elif ch == "[":
+            bracket = True
+        elif ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def schema_count_over(schema, limit: int) -> str | None:
+    """The first count keyword (minItems, maxLength, ...) in `schema` above `limit`."""
+    stack = [schema]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key in SCHEMA_COUNTS and isinstance(item, (int, float)) \
+                        and not isinstance(item, bool) and item > limit:
+                    return key
+                if isinstance(item, (dict, list)):
+                    stack.append(item)
+        elif isinstance(value, list):
+            stack.extend(v for v in value if isinstance(v, (dict, list)))
+    return None
 
 
 ALIASES = {"n_predict": "max_tokens", "repeat_penalty": "repetition_penalty"}

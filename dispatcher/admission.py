@@ -47,16 +47,16 @@ class Admission:
         job = Job(request_id, fe_id, body, enqueued_at=self.now)
         if body.get("op"):
             return self._run_op(job)
-        if body.get("session") and not self._supersede(job):
-            return self._reject(fe_id, request_id, P.WireError(
-                409, "superseded", "superseded: the session sent a newer request first"))
         key = self.queue.key(job)
         if not self._admit_unit(job) and self.queue.depth(key) >= self.max_queue:
-            self.stats["queue_full"] += 1
+            self.stats["queue_full"] += 1           # (refused before it supersedes anything)
             return self._reject(fe_id, request_id, P.WireError(
                 429, "queue_full", f"{self.max_queue} requests are already waiting for "
                 f"'{key[0]}'" + (f" (profile '{key[1]}')" if key[1] else ""),
                 retry_after=1))
+        if body.get("session") and not self._supersede(job):
+            return self._reject(fe_id, request_id, P.WireError(
+                409, "superseded", "superseded: the session sent a newer request first"))
         timeout = body.get("timeout") or self.queue_timeout
         if timeout:
             job.deadline = job.enqueued_at + float(timeout)
@@ -101,6 +101,7 @@ class Admission:
             self._fail(old, P.WireError(409, "superseded",
                                         "superseded by a newer request of the same session"))
             if self.queue.remove(request_id) is None and old.worker is not None:
+                old.cancelled = True
                 self._to_worker(old.worker, P.CANCEL, request_id)
         older[job.request_id] = job
         return True
@@ -132,6 +133,8 @@ class Admission:
             return
         for record in self.registry.workers.values():
             if request_id in record.running or request_id in record.ops:
+                job = record.running.get(request_id) or record.ops.get(request_id)
+                job.cancelled = True
                 self._to_worker(record.identity, P.CANCEL, request_id)
                 return
 
@@ -144,6 +147,7 @@ class Admission:
         for record in self.registry.workers.values():
             for job in list(record.running.values()):
                 if job.frontend == fe_id:
+                    job.cancelled = True
                     self._to_worker(record.identity, P.CANCEL, job.request_id)
         log.warning("front end %s stopped heartbeating", fe_id.decode(errors="replace"))
 

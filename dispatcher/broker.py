@@ -167,11 +167,13 @@ class Broker:
 
     def _check_models_loadable(self) -> None:
         """Stop, with a non-zero exit, when every worker of some model has given up on
-        loading it: `serve` must not pretend to serve a model nothing can load."""
+        loading it at start-up: `serve` must not pretend to serve a model nothing can load.
+        (A worker that served before and fails later, after a reload to a bad file, say,
+        stays down as `failed` while the others serve.)"""
         workers = [c for c in self.supervisor.children.values() if c.kind == "worker"]
         for model in {c.extra.get("model") for c in workers}:
             mine = [c for c in workers if c.extra.get("model") == model]
-            if mine and all(c.gave_up for c in mine):
+            if mine and all(c.gave_up and not c.ever_ready for c in mine):
                 log.error("no worker can load the model '%s': stopping", model)
                 self.exit_code = 1
                 self.stop()
@@ -208,6 +210,9 @@ class Broker:
                 {"error": "a request is a JSON object"}
         except ValueError:
             reply = {"error": "a request is a JSON object"}
+        except Exception as exc:          # a malformed command never stops the dispatcher
+            log.warning("control request failed: %r", exc)
+            reply = {"error": f"bad request: {type(exc).__name__}: {exc}"}
         self.deliver(self.core.pending())
         self.control.send_multipart([identity, b"", P.encode_json(reply)])
 

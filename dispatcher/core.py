@@ -234,7 +234,7 @@ class DispatcherCore(Admission):
                 job.started = True
         elif msg.cmd == P.FIRST:
             job = record.running.get(msg.request_id)
-            if job is not None:
+            if job is not None and int(msg.body.get("attempt", job.attempt)) == job.attempt:
                 job.started = job.first_token = True
         elif msg.cmd == P.DONE:
             self.job_done(record, msg.request_id, msg.body)
@@ -252,8 +252,12 @@ class DispatcherCore(Admission):
         record.running.pop(request_id, None)
         record.ops.pop(request_id, None)
         if body.get("released"):          # a stopping worker handed it back unstarted
-            self._requeue(job)
-            self.dispatch()
+            record.draining = True        # ... and takes nothing more
+            if job.cancelled:
+                self._forget(job)
+            else:
+                self._requeue(job)
+                self.dispatch()
             return
         self._forget(job)
         usage = body.get("usage") or {}
@@ -307,7 +311,9 @@ class DispatcherCore(Admission):
                            f"the worker serving this request was lost ({reason})")
         for job in record.running.values():
             job.worker = None
-            if not job.started and job.attempt < MAX_ATTEMPTS:
+            if job.cancelled:                # nobody waits for it any more
+                self._forget(job)
+            elif not job.started and job.attempt < MAX_ATTEMPTS:
                 self._requeue(job)
             else:
                 self.stats["failed"] += 1

@@ -18,6 +18,7 @@ class Job:
     enqueued_at: float = field(default_factory=time.monotonic)
     worker: bytes | None = None  # the worker running it, once dispatched
     started: bool = False        # the worker took it into a slot (prefill began)
+    cancelled: bool = False      # cancelled or superseded while on a worker: never requeued
     first_token: bool = False    # the worker said its first text is going out
     deadline: float | None = None   # leave the queue with a 504 after this (monotonic)
 

@@ -48,6 +48,7 @@ class Child:
     stopping: bool = False
     restart_now: bool = False            # an asked-for restart: no backoff
     gave_up: bool = False                # it cannot load its model: not respawned
+    ever_ready: bool = False             # it has served (so a later failure is not startup)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -117,6 +118,7 @@ class Supervisor:
         child = self.children.get(name)
         if child is not None:
             child.backoff = config.RESPAWN_BACKOFF[0]
+            child.ever_ready = True
 
     def restart(self, name: str, argv: list[str] | None = None) -> None:
         """Replace a child's process now (SIGTERM, then start again at once), with a new

@@ -164,3 +164,12 @@ def test_superseding_follows_the_clients_order_not_the_arrival_here():
     assert late[0].body["code"] == "superseded"             # even once the newer one ended
     sends = submit(core, "newest", session="s", parent="newest", session_order=30)
     assert ("REQUEST", "newest") in kinds(sends)
+
+
+def test_a_cancelled_job_is_not_requeued_when_its_worker_is_lost():
+    core = DispatcherCore()
+    ready(core, b"w0")
+    submit(core, "gone")
+    core.frontend_message(FE, P.Message(P.CANCEL, "gone", {}), 0.0)   # cancel sent
+    core.worker_exited("w0", 1, "killed")                             # ... then lost
+    assert len(core.queue) == 0 and core.stats["requeued"] == 0

@@ -230,7 +230,9 @@ CODE = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    de
 
 
 def complete_native(port, **body):
-    status, raw = post_raw(port, "/completion", {"prompt": CODE, "temperature": 0, **body})
+    # decoded in full each time: the same greedy text run after run (README, Determinism)
+    status, raw = post_raw(port, "/completion", {"prompt": CODE, "temperature": 0,
+                                                 "cache_prompt": False, **body})
     assert status == 200, raw
     return json.loads(raw)
 

@@ -471,3 +471,12 @@ def test_session_ids_are_scoped_by_api_key():
         list(a3.events())
     finally:
         assert server.stop() == 0
+
+
+def test_a_malformed_control_request_gets_an_error_not_a_dead_dispatcher(real_server):
+    from dispatcher.ctl import control_request
+    for request in ({"cmd": ["status"]}, {"cmd": "drain", "worker": ["w"]},
+                    {"cmd": "restart", "worker": "x", "grace": [1]}):
+        reply = control_request(real_server.dispatcher, request)
+        assert "error" in reply
+    assert real_server.status()["workers"]

@@ -158,3 +158,16 @@ def test_every_openai_completions_field_is_declared():
                      "logprobs", "max_tokens", "n", "presence_penalty", "seed", "stop",
                      "stream", "stream_options", "suffix", "temperature", "top_p", "user"}
     assert openai_fields <= set(CompletionRequestSchema().fields)
+
+
+def test_grammar_and_schema_sizes_that_would_hurt_a_worker_are_refused():
+    deep = "root ::= " + "(" * 101 + '"a"' + ")" * 101
+    with pytest.raises(InvalidRequest) as info:
+        validate({"prompt": "p", "grammar": deep})
+    assert info.value.param == "grammar"
+    validate({"prompt": "p", "grammar": 'root ::= "((((" [(] ' + "(" * 50 + '"a"' + ")" * 50})
+    with pytest.raises(InvalidRequest) as info:
+        validate({"prompt": "p", "json_schema": {"type": "object", "properties": {
+            "s": {"type": "string", "maxLength": 2_000_000_000}}}})
+    assert info.value.param == "json_schema"
+    validate({"prompt": "p", "json_schema": {"type": "array", "maxItems": 2000}})

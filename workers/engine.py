@@ -342,6 +342,7 @@ class LlamaEngine:
 
     @staticmethod
     def _top(logits: np.ndarray, lse: float, k: int) -> list[tuple[int, float]]:
+        k = min(k, len(logits))
         if k <= 0:
             return []
         top = np.argpartition(logits, -k)[-k:]

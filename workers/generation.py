@@ -169,10 +169,10 @@ class GenerationLoop:
             # llama.cpp declares t_max_prompt_ms and never implemented it: drop the
             # oldest extra chunks until the prefill fits, at this worker's measured rate
             # (warm-ups, n_predict 0 or 1, always fill the cache in full)
-            reuse = body.get("cache_prompt", True)
-            while extra and self._prefill_ms(tokens, reuse) > budget:
-                extra.pop(0)
-                dropped += 1
+            dropped = self._chunks_over_budget(tokens, extra, budget,
+                                               body.get("cache_prompt", True))
+            if dropped:
+                extra = extra[dropped:]
                 tokens = prompt_tokens(self.engine, body["prompt"], body.get("suffix"),
                                        self.fim_template, extra, infill.get("middle") or "")
         n_ctx = min(self.engine.n_ctx, body.get("nctx") or self.engine.n_ctx)
@@ -193,6 +193,11 @@ class GenerationLoop:
         want = logprobs if logprobs is not None else (0 if active.score else None)
         active.n_probs = int(body.get("n_probs") or 0)
         active.return_tokens = bool(body.get("return_tokens"))
+        active.prompt = body.get("prompt")
+        active.dropped_chunks = dropped
+        if body.get("n_indent") or body.get("t_max_predict_ms"):
+            active.limits = EditorLimits(int(body.get("n_indent") or 0),
+                                         float(body.get("t_max_predict_ms") or 0))
         if active.n_probs:
             want = max(want or 0, active.n_probs)
         prompt_lp = echo and logprobs is not None
@@ -200,13 +205,8 @@ class GenerationLoop:
                                  prompt_logprobs=prompt_lp,
                                  reuse=body.get("cache_prompt", True))
         self.free_slots.remove(slot)
+        self.active[request_id] = active     # from here a failure frees the slot
         active.cached = cached
-        active.prompt = body.get("prompt")
-        active.dropped_chunks = dropped
-        if body.get("n_indent") or body.get("t_max_predict_ms"):
-            active.limits = EditorLimits(int(body.get("n_indent") or 0),
-                                         float(body.get("t_max_predict_ms") or 0))
-        self.active[request_id] = active
         self._publish(active, {"e": P.EV_START, "prompt_tokens": len(tokens),
                                "cached_tokens": cached, "fingerprint": self.engine.fingerprint,
                                **self.identity})
@@ -226,6 +226,21 @@ class GenerationLoop:
             return 0.0
         cached = self.engine.cached_prefix(tokens, self.free_slots) if reuse else 0
         return (len(tokens) - cached) / self.prefill_rate
+
+    def _chunks_over_budget(self, tokens: list[int], extra: list[dict], budget: float,
+                            reuse: bool) -> int:
+        """How many of the oldest extra chunks to leave out so that the prefill fits
+        `budget` ms. Each chunk is tokenized once: the cost is linear in the chunks."""
+        if not self.prefill_rate or self._prefill_ms(tokens, reuse) <= budget:
+            return 0
+        total = len(tokens)         # once the first chunk goes, the cached prefix goes too
+        for dropped, chunk in enumerate(extra, start=1):
+            total -= len(self.engine.tokenize(
+                str(chunk.get("filename") or "") + "\n" + str(chunk.get("text") or ""),
+                add_special=False)) + 1
+            if total / self.prefill_rate <= budget:
+                return dropped
+        return len(extra)
 
     def _measure_prefill(self, active: Active) -> None:
         n = active.prompt_tokens - active.cached
@@ -335,7 +350,7 @@ class GenerationLoop:
     def _send_text(self, active: Active, text: str, logprobs: dict | None = None) -> None:
         if not active.text_sent:
             active.text_sent = True
-            self.notify(P.FIRST, active.request_id, None)
+            self.notify(P.FIRST, active.request_id, {"attempt": active.attempt})
         active.chars_out += len(text)
         if logprobs is None and active.ledger is not None:
             logprobs = active.ledger.release(active.chars_out)

@@ -31,6 +31,10 @@ class FimTemplate:
 
     @classmethod
     def parse(cls, template: str) -> "FimTemplate":
+        try:
+            template.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("the FIM template is not valid Unicode text") from None
         pieces = tuple(p for p in re.split(r"(\{prefix\}|\{suffix\})", template) if p)
         if pieces.count("{prefix}") != 1 or pieces.count("{suffix}") != 1:
             raise ValueError("a FIM template has {prefix} and {suffix}, once each")

@@ -149,7 +149,27 @@ class SamplerChain:
             not p.dry_multiplier
         self.plain_greedy = bare_greedy and p.grammar is None   # argmax is the whole chain
         self.bare_greedy = bare_greedy                  # ... apart from a grammar
-        samplers = []
+        samplers: list = []
+        self.chain = None
+        try:
+            self._build(lib, vocab, n_vocab, n_ctx, p, samplers)
+            if not all(samplers):
+                raise EngineError("llama.cpp could not create a sampler")
+            self.chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+            if not self.chain:
+                raise EngineError("llama.cpp could not create a sampler chain")
+        except BaseException:         # nothing half-built is left behind
+            self._free_all([sampler for sampler in samplers if sampler])
+            if self.grammar:
+                lib.llama_sampler_free(self.grammar)
+                self.grammar = None
+            raise
+        for sampler in samplers:
+            lib.llama_sampler_chain_add(self.chain, sampler)   # the chain owns it now
+
+    def _build(self, lib, vocab, n_vocab: int, n_ctx: int, p: SamplingParams,
+               samplers: list) -> None:
+        """Create the grammar sampler and the chain's samplers (appended to `samplers`)."""
         if p.logit_bias:
             bad = [t for t in p.logit_bias if not 0 <= t < n_vocab]
             if bad:
@@ -162,7 +182,6 @@ class SamplerChain:
         if p.grammar is not None:
             self.grammar = lib.llama_sampler_init_grammar(vocab, p.grammar.encode(), b"root")
             if not self.grammar:
-                self._free_all(samplers)
                 raise InvalidInput("the grammar does not parse (GBNF with a 'root' rule)",
                                    param="grammar")
         # llama.cpp's common sampler: the listed samplers in order (each only when its
@@ -213,9 +232,6 @@ class SamplerChain:
                     p.seed32, p.mirostat_tau, p.mirostat_eta))
         else:                # (a `samplers` list without temperature: as llama.cpp, none)
             samplers.append(lib.llama_sampler_init_dist(p.seed32))
-        self.chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
-        for sampler in samplers:
-            lib.llama_sampler_chain_add(self.chain, sampler)   # the chain owns it now
 
     def _free_all(self, samplers) -> None:
         for sampler in samplers:
