@@ -55,6 +55,7 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
                 "n_indent": req.get("n_indent"), "t_max_predict_ms": req.get("t_max_predict_ms"),
                 "t_max_prompt_ms": req.get("t_max_prompt_ms"),
                 "n_probs": req.get("n_probs"), "return_tokens": req.get("return_tokens"),
+                "draft_max": req.get("draft_max"),
                 **(extra or {}),
             }
             plans.append(JobPlan(job, p, c))

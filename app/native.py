@@ -196,7 +196,10 @@ class NativeResult:
                 "predicted_n": predicted, "predicted_ms": predicted_ms,
                 "predicted_per_token_ms": predicted_ms / predicted if predicted else 0.0,
                 "predicted_per_second": predicted * 1000.0 / predicted_ms
-                if predicted_ms else 0.0},
+                if predicted_ms else 0.0,
+                # llama.cpp's speculative counts
+                "draft_n": int((end.get("draft") or {}).get("proposed", 0)),
+                "draft_n_accepted": int((end.get("draft") or {}).get("accepted", 0))},
             "fingerprint": start.get("fingerprint"),
             # t_max_prompt_ms: the oldest input_extra chunks left out to meet it
             "input_extra_dropped": int(end.get("dropped_chunks", 0)),

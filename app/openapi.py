@@ -34,8 +34,9 @@ def field_schema(field: fields.Field) -> dict:
 
 def object_schema(schema: Schema) -> dict:
     out = {"type": "object", "additionalProperties": False,
-           "properties": {name: field_schema(f) for name, f in schema.fields.items()}}
-    required = [name for name, f in schema.fields.items() if f.required]
+           "properties": {f.data_key or name: field_schema(f)
+                          for name, f in schema.fields.items()}}
+    required = [f.data_key or name for name, f in schema.fields.items() if f.required]
     if required:
         out["required"] = required
     return out

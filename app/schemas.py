@@ -232,6 +232,12 @@ class CompletionRequestSchema(Schema):
     post_sampling_probs = StrictBoolean(load_default=False, allow_none=True, metadata=_doc(
         "Accepted; probabilities are the model's, before sampling.", type="boolean",
         default=False))
+    draft_max = StrictInteger(
+        data_key="speculative.n_max", load_default=None, allow_none=True,
+        validate=_range(0, 64), metadata=_doc(
+            "llama.cpp's speculative.n_max: at most this many drafted tokens a step for "
+            "this request (prompt-lookup speculation); 0: none; default: the server's "
+            "--draft-max.", type="integer", minimum=0, maximum=64))
     n_indent = StrictInteger(load_default=0, allow_none=True, validate=_range(0, INT_MAX),
                              metadata=_doc("After the first newline, a line indented less "
                                            "than this ends the completion (llama.cpp).",
@@ -354,6 +360,7 @@ def schema_count_over(schema, limit: int) -> str | None:
 
 ALIASES = {"n_predict": "max_tokens", "repeat_penalty": "repetition_penalty"}
 KEEP_NULL = {"max_tokens", "seed", "model", "stream_options", "user", "suffix", "logprobs",
+             "draft_max",
              "best_of", "logit_bias", "grammar", "json_schema", "nctx", "ngl", "compute"}
 
 

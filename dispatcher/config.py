@@ -70,6 +70,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("frontends", 1, "number of gunicorn front-end processes (0: none)", _non_negative_int),
     Option("model", None, "path of the GGUF model (default: the bundled Gemma 3 270M Q4_K_M)"),
     Option("model_id", None, "model name clients send (default: the file name without .gguf)"),
+    Option("draft_max", 16, "prompt-lookup speculative decoding: at most this many tokens "
+           "drafted a step from the request's own text, verified in the same decode (0: "
+           "off); drafts only while at most 2 sequences generate", _non_negative_int),
     Option("prefill_chunk", 0, "prompt tokens a worker decodes per step, all prompts "
            "together, beside the running streams' tokens (0: as many as a batch holds, "
            "512); smaller keeps streams smoother while a long prompt is prefilled",

@@ -349,3 +349,14 @@ def test_llama_vscode_infill_payload(editor_server):
     answer = json.loads(raw)
     assert status == 200 and isinstance(answer["content"], str)
     assert answer["tokens_predicted"] <= 12 and answer["timings"]["predicted_n"] >= 0
+
+
+def test_speculative_drafts_are_counted_in_the_timings(editor_server):
+    code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n" * 3
+    answer = complete_native(editor_server.port, prompt=code + "def add(a, b):\n",
+                             n_predict=32, ignore_eos=True)
+    timings = answer["timings"]
+    assert timings["draft_n"] > 0 and 0 < timings["draft_n_accepted"] <= timings["draft_n"]
+    none = complete_native(editor_server.port, prompt=code + "def add(a, b):\n",
+                           n_predict=32, ignore_eos=True, **{"speculative.n_max": 0})
+    assert none["timings"]["draft_n"] == 0

@@ -150,3 +150,36 @@ def test_chunked_prefill_never_stalls_a_running_stream_and_serves_short_prompts_
         assert steps >= len(long_prompt) // 64
     finally:
         engine.close()
+
+
+REPEATING_CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+                  * 3 + "def add(a, b):\n")
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0),
+                                      SamplingParams(temperature=0.8, seed=7, top_k=20)])
+def test_speculation_changes_no_token_in_the_deterministic_configuration(model_path,
+                                                                          sampling):
+    from workers.engine import LlamaEngine
+    outputs, steps = {}, {}
+    for draft_max in (0, 16):
+        engine = LlamaEngine(model_path, 1024, 2, 2, 0, deterministic=True,
+                             draft_max=draft_max)
+        try:
+            engine.add(0, engine.tokenize(REPEATING_CODE), sampling)
+            tokens, steps[draft_max] = [], 0
+            while len(tokens) < 48:
+                produced = engine.step()
+                steps[draft_max] += 1
+                if 0 in produced:
+                    out = produced[0]
+                    tokens += [o.token for o in (out if isinstance(out, list) else [out])]
+            outputs[draft_max] = tokens[:48]
+            if draft_max:
+                drafted, accepted = engine.draft_stats(0)
+                assert drafted > 0 and 0 < accepted <= drafted
+        finally:
+            engine.close()
+    assert outputs[16] == outputs[0]
+    if sampling.temperature == 0:
+        assert steps[16] < steps[0] / 2              # most drafts were accepted

@@ -25,11 +25,12 @@ def test_served_document_is_the_built_one():
 
 def test_every_schema_field_is_documented_and_nothing_else():
     schema = CompletionRequestSchema()
-    assert set(REQUEST["properties"]) == set(schema.fields)
-    assert REQUEST["required"] == [n for n, f in schema.fields.items() if f.required]
+    keys = {name: field.data_key or name for name, field in schema.fields.items()}
+    assert set(REQUEST["properties"]) == set(keys.values())
+    assert REQUEST["required"] == [keys[n] for n, f in schema.fields.items() if f.required]
     assert REQUEST["additionalProperties"] is False
     for name, field in schema.fields.items():
-        documented = REQUEST["properties"][name]
+        documented = REQUEST["properties"][keys[name]]
         assert documented.get("description"), f"{name} has no description"
         if field.allow_none:
             types = documented.get("type", [])
@@ -71,6 +72,7 @@ def test_documented_types_match_the_field_classes():
     kinds = {"StrictFloat": "number", "StrictInteger": "integer", "StrictBoolean": "boolean",
              "StrictString": "string", "JSONObject": "object"}
     for name, field in CompletionRequestSchema().fields.items():
+        name = field.data_key or name
         kind = kinds.get(type(field).__name__)
         if kind:
             documented = REQUEST["properties"][name]["type"]

@@ -128,7 +128,7 @@ def test_streamed_n_chunks_carry_their_index(det_port):
 
 # -- 3. logprobs -------------------------------------------------------------------------
 def test_logprobs_match_llama_cpp_python(port, reference_llm):
-    ours = greedy(port, PROMPT, 6, logprobs=3)["choices"][0]
+    ours = greedy(port, PROMPT, 6, logprobs=3, **{"speculative.n_max": 0})["choices"][0]
     theirs = reference_llm.create_completion(PROMPT, max_tokens=6, temperature=0,
                                              logprobs=3)["choices"][0]
     assert ours["text"] == theirs["text"]
@@ -297,6 +297,18 @@ def test_llama_cpp_fields_are_accepted_on_the_openai_endpoint(port):
     assert status == 400 and error["param"] == "samplers"
     status, error = error_of(port, {"prompt": "Hi", "dry_base": 0.5})
     assert status == 400 and error["param"] == "dry_base"
+
+
+SPECULATED = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+              * 3 + "def add(a, b):\n")
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 0.7, "seed": 3}])
+def test_speculation_changes_no_token_on_the_deterministic_server(det_port, params):
+    body = dict(prompt=SPECULATED, max_tokens=40, ignore_eos=True, **params)
+    with_drafts = complete(det_port, **body)["choices"][0]["text"]
+    without = complete(det_port, **body, **{"speculative.n_max": 0})["choices"][0]["text"]
+    assert with_drafts == without
 
 
 def test_repeat_last_n_sets_the_penalty_window(det_port):

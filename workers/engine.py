@@ -1,15 +1,13 @@
-"""The inference engine: the only module that imports llama_cpp.
+"""The inference engine: the only module that imports llama_cpp (its vocabulary half is
+`workers.vocabulary`, its sampler chains `workers.sampling`, both handed the module).
 
-It uses llama-cpp-python's low-level C API rather than `Llama`: one context whose KV
-cache holds `slots` sequences (unified pool), one `llama_batch` per step, one sampler
-chain per sequence. `step()` decodes one token for every generating slot plus prompt
-chunks of the admitted ones in a single `llama_decode`, then samples each slot from its
-own batch row. Calls into llama.cpp release the GIL, so the worker's IO thread keeps
-heartbeating during a long decode. API facts this relies on (see the shared notes on
-llama-cpp-python batching): pieces must be read with an exact-size buffer (the
-wrapper's 32-byte buffer drops long pieces), `llama_sampler_sample` already accepts the
-token, `n_batch` is a hard assert, a grammar sampler must only accept tokens its own
-chain sampled.
+llama-cpp-python's low-level C API, not `Llama`: one context holding `slots` sequences
+(one KV stream each), one `llama_batch` per step: a token for every generating slot
+(plus its speculative draft, `workers.speculation`) and prompt chunks of the admitted
+ones in a single `llama_decode`, then each slot sampled from its own rows. llama.cpp
+releases the GIL, so the worker's IO thread heartbeats during a long decode. API facts
+relied on (shared notes): exact-size piece buffers, `llama_sampler_sample` accepts the
+token, `n_batch` is a hard assert, a grammar only accepts tokens its chain sampled.
 """
 from __future__ import annotations
 
@@ -23,8 +21,10 @@ from dataclasses import dataclass, field
 import llama_cpp
 import numpy as np
 
-from workers.errors import EngineError, InvalidInput
+from workers.errors import EngineError
 from workers.repacking import extra_buffers_work
+from workers.speculation import DraftPolicy, common_prefix, find_draft
+from workers.vocabulary import Vocabulary
 from workers.sampling import Candidates, SamplerChain, SamplingParams, TokenOut
 
 log = logging.getLogger(__name__)
@@ -58,20 +58,24 @@ class _Slot:
     min_tokens: int = 0
     ignore_eos: bool = False
     cached: list[int] = field(default_factory=list)     # the tokens in this slot's KV cache
+    draft: list[int] = field(default_factory=list)      # speculative tokens in this step
+    draft_rows: list[int] = field(default_factory=list)
+    policy: DraftPolicy | None = None                   # None: no speculation
 
     @property
     def busy(self) -> bool:
         return self.chain is not None
 
 
-class LlamaEngine:
+class LlamaEngine(Vocabulary):
     name = "llama"
 
     def __init__(self, model_path: str, n_ctx: int, slots: int, n_threads: int,
                  n_gpu_layers: int, verbose: bool = False, deterministic: bool = False,
-                 prefill_chunk: int = 0):
+                 prefill_chunk: int = 0, draft_max: int = 0):
         global _VERBOSE
         _VERBOSE = verbose
+        self.lib = llama_cpp                      # for the Vocabulary mixin
         llama_cpp.llama_log_set(_log_to_stderr, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
@@ -111,6 +115,8 @@ class LlamaEngine:
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)
         # prompt tokens decoded per step, all prompts together (0: as many as fit)
         self.prefill_chunk = prefill_chunk if prefill_chunk > 0 else self.n_batch
+        self.draft_max = draft_max                # prompt-lookup speculation; 0: off
+        self.drafted = self.draft_accepted = 0
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.slots = [_Slot(seq) for seq in range(slots)]
@@ -127,54 +133,6 @@ class LlamaEngine:
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.fingerprint = _fingerprint(model_path)
 
-    # -- vocabulary --------------------------------------------------------------------
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        """Text verbatim, special-token syntax parsed; BOS added if asked and the model
-        wants one."""
-        data = text.encode("utf-8")
-        size = len(data) + 8
-        buf = (llama_cpp.llama_token * size)()
-        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, size, add_special, True)
-        if n < 0:
-            size = -n
-            buf = (llama_cpp.llama_token * size)()
-            n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, size, add_special,
-                                         True)
-        if n < 0:
-            raise EngineError("tokenization failed")
-        return list(buf[:n])
-
-    def bos(self) -> list[int]:
-        return [llama_cpp.llama_vocab_bos(self.vocab)] if self.add_bos else []
-
-    def piece(self, token: int) -> bytes:
-        """The exact bytes of one token (may be part of a UTF-8 character)."""
-        buf = self._piece_buf
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-        if n < 0:
-            buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
-        return buf.raw[:max(n, 0)]
-
-    def is_eog(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
-
-    def check_tokens(self, tokens: list[int]) -> None:
-        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
-        if bad:
-            raise InvalidInput(f"token ids {bad[:5]} are outside the vocabulary "
-                               f"(0..{self.n_vocab - 1})", param="prompt")
-
-    def grammar_from_json_schema(self, schema: dict) -> str:
-        import json
-
-        from llama_cpp.llama_grammar import json_schema_to_gbnf
-        try:
-            return json_schema_to_gbnf(json.dumps(schema))
-        except Exception as exc:          # the converter raises many kinds
-            raise InvalidInput(f"unsupported or invalid JSON schema: {exc}",
-                               param="json_schema") from None
-
     # -- sequences ---------------------------------------------------------------------
     @property
     def n_slots(self) -> int:
@@ -182,17 +140,17 @@ class LlamaEngine:
 
     def cached_prefix(self, tokens: list[int], free: list[int]) -> int:
         """The longest prefix of `tokens` some free slot's cache already holds."""
-        return max((_common_prefix(self.slots[i].cached, tokens) for i in free), default=0)
+        return max((common_prefix(self.slots[i].cached, tokens) for i in free), default=0)
 
     def best_slot(self, tokens: list[int], free: list[int]) -> int:
         """The free slot whose cached tokens share the longest prefix with `tokens`
         (ties: the one with the least cached, so long caches survive)."""
-        return max(free, key=lambda i: (_common_prefix(self.slots[i].cached, tokens),
+        return max(free, key=lambda i: (common_prefix(self.slots[i].cached, tokens),
                                         -len(self.slots[i].cached)))
 
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
             logprobs: int | None = None, prompt_logprobs: bool = False,
-            reuse: bool = True) -> int:
+            reuse: bool = True, draft_max: int | None = None) -> int:
         """Start a sequence in a free slot; its prompt is decoded by the coming steps.
         Returns how many prompt tokens were already in the slot's KV cache (reused)."""
         slot = self.slots[slot_id]
@@ -207,7 +165,7 @@ class LlamaEngine:
         # Decoding a prompt in other pieces changes its numbers: deterministic mode
         # never reuses a cached prefix.
         if reuse and not prompt_logprobs and not self.deterministic:
-            n_past = min(_common_prefix(slot.cached, tokens), len(tokens) - 1)
+            n_past = min(common_prefix(slot.cached, tokens), len(tokens) - 1)
         if not self._truncate(slot, n_past):
             n_past = 0
         slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
@@ -215,6 +173,8 @@ class LlamaEngine:
         slot.logprobs = logprobs
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
+        limit = self.draft_max if draft_max is None else min(draft_max, self.draft_max)
+        slot.policy = DraftPolicy(limit) if limit else None
         return n_past
 
     def clear_caches(self) -> None:
@@ -280,9 +240,14 @@ class LlamaEngine:
             generating, prefilling = [], prefilling[:1]
         else:
             generating = [s for s in self.slots if s.busy and s.next_token is not None]
-        # Every generating slot has its row; prompts share at most `prefill_chunk` more,
+        for slot in generating:                  # speculation (workers/speculation.py)
+            want = slot.policy.wants(len(generating)) if slot.policy else 0
+            want = min(want, self.n_ctx - slot.n_past - 2)
+            slot.draft = find_draft(slot.cached + [slot.next_token], want) if want else []
+        # Every generating slot has its rows; prompts share at most `prefill_chunk` more,
         # so a long prompt holds the running streams back by one chunk a step at most.
-        room = min(self.n_batch - len(generating), self.prefill_chunk)
+        room = min(self.n_batch - sum(1 + len(s.draft) for s in generating),
+                   self.prefill_chunk)
         grant: dict[int, int] = {}
         for slot in prefilling:
             if room <= 0:
@@ -296,6 +261,7 @@ class LlamaEngine:
             if slot in generating:
                 slot.row = add_row(slot, slot.next_token, True)
                 slot.next_token = None
+                slot.draft_rows = [add_row(slot, token, True) for token in slot.draft]
             elif slot.seq in grant:
                 take = grant[slot.seq]
                 chunk, slot.pending = slot.pending[:take], slot.pending[take:]
@@ -327,12 +293,42 @@ class LlamaEngine:
                                                      float(logits[following] - lse),
                                                      self._top(logits, lse, slot.logprobs or 0)))
                     slot.prompt_rows = []
-                if slot.row >= 0:
+                if slot.row >= 0 and slot.draft:
+                    out[slot_id] = self._verify(slot)
+                elif slot.row >= 0:
                     out[slot_id] = self._sample(slot)
             except Exception as exc:      # one sequence's sampling failed, not the step
                 slot.row, slot.prompt_rows = -1, []
                 out[slot_id] = TokenOut(-1, error=exc)
         return out
+
+    def draft_stats(self, slot_id: int) -> tuple[int, int]:
+        """(drafted, accepted) tokens of the slot's current sequence."""
+        policy = self.slots[slot_id].policy
+        return (policy.proposed, policy.accepted) if policy else (0, 0)
+
+    def _verify(self, slot: _Slot) -> list[TokenOut]:
+        """Sample the token row, then each draft row while the sample equals the draft;
+        keep the accepted positions in the KV cache, drop the rest."""
+        draft, rows = slot.draft, [slot.row] + slot.draft_rows
+        slot.draft, slot.draft_rows = [], []
+        start = slot.n_past - len(draft)          # position of the first draft token
+        outs: list[TokenOut] = []
+        for i, row in enumerate(rows):
+            slot.row = row
+            outs.append(self._sample(slot))
+            if i == len(draft) or outs[-1].token != draft[i] or self.is_eog(outs[-1].token):
+                break
+        accepted = len(outs) - 1                  # draft tokens confirmed by a sample
+        keep = start + accepted
+        if keep < slot.n_past:
+            llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, keep, -1)
+            del slot.cached[keep:]
+            slot.n_past = keep
+        slot.policy.record(len(draft), accepted)
+        self.drafted += len(draft)
+        self.draft_accepted += accepted
+        return outs
 
     def _row(self, row: int) -> tuple[float, np.ndarray]:
         ptr = llama_cpp.llama_get_logits_ith(self.ctx, row)
@@ -384,14 +380,6 @@ class LlamaEngine:
         llama_cpp.llama_batch_free(self.batch)
         llama_cpp.llama_free(self.ctx)
         llama_cpp.llama_model_free(self.model)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _fingerprint(model_path: str) -> str:

@@ -64,6 +64,9 @@ class FakeEngine:
     def grammar_from_json_schema(self, schema: dict) -> str:
         raise InvalidInput("the fake engine has no grammar support", param="json_schema")
 
+    def draft_stats(self, slot_id: int) -> tuple[int, int]:
+        return (0, 0)
+
     def cached_prefix(self, tokens: list[int], free: list[int]) -> int:
         return 0
 
@@ -75,7 +78,7 @@ class FakeEngine:
 
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
             logprobs: int | None = None, prompt_logprobs: bool = False,
-            reuse: bool = True) -> int:
+            reuse: bool = True, draft_max: int | None = None) -> int:
         self.check_tokens(tokens)
         if sampling.grammar is not None:
             raise InvalidInput("the fake engine has no grammar support", param="grammar")

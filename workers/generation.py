@@ -203,7 +203,8 @@ class GenerationLoop:
         prompt_lp = echo and logprobs is not None
         cached = self.engine.add(slot, tokens, SamplingParams.from_job(sampling), want,
                                  prompt_logprobs=prompt_lp,
-                                 reuse=body.get("cache_prompt", True))
+                                 reuse=body.get("cache_prompt", True),
+                                 draft_max=body.get("draft_max"))
         self.free_slots.remove(slot)
         self.active[request_id] = active     # from here a failure frees the slot
         active.cached = cached
@@ -280,19 +281,21 @@ class GenerationLoop:
             self.engine.clear_caches()
             return
         by_slot = {a.slot: a for a in self.active.values()}
-        for slot, out in produced.items():
+        for slot, outs in produced.items():
             active = by_slot.get(slot)
-            if active is None:
-                continue
-            try:
-                if out.error is not None:
-                    raise out.error
-                self._on_token(active, out)
-            except Exception as exc:      # sampling or finishing this one request failed
-                if not isinstance(exc, EngineError):
-                    log.exception("%s: generation failed", active.request_id)
-                if active.request_id in self.active:
-                    self._fail(active, exc, keep_cache=False)
+            # a verified speculative draft gives several tokens in one step
+            for out in outs if isinstance(outs, list) else [outs]:
+                if active is None or active.request_id not in self.active:
+                    break                 # it finished (stop, length) within the step
+                try:
+                    if out.error is not None:
+                        raise out.error
+                    self._on_token(active, out)
+                except Exception as exc:  # sampling or finishing this one request failed
+                    if not isinstance(exc, EngineError):
+                        log.exception("%s: generation failed", active.request_id)
+                    if active.request_id in self.active:
+                        self._fail(active, exc, keep_cache=False)
 
     def _on_token(self, active: Active, out) -> None:
         self.faults.check("token", active.prompt)
@@ -388,6 +391,9 @@ class GenerationLoop:
             event["stopping_word"] = active.assembler.stop_word
         if active.dropped_chunks:
             event["dropped_chunks"] = active.dropped_chunks
+        drafted, accepted = self.engine.draft_stats(active.slot)
+        if drafted:
+            event["draft"] = {"proposed": drafted, "accepted": accepted}
         if active.ledger is not None:
             rest = active.ledger.release(None if reason == "length" or
                                          not active.assembler.stopped else active.chars_out)

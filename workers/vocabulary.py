@@ -1,0 +1,59 @@
+"""The vocabulary half of `LlamaEngine` (a mixin): tokenizing, pieces, token checks.
+
+It calls llama.cpp through `self.lib`, the `llama_cpp` module the engine hands over, so
+that the engine stays the one importer of llama-cpp-python (after the worker is pinned).
+"""
+from __future__ import annotations
+
+import ctypes
+
+from workers.errors import EngineError, InvalidInput
+
+
+class Vocabulary:
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """Text verbatim, special-token syntax parsed; BOS added if asked and the model
+        wants one."""
+        data = text.encode("utf-8")
+        size = len(data) + 8
+        buf = (self.lib.llama_token * size)()
+        n = self.lib.llama_tokenize(self.vocab, data, len(data), buf, size, add_special, True)
+        if n < 0:
+            size = -n
+            buf = (self.lib.llama_token * size)()
+            n = self.lib.llama_tokenize(self.vocab, data, len(data), buf, size, add_special,
+                                         True)
+        if n < 0:
+            raise EngineError("tokenization failed")
+        return list(buf[:n])
+
+    def bos(self) -> list[int]:
+        return [self.lib.llama_vocab_bos(self.vocab)] if self.add_bos else []
+
+    def piece(self, token: int) -> bytes:
+        """The exact bytes of one token (may be part of a UTF-8 character)."""
+        buf = self._piece_buf
+        n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:max(n, 0)]
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
+
+    def check_tokens(self, tokens: list[int]) -> None:
+        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
+        if bad:
+            raise InvalidInput(f"token ids {bad[:5]} are outside the vocabulary "
+                               f"(0..{self.n_vocab - 1})", param="prompt")
+
+    def grammar_from_json_schema(self, schema: dict) -> str:
+        import json
+
+        from llama_cpp.llama_grammar import json_schema_to_gbnf   # (loaded by the engine)
+        try:
+            return json_schema_to_gbnf(json.dumps(schema))
+        except Exception as exc:          # the converter raises many kinds
+            raise InvalidInput(f"unsupported or invalid JSON schema: {exc}",
+                               param="json_schema") from None
