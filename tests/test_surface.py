@@ -303,12 +303,15 @@ SPECULATED = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return 
               * 3 + "def add(a, b):\n")
 
 
-@pytest.mark.parametrize("params", [{"temperature": 0}, {"temperature": 0.7, "seed": 3}])
-def test_speculation_changes_no_token_on_the_deterministic_server(det_port, params):
-    body = dict(prompt=SPECULATED, max_tokens=40, ignore_eos=True, **params)
-    with_drafts = complete(det_port, **body)["choices"][0]["text"]
-    without = complete(det_port, **body, **{"speculative.n_max": 0})["choices"][0]["text"]
+def test_speculation_keeps_a_confident_copy_and_is_off_in_deterministic_mode(port,
+                                                                            det_port):
+    body = dict(prompt=SPECULATED, max_tokens=24, temperature=0, cache_prompt=False)
+    with_drafts = complete(port, **body)["choices"][0]["text"]
+    without = complete(port, **body, **{"speculative.n_max": 0})["choices"][0]["text"]
     assert with_drafts == without
+    status, _, native = http_json(det_port, "POST", "/completion",
+                                  {"prompt": SPECULATED, "n_predict": 16, "temperature": 0})
+    assert status == 200 and native["timings"]["draft_n"] == 0
 
 
 def test_repeat_last_n_sets_the_penalty_window(det_port):

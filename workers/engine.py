@@ -115,7 +115,9 @@ class LlamaEngine(Vocabulary):
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)
         # prompt tokens decoded per step, all prompts together (0: as many as fit)
         self.prefill_chunk = prefill_chunk if prefill_chunk > 0 else self.n_batch
-        self.draft_max = draft_max                # prompt-lookup speculation; 0: off
+        # prompt-lookup speculation; 0: off. Never in deterministic mode: verification rows
+        # decoded beside the token's row change logprobs in their last bits (measured)
+        self.draft_max = 0 if deterministic else draft_max
         self.drafted = self.draft_accepted = 0
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
