@@ -76,6 +76,7 @@ class Level:
     itl_ms: float | None = None
     stream_tok_s: float | None = None
     aggregate_tok_s: float | None = None
+    first_line_p50_ms: float | None = None
     error_samples: list[str] = field(default_factory=list)
 
 
@@ -180,7 +181,8 @@ COLUMNS = [("target", "target", "{}"), ("workload", "name", "{}"),
            ("trunc", "truncated", "{}"), ("supers", "superseded", "{}"),
            ("TTFT p50 ms", "ttft_p50_ms", "{:.1f}"), ("TTFT p95 ms", "ttft_p95_ms", "{:.1f}"),
            ("ITL ms", "itl_ms", "{:.1f}"), ("stream tok/s", "stream_tok_s", "{:.1f}"),
-           ("aggregate tok/s", "aggregate_tok_s", "{:.1f}")]
+           ("aggregate tok/s", "aggregate_tok_s", "{:.1f}"),
+           ("1st line p50 ms", "first_line_p50_ms", "{:.1f}")]
 
 
 def table(rows: list[dict]) -> str:
@@ -236,6 +238,68 @@ def run_constrained(target, requests: int, prompt_chars: int, max_tokens: int,
                                            time.perf_counter() - started)]
 
 
+EDIT_SOURCE = "".join(
+    f"def handler_{i}(request):\n    value = request.get('field_{i}')\n"
+    f"    if value is None:\n        return error('missing field_{i}')\n"
+    f"    return respond(value * {i})\n\n\n" for i in range(12))
+
+
+def run_single(target, name: str, prompt: str, requests: int, max_tokens: int,
+               temperature: float) -> Level:
+    """One stream at a time: `edit` (the output copies much of the prompt), `fresh`
+    (new code), `sampled` (temperature 1: drafts rarely survive)."""
+    samples, started = [], time.perf_counter()
+    for _ in range(requests):
+        samples.append(target.complete(prompt, max_tokens,
+                                       extra={"temperature": temperature,
+                                              "ignore_eos": True}))
+    return summarize(name, 1, samples, time.perf_counter() - started)
+
+
+def run_typing(target, sessions: int, bursts: int, burst_len: int, gap: float,
+               max_tokens: int, salt: int) -> Level:
+    """Editors typing: `sessions` users, each typing bursts of `burst_len` keystrokes
+    `gap` s apart into its own ~400-token file, one request per keystroke superseding
+    the last (X-Session-Id), a pause after each burst. Reports, for the request the user
+    waits for (the last of each burst): TTFT, time to the end of the first line
+    (`first_line_p50_ms`), and how many got no answer (errors)."""
+    waited: list[Sample] = []
+    lock = threading.Lock()
+
+    def user(u: int) -> None:
+        text = prompt_of(1600, salt + u)
+        cursor = len(text) // 2
+        for b in range(bursts):
+            threads, results = [], {}
+            for k in range(burst_len):
+                cursor += 2
+                prefix = text[:cursor] + "\n    "
+
+                def fire(key=k, prefix=prefix):
+                    results[key] = target.complete(prefix, max_tokens,
+                                                   session=f"typing-{salt}-{u}")
+                thread = threading.Thread(target=fire)
+                thread.start()
+                threads.append(thread)
+                time.sleep(gap)
+            for thread in threads:
+                thread.join()
+            with lock:
+                waited.append(results[burst_len - 1])
+            time.sleep(gap * 3)
+
+    started = time.perf_counter()
+    users = [threading.Thread(target=user, args=(u,)) for u in range(sessions)]
+    for thread in users:
+        thread.start()
+    for thread in users:
+        thread.join()
+    level = summarize("typing (waited-for)", sessions, waited, time.perf_counter() - started)
+    lines = [s.first_line * 1000 for s in waited if s.ok and s.first_line is not None]
+    level.first_line_p50_ms = percentile(lines, 0.5)
+    return level
+
+
 def add_arguments(parser) -> None:
     parser.add_argument("--url", action="append", default=[],
                         help="an OpenAI-compatible base URL; repeatable (default: this "
@@ -257,6 +321,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--keystroke-interval", type=float, default=0.15)
     parser.add_argument("--no-fim", action="store_true",
                         help="skip the FIM replay (for servers without FIM support)")
+    parser.add_argument("--workloads", default="",
+                        help="also: comma-separated editor workloads: edit, fresh, sampled "
+                             "(one stream, --max-tokens each), typing (see --sessions)")
+    parser.add_argument("--sessions", type=int, default=8, help="typing: users")
+    parser.add_argument("--bursts", type=int, default=3, help="typing: bursts per user")
+    parser.add_argument("--burst-len", type=int, default=4,
+                        help="typing: keystrokes per burst")
+    parser.add_argument("--keystroke-gap", type=float, default=0.1,
+                        help="typing: seconds between keystrokes")
     parser.add_argument("--constrained", action="store_true",
                         help="also: a plain stream alone and beside a json_schema stream "
                              "(prints the slowdown; targets that take json_schema only)")
@@ -298,6 +371,22 @@ def run(args) -> int:
         if args.fim_keystrokes and not args.no_fim and not in_process:
             results.append(run_fim_replay(target, args.fim_keystrokes, args.max_tokens,
                                           salt + 1, args.keystroke_interval))
+        extra_workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        single = {"edit": (EDIT_SOURCE + "def handler_12(request):\n", 0.0),
+                  "fresh": ("def merge_sorted(left, right):\n", 0.0),
+                  "sampled": ("def merge_sorted(left, right):\n", 1.0)}
+        for workload in extra_workloads:
+            if workload in single:
+                prompt, temperature = single[workload]
+                results.append(run_single(target, workload, prompt, args.requests or 3,
+                                          args.max_tokens, temperature))
+            elif workload == "typing" and not in_process:
+                results.append(run_typing(target, args.sessions, args.bursts,
+                                          args.burst_len, args.keystroke_gap,
+                                          args.max_tokens, salt + 3))
+            elif workload != "typing":
+                raise SystemExit(f"unknown workload {workload!r}: edit, fresh, sampled, "
+                                 "typing")
         if args.constrained and not in_process:
             results += run_constrained(target, args.requests or 4, args.prompt_chars,
                                        args.max_tokens, salt + 2 + args.fim_keystrokes)

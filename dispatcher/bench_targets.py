@@ -20,6 +20,7 @@ class Sample:
     tokens: int = 0
     decode_s: float = 0.0           # first text to last text
     finish_reason: str | None = None
+    first_line: float | None = None  # seconds to the end of the first line (a newline)
 
 
 class HttpTarget:
@@ -108,6 +109,8 @@ class HttpTarget:
                     chunks += 1
                     if sample.ttft is None:
                         sample.ttft = now - started
+                    if sample.first_line is None and "\n" in choice["text"]:
+                        sample.first_line = now - started
                     last_text = now
                 if choice.get("finish_reason"):
                     sample.finish_reason = choice["finish_reason"]
@@ -133,13 +136,15 @@ class InProcessTarget:
         self.lock = threading.Lock()
 
     def complete(self, prompt: str, max_tokens: int, suffix: str | None = None,
-                 session: str | None = None, timeout: float = 600) -> Sample:
+                 session: str | None = None, timeout: float = 600,
+                 extra: dict | None = None) -> Sample:
+        temperature = float((extra or {}).get("temperature", 0))
         sample = Sample()
         with self.lock:
             started = time.perf_counter()
             last = started
             for chunk in self.llm.create_completion(prompt, max_tokens=max_tokens,
-                                                    temperature=0, stream=True):
+                                                    temperature=temperature, stream=True):
                 choice = chunk["choices"][0]
                 now = time.perf_counter()
                 if choice["text"]:

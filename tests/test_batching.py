@@ -199,3 +199,18 @@ def test_a_request_the_client_sent_earlier_never_supersedes_a_later_one(two_fake
     status, body = complete(port, {"prompt": "x"}, {"X-Session-Id": "order-2",
                                                     "X-Session-Seq": "soon"})
     assert status == 400 and body["error"]["param"] == "X-Session-Seq"
+
+
+def test_bench_editor_workloads(two_fake_workers):
+    out = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "bench", "--url", two_fake_workers.url,
+         "--concurrency", "1", "--requests", "1", "--max-tokens", "4", "--no-fim",
+         "--workloads", "edit,fresh,sampled,typing", "--sessions", "2", "--bursts", "1",
+         "--burst-len", "3", "--keystroke-gap", "0.05", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = {row["name"]: row for row in json.loads(out.stdout)}
+    for name in ("edit", "fresh", "sampled"):
+        assert rows[name]["ok"] == 1 and rows[name]["errors"] == 0
+    typing = rows["typing (waited-for)"]
+    assert typing["requests"] == 2 and typing["ok"] == 2 and typing["errors"] == 0
