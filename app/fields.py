@@ -1,6 +1,7 @@
 """marshmallow fields for JSON as OpenAI's API reads it: strict numbers, booleans and
 strings (no coercion), and the compound fields of the completion request (prompt forms,
-stop strings, logit bias), with the limits they enforce."""
+stop strings, logit bias, string lists), with the limits they enforce, including the
+sizes of grammars and JSON schemas a worker's grammar builders can take."""
 from __future__ import annotations
 
 import math
@@ -212,3 +213,54 @@ class LogitBiasField(fields.Field):
                 raise self.make_error("invalid")
             out[str(token)] = float(bias)
         return out
+
+
+# What a worker's grammar builders take: llama.cpp parses GBNF recursively (a deep nest
+# of groups would overflow its stack), and the JSON schema converter repeats an item
+# `minItems`/`maxLength`... times (llama.cpp's own repetition limit is 2000).
+MAX_GRAMMAR_DEPTH = 100
+MAX_SCHEMA_COUNT = 2000
+SCHEMA_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties",
+                 "maxProperties", "minContains", "maxContains")
+
+
+def grammar_depth(grammar: str) -> int:
+    """The deepest nesting of ( ) groups, outside string literals and [ ] classes."""
+    depth = deepest = 0
+    quote = bracket = escaped = False
+    for ch in grammar:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif quote:
+            quote = ch != '"'
+        elif bracket:
+            bracket = ch != "]"
+        elif ch == '"':
+            quote = True
+        elif ch == "[":
+            bracket = True
+        elif ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def schema_count_over(schema, limit: int) -> str | None:
+    """The first count keyword (minItems, maxLength, ...) in `schema` above `limit`."""
+    stack = [schema]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key in SCHEMA_COUNTS and isinstance(item, (int, float)) \
+                        and not isinstance(item, bool) and item > limit:
+                    return key
+                if isinstance(item, (dict, list)):
+                    stack.append(item)
+        elif isinstance(value, list):
+            stack.extend(v for v in value if isinstance(v, (dict, list)))
+    return None

@@ -145,18 +145,23 @@ def check_route(job: dict, state: dict) -> None:
     raise InvalidRequest(message, param=param, code=code)
 
 
-def queue_timeout() -> float | None:
-    raw = request.headers.get(TIMEOUT_HEADER)
+def header_number(name: str, parse, valid, must: str):
+    """The header's value parsed by `parse` (None if absent), or 400 saying it `must`..."""
+    raw = request.headers.get(name)
     if raw is None:
         return None
     try:
-        value = float(raw)
+        value = parse(raw)
     except ValueError:
-        value = -1.0
-    if not 0 < value <= 86400 or value != value:
-        raise InvalidRequest(f"{TIMEOUT_HEADER} must be a number of seconds, more than 0 "
-                             "and at most 86400", param=TIMEOUT_HEADER)
+        value = None
+    if value is None or value != value or not valid(value):
+        raise InvalidRequest(f"{name} must be {must}", param=name)
     return value
+
+
+def queue_timeout() -> float | None:
+    return header_number(TIMEOUT_HEADER, float, lambda v: 0 < v <= 86400,
+                         "a number of seconds, more than 0 and at most 86400")
 
 
 def session_of(req) -> str | None:
@@ -176,17 +181,9 @@ SEQUENCE_HEADER = "X-Session-Seq"   # the client's own order of its session's re
 def session_order(arrived_ns: int) -> int:
     """The order of this request among its session's: the client's X-Session-Seq if it
     sends one (a session should use it always or never), else the arrival time here."""
-    raw = request.headers.get(SEQUENCE_HEADER)
-    if raw is None:
-        return arrived_ns
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if not 0 <= value < 2 ** 63:
-        raise InvalidRequest(f"{SEQUENCE_HEADER} must be an integer from 0",
-                             param=SEQUENCE_HEADER)
-    return value
+    value = header_number(SEQUENCE_HEADER, int, lambda v: 0 <= v < 2 ** 63,
+                          "an integer from 0")
+    return arrived_ns if value is None else value
 
 
 def check_prompt_size(req: dict) -> None:

@@ -12,7 +12,8 @@ from marshmallow import (RAISE, Schema, ValidationError, fields, pre_load, valid
 from app.fields import (COMPUTE_KINDS, INT_MAX, MAX_CHOICES, MAX_LOGPROBS,  # noqa: F401
                         MAX_PROMPTS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SEED_RANGE,
                         JSONObject, LogitBiasField, PromptField, StopField, StrictBoolean,
-                        StrictFloat, StrictInteger, StrictString, StringListField)
+                        StrictFloat, StrictInteger, StrictString, StringListField,
+                        MAX_GRAMMAR_DEPTH, MAX_SCHEMA_COUNT, grammar_depth, schema_count_over)
 from dispatcher.protocol import SAMPLER_ALIASES, SAMPLER_NAMES
 
 def _range(low=None, high=None, **kw):
@@ -305,57 +306,6 @@ class CompletionRequestSchema(Schema):
                     and data[alias] != data[name]:
                 raise ValidationError(f"{alias} and {name} are the same setting and "
                                       "differ here.", alias)
-
-
-# What a worker's grammar builders take: llama.cpp parses GBNF recursively (a deep nest
-# of groups would overflow its stack), and the JSON schema converter repeats an item
-# `minItems`/`maxLength`... times (llama.cpp's own repetition limit is 2000).
-MAX_GRAMMAR_DEPTH = 100
-MAX_SCHEMA_COUNT = 2000
-SCHEMA_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties",
-                 "maxProperties", "minContains", "maxContains")
-
-
-def grammar_depth(grammar: str) -> int:
-    """The deepest nesting of ( ) groups, outside string literals and [ ] classes."""
-    depth = deepest = 0
-    quote = bracket = escaped = False
-    for ch in grammar:
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = True
-        elif quote:
-            quote = ch != '"'
-        elif bracket:
-            bracket = ch != "]"
-        elif ch == '"':
-            quote = True
-        elif ch == "[":
-            bracket = True
-        elif ch == "(":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch == ")":
-            depth = max(0, depth - 1)
-    return deepest
-
-
-def schema_count_over(schema, limit: int) -> str | None:
-    """The first count keyword (minItems, maxLength, ...) in `schema` above `limit`."""
-    stack = [schema]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if key in SCHEMA_COUNTS and isinstance(item, (int, float)) \
-                        and not isinstance(item, bool) and item > limit:
-                    return key
-                if isinstance(item, (dict, list)):
-                    stack.append(item)
-        elif isinstance(value, list):
-            stack.extend(v for v in value if isinstance(v, (dict, list)))
-    return None
 
 
 ALIASES = {"n_predict": "max_tokens", "repeat_penalty": "repetition_penalty"}

@@ -10,12 +10,12 @@ ceiling for any server built on it.
 from __future__ import annotations
 
 import json
-import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
-from dispatcher.bench_targets import HttpTarget, InProcessTarget, Sample
+from dispatcher.bench_targets import (HttpTarget, InProcessTarget, Level, Sample,
+                                      percentile, summarize)
 
 CODE = '''import json
 import os
@@ -58,54 +58,6 @@ def prompt_of(chars: int, salt: int = 0) -> str:
     while len(text) < chars:
         text += CODE
     return text[:chars]
-
-
-@dataclass
-class Level:
-    name: str
-    concurrency: int
-    requests: int = 0
-    ok: int = 0
-    errors: int = 0
-    truncated: int = 0
-    superseded: int = 0
-    tokens: int = 0
-    wall_s: float = 0.0
-    ttft_p50_ms: float | None = None
-    ttft_p95_ms: float | None = None
-    itl_ms: float | None = None
-    stream_tok_s: float | None = None
-    aggregate_tok_s: float | None = None
-    first_line_p50_ms: float | None = None
-    error_samples: list[str] = field(default_factory=list)
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    index = min(len(values) - 1, max(0, round(q * (len(values) - 1))))
-    return values[index]
-
-
-def summarize(name: str, concurrency: int, samples: list[Sample], wall: float) -> Level:
-    level = Level(name, concurrency, requests=len(samples), wall_s=round(wall, 3))
-    good = [s for s in samples if s.ok]
-    level.ok = len(good)
-    level.errors = sum(1 for s in samples if s.error and not s.superseded)
-    level.truncated = sum(1 for s in samples if s.truncated)
-    level.superseded = sum(1 for s in samples if s.superseded)
-    level.tokens = sum(s.tokens for s in good)
-    level.error_samples = sorted({s.error for s in samples if s.error})[:3]
-    ttfts = [s.ttft * 1000 for s in good if s.ttft is not None]
-    level.ttft_p50_ms, level.ttft_p95_ms = percentile(ttfts, 0.5), percentile(ttfts, 0.95)
-    decoding = [s for s in good if s.tokens > 1 and s.decode_s > 0]
-    if decoding:
-        level.itl_ms = statistics.median(s.decode_s / (s.tokens - 1) * 1000 for s in decoding)
-        level.stream_tok_s = statistics.median((s.tokens - 1) / s.decode_s for s in decoding)
-    if wall > 0:
-        level.aggregate_tok_s = level.tokens / wall
-    return level
 
 
 def run_level(target, concurrency: int, requests: int, prompt_chars: int, max_tokens: int,

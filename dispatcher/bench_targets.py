@@ -1,13 +1,15 @@
 """What `python -m dispatcher bench` measures: an OpenAI-compatible server over raw
-streaming HTTP, or llama-cpp-python's `Llama` in this process; one `Sample` a request."""
+streaming HTTP, or llama-cpp-python's `Llama` in this process; one `Sample` a request,
+summed up per workload in a `Level`."""
 from __future__ import annotations
 
 import http.client
 import json
+import statistics
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -21,6 +23,54 @@ class Sample:
     decode_s: float = 0.0           # first text to last text
     finish_reason: str | None = None
     first_line: float | None = None  # seconds to the end of the first line (a newline)
+
+
+@dataclass
+class Level:
+    name: str
+    concurrency: int
+    requests: int = 0
+    ok: int = 0
+    errors: int = 0
+    truncated: int = 0
+    superseded: int = 0
+    tokens: int = 0
+    wall_s: float = 0.0
+    ttft_p50_ms: float | None = None
+    ttft_p95_ms: float | None = None
+    itl_ms: float | None = None
+    stream_tok_s: float | None = None
+    aggregate_tok_s: float | None = None
+    first_line_p50_ms: float | None = None
+    error_samples: list[str] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    index = min(len(values) - 1, max(0, round(q * (len(values) - 1))))
+    return values[index]
+
+
+def summarize(name: str, concurrency: int, samples: list[Sample], wall: float) -> Level:
+    level = Level(name, concurrency, requests=len(samples), wall_s=round(wall, 3))
+    good = [s for s in samples if s.ok]
+    level.ok = len(good)
+    level.errors = sum(1 for s in samples if s.error and not s.superseded)
+    level.truncated = sum(1 for s in samples if s.truncated)
+    level.superseded = sum(1 for s in samples if s.superseded)
+    level.tokens = sum(s.tokens for s in good)
+    level.error_samples = sorted({s.error for s in samples if s.error})[:3]
+    ttfts = [s.ttft * 1000 for s in good if s.ttft is not None]
+    level.ttft_p50_ms, level.ttft_p95_ms = percentile(ttfts, 0.5), percentile(ttfts, 0.95)
+    decoding = [s for s in good if s.tokens > 1 and s.decode_s > 0]
+    if decoding:
+        level.itl_ms = statistics.median(s.decode_s / (s.tokens - 1) * 1000 for s in decoding)
+        level.stream_tok_s = statistics.median((s.tokens - 1) / s.decode_s for s in decoding)
+    if wall > 0:
+        level.aggregate_tok_s = level.tokens / wall
+    return level
 
 
 class HttpTarget:

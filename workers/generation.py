@@ -16,11 +16,12 @@ from typing import Callable
 
 
 from dispatcher import protocol as P
-from workers.errors import EngineError, InvalidInput
+from workers.errors import EngineError, InvalidInput, Stopping, error_event
+from workers.prefill import PrefillMeter
 from workers.publisher import FaultInjection, Publisher
 from workers.interface import Engine
-from workers.requests import (Active, EditorLimits, LogprobLedger, prompt_text,
-                              prompt_tokens, token_text)
+from workers.requests import (Active, EditorLimits, LogprobLedger, probs_entry,
+                              prompt_text, prompt_tokens, token_text, vocabulary_op)
 from workers.sampling import SamplingParams
 from workers.textstream import TextAssembler
 
@@ -33,7 +34,7 @@ class GenerationLoop:
                  identity: dict | None = None, fim_template=None):
         self.engine = engine
         self.fim_template = fim_template          # FimTemplate for suffix / infill
-        self.prefill_rate: float | None = None    # prompt tokens per ms, measured
+        self.prefill = PrefillMeter(engine)       # its rate, for t_max_prompt_ms
         self.identity = identity or {}            # {"worker", "device"}: in start events
         self.publisher = publisher
         self.notify = notify                      # -> dispatcher, through the IO thread
@@ -114,17 +115,7 @@ class GenerationLoop:
         """/tokenize and /detokenize, answered at once (one `end` event with a result)."""
         topic, attempt = body["topic"].encode(), int(body.get("attempt", 1))
         try:
-            if body["op"] == "tokenize":
-                tokens = self.engine.tokenize(body["content"], bool(body.get("add_special")))
-                result = {"tokens": [
-                    {"id": t, "piece": token_text(self.engine.piece(t))} for t in tokens]
-                    if body.get("with_pieces") else tokens}
-            elif body["op"] == "detokenize":
-                self.engine.check_tokens(body["tokens"])
-                data = b"".join(self.engine.piece(t) for t in body["tokens"])
-                result = {"content": data.decode("utf-8", "replace")}
-            else:
-                raise InvalidInput(f"unknown operation {body['op']!r}")
+            result = vocabulary_op(self.engine, body)
         except Exception as exc:         # bad content must never end the worker
             if not isinstance(exc, EngineError):
                 log.exception("%s: %s failed", request_id, body.get("op"))
@@ -169,8 +160,8 @@ class GenerationLoop:
             # llama.cpp declares t_max_prompt_ms and never implemented it: drop the
             # oldest extra chunks until the prefill fits, at this worker's measured rate
             # (warm-ups, n_predict 0 or 1, always fill the cache in full)
-            dropped = self._chunks_over_budget(tokens, extra, budget,
-                                               body.get("cache_prompt", True))
+            dropped = self.prefill.chunks_over_budget(tokens, extra, budget, self.free_slots,
+                                                      body.get("cache_prompt", True))
             if dropped:
                 extra = extra[dropped:]
                 tokens = prompt_tokens(self.engine, body["prompt"], body.get("suffix"),
@@ -220,37 +211,6 @@ class GenerationLoop:
         if active.max_tokens == 0 and not prompt_lp and not body.get("warm"):
             self._finish(active, "length")          # (warm-up: after the prefill)
 
-    def _prefill_ms(self, tokens: list[int], reuse: bool = True) -> float:
-        """How long prefilling `tokens` would take here now: what no free slot holds, at
-        the measured rate (0 until a prefill has been measured)."""
-        if not self.prefill_rate:
-            return 0.0
-        cached = self.engine.cached_prefix(tokens, self.free_slots) if reuse else 0
-        return (len(tokens) - cached) / self.prefill_rate
-
-    def _chunks_over_budget(self, tokens: list[int], extra: list[dict], budget: float,
-                            reuse: bool) -> int:
-        """How many of the oldest extra chunks to leave out so that the prefill fits
-        `budget` ms. Each chunk is tokenized once: the cost is linear in the chunks."""
-        if not self.prefill_rate or self._prefill_ms(tokens, reuse) <= budget:
-            return 0
-        total = len(tokens)         # once the first chunk goes, the cached prefix goes too
-        for dropped, chunk in enumerate(extra, start=1):
-            total -= len(self.engine.tokenize(
-                str(chunk.get("filename") or "") + "\n" + str(chunk.get("text") or ""),
-                add_special=False)) + 1
-            if total / self.prefill_rate <= budget:
-                return dropped
-        return len(extra)
-
-    def _measure_prefill(self, active: Active) -> None:
-        n = active.prompt_tokens - active.cached
-        ms = (active.first_at - active.started) * 1000
-        if n >= 16 and ms > 0:
-            rate = n / ms
-            self.prefill_rate = rate if self.prefill_rate is None else \
-                0.7 * self.prefill_rate + 0.3 * rate
-
     def _send_echo(self, active: Active, prompt_lp: list | None, tokens: list[int]) -> None:
         active.echo_pending = False
         logprobs = None
@@ -266,9 +226,9 @@ class GenerationLoop:
         self._send_text(active, active.echo_text, logprobs)
 
     def _reject(self, request_id: str, topic: bytes, attempt: int, exc: EngineError) -> None:
-        self.publisher.publish(topic, request_id, {"s": 0, "a": attempt, **_error_of(exc)})
+        self.publisher.publish(topic, request_id, {"s": 0, "a": attempt, **error_event(exc)})
         self.notify(P.DONE, request_id, {"attempt": attempt, "last_seq": 0,
-                                         "error": _error_of(exc)["code"]})
+                                         "error": error_event(exc)["code"]})
 
     # -- generation --------------------------------------------------------------------
     def _step(self) -> None:
@@ -306,7 +266,8 @@ class GenerationLoop:
                 return
         if active.first_at is None:
             active.first_at = time.monotonic()
-            self._measure_prefill(active)
+            self.prefill.measure(active.prompt_tokens - active.cached,
+                                 (active.first_at - active.started) * 1000)
         if active.max_tokens == 0:                   # a warm-up: the prompt is cached now
             self._finish(active, "length", "limit")
             return
@@ -325,8 +286,9 @@ class GenerationLoop:
         if active.return_tokens:
             active.pending_ids.append(out.token)
         if active.n_probs:
-            active.pending_probs.append(self._probs_entry(out.token, piece, out.logprob,
-                                                          (out.top or [])[:active.n_probs]))
+            active.pending_probs.append(probs_entry(self.engine, out.token, piece,
+                                                   out.logprob,
+                                                   (out.top or [])[:active.n_probs]))
         text = active.assembler.feed(piece)
         ended = False
         if active.limits is not None:
@@ -366,13 +328,6 @@ class GenerationLoop:
             event["probs"], active.pending_probs = active.pending_probs, []
         self._publish(active, event)
 
-    def _probs_entry(self, token: int, piece: bytes, logprob, top) -> dict:
-        """llama.cpp's `completion_probabilities` entry for one generated token."""
-        def one(t: int, data: bytes, lp) -> dict:
-            return {"id": t, "token": token_text(data), "bytes": list(data), "logprob": lp}
-        return {**one(token, piece, logprob),
-                "top_logprobs": [one(t, self.engine.piece(t), lp) for t, lp in top]}
-
     def _finish(self, active: Active, reason: str, stop_type: str = "limit") -> None:
         """End the request: `reason` is OpenAI's finish_reason, `stop_type` llama.cpp's
         (eos, word, limit)."""
@@ -409,7 +364,7 @@ class GenerationLoop:
             "seconds": round(time.monotonic() - active.started, 3)})
 
     def _fail(self, active: Active, exc: Exception, keep_cache: bool = True) -> None:
-        error = _error_of(exc)
+        error = error_event(exc)
         self._drop(active, keep_cache)
         self._publish(active, error)
         self.notify(P.DONE, active.request_id, {"attempt": active.attempt,
@@ -431,7 +386,7 @@ class GenerationLoop:
         dispatcher (released), which queues them again for another worker."""
         for active in list(self.active.values()):
             if active.text_sent:
-                self._fail(active, _Stopping(reason))
+                self._fail(active, Stopping(reason))
             else:
                 self._drop(active)
                 self.notify(P.DONE, active.request_id, {"attempt": active.attempt,
@@ -441,22 +396,3 @@ class GenerationLoop:
             self.notify(P.DONE, request_id, {"attempt": int(body.get("attempt", 1)),
                                              "last_seq": -1, "released": True})
         self.waiting.clear()
-
-
-class _Stopping(EngineError):
-    """The worker is shutting down with this request's text already out."""
-
-
-def _error_of(exc: Exception) -> dict:
-    """The `error` event for a request that failed with `exc`."""
-    if isinstance(exc, InvalidInput):
-        error = P.WireError(400, exc.code, str(exc), exc.param)
-    elif isinstance(exc, _Stopping):
-        error = P.WireError(503, "worker_stopping", str(exc))
-    else:
-        # Anything else (the engine refused, or a bug met odd content): this request
-        # failed, the worker did not (SIE's "generation failed").
-        detail = str(exc) if isinstance(exc, EngineError) else \
-            f"{type(exc).__name__}: {exc}"
-        error = P.WireError(500, "generation_failed", f"generation failed: {detail}")
-    return error.event()

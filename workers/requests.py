@@ -48,6 +48,27 @@ class FimTemplate:
         return out
 
 
+def vocabulary_op(engine, body: dict) -> dict:
+    """The answer to a /tokenize or /detokenize job, in llama.cpp's shape."""
+    if body["op"] == "tokenize":
+        tokens = engine.tokenize(body["content"], bool(body.get("add_special")))
+        return {"tokens": [{"id": t, "piece": token_text(engine.piece(t))} for t in tokens]
+                if body.get("with_pieces") else tokens}
+    if body["op"] == "detokenize":
+        engine.check_tokens(body["tokens"])
+        data = b"".join(engine.piece(t) for t in body["tokens"])
+        return {"content": data.decode("utf-8", "replace")}
+    raise InvalidInput(f"unknown operation {body['op']!r}")
+
+
+def probs_entry(engine, token: int, piece: bytes, logprob, top) -> dict:
+    """llama.cpp's `completion_probabilities` entry for one generated token."""
+    def one(t: int, data: bytes, lp) -> dict:
+        return {"id": t, "token": token_text(data), "bytes": list(data), "logprob": lp}
+    return {**one(token, piece, logprob),
+            "top_logprobs": [one(t, engine.piece(t), lp) for t, lp in top]}
+
+
 def prompt_tokens(engine, prompt, suffix: str | None,
                   template: FimTemplate | None = None, extra: list | None = None,
                   middle: str = "") -> list[int]:
