@@ -1,5 +1,5 @@
 """`python -m dispatcher`: the launcher (`serve`, `broker`), the ops tool (`status`,
-`drain`, `resume`, `restart`, `reload`, `check-config`), `bench` and `soak`."""
+`drain`, `resume`, `restart`, `reload`, `check-config`), `selftest`, `bench` and `soak`."""
 from __future__ import annotations
 
 import argparse
@@ -219,9 +219,14 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server (this one "
                                          "by default) and print latency and throughput")
     config.add_options(bench, ["port"], file_values)
-    from dispatcher import bench as bench_module
+    from dispatcher import bench as bench_module, selftest as selftest_module
     bench_module.add_arguments(bench)
     bench.set_defaults(func=bench_module.run, log_level="warning")
+    selftest = sub.add_parser("selftest", help="check each configured device alone: "
+                              "placement, prefill and decode speed; one line per failure")
+    config.add_options(selftest, selftest_module.OPTIONS, file_values)
+    selftest_module.add_arguments(selftest)
+    selftest.set_defaults(func=selftest_module.run, log_level="warning")
     soak = sub.add_parser("soak", help="a bounded chaos run on loopback: mixed requests, "
                                        "dropped clients, killed workers; lost must be 0")
     from dispatcher import soak as soak_module

@@ -1,0 +1,169 @@
+#!/bin/sh
+# The GPU path, checked on a machine with an NVIDIA GPU and CUDA's compiler but no network.
+#
+#   deploy/gpu-check.sh prepare WHEELHOUSE        on a machine with network (same Python
+#                                                 version and CPU architecture as the GPU box)
+#   deploy/gpu-check.sh run WHEELHOUSE [OUT]      on the GPU box, offline
+#
+# prepare: downloads the project's dependencies, llama-cpp-python's source and its build
+#   tools into WHEELHOUSE, and a wheel of this checkout (no model: the bundled one is not
+#   carried).
+# run: a virtual environment from WHEELHOUSE alone, a random-weights model of realistic
+#   shape (GPU_CHECK_SHAPE: small, 1b, 7b; default 1b), then llama-cpp-python built with
+#   CUDA for this GPU's architecture only, `python -m dispatcher selftest` on cuda:0 and a
+#   short bench at 1 and 16 streams. Figures go to OUT (default ./gpu-check-out):
+#   summary.txt, selftest.json, bench-1.json, bench-16.json, build.log, server.log.
+#   Without a GPU, or without nvcc, it stops before the build and says so (exit 3).
+# Options (environment): GPU_CHECK_SHAPE; GPU_CHECK_PYTHON=path to a Python whose
+#   environment already has the project and its dependencies (skips the venv: for trying
+#   the script on a development machine); GPU_CHECK_DRY_RUN=1 prints the build, selftest and
+#   bench commands instead of running them; GPU_CHECK_DEVICE (default cuda:0).
+set -eu
+
+LLAMA_CPP_PYTHON=llama-cpp-python==0.3.36
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+
+say() { printf '%s gpu-check: %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$SUMMARY" >&2; }
+stop() { code=$1; shift; say "STOPPED: $*"; exit "$code"; }   # stop STATUS MESSAGE
+
+usage() {
+    sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2
+    exit 2
+}
+
+prepare() {
+    wheelhouse=$1
+    mkdir -p "$wheelhouse"
+    python3 -m pip download --dest "$wheelhouse" \
+        flask gunicorn gevent pyzmq marshmallow numpy prometheus_client gguf \
+        "$LLAMA_CPP_PYTHON" --no-binary llama-cpp-python
+    # llama-cpp-python's build requirements (pip does not download those with an sdist)
+    python3 -m pip download --dest "$wheelhouse" "scikit-build-core>=0.9.2" \
+        cmake ninja
+    python3 -m pip wheel --no-deps --wheel-dir "$wheelhouse" "$HERE"
+    echo "wheelhouse ready: $wheelhouse ($(ls "$wheelhouse" | wc -l) files); carry it and" \
+         "this checkout to the GPU box, then: deploy/gpu-check.sh run $wheelhouse" >&2
+}
+
+gpu_arch() {
+    # compute capability of GPU 0 as CMake wants it: 9.0 -> 90
+    command -v nvidia-smi >/dev/null 2>&1 ||
+        stop 3 "no NVIDIA GPU here: nvidia-smi not found (the driver is not installed)"
+    cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 |
+          tr -d ' .\r') || true
+    [ -n "$cap" ] || stop 3 "no NVIDIA GPU here: nvidia-smi lists no device"
+    echo "$cap"
+}
+
+run() {
+    wheelhouse=$1
+    [ -d "$wheelhouse" ] || stop 2 "wheelhouse $wheelhouse not found: make it with" \
+        "'deploy/gpu-check.sh prepare $wheelhouse' on a machine with network"
+    ls "$wheelhouse"/llama_cpp_python-*.tar.gz >/dev/null 2>&1 ||
+        stop 2 "no llama-cpp-python source in $wheelhouse: run prepare again"
+    t0=$(date +%s)
+    if [ -n "${GPU_CHECK_PYTHON:-}" ]; then
+        py=$GPU_CHECK_PYTHON
+        say "using the environment of $py (GPU_CHECK_PYTHON)"
+    else
+        say "creating $OUT/venv from $wheelhouse (offline)"
+        python3 -m venv "$OUT/venv"
+        py=$OUT/venv/bin/python
+        "$py" -m pip install --quiet --no-index --find-links "$wheelhouse" \
+            flask gunicorn gevent pyzmq marshmallow numpy prometheus_client gguf \
+            scikit-build-core cmake ninja typing-extensions diskcache jinja2
+        # the project without the bundled model package (too big to carry)
+        "$py" -m pip install --quiet --no-index --no-deps --find-links "$wheelhouse" \
+            completions-server
+    fi
+    "$py" -c "import flask, gunicorn, gevent, zmq, marshmallow, gguf, dispatcher, workers" ||
+        stop 2 "the environment lacks the project or a dependency"
+
+    model=$OUT/model-$SHAPE.gguf
+    if [ ! -s "$model" ]; then
+        say "writing a random-weights model, shape $SHAPE"
+        (cd "$OUT" && "$py" -m workers.synthetic_model "$model" --shape "$SHAPE") 2>>"$SUMMARY"
+    fi
+    say "model $model ($(du -m "$model" | cut -f1) MiB)"
+
+    arch=$(gpu_arch)
+    command -v nvcc >/dev/null 2>&1 ||
+        stop 3 "CUDA's compiler nvcc not found: install the CUDA toolkit or add its bin to PATH"
+    say "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader |
+        head -n 1); compute capability $arch; $(nvcc --version | tail -n 1)"
+
+    jobs=$(nproc)
+    build="CMAKE_ARGS='-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$arch' \
+CMAKE_BUILD_PARALLEL_LEVEL=$jobs $py -m pip install --no-index --find-links $wheelhouse \
+--no-build-isolation --force-reinstall --no-deps --no-binary llama-cpp-python $LLAMA_CPP_PYTHON"
+    selftest="$py -m dispatcher selftest --model $model --device $DEVICE --slots 16 \
+--nctx 4096 --prompt-tokens 512 --tokens 128 --json"
+    if [ -n "${GPU_CHECK_DRY_RUN:-}" ]; then
+        say "dry run; would build: $build"
+        say "dry run; would check: $selftest"
+        return 0
+    fi
+    say "building llama-cpp-python with CUDA for sm_$arch on $jobs cores (build.log)"
+    b0=$(date +%s)
+    sh -c "$build" >"$OUT/build.log" 2>&1 || stop 1 "the CUDA build failed: tail $OUT/build.log"
+    say "CUDA build took $(($(date +%s) - b0)) s"
+    "$py" -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 1)" ||
+        stop 1 "the build has no GPU offload (see build.log)"
+
+    say "selftest on $DEVICE"
+    sh -c "$selftest" >"$OUT/selftest.json" || true
+    "$py" - "$OUT/selftest.json" <<'EOF' | tee -a "$SUMMARY" >&2
+import json, sys
+report = json.load(open(sys.argv[1]))
+for d in report["devices"]:
+    if not d["ok"]:
+        print(f"  {d['device']}: FAILED {d['error']}")
+        continue
+    p = d["placement"]
+    print(f"  {d['device']}: {p['layers_offloaded']}/{p['layers_total'] or p['n_layer']} "
+          f"layers offloaded; buffers MiB {p['buffers_mib']}; load {d['load_s']} s")
+    print(f"  1 stream: prefill {d['single']['prefill_tok_s']} tok/s, "
+          f"decode {d['single']['decode_tok_s']} tok/s")
+    c = d.get("concurrent")
+    if c:
+        print(f"  {c['sequences']} streams: decode {c['decode_tok_s']} tok/s in all "
+              f"({c['per_stream_tok_s']} each)")
+EOF
+    grep -q '"ok": true' "$OUT/selftest.json" || stop 1 "selftest failed (selftest.json)"
+
+    port=18480
+    say "serving the model on $DEVICE for the bench (server.log)"
+    "$py" -m dispatcher serve --model "$model" --device "$DEVICE" --slots 16 --nctx 4096 \
+        --port $port --dispatcher "ipc://$OUT/ipc" >"$OUT/server.log" 2>&1 &
+    server=$!
+    trap 'kill $server 2>/dev/null || true' EXIT
+    i=0
+    until "$py" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
+            >/dev/null 2>&1; do
+        i=$((i + 1)); [ $i -lt 300 ] || stop 1 "the server did not become ready (server.log)"
+        kill -0 $server 2>/dev/null || stop 1 "the server exited (server.log)"
+        sleep 1
+    done
+    for streams in 1 16; do
+        "$py" -m dispatcher bench --port $port --concurrency $streams \
+            --requests $((streams * 4)) --max-tokens 128 --no-fim --json \
+            >"$OUT/bench-$streams.json" 2>>"$OUT/server.log" || stop 1 "bench failed"
+        say "bench, $streams stream(s): $(cat "$OUT/bench-$streams.json" | tr -d '\n' | cut -c1-400)"
+    done
+    kill $server; wait $server 2>/dev/null || true
+    say "done in $(($(date +%s) - t0)) s; figures in $OUT"
+}
+
+[ $# -ge 2 ] || usage
+command=$1
+case $command in
+    prepare) SUMMARY=/dev/null; prepare "$2" ;;
+    run)
+        OUT=$(mkdir -p "${3:-gpu-check-out}" && cd "${3:-gpu-check-out}" && pwd)
+        SUMMARY=$OUT/summary.txt
+        SHAPE=${GPU_CHECK_SHAPE:-1b}
+        DEVICE=${GPU_CHECK_DEVICE:-cuda:0}
+        : >"$SUMMARY"
+        run "$2" ;;
+    *) usage ;;
+esac

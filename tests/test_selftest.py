@@ -1,0 +1,219 @@
+"""`python -m dispatcher selftest` on CPU devices (real model, real processes), its device
+and memory checks, and `deploy/gpu-check.sh` up to the point where it needs CUDA."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from workers.backends import (BackendDevice, MemoryNeed, diagnose_device,
+                              host_memory_available, memory_need)
+from workers.selftest import placement_from_log
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_CHECK = ROOT / "deploy" / "gpu-check.sh"
+CPU = BackendDevice("CPU", "Xeon", "cpu", 8 << 30, 8 << 30)
+H200 = BackendDevice("CUDA0", "NVIDIA H200", "gpu", 140 << 30, 143 << 30)
+
+
+def selftest(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dispatcher", "selftest", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def gpu_support() -> bool:
+    import llama_cpp
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+# -- device and memory checks (pure) ---------------------------------------------------
+def test_a_cpu_device_always_passes_the_device_check():
+    assert diagnose_device("cpu", None, False, [CPU], {}) is None
+
+
+def test_a_build_without_cuda_is_named_with_the_fix():
+    reason = diagnose_device("cuda", 0, False, [CPU], {"CUDA_VISIBLE_DEVICES": "0"})
+    assert "no CUDA in this llama-cpp-python build" in reason
+    assert "CMAKE_ARGS='-DGGML_CUDA=on'" in reason
+    assert "no CANN" in diagnose_device("npu", 0, False, [CPU], {})
+
+
+def test_a_device_cuda_cannot_see_is_named_with_its_variable():
+    reason = diagnose_device("cuda", 5, True, [CPU], {"CUDA_VISIBLE_DEVICES": "5"})
+    assert reason.startswith("cuda:5 is not visible: with CUDA_VISIBLE_DEVICES=5")
+    assert diagnose_device("cuda", 5, True, [CPU, H200], {"CUDA_VISIBLE_DEVICES": "5"}) is None
+
+
+def test_memory_need_and_the_nctx_that_fits():
+    # Llama-3-8B-like: 32 layers, 8 KV heads of 128: 128 KiB of f16 K+V per token
+    need = memory_need(4 << 30, 32, 8, 128, 128, 128256, nctx=8192, slots=16)
+    assert need.kv_per_token == 128 << 10
+    assert need.kv == 16 << 30
+    assert need.compute == 512 * 128256 * 4
+    free = 12 << 30
+    fits = need.nctx_that_fits(free, 16)
+    assert fits % 256 == 0 and fits > 0
+    assert MemoryNeed(need.weights, need.kv_per_token, need.compute, fits * 16).total <= free
+    assert MemoryNeed(need.weights, need.kv_per_token, need.compute,
+                      (fits + 256) * 16).total > free
+    assert need.nctx_that_fits(2 << 30, 16) == 0          # not even the weights
+
+
+def test_host_memory_reads_meminfo_and_a_cgroup_cap(tmp_path):
+    (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nMemAvailable:   2048 kB\n")
+    assert host_memory_available(str(tmp_path / "meminfo"), str(tmp_path / "none")) == 2 << 20
+    (tmp_path / "memory.max").write_text(f"{1 << 20}\n")
+    (tmp_path / "memory.current").write_text(f"{256 << 10}\n")
+    assert host_memory_available(str(tmp_path / "meminfo"), str(tmp_path)) == 768 << 10
+    (tmp_path / "memory.max").write_text("max\n")
+    assert host_memory_available(str(tmp_path / "meminfo"), str(tmp_path)) == 2 << 20
+
+
+def test_placement_is_read_from_llama_cpps_load_log():
+    log = """load_tensors: offloading 16 repeating layers to GPU
+load_tensors: offloaded 17/17 layers to GPU
+load_tensors:   CPU_Mapped model buffer size =   125.00 MiB
+load_tensors:        CUDA0 model buffer size =  2048.50 MiB
+llama_kv_cache:        CUDA0 KV buffer size =   256.00 MiB
+llama_kv_cache:        CUDA0 KV buffer size =   256.00 MiB
+sched_reserve:        CUDA0 compute buffer size =   300.00 MiB
+sched_reserve:  CUDA_Host compute buffer size =    20.00 MiB
+"""
+    placement = placement_from_log(log)
+    assert placement["layers_offloaded"] == 17 and placement["layers_total"] == 17
+    assert placement["buffers_mib"] == {
+        "model": {"CPU_Mapped": 125.0, "CUDA0": 2048.5}, "kv": {"CUDA0": 512.0},
+        "compute": {"CUDA0": 300.0, "CUDA_Host": 20.0}}
+
+
+# -- the command, on the real model ----------------------------------------------------
+def test_selftest_of_a_healthy_cpu_worker():
+    done = selftest("--device", "cpu", "--slots", "2", "--nctx", "512",
+                    "--prompt-tokens", "48", "--tokens", "8", "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["ok"] is True
+    (device,) = report["devices"]
+    assert device["ok"] and device["device"] == "cpu" and device["worker"] == "w0-cpu"
+    assert device["cores"] == len(os.sched_getaffinity(0))
+    placement = device["placement"]
+    assert placement["n_layer"] == 18 and placement["layers_offloaded"] == 0
+    assert sum(placement["buffers_mib"]["model"].values()) > 200      # 235 MiB of weights
+    assert sum(placement["buffers_mib"]["kv"].values()) > 0
+    assert device["memory"]["need_mib"] < device["memory"]["free_mib"]
+    assert device["single"]["sequences"] == 1 and device["single"]["prompt_tokens"] == 48
+    assert device["single"]["prefill_tok_s"] > 0 and device["single"]["decode_tok_s"] > 0
+    assert device["concurrent"]["sequences"] == 2 and device["concurrent"]["decode_tok_s"] > 0
+    assert device["completion"].strip()
+
+
+def test_selftest_names_a_device_that_cannot_run_and_exits_1(tmp_path):
+    """Two workers from a config file (as `serve` reads it): the CPU one passes, the
+    CUDA one fails in one line, and the exit status says so."""
+    config = tmp_path / "config.toml"
+    config.write_text('[[workers]]\ndevice = "cpu"\nnctx = 512\nslots = 2\n\n'
+                      '[[workers]]\ndevice = "cuda:7"\nnctx = 512\nslots = 2\n')
+    done = selftest("--config", str(config), "--prompt-tokens", "32", "--tokens", "4")
+    assert done.returncode == 1, done.stdout + done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("  ")]
+    assert len(rows) == 2
+    assert rows[0].split()[:2] == ["cpu", "ok"]
+    assert rows[1].split()[:2] == ["cuda:7", "FAILED"]
+    expected = "no CUDA in this llama-cpp-python build" if not gpu_support() else "cuda:7"
+    assert expected in rows[1]
+    assert "1 of 2 device(s) ok" in done.stdout
+
+
+def test_selftest_refuses_nctx_times_slots_that_does_not_fit():
+    need = memory_need(250 << 20, 18, 1, 256, 256, 262144, nctx=32768, slots=256)
+    if need.total < host_memory_available():
+        pytest.skip("this machine has room for 148 GiB of KV cache")
+    done = selftest("--device", "cpu", "--nctx", "32768", "--slots", "256", "--json",
+                    timeout=60)
+    assert done.returncode == 1
+    (device,) = json.loads(done.stdout)["devices"]
+    assert not device["ok"] and "load_s" not in device         # refused before loading
+    assert device["error"].startswith("out of memory at nctx 32768 × slots 256: needs about")
+    fits = int(device["error"].rsplit("nctx ", 1)[1].split()[0])
+    assert 0 < fits < 32768 and fits % 256 == 0
+    assert device["error"].endswith(f"nctx {fits} fits at 256 slots")
+
+
+def test_selftest_reports_configuration_problems_like_serve():
+    done = selftest("--device", "gpu:0")
+    assert done.returncode != 0
+    assert "unknown device kind 'gpu'" in done.stderr
+
+
+# -- deploy/gpu-check.sh ---------------------------------------------------------------
+def gpu_check(tmp_path, *args: str, path_prefix: Path | None = None, **env: str):
+    environ = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_SHAPE": "tiny",
+               "PYTHONPATH": str(ROOT),
+               **env}
+    if path_prefix is not None:
+        environ["PATH"] = f"{path_prefix}:{environ['PATH']}"
+    return subprocess.run(["sh", str(GPU_CHECK), *args], capture_output=True, text=True,
+                          env=environ, timeout=120, cwd=tmp_path)
+
+
+def wheelhouse(tmp_path) -> Path:
+    """What `prepare` leaves, as far as `run` looks before the CUDA build: the source."""
+    house = tmp_path / "wheelhouse"
+    house.mkdir()
+    (house / "llama_cpp_python-0.3.36.tar.gz").write_bytes(b"")
+    return house
+
+
+def fake_tool(directory: Path, name: str, script: str) -> None:
+    directory.mkdir(exist_ok=True)
+    (directory / name).write_text("#!/bin/sh\n" + script)
+    (directory / name).chmod(0o755)
+
+
+def test_gpu_check_without_a_wheelhouse_says_how_to_make_one(tmp_path):
+    done = gpu_check(tmp_path, "run", str(tmp_path / "nowhere"), str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert "wheelhouse" in done.stderr and "gpu-check.sh prepare" in done.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a GPU")
+def test_gpu_check_runs_up_to_cuda_and_stops_there(tmp_path):
+    out = tmp_path / "out"
+    done = gpu_check(tmp_path, "run", str(wheelhouse(tmp_path)), str(out))
+    assert done.returncode == 3, done.stderr
+    assert "STOPPED: no NVIDIA GPU here: nvidia-smi not found" in done.stderr
+    model = out / "model-tiny.gguf"
+    assert model.read_bytes()[:4] == b"GGUF"                  # the model was made first
+    assert "STOPPED: no NVIDIA GPU here" in (out / "summary.txt").read_text()
+
+
+def test_gpu_check_builds_for_this_gpus_architecture_only(tmp_path):
+    """With a GPU (a stand-in nvidia-smi reporting compute capability 9.0) the build is
+    for sm_90 alone; GPU_CHECK_DRY_RUN prints it instead of compiling for an hour."""
+    tools = tmp_path / "bin"
+    fake_tool(tools, "nvidia-smi", 'case "$*" in *compute_cap*) echo "9.0";;\n'
+                                   '*) echo "NVIDIA H200, 143771 MiB, 575.57";; esac\n')
+    fake_tool(tools, "nvcc", 'echo "Cuda compilation tools, release 12.8"\n')
+    done = gpu_check(tmp_path, "run", str(wheelhouse(tmp_path)), str(tmp_path / "out"),
+                     path_prefix=tools, GPU_CHECK_DRY_RUN="1")
+    assert done.returncode == 0, done.stderr
+    assert "compute capability 90" in done.stderr
+    assert "CMAKE_ARGS='-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90'" in done.stderr
+    assert "--no-index" in done.stderr                       # offline, from the wheelhouse
+    assert "selftest --model" in done.stderr and "--device cuda:0" in done.stderr
+
+
+def test_gpu_check_without_nvcc_stops_before_the_build(tmp_path):
+    tools = tmp_path / "bin"
+    fake_tool(tools, "nvidia-smi", 'echo "8.9"\n')
+    environ_path = ":".join(p for p in os.environ["PATH"].split(":")
+                            if not (Path(p) / "nvcc").exists())
+    done = gpu_check(tmp_path, "run", str(wheelhouse(tmp_path)), str(tmp_path / "out"),
+                     path_prefix=tools, PATH=environ_path)
+    assert done.returncode == 3, done.stderr
+    assert "nvcc not found" in done.stderr

@@ -1,0 +1,154 @@
+"""What llama.cpp sees of this process's devices, and what a model needs of one.
+
+ggml's device registry (`ggml_backend_dev_*`, not wrapped by llama-cpp-python; bound
+here through ctypes on the library it already loaded) names each backend device, its
+kind and its free memory. Used by `python -m workers.selftest` before and after loading
+a model: a device the build cannot drive, or that is not visible, or too small for
+nctx × slots, is reported in one line instead of failing inside llama.cpp.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}   # enum ggml_backend_dev_type
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class BackendDevice:
+    name: str              # CPU, CUDA0, CANN0, ...
+    description: str       # the product name
+    type: str              # cpu, gpu, igpu, accel
+    free: int              # bytes
+    total: int
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "description": self.description, "type": self.type,
+                "free_mib": self.free // MIB, "total_mib": self.total // MIB}
+
+
+def _bind(lib) -> None:
+    if getattr(lib, "_completions_bound", False):
+        return
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_count.argtypes = []
+    lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+    lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+        getattr(lib, name).restype = ctypes.c_char_p
+        getattr(lib, name).argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_type.restype = ctypes.c_int
+    lib.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
+    lib.ggml_backend_dev_memory.restype = None
+    lib.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t),
+                                            ctypes.POINTER(ctypes.c_size_t)]
+    lib._completions_bound = True
+
+
+def backend_devices() -> list[BackendDevice]:
+    """Every device ggml's registry holds in this process (after pinning: CUDA sees
+    only the devices CUDA_VISIBLE_DEVICES leaves it)."""
+    import llama_cpp
+    from llama_cpp._ggml import libggml
+    llama_cpp.llama_backend_init()
+    _bind(libggml)
+    devices = []
+    for i in range(libggml.ggml_backend_dev_count()):
+        dev = libggml.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        libggml.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        devices.append(BackendDevice(
+            name=(libggml.ggml_backend_dev_name(dev) or b"?").decode(errors="replace"),
+            description=(libggml.ggml_backend_dev_description(dev) or b"").decode(
+                errors="replace"),
+            type=DEVICE_TYPES.get(libggml.ggml_backend_dev_type(dev), "other"),
+            free=free.value, total=total.value))
+    return devices
+
+
+def gpu_support() -> bool:
+    import llama_cpp
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
+def host_memory_available(meminfo: str = "/proc/meminfo",
+                          cgroup: str = "/sys/fs/cgroup") -> int:
+    """Bytes this process can still allocate on the host: MemAvailable, or less where a
+    cgroup (systemd's MemoryMax=, a container) caps the process."""
+    available = 0
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        with open(os.path.join(cgroup, "memory.max")) as f:
+            limit = f.read().strip()
+        with open(os.path.join(cgroup, "memory.current")) as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            available = min(available or 1 << 62, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def diagnose_device(kind: str, index: int | None, supports_gpu: bool,
+                    devices: list[BackendDevice], visible_env: dict[str, str]) -> str | None:
+    """Why a worker for this device cannot run, in one line; None when it can."""
+    if kind == "cpu":
+        return None
+    runtime = {"cuda": "CUDA", "npu": "CANN"}[kind]
+    if not supports_gpu:
+        flag = {"cuda": "-DGGML_CUDA=on", "npu": "-DGGML_CANN=on"}[kind]
+        return (f"no {runtime} in this llama-cpp-python build (it offloads nothing): "
+                f"reinstall it with CMAKE_ARGS='{flag}' (README: GPU workstation)")
+    accelerators = [d for d in devices if d.type in ("gpu", "igpu", "accel")]
+    if not accelerators:
+        variables = " ".join(f"{k}={v}" for k, v in visible_env.items())
+        return (f"{kind}:{index} is not visible: with {variables} llama.cpp sees no "
+                f"{runtime} device (check the index against nvidia-smi -L / npu-smi info)")
+    return None
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    weights: int        # bytes: the model file (its tensors)
+    kv_per_token: int   # bytes of K and V cache per token of context, all layers
+    compute: int        # bytes: llama.cpp's compute buffer, about one ubatch of logits
+    tokens: int         # nctx × slots
+
+    @property
+    def kv(self) -> int:
+        return self.kv_per_token * self.tokens
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute
+
+    def nctx_that_fits(self, free: int, slots: int, step: int = 256) -> int:
+        """The largest nctx (a multiple of `step`) whose need fits in `free` bytes at
+        `slots` sequences; 0 if not even the weights fit."""
+        room = free - self.weights - self.compute
+        if room <= 0 or self.kv_per_token <= 0:
+            return 0
+        return (room // (self.kv_per_token * slots)) // step * step
+
+
+def kv_bytes_per_token(n_layer: int, n_head_kv: int, key_length: int, value_length: int,
+                       cell_bytes: int = 2) -> int:
+    """K and V (f16 by default) for one token of context over every layer."""
+    return n_layer * n_head_kv * (key_length + value_length) * cell_bytes
+
+
+def memory_need(model_file_bytes: int, n_layer: int, n_head_kv: int, key_length: int,
+                value_length: int, n_vocab: int, nctx: int, slots: int,
+                n_ubatch: int = 512) -> MemoryNeed:
+    return MemoryNeed(weights=model_file_bytes,
+                      kv_per_token=kv_bytes_per_token(n_layer, n_head_kv, key_length,
+                                                      value_length),
+                      compute=n_ubatch * n_vocab * 4, tokens=nctx * slots)

@@ -1,0 +1,229 @@
+"""`python -m workers.selftest`: one device's check, run by `python -m dispatcher selftest`
+in a process of its own, pinned exactly as that device's worker is.
+
+It asks llama.cpp what it sees (ggml's device registry), refuses in one line what cannot
+work (a build without the device's runtime, a device that is not visible, nctx × slots
+that does not fit in the device's free memory, with the nctx that would), loads the model
+through the worker's own `load_engine`, reads the placement llama.cpp chose from its load
+log (layers offloaded, weight / KV / compute buffers per device), then times prefill and
+greedy decode through the engine's own `step`, for one sequence and for every slot at
+once. Prints one JSON object on stdout; exit status 0 only when the device works.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import io
+import json
+import os
+import re
+import sys
+import time
+
+from dispatcher import config
+from dispatcher.devices import parse_device
+from dispatcher.models import resolve_model_path
+from workers.backends import (MIB, backend_devices, diagnose_device, gpu_support,
+                              host_memory_available, memory_need)
+from workers.pinning import pin
+
+TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+        "    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n")
+BUFFER = re.compile(r"(\S+)\s+(model|KV|compute) buffer size\s*=\s*([\d.]+) MiB")
+OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
+
+
+class Failed(Exception):
+    """This device cannot serve; the message is the one line the table shows."""
+
+
+def model_shape(model_path: str) -> dict:
+    """Sizes from the GGUF's metadata (a vocabulary-only load: no tensors are read)."""
+    import llama_cpp
+    from workers.engine import _log_to_stderr          # llama.cpp's log: errors only
+    llama_cpp.llama_log_set(_log_to_stderr, ctypes.c_void_p(0))
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(model_path.encode(), params)
+    if not model:
+        raise Failed(f"llama.cpp cannot read {model_path}")
+    buf = ctypes.create_string_buffer(512)
+
+    def meta(key: str) -> str | None:
+        n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+        return buf.value.decode(errors="replace") if n >= 0 else None
+
+    def number(key: str, fallback: int) -> int:
+        value = meta(key)
+        try:
+            return int(float(value)) if value is not None else fallback
+        except ValueError:            # a per-layer array: the largest element
+            found = [int(x) for x in re.findall(r"\d+", value or "")]
+            return max(found) if found else fallback
+    try:
+        arch = meta("general.architecture") or "llama"
+        n_embd = number(f"{arch}.embedding_length", 0)
+        n_head = number(f"{arch}.attention.head_count", 1) or 1
+        head_dim = n_embd // n_head
+        return {"arch": arch, "n_layer": number(f"{arch}.block_count", 0),
+                "n_head_kv": number(f"{arch}.attention.head_count_kv", n_head),
+                "key_length": number(f"{arch}.attention.key_length", head_dim),
+                "value_length": number(f"{arch}.attention.value_length", head_dim),
+                "sliding_window": number(f"{arch}.attention.sliding_window", 0),
+                "n_vocab": llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))}
+    finally:
+        llama_cpp.llama_model_free(model)
+
+
+def check_fit(shape: dict, model_path: str, nctx: int, slots: int, free: int,
+              where: str) -> dict:
+    need = memory_need(os.path.getsize(model_path), shape["n_layer"], shape["n_head_kv"],
+                       shape["key_length"], shape["value_length"], shape["n_vocab"],
+                       nctx, slots)
+    figures = {"need_mib": need.total // MIB, "free_mib": free // MIB,
+               "kv_estimate_mib": need.kv // MIB}
+    if free and need.total > free:
+        fits = need.nctx_that_fits(free, slots)
+        advice = (f"nctx {fits} fits at {slots} slots" if fits else
+                  "not even the weights fit: use a smaller model or fewer offloaded layers")
+        raise Failed(f"out of memory at nctx {nctx} × slots {slots}: needs about "
+                     f"{need.total // MIB} MiB (weights {need.weights // MIB}, KV "
+                     f"{need.kv // MIB}, compute {need.compute // MIB}), {free // MIB} MiB "
+                     f"free on {where}; {advice}")
+    return figures
+
+
+def placement_from_log(text: str) -> dict:
+    buffers: dict[str, dict[str, float]] = {}
+    for device, kind, mib in BUFFER.findall(text):
+        per = buffers.setdefault(kind.lower(), {})
+        per[device] = round(per.get(device, 0.0) + float(mib), 2)
+    found = OFFLOADED.search(text)
+    return {"buffers_mib": buffers,
+            "layers_offloaded": int(found.group(1)) if found else 0,
+            "layers_total": int(found.group(2)) if found else None}
+
+
+def load_with_log(args, placement):
+    """The worker's own load path, llama.cpp's log captured (it names the placement)."""
+    from workers.worker import load_engine
+    captured, saved = io.StringIO(), sys.stderr
+    sys.stderr = captured
+    try:
+        engine = load_engine("llama", args.model, args.nctx, args.slots, placement.n_threads,
+                             placement.n_gpu_layers, True, args.deterministic, 0, 0)
+    except Exception as exc:
+        tail = [line for line in captured.getvalue().splitlines() if line.strip()][-3:]
+        raise Failed(f"llama.cpp could not load the model: {exc}" +
+                     (f" ({' | '.join(tail)})" if tail else "")) from None
+    finally:
+        sys.stderr = saved
+    import workers.engine
+    workers.engine._VERBOSE = False
+    return engine, captured.getvalue()
+
+
+def run_sequences(engine, prompts: list[list[int]], tokens: int) -> dict:
+    """Prefill every prompt, then decode `tokens` greedy tokens in each; timed."""
+    from workers.sampling import SamplingParams
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    outputs: dict[int, list[int]] = {}
+    started = time.perf_counter()
+    for slot, prompt in enumerate(prompts):
+        engine.add(slot, prompt, greedy, reuse=False, draft_max=0)
+    prefilled = None
+    try:
+        while any(len(outputs.get(s, [])) < tokens for s in range(len(prompts))):
+            for slot, out in engine.step().items():
+                for item in out if isinstance(out, list) else [out]:
+                    if item.error is not None:
+                        raise Failed(f"generation failed: {item.error}")
+                    if len(outputs.setdefault(slot, [])) < tokens:
+                        outputs[slot].append(item.token)
+            if prefilled is None and len(outputs) == len(prompts):
+                prefilled = time.perf_counter()
+    finally:
+        for slot in range(len(prompts)):
+            engine.release(slot, keep_cache=False)
+    ended = time.perf_counter()
+    decoded = len(prompts) * (tokens - 1)
+    return {"sequences": len(prompts), "prompt_tokens": len(prompts[0]),
+            "prefill_tok_s": round(sum(map(len, prompts)) / (prefilled - started), 1),
+            "decode_tok_s": round(decoded / max(ended - prefilled, 1e-9), 1),
+            "outputs": outputs}
+
+
+def check(args, result: dict) -> None:
+    """Fills `result` as it goes, so that a failure still shows what was seen."""
+    spec = parse_device(args.device)
+    try:
+        placement = pin(spec, args.ngl)          # before llama.cpp is loaded
+    except ValueError as exc:
+        raise Failed(str(exc)) from None
+    result.update({"device": str(spec), "cores": len(placement.cores),
+                   "visible_devices": placement.visible_devices})
+    devices = backend_devices()
+    result["backends"] = [d.to_dict() for d in devices]
+    reason = diagnose_device(spec.kind, spec.index, gpu_support(), devices,
+                             placement.visible_devices)
+    if reason:
+        raise Failed(reason)
+    shape = model_shape(args.model)
+    accelerators = [d for d in devices if d.type != "cpu"]
+    on_device = spec.kind != "cpu" and placement.n_gpu_layers >= shape["n_layer"] + 1
+    if on_device:
+        free, where = accelerators[0].free, accelerators[0].name
+    else:
+        free, where = host_memory_available(), "the host"
+    result["memory"] = check_fit(shape, args.model, args.nctx, args.slots, free, where)
+    started = time.perf_counter()
+    engine, log_text = load_with_log(args, placement)
+    result["load_s"] = round(time.perf_counter() - started, 2)
+    result["placement"] = {"n_layer": engine.n_layer, "n_gpu_layers": placement.n_gpu_layers,
+                           "threads": placement.n_threads, **placement_from_log(log_text)}
+    try:
+        text = engine.tokenize(TEXT * 64, add_special=True)
+        length = max(8, min(args.prompt_tokens, args.nctx - args.tokens - 2, len(text)))
+        run_sequences(engine, [text[:8]], 4)                  # warm-up (kernels, caches)
+        one = run_sequences(engine, [text[:length]], args.tokens)
+        completion = b"".join(engine.piece(t) for t in one.pop("outputs")[0])
+        result["completion"] = completion.decode("utf-8", "replace")
+        result["single"] = one
+        if engine.n_slots > 1:
+            # distinct prompts (one leading token differs), so nothing is shared
+            prompts = [engine.tokenize(f"# {i}\n" + TEXT * 64)[:length]
+                       for i in range(engine.n_slots)]
+            many = run_sequences(engine, prompts, args.tokens)
+            many.pop("outputs")
+            many["per_stream_tok_s"] = round(many["decode_tok_s"] / engine.n_slots, 1)
+            result["concurrent"] = many
+    finally:
+        engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers.selftest", description=__doc__)
+    config.add_options(parser, ["model", "nctx", "ngl", "deterministic"])
+    parser.add_argument("--device", required=True)
+    parser.add_argument("--slots", type=int, required=True)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    if os.environ.get("COMPLETIONS_PARENT_PID"):
+        from dispatcher.supervisor import die_with_parent
+        die_with_parent(int(os.environ["COMPLETIONS_PARENT_PID"]))
+    result = {"ok": False, "device": args.device}
+    try:
+        args.model = str(resolve_model_path(args.model))
+        check(args, result)
+        result["ok"] = True
+    except Failed as exc:
+        result["error"] = str(exc)
+    except SystemExit as exc:            # resolve_model_path's one-line refusals
+        result["error"] = str(exc)
+    print(json.dumps(result), flush=True)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
