@@ -18,7 +18,7 @@ from dispatcher.ctl import default_dispatcher_address, dispatcher_answers
 log = logging.getLogger("dispatcher")
 FRONTEND_STOP_GRACE = 3     # seconds gunicorn gets once the dispatcher has drained
 SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "model_alias",
-                 "fim_template", "prefill_chunk", "draft_max",
+                 "fim_template", "prefill_chunk", "draft_max", "cache_reuse",
                  "cors_origin", "device",
                  "nctx", "ngl", "slots", "deterministic", "engine", "dispatcher",
                  "log_level", "max_body", "max_prompt_chars", "max_queue", "queue_timeout",
@@ -115,7 +115,8 @@ def cmd_serve(args) -> int:
         argv = python_module_argv("workers", *worker.argv(base, args.engine, args.log_level))
         env = {**worker.device.visible_devices(),
                "COMPLETIONS_PREFILL_CHUNK": str(args.prefill_chunk),
-               "COMPLETIONS_DRAFT_MAX": str(args.draft_max)}
+               "COMPLETIONS_DRAFT_MAX": str(args.draft_max),
+               "COMPLETIONS_CACHE_REUSE": str(args.cache_reuse)}
         supervisor.add(Child(worker.name, argv, env=env,
                              extra={"device": str(worker.device), "model": worker.model.id}))
     if args.frontends:

@@ -73,6 +73,11 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("draft_max", 16, "prompt-lookup speculative decoding: at most this many tokens "
            "drafted a step from the request's own text, verified in the same decode (0: "
            "off); drafts only while at most 2 sequences generate", _non_negative_int),
+    Option("cache_reuse", 256, "KV chunk reuse: after the prefix a slot's cache shares with "
+           "a prompt, runs of at least this many cached tokens that the prompt repeats "
+           "further along (the file after an edit) are shifted into place instead of "
+           "prefilled again, as llama.cpp's --cache-reuse (0: off; never in deterministic "
+           "mode)", _non_negative_int),
     Option("prefill_chunk", 0, "prompt tokens a worker decodes per step, all prompts "
            "together, beside the running streams' tokens (0: as many as a batch holds, "
            "512); smaller keeps streams smoother while a long prompt is prefilled",

@@ -58,6 +58,37 @@ def test_a_prompt_extending_the_last_reuses_its_cached_prefix(real_server):
     assert c["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+
+@pytest.mark.integration
+def test_chunks_further_along_in_the_cache_are_shifted_into_place_and_counted(real_server):
+    """KV chunk reuse (--cache-reuse, 256 by default): llama.vim's ring of context chunks
+    dropped its oldest; the two it kept are found further along in a slot's cache and
+    shifted, not prefilled; `cached_tokens` and `/completion`'s `tokens_cached` count
+    them."""
+    port = real_server.port
+    chunks = ["".join(f"def helper_{k}_{i}(value):\n    return value * {i} + {k}\n\n"
+                      for i in range(12)) for k in range(4)]
+    local = "def main():\n    total ="
+    status, _, tokens = http_json(port, "POST", "/tokenize", {"content": chunks[1] + chunks[2]})
+    kept = len(tokens["tokens"])
+    assert status == 200 and kept > 256
+    status, a = complete(port, {"prompt": chunks[0] + chunks[1] + chunks[2] + local,
+                                "max_tokens": 2, "temperature": 0})
+    assert status == 200
+    status, b = complete(port, {"prompt": chunks[1] + chunks[2] + chunks[3] + local,
+                                "max_tokens": 2, "temperature": 0})
+    assert status == 200
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] >= kept - 2
+    assert b["choices"][0]["finish_reason"] == "length"
+    # llama.cpp's native endpoint reports the same count as tokens_cached
+    status, _, c = http_json(port, "POST", "/completion", {
+        "prompt": chunks[2] + chunks[3] + local, "n_predict": 1, "temperature": 0})
+    assert status == 200
+    assert c["tokens_cached"] >= len(http_json(port, "POST", "/tokenize", {
+        "content": chunks[2] + chunks[3]})[2]["tokens"]) // 2
+
+
+
 @pytest.fixture(scope="module")
 def two_fake_workers():
     server = ServerProcess("--engine", "fake", "--device", "cpu", "--device", "cpu",

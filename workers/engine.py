@@ -22,6 +22,7 @@ import llama_cpp
 import numpy as np
 
 from workers.errors import EngineError
+from workers.kvreuse import chunk_moves
 from workers.repacking import extra_buffers_work
 from workers.speculation import DraftPolicy, common_prefix, find_draft
 from workers.vocabulary import Vocabulary
@@ -72,7 +73,7 @@ class LlamaEngine(Vocabulary):
 
     def __init__(self, model_path: str, n_ctx: int, slots: int, n_threads: int,
                  n_gpu_layers: int, verbose: bool = False, deterministic: bool = False,
-                 prefill_chunk: int = 0, draft_max: int = 0):
+                 prefill_chunk: int = 0, draft_max: int = 0, cache_reuse: int = 0):
         global _VERBOSE
         _VERBOSE = verbose
         self.lib = llama_cpp                      # for the Vocabulary mixin
@@ -120,6 +121,11 @@ class LlamaEngine(Vocabulary):
         self.draft_max = 0 if deterministic else draft_max
         self.drafted = self.draft_accepted = 0
         self.memory = llama_cpp.llama_get_memory(self.ctx)
+        # KV chunk reuse (workers/kvreuse.py) needs position shifts; never in deterministic
+        # mode (shifted keys differ from prefilled ones in their last bits)
+        self.cache_reuse = cache_reuse if (
+            not deterministic and llama_cpp.llama_memory_can_shift(self.memory)) else 0
+        self.tokens_shifted = 0
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.slots = [_Slot(seq) for seq in range(slots)]
         self._piece_buf = ctypes.create_string_buffer(256)
@@ -145,10 +151,15 @@ class LlamaEngine(Vocabulary):
         return max((common_prefix(self.slots[i].cached, tokens) for i in free), default=0)
 
     def best_slot(self, tokens: list[int], free: list[int]) -> int:
-        """The free slot whose cached tokens share the longest prefix with `tokens`
-        (ties: the one with the least cached, so long caches survive)."""
-        return max(free, key=lambda i: (common_prefix(self.slots[i].cached, tokens),
-                                        -len(self.slots[i].cached)))
+        """The free slot whose cache holds the most of `tokens`: the shared prefix, plus
+        the chunks KV chunk reuse would shift into place (ties: the one with the least
+        cached, so long caches survive)."""
+        def reusable(slot: _Slot) -> int:
+            n_past = common_prefix(slot.cached, tokens)
+            if self.cache_reuse and 0 < n_past < len(tokens) - 1:
+                n_past = chunk_moves(slot.cached, tokens[:-1], n_past, self.cache_reuse)[1]
+            return n_past
+        return max(free, key=lambda i: (reusable(self.slots[i]), -len(self.slots[i].cached)))
 
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
             logprobs: int | None = None, prompt_logprobs: bool = False,
@@ -168,6 +179,7 @@ class LlamaEngine(Vocabulary):
         # never reuses a cached prefix.
         if reuse and not prompt_logprobs and not self.deterministic:
             n_past = min(common_prefix(slot.cached, tokens), len(tokens) - 1)
+            n_past = self._shift_chunks(slot, tokens, n_past)
         if not self._truncate(slot, n_past):
             n_past = 0
         slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
@@ -185,6 +197,26 @@ class LlamaEngine(Vocabulary):
             if not slot.busy:
                 llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
                 slot.cached = []
+
+    def _shift_chunks(self, slot: _Slot, tokens: list[int], n_past: int) -> int:
+        """Shift cached chunks that the prompt repeats further along into place
+        (workers/kvreuse.py); the prompt's last token is always decoded again."""
+        if not self.cache_reuse or n_past == 0:
+            return n_past
+        moves, in_place = chunk_moves(slot.cached, tokens[:len(tokens) - 1], n_past,
+                                      self.cache_reuse)
+        if not moves:
+            return n_past
+        kept = slot.cached[:n_past]
+        for source, target, length in moves:
+            # drop what lies between, then move the chunk down onto it
+            llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, target, source)
+            llama_cpp.llama_memory_seq_add(self.memory, slot.seq, source, source + length,
+                                           target - source)
+            kept += slot.cached[source:source + length]
+            self.tokens_shifted += length
+        slot.cached = kept                    # `_truncate` drops every cell past it
+        return in_place
 
     def _truncate(self, slot: _Slot, n_past: int) -> bool:
         """Keep the first `n_past` cached tokens of the slot, drop the rest."""

@@ -1,0 +1,94 @@
+"""KV chunk reuse: the pure planner (`workers.kvreuse`) and the engine applying it on the
+bundled model."""
+import pytest
+
+from workers.kvreuse import chunk_moves
+from workers.sampling import SamplingParams
+
+
+def test_text_deleted_before_the_rest_of_the_file_moves_the_rest_into_place():
+    prefix, suffix = list(range(100, 140)), list(range(500, 560))
+    cache = prefix + [7, 8] + suffix + [9, 9]      # "99": what was generated last time
+    prompt = prefix + [7] + suffix                 # the user deleted a character
+    moves, in_place = chunk_moves(cache, prompt, start=41, minimum=16)
+    assert moves == [(42, 41, 60)]                 # the rest, one position earlier
+    assert in_place == len(prompt)
+
+
+def test_a_context_ring_that_dropped_its_oldest_chunk_is_shifted_whole():
+    """llama.vim's extra context: chunks evicted from the front, a new one at the end."""
+    c1, c2, c3, c4 = (list(range(k * 100, k * 100 + 30)) for k in range(1, 5))
+    moves, in_place = chunk_moves([1] + c1 + c2 + c3, [1] + c2 + c3 + c4, start=1,
+                                  minimum=16)
+    assert moves == [(31, 1, 60)]
+    assert in_place == 61                          # c4 is prefilled
+
+
+def test_short_runs_reordered_chunks_and_inserted_text():
+    a, b = list(range(10, 30)), list(range(40, 60))
+    cache = [1] + a + b
+    moves, in_place = chunk_moves(cache, [1] + b + a, start=1, minimum=16)
+    assert moves == [(21, 1, 20)]          # b moves to the front; a lay before it: gone
+    assert in_place == 21
+    # new text stops the scan (as in llama.cpp): what follows it is prefilled
+    assert chunk_moves(cache, [1] + a[:10] + [0] + a[10:] + b, start=11,
+                       minimum=16) == ([], 11)
+    assert chunk_moves(cache, [1] + a[:10] + b[:10], start=11, minimum=16) == ([], 11)
+    assert chunk_moves(cache, [1] + b, start=1, minimum=0) == ([], 1)     # off
+
+
+def test_a_chunk_is_taken_from_its_first_occurrence_after_the_previous_one():
+    block = list(range(200, 220))
+    cache = [1] + block + [5] + block + [6] + block
+    moves, in_place = chunk_moves(cache, [1] + block + block + block, start=21, minimum=16)
+    assert moves == [(22, 21, 20), (43, 41, 20)]
+    assert in_place == 61
+
+
+@pytest.mark.integration
+def test_engine_shifts_a_context_ring_that_dropped_its_oldest_chunk():
+    from dispatcher.models import bundled_model_path
+    from workers.engine import LlamaEngine
+    greedy = SamplingParams(temperature=0)
+    path = str(bundled_model_path())
+    chunks = ["".join(f"def helper_{k}_{i}(value):\n    return value * {i} + {k}\n\n"
+                      for i in range(8)) for k in range(4)]
+    local = "def main():\n    total ="
+
+    def run(engine, prompt, n=8):
+        engine.add(0, prompt, greedy)
+        out = []
+        while len(out) < n:
+            result = engine.step().get(0)
+            if result is not None:
+                out.append(result.token)
+        engine.release(0)
+        return out
+
+    engine = LlamaEngine(path, 2048, 1, 2, 0, cache_reuse=64)
+    try:
+        run(engine, engine.tokenize(chunks[0] + chunks[1] + chunks[2] + local), n=4)
+        second = engine.tokenize(chunks[1] + chunks[2] + chunks[3] + local)
+        moved = len(engine.tokenize(chunks[1] + chunks[2], add_special=False))
+        reused = engine.add(0, second, greedy)
+        engine.release(0)
+        assert reused >= moved - 2                       # the two chunks (joins may differ)
+        assert engine.tokens_shifted >= moved - 3
+        # the slot's cache is coherent: positions and tokens agree, so the same prompt
+        # again reuses all but its last token, and generation goes on from there
+        assert len(run(engine, second)) == 8
+        assert engine.add(0, second, greedy) == len(second) - 1
+        engine.release(0)
+    finally:
+        engine.close()
+
+
+def test_deterministic_mode_never_shifts_the_cache():
+    from dispatcher.models import bundled_model_path
+    from workers.engine import LlamaEngine
+    engine = LlamaEngine(str(bundled_model_path()), 512, 1, 2, 0, deterministic=True,
+                         cache_reuse=16)
+    try:
+        assert engine.cache_reuse == 0
+    finally:
+        engine.close()
