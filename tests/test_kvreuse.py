@@ -92,3 +92,13 @@ def test_deterministic_mode_never_shifts_the_cache():
         assert engine.cache_reuse == 0
     finally:
         engine.close()
+
+
+def test_reusable_counts_the_prefix_and_the_chunks_behind_it():
+    from workers.kvreuse import reusable
+    a, b = list(range(10, 40)), list(range(50, 80))
+    cache = [1] + a + b
+    assert reusable(cache, [1] + b + [3], 16) == 31            # BOS + b shifted
+    assert reusable(cache, [1] + b + [3], 0) == 1              # off: the prefix alone
+    assert reusable(cache, [1] + a + b, 16) == 60              # the last token: decoded
+    assert reusable([], [1, 2], 16) == 0

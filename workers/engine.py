@@ -12,17 +12,16 @@ token, `n_batch` is a hard assert, a grammar only accepts tokens its chain sampl
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
 
 import llama_cpp
 import numpy as np
 
+from dispatcher.models import model_fingerprint
 from workers.errors import EngineError
-from workers.kvreuse import chunk_moves
+from workers.kvreuse import reusable, shift_into_place
 from workers.repacking import extra_buffers_work
 from workers.speculation import DraftPolicy, common_prefix, find_draft
 from workers.vocabulary import Vocabulary
@@ -139,7 +138,7 @@ class LlamaEngine(Vocabulary):
                 llama_cpp.llama_vocab_fim_sep(self.vocab))
         self.fim_repo = repo if all(t >= 0 for t in repo) else None   # repo-level FIM
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
-        self.fingerprint = _fingerprint(model_path)
+        self.fingerprint = model_fingerprint(model_path, llama_cpp.__version__)
 
     # -- sequences ---------------------------------------------------------------------
     @property
@@ -154,12 +153,8 @@ class LlamaEngine(Vocabulary):
         """The free slot whose cache holds the most of `tokens`: the shared prefix, plus
         the chunks KV chunk reuse would shift into place (ties: the one with the least
         cached, so long caches survive)."""
-        def reusable(slot: _Slot) -> int:
-            n_past = common_prefix(slot.cached, tokens)
-            if self.cache_reuse and 0 < n_past < len(tokens) - 1:
-                n_past = chunk_moves(slot.cached, tokens[:-1], n_past, self.cache_reuse)[1]
-            return n_past
-        return max(free, key=lambda i: (reusable(self.slots[i]), -len(self.slots[i].cached)))
+        return max(free, key=lambda i: (reusable(self.slots[i].cached, tokens, self.cache_reuse),
+                                        -len(self.slots[i].cached)))
 
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
             logprobs: int | None = None, prompt_logprobs: bool = False,
@@ -200,22 +195,10 @@ class LlamaEngine(Vocabulary):
 
     def _shift_chunks(self, slot: _Slot, tokens: list[int], n_past: int) -> int:
         """Shift cached chunks that the prompt repeats further along into place
-        (workers/kvreuse.py); the prompt's last token is always decoded again."""
-        if not self.cache_reuse or n_past == 0:
-            return n_past
-        moves, in_place = chunk_moves(slot.cached, tokens[:len(tokens) - 1], n_past,
-                                      self.cache_reuse)
-        if not moves:
-            return n_past
-        kept = slot.cached[:n_past]
-        for source, target, length in moves:
-            # drop what lies between, then move the chunk down onto it
-            llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, target, source)
-            llama_cpp.llama_memory_seq_add(self.memory, slot.seq, source, source + length,
-                                           target - source)
-            kept += slot.cached[source:source + length]
-            self.tokens_shifted += length
-        slot.cached = kept                    # `_truncate` drops every cell past it
+        (workers/kvreuse.py); `_truncate` then drops every cell past them."""
+        slot.cached, in_place, shifted = shift_into_place(
+            llama_cpp, self.memory, slot.seq, slot.cached, tokens, n_past, self.cache_reuse)
+        self.tokens_shifted += shifted
         return in_place
 
     def _truncate(self, slot: _Slot, n_past: int) -> bool:
@@ -414,15 +397,3 @@ class LlamaEngine(Vocabulary):
         llama_cpp.llama_batch_free(self.batch)
         llama_cpp.llama_free(self.ctx)
         llama_cpp.llama_model_free(self.model)
-
-
-def _fingerprint(model_path: str) -> str:
-    """Model file (size, first and last MiB) and build (llama-cpp-python version)."""
-    digest = hashlib.sha256()
-    size = os.path.getsize(model_path)
-    with open(model_path, "rb") as f:
-        digest.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        digest.update(f.read(1 << 20))
-    digest.update(f"{size}:{llama_cpp.__version__}".encode())
-    return "fp_" + digest.hexdigest()[:12]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from workers.speculation import common_prefix
+
 
 def chunk_moves(cache: list[int], tokens: list[int], start: int, minimum: int
                 ) -> tuple[list[tuple[int, int, int]], int]:
@@ -44,3 +46,33 @@ def chunk_moves(cache: list[int], tokens: list[int], start: int, minimum: int
         else:
             head_c += 1
     return moves, head_p
+
+
+def reusable(cached: list[int], tokens: list[int], minimum: int) -> int:
+    """How many of `tokens` a slot holding `cached` would not prefill: the shared prefix
+    and, with chunk reuse on, the chunks shifted after it (the last token is always
+    decoded)."""
+    n_past = min(common_prefix(cached, tokens), max(len(tokens) - 1, 0))
+    if minimum and n_past > 0:
+        n_past = chunk_moves(cached, tokens[:-1], n_past, minimum)[1]
+    return n_past
+
+
+def shift_into_place(lib, memory, seq: int, cached: list[int], tokens: list[int],
+                     n_past: int, minimum: int) -> tuple[list[int], int, int]:
+    """Apply `chunk_moves` to sequence `seq` of a llama.cpp memory (`lib` is the
+    llama_cpp module): returns the cache's tokens up to the last moved chunk, how many
+    prompt tokens are in place, and how many were shifted. Cells past the returned
+    tokens are stale: the caller removes them."""
+    if not minimum or n_past == 0:
+        return cached, n_past, 0
+    moves, in_place = chunk_moves(cached, tokens[:len(tokens) - 1], n_past, minimum)
+    if not moves:
+        return cached, n_past, 0
+    kept = cached[:n_past]
+    for source, target, length in moves:
+        # drop what lies between, then move the chunk down onto it
+        lib.llama_memory_seq_rm(memory, seq, target, source)
+        lib.llama_memory_seq_add(memory, seq, source, source + length, target - source)
+        kept += cached[source:source + length]
+    return kept, in_place, sum(length for _, _, length in moves)
