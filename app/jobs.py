@@ -1,6 +1,8 @@
 """A validated request → the jobs the dispatcher runs: one per prompt × candidate."""
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "typical_p", "seed",
@@ -58,5 +60,24 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
                 "draft_max": req.get("draft_max"),
                 **(extra or {}),
             }
+            job["adopt_key"] = adopt_key(job)
             plans.append(JobPlan(job, p, c))
     return plans
+
+
+# What may differ between a running request and the one that adopts its generation.
+ADOPT_FREE = {"id", "prompt", "max_tokens", "session_order", "parent", "timeout",
+              "t_max_predict_ms", "t_max_prompt_ms"}
+
+
+def adopt_key(job: dict) -> str | None:
+    """Type-along adoption (dispatcher/admission.py, workers/adoption.py): requests of a
+    session with equal keys differ only in their prompt (and limits), so a newer one may
+    take over an older one's running generation. None where it never may: no session,
+    several jobs, token-id prompts, or per-token output (logprobs, echo, n_probs)."""
+    if not job.get("session") or job["fanout"] != 1 or not isinstance(job["prompt"], str) \
+            or job["echo"] or job["logprobs"] is not None or job["score"] \
+            or job.get("n_probs") or job.get("return_tokens"):
+        return None
+    rest = {k: v for k, v in job.items() if k not in ADOPT_FREE}
+    return hashlib.sha1(json.dumps(rest, sort_keys=True, default=str).encode()).hexdigest()

@@ -57,6 +57,8 @@ class Admission:
         if body.get("session") and not self._supersede(job):
             return self._reject(fe_id, request_id, P.WireError(
                 409, "superseded", "superseded: the session sent a newer request first"))
+        if job.adopt_from is not None:
+            return self._hand_over(job)
         timeout = body.get("timeout") or self.queue_timeout
         if timeout:
             job.deadline = job.enqueued_at + float(timeout)
@@ -102,9 +104,31 @@ class Admission:
                                         "superseded by a newer request of the same session"))
             if self.queue.remove(request_id) is None and old.worker is not None:
                 old.cancelled = True
-                self._to_worker(old.worker, P.CANCEL, request_id)
+                key = job.body.get("adopt_key")
+                if key and job.adopt_from is None and old.body.get("adopt_key") == key \
+                        and self.registry.get(old.worker) is not None:
+                    job.adopt_from = old     # its worker decides: adopt, or cancel it
+                else:
+                    self._to_worker(old.worker, P.CANCEL, request_id)
         older[job.request_id] = job
         return True
+
+    def _hand_over(self, job: Job) -> None:
+        """Type-along adoption: the new request goes straight to the worker running the
+        one it supersedes, marked `adopt`. If the user typed what that generation had
+        produced, the worker hands the running generation to the new request (no
+        prefill, no lost tokens); otherwise it cancels the old one and runs the new one
+        in the freed slot, its prompt mostly cached."""
+        old, job.adopt_from = job.adopt_from, None
+        record = self.registry.get(old.worker)
+        self._to_frontend(job.frontend, P.ACCEPTED, job.request_id)
+        body = {**job.body, "topic": job.frontend.decode(), "attempt": job.attempt,
+                "adopt": old.request_id}
+        self._to_worker(record.identity, P.REQUEST, job.request_id, body)
+        job.worker = record.identity
+        record.running[job.request_id] = job
+        record.last_assigned = self.now
+        record.remember(job)
 
     def _forget(self, job: Job) -> None:
         session = job.body.get("session")

@@ -82,7 +82,7 @@ class DispatcherCore(Admission):
         self.units: dict[str, list] = {}
         self.stats = {"submitted": 0, "rejected": 0, "requeued": 0, "failed": 0,
                       "completed": 0, "cancelled": 0, "superseded": 0, "queue_full": 0,
-                      "timed_out": 0}
+                      "timed_out": 0, "adopted": 0}
         self.metrics = SystemMetrics()
         self.draining_until: float | None = None
         self.stopped = False                       # a graceful stop is complete
@@ -262,6 +262,8 @@ class DispatcherCore(Admission):
         self._forget(job)
         usage = body.get("usage") or {}
         record.tokens += int(usage.get("completion_tokens", 0))
+        if body.get("adopted_by"):
+            self.stats["adopted"] += 1
         if body.get("cancelled"):
             record.cancelled += 1
             self.stats["cancelled"] += 1

@@ -21,6 +21,7 @@ class Job:
     cancelled: bool = False      # cancelled or superseded while on a worker: never requeued
     first_token: bool = False    # the worker said its first text is going out
     deadline: float | None = None   # leave the queue with a 504 after this (monotonic)
+    adopt_from: "Job | None" = None  # the session's running job it may take over
 
     @property
     def model(self) -> str:

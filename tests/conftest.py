@@ -178,10 +178,11 @@ def model_id(real_server) -> str:
 class SSEStream:
     """A raw HTTP streaming request: headers, then events one at a time, then close."""
 
-    def __init__(self, port: int, body: dict, timeout: float = 60):
+    def __init__(self, port: int, body: dict, timeout: float = 60,
+                 headers: dict | None = None):
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
         self.conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
-                          headers={"Content-Type": "application/json"})
+                          headers={"Content-Type": "application/json", **(headers or {})})
         self.response = self.conn.getresponse()
         self.status = self.response.status
         self.headers = {k.lower(): v for k, v in self.response.getheaders()}

@@ -184,3 +184,19 @@ def test_tokenize_is_a_job_for_a_worker(client_of):
     http, fake = client_of(lambda job: [{"e": P.EV_END, "s": 0, "result": {"tokens": [7]}}])
     body = http.post("/tokenize", json={"content": "hi"}).get_json()
     assert body == {"tokens": [7]} and fake.jobs[0]["op"] == "tokenize"
+
+
+def test_adopt_key_is_the_request_less_its_prompt_and_limits():
+    from app.jobs import adopt_key
+    job = {"id": "r", "model": "m", "prompt": "def f(", "suffix": "\n", "max_tokens": 16,
+           "stop": [], "echo": False, "logprobs": None, "score": False,
+           "sampling": {"temperature": 0}, "session": "s", "session_order": 1,
+           "parent": "r", "fanout": 1, "timeout": None}
+    key = adopt_key(job)
+    assert key and key == adopt_key({**job, "id": "r2", "parent": "r2", "prompt": "def f(x",
+                                     "max_tokens": 64, "session_order": 2})
+    assert adopt_key({**job, "suffix": "\nreturn"}) != key
+    assert adopt_key({**job, "sampling": {"temperature": 0.5}}) != key
+    for never in ({"session": None}, {"fanout": 2}, {"prompt": [1, 2]}, {"echo": True},
+                  {"logprobs": 0}, {"n_probs": 3}, {"score": True}):
+        assert adopt_key({**job, **never}) is None

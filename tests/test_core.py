@@ -173,3 +173,34 @@ def test_a_cancelled_job_is_not_requeued_when_its_worker_is_lost():
     core.frontend_message(FE, P.Message(P.CANCEL, "gone", {}), 0.0)   # cancel sent
     core.worker_exited("w0", 1, "killed")                             # ... then lost
     assert len(core.queue) == 0 and core.stats["requeued"] == 0
+
+
+def test_a_session_request_with_the_same_adopt_key_goes_to_the_running_ones_worker():
+    """Type-along adoption: the old request is told it is superseded, not cancelled in
+    its worker; the new one bypasses the queue to that worker, marked `adopt`."""
+    core = DispatcherCore()
+    ready(core, b"w0", slots=1)
+    ready(core, b"w1", slots=1)
+    submit(core, "a", session="s", parent="a", adopt_key="k")
+    worker_a = core.registry.workers[b"w0"] if "a" in core.registry.workers[b"w0"].running \
+        else core.registry.workers[b"w1"]
+    sends = submit(core, "b", session="s", parent="b", adopt_key="k")
+    assert kinds(sends) == [("FAILED", "a"), ("ACCEPTED", "b"), ("REQUEST", "b")]
+    request = sends[-1]
+    assert request.peer == worker_a.identity and request.body["adopt"] == "a"
+    assert set(worker_a.running) == {"a", "b"} and not len(core.queue)
+    # the worker adopted: a's DONE says so; b runs on in a's slot
+    from_worker(core, P.DONE, "a", name=worker_a.identity, attempt=1, last_seq=2,
+                cancelled=True, adopted_by="b")
+    assert core.stats["adopted"] == 1 and set(worker_a.running) == {"b"}
+
+
+def test_a_different_adopt_key_or_none_cancels_as_before():
+    core = DispatcherCore()
+    ready(core, slots=2)
+    submit(core, "a", session="s", parent="a", adopt_key="k")
+    sends = submit(core, "b", session="s", parent="b", adopt_key="other")
+    assert ("CANCEL", "a") in kinds(sends)
+    assert all("adopt" not in (s.body or {}) for s in sends)
+    sends = submit(core, "c", session="s", parent="c")            # no key: no adoption
+    assert ("CANCEL", "b") in kinds(sends)

@@ -14,8 +14,8 @@ import time
 from collections import deque
 from typing import Callable
 
-
 from dispatcher import protocol as P
+from workers.adoption import adopt_or_supersede
 from workers.errors import EngineError, InvalidInput, Stopping, error_event
 from workers.prefill import PrefillMeter
 from workers.publisher import FaultInjection, Publisher
@@ -76,6 +76,8 @@ class GenerationLoop:
                 log.warning("job %s without a topic: dropped", item[1])
             elif item[2].get("op"):
                 self._utility(item[1], item[2])
+            elif item[2].get("adopt"):
+                adopt_or_supersede(self, item[1], item[2])
             else:
                 self.waiting.append((item[1], item[2]))
         elif kind == "cancel":
@@ -281,7 +283,7 @@ class GenerationLoop:
         if active.ledger is not None:
             top = self._top_dict(out.top or [])
             top.setdefault(token_text(piece), out.logprob)
-            active.ledger.add(self._offset(active) + active.assembler.decoded,
+            active.ledger.add(len(active.echo_text or '') + active.assembler.decoded,
                               token_text(piece), out.logprob, top)
         if active.return_tokens:
             active.pending_ids.append(out.token)
@@ -290,6 +292,7 @@ class GenerationLoop:
                                                    out.logprob,
                                                    (out.top or [])[:active.n_probs]))
         text = active.assembler.feed(piece)
+        active.offsets.append(active.assembler.decoded)
         ended = False
         if active.limits is not None:
             text, ended = active.limits.cut(text)
@@ -305,9 +308,6 @@ class GenerationLoop:
             self._finish(active, "length", "limit")
         elif active.prompt_tokens + active.generated >= active.n_ctx:
             self._finish(active, "length", "limit")
-
-    def _offset(self, active: Active) -> int:
-        return len(active.echo_text) if active.echo_text is not None else 0
 
     def _top_dict(self, top: list[tuple[int, float]]) -> dict:
         return {token_text(self.engine.piece(t)): lp for t, lp in top}

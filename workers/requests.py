@@ -192,6 +192,7 @@ class Active:
     started: float = field(default_factory=time.monotonic)
     prompt: object = None           # as the job gave it (for fault injection)
     first_at: float | None = None   # when the first token was sampled (prefill done)
+    offsets: list = field(default_factory=list)   # characters decoded after each token
 
 
 @dataclass

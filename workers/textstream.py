@@ -16,6 +16,7 @@ class TextAssembler:
         self.stopped = False
         self.stop_word: str | None = None     # the stop string that ended the text
         self.decoded = 0            # characters decoded so far, held ones included
+        self.text = ""              # ... and the text itself (for type-along adoption)
 
     def feed(self, data: bytes) -> str:
         """Add one token's bytes; return the text that is now safe to send."""
@@ -23,6 +24,17 @@ class TextAssembler:
             return ""
         text = self._decoder.decode(data)
         self.decoded += len(text)
+        self.text += text
+        self._held += text
+        return self._release(final=False)
+
+    def take_over(self, other: "TextAssembler", skip: int) -> str:
+        """Continue `other`'s text after its first `skip` characters (which the client
+        typed): its undecoded bytes come along; returns what is safe to send now."""
+        self._decoder.setstate(other._decoder.getstate())
+        text = other.text[skip:]
+        self.decoded += len(text)
+        self.text += text
         self._held += text
         return self._release(final=False)
 
@@ -32,6 +44,7 @@ class TextAssembler:
             return ""
         text = self._decoder.decode(b"", final=True)
         self.decoded += len(text)
+        self.text += text
         self._held += text
         return self._release(final=True)
 
