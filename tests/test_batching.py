@@ -245,3 +245,48 @@ def test_bench_editor_workloads(two_fake_workers):
         assert rows[name]["ok"] == 1 and rows[name]["errors"] == 0
     typing = rows["typing (waited-for)"]
     assert typing["requests"] == 2 and typing["ok"] == 2 and typing["errors"] == 0
+
+
+@pytest.mark.integration
+def test_a_running_stream_keeps_getting_tokens_while_a_3000_token_prompt_is_prefilled(
+        real_server):
+    """Chunked prefill on the real stack: a 3,000-token prompt is decoded a chunk (512
+    tokens) a step beside a running stream, so the stream's tokens keep coming during
+    the prefill (counted in tokens, not seconds: a slow machine cannot fail it)."""
+    import time
+    port = real_server.port
+    running = SSEStream(port, {"prompt": "Once upon a time", "max_tokens": 600,
+                               "temperature": 0, "ignore_eos": True, "stream": True})
+    assert running.status == 200
+    arrivals: list[float] = []
+
+    def read():
+        try:
+            for data in running.events():
+                if data == "[DONE]":
+                    return
+                arrivals.append(time.monotonic())
+        except (OSError, ValueError, AttributeError):   # closed under it at the end
+            return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while len(arrivals) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    long_prompt = "def helper_%d(value):\n    return value * %d\n\n"
+    text = "".join(long_prompt % (i, i) for i in range(200))
+    status, _, tokens = http_json(port, "POST", "/tokenize", {"content": text})
+    assert status == 200 and len(tokens["tokens"]) >= 3000
+    sent = time.monotonic()
+    cold = SSEStream(port, {"prompt": text, "max_tokens": 1, "temperature": 0,
+                            "cache_prompt": False, "stream": True})
+    assert cold.status == 200
+    assert cold.next_data() is not None          # its first token: the prefill is done
+    first = time.monotonic()
+    during = sum(1 for t in arrivals if sent <= t <= first)
+    running.close()
+    cold.close()
+    reader.join(timeout=10)
+    # six chunks of 512: the stream decoded a token beside each (one stall would give ~0)
+    assert during >= 4, f"{during} tokens of the running stream during the prefill"
