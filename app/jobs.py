@@ -74,10 +74,14 @@ def adopt_key(job: dict) -> str | None:
     """Type-along adoption (dispatcher/admission.py, workers/adoption.py): requests of a
     session with equal keys differ only in their prompt (and limits), so a newer one may
     take over an older one's running generation. None where it never may: no session,
-    several jobs, token-id prompts, or per-token output (logprobs, echo, n_probs)."""
+    several jobs, token-id prompts, per-token output (logprobs, echo, n_probs), grammars."""
     if not job.get("session") or job["fanout"] != 1 or not isinstance(job["prompt"], str) \
             or job["echo"] or job["logprobs"] is not None or job["score"] \
-            or job.get("n_probs") or job.get("return_tokens"):
+            or job.get("n_probs") or job.get("return_tokens") \
+            or job["sampling"].get("grammar") or job["sampling"].get("json_schema") \
+            or (job.get("infill") or {}).get("middle"):
+        # (a grammar's output minus the typed text no longer matches it; infill's
+        # `middle` lies between the prompt and the generation)
         return None
     rest = {k: v for k, v in job.items() if k not in ADOPT_FREE}
     return hashlib.sha1(json.dumps(rest, sort_keys=True, default=str).encode()).hexdigest()

@@ -46,12 +46,15 @@ prepare() {
 }
 
 gpu_arch() {
-    # compute capability of GPU 0 as CMake wants it: 9.0 -> 90
+    # compute capability of the checked GPU as CMake wants it: 9.0 -> 90
     command -v nvidia-smi >/dev/null 2>&1 ||
         stop 3 "no NVIDIA GPU here: nvidia-smi not found (the driver is not installed)"
-    cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 |
-          tr -d ' .\r') || true
-    [ -n "$cap" ] || stop 3 "no NVIDIA GPU here: nvidia-smi lists no device"
+    raw=$(nvidia-smi -i "${DEVICE#cuda:}" --query-gpu=compute_cap --format=csv,noheader \
+          2>/dev/null | head -n 1) || true
+    cap=$(printf '%s' "$raw" | tr -d ' .\r')
+    case $cap in
+        '' | *[!0-9]*) stop 3 "no NVIDIA GPU here: nvidia-smi lists no device (${raw:-nothing})" ;;
+    esac
     echo "$cap"
 }
 
@@ -63,7 +66,8 @@ run() {
         stop 2 "no llama-cpp-python source in $wheelhouse: run prepare again"
     t0=$(date +%s)
     if [ -n "${GPU_CHECK_PYTHON:-}" ]; then
-        py=$GPU_CHECK_PYTHON
+        py=$(command -v "$GPU_CHECK_PYTHON") || stop 2 "GPU_CHECK_PYTHON=$GPU_CHECK_PYTHON not found"
+        case $py in /*) ;; *) py=$(pwd)/$py ;; esac
         say "using the environment of $py (GPU_CHECK_PYTHON)"
     else
         say "creating $OUT/venv from $wheelhouse (offline)"
@@ -82,7 +86,8 @@ run() {
     model=$OUT/model-$SHAPE.gguf
     if [ ! -s "$model" ]; then
         say "writing a random-weights model, shape $SHAPE"
-        (cd "$OUT" && "$py" -m workers.synthetic_model "$model" --shape "$SHAPE") 2>>"$SUMMARY"
+        (cd "$OUT" && "$py" -m workers.synthetic_model "$model" --shape "$SHAPE") \
+            2>>"$SUMMARY" || stop 1 "writing the model failed (see $SUMMARY)"
     fi
     say "model $model ($(du -m "$model" | cut -f1) MiB)"
 
@@ -103,6 +108,9 @@ CMAKE_BUILD_PARALLEL_LEVEL=$jobs $py -m pip install --no-index --find-links $whe
         say "dry run; would check: $selftest"
         return 0
     fi
+    # llama-cpp-python's build tools (also into a GPU_CHECK_PYTHON environment)
+    "$py" -m pip install --quiet --no-index --find-links "$wheelhouse" scikit-build-core \
+        cmake ninja || stop 2 "the build tools are not in $wheelhouse: run prepare again"
     say "building llama-cpp-python with CUDA for sm_$arch on $jobs cores (build.log)"
     b0=$(date +%s)
     sh -c "$build" >"$OUT/build.log" 2>&1 || stop 1 "the CUDA build failed: tail $OUT/build.log"
@@ -150,7 +158,8 @@ EOF
             >"$OUT/bench-$streams.json" 2>>"$OUT/server.log" || stop 1 "bench failed"
         say "bench, $streams stream(s): $(cat "$OUT/bench-$streams.json" | tr -d '\n' | cut -c1-400)"
     done
-    kill $server; wait $server 2>/dev/null || true
+    kill $server 2>/dev/null || true
+    wait $server 2>/dev/null || true
     say "done in $(($(date +%s) - t0)) s; figures in $OUT"
 }
 

@@ -104,9 +104,9 @@ class Admission:
                                         "superseded by a newer request of the same session"))
             if self.queue.remove(request_id) is None and old.worker is not None:
                 old.cancelled = True
-                key = job.body.get("adopt_key")
+                key, record = job.body.get("adopt_key"), self.registry.get(old.worker)
                 if key and job.adopt_from is None and old.body.get("adopt_key") == key \
-                        and self.registry.get(old.worker) is not None:
+                        and record is not None and not record.draining:
                     job.adopt_from = old     # its worker decides: adopt, or cancel it
                 else:
                     self._to_worker(old.worker, P.CANCEL, request_id)

@@ -46,7 +46,7 @@ def check_worker(worker, args) -> dict:
            "COMPLETIONS_PARENT_PID": str(os.getpid())}
     try:
         done = subprocess.run(child_argv(worker, args), env=env, capture_output=True,
-                              text=True, timeout=args.timeout)
+                              text=True, errors="replace", timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"ok": False, "device": str(worker.device),
                 "error": f"no result within {args.timeout:.0f}s (--timeout)"}
@@ -59,7 +59,10 @@ def check_worker(worker, args) -> dict:
     # It died without a word: a signal (the kernel's OOM killer sends SIGKILL), or a crash
     # inside llama.cpp; its last lines of stderr say more.
     if done.returncode < 0:
-        how = f"killed by {signal.Signals(-done.returncode).name}"
+        try:
+            how = f"killed by {signal.Signals(-done.returncode).name}"
+        except ValueError:
+            how = f"killed by signal {-done.returncode}"
         if done.returncode == -signal.SIGKILL:
             how += " (out of memory? lower --nctx or --slots)"
     else:

@@ -204,3 +204,13 @@ def test_a_different_adopt_key_or_none_cancels_as_before():
     assert all("adopt" not in (s.body or {}) for s in sends)
     sends = submit(core, "c", session="s", parent="c")            # no key: no adoption
     assert ("CANCEL", "b") in kinds(sends)
+
+
+def test_no_adoption_onto_a_draining_worker():
+    core = DispatcherCore()
+    ready(core, slots=2)
+    submit(core, "a", session="s", parent="a", adopt_key="k")
+    core.registry.workers[b"w0"].draining = True          # restart/reload under way
+    sends = submit(core, "b", session="s", parent="b", adopt_key="k")
+    assert ("CANCEL", "a") in kinds(sends)
+    assert ("REQUEST", "b") not in kinds(sends) and len(core.queue) == 1

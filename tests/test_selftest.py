@@ -47,6 +47,9 @@ def test_a_device_cuda_cannot_see_is_named_with_its_variable():
     reason = diagnose_device("cuda", 5, True, [CPU], {"CUDA_VISIBLE_DEVICES": "5"})
     assert reason.startswith("cuda:5 is not visible: with CUDA_VISIBLE_DEVICES=5")
     assert diagnose_device("cuda", 5, True, [CPU, H200], {"CUDA_VISIBLE_DEVICES": "5"}) is None
+    # a CUDA build sees a GPU, but an npu device needs llama.cpp's CANN backend
+    assert "npu:0 is not visible" in diagnose_device(
+        "npu", 0, True, [CPU, H200], {"ASCEND_RT_VISIBLE_DEVICES": "0"})
 
 
 def test_memory_need_and_the_nctx_that_fits():
@@ -206,6 +209,16 @@ def test_gpu_check_builds_for_this_gpus_architecture_only(tmp_path):
     assert "CMAKE_ARGS='-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90'" in done.stderr
     assert "--no-index" in done.stderr                       # offline, from the wheelhouse
     assert "selftest --model" in done.stderr and "--device cuda:0" in done.stderr
+
+
+def test_gpu_check_with_a_driver_that_answers_nonsense_stops_before_the_build(tmp_path):
+    tools = tmp_path / "bin"
+    fake_tool(tools, "nvidia-smi", 'echo "NVIDIA-SMI has failed because it could not '
+                                   'communicate with the NVIDIA driver."\n')
+    done = gpu_check(tmp_path, "run", str(wheelhouse(tmp_path)), str(tmp_path / "out"),
+                     path_prefix=tools)
+    assert done.returncode == 3, done.stderr
+    assert "nvidia-smi lists no device (NVIDIA-SMI has failed" in done.stderr
 
 
 def test_gpu_check_without_nvcc_stops_before_the_build(tmp_path):

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 def adopt_or_supersede(loop, request_id: str, body: dict) -> None:
     old_id = body["adopt"]
     old = loop.active.get(old_id)
-    typed = _typed(old, body)
+    typed = _typed(loop, old, body)
     if old is not None and typed is not None:
         return _adopt(loop, old, typed, request_id, body)
     log.info("%s: %s cannot be adopted; cancelled, the new request goes first", request_id,
@@ -36,11 +36,12 @@ def adopt_or_supersede(loop, request_id: str, body: dict) -> None:
     loop.waiting.appendleft((request_id, body))
 
 
-def _typed(old: Active | None, body: dict) -> str | None:
+def _typed(loop, old: Active | None, body: dict) -> str | None:
     """What the user typed since `old`'s prompt, if it is a prefix of what `old` has
     generated (None: not adoptable)."""
-    if old is None or not isinstance(old.prompt, str) or old.assembler.stopped:
-        return None
+    if old is None or not isinstance(old.prompt, str) or old.assembler.stopped \
+            or getattr(loop.engine, "deterministic", False):
+        return None             # (deterministic: a result never depends on another one)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt.startswith(old.prompt):
         return None
@@ -48,6 +49,10 @@ def _typed(old: Active | None, body: dict) -> str | None:
     if old.echo_text is not None or old.ledger is not None or old.n_probs or old.score \
             or old.return_tokens or not old.assembler.text.startswith(typed):
         return None
+    limit = body.get("max_tokens")
+    if limit is not None and old.generated - bisect.bisect_right(old.offsets, len(typed)) \
+            > limit:
+        return None             # it has already generated more than the new one may
     return typed
 
 
@@ -71,7 +76,8 @@ def _adopt(loop, old: Active, typed: str, request_id: str, body: dict) -> None:
     loop.notify(P.DONE, old.request_id, {
         "attempt": old.attempt, "last_seq": old.seq - 1, "cancelled": True,
         "adopted_by": request_id,
-        "usage": {"prompt_tokens": old.prompt_tokens, "completion_tokens": old.generated}})
+        # its output is what the user typed; the rest is counted with the new request
+        "usage": {"prompt_tokens": old.prompt_tokens, "completion_tokens": covered}})
     loop._publish(new, {"e": P.EV_START, "prompt_tokens": new.prompt_tokens,
                         "cached_tokens": new.cached, "adopted": True,
                         "fingerprint": loop.engine.fingerprint, **loop.identity})

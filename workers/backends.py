@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}   # enum ggml_backend_dev_type
 MIB = 1 << 20
+RUNTIME_PREFIX = {"cuda": "CUDA", "npu": "CANN"}   # ggml's device names per device kind
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,22 @@ def gpu_support() -> bool:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
-def host_memory_available(meminfo: str = "/proc/meminfo",
-                          cgroup: str = "/sys/fs/cgroup") -> int:
+def own_cgroup(root: str = "/sys/fs/cgroup", table: str = "/proc/self/cgroup") -> str:
+    """This process's cgroup v2 directory (systemd's MemoryMax= is set there)."""
+    try:
+        with open(table) as f:
+            for line in f:
+                if line.startswith("0::"):
+                    return os.path.join(root, line[3:].strip().lstrip("/"))
+    except OSError:
+        pass
+    return root
+
+
+def host_memory_available(meminfo: str = "/proc/meminfo", cgroup: str | None = None) -> int:
     """Bytes this process can still allocate on the host: MemAvailable, or less where a
     cgroup (systemd's MemoryMax=, a container) caps the process."""
+    cgroup = own_cgroup() if cgroup is None else cgroup
     available = 0
     try:
         with open(meminfo) as f:
@@ -107,7 +120,8 @@ def diagnose_device(kind: str, index: int | None, supports_gpu: bool,
         flag = {"cuda": "-DGGML_CUDA=on", "npu": "-DGGML_CANN=on"}[kind]
         return (f"no {runtime} in this llama-cpp-python build (it offloads nothing): "
                 f"reinstall it with CMAKE_ARGS='{flag}' (README: GPU workstation)")
-    accelerators = [d for d in devices if d.type in ("gpu", "igpu", "accel")]
+    accelerators = [d for d in devices if d.type in ("gpu", "igpu", "accel")
+                    and d.name.startswith(RUNTIME_PREFIX[kind])]
     if not accelerators:
         variables = " ".join(f"{k}={v}" for k, v in visible_env.items())
         return (f"{kind}:{index} is not visible: with {variables} llama.cpp sees no "

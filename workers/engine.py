@@ -147,7 +147,8 @@ class LlamaEngine(Vocabulary):
 
     def cached_prefix(self, tokens: list[int], free: list[int]) -> int:
         """The longest prefix of `tokens` some free slot's cache already holds."""
-        return max((common_prefix(self.slots[i].cached, tokens) for i in free), default=0)
+        return max((reusable(self.slots[i].cached, tokens, self.cache_reuse) for i in free),
+                   default=0)
 
     def best_slot(self, tokens: list[int], free: list[int]) -> int:
         """The free slot whose cache holds the most of `tokens`: the shared prefix, plus

@@ -29,22 +29,24 @@ def chunk_moves(cache: list[int], tokens: list[int], start: int, minimum: int
     t = np.asarray(tokens, dtype=np.int64)
     moves: list[tuple[int, int, int]] = []
     head_c = head_p = start
-    while head_c < len(c) and head_p < len(t):
-        found = np.flatnonzero(c[head_c:] == t[head_p])      # next candidate start
-        if not len(found):
-            break
-        head_c += int(found[0])
-        span = min(len(c) - head_c, len(t) - head_p)
-        if span < minimum:
-            break
-        differ = np.flatnonzero(c[head_c:head_c + span] != t[head_p:head_p + span])
-        run = int(differ[0]) if len(differ) else span
-        if run >= minimum:
-            moves.append((head_c, head_p, run))
-            head_c += run
-            head_p += run
-        else:
-            head_c += 1
+    while head_c < len(c) and head_p < len(t) and len(t) - head_p >= minimum:
+        want = t[head_p:head_p + minimum]
+        run = 0
+        # candidate starts: where the cache has the prompt's next token (found once per
+        # prompt position; each is checked on `minimum` tokens before a run is measured)
+        for offset in np.flatnonzero(c[head_c:len(c) - minimum + 1] == want[0]):
+            at = head_c + int(offset)
+            if np.array_equal(c[at:at + minimum], want):
+                span = min(len(c) - at, len(t) - head_p)
+                differ = np.flatnonzero(c[at:at + span] != t[head_p:head_p + span])
+                run = int(differ[0]) if len(differ) else span
+                head_c = at
+                break
+        if not run:
+            break                            # nothing further along starts this run
+        moves.append((head_c, head_p, run))
+        head_c += run
+        head_p += run
     return moves, head_p
 
 

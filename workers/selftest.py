@@ -23,8 +23,8 @@ import time
 from dispatcher import config
 from dispatcher.devices import parse_device
 from dispatcher.models import resolve_model_path
-from workers.backends import (MIB, backend_devices, diagnose_device, gpu_support,
-                              host_memory_available, memory_need)
+from workers.backends import (MIB, RUNTIME_PREFIX, backend_devices, diagnose_device,
+                              gpu_support, host_memory_available, memory_need)
 from workers.pinning import pin
 
 TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
@@ -169,7 +169,8 @@ def check(args, result: dict) -> None:
     if reason:
         raise Failed(reason)
     shape = model_shape(args.model)
-    accelerators = [d for d in devices if d.type != "cpu"]
+    accelerators = [d for d in devices if d.type != "cpu" and d.name.startswith(
+        RUNTIME_PREFIX.get(spec.kind, "?"))]
     on_device = spec.kind != "cpu" and placement.n_gpu_layers >= shape["n_layer"] + 1
     if on_device:
         free, where = accelerators[0].free, accelerators[0].name
@@ -183,9 +184,12 @@ def check(args, result: dict) -> None:
                            "threads": placement.n_threads, **placement_from_log(log_text)}
     try:
         text = engine.tokenize(TEXT * 64, add_special=True)
-        length = max(8, min(args.prompt_tokens, args.nctx - args.tokens - 2, len(text)))
+        if args.nctx < 32:
+            raise Failed(f"nctx {args.nctx} is too small to check (at least 32)")
+        tokens = max(2, min(args.tokens, args.nctx // 2))
+        length = max(8, min(args.prompt_tokens, args.nctx - tokens - 2, len(text)))
         run_sequences(engine, [text[:8]], 4)                  # warm-up (kernels, caches)
-        one = run_sequences(engine, [text[:length]], args.tokens)
+        one = run_sequences(engine, [text[:length]], tokens)
         completion = b"".join(engine.piece(t) for t in one.pop("outputs")[0])
         result["completion"] = completion.decode("utf-8", "replace")
         result["single"] = one
@@ -193,7 +197,7 @@ def check(args, result: dict) -> None:
             # distinct prompts (one leading token differs), so nothing is shared
             prompts = [engine.tokenize(f"# {i}\n" + TEXT * 64)[:length]
                        for i in range(engine.n_slots)]
-            many = run_sequences(engine, prompts, args.tokens)
+            many = run_sequences(engine, prompts, tokens)
             many.pop("outputs")
             many["per_stream_tok_s"] = round(many["decode_tok_s"] / engine.n_slots, 1)
             result["concurrent"] = many
@@ -221,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         result["error"] = str(exc)
     except SystemExit as exc:            # resolve_model_path's one-line refusals
         result["error"] = str(exc)
+    except Exception as exc:             # anything else: still one line, and the JSON
+        result["error"] = f"{type(exc).__name__}: {exc}"
     print(json.dumps(result), flush=True)
     return 0 if result["ok"] else 1
 

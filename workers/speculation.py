@@ -15,7 +15,9 @@ speculation-costs.md): a single draft row costs 2.2x a plain step, 8 accepted dr
 already gains. So: drafts of at least DRAFT_MIN tokens only, only while at most
 MAX_STREAMS sequences are generating, each sequence's draft length following its recent
 acceptance (doubling on a full accept, shrinking to what was accepted), and a pause after
-a draft was rejected outright.
+a draft was rejected outright that doubles with each outright rejection in a row (1, 2,
+4, 8 steps) and ends with the next accepted token: an edit's copy misses at each changed
+name or number and is right again just after it, sampled text keeps missing.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ DRAFT_MIN = 4           # shorter drafts cost more than they can save (2.2x for 
 MAX_STREAMS = 2         # beyond this, draft rows cost more than batching gains
 NGRAM = (4, 3, 2)       # the suffix lengths tried, longest first
 LOOKBACK = 8192         # tokens searched for the suffix
-PAUSE_STEPS = 8         # steps without drafting after a draft was rejected at once
+PAUSE_STEPS = 8         # the longest pause after drafts rejected at once (1, 2, 4, 8)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -65,6 +67,7 @@ class DraftPolicy:
     pause: int = 0         # steps left without drafting
     proposed: int = 0
     accepted: int = 0
+    misses: int = 0        # drafts rejected outright in a row
 
     def __post_init__(self) -> None:
         self.length = self.max_len
@@ -85,5 +88,8 @@ class DraftPolicy:
             self.length = min(self.max_len, max(DRAFT_MIN, self.length * 2))
         else:
             self.length = max(DRAFT_MIN, accepted + 1)
-            if accepted == 0:
-                self.pause = PAUSE_STEPS
+        if accepted == 0:
+            self.misses += 1
+            self.pause = min(PAUSE_STEPS, 1 << (self.misses - 1))
+        else:
+            self.misses = 0
