@@ -120,15 +120,8 @@ class Admission:
         prefill, no lost tokens); otherwise it cancels the old one and runs the new one
         in the freed slot, its prompt mostly cached."""
         old, job.adopt_from = job.adopt_from, None
-        record = self.registry.get(old.worker)
         self._to_frontend(job.frontend, P.ACCEPTED, job.request_id)
-        body = {**job.body, "topic": job.frontend.decode(), "attempt": job.attempt,
-                "adopt": old.request_id}
-        self._to_worker(record.identity, P.REQUEST, job.request_id, body)
-        job.worker = record.identity
-        record.running[job.request_id] = job
-        record.last_assigned = self.now
-        record.remember(job)
+        self._assign(job, self.registry.get(old.worker), adopt=old.request_id)
 
     def _forget(self, job: Job) -> None:
         session = job.body.get("session")

@@ -342,14 +342,18 @@ class DispatcherCore(Admission):
             if worker is None:
                 continue
             self.queue.take(job)
-            body = {**job.body, "topic": job.frontend.decode(), "attempt": job.attempt}
-            self._to_worker(worker.identity, P.REQUEST, job.request_id, body)
-            job.worker = worker.identity
-            worker.running[job.request_id] = job
-            worker.last_assigned = self.now
-            worker.remember(job)
+            self._assign(job, worker)
             if not self.registry.with_free_slots():
                 return
+
+    def _assign(self, job: Job, worker: WorkerRecord, **extra) -> None:
+        """Send `job` to `worker` (with `extra` fields) and count it as running there."""
+        body = {**job.body, "topic": job.frontend.decode(), "attempt": job.attempt, **extra}
+        self._to_worker(worker.identity, P.REQUEST, job.request_id, body)
+        job.worker = worker.identity
+        worker.running[job.request_id] = job
+        worker.last_assigned = self.now
+        worker.remember(job)
 
     # -- views -------------------------------------------------------------------------
     def models(self) -> dict[str, dict]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.backends import (BackendDevice, MemoryNeed, diagnose_device,
+from workers.backends import (BackendDevice, MemoryNeed, diagnose_device, gpu_support,
                               host_memory_available, memory_need)
 from workers.selftest import placement_from_log
 
@@ -24,11 +24,6 @@ H200 = BackendDevice("CUDA0", "NVIDIA H200", "gpu", 140 << 30, 143 << 30)
 def selftest(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dispatcher", "selftest", *args],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-
-
-def gpu_support() -> bool:
-    import llama_cpp
-    return bool(llama_cpp.llama_supports_gpu_offload())
 
 
 # -- device and memory checks (pure) ---------------------------------------------------

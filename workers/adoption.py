@@ -27,18 +27,18 @@ log = logging.getLogger(__name__)
 def adopt_or_supersede(loop, request_id: str, body: dict) -> None:
     old_id = body["adopt"]
     old = loop.active.get(old_id)
-    typed = _typed(loop, old, body)
-    if old is not None and typed is not None:
-        return _adopt(loop, old, typed, request_id, body)
+    found = _typed(loop, old, body)
+    if found is not None:
+        return _adopt(loop, old, *found, request_id, body)
     log.info("%s: %s cannot be adopted; cancelled, the new request goes first", request_id,
              old_id)
     loop.cancel(old_id)
     loop.waiting.appendleft((request_id, body))
 
 
-def _typed(loop, old: Active | None, body: dict) -> str | None:
+def _typed(loop, old: Active | None, body: dict) -> tuple[str, int] | None:
     """What the user typed since `old`'s prompt, if it is a prefix of what `old` has
-    generated (None: not adoptable)."""
+    generated, and how many generated tokens it covers (None: not adoptable)."""
     if old is None or not isinstance(old.prompt, str) or old.assembler.stopped \
             or getattr(loop.engine, "deterministic", False):
         return None             # (deterministic: a result never depends on another one)
@@ -49,16 +49,16 @@ def _typed(loop, old: Active | None, body: dict) -> str | None:
     if old.echo_text is not None or old.ledger is not None or old.n_probs or old.score \
             or old.return_tokens or not old.assembler.text.startswith(typed):
         return None
-    limit = body.get("max_tokens")
-    if limit is not None and old.generated - bisect.bisect_right(old.offsets, len(typed)) \
-            > limit:
-        return None             # it has already generated more than the new one may
-    return typed
-
-
-def _adopt(loop, old: Active, typed: str, request_id: str, body: dict) -> None:
     # the tokens whose text lies within what was typed become prompt tokens
     covered = bisect.bisect_right(old.offsets, len(typed))
+    limit = body.get("max_tokens")
+    if limit is not None and old.generated - covered > limit:
+        return None             # it has already generated more than the new one may
+    return typed, covered
+
+
+def _adopt(loop, old: Active, typed: str, covered: int, request_id: str,
+           body: dict) -> None:
     new = Active(request_id, body["topic"].encode(), int(body.get("attempt", 1)), old.slot,
                  body.get("max_tokens"), old.n_ctx, old.prompt_tokens + covered,
                  TextAssembler(body.get("stop")))
