@@ -21,6 +21,7 @@ import zmq
 from dispatcher import config, protocol as P
 from dispatcher.core import DispatcherCore, Send
 from dispatcher.operations import Operations
+from dispatcher.supervisor import StopFlag
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class Broker:
         self.control.setsockopt(zmq.LINGER, 0)
         self.control.bind(endpoints.control)
         self.ops = Operations(self.core, supervisor)
-        self._stop = threading.Event()
+        self._stop = StopFlag()                   # set by signal handlers
         self._drain_requested: float | None = None
         self.exit_code = 0
         self._proxy_thread = self._start_proxy()

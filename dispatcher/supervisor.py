@@ -33,6 +33,22 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+class StopFlag:
+    """"Stop" as signal handlers may set it. threading.Event.set() takes a lock: a handler
+    that runs while its own thread is inside set() (a second SIGTERM arriving just as the
+    dispatcher stops itself after draining) waits forever for that lock. Setting an
+    attribute takes none."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 @dataclass
 class Child:
     name: str

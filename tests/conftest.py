@@ -179,14 +179,21 @@ class SSEStream:
     """A raw HTTP streaming request: headers, then events one at a time, then close."""
 
     def __init__(self, port: int, body: dict, timeout: float = 60,
-                 headers: dict | None = None):
+                 headers: dict | None = None, wait: bool = True):
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
         self.conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
                           headers={"Content-Type": "application/json", **(headers or {})})
+        self.raw = b""
+        if wait:
+            self.receive()
+
+    def receive(self) -> "SSEStream":
+        """Wait for the status and headers (the constructor does, unless wait=False:
+        a request still queued has none yet)."""
         self.response = self.conn.getresponse()
         self.status = self.response.status
         self.headers = {k.lower(): v for k, v in self.response.getheaders()}
-        self.raw = b""
+        return self
 
     def next_data(self) -> str | None:
         """The payload of the next `data:` event, or None at end of stream."""

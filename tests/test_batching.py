@@ -135,14 +135,8 @@ def test_routing_prefers_the_cached_prefix_then_the_least_loaded(two_fake_worker
 def test_a_new_request_of_a_session_supersedes_the_running_one(two_fake_workers):
     server = two_fake_workers
     headers = {"X-Session-Id": "editor-1"}
-    old = SSEStream.__new__(SSEStream)
-    import http.client
-    old.conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    old.conn.request("POST", "/v1/completions", body=json.dumps(
-        {"prompt": "[slow=0.1] def f(", "max_tokens": 200, "stream": True}).encode(),
-        headers={"Content-Type": "application/json", **headers})
-    old.response = old.conn.getresponse()
-    old.raw = b""
+    old = SSEStream(server.port, {"prompt": "[slow=0.1] def f(", "max_tokens": 200,
+                                  "stream": True}, timeout=30, headers=headers)
     assert json.loads(old.next_data())["choices"][0]["text"]
     before = sum(w["cancelled"] for w in server.status()["workers"])
     status, new = complete(server.port, {"prompt": "def f(x", "max_tokens": 5}, headers)

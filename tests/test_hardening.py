@@ -445,16 +445,9 @@ def test_session_ids_are_scoped_by_api_key():
                            log_name="sessions").start()
     try:
         def stream(key):
-            s = SSEStream.__new__(SSEStream)
-            import http.client
-            s.conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-            s.conn.request("POST", "/v1/completions", body=json.dumps(
-                {"prompt": "[slow=0.05] x", "max_tokens": 16, "stream": True}).encode(),
-                headers={"Content-Type": "application/json", "X-Session-Id": "same",
-                         "Authorization": f"Bearer {key}"})
-            s.response = s.conn.getresponse()
-            s.raw = b""
-            return s
+            return SSEStream(server.port, {"prompt": "[slow=0.05] x", "max_tokens": 16,
+                                           "stream": True}, timeout=30,
+                             headers={"X-Session-Id": "same", "Authorization": f"Bearer {key}"})
 
         a = stream("key-a")
         assert a.next_data() is not None

@@ -95,12 +95,8 @@ def test_client_leaving_while_queued_never_runs(fake_server):
     busy = SSEStream(fake_server.port, {"prompt": "[slow=0.05]", "max_tokens": 40,
                                         "stream": True})
     fake_server.wait_for(lambda: fake_server.worker()["state"] == "busy", what="busy worker")
-    queued = SSEStream.__new__(SSEStream)
-    import http.client
-    queued.conn = http.client.HTTPConnection("127.0.0.1", fake_server.port, timeout=30)
-    queued.conn.request("POST", "/v1/completions", body=json.dumps(
-        {"prompt": "queued", "max_tokens": 5, "stream": True}).encode(),
-        headers={"Content-Type": "application/json"})
+    queued = SSEStream(fake_server.port, {"prompt": "queued", "max_tokens": 5,
+                                          "stream": True}, timeout=30, wait=False)
     fake_server.wait_for(lambda: sum(fake_server.status()["queue"].values()) == 1,
                          what="the second request to be queued")
     queued.close()

@@ -2,6 +2,7 @@
 real stack on the bundled model; FIM against a tiny generated GGUF model."""
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -224,6 +225,13 @@ def sampled(port, **params):
     return complete(port, **body)["choices"][0]["text"]
 
 
+def sampled_together(port, *params: dict) -> list[str]:
+    """`sampled` for each of `params`, the requests sent at once. Only on the deterministic
+    server, where running in one batch changes no result: it takes about as long as one."""
+    with ThreadPoolExecutor(len(params)) as pool:
+        return list(pool.map(lambda p: sampled(port, **p), params))
+
+
 @pytest.mark.parametrize("params", [
     {"top_k": 1},
     {"min_p": 1.0},                           # only tokens as likely as the best one
@@ -233,37 +241,45 @@ def sampled(port, **params):
 def test_each_truncating_sampler_is_applied(det_port, params):
     """Each of these keeps only the most likely token here, so hot sampling gives the
     greedy text whatever the seed; ignored, the seeds would wander off it."""
-    plain = sampled(det_port, temperature=0)
-    assert any(sampled(det_port, seed=s) != plain for s in (1, 2))     # it could fail
-    assert [sampled(det_port, seed=s, **params) for s in (1, 2)] == [plain, plain]
+    plain, *wandering = sampled_together(det_port, {"temperature": 0}, {"seed": 1}, {"seed": 2},
+                                         *({"seed": s, **params} for s in (1, 2)))
+    wandering, kept = wandering[:2], wandering[2:]
+    assert any(text != plain for text in wandering)                  # it could fail
+    assert kept == [plain, plain]
 
 
 def test_typical_p_is_applied(det_port):
     """typical_p 0 keeps one token (the most typical, not always the most likely): the
     seed no longer matters."""
-    assert sampled(det_port, seed=1) != sampled(det_port, seed=2)
-    assert sampled(det_port, seed=1, typical_p=0.0) == sampled(det_port, seed=2, typical_p=0.0)
+    one, two, typical_one, typical_two = sampled_together(
+        det_port, {"seed": 1}, {"seed": 2}, {"seed": 1, "typical_p": 0.0},
+        {"seed": 2, "typical_p": 0.0})
+    assert one != two
+    assert typical_one == typical_two
 
 
 def test_a_tiny_top_n_sigma_keeps_only_the_best_token(det_port):
-    plain = sampled(det_port, temperature=0)
-    assert [sampled(det_port, seed=s, top_n_sigma=0.001) for s in (1, 2)] == [plain, plain]
+    plain, *kept = sampled_together(det_port, {"temperature": 0},
+                                    *({"seed": s, "top_n_sigma": 0.001} for s in (1, 2)))
+    assert kept == [plain, plain]
 
 
 def test_the_samplers_list_decides_which_samplers_run(det_port):
-    plain = sampled(det_port, temperature=0)
-    listed = [sampled(det_port, seed=s, top_k=1, samplers=["top_k", "temperature"])
-              for s in (1, 2)]
+    plain, *texts = sampled_together(
+        det_port, {"temperature": 0},
+        *({"seed": s, "top_k": 1, "samplers": ["top_k", "temperature"]} for s in (1, 2)),
+        *({"seed": s, "top_k": 1, "samplers": ["temperature"]} for s in (1, 2)))
+    listed, unlisted = texts[:2], texts[2:]
     assert listed == [plain, plain]                          # top_k 1 applied: greedy
-    unlisted = [sampled(det_port, seed=s, top_k=1, samplers=["temperature"])
-                for s in (1, 2)]
     assert any(text != plain for text in unlisted)           # top_k left out: it wanders
 
 
 def test_dynamic_temperature_changes_sampled_text(det_port):
-    base = [sampled(det_port, seed=s, temperature=0.6) for s in (1, 2, 3)]
-    dynamic = [sampled(det_port, seed=s, temperature=0.6, dynatemp_range=0.6,
-                       dynatemp_exponent=0.2) for s in (1, 2, 3)]
+    texts = sampled_together(
+        det_port, *({"seed": s, "temperature": 0.6} for s in (1, 2, 3)),
+        *({"seed": s, "temperature": 0.6, "dynatemp_range": 0.6, "dynatemp_exponent": 0.2}
+          for s in (1, 2, 3)))
+    base, dynamic = texts[:3], texts[3:]
     assert base != dynamic
 
 
@@ -281,9 +297,11 @@ def test_dry_breaks_repetition_in_greedy_output(det_port):
 def test_xtc_removes_the_top_choices(det_port):
     """At a low temperature the likeliest token nearly always wins; XTC at probability 1
     removes every choice above the threshold but the least likely of them."""
-    cold = [sampled(det_port, seed=s, temperature=0.05) for s in (1, 2)]
-    xtc = [sampled(det_port, seed=s, temperature=0.05, xtc_probability=1.0,
-                   xtc_threshold=0.01) for s in (1, 2)]
+    texts = sampled_together(
+        det_port, *({"seed": s, "temperature": 0.05} for s in (1, 2)),
+        *({"seed": s, "temperature": 0.05, "xtc_probability": 1.0, "xtc_threshold": 0.01}
+          for s in (1, 2)))
+    cold, xtc = texts[:2], texts[2:]
     assert all(a != b for a, b in zip(cold, xtc))
 
 

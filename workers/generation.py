@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from collections import deque
 from typing import Callable
@@ -45,7 +44,7 @@ class GenerationLoop:
         self.faults = FaultInjection.from_env()
 
     # -- inbox -------------------------------------------------------------------------
-    def run(self, stopping: threading.Event) -> None:
+    def run(self, stopping) -> None:          # a StopFlag, or a threading.Event
         while not stopping.is_set():
             try:
                 self._read_inbox(block=not self.active and not self.waiting)

@@ -19,6 +19,7 @@ import zmq
 from dispatcher import config, configfile, protocol as P
 from dispatcher.devices import parse_device
 from dispatcher.models import default_model_id, resolve_model_path
+from dispatcher.supervisor import StopFlag
 from workers.errors import EngineError
 from workers.generation import GenerationLoop
 from workers.publisher import Publisher
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         from dispatcher.supervisor import die_with_parent
         die_with_parent(int(os.environ["COMPLETIONS_PARENT_PID"]))
 
-    stopping = threading.Event()
+    stopping = StopFlag()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     signal.signal(signal.SIGINT, lambda *_: stopping.set())
 

@@ -1,0 +1,57 @@
+"""Stop requests that signal handlers make: safe whenever the signal arrives."""
+import faulthandler
+import os
+import signal
+import sys
+
+from dispatcher import protocol as P
+from dispatcher.broker import Broker
+from dispatcher.supervisor import StopFlag
+
+
+def interrupted_inside(function, handler) -> None:
+    """Call `function`, with a signal arriving at every line it (and what it calls) runs;
+    the signal's handler calls `handler`. A second SIGTERM landing just as the
+    dispatcher stops itself is one of these."""
+    state = {"in_handler": False, "sent": 0}
+
+    def on_signal(signum, frame):
+        state["in_handler"] = True
+        try:
+            handler()
+        finally:
+            state["in_handler"] = False
+
+    def trace(frame, event, arg):
+        if event == "line" and not state["in_handler"]:
+            state["sent"] += 1
+            os.kill(os.getpid(), signal.SIGUSR1)     # handled before this line runs
+        return trace
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    # a handler that waits for a lock its own thread holds never returns: end the run
+    # with the stacks rather than hang the suite
+    faulthandler.dump_traceback_later(20, exit=True)
+    sys.settrace(trace)
+    try:
+        function()
+    finally:
+        sys.settrace(None)
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGUSR1, previous)
+    assert state["sent"] >= 1
+
+
+def test_a_stop_flag_can_be_set_by_a_signal_that_interrupts_setting_it():
+    flag = StopFlag()
+    interrupted_inside(flag.set, flag.set)
+    assert flag.is_set()
+
+
+def test_the_dispatcher_stops_when_a_signal_asks_while_it_is_stopping_itself(tmp_path):
+    broker = Broker(P.Endpoints.from_base(f"ipc://{tmp_path}"))
+    try:
+        interrupted_inside(broker.stop, broker.stop)
+        broker.run()                     # returns at once: the stop was recorded
+    finally:
+        broker.close()
