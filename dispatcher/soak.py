@@ -84,6 +84,7 @@ class Soak:
         self.details: list[str] = []
         self.lock = threading.Lock()
         self.kills = 0
+        self.last_kill = float("-inf")         # time.monotonic() of the last kill
         self.server: subprocess.Popen | None = None
         self.port = 0
 
@@ -294,6 +295,7 @@ class Soak:
                 try:
                     os.kill(victim["pid"], signal.SIGKILL)
                     self.kills += 1
+                    self.last_kill = time.monotonic()
                 except ProcessLookupError:
                     pass
 
@@ -326,7 +328,7 @@ class Soak:
         hung = sum(1 for t in threads if t.is_alive())
         self.outcomes["lost"] += hung
         # long enough for a kill just before the end to be noticed, then respawned
-        time.sleep(config.HEARTBEAT_EXPIRY)
+        time.sleep(max(0.0, self.last_kill + config.HEARTBEAT_EXPIRY - time.monotonic()))
         recovered = self.wait_healthy(60)
         after = self.rss()
         restarts = sum(w.get("restarts", 0) for w in self.status()["workers"])

@@ -96,7 +96,7 @@ class ServerProcess:
                     return
             except OSError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise RuntimeError(f"server not ready in {timeout}s:\n{self.output()}")
 
     def status(self) -> dict:

