@@ -131,8 +131,8 @@ def cmd_serve(args) -> int:
                "COMPLETIONS_CORS_ORIGIN": ",".join(args.cors_origin)}
         supervisor.add(Child("frontend", python_module_argv(
             # The dispatcher has drained in-flight requests (--stop-grace) before the
-            # front ends are stopped: what they still hold is idle keep-alive connections,
-            # which gunicorn would otherwise wait out for its whole graceful timeout.
+            # front ends are stopped: their worker (app/gunicorn_worker.py) closes idle
+            # keep-alive connections at once; this bounds whatever else is left.
             "gunicorn", "-c", "python:app.gunicorn_conf", "--graceful-timeout",
             str(FRONTEND_STOP_GRACE)), env, kind="frontend"))
     models = ", ".join(f"{m.id} ({m.path})" for m in plan.models)

@@ -124,8 +124,24 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            repeat=True),
 ]}
 
+
+
+def _heartbeat_interval() -> float:
+    raw = os.environ.get(ENV_PREFIX + "HEARTBEAT_INTERVAL", "1")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0.05 <= seconds <= 60:
+        raise SystemExit(f"{ENV_PREFIX}HEARTBEAT_INTERVAL: seconds between 0.05 and 60, "
+                         f"got {raw!r}")
+    return seconds
+
+
 # Timing of the heartbeats between every pair of processes (ZeroMQ guide, Paranoid Pirate).
-HEARTBEAT_INTERVAL = 1.0
+# COMPLETIONS_HEARTBEAT_INTERVAL (seconds) sets it for each process that has it in its
+# environment; serve's children inherit it, and parts started separately must agree.
+HEARTBEAT_INTERVAL = _heartbeat_interval()
 HEARTBEAT_LIVENESS = 3
 # A peer silent for this long is gone.
 HEARTBEAT_EXPIRY = HEARTBEAT_INTERVAL * HEARTBEAT_LIVENESS

@@ -71,3 +71,30 @@ def test_the_bundled_model_is_verified_once_until_its_file_changes(monkeypatch, 
     assert bundled_model_path() == first and calls == [1, 1]       # changed: checked again
     stamp.write_text("not json")
     assert bundled_model_path() == first and calls == [1, 1, 1]
+
+
+@pytest.mark.parametrize("value, expiry", [(None, "3.0"), ("0.5", "1.5")])
+def test_the_heartbeat_interval_comes_from_the_environment(value, expiry):
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "COMPLETIONS_HEARTBEAT_INTERVAL"}
+    if value:
+        env["COMPLETIONS_HEARTBEAT_INTERVAL"] = value
+    out = subprocess.run([sys.executable, "-c", "from dispatcher import config; "
+                          "print(config.HEARTBEAT_EXPIRY)"], env=env, capture_output=True,
+                         text=True)
+    assert out.stdout.strip() == expiry
+
+
+@pytest.mark.parametrize("value", ["0", "fast", "61"])
+def test_a_bad_heartbeat_interval_is_refused_by_name(value):
+    import os
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "dispatcher", "check-config"],
+                         env={**os.environ, "COMPLETIONS_HEARTBEAT_INTERVAL": value},
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+    assert f"COMPLETIONS_HEARTBEAT_INTERVAL: seconds between 0.05 and 60, got '{value}'" \
+        in out.stderr

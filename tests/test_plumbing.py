@@ -161,9 +161,9 @@ def test_a_request_that_kills_its_worker_is_failed_not_handed_to_another():
 def test_a_request_its_worker_had_not_started_is_requeued_when_the_worker_dies():
     server = ServerProcess("--engine", "fake", log_name="requeue").start()
     try:
-        # one step of the blocker takes 3 s: a job dispatched meanwhile waits in the
+        # one step of the blocker takes 1.5 s: a job dispatched meanwhile waits in the
         # worker's inbox, not started, until the step ends
-        blocker = SSEStream(server.port, {"prompt": "[slow=3] x", "max_tokens": 3,
+        blocker = SSEStream(server.port, {"prompt": "[slow=1.5] x", "max_tokens": 3,
                                           "stream": True})
         assert blocker.status == 200
         server.wait_for(lambda: server.worker()["busy_slots"] == 1, what="the blocker")
