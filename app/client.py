@@ -24,6 +24,8 @@ from dispatcher import config, protocol as P
 from dispatcher.metrics import LatencyRecorder
 
 log = logging.getLogger(__name__)
+# Seconds between pings while the dispatcher has not answered (see _heartbeat).
+UNANSWERED_PING_INTERVAL = 0.1
 
 
 class ClientGone(Exception):
@@ -269,7 +271,11 @@ class DispatcherClient:
                 body["metrics"] = delta
             if not self.send(P.PING, body=body) and delta:
                 self.recorder.restore(delta)          # the dispatcher is away: keep them
-            gevent.sleep(config.HEARTBEAT_INTERVAL)
+            # Until the dispatcher answers, ask again soon: the DEALER (IMMEDIATE) drops
+            # what it cannot send before its connection is up, at start-up and after the
+            # dispatcher restarts, and the state would come a whole interval late.
+            gevent.sleep(config.HEARTBEAT_INTERVAL if self.dispatcher_alive
+                         else min(UNANSWERED_PING_INTERVAL, config.HEARTBEAT_INTERVAL))
             if self._alive and not self.dispatcher_alive:
                 self._alive = False
                 log.error("lost the dispatcher: failing %d open requests", len(self.streams))

@@ -129,3 +129,32 @@ def test_close_cancels_an_unfinished_request_once():
     drain(finished)
     finished.close()
     assert finished.client.sent == []
+
+
+def test_a_front_end_asks_again_soon_until_the_dispatcher_first_answers(monkeypatch,
+                                                                        tmp_path):
+    """Its first ping is dropped while no dispatcher listens (the DEALER never queues for
+    a missing peer); it must not wait a whole heartbeat interval to ask again."""
+    import gevent
+    import zmq.green as zmq
+
+    from app.client import DispatcherClient
+    monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 60.0)
+    endpoints = P.Endpoints.from_base(f"ipc://{tmp_path}")
+    client = DispatcherClient(endpoints)
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    try:
+        gevent.sleep(0.3)                       # its first ping went nowhere
+        router.bind(endpoints.frontend)
+        with gevent.Timeout(20):                # not the 60 s interval
+            frames = router.recv_multipart()
+        assert P.decode(frames[1:]).cmd == P.PING
+        router.send_multipart([frames[0]] + P.encode(P.STATE, body={"workers_ready": 1}))
+        with gevent.Timeout(20):
+            assert client.wait_state(timeout=20) == {"workers_ready": 1}
+        assert client.dispatcher_alive
+    finally:
+        client.close()
+        router.close(0)
+        context.term()
