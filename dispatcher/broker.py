@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 
@@ -58,6 +59,11 @@ class Broker:
         self.control.bind(endpoints.control)
         self.ops = Operations(self.core, supervisor)
         self._stop = StopFlag()                   # set by signal handlers
+        # written to by stop() and drain(), so that the loop acts on a signal at once
+        # rather than at its next poll timeout
+        self._wake_r, self._wake_w = socket.socketpair()
+        for end in (self._wake_r, self._wake_w):
+            end.setblocking(False)
         self._drain_requested: float | None = None
         self.exit_code = 0
         self._proxy_thread = self._start_proxy()
@@ -116,10 +122,18 @@ class Broker:
     # -- the loop ----------------------------------------------------------------------
     def stop(self) -> None:
         self._stop.set()
+        self._wake()
 
     def drain(self, grace: float) -> None:
         """Ask for a graceful stop (safe from a signal handler: the loop carries it out)."""
         self._drain_requested = grace
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:                        # full, or closed: a wake-up is due anyway
+            pass
 
     @property
     def draining(self) -> bool:
@@ -127,12 +141,17 @@ class Broker:
 
     def run(self) -> None:
         poller = zmq.Poller()
-        for sock in (self.frontend, self.backend, self.control):
+        for sock in (self.frontend, self.backend, self.control, self._wake_r):
             poller.register(sock, zmq.POLLIN)
         log.info("dispatcher listening: %s", ", ".join(
             f"{n}={getattr(self.endpoints, n)}" for n in P.Endpoints.NAMES))
         while not self._stop.is_set():
             ready = dict(poller.poll(100))
+            if self._wake_r in ready:
+                try:
+                    self._wake_r.recv(4096)
+                except OSError:
+                    pass
             if self.backend in ready:
                 self._read(self.backend, self.process_worker)
             if self.frontend in ready:
@@ -225,4 +244,6 @@ class Broker:
         self._proxy_thread.join(timeout=2)
         for sock in (self.frontend, self.backend, self.control, self._proxy_control):
             sock.close(0)
+        self._wake_r.close()
+        self._wake_w.close()
         self.context.term()

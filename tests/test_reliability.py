@@ -343,8 +343,8 @@ def test_slow_clients_do_not_block_others(hardened):
 
 # -- 8. soak -------------------------------------------------------------------------------
 def test_short_soak_loses_nothing():
-    out = subprocess.run([sys.executable, "-m", "dispatcher", "soak", "--duration", "8",
-                          "--rate", "4", "--kill-every", "3", "--json"],
+    out = subprocess.run([sys.executable, "-m", "dispatcher", "soak", "--duration", "6",
+                          "--rate", "4", "--kill-every", "2.5", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=400)
     report = json.loads(out.stdout)
     assert out.returncode == 0, report

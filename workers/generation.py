@@ -58,7 +58,8 @@ class GenerationLoop:
 
     def _read_inbox(self, block: bool) -> None:
         try:
-            item = self.inbox.get(timeout=0.2) if block else self.inbox.get_nowait()
+            # idle: wait briefly, so that a stop (a flag set by a signal) is seen at once
+            item = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
