@@ -141,13 +141,15 @@ class Broker:
 
     def run(self) -> None:
         poller = zmq.Poller()
-        for sock in (self.frontend, self.backend, self.control, self._wake_r):
+        for sock in (self.frontend, self.backend, self.control):
             poller.register(sock, zmq.POLLIN)
+        wake = self._wake_r.fileno()            # the poller reports plain sockets by fd
+        poller.register(wake, zmq.POLLIN)
         log.info("dispatcher listening: %s", ", ".join(
             f"{n}={getattr(self.endpoints, n)}" for n in P.Endpoints.NAMES))
         while not self._stop.is_set():
             ready = dict(poller.poll(100))
-            if self._wake_r in ready:
+            if wake in ready:
                 try:
                     self._wake_r.recv(4096)
                 except OSError:

@@ -3,6 +3,8 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
+import time
 
 from dispatcher import protocol as P
 from dispatcher.broker import Broker
@@ -55,3 +57,22 @@ def test_the_dispatcher_stops_when_a_signal_asks_while_it_is_stopping_itself(tmp
         broker.run()                     # returns at once: the stop was recorded
     finally:
         broker.close()
+
+
+def test_a_wake_up_is_consumed_not_left_to_spin_the_dispatcher(tmp_path):
+    """stop() and drain() wake the loop through a socket; left unread, it would keep the
+    poll returning at once and the dispatcher would burn a core (starving the workers)."""
+    broker = Broker(P.Endpoints.from_base(f"ipc://{tmp_path}"))
+    loop = threading.Thread(target=broker.run)
+    loop.start()
+    try:
+        broker._wake()                          # what stop() and drain() do
+        time.sleep(0.2)
+        cpu = time.process_time()
+        time.sleep(1.0)                         # a measurement window, not a wait
+        assert time.process_time() - cpu < 0.5  # spinning: about 1 s of CPU
+    finally:
+        broker.stop()
+        loop.join(timeout=10)
+        broker.close()
+    assert not loop.is_alive()
