@@ -4,9 +4,13 @@ gunicorn's own gevent worker looks at its stop flag once a second, then waits fo
 open connection to close, idle keep-alive ones included, checking again once a second.
 nginx's upstream keep-alive pool (deploy/nginx.conf) and editors' HTTP clients hold such
 connections open for minutes, so a restart could take the whole `graceful_timeout`.
-This one notices a stop within `POLL` seconds and closes the connections that are
-between requests at once; a request in flight still gets `graceful_timeout` to finish,
-and its connection is closed after its response.
+
+This one notices a stop within `POLL` seconds. A request in flight still gets
+`graceful_timeout` to finish, and its connection is closed after its response. A
+connection between requests with nothing sent is closed at once (its next request, if
+one is on its way, meets a closed connection: the usual keep-alive race, which nginx
+retries); one with bytes waiting is served; one that has not sent its first request gets
+`FRESH_GRACE` seconds from the stop to send it.
 """
 from __future__ import annotations
 
@@ -24,21 +28,28 @@ from gunicorn.workers.ggevent import GeventWorker
 
 POLL = 0.05             # seconds between looks at the stop flag and the open requests
 NOTIFY_EVERY = 1.0      # seconds between "still alive" notes to the gunicorn master
+# A connection that has not sent its first request yet is left this long after a stop
+# (or after it was made, if later): a client connects in order to send one.
+FRESH_GRACE = 1.0
 
 
 class FrontendWorker(GeventWorker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._idle: set[socket.socket] = set()     # connections between requests
+        self._idle: set[socket.socket] = set()           # served, awaiting the next request
+        self._fresh: dict[socket.socket, float] = {}     # no request yet: since when
+        self._stopped_at = float("inf")
 
     def handle(self, listener, client, addr):
-        self._idle.add(client)                     # nothing asked yet
+        self._fresh[client] = time.monotonic()
         try:
             super().handle(listener, client, addr)
         finally:
+            self._fresh.pop(client, None)
             self._idle.discard(client)
 
     def handle_request(self, listener_name, req, sock, addr):
+        self._fresh.pop(sock, None)
         self._idle.discard(sock)
         try:
             return super().handle_request(listener_name, req, sock, addr)
@@ -46,16 +57,22 @@ class FrontendWorker(GeventWorker):
             self._idle.add(sock)                   # waiting for its next request
 
     def _close_idle(self) -> None:
-        """End every connection that is between requests: its reader sees end of file."""
-        for sock in list(self._idle):
-            # through a duplicate: gevent's own shutdown() fails the waiting reader with
-            # EBADF, which gunicorn logs as an error; a plain one lets it read end of file
+        """End the connections that are between requests, nothing sent: their readers
+        see end of file. One with bytes waiting is left to be served."""
+        now = time.monotonic()
+        for sock in list(self._idle) + [s for s, since in list(self._fresh.items())
+                                        if now - max(since, self._stopped_at) >= FRESH_GRACE]:
             try:
+                # a plain duplicate: gevent's own socket would wait for data on a peek,
+                # and its shutdown() fails the waiting reader with EBADF (logged as an error)
                 dup = _socket.socket(fileno=os.dup(sock.fileno()))
             except OSError:
-                continue                                   # closed meanwhile
+                continue                           # closed meanwhile (or out of fds)
             try:
-                dup.shutdown(socket.SHUT_RDWR)
+                dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                continue                           # a request is arriving (or EOF)
+            except BlockingIOError:
+                dup.shutdown(socket.SHUT_RDWR)     # nothing sent: end it
             except OSError:
                 pass
             finally:
@@ -78,8 +95,18 @@ class FrontendWorker(GeventWorker):
                 self.notify()
                 noted = time.monotonic()
             gevent.sleep(POLL)
+        try:
+            self._finish(servers, noted)
+        except Exception:
+            self.log.exception("error while stopping: ending open requests")
+            for server in servers:
+                server.stop(timeout=1)
+
+    def _finish(self, servers: list, noted: float) -> None:
+        """No new connections; wait for requests in flight, closing idle connections."""
+        self._stopped_at = time.monotonic()
         for server in servers:
-            server.close()                             # no new connections
+            server.close()
         deadline = time.monotonic() + self.cfg.graceful_timeout
         while any(s.pool.free_count() != s.pool.size for s in servers):
             if time.monotonic() >= deadline:

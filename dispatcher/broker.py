@@ -65,6 +65,7 @@ class Broker:
         for end in (self._wake_r, self._wake_w):
             end.setblocking(False)
         self._drain_requested: float | None = None
+        self._drain_because = self._stop_because = ""
         self.exit_code = 0
         self._proxy_thread = self._start_proxy()
 
@@ -120,14 +121,23 @@ class Broker:
             sends = [more for send in failed for more in self.core.send_failed(send)]
 
     # -- the loop ----------------------------------------------------------------------
-    def stop(self) -> None:
+    # stop() and drain() are safe in a signal handler: they set attributes and write to a
+    # socket; the loop logs and carries out the request (`because`: the signal's name)
+    def stop(self, because: str = "") -> None:
+        self._stop_because = because
         self._stop.set()
         self._wake()
 
-    def drain(self, grace: float) -> None:
-        """Ask for a graceful stop (safe from a signal handler: the loop carries it out)."""
+    def drain(self, grace: float, because: str = "") -> None:
+        """Ask for a graceful stop: no new requests, in-flight ones get `grace` seconds."""
+        self._drain_because = because
         self._drain_requested = grace
         self._wake()
+
+    @property
+    def wakeup_fd(self) -> int:
+        """Writing any byte here wakes the loop (for signal.set_wakeup_fd)."""
+        return self._wake_w.fileno()
 
     def _wake(self) -> None:
         try:
@@ -163,12 +173,17 @@ class Broker:
             now = time.monotonic()
             self.reap_children()
             if self._drain_requested is not None:
+                if self._drain_because:
+                    log.info("%s: finishing in-flight requests (up to %.0fs; again to stop "
+                             "now)", self._drain_because, self._drain_requested)
                 self.deliver(self.core.drain(self._drain_requested, now))
                 self._drain_requested = None
             self.deliver(self.core.tick(now))
             self.ops.tick(now)
             if self.core.stopped:
                 self.stop()
+        if self._stop_because:
+            log.info("%s: stopping", self._stop_because)
 
     def _read(self, sock: zmq.Socket, handler) -> None:
         for _ in range(1000):

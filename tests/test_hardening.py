@@ -125,7 +125,7 @@ def test_content_that_breaks_a_worker_fails_only_its_own_request(two, model_id):
 @pytest.mark.parametrize("phase", ["admit", "token", "finish"])
 def test_a_failure_inside_one_request_ends_it_alone(two, phase):
     before = lives(two)
-    neighbours = [SSEStream(two.port, {"prompt": f"Count to ten {i}:", "max_tokens": 24,
+    neighbours = [SSEStream(two.port, {"prompt": f"Count to ten {i}:", "max_tokens": 40,
                                        "temperature": 0, "ignore_eos": True,
                                        "stream": True}) for i in range(2)]
     for stream in neighbours:

@@ -92,7 +92,7 @@ def test_disconnect_cancels_generation_within_one_token(fake_server):
 
 def test_client_leaving_while_queued_never_runs(fake_server):
     before = fake_server.status()["stats"]
-    busy = SSEStream(fake_server.port, {"prompt": "[slow=0.05]", "max_tokens": 20,
+    busy = SSEStream(fake_server.port, {"prompt": "[slow=0.05]", "max_tokens": 40,
                                         "stream": True})
     fake_server.wait_for(lambda: fake_server.worker()["state"] == "busy", what="busy worker")
     queued = SSEStream(fake_server.port, {"prompt": "queued", "max_tokens": 5,
@@ -103,7 +103,7 @@ def test_client_leaving_while_queued_never_runs(fake_server):
     fake_server.wait_for(lambda: sum(fake_server.status()["queue"].values()) == 0,
                          timeout=5, what="the queue to drop the request")
     text, _ = collect_text(busy)
-    assert len(text) == 20
+    assert len(text) == 40
     after = fake_server.status()["stats"]
     assert after["cancelled"] == before["cancelled"] + 1
     assert after["submitted"] == before["submitted"] + 2

@@ -1,5 +1,6 @@
 """Stop requests that signal handlers make: safe whenever the signal arrives."""
 import faulthandler
+import logging
 import os
 import signal
 import sys
@@ -8,6 +9,7 @@ import time
 
 from dispatcher import protocol as P
 from dispatcher.broker import Broker
+from dispatcher.cli import signal_handler
 from dispatcher.supervisor import StopFlag
 
 
@@ -30,7 +32,7 @@ def interrupted_inside(function, handler) -> None:
             os.kill(os.getpid(), signal.SIGUSR1)     # handled before this line runs
         return trace
 
-    previous = signal.signal(signal.SIGUSR1, on_signal)
+    previous, tracer = signal.signal(signal.SIGUSR1, on_signal), sys.gettrace()
     # a handler that waits for a lock its own thread holds never returns: end the run
     # with the stacks rather than hang the suite
     faulthandler.dump_traceback_later(20, exit=True)
@@ -38,7 +40,7 @@ def interrupted_inside(function, handler) -> None:
     try:
         function()
     finally:
-        sys.settrace(None)
+        sys.settrace(tracer)
         faulthandler.cancel_dump_traceback_later()
         signal.signal(signal.SIGUSR1, previous)
     assert state["sent"] >= 1
@@ -50,13 +52,19 @@ def test_a_stop_flag_can_be_set_by_a_signal_that_interrupts_setting_it():
     assert flag.is_set()
 
 
-def test_the_dispatcher_stops_when_a_signal_asks_while_it_is_stopping_itself(tmp_path):
+def test_the_dispatcher_stops_when_a_signal_asks_while_it_is_stopping_itself(tmp_path,
+                                                                           caplog):
     broker = Broker(P.Endpoints.from_base(f"ipc://{tmp_path}"))
+    on_signal = signal_handler(broker, grace=30)           # serve's own handler
     try:
-        interrupted_inside(broker.stop, broker.stop)
-        broker.run()                     # returns at once: the stop was recorded
+        interrupted_inside(lambda: broker.drain(30), lambda: on_signal(signal.SIGTERM, None))
+        interrupted_inside(broker.stop, lambda: on_signal(signal.SIGINT, None))
+        with caplog.at_level(logging.INFO, logger="dispatcher.broker"):
+            broker.run()                 # returns at once: the stop was recorded
     finally:
         broker.close()
+    # the handler only asked; the loop said what it was asked
+    assert "SIGINT: stopping" in caplog.text
 
 
 def test_a_wake_up_is_consumed_not_left_to_spin_the_dispatcher(tmp_path):
