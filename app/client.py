@@ -24,8 +24,10 @@ from dispatcher import config, protocol as P
 from dispatcher.metrics import LatencyRecorder
 
 log = logging.getLogger(__name__)
-# Seconds between pings while the dispatcher has not answered (see _heartbeat).
+# Seconds between pings while the dispatcher has not answered, for at most this many
+# pings in a row; then one per heartbeat interval (see _heartbeat).
 UNANSWERED_PING_INTERVAL = 0.1
+UNANSWERED_FAST_PINGS = 30
 
 
 class ClientGone(Exception):
@@ -264,6 +266,7 @@ class DispatcherClient:
             self.forget(request_id)
 
     def _heartbeat(self) -> None:
+        fast = UNANSWERED_FAST_PINGS
         while True:
             body = {"open": len(self.streams), "pid": self.pid, "served": self.served}
             delta = self.recorder.take()
@@ -273,9 +276,13 @@ class DispatcherClient:
                 self.recorder.restore(delta)          # the dispatcher is away: keep them
             # Until the dispatcher answers, ask again soon: the DEALER (IMMEDIATE) drops
             # what it cannot send before its connection is up, at start-up and after the
-            # dispatcher restarts, and the state would come a whole interval late.
-            gevent.sleep(config.HEARTBEAT_INTERVAL if self.dispatcher_alive
-                         else min(UNANSWERED_PING_INTERVAL, config.HEARTBEAT_INTERVAL))
+            # dispatcher restarts, and the state would come a whole interval late. Not
+            # for long: over a connection that is up but silent (a network partition) the
+            # pings queue, and all of them would be answered when it heals.
+            answered = self.dispatcher_alive
+            fast = UNANSWERED_FAST_PINGS if answered else fast - 1
+            gevent.sleep(UNANSWERED_PING_INTERVAL if not answered and fast > 0
+                         else config.HEARTBEAT_INTERVAL)
             if self._alive and not self.dispatcher_alive:
                 self._alive = False
                 log.error("lost the dispatcher: failing %d open requests", len(self.streams))

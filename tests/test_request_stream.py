@@ -1,4 +1,6 @@
 """RequestStream: ordering and completeness checks of a front end's token stream (unit)."""
+import time
+
 import pytest
 
 from app.client import ClientGone, RequestStream
@@ -158,3 +160,32 @@ def test_a_front_end_asks_again_soon_until_the_dispatcher_first_answers(monkeypa
         client.close()
         router.close(0)
         context.term()
+
+
+def test_a_silent_dispatcher_gets_a_few_quick_pings_then_one_per_interval(monkeypatch,
+                                                                          tmp_path):
+    """Over a connection that is up but never answered (a partition), quick pings would
+    pile up: after a few the front end falls back to one per heartbeat interval."""
+    import zmq.green as zmq
+
+    import app.client as client_module
+    monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 60.0)
+    monkeypatch.setattr(client_module, "UNANSWERED_FAST_PINGS", 5)
+    endpoints = P.Endpoints.from_base(f"ipc://{tmp_path}")
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.bind(endpoints.frontend)                   # listening, never answering
+    started = time.monotonic()
+    client = client_module.DispatcherClient(endpoints)
+    pings = []
+    try:
+        while time.monotonic() - started < 2.0:
+            if router.poll(100):
+                router.recv_multipart()
+                pings.append(time.monotonic() - started)
+    finally:
+        client.close()
+        router.close(0)
+        context.term()
+    assert 3 <= len(pings) <= 5, pings              # the first may go before the link is up
+    assert pings[-1] < 1.2, pings                   # then quiet: the next is 60 s away
