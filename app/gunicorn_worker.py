@@ -39,6 +39,13 @@ class FrontendWorker(GeventWorker):
         self._idle: set[socket.socket] = set()           # served, awaiting the next request
         self._fresh: dict[socket.socket, float] = {}     # no request yet: since when
         self._stopped_at = float("inf")
+        self._noted = 0.0                                 # last "still alive" note
+
+    def _note_alive(self) -> None:
+        """Tell the gunicorn master this worker is alive, once per NOTIFY_EVERY."""
+        if time.monotonic() - self._noted >= NOTIFY_EVERY:
+            self.notify()
+            self._noted = time.monotonic()
 
     def handle(self, listener, client, addr):
         self._fresh[client] = time.monotonic()
@@ -89,20 +96,17 @@ class FrontendWorker(GeventWorker):
                 server.max_accept = 1                  # leave connections to the others
             server.start()
             servers.append(server)
-        noted = 0.0
         while self.alive:
-            if time.monotonic() - noted >= NOTIFY_EVERY:
-                self.notify()
-                noted = time.monotonic()
+            self._note_alive()
             gevent.sleep(POLL)
         try:
-            self._finish(servers, noted)
+            self._finish(servers)
         except Exception:
             self.log.exception("error while stopping: ending open requests")
             for server in servers:
                 server.stop(timeout=1)
 
-    def _finish(self, servers: list, noted: float) -> None:
+    def _finish(self, servers: list) -> None:
         """No new connections; wait for requests in flight, closing idle connections."""
         self._stopped_at = time.monotonic()
         for server in servers:
@@ -116,7 +120,5 @@ class FrontendWorker(GeventWorker):
                     server.stop(timeout=1)
                 return
             self._close_idle()
-            if time.monotonic() - noted >= NOTIFY_EVERY:
-                self.notify()
-                noted = time.monotonic()
+            self._note_alive()
             gevent.sleep(POLL)

@@ -125,7 +125,6 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
 ]}
 
 
-
 def _heartbeat_interval() -> float:
     raw = os.environ.get(ENV_PREFIX + "HEARTBEAT_INTERVAL", "1")
     try:

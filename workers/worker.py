@@ -19,7 +19,7 @@ import zmq
 from dispatcher import config, configfile, protocol as P
 from dispatcher.devices import parse_device
 from dispatcher.models import default_model_id, resolve_model_path
-from dispatcher.supervisor import StopFlag
+from dispatcher.supervisor import StopFlag, die_with_parent
 from workers.errors import EngineError
 from workers.generation import GenerationLoop
 from workers.publisher import Publisher
@@ -177,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, configfile.ConfigError) as exc:
         parser.error(str(exc))
     if os.environ.get("COMPLETIONS_PARENT_PID"):
-        from dispatcher.supervisor import die_with_parent
         die_with_parent(int(os.environ["COMPLETIONS_PARENT_PID"]))
 
     stopping = StopFlag()
