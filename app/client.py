@@ -2,8 +2,10 @@
 
 One DEALER (jobs, cancels, heartbeats) and one SUB (token events, subscribed once to this
 front end's id), each read by its own greenlet, which routes every message to the
-`RequestStream` of its request. Created lazily in the process that uses it: a ZeroMQ
-context made before gunicorn forks is dead in the child.
+`RequestStream` of its request. The dispatcher counts as there while it answers pings over
+both (its state, and a beat over the token stream: see dispatcher.protocol). Created
+lazily in the process that uses it: a ZeroMQ context made before gunicorn forks is dead
+in the child.
 """
 from __future__ import annotations
 
@@ -164,6 +166,7 @@ class DispatcherClient:
         self.streams: dict[str, RequestStream] = {}
         self.state: dict = {}
         self.state_at = 0.0
+        self.beat_at = 0.0
         self.state_event = gevent.event.Event()
         self._send_lock = gevent.lock.Semaphore()
         self._alive = False
@@ -207,7 +210,15 @@ class DispatcherClient:
     # -- state -------------------------------------------------------------------------
     @property
     def dispatcher_alive(self) -> bool:
-        return time.monotonic() - self.state_at < config.HEARTBEAT_EXPIRY
+        """Both paths answered lately: a state over the DEALER, a beat over the SUB."""
+        now = time.monotonic()
+        return (now - self.state_at < config.HEARTBEAT_EXPIRY
+                and now - self.beat_at < config.HEARTBEAT_EXPIRY)
+
+    def _answered(self) -> None:
+        if self.dispatcher_alive:
+            self._alive = True
+            self.state_event.set()
 
     def wait_state(self, timeout: float = 2.0) -> dict | None:
         """The dispatcher's last state, waiting briefly for the first one after start-up."""
@@ -227,8 +238,7 @@ class DispatcherClient:
                 return
             if msg.cmd == P.STATE:
                 self.state, self.state_at = msg.body, time.monotonic()
-                self._alive = True
-                self.state_event.set()
+                self._answered()
                 continue
             stream = self.streams.get(msg.request_id)
             if stream is not None:
@@ -243,6 +253,10 @@ class DispatcherClient:
                 continue
             except zmq.ContextTerminated:
                 return
+            if not request_id and event["e"] == P.EV_BEAT:
+                self.beat_at = time.monotonic()
+                self._answered()
+                continue
             stream = self.streams.get(request_id)
             if stream is not None:
                 stream.inbox.put(("ev", event))
@@ -276,7 +290,8 @@ class DispatcherClient:
                 self.recorder.restore(delta)          # the dispatcher is away: keep them
             # Until the dispatcher answers, ask again soon: the DEALER (IMMEDIATE) drops
             # what it cannot send before its connection is up, at start-up and after the
-            # dispatcher restarts, and the state would come a whole interval late. Not
+            # dispatcher restarts, and the state would come a whole interval late (so
+            # would the beat, whose subscription may come through after the state). Not
             # for long: over a connection that is up but silent (a network partition) the
             # pings queue, and all of them would be answered when it heals.
             answered = self.dispatcher_alive

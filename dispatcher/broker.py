@@ -87,6 +87,13 @@ class Broker:
             sock.setsockopt(zmq.LINGER, 0)
         xsub.bind(self.endpoints.tokens_in)
         xpub.bind(self.endpoints.tokens_out)
+        # the beats that prove a front end's token path (see protocol): published into
+        # the proxy like a worker's events
+        beats_address = f"inproc://token-beats-{id(self)}"
+        xsub.bind(beats_address)
+        self.beats = self.context.socket(zmq.PUB)
+        self.beats.setsockopt(zmq.LINGER, 0)
+        self.beats.connect(beats_address)
         self._proxy_control = self.context.socket(zmq.PAIR)
         self._proxy_control.bind(f"inproc://proxy-control-{id(self)}")
         control_address = f"inproc://proxy-control-{id(self)}"
@@ -223,6 +230,9 @@ class Broker:
             log.warning("bad message from front end %r: %s", fe_id, exc)
             return
         self.deliver(self.core.frontend_message(fe_id, msg, time.monotonic(), time.time()))
+        if msg.cmd == P.PING:
+            # dropped by the PUB while the front end's subscription has not come through
+            self.beats.send_multipart(P.encode_event(fe_id, "", {"e": P.EV_BEAT, "s": 0}))
         if msg.cmd == P.METRICS:
             self.deliver([Send("frontend", fe_id, P.METRICS, msg.request_id,
                                self.ops.metrics_snapshot())])
@@ -259,7 +269,8 @@ class Broker:
         except zmq.ZMQError:
             pass
         self._proxy_thread.join(timeout=2)
-        for sock in (self.frontend, self.backend, self.control, self._proxy_control):
+        for sock in (self.frontend, self.backend, self.control, self.beats,
+                     self._proxy_control):
             sock.close(0)
         self._wake_r.close()
         self._wake_w.close()

@@ -12,6 +12,13 @@ Sockets (all owned by the dispatcher's addresses, see `Endpoints`):
 end's id is fixed-width (`FRONTEND_ID_LEN`), so subscribing to it matches only its own
 messages. Every stream event carries `s` (its sequence number, from 0, per attempt) and
 `a` (the attempt: a request requeued after a worker died is attempt 2).
+
+The dispatcher answers each PING twice: STATE over the DEALER, and a `beat` event (no
+request id) published into its own proxy. A front end counts the dispatcher as there only
+while both arrive: a beat proves its subscription has reached the proxy, so that workers'
+events for it are not dropped there. (A SUB resubscribes on its own after the dispatcher
+restarts, but not at the same moment its DEALER reconnects; and a worker's XPUB keeps the
+subscriptions it saw before the restart, so it cannot tell the difference.)
 """
 from __future__ import annotations
 
@@ -58,6 +65,7 @@ EV_START = "start"   # prompt tokenized and admitted: {prompt_tokens}
 EV_TEXT = "text"     # {text}
 EV_END = "end"       # {finish_reason, usage}
 EV_ERROR = "error"   # {status, type, code, message}
+EV_BEAT = "beat"     # the dispatcher's answer to a PING over the token stream (request id "")
 
 
 class ProtocolError(Exception):

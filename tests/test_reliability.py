@@ -194,7 +194,8 @@ def test_front_ends_notice_a_lost_dispatcher_and_reconnect(tmp_path, monkeypatch
         procs[0] = broker = spawn(broker_argv, {}, log)          # back at the same address
         wait(lambda: health()[0] == 200, 60, "front end and worker reconnected")
         status, _, body = complete(http_port, {"prompt": "Hello", "max_tokens": 3})
-        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        assert status == 200 and body["usage"]["completion_tokens"] == 3, \
+            (body, (tmp_path / "parts.log").read_text()[-3000:])
     finally:
         for proc in reversed(procs):
             if proc.poll() is None:

@@ -1,6 +1,4 @@
 """RequestStream: ordering and completeness checks of a front end's token stream (unit)."""
-import time
-
 import pytest
 
 from app.client import ClientGone, RequestStream
@@ -132,60 +130,3 @@ def test_close_cancels_an_unfinished_request_once():
     finished.close()
     assert finished.client.sent == []
 
-
-def test_a_front_end_asks_again_soon_until_the_dispatcher_first_answers(monkeypatch,
-                                                                        tmp_path):
-    """Its first ping is dropped while no dispatcher listens (the DEALER never queues for
-    a missing peer); it must not wait a whole heartbeat interval to ask again."""
-    import gevent
-    import zmq.green as zmq
-
-    from app.client import DispatcherClient
-    monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 60.0)
-    endpoints = P.Endpoints.from_base(f"ipc://{tmp_path}")
-    client = DispatcherClient(endpoints)
-    context = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    try:
-        gevent.sleep(0.3)                       # its first ping went nowhere
-        router.bind(endpoints.frontend)
-        with gevent.Timeout(20):                # not the 60 s interval
-            frames = router.recv_multipart()
-        assert P.decode(frames[1:]).cmd == P.PING
-        router.send_multipart([frames[0]] + P.encode(P.STATE, body={"workers_ready": 1}))
-        with gevent.Timeout(20):
-            assert client.wait_state(timeout=20) == {"workers_ready": 1}
-        assert client.dispatcher_alive
-    finally:
-        client.close()
-        router.close(0)
-        context.term()
-
-
-def test_a_silent_dispatcher_gets_a_few_quick_pings_then_one_per_interval(monkeypatch,
-                                                                          tmp_path):
-    """Over a connection that is up but never answered (a partition), quick pings would
-    pile up: after a few the front end falls back to one per heartbeat interval."""
-    import zmq.green as zmq
-
-    import app.client as client_module
-    monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 60.0)
-    monkeypatch.setattr(client_module, "UNANSWERED_FAST_PINGS", 5)
-    endpoints = P.Endpoints.from_base(f"ipc://{tmp_path}")
-    context = zmq.Context()
-    router = context.socket(zmq.ROUTER)
-    router.bind(endpoints.frontend)                   # listening, never answering
-    started = time.monotonic()
-    client = client_module.DispatcherClient(endpoints)
-    pings = []
-    try:
-        while time.monotonic() - started < 2.0:
-            if router.poll(100):
-                router.recv_multipart()
-                pings.append(time.monotonic() - started)
-    finally:
-        client.close()
-        router.close(0)
-        context.term()
-    assert 3 <= len(pings) <= 5, pings              # the first may go before the link is up
-    assert pings[-1] < 1.2, pings                   # then quiet: the next is 60 s away

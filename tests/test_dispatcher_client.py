@@ -1,0 +1,179 @@
+"""A front end's connection to the dispatcher (app.client.DispatcherClient): when it counts
+the dispatcher as there. Against a scripted dispatcher (a ROUTER and an XPUB at the
+dispatcher's addresses) and against the real broker."""
+import threading
+import time
+
+import gevent
+import pytest
+import zmq
+import zmq.green as gzmq
+
+import app.client as client_module
+from dispatcher import config, protocol as P
+from dispatcher.broker import Broker
+
+STATE = {"workers_ready": 1}
+
+
+class ScriptedDispatcher:
+    """Answers every PING with STATE and, while `beats` is set, a beat on its XPUB."""
+
+    def __init__(self, endpoints: P.Endpoints):
+        self.endpoints = endpoints
+        self.context = gzmq.Context()
+        self.router = self.context.socket(gzmq.ROUTER)
+        self.xpub = self.context.socket(gzmq.XPUB)
+        self.beats = True
+        self.pings = []
+        self._greenlet = None
+
+    def start(self) -> "ScriptedDispatcher":
+        self.router.bind(self.endpoints.frontend)
+        self.xpub.bind(self.endpoints.tokens_out)
+        self._greenlet = gevent.spawn(self._answer)
+        return self
+
+    def _answer(self) -> None:
+        while True:
+            frames = self.router.recv_multipart()
+            if P.decode(frames[1:]).cmd != P.PING:
+                continue
+            self.pings.append(time.monotonic())
+            self.router.send_multipart([frames[0]] + P.encode(P.STATE, body=STATE))
+            if self.beats:
+                self.xpub.send_multipart(P.encode_event(frames[0], "",
+                                                        {"e": P.EV_BEAT, "s": 0}))
+
+    def close(self) -> None:
+        if self._greenlet is not None:
+            self._greenlet.kill()
+        self.router.close(0)
+        self.xpub.close(0)
+        self.context.term()
+
+
+@pytest.fixture
+def endpoints(tmp_path):
+    return P.Endpoints.from_base(f"ipc://{tmp_path}")
+
+
+def test_a_front_end_asks_again_soon_until_the_dispatcher_first_answers(monkeypatch,
+                                                                        endpoints):
+    """Its first ping is dropped while no dispatcher listens (the DEALER never queues for
+    a missing peer); it must not wait a whole heartbeat interval to ask again."""
+    monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 60.0)
+    client = client_module.DispatcherClient(endpoints)
+    dispatcher = ScriptedDispatcher(endpoints)
+    try:
+        gevent.sleep(0.3)                       # its first ping went nowhere
+        dispatcher.start()
+        with gevent.Timeout(20):                # not the 60 s interval
+            assert client.wait_state(timeout=20) == STATE
+        assert client.dispatcher_alive
+    finally:
+        client.close()
+        dispatcher.close()
+
+
+def test_a_front_end_is_not_ready_until_its_token_stream_is_through(monkeypatch,
+                                                                      endpoints):
+    """The state alone is not enough: until a beat comes over the token stream, workers'
+    events for this front end could be dropped at the dispatcher (its subscription not
+    there yet, as just after the dispatcher restarted), so it must answer 503s."""
+    monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 60.0)
+    dispatcher = ScriptedDispatcher(endpoints)
+    dispatcher.beats = False
+    dispatcher.start()
+    client = client_module.DispatcherClient(endpoints)
+    try:
+        with gevent.Timeout(20):
+            while client.state != STATE:                  # states come...
+                gevent.sleep(0.05)
+        assert client.wait_state(timeout=0.5) is None     # ...no beat: not there
+        assert not client.dispatcher_alive
+        dispatcher.beats = True
+        with gevent.Timeout(20):                # it kept asking: the next beat is soon
+            assert client.wait_state(timeout=20) == STATE
+    finally:
+        client.close()
+        dispatcher.close()
+
+
+def test_a_front_end_whose_beats_stop_fails_its_open_requests(monkeypatch, endpoints):
+    """A token stream gone silent loses requests as surely as a silent dispatcher."""
+    monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 0.1)
+    monkeypatch.setattr(config, "HEARTBEAT_EXPIRY", 0.3)
+    dispatcher = ScriptedDispatcher(endpoints).start()
+    client = client_module.DispatcherClient(endpoints)
+    try:
+        with gevent.Timeout(20):
+            assert client.wait_state(timeout=20) == STATE
+        stream = client_module.RequestStream(client, "cmpl-1")
+        client.streams["cmpl-1"] = stream
+        dispatcher.beats = False                # states still come
+        with gevent.Timeout(20):
+            assert stream.next_event()["code"] == "dispatcher_unavailable"
+        assert client.wait_state(timeout=0) is None
+    finally:
+        client.close()
+        dispatcher.close()
+
+
+def test_a_silent_dispatcher_gets_a_few_quick_pings_then_one_per_interval(monkeypatch,
+                                                                          endpoints):
+    """Over a connection that is up but never answered (a partition), quick pings would
+    pile up: after a few the front end falls back to one per heartbeat interval."""
+    monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 60.0)
+    monkeypatch.setattr(client_module, "UNANSWERED_FAST_PINGS", 5)
+    context = gzmq.Context()
+    router = context.socket(gzmq.ROUTER)
+    router.bind(endpoints.frontend)                   # listening, never answering
+    started = time.monotonic()
+    client = client_module.DispatcherClient(endpoints)
+    pings = []
+    try:
+        while time.monotonic() - started < 2.0:
+            if router.poll(100):
+                router.recv_multipart()
+                pings.append(time.monotonic() - started)
+    finally:
+        client.close()
+        router.close(0)
+        context.term()
+    assert 3 <= len(pings) <= 5, pings              # the first may go before the link is up
+    assert pings[-1] < 1.2, pings                   # then quiet: the next is 60 s away
+
+
+def test_the_dispatcher_answers_a_ping_with_a_beat_over_the_token_stream(endpoints):
+    broker = Broker(endpoints)
+    loop = threading.Thread(target=broker.run)
+    loop.start()
+    context = zmq.Context()
+    fe_id = P.new_frontend_id()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, fe_id)
+    sub.connect(endpoints.tokens_out)
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, fe_id)
+    dealer.connect(endpoints.frontend)
+    try:
+        deadline = time.monotonic() + 20
+        beat = None
+        while beat is None and time.monotonic() < deadline:
+            dealer.send_multipart(P.encode(P.PING, body={"open": 0}))
+            assert dealer.poll(5000)
+            assert P.decode(dealer.recv_multipart()).cmd == P.STATE
+            if sub.poll(200):       # the first beats go before the subscription is through
+                beat = sub.recv_multipart()
+        assert beat is not None
+        assert beat[0] == fe_id
+        assert P.decode_event(beat) == ("", {"e": P.EV_BEAT, "s": 0})
+    finally:
+        sub.close(0)
+        dealer.close(0)
+        context.term()
+        broker.stop()
+        loop.join(timeout=10)
+        broker.close()
+    assert not loop.is_alive()
