@@ -288,8 +288,11 @@ class Soak:
     # -- chaos ---------------------------------------------------------------------------
     def killer(self, stop: threading.Event) -> None:
         while not stop.wait(self.args.kill_every):
-            workers = [w for w in self.status()["workers"] if w.get("pid")
-                       and w["state"] in ("idle", "busy")]
+            try:
+                workers = [w for w in self.status()["workers"] if w.get("pid")
+                           and w["state"] in ("idle", "busy")]
+            except SystemExit:                # a busy dispatcher: not this time
+                continue
             if workers:
                 victim = self.rng.choice(workers)
                 try:
@@ -311,7 +314,13 @@ class Soak:
         threads: list[threading.Thread] = []
         started = time.monotonic()
         sent = 0
-        while time.monotonic() - started < self.args.duration:
+        # A kill is skipped when no worker is up, or the dispatcher answers late (a loaded
+        # machine): the run goes on until it has made the kills its duration promised.
+        kills_due = int(self.args.duration // self.args.kill_every) \
+            if self.args.kill_every > 0 else 0
+        cap = started + self.args.duration * 3 + 60
+        while (time.monotonic() - started < self.args.duration or self.kills < kills_due) \
+                and time.monotonic() < cap:
             due = int((time.monotonic() - started) * self.args.rate) + 1
             while sent < due:
                 thread = threading.Thread(target=self.one, daemon=True)
@@ -352,7 +361,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rate", type=float, default=4.0,
                         help="requests per second (≤ 50)")
     parser.add_argument("--kill-every", type=float, default=15.0,
-                        help="SIGKILL a random worker this often, in seconds (0: never)")
+                        help="SIGKILL a random worker this often, in seconds (0: never); "
+                        "the run lasts until duration / kill-every kills were made")
     parser.add_argument("--device", action="append", default=None,
                         help="worker devices of the soaked server (default: cpu, cpu)")
     parser.add_argument("--engine", default="llama", choices=("llama", "fake"))

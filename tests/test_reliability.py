@@ -344,7 +344,7 @@ def test_slow_clients_do_not_block_others(hardened):
 
 # -- 8. soak -------------------------------------------------------------------------------
 def test_short_soak_loses_nothing():
-    out = subprocess.run([sys.executable, "-m", "dispatcher", "soak", "--duration", "6",
+    out = subprocess.run([sys.executable, "-m", "dispatcher", "soak", "--duration", "5",
                           "--rate", "4", "--kill-every", "2", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=400)
     report = json.loads(out.stdout)
