@@ -152,7 +152,7 @@ SUBMIT_TIMEOUT = 5.0
 # How long a front end waits for stream messages after the dispatcher says a job is done.
 # They travel a faster path (the proxy, in C) than that word (the dispatcher's loop):
 # normally they are there first.
-DONE_GRACE = 1.0
+DONE_GRACE = 2.0
 # How long a worker waits for a front end's subscription to reach its PUB socket.
 SUBSCRIPTION_WAIT = 5.0
 # Worker respawn backoff (seconds): doubles from the first value up to the second.
