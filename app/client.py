@@ -167,6 +167,7 @@ class DispatcherClient:
         self.state: dict = {}
         self.state_at = 0.0
         self.beat_at = 0.0
+        self.epoch = None           # the dispatcher's run, from its state
         self.state_event = gevent.event.Event()
         self._send_lock = gevent.lock.Semaphore()
         self._alive = False
@@ -237,6 +238,14 @@ class DispatcherClient:
             except zmq.ContextTerminated:
                 return
             if msg.cmd == P.STATE:
+                epoch = msg.body.get("epoch")
+                if epoch != self.epoch:
+                    # another run of the dispatcher (restarted sooner than the heartbeat
+                    # expiry, say): it knows nothing of our requests, and our token
+                    # stream is proven only by a beat of its own
+                    if self._alive:
+                        self._lose("the dispatcher restarted")
+                    self.epoch, self.beat_at = epoch, 0.0
                 self.state, self.state_at = msg.body, time.monotonic()
                 self._answered()
                 continue
@@ -254,9 +263,14 @@ class DispatcherClient:
             except zmq.ContextTerminated:
                 return
             if not request_id and event["e"] == P.EV_BEAT:
-                self.beat_at = time.monotonic()
-                self._answered()
+                if event.get("epoch") == self.epoch:
+                    self.beat_at = time.monotonic()
+                    self._answered()
                 continue
+            if self._alive:
+                # come through the proxy like a beat, and maybe queued before it: an
+                # established stream busy with events stays alive
+                self.beat_at = time.monotonic()
             stream = self.streams.get(request_id)
             if stream is not None:
                 stream.inbox.put(("ev", event))
@@ -299,10 +313,13 @@ class DispatcherClient:
             gevent.sleep(UNANSWERED_PING_INTERVAL if not answered and fast > 0
                          else config.HEARTBEAT_INTERVAL)
             if self._alive and not self.dispatcher_alive:
-                self._alive = False
-                log.error("lost the dispatcher: failing %d open requests", len(self.streams))
-                for stream in list(self.streams.values()):
-                    stream.inbox.put(("lost",))
+                self._lose("lost the dispatcher")
+
+    def _lose(self, why: str) -> None:
+        self._alive = False
+        log.error("%s: failing %d open requests", why, len(self.streams))
+        for stream in list(self.streams.values()):
+            stream.inbox.put(("lost",))
 
     def close(self) -> None:
         gevent.killall(self._greenlets)

@@ -230,9 +230,10 @@ class Broker:
             log.warning("bad message from front end %r: %s", fe_id, exc)
             return
         self.deliver(self.core.frontend_message(fe_id, msg, time.monotonic(), time.time()))
-        if msg.cmd == P.PING:
+        if msg.cmd == P.PING and len(fe_id) == P.FRONTEND_ID_LEN:
             # dropped by the PUB while the front end's subscription has not come through
-            self.beats.send_multipart(P.encode_event(fe_id, "", {"e": P.EV_BEAT, "s": 0}))
+            self.beats.send_multipart(P.encode_event(
+                fe_id, "", {"e": P.EV_BEAT, "s": 0, "epoch": self.core.epoch}))
         if msg.cmd == P.METRICS:
             self.deliver([Send("frontend", fe_id, P.METRICS, msg.request_id,
                                self.ops.metrics_snapshot())])

@@ -13,6 +13,7 @@ not started, fail the rest), deadlines, and when a graceful stop is complete.
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -72,6 +73,7 @@ class DispatcherCore(Admission):
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
         self.started = started                     # wall clock, for `created`
+        self.epoch = secrets.token_hex(6)          # this run: front ends see a restart
         self.queue = RequestQueue()
         self.registry = WorkerRegistry()
         self.frontends: dict[bytes, dict] = {}     # id -> {"seen": t, "pid": ...}
@@ -368,7 +370,8 @@ class DispatcherCore(Admission):
 
     def state(self) -> dict:
         capabilities = ("model", "n_ctx", "compute", "n_gpu_layers", "profile", "fim")
-        return {"workers_ready": len(self.registry), "models": self.models(),
+        return {"epoch": self.epoch, "workers_ready": len(self.registry),
+                "models": self.models(),
                 "aliases": {alias: model for model, info in self.known_models.items()
                             for alias in info.get("aliases", ())},
                 "queued": len(self.queue), "expected_workers": self.fleet.expected_workers(),

@@ -13,18 +13,21 @@ import app.client as client_module
 from dispatcher import config, protocol as P
 from dispatcher.broker import Broker
 
-STATE = {"workers_ready": 1}
+STATE = {"epoch": "run-1", "workers_ready": 1}
 
 
 class ScriptedDispatcher:
-    """Answers every PING with STATE and, while `beats` is set, a beat on its XPUB."""
+    """Answers every PING with `state` and, while `beats` is set, a beat of `beat_epoch`
+    on its XPUB."""
 
     def __init__(self, endpoints: P.Endpoints):
         self.endpoints = endpoints
         self.context = gzmq.Context()
         self.router = self.context.socket(gzmq.ROUTER)
         self.xpub = self.context.socket(gzmq.XPUB)
+        self.state = STATE
         self.beats = True
+        self.beat_epoch = STATE["epoch"]
         self.pings = []
         self._greenlet = None
 
@@ -40,10 +43,10 @@ class ScriptedDispatcher:
             if P.decode(frames[1:]).cmd != P.PING:
                 continue
             self.pings.append(time.monotonic())
-            self.router.send_multipart([frames[0]] + P.encode(P.STATE, body=STATE))
+            self.router.send_multipart([frames[0]] + P.encode(P.STATE, body=self.state))
             if self.beats:
-                self.xpub.send_multipart(P.encode_event(frames[0], "",
-                                                        {"e": P.EV_BEAT, "s": 0}))
+                self.xpub.send_multipart(P.encode_event(
+                    frames[0], "", {"e": P.EV_BEAT, "s": 0, "epoch": self.beat_epoch}))
 
     def close(self) -> None:
         if self._greenlet is not None:
@@ -63,6 +66,7 @@ def test_a_front_end_asks_again_soon_until_the_dispatcher_first_answers(monkeypa
     """Its first ping is dropped while no dispatcher listens (the DEALER never queues for
     a missing peer); it must not wait a whole heartbeat interval to ask again."""
     monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 60.0)
+    monkeypatch.setattr(client_module, "UNANSWERED_FAST_PINGS", 10_000)   # a slow machine
     client = client_module.DispatcherClient(endpoints)
     dispatcher = ScriptedDispatcher(endpoints)
     try:
@@ -82,6 +86,7 @@ def test_a_front_end_is_not_ready_until_its_token_stream_is_through(monkeypatch,
     events for this front end could be dropped at the dispatcher (its subscription not
     there yet, as just after the dispatcher restarted), so it must answer 503s."""
     monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 60.0)
+    monkeypatch.setattr(client_module, "UNANSWERED_FAST_PINGS", 10_000)   # a slow machine
     dispatcher = ScriptedDispatcher(endpoints)
     dispatcher.beats = False
     dispatcher.start()
@@ -102,8 +107,8 @@ def test_a_front_end_is_not_ready_until_its_token_stream_is_through(monkeypatch,
 
 def test_a_front_end_whose_beats_stop_fails_its_open_requests(monkeypatch, endpoints):
     """A token stream gone silent loses requests as surely as a silent dispatcher."""
-    monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 0.1)
-    monkeypatch.setattr(config, "HEARTBEAT_EXPIRY", 0.3)
+    monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 0.25)
+    monkeypatch.setattr(config, "HEARTBEAT_EXPIRY", 1.0)
     dispatcher = ScriptedDispatcher(endpoints).start()
     client = client_module.DispatcherClient(endpoints)
     try:
@@ -115,6 +120,33 @@ def test_a_front_end_whose_beats_stop_fails_its_open_requests(monkeypatch, endpo
         with gevent.Timeout(20):
             assert stream.next_event()["code"] == "dispatcher_unavailable"
         assert client.wait_state(timeout=0) is None
+    finally:
+        client.close()
+        dispatcher.close()
+
+
+def test_a_dispatcher_restarted_within_the_expiry_is_noticed(monkeypatch, endpoints):
+    """Another run of the dispatcher at the same address knows nothing of the open
+    requests, and its proxy has not seen our subscription: the state of a new run fails
+    them, and only a beat of that run makes the front end ready again."""
+    monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 0.25)
+    monkeypatch.setattr(client_module, "UNANSWERED_FAST_PINGS", 10_000)
+    dispatcher = ScriptedDispatcher(endpoints).start()
+    client = client_module.DispatcherClient(endpoints)
+    try:
+        with gevent.Timeout(20):
+            assert client.wait_state(timeout=20) == STATE
+        stream = client_module.RequestStream(client, "cmpl-1")
+        client.streams["cmpl-1"] = stream
+        dispatcher.state = {**STATE, "epoch": "run-2"}      # beats still of run 1
+        with gevent.Timeout(20):
+            assert stream.next_event()["code"] == "dispatcher_unavailable"
+        gevent.sleep(0.6)                                   # pings answered: no beat of run 2
+        assert client.wait_state(timeout=0) is None and client.state["epoch"] == "run-2"
+        dispatcher.beat_epoch = "run-2"
+        with gevent.Timeout(20):
+            while client.wait_state(timeout=0) is None:
+                gevent.sleep(0.05)
     finally:
         client.close()
         dispatcher.close()
@@ -168,7 +200,8 @@ def test_the_dispatcher_answers_a_ping_with_a_beat_over_the_token_stream(endpoin
                 beat = sub.recv_multipart()
         assert beat is not None
         assert beat[0] == fe_id
-        assert P.decode_event(beat) == ("", {"e": P.EV_BEAT, "s": 0})
+        assert P.decode_event(beat) == ("", {"e": P.EV_BEAT, "s": 0,
+                                             "epoch": broker.core.epoch})
     finally:
         sub.close(0)
         dealer.close(0)
