@@ -28,8 +28,8 @@ def test_batched_equals_unbatched_at_temperature_zero(det_server):
              for p in PROMPTS]
     streams = [SSEStream(det_server.port, {**body, "prompt": p, "stream": True})
                for p in PROMPTS]
-    firsts = [s.next_data() for s in streams]               # every stream has started ...
-    busy = det_server.worker()["busy_slots"]
+    busy = det_server.worker()["busy_slots"]                # every stream has started ...
+    firsts = [s.next_data() for s in streams]
     texts = [json.loads(f)["choices"][0]["text"] for f in firsts]
     lps = [json.loads(f)["choices"][0]["logprobs"]["token_logprobs"] for f in firsts]
     for i, stream in enumerate(streams):
@@ -151,28 +151,33 @@ def test_a_new_request_of_a_session_supersedes_the_running_one(two_fake_workers)
 def test_a_queued_request_superseded_never_runs_and_siblings_are_kept():
     server = ServerProcess("--engine", "fake", "--slots", "1", log_name="supersede").start()
     try:
-        blocker = start_slow(server, "[slow=0.05]", tokens=30)
+        # the blocker holds the only slot until it is closed, whatever the machine's speed
+        blocker = start_slow(server, "[slow=0.05]", tokens=2000)
         headers = {"X-Session-Id": "editor-2"}
         results = {}
 
-        def first():
-            results["first"] = complete(server.port, {"prompt": "v1", "max_tokens": 3},
-                                        headers)
+        def send(name, body):
+            results[name] = complete(server.port, body, headers)
 
-        thread = threading.Thread(target=first)
-        thread.start()
+        first = threading.Thread(target=send, args=("first", {"prompt": "v1",
+                                                               "max_tokens": 3}))
+        first.start()
         server.wait_for(lambda: sum(server.status()["queue"].values()) == 1,
                         what="the first request to queue")
-        status, body = complete(server.port, {"prompt": "v2", "max_tokens": 3, "n": 2},
-                                headers)
-        thread.join(timeout=30)
+        second = threading.Thread(target=send, args=("second", {"prompt": "v2",
+                                                                 "max_tokens": 3, "n": 2}))
+        second.start()
+        first.join(timeout=30)
         assert results["first"][0] == 409
         assert results["first"][1]["error"]["code"] == "superseded"
+        assert server.status()["stats"]["superseded"] == 1
+        blocker.close()                                          # the slot frees up
+        second.join(timeout=30)
+        status, body = results["second"]
         assert status == 200 and len(body["choices"]) == 2      # siblings both ran
-        list(blocker.events())
-        stats = server.status()["stats"]
-        assert stats["superseded"] == 1
-        assert sum(w["completed"] for w in server.status()["workers"]) == 3
+        server.wait_for(lambda: sum(w["completed"] for w in server.status()["workers"]) == 2
+                        and sum(w["cancelled"] for w in server.status()["workers"]) == 1,
+                        timeout=10, what="the siblings done, the blocker cancelled")
     finally:
         assert server.stop() == 0
 
@@ -282,5 +287,6 @@ def test_a_running_stream_keeps_getting_tokens_while_a_3000_token_prompt_is_pref
     running.close()
     cold.close()
     reader.join(timeout=10)
-    # six chunks of 512: the stream decoded a token beside each (one stall would give ~0)
-    assert during >= 4, f"{during} tokens of the running stream during the prefill"
+    # six chunks of 512: the stream decoded a token beside each (one stall would give 0,
+    # or 1 where a reader's timestamp lags its token)
+    assert during >= 3, f"{during} tokens of the running stream during the prefill"

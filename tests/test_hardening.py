@@ -444,8 +444,9 @@ def test_session_ids_are_scoped_by_api_key():
     server = ServerProcess("--engine", "fake", "--api-key", "key-a", "--api-key", "key-b",
                            log_name="sessions").start()
     try:
-        def stream(key):
-            return SSEStream(server.port, {"prompt": "[slow=0.05] x", "max_tokens": 16,
+        def stream(key, max_tokens=16):
+            return SSEStream(server.port, {"prompt": "[slow=0.05] x",
+                                           "max_tokens": max_tokens,
                                            "stream": True}, timeout=30,
                              headers={"X-Session-Id": "same", "Authorization": f"Bearer {key}"})
 
@@ -456,7 +457,7 @@ def test_session_ids_are_scoped_by_api_key():
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
         events = list(a.events())                    # not superseded by key b
         assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
-        a2, a3 = stream("key-a"), None
+        a2, a3 = stream("key-a", max_tokens=400), None    # still running when a3 comes
         assert a2.next_data() is not None
         a3 = stream("key-a")                         # same key: supersedes a2
         events = list(a2.events())

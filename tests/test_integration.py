@@ -169,8 +169,9 @@ def test_disconnect_cancels_generation(real_server):
         and (w["last_done"] or {}).get("cancelled") and w, timeout=15,
         what="the worker to go idle")
     generated = worker["last_done"]["usage"]["completion_tokens"]
-    # 5 chunks read; a few more may have been in flight; far from 1500
-    assert read == 5 and generated <= read + 10, generated
+    # 5 chunks read; more were in flight (a step may bring several drafted tokens, and
+    # the cancel takes a few steps to arrive); far from 1500
+    assert read == 5 and generated <= read + 60, generated
     status, _, body = http_json(real_server.port, "POST", "/v1/completions",
                                 {"prompt": PROMPT, "max_tokens": 4})
     assert status == 200 and body["usage"]["completion_tokens"] == 4

@@ -70,8 +70,8 @@ def test_eos_finishes_with_stop_and_is_not_counted(fake_server):
 
 
 def test_disconnect_cancels_generation_within_one_token(fake_server):
-    # 0.5 s per token: a late cancel would show up as extra tokens
-    stream = SSEStream(fake_server.port, {"prompt": "[slow=0.5]", "max_tokens": 500,
+    # 1 s per token: a late cancel would show up as extra tokens
+    stream = SSEStream(fake_server.port, {"prompt": "[slow=1]", "max_tokens": 500,
                                           "stream": True})
     read = 0
     for data in stream.events():
@@ -161,9 +161,9 @@ def test_a_request_that_kills_its_worker_is_failed_not_handed_to_another():
 def test_a_request_its_worker_had_not_started_is_requeued_when_the_worker_dies():
     server = ServerProcess("--engine", "fake", log_name="requeue").start()
     try:
-        # one step of the blocker takes 1.5 s: a job dispatched meanwhile waits in the
-        # worker's inbox, not started, until the step ends
-        blocker = SSEStream(server.port, {"prompt": "[slow=1.5] x", "max_tokens": 3,
+        # one step of the blocker takes 5 s: a job dispatched meanwhile waits in the
+        # worker's inbox, not started, until the step ends (the kill comes long before)
+        blocker = SSEStream(server.port, {"prompt": "[slow=5] x", "max_tokens": 3,
                                           "stream": True})
         assert blocker.status == 200
         server.wait_for(lambda: server.worker()["busy_slots"] == 1, what="the blocker")
