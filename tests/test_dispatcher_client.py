@@ -56,6 +56,15 @@ class ScriptedDispatcher:
         self.context.term()
 
 
+def open_request_when_ready(client) -> client_module.RequestStream:
+    """Wait until the client counts the dispatcher as there; register an open request."""
+    with gevent.Timeout(20):
+        assert client.wait_state(timeout=20) == STATE
+    stream = client_module.RequestStream(client, "cmpl-1")
+    client.streams["cmpl-1"] = stream
+    return stream
+
+
 @pytest.fixture
 def endpoints(tmp_path):
     return P.Endpoints.from_base(f"ipc://{tmp_path}")
@@ -112,10 +121,7 @@ def test_a_front_end_whose_beats_stop_fails_its_open_requests(monkeypatch, endpo
     dispatcher = ScriptedDispatcher(endpoints).start()
     client = client_module.DispatcherClient(endpoints)
     try:
-        with gevent.Timeout(20):
-            assert client.wait_state(timeout=20) == STATE
-        stream = client_module.RequestStream(client, "cmpl-1")
-        client.streams["cmpl-1"] = stream
+        stream = open_request_when_ready(client)
         dispatcher.beats = False                # states still come
         with gevent.Timeout(20):
             assert stream.next_event()["code"] == "dispatcher_unavailable"
@@ -134,10 +140,7 @@ def test_a_dispatcher_restarted_within_the_expiry_is_noticed(monkeypatch, endpoi
     dispatcher = ScriptedDispatcher(endpoints).start()
     client = client_module.DispatcherClient(endpoints)
     try:
-        with gevent.Timeout(20):
-            assert client.wait_state(timeout=20) == STATE
-        stream = client_module.RequestStream(client, "cmpl-1")
-        client.streams["cmpl-1"] = stream
+        stream = open_request_when_ready(client)
         dispatcher.state = {**STATE, "epoch": "run-2"}      # beats still of run 1
         with gevent.Timeout(20):
             assert stream.next_event()["code"] == "dispatcher_unavailable"
