@@ -4,6 +4,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import machine_share
 import pytest
 
 from dispatcher.ctl import control_request, default_dispatcher_address
@@ -19,14 +21,51 @@ from dispatcher.ctl import control_request, default_dispatcher_address
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one test process per core, at most 4 (each starts its own servers)."""
+    return max(1, min(len(os.sched_getaffinity(0)), 4))
+
+
+def pytest_configure(config):
+    if machine_share.WORKER:
+        machine_share.start(os.environ["PYTEST_XDIST_TESTRUNUID"])
+    else:
+        # the controller, before any test process starts: what they would otherwise race
+        # to create on a fresh machine (the assembled model, the repacking probe's answer)
+        from dispatcher.models import bundled_model_path
+        from workers.repacking import extra_buffers_work
+        bundled_model_path()
+        extra_buffers_work()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test, its fixtures included, runs with a share of the machine (see
+    machine_share: never beside a test that took the whole machine)."""
+    with machine_share.share():
+        yield
+
+
+def two_single_cores() -> tuple[int, int]:
+    """Cores for two one-thread workers within this test process's share: two of its
+    own, or its one core twice (the workers then take turns on it)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[0], cores[1 % len(cores)]
+
+
+@pytest.fixture
+def all_cores():
+    """This test runs alone, with every core (it pins workers to the first two)."""
+    with machine_share.whole_machine():
+        yield sorted(machine_share.ALL_CORES)
+
+
 def free_port(count: int = 1) -> int:
-    """A port p such that p..p+count-1 are free right now."""
+    """A port p such that p..p+count-1 are free right now, from this test process's own
+    range (parallel test processes never pick the same one)."""
+    low, high = machine_share.port_range()
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + count > 65531:
-            continue
+        port = random.randrange(low, high - count)
         socks = []
         try:
             for p in range(port, port + count):
@@ -253,3 +292,4 @@ class FreshReference:
 
     def tokenize(self, *args, **kwargs):
         return self.llm.tokenize(*args, **kwargs)
+

@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 
-from conftest import ServerProcess, SSEStream, http_json
+from conftest import ServerProcess, SSEStream, http_json, two_single_cores
 from dispatcher import protocol as P
 
 FAULTS = "admit:[[fail-admit]],token:[[fail-token]],finish:[[fail-finish]]"
@@ -18,9 +18,11 @@ FAULTS = "admit:[[fail-admit]],token:[[fail-token]],finish:[[fail-finish]]"
 
 @pytest.fixture(scope="module")
 def two():
-    """Two pinned workers of the real model, with failure hooks keyed by prompt markers."""
-    server = ServerProcess("--device", "cpu:0", "--device", "cpu:1", workers=2,
-                           env={"COMPLETIONS_FAULT_RAISE": FAULTS}, log_name="hardening")
+    """Two one-core workers of the real model, with failure hooks keyed by prompt markers."""
+    first, second = two_single_cores()
+    server = ServerProcess("--device", f"cpu:{first}", "--device", f"cpu:{second}",
+                           workers=2, env={"COMPLETIONS_FAULT_RAISE": FAULTS},
+                           log_name="hardening")
     server.start()
     yield server
     assert server.stop() == 0

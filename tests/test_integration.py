@@ -177,7 +177,7 @@ def test_disconnect_cancels_generation(real_server):
     assert status == 200 and body["usage"]["completion_tokens"] == 4
 
 
-def test_two_workers_serve_two_streams_in_parallel():
+def test_two_workers_serve_two_streams_in_parallel(all_cores):
     server = ServerProcess("--device", "cpu:0", "--device", "cpu:1", workers=2,
                            log_name="two-real").start()
     try:

@@ -9,6 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ROOT, ServerProcess, SSEStream, http_json
+from machine_share import whole_machine
 
 pytestmark = pytest.mark.integration
 
@@ -34,10 +35,11 @@ def complete(port, body, timeout=120):
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    server = ServerProcess("--device", "cpu:0", "--device", "cpu:1", "--frontends", "2",
-                           workers=2, log_name="ops").start()
-    yield server
-    assert server.stop() == 0
+    with whole_machine():
+        server = ServerProcess("--device", "cpu:0", "--device", "cpu:1", "--frontends", "2",
+                               workers=2, log_name="ops").start()
+        yield server
+        assert server.stop() == 0
 
 
 def test_status_shows_workers_queue_and_front_ends(two):
@@ -252,7 +254,7 @@ def test_check_config_reports_every_problem_with_its_place(tmp_path):
     assert out.returncode == 1 and "missing.toml" in out.stderr
 
 
-def test_flags_and_variables_override_the_file(tmp_path):
+def test_flags_and_variables_override_the_file(tmp_path, all_cores):
     config = tmp_path / "c.toml"
     config.write_text("[server]\nnctx = 1024\nport = 9100\n[[workers]]\ndevice = \"cpu\"\n"
                       "[[workers]]\ndevice = \"cpu\"\n")
@@ -269,7 +271,7 @@ def test_flags_and_variables_override_the_file(tmp_path):
     assert [w["device"] for w in report["workers"]] == ["cpu:0"]     # replaces the list
 
 
-def test_serve_from_a_config_file_with_two_models(tmp_path):
+def test_serve_from_a_config_file_with_two_models(tmp_path, all_cores):
     from dispatcher.models import bundled_model_path
     from tiny_gguf import write_tiny_fim_model
     tiny = write_tiny_fim_model(tmp_path / "tiny.gguf")

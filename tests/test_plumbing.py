@@ -184,7 +184,7 @@ def test_a_request_its_worker_had_not_started_is_requeued_when_the_worker_dies()
         assert server.stop() == 0
 
 
-def test_workers_are_pinned_and_report_it_on_ready():
+def test_workers_are_pinned_and_report_it_on_ready(all_cores):
     server = ServerProcess("--engine", "fake", "--device", "cpu:0", "--device", "cuda:1",
                            workers=2, log_name="pinned").start()
     try:
