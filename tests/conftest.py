@@ -28,14 +28,20 @@ def pytest_xdist_auto_num_workers(config):
 
 def pytest_configure(config):
     if machine_share.WORKER:
-        machine_share.start(os.environ["PYTEST_XDIST_TESTRUNUID"])
+        machine_share.start()
     else:
+        machine_share.prepare_run()
         # the controller, before any test process starts: what they would otherwise race
         # to create on a fresh machine (the assembled model, the repacking probe's answer)
         from dispatcher.models import bundled_model_path
         from workers.repacking import extra_buffers_work
         bundled_model_path()
         extra_buffers_work()
+
+
+def pytest_unconfigure(config):
+    if not machine_share.WORKER:
+        machine_share.finish_run()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -60,12 +66,20 @@ def all_cores():
         yield sorted(machine_share.ALL_CORES)
 
 
+_next_port: int | None = None
+
+
 def free_port(count: int = 1) -> int:
     """A port p such that p..p+count-1 are free right now, from this test process's own
     range (parallel test processes never pick the same one)."""
+    global _next_port
     low, high = machine_share.port_range()
-    for _ in range(200):
-        port = random.randrange(low, high - count)
+    if _next_port is None:
+        _next_port = random.randrange(low, high)
+    for _ in range(500):
+        if _next_port + count > high:
+            _next_port = low
+        port, _next_port = _next_port, _next_port + count        # never handed out twice
         socks = []
         try:
             for p in range(port, port + count):

@@ -11,12 +11,16 @@ is running a test, widens its affinity to every core, and the others wait until 
 done. The lock is an flock(2) shared by every other test (readers-writer) with a
 turnstile in front, so a test waiting for the whole machine is not starved by the others
 taking their shares back to back. Without xdist, all of this does nothing.
+
+In-process llama.cpp belongs in tests that do not take the whole machine: its OpenMP
+threads keep the affinity they were created with.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -36,8 +40,7 @@ def own_cores() -> frozenset[int]:
     index = worker_index()
     if len(cores) <= WORKERS:
         return frozenset({cores[index % len(cores)]})
-    size = len(cores) // WORKERS
-    return frozenset(cores[index * size:(index + 1) * size])
+    return frozenset(cores[index * len(cores) // WORKERS:(index + 1) * len(cores) // WORKERS])
 
 
 def port_range() -> tuple[int, int]:
@@ -53,10 +56,9 @@ def port_range() -> tuple[int, int]:
 
 
 class MachineShare:
-    def __init__(self, run_id: str):
-        base = Path(tempfile.gettempdir()) / f"completions-tests-{run_id}"
-        self.lock = open(f"{base}.lock", "a+")
-        self.turnstile = open(f"{base}.turnstile", "a+")
+    def __init__(self, directory: Path):
+        self.lock = open(directory / "machine.lock", "a+")
+        self.turnstile = open(directory / "turnstile.lock", "a+")
         self.shares = 0          # nested shared holds by this process
         self.whole = 0           # nested whole-machine holds by this process
 
@@ -100,13 +102,23 @@ class MachineShare:
 
 
 _share: MachineShare | None = None
+LOCK_DIR = "COMPLETIONS_TEST_LOCK_DIR"
 
 
-def start(run_id: str) -> None:
+def prepare_run() -> None:
+    """In the controller, before the test processes start (they inherit the variable)."""
+    os.environ[LOCK_DIR] = tempfile.mkdtemp(prefix="completions-tests-")
+
+
+def finish_run() -> None:
+    shutil.rmtree(os.environ.pop(LOCK_DIR, ""), ignore_errors=True)
+
+
+def start() -> None:
     """In an xdist worker: pin this process to its cores and join the lock."""
     global _share
     os.sched_setaffinity(0, own_cores())
-    _share = MachineShare(run_id)
+    _share = MachineShare(Path(os.environ[LOCK_DIR]))
 
 
 @contextlib.contextmanager

@@ -1,4 +1,6 @@
 """LlamaEngine in this process on the bundled model: batching, prefix reuse, slots."""
+import os
+
 import pytest
 
 from workers.sampling import SamplingParams
@@ -8,6 +10,7 @@ pytestmark = pytest.mark.integration
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
            "The planets of the solar system are"]
 GREEDY = SamplingParams(temperature=0)
+THREADS = len(os.sched_getaffinity(0))      # this test process's cores
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +21,7 @@ def model_path():
 
 def make(model_path, slots=4, deterministic=False):
     from workers.engine import LlamaEngine
-    return LlamaEngine(model_path, 1024, slots, 2, 0, deterministic=deterministic)
+    return LlamaEngine(model_path, 1024, slots, THREADS, 0, deterministic=deterministic)
 
 
 def generate(engine, jobs, n=16, logprobs=None):
@@ -126,7 +129,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_alongside_generating_slots(model_p
 def test_chunked_prefill_never_stalls_a_running_stream_and_serves_short_prompts_first(
         model_path):
     from workers.engine import LlamaEngine
-    engine = LlamaEngine(model_path, 2048, 3, 2, 0, prefill_chunk=64)
+    engine = LlamaEngine(model_path, 2048, 3, THREADS, 0, prefill_chunk=64)
     try:
         engine.add(0, engine.tokenize("Once upon a time"), GREEDY)
         while 0 not in engine.step():                  # slot 0 generates from now on
@@ -158,7 +161,7 @@ REPEATING_CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    ret
 
 def run_speculated(model_path, draft_max, deterministic=False, n=24):
     from workers.engine import LlamaEngine
-    engine = LlamaEngine(model_path, 1024, 2, 2, 0, deterministic=deterministic,
+    engine = LlamaEngine(model_path, 1024, 2, THREADS, 0, deterministic=deterministic,
                          draft_max=draft_max)
     try:
         engine.add(0, engine.tokenize(REPEATING_CODE), GREEDY)

@@ -1,9 +1,13 @@
 """KV chunk reuse: the pure planner (`workers.kvreuse`) and the engine applying it on the
 bundled model."""
+import os
+
 import pytest
 
 from workers.kvreuse import chunk_moves
 from workers.sampling import SamplingParams
+
+THREADS = len(os.sched_getaffinity(0))      # this test process's cores
 
 
 def test_text_deleted_before_the_rest_of_the_file_moves_the_rest_into_place():
@@ -65,7 +69,7 @@ def test_engine_shifts_a_context_ring_that_dropped_its_oldest_chunk():
         engine.release(0)
         return out
 
-    engine = LlamaEngine(path, 2048, 1, 2, 0, cache_reuse=64)
+    engine = LlamaEngine(path, 2048, 1, THREADS, 0, cache_reuse=64)
     try:
         run(engine, engine.tokenize(chunks[0] + chunks[1] + chunks[2] + local), n=4)
         second = engine.tokenize(chunks[1] + chunks[2] + chunks[3] + local)
@@ -86,7 +90,7 @@ def test_engine_shifts_a_context_ring_that_dropped_its_oldest_chunk():
 def test_deterministic_mode_never_shifts_the_cache():
     from dispatcher.models import bundled_model_path
     from workers.engine import LlamaEngine
-    engine = LlamaEngine(str(bundled_model_path()), 512, 1, 2, 0, deterministic=True,
+    engine = LlamaEngine(str(bundled_model_path()), 512, 1, THREADS, 0, deterministic=True,
                          cache_reuse=16)
     try:
         assert engine.cache_reuse == 0

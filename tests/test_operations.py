@@ -1,5 +1,6 @@
 """The ops tool, Prometheus metrics and the config file, on the real stack."""
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -34,12 +35,18 @@ def complete(port, body, timeout=120):
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    with whole_machine():
+def ops_server():
+    with whole_machine():        # started with every core, to pin its workers to 0 and 1
         server = ServerProcess("--device", "cpu:0", "--device", "cpu:1", "--frontends", "2",
                                workers=2, log_name="ops").start()
-        yield server
-        assert server.stop() == 0
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture
+def two(ops_server, all_cores):
+    """The two-worker server, for a test that runs alone (its workers use both cores)."""
+    return ops_server
 
 
 def test_status_shows_workers_queue_and_front_ends(two):
@@ -180,7 +187,6 @@ def test_metrics_show_the_whole_system_from_any_front_end(two):
 
 # -- config file --------------------------------------------------------------------------
 def check_config(*args, env=None):
-    import os
     out = subprocess.run([sys.executable, "-m", "dispatcher", "check-config", *args],
                          cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={**os.environ, **(env or {})})
@@ -254,7 +260,8 @@ def test_check_config_reports_every_problem_with_its_place(tmp_path):
     assert out.returncode == 1 and "missing.toml" in out.stderr
 
 
-def test_flags_and_variables_override_the_file(tmp_path, all_cores):
+def test_flags_and_variables_override_the_file(tmp_path):
+    core = f"cpu:{min(os.sched_getaffinity(0))}"      # one this process may use
     config = tmp_path / "c.toml"
     config.write_text("[server]\nnctx = 1024\nport = 9100\n[[workers]]\ndevice = \"cpu\"\n"
                       "[[workers]]\ndevice = \"cpu\"\n")
@@ -267,8 +274,8 @@ def test_flags_and_variables_override_the_file(tmp_path, all_cores):
                                      env={"COMPLETIONS_NCTX": "2048"}).stdout)
     assert report["workers"][0]["nctx"] == 512
     report = json.loads(check_config("--config", str(config), "--json", "--device",
-                                     "cpu:0").stdout)
-    assert [w["device"] for w in report["workers"]] == ["cpu:0"]     # replaces the list
+                                     core).stdout)
+    assert [w["device"] for w in report["workers"]] == [core]        # replaces the list
 
 
 def test_serve_from_a_config_file_with_two_models(tmp_path, all_cores):

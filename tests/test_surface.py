@@ -1,6 +1,7 @@
 """The whole /v1/completions surface (OpenAI, llama.cpp, geniex, SIE fields) against the
 real stack on the bundled model; FIM against a tiny generated GGUF model."""
 import json
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -455,7 +456,8 @@ def test_fim_prompt_uses_the_models_fim_tokens(fim_model):
                         temperature=0)
         from workers.repacking import llama_loads_like_workers
         with llama_loads_like_workers():
-            ref = Llama(str(fim_model), n_ctx=256, verbose=False)
+            ref = Llama(str(fim_model), n_ctx=256, verbose=False,
+                        n_threads=len(os.sched_getaffinity(0)))
         pre, suf, mid = (int(ref.metadata[f"tokenizer.ggml.{k}_token_id"])
                          for k in ("fim_pre", "fim_suf", "fim_mid"))
         layout = ([ref.token_bos(), pre] + ref.tokenize(prefix.encode(), add_bos=False)

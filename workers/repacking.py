@@ -87,7 +87,9 @@ def extra_buffers_work() -> bool:
         works = False
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps({"works": works, "library": str(library)}))
+        partial = cache.with_name(f"{cache.name}.{os.getpid()}")     # workers probing at
+        partial.write_text(json.dumps({"works": works, "library": str(library)}))
+        os.replace(partial, cache)                                  # once never see half
     except OSError:
         pass
     return works
