@@ -25,16 +25,21 @@ def held_by_someone(path) -> bool:
         return False
 
 
-def test_a_share_waits_while_another_process_has_the_whole_machine(tmp_path):
-    whole, other = MachineShare(tmp_path), MachineShare(tmp_path)
+def share_in_thread(holder: MachineShare) -> tuple[threading.Thread, threading.Event]:
+    """A thread that takes a share and sets the event once it has it."""
     ran = threading.Event()
 
     def share():
-        with other.share():
+        with holder.share():
             ran.set()
 
+    return in_thread(share), ran
+
+
+def test_a_share_waits_while_another_process_has_the_whole_machine(tmp_path):
+    whole, other = MachineShare(tmp_path), MachineShare(tmp_path)
     with whole.whole_machine():
-        thread = in_thread(share)
+        thread, ran = share_in_thread(other)
         assert not ran.wait(0.3)               # blocked, however fast the machine
     thread.join(timeout=30)
     assert ran.is_set()
@@ -72,15 +77,9 @@ def test_the_whole_machine_waits_for_shares_and_is_not_starved_by_new_ones(tmp_p
 
 def test_a_share_upgraded_to_the_whole_machine_and_back(tmp_path):
     mine, other = MachineShare(tmp_path), MachineShare(tmp_path)
-    ran = threading.Event()
-
-    def share():
-        with other.share():
-            ran.set()
-
     with mine.share():
         with mine.whole_machine():
-            thread = in_thread(share)
+            thread, ran = share_in_thread(other)
             assert not ran.wait(0.3)
         thread.join(timeout=30)                # back to a share: shares run beside it
         assert ran.is_set()
