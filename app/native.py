@@ -18,7 +18,7 @@ from app import sse
 from app.client import get_client
 from app.completions import serve
 from app.errors import NotSupported, PayloadTooLarge
-from app.fields import INT_MAX, StrictFloat, StrictInteger, StrictString
+from app.fields import INT_MAX, MAX_CHOICES, StrictFloat, StrictInteger, StrictString
 from app.requests import parse_json_body, resolve_model, validate
 from app.schemas import CompletionRequestSchema, _doc, _range
 from dispatcher import protocol as P
@@ -50,6 +50,11 @@ class NativeCompletionSchema(CompletionRequestSchema):
     repeat_last_n = StrictInteger(load_default=64, allow_none=True,
                                   validate=_range(-1, INT_MAX),
                                   metadata=_doc("llama.cpp's default 64.", type="integer"))
+    n_cmpl = StrictInteger(load_default=None, allow_none=True,
+                           validate=_range(1, MAX_CHOICES), metadata=_doc(
+                               "Completions of the prompt (llama.vscode sends 3): the "
+                               "answer is then a list, as llama.cpp's.", type="integer",
+                               minimum=1, maximum=MAX_CHOICES))
     response_fields = fields.List(StrictString(), load_default=None, allow_none=True,
                                   metadata=_doc("Only these fields of the answer, by path "
                                                 "(`timings/prompt_n`), flat.", type="array",
@@ -103,15 +108,17 @@ def _validated(schema: Schema) -> dict:
 @bp.post("/completion")
 @bp.post("/completions")
 def completion():
-    return serve(_validated(_completion_schema), NativeResult,
-                 {"warm": True})
+    req = _validated(_completion_schema)
+    req["model"] = resolve_model(req["model"], get_client(current_app).wait_state(),
+                                 any_name=True)
+    return serve(req, NativeResult, {"warm": True})
 
 
 @bp.post("/infill")
 def infill():
     req = _validated(_infill_schema)
     state = get_client(current_app).wait_state()
-    model = resolve_model(req["model"], state)
+    model = req["model"] = resolve_model(req["model"], state, any_name=True)
     workers = [w for w in (state or {}).get("workers", []) if w.get("model") == model]
     if workers and not any(w.get("fim") for w in workers):
         raise NotSupported(f"Infill is not supported by '{model}': its GGUF has no "

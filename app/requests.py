@@ -113,22 +113,31 @@ def validate(body: object, schema: Schema = _schema) -> dict:
         else data
 
 
-def resolve_model(requested: str | None, state: dict | None) -> str:
-    """The model id to serve, or 404 (unknown) / 503 (known, nothing ready / no dispatcher)."""
+def resolve_model(requested: str | None, state: dict | None, any_name: bool = False) -> str:
+    """The model id to serve, or 404 (unknown) / 503 (known, nothing ready / no dispatcher).
+
+    No `model`, or an empty one (llama.vim always sends its `model_fim` setting, "" by
+    default), means the served model: the only one, or the first of the config. With
+    `any_name` (llama.cpp's native routes, where llama-server ignores `model`) a name that
+    is not served means the same when one model is served."""
     if state is None:
         raise ServiceUnavailable("the dispatcher is unreachable")
     models = state.get("models", {})
     if not models:
         raise ServiceUnavailable("no worker is ready yet", code="no_worker_ready")
-    if requested is None:
-        if len(models) != 1:
-            raise InvalidRequest("'model' is required: this server has "
-                                 f"{len(models)} models", param="model")
-        requested = next(iter(models))
+    default = state.get("default_model")
+    if default not in models:
+        default = next(iter(models))        # the config's order (dispatcher.core)
+    if requested is None or not requested.strip():
+        requested = default
     requested = state.get("aliases", {}).get(requested, requested)    # --model-alias
     if requested not in models:
-        raise NotFound(f"The model '{requested}' does not exist. Served: "
-                       + ", ".join(sorted(models)), param="model", code="model_not_found")
+        if any_name and len(models) == 1:
+            requested = default
+        else:
+            raise NotFound(f"The model '{requested}' does not exist. Served: "
+                           + ", ".join(sorted(models)), param="model",
+                           code="model_not_found")
     if not models[requested].get("ready"):
         raise ServiceUnavailable(f"no worker for '{requested}' is ready yet",
                                  code="no_worker_ready")

@@ -40,7 +40,8 @@ class CompletionRequestSchema(Schema):
 
     # -- OpenAI ------------------------------------------------------------------------
     model = StrictString(load_default=None, allow_none=True, metadata=_doc(
-        "Model id (see /v1/models); may be omitted when one model is served.",
+        "Model id or alias (see /v1/models); omitted, null or empty: the served model "
+        "(the first of the config when several are).",
         type="string"))
     prompt = PromptField(required=True, metadata=_doc(
         "A string, an array of strings (one choice set per prompt), an array of token "
@@ -279,7 +280,7 @@ class CompletionRequestSchema(Schema):
         if data.get("stream_options") is not None and not data.get("stream"):
             raise ValidationError("stream_options is only allowed when stream is true.",
                                   "stream_options")
-        n, best_of = data.get("n") or 1, data.get("best_of")
+        n, best_of = data.get("n_cmpl") or data.get("n") or 1, data.get("best_of")
         if best_of is not None and best_of < n:
             raise ValidationError(f"best_of ({best_of}) must be at least n ({n}).",
                                   "best_of")
@@ -300,15 +301,15 @@ class CompletionRequestSchema(Schema):
             if too_big:
                 raise ValidationError(f"{too_big} is at most {MAX_SCHEMA_COUNT} here (the "
                                       "grammar built from it grows with it).", "json_schema")
-        for alias, name in (("n_predict", "max_tokens"),
-                            ("repeat_penalty", "repetition_penalty")):
+        for alias, name in ALIASES.items():
             if data.get(alias) is not None and original.get(name) is not None \
                     and data[alias] != data[name]:
                 raise ValidationError(f"{alias} and {name} are the same setting and "
                                       "differ here.", alias)
 
 
-ALIASES = {"n_predict": "max_tokens", "repeat_penalty": "repetition_penalty"}
+ALIASES = {"n_predict": "max_tokens", "repeat_penalty": "repetition_penalty",
+           "n_cmpl": "n"}
 KEEP_NULL = {"max_tokens", "seed", "model", "stream_options", "user", "suffix", "logprobs",
              "draft_max",
              "best_of", "logit_bias", "grammar", "json_schema", "nctx", "ngl", "compute"}

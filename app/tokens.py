@@ -14,7 +14,7 @@ bp = Blueprint("tokens", __name__)
 
 def _run(op: str, req: dict) -> dict:
     client = get_client(current_app)
-    model = resolve_model(req.pop("model"), client.wait_state())
+    model = resolve_model(req.pop("model"), client.wait_state(), any_name=True)
     job = {"id": P.new_request_id(), "model": model, "op": op, **req}
     stream = client.submit(job)
     try:

@@ -370,8 +370,11 @@ class DispatcherCore(Admission):
 
     def state(self) -> dict:
         capabilities = ("model", "n_ctx", "compute", "n_gpu_layers", "profile", "fim")
+        models = self.models()
         return {"epoch": self.epoch, "workers_ready": len(self.registry),
-                "models": self.models(),
+                "models": models,
+                # what a request without a `model` gets: the config's first model
+                "default_model": next(iter(models), None),
                 "aliases": {alias: model for model, info in self.known_models.items()
                             for alias in info.get("aliases", ())},
                 "queued": len(self.queue), "expected_workers": self.fleet.expected_workers(),

@@ -311,6 +311,17 @@ def test_serve_from_a_config_file_with_two_models(tmp_path, all_cores):
                                       "max_tokens": 2})["model"] == "gemma"
         assert complete(server.port, {"model": "tiny", "prompt": "def", "suffix": "x",
                                       "max_tokens": 2})["model"] == "tiny"
+        # no model, or an empty one (llama.vim's): the config's first model
+        for body in ({"prompt": "Hi", "max_tokens": 1},
+                     {"model": "", "prompt": "Hi", "max_tokens": 1}):
+            assert complete(server.port, body)["model"] == "gemma"
+        status, _, answer = http_json(server.port, "POST", "/completion",
+                                      {"model": "", "prompt": "Hi", "n_predict": 1})
+        assert status == 200 and answer["model"] == "gemma"
+        # with several models an unknown name cannot mean one of them, native route or not
+        status, _, answer = http_json(server.port, "POST", "/completion",
+                                      {"model": "other", "prompt": "Hi", "n_predict": 1})
+        assert status == 404 and answer["error"]["code"] == "model_not_found"
         workers = workers_by_name(server)
         assert workers["w0-cpu0-interactive"]["slots"] == 2
         assert workers["w1-cpu1"]["model"] == "tiny"
