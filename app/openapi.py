@@ -9,6 +9,7 @@ from __future__ import annotations
 from flask import Blueprint, jsonify
 from marshmallow import Schema, fields
 
+from app.fim import FIM_FIELDS, FimRequestSchema
 from app.native import NativeCompletionSchema, NativeInfillSchema
 from app.schemas import (CompletionRequestSchema, DetokenizeRequestSchema,
                          TokenizeRequestSchema)
@@ -81,6 +82,19 @@ NATIVE_COMPLETION = {"type": "object", "properties": {
         "predicted_per_second")}}}}
 
 
+FIM_COMPLETION = {"type": "object", "required": ["id", "object", "created", "model",
+                                                  "choices", "usage"], "properties": {
+    "id": {"type": "string"}, "object": {"const": "chat.completion"},
+    "created": {"type": "integer"}, "model": {"type": "string"},
+    "choices": {"type": "array", "items": {"type": "object", "properties": {
+        "index": {"type": "integer"},
+        "message": {"type": "object", "properties": {
+            "role": {"const": "assistant"}, "content": {"type": "string"},
+            "tool_calls": {"type": "null"}, "prefix": {"type": "boolean"}}},
+        "finish_reason": {"enum": ["stop", "length"]}}}},
+    "usage": USAGE}}
+
+
 def build_openapi() -> dict:
     completion = {"type": "object", "required": ["id", "object", "created", "model",
                                                  "choices"], "properties": {
@@ -108,6 +122,17 @@ def build_openapi() -> dict:
                                                      "Server-Sent Events ending in "
                                                      "`data: [DONE]`",
                                       "content": {**_json("Completion"),
+                                                  "text/event-stream": {"schema": {
+                                                      "type": "string"}}}},
+                              **_error_responses(400, 404, 413, 415, 429, 503)}}},
+            "/v1/fim/completions": {"post": {
+                "summary": "Mistral's fill-in-the-middle completion (JSON, or SSE with "
+                           "stream: true)",
+                "requestBody": {"required": True, "content": _json("FimRequest")},
+                "responses": {"200": {"description": "A chat-completion-shaped answer, or "
+                                                     "its chunks as Server-Sent Events "
+                                                     "ending in `data: [DONE]`",
+                                      "content": {**_json("FimCompletion"),
                                                   "text/event-stream": {"schema": {
                                                       "type": "string"}}}},
                               **_error_responses(400, 404, 413, 415, 429, 503)}}},
@@ -165,6 +190,8 @@ def build_openapi() -> dict:
             "TokenizeRequest": object_schema(TokenizeRequestSchema()),
             "DetokenizeRequest": object_schema(DetokenizeRequestSchema()),
             "Completion": completion,
+            "FimRequest": object_schema(FimRequestSchema(only=FIM_FIELDS)),
+            "FimCompletion": FIM_COMPLETION,
             "Error": {"type": "object", "required": ["error"], "properties": {"error": {
                 "type": "object", "required": ["message", "type", "param", "code"],
                 "properties": {"message": {"type": "string"}, "type": {"type": "string"},
