@@ -1,8 +1,6 @@
 """The HTTP front end: a Flask app factory, run by gunicorn with gevent workers."""
 from __future__ import annotations
 
-import logging
-
 import time
 
 from flask import Flask, request
@@ -15,7 +13,7 @@ def create_app(test_config: dict | None = None) -> Flask:
     then `test_config`."""
     app = Flask(__name__)
     options = configfile.effective(["dispatcher", "max_body", "max_prompt_chars",
-                                    "api_key", "api_key_file", "cors_origin"])
+                                    "api_key", "api_key_file", "cors_origin", "access_log"])
     app.config.from_mapping(
         DISPATCHER=options["dispatcher"],
         MAX_BODY=options["max_body"],
@@ -23,6 +21,7 @@ def create_app(test_config: dict | None = None) -> Flask:
         API_KEY=",".join(options["api_key"]),
         API_KEY_FILE=options["api_key_file"],
         CORS_ORIGINS=options["cors_origin"],
+        ACCESS_LOG=options["access_log"],
     )
     if test_config:
         app.config.update(test_config)
@@ -32,8 +31,8 @@ def create_app(test_config: dict | None = None) -> Flask:
     app.json.sort_keys = False
     app.json.ensure_ascii = False
 
-    from app import (auth, completions, cors, errors, metrics, native, openapi, status,
-                     tokens)
+    from app import (access, auth, completions, cors, errors, fim, metrics, native, openapi,
+                     status, tokens)
     errors.register_error_handlers(app)
 
     @app.before_request
@@ -41,10 +40,10 @@ def create_app(test_config: dict | None = None) -> Flask:
         # the client's order of a session's requests (superseding) is their arrival here
         request.environ["completions.arrived_ns"] = time.time_ns()
 
+    access.init_app(app)               # first: a request refused below is logged too
     cors.init_app(app)                 # before auth: a preflight carries no credentials
     auth.init_app(app)
     metrics.init_app(app)
-    for module in (completions, native, status, tokens, openapi, metrics):
+    for module in (completions, fim, native, status, tokens, openapi, metrics):
         app.register_blueprint(module.bp)
-    logging.getLogger("app").setLevel(logging.INFO)
     return app

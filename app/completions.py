@@ -10,7 +10,7 @@ import time
 
 from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
 
-from app import sse
+from app import access, sse
 from app.client import ClientGone, get_client, watch_disconnect
 from app.errors import from_wire
 from app.fanout import Fanout
@@ -21,23 +21,30 @@ from app.responses import Result
 from dispatcher import protocol as P
 
 bp = Blueprint("completions", __name__)
-def measured(events, started: float, recorder):
-    """Pass events through, recording time to first text and between texts per job."""
+def measured(events, started: float, recorder, record: access.RequestRecord):
+    """Pass events through, recording time to first text and between texts per job, and
+    what the access log says of the request."""
     last_text: dict[int, float] = {}
     origin: dict[int, tuple[str, str]] = {}
     for index, event in events:
         kind = event["e"]
+        now = time.perf_counter()
         if kind == P.EV_START:
             origin[index] = (str(event.get("worker", "unknown")),
                              str(event.get("device", "unknown")))
+            record.observe(index, event, "start", now)
         elif kind == P.EV_TEXT:
-            now = time.perf_counter()
             worker, device = origin.get(index, ("unknown", "unknown"))
             if index in last_text:
                 recorder.observe("itl", worker, device, now - last_text[index])
             else:
                 recorder.observe("ttft", worker, device, now - started)
             last_text[index] = now
+            record.observe(index, event, "text", now)
+        elif kind == P.EV_END:
+            record.observe(index, event, "end", now)
+        elif kind == P.EV_ERROR:
+            record.failed(event.get("code"))
         yield index, event
 
 
@@ -61,12 +68,15 @@ def serve(req: dict, result_class, extra_job: dict | None = None):
     plans = plan_jobs(request_id, model, req, request.headers.get(PROFILE_HEADER),
                       session_of(request), timeout, extra_job, session_order(arrived))
     check_route(plans[0].job, state)
+    record = access.current()
+    record.update(request_id=request_id, model=model)
+    record.jobs(plans)
     fanout = Fanout(client, [p.job for p in plans])
     watcher = watch_disconnect(request.environ, fanout.client_gone)
     result = result_class(request_id, int(time.time()), model, req, plans)
     try:
         fanout.submit()
-        events = measured(fanout.events(), started, client.recorder)
+        events = measured(fanout.events(), started, client.recorder, record)
         first = next(events)
         if first[1]["e"] == P.EV_ERROR:
             raise from_wire(first[1])
@@ -74,12 +84,13 @@ def serve(req: dict, result_class, extra_job: dict | None = None):
         _stop(watcher)
         fanout.close()
         if isinstance(exc, ClientGone):
+            record.failed("client_closed")
             return Response(status=499)     # nobody is listening; nginx logs 499 too
         raise
     events = itertools.chain([first], events)
     headers = {"X-Request-Id": request_id}
     if req["stream"]:
-        body = _stream(result, events, fanout, watcher)
+        body = _stream(result, events, fanout, watcher, record)
         return Response(stream_with_context(body), mimetype="text/event-stream",
                         headers={**sse.SSE_HEADERS, **headers})
     try:
@@ -89,6 +100,7 @@ def serve(req: dict, result_class, extra_job: dict | None = None):
             result.add(index, event)
         return jsonify(result.body()), 200, headers
     except ClientGone:
+        record.failed("client_closed")
         return Response(status=499)
     finally:
         _stop(watcher)
@@ -100,21 +112,26 @@ def _stop(watcher) -> None:
         watcher.kill(block=False)
 
 
-def _stream(result, events, fanout: Fanout, watcher):
+def _stream(result, events, fanout: Fanout, watcher, record: access.RequestRecord):
     """SSE chunks; an error after the stream started goes out as an error event."""
+    ended = False
     try:
         for index, event in events:
             result.add(index, event)
             if event["e"] == P.EV_ERROR:
                 yield sse.event(from_wire(event).to_dict())
                 yield from result.trailer(error=True)
+                ended = True
                 return
             chunk = result.chunk(index, event)
             if chunk is not None:
                 yield chunk
         yield from result.trailer(error=False)
+        ended = True
     except ClientGone:
         return
     finally:
+        if not ended:           # the client left (noticed here, or by a failed write)
+            record.failed("client_closed")
         _stop(watcher)
         fanout.close()

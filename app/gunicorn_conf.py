@@ -4,8 +4,10 @@ that COMPLETIONS_CONFIG names).
 Used by `python -m dispatcher serve` (as `-c python:app.gunicorn_conf`) and by
 `deploy/gunicorn.conf.py` for a front end run on its own.
 """
+import logging
 import os
 
+from dispatcher.config import LOG_FORMAT as _LOG_FORMAT
 from dispatcher.configfile import effective as _effective
 
 _options = _effective(["host", "port", "frontends", "log_level"])
@@ -22,6 +24,9 @@ keepalive = 75          # longer than nginx's upstream keepalive_timeout
 proc_name = "completions-frontend"
 control_socket_disable = True   # gunicorn 27's control socket: one fixed path per user
 loglevel = _options["log_level"]
+# the app's own loggers (`app.*`: the debug line for ignored native fields, errors) at the
+# same level, in the format of the dispatcher's and workers' lines
+logging.basicConfig(level=loglevel.upper(), format=_LOG_FORMAT)
 
 
 def on_starting(server):

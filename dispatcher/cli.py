@@ -22,12 +22,11 @@ SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "mo
                  "cors_origin", "device",
                  "nctx", "ngl", "slots", "deterministic", "engine", "dispatcher",
                  "log_level", "max_body", "max_prompt_chars", "max_queue", "queue_timeout",
-                 "stop_grace", "api_key", "api_key_file"]
+                 "stop_grace", "api_key", "api_key_file", "access_log"]
 
 
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
+    logging.basicConfig(level=level.upper(), format=config.LOG_FORMAT)
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -132,6 +131,7 @@ def cmd_serve(args) -> int:
                "COMPLETIONS_MAX_BODY": str(args.max_body),
                "COMPLETIONS_MAX_PROMPT_CHARS": str(args.max_prompt_chars),
                "COMPLETIONS_LOG_LEVEL": args.log_level,
+               "COMPLETIONS_ACCESS_LOG": args.access_log,
                # keys travel in the environment, never on a command line (ps shows those)
                "COMPLETIONS_API_KEY": ",".join(args.api_key),
                "COMPLETIONS_API_KEY_FILE": args.api_key_file or "",

@@ -106,6 +106,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("config", None, "TOML config file (see deploy/workstation-4gpu.toml)"),
     Option("log_level", "info", "log level", str.lower,
            choices=("debug", "info", "warning", "error")),
+    Option("access_log", "-", "the front ends' access log, one logfmt line per request: "
+           "- (stderr), off, or a file path"),
     Option("max_body", 8 * 1024 * 1024, "largest request body accepted, in bytes", _positive_int),
     Option("max_prompt_chars", 1 << 20, "largest prompt (all prompts of a request), in "
            "characters; 413 above", _positive_int),
@@ -162,6 +164,8 @@ STOP_GRACE = 10.0
 # A worker's exit status when its model cannot be loaded on its device (EX_CONFIG): the
 # supervisor does not respawn it, and `serve` stops if no worker of a model is left.
 EXIT_CANNOT_LOAD = 78
+# Every process's log lines (the access log has its own, see app/access.py).
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
 # Retry-After sent with a 503 when no worker is ready.
 RETRY_AFTER_SECONDS = 5
 

@@ -163,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "fim_template", "prefill_chunk", "draft_max", "cache_reuse",
                                 "log_level"], configfile.server_defaults(file_data))
     args = config.resolve_repeats(parser.parse_args(argv))
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=config.LOG_FORMAT)
     if not args.dispatcher:
         parser.error(f"--dispatcher (or {config.OPTIONS['dispatcher'].env}) is required")
     if len(args.device) != 1:

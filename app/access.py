@@ -1,0 +1,151 @@
+"""The access log: one line per request, written once its answer is done (a stream's
+last byte sent, or the client gone), in logfmt (`key=value`, space-separated;
+a value with spaces, quotes or anything but printable ASCII is a quoted JSON string).
+
+It says who asked for what and how it went, never what was asked: no prompt, suffix,
+grammar or generated text, no query string, and the API key only as a short fingerprint
+(the first 8 hex digits of its SHA-256, the same on every front end).
+
+`--access-log` (COMPLETIONS_ACCESS_LOG): `-` the server's stderr (the default), `off`,
+or a file path (reopened when logrotate moves it).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import logging.handlers
+import sys
+import time
+from datetime import datetime, timezone
+
+from flask import Flask, request
+
+ENVIRON_KEY = "completions.access"
+FIELDS = ("time", "request_id", "method", "route", "status", "duration_ms", "ttft_ms",
+          "prompt_tokens", "cached_tokens", "completion_tokens", "model", "worker", "key",
+          "client", "user_agent", "error")
+MAX_VALUE = 200         # a client-chosen value (path, user agent) is cut to this length
+
+
+def key_fingerprint(authorization: str) -> str:
+    """The bearer token's fingerprint, or "-" without one."""
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return "-"
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()[:8]
+
+
+def logfmt_value(value) -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.1f}"
+    text = str(value)[:MAX_VALUE]
+    if text.isascii() and text.isprintable() and not any(c in text for c in ' ="\\'):
+        return text
+    return json.dumps(text)         # quoted: a JSON string, ASCII only, one line
+
+
+def format_line(record: dict) -> str:
+    return " ".join(f"{name}={logfmt_value(record.get(name))}" for name in FIELDS)
+
+
+class RequestRecord(dict):
+    """What the route learns about its request for the access line (see `serve`)."""
+
+    def jobs(self, plans) -> None:
+        self["_prompt_of"] = [plan.prompt_index for plan in plans]
+
+    def observe(self, index: int, event: dict, kind: str, now: float) -> None:
+        """One event of job `index` (protocol EV_START / EV_TEXT / EV_END)."""
+        if kind == "start":
+            workers = self.setdefault("_workers", [])
+            worker = str(event.get("worker") or "")
+            if worker and worker not in workers:
+                workers.append(worker)
+            prompt_of = self.get("_prompt_of") or []
+            key = prompt_of[index] if index < len(prompt_of) else index
+            self.setdefault("_prompts", {})[key] = (int(event.get("prompt_tokens", 0)),
+                                                    int(event.get("cached_tokens", 0)))
+        elif kind == "text" and "ttft_ms" not in self:
+            self["ttft_ms"] = (now - self["_started"]) * 1000
+        elif kind == "end":
+            usage = event.get("usage") or {}
+            self["_completion"] = self.get("_completion", 0) + \
+                int(usage.get("completion_tokens", 0))
+
+    def failed(self, code: str | None) -> None:
+        self.setdefault("error", code or "error")
+
+    def line(self, status: int) -> str:
+        prompts = self.get("_prompts") or {}
+        out = {**self, "status": status,
+               "duration_ms": (time.perf_counter() - self["_started"]) * 1000,
+               "worker": ",".join(self.get("_workers") or [])}
+        if prompts:
+            out["prompt_tokens"] = sum(p for p, _ in prompts.values())
+            out["cached_tokens"] = sum(c for _, c in prompts.values())
+        if "_completion" in self:
+            out["completion_tokens"] = self["_completion"]
+        return format_line(out)
+
+
+def current() -> RequestRecord:
+    """This request's record (a detached one outside a request or before init_app)."""
+    record = request.environ.get(ENVIRON_KEY)
+    if record is None:
+        record = request.environ[ENVIRON_KEY] = RequestRecord(_started=time.perf_counter())
+    return record
+
+
+def _logger(destination: str) -> logging.Logger | None:
+    """A logger of this app's own (outside the logging tree: several apps in one process,
+    as in the tests, keep their destinations apart)."""
+    if destination.lower() == "off":
+        return None
+    logger = logging.Logger("completions.access", logging.INFO)
+    if destination == "-":
+        handler: logging.Handler = logging.StreamHandler(sys.stderr)
+    else:
+        handler = logging.handlers.WatchedFileHandler(destination, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    return logger
+
+
+def init_app(app: Flask) -> None:
+    logger = _logger(str(app.config.get("ACCESS_LOG") or "-"))
+    if logger is None:
+        return
+
+    @app.before_request
+    def open_record():
+        now = datetime.now(timezone.utc)
+        request.environ[ENVIRON_KEY] = RequestRecord(
+            _started=time.perf_counter(),
+            time=now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            method=request.method, route=request.path,
+            key=key_fingerprint(request.headers.get("Authorization", "")),
+            client=request.remote_addr, user_agent=request.headers.get("User-Agent"))
+
+    @app.after_request
+    def close_record(response):
+        record = request.environ.get(ENVIRON_KEY)
+        if record is not None and not record.get("_closing"):
+            record["_closing"] = True
+            status = response.status_code
+            code = _error_code(response) if status >= 400 else None
+            if code:
+                record.failed(code)
+            response.call_on_close(lambda: logger.info(record.line(status)))
+        return response
+
+
+def _error_code(response) -> str | None:
+    if response.is_streamed or response.mimetype != "application/json":
+        return None
+    body = response.get_json(silent=True)
+    error = body.get("error") if isinstance(body, dict) else None
+    return error.get("code") or error.get("type") if isinstance(error, dict) else None
