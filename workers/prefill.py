@@ -3,19 +3,39 @@
 to leave out so that the prefill fits the budget."""
 from __future__ import annotations
 
+from collections import deque
+
 
 class PrefillMeter:
-    """The worker's prefill rate in prompt tokens per ms: a moving average over the
-    requests it prefilled (None until one of at least 16 uncached tokens was measured)."""
+    """The worker's prefill rate in prompt tokens per ms, as fast as it has lately shown
+    itself to be: the best of the last `WINDOW` prefills of at least `MIN_TOKENS`
+    uncached tokens, the worker's first such prefill left out (cold: weights paged in,
+    buffers allocated). None until one was measured: nothing is left out before.
+
+    A prefill measured beside other work (prompts sharing a step, streams decoding) looks
+    slower than the worker is; the best of several ignores such moments, so a brief load
+    or a cold start never costs the next requests their context. The estimate falls only
+    when every prefill of a window was slow."""
+
+    WINDOW = 8
+    MIN_TOKENS = 32
 
     def __init__(self, engine):
         self.engine = engine
-        self.rate: float | None = None
+        self.recent: deque[float] = deque(maxlen=self.WINDOW)
+        self.cold = True
+
+    @property
+    def rate(self) -> float | None:
+        return max(self.recent) if self.recent else None
 
     def measure(self, tokens: int, ms: float) -> None:
-        if tokens >= 16 and ms > 0:
-            rate = tokens / ms
-            self.rate = rate if self.rate is None else 0.7 * self.rate + 0.3 * rate
+        if tokens < self.MIN_TOKENS or ms <= 0:
+            return
+        if self.cold:
+            self.cold = False
+            return
+        self.recent.append(tokens / ms)
 
     def estimate_ms(self, tokens: list[int], free_slots: list[int], reuse: bool) -> float:
         """How long prefilling `tokens` would take here now: what no free slot holds, at
