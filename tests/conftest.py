@@ -232,9 +232,10 @@ class SSEStream:
     """A raw HTTP streaming request: headers, then events one at a time, then close."""
 
     def __init__(self, port: int, body: dict, timeout: float = 60,
-                 headers: dict | None = None, wait: bool = True):
+                 headers: dict | None = None, wait: bool = True,
+                 path: str = "/v1/completions"):
         self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-        self.conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+        self.conn.request("POST", path, body=json.dumps(body).encode(),
                           headers={"Content-Type": "application/json", **(headers or {})})
         self.raw = b""
         if wait:

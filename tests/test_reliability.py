@@ -82,7 +82,10 @@ def test_killed_worker_fails_what_it_had_started_and_spares_the_rest(all_cores):
     try:
         port = server.port
         long_run = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
-        source = PREFIX * 16        # long enough to draw its requests to the same worker
+        # long enough to draw its requests to the same worker even two busy slots ahead
+        # of an idle one (routing.affinity_allowed: 1024 shared characters a slot); the
+        # bystander may have finished when the third is routed
+        source = PREFIX * 32
         victim_stream = SSEStream(port, {"prompt": source + "def a():", "stream": True,
                                          **long_run})
         victim_stream.next_data()
