@@ -167,6 +167,13 @@ class ServerProcess:
             time.sleep(0.05)
         raise AssertionError(f"timed out waiting for {what}")
 
+    def wait_cancelled(self, timeout: float = 15.0) -> dict:
+        """The first worker, once idle with a cancelled request as its last."""
+        return self.wait_for(
+            lambda: (w := self.worker()) and w["state"] == "idle"
+            and (w["last_done"] or {}).get("cancelled") and w, timeout=timeout,
+            what="the worker to go idle after a cancel")
+
     def output(self) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-6000:]

@@ -259,10 +259,7 @@ def test_fim_stream_disconnect_cancels_generation(server):
     assert stream.status == 200
     read = sum(1 for _, _ in zip(range(5), stream.events()))
     stream.close()
-    worker = server.wait_for(
-        lambda: (w := server.worker()) and w["state"] == "idle"
-        and (w["last_done"] or {}).get("cancelled") and w, timeout=15,
-        what="the worker to go idle")
+    worker = server.wait_cancelled()
     assert read == 5 and worker["last_done"]["usage"]["completion_tokens"] < 200
 
 
