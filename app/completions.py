@@ -130,6 +130,9 @@ def _stream(result, events, fanout: Fanout, watcher, record: access.RequestRecor
         ended = True
     except ClientGone:
         return
+    except Exception:
+        record.failed("internal_error")
+        raise
     finally:
         if not ended:           # the client left (noticed here, or by a failed write)
             record.failed("client_closed")

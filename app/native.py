@@ -100,8 +100,11 @@ def _validated(schema: Schema) -> dict:
     body = parse_json_body(any_content_type=True)
     if isinstance(body, dict):
         ignored = sorted(set(body) - set(schema.fields))
-        if ignored:
-            log.debug("%s: ignoring fields %s", request.path, ", ".join(ignored))
+        if ignored and log.isEnabledFor(logging.DEBUG):
+            # names a client chose: bounded, and escaped to one printable line
+            names = ", ".join(ascii(name)[1:-1][:64] for name in ignored[:20])
+            more = f" and {len(ignored) - 20} more" if len(ignored) > 20 else ""
+            log.debug("%s: ignoring fields %s%s", request.path, names, more)
     return validate(body, schema)
 
 

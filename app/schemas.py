@@ -353,8 +353,8 @@ class _VocabularyRequestSchema(Schema):
         unknown = RAISE
 
     model = StrictString(load_default=None, allow_none=True,
-                         metadata=_doc("Model id; may be omitted when one model is served.",
-                                       type="string"))
+                         metadata=_doc("Model id or alias; omitted, null or empty: the "
+                                       "served model.", type="string"))
 
 
 class TokenizeRequestSchema(_VocabularyRequestSchema):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from flask import Blueprint, current_app, jsonify
 
+from app import access
 from app.client import get_client
 from app.requests import parse_json_body, resolve_model, validate
 from app.errors import from_wire
@@ -16,6 +17,7 @@ def _run(op: str, req: dict) -> dict:
     client = get_client(current_app)
     model = resolve_model(req.pop("model"), client.wait_state(), any_name=True)
     job = {"id": P.new_request_id(), "model": model, "op": op, **req}
+    access.current().update(request_id=job["id"], model=model)
     stream = client.submit(job)
     try:
         event = stream.next_event()

@@ -29,6 +29,18 @@ def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=config.LOG_FORMAT)
 
 
+def access_log_problem(destination: str) -> str | None:
+    """Why the front ends could not write `--access-log` there, or None."""
+    if destination in ("-", "off"):
+        return None
+    path = os.path.abspath(destination)
+    if os.path.isdir(path):
+        return f"--access-log {destination}: a directory, not a file"
+    writable = os.access(path, os.W_OK) if os.path.exists(path) else \
+        os.access(os.path.dirname(path), os.W_OK | os.X_OK)
+    return None if writable else f"--access-log {destination}: not writable"
+
+
 def _port_free(host: str, port: int) -> bool:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -109,6 +121,8 @@ def cmd_serve(args) -> int:
         raise SystemExit("configuration problems:\n  " + "\n  ".join(exc.problems))
     if args.api_key_file and not os.access(args.api_key_file, os.R_OK):
         raise SystemExit(f"--api-key-file {args.api_key_file}: not readable")
+    if args.frontends and access_log_problem(args.access_log):
+        raise SystemExit(access_log_problem(args.access_log))
     if args.frontends and not _port_free(args.host, args.port):
         raise SystemExit(f"{args.host}:{args.port} is already in use")
     endpoints, base, cleanup = _endpoints(args)
@@ -168,6 +182,8 @@ def cmd_check_config(args) -> int:
         problems, plan = exc.problems, None
     if args.api_key_file and not os.access(args.api_key_file, os.R_OK):
         problems.append(f"api_key_file {args.api_key_file}: not readable")
+    if access_log_problem(args.access_log):
+        problems.append(access_log_problem(args.access_log))
     try:
         P.Endpoints.from_base(args.dispatcher or default_dispatcher_address(args.port))
     except ValueError as exc:

@@ -193,6 +193,18 @@ def check_config(*args, env=None):
     return out
 
 
+def test_an_access_log_the_front_ends_could_not_write_is_a_problem(tmp_path):
+    for bad in (str(tmp_path / "missing" / "access.log"), str(tmp_path)):
+        result = check_config("--access-log", bad)
+        assert result.returncode == 1 and f"--access-log {bad}:" in result.stdout
+    for good in ("-", "off", str(tmp_path / "access.log")):
+        assert check_config("--access-log", good).returncode == 0
+    result = subprocess.run([sys.executable, "-m", "dispatcher", "serve", "--port", "1",
+                             "--access-log", str(tmp_path / "missing" / "a.log")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "not writable" in result.stderr
+
+
 def test_the_example_workstation_config_is_valid(tmp_path):
     from dispatcher.models import bundled_model_path
     text = (ROOT / "deploy" / "workstation-4gpu.toml").read_text()
