@@ -215,38 +215,12 @@ class LogitBiasField(fields.Field):
         return out
 
 
-# What a worker's grammar builders take: llama.cpp parses GBNF recursively (a deep nest
-# of groups would overflow its stack), and the JSON schema converter repeats an item
-# `minItems`/`maxLength`... times (llama.cpp's own repetition limit is 2000).
-MAX_GRAMMAR_DEPTH = 100
+# What a worker's JSON schema converter takes: it repeats an item `minItems`/
+# `maxLength`... times (llama.cpp's own repetition limit is 2000). GBNF grammars are
+# bounded by dispatcher.grammar.
 MAX_SCHEMA_COUNT = 2000
 SCHEMA_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties",
                  "maxProperties", "minContains", "maxContains")
-
-
-def grammar_depth(grammar: str) -> int:
-    """The deepest nesting of ( ) groups, outside string literals and [ ] classes."""
-    depth = deepest = 0
-    quote = bracket = escaped = False
-    for ch in grammar:
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = True
-        elif quote:
-            quote = ch != '"'
-        elif bracket:
-            bracket = ch != "]"
-        elif ch == '"':
-            quote = True
-        elif ch == "[":
-            bracket = True
-        elif ch == "(":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif ch == ")":
-            depth = max(0, depth - 1)
-    return deepest
 
 
 def schema_count_over(schema, limit: int) -> str | None:

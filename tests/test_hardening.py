@@ -367,6 +367,48 @@ def test_odd_but_valid_content_never_restarts_a_worker(two):
     assert lives(two) == before
 
 
+def rule_chain(n: int) -> str:
+    return "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(n)) + \
+        f'r{n} ::= "x"\n'
+
+
+# each reproduced as crashing, wedging or bloating a worker before it was bounded
+COSTLY = [
+    ({"grammar": rule_chain(75_000)}, "grammar"),                   # SIGSEGV
+    ({"grammar": rule_chain(5_000)}, "grammar"),                    # within the size limit
+    ({"grammar": 'root ::= "' + "a" * 50_000 + '"{2000}'}, "grammar"),   # +1.6 GB
+    ({"grammar": "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1} | r{i + 1}\n"
+                                           for i in range(40)) + 'r40 ::= "x"\n'},
+     "grammar"),                                                    # 2^40 steps
+    ({"grammar": 'root ::= "a"{3,1}'}, "grammar"),                  # an endless loop
+    ({"grammar": "root ::= [\\U0010FFFF-\\x00]"}, "grammar"),        # was a 500
+    ({"grammar": "root ::= <[999999]>"}, "grammar"),                # was a 500 (worker)
+    ({"samplers": ["infill"], "top_k": 40}, "samplers"),            # minutes a token
+    ({"samplers": ["top_k", "infill"]}, "samplers"),                # top_k 0: the same
+    ({"samplers": ["top_k", "infill"], "top_k": 100_000}, "samplers"),
+]
+
+
+def test_costly_grammars_and_sampler_orders_are_400s_beside_a_stream(two):
+    before = lives(two)
+    stream = SSEStream(two.port, {"prompt": "Once upon a time", "max_tokens": 60,
+                                  "temperature": 0, "ignore_eos": True, "stream": True})
+    first = stream.next_data()
+    for extra, param in COSTLY:
+        status, payload = post(two.port, {"prompt": "Say something.", "max_tokens": 4,
+                                          **extra})
+        assert status == 400, (list(extra), payload)
+        assert payload["error"]["param"] == param, payload
+    events = [first] + list(stream.events())
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert lives(two) == before
+    # a grammar at the limits is served
+    status, payload = post(two.port, {"prompt": "Say yes:", "max_tokens": 3,
+                                      "grammar": rule_chain(1_000).replace('"x"', '"yes"')})
+    assert status == 200 and payload["choices"][0]["text"] == "yes"
+
+
 # -- 6. the command line refuses what it cannot do ------------------------------------------
 def run_cli(*args, timeout=60, env=None):
     import subprocess

@@ -57,9 +57,9 @@ class FakeEngine:
     def is_eog(self, token: int) -> bool:
         return token == EOS
 
-    def check_tokens(self, tokens: list[int]) -> None:
+    def check_tokens(self, tokens: list[int], param: str = "prompt") -> None:
         if any(not 0 <= t < self.n_vocab for t in tokens):
-            raise InvalidInput("token ids outside the vocabulary", param="prompt")
+            raise InvalidInput("token ids outside the vocabulary", param=param)
 
     def grammar_from_json_schema(self, schema: dict) -> str:
         raise InvalidInput("the fake engine has no grammar support", param="json_schema")

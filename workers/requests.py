@@ -55,7 +55,7 @@ def vocabulary_op(engine, body: dict) -> dict:
         return {"tokens": [{"id": t, "piece": token_text(engine.piece(t))} for t in tokens]
                 if body.get("with_pieces") else tokens}
     if body["op"] == "detokenize":
-        engine.check_tokens(body["tokens"])
+        engine.check_tokens(body["tokens"], param="tokens")
         data = b"".join(engine.piece(t) for t in body["tokens"])
         return {"content": data.decode("utf-8", "replace")}
     raise InvalidInput(f"unknown operation {body['op']!r}")

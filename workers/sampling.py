@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from dispatcher import grammar as gbnf
 from dispatcher.protocol import SAMPLER_ALIASES
 from workers.errors import EngineError, InvalidInput
 
@@ -13,6 +14,23 @@ RANDOM_SEED = 0xFFFFFFFF     # llama.cpp's LLAMA_DEFAULT_SEED: draw a random see
 DEFAULT_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
                  "xtc", "temperature")    # llama.cpp's (its `samplers` default)
 DRY_BREAKERS = ("\n", ":", "\"", "*")
+
+
+def check_grammar(grammar: str, n_vocab: int, token_of=None) -> None:
+    """A 400 for a grammar llama.cpp would refuse or could not use (dispatcher.grammar)."""
+    try:
+        gbnf.check(grammar, n_vocab, token_of)
+    except gbnf.GrammarError as exc:
+        raise InvalidInput(f"the grammar cannot be used: {exc}", param="grammar") from None
+
+
+def one_token(lib, vocab, text: str) -> int | None:
+    """The id of `text` if it is exactly one token (special-token syntax parsed), as
+    llama.cpp's grammar parser requires of a `<text>` reference."""
+    data = text.encode("utf-8")
+    buf = (lib.llama_token * 2)()
+    n = lib.llama_tokenize(vocab, data, len(data), buf, 2, False, True)
+    return int(buf[0]) if n == 1 else None
 
 
 @dataclass(frozen=True)
@@ -180,6 +198,10 @@ class SamplerChain:
             samplers.append(lib.llama_sampler_init_logit_bias(
                 n_vocab, len(p.logit_bias), biases))
         if p.grammar is not None:
+            if "<" in p.grammar:
+                # token references (`<[id]>`, `<text>`) are checked against this vocabulary
+                # (the front end checked the rest), so llama.cpp never logs a refusal
+                check_grammar(p.grammar, n_vocab, lambda text: one_token(lib, vocab, text))
             self.grammar = lib.llama_sampler_init_grammar(vocab, p.grammar.encode(), b"root")
             if not self.grammar:
                 raise InvalidInput("the grammar does not parse (GBNF with a 'root' rule)",

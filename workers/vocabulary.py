@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 
+from dispatcher import grammar as gbnf
 from workers.errors import EngineError, InvalidInput
 
 
@@ -42,18 +43,24 @@ class Vocabulary:
     def is_eog(self, token: int) -> bool:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
 
-    def check_tokens(self, tokens: list[int]) -> None:
+    def check_tokens(self, tokens: list[int], param: str = "prompt") -> None:
         bad = [t for t in tokens if not 0 <= t < self.n_vocab]
         if bad:
             raise InvalidInput(f"token ids {bad[:5]} are outside the vocabulary "
-                               f"(0..{self.n_vocab - 1})", param="prompt")
+                               f"(0..{self.n_vocab - 1})", param=param)
 
     def grammar_from_json_schema(self, schema: dict) -> str:
         import json
 
         from llama_cpp.llama_grammar import json_schema_to_gbnf   # (loaded by the engine)
         try:
-            return json_schema_to_gbnf(json.dumps(schema))
+            grammar = json_schema_to_gbnf(json.dumps(schema))
         except Exception as exc:          # the converter raises many kinds
             raise InvalidInput(f"unsupported or invalid JSON schema: {exc}",
                                param="json_schema") from None
+        try:
+            gbnf.check(grammar, self.n_vocab)     # what it builds is bounded as any grammar
+        except gbnf.GrammarError as exc:
+            raise InvalidInput(f"the JSON schema makes a grammar that cannot be used: {exc}",
+                               param="json_schema") from None
+        return grammar

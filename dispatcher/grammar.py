@@ -1,0 +1,457 @@
+"""GBNF grammars checked before llama.cpp sees them: the same syntax as its parser
+(llama-grammar.cpp, llama-cpp-python 0.3.36), and bounds on what it would build.
+
+llama.cpp parses a grammar into rules of elements, expanding every repetition into
+copies (`"a…"{2000}` copies the whole literal 2000 times: a 50 KB grammar became 1.6 GB),
+then walks the leftmost rule references recursively to detect left recursion (a chain of
+75,000 `r{i} ::= r{i+1}` rules overflowed the worker's stack). Its parser also prints a
+grammar it rejects, whole, to the worker's log. `check` builds the same rules within
+budgets and answers with a message instead: a grammar it accepts, llama.cpp parses, and
+one llama.cpp would reject is refused here, before any worker is involved
+(tests/test_grammar.py checks both against llama.cpp itself).
+
+Stricter than llama.cpp, on purpose: NUL characters (llama.cpp stops reading there),
+code points above U+10FFFF, empty character ranges such as `[\\U0010FFFF-\\x00]` (they can
+never match: generation would fail midway), and the size limits below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+MAX_GRAMMAR_CHARS = 256 * 1024      # the text (JSON-schema grammars run to tens of KB)
+MAX_ELEMENTS = 500_000              # what llama.cpp allocates: 8 bytes each, ~16 with copies
+MAX_RULES = 100_000                 # rules, those repetitions generate included
+MAX_LEFT_DEPTH = 2_000              # nested calls of llama.cpp's left-recursion check
+MAX_LEFT_CALLS = 100_000            # ... and calls in all
+MAX_NESTING = 100                   # ( ) groups inside each other (this parser recurses too)
+MAX_REPETITION = 2000               # llama.cpp's MAX_REPETITION_THRESHOLD
+
+# element types (llama_gretype)
+END, ALT, RULE_REF, CHAR, CHAR_NOT, CHAR_RNG_UPPER, CHAR_ALT, CHAR_ANY, TOKEN, TOKEN_NOT = \
+    range(10)
+UNBOUNDED = -1
+
+
+class GrammarError(ValueError):
+    """The grammar does not parse (llama.cpp's parser refuses it too)."""
+
+
+class GrammarRefused(GrammarError):
+    """llama.cpp would take the grammar, but it could never work (nothing could match, or
+    llama.cpp would loop) or it would cost more than this server allows."""
+
+
+class GrammarTooLarge(GrammarRefused):
+    """The grammar would cost more than this server allows."""
+
+
+@dataclass
+class Grammar:
+    rules: list[list[tuple[int, int]]]
+    symbols: dict[str, int]
+    elements: int
+    tokens: list[tuple[int, str]]          # (id or -1, text) of each <token> reference
+
+    @property
+    def root(self) -> int:
+        return self.symbols["root"]
+
+
+def _is_word(c: str) -> bool:
+    return c.isascii() and (c.isalnum() or c == "-")
+
+
+class _Parser:
+    def __init__(self, src: str):
+        self.src = src + "\x00"            # llama.cpp reads a C string
+        self.symbols: dict[str, int] = {}
+        self.rules: list[list[tuple[int, int]] | None] = []
+        self.elements = 0
+        self.tokens: list[tuple[int, str]] = []
+        self.nesting = 0
+
+    # -- helpers -------------------------------------------------------------------------
+    def fail(self, message: str, pos: int | None = None,
+             kind: type = GrammarError) -> GrammarError:
+        if pos is None:
+            return kind(message)
+        line = self.src.count("\n", 0, pos) + 1
+        column = pos - (self.src.rfind("\n", 0, pos) + 1) + 1
+        near = self.src[pos:pos + 16].split("\n")[0].replace("\x00", "")
+        return kind(f"{message} at line {line}, column {column}"
+                            + (f" (near {near!r})" if near else " (at the end)"))
+
+    def charge(self, n: int) -> None:
+        self.elements += n
+        if self.elements > MAX_ELEMENTS:
+            raise GrammarTooLarge(f"the grammar expands to more than {MAX_ELEMENTS} "
+                                  "elements (repetitions are copies of what they repeat)")
+
+    def symbol_id(self, name: str) -> int:
+        return self.symbols.setdefault(name, len(self.symbols))
+
+    def generate_id(self, base: str) -> int:
+        next_id = len(self.symbols)
+        self.symbols[f"{base}_{next_id}"] = next_id
+        if next_id >= MAX_RULES:
+            raise GrammarTooLarge(f"the grammar has more than {MAX_RULES} rules, those "
+                                  "its repetitions and groups generate included")
+        return next_id
+
+    def add_rule(self, rule_id: int, rule: list) -> None:
+        if len(self.rules) <= rule_id:
+            self.rules.extend([None] * (rule_id + 1 - len(self.rules)))
+        self.rules[rule_id] = rule
+
+    def space(self, pos: int, newline_ok: bool) -> int:
+        src = self.src
+        while src[pos] in " \t#" or (newline_ok and src[pos] in "\r\n"):
+            if src[pos] == "#":
+                while src[pos] not in "\x00\r\n":
+                    pos += 1
+            else:
+                pos += 1
+        return pos
+
+    def name(self, pos: int) -> int:
+        end = pos
+        while _is_word(self.src[end]):
+            end += 1
+        if end == pos:
+            raise self.fail("expecting name", pos)
+        return end
+
+    def integer(self, pos: int) -> int:
+        end = pos
+        while "0" <= self.src[end] <= "9":
+            end += 1
+        if end == pos:
+            raise self.fail("expecting integer", pos)
+        return end
+
+    def hex(self, pos: int, size: int) -> tuple[int, int]:
+        digits = self.src[pos:pos + size]
+        if len(digits) != size or any(c not in "0123456789abcdefABCDEF" for c in digits):
+            raise self.fail(f"expecting {size} hex digits", pos)
+        return int(digits, 16), pos + size
+
+    def char(self, pos: int) -> tuple[int, int]:
+        src = self.src
+        if src[pos] == "\\":
+            kind = src[pos + 1]
+            if kind in "xuU":
+                value, end = self.hex(pos + 2, {"x": 2, "u": 4, "U": 8}[kind])
+            elif kind in "trn":
+                value, end = ord({"t": "\t", "r": "\r", "n": "\n"}[kind]), pos + 2
+            elif kind in '\\"[]-':
+                value, end = ord(kind), pos + 2
+            else:
+                raise self.fail("unknown escape", pos)
+        elif src[pos] != "\x00":
+            value, end = ord(src[pos]), pos + 1
+        else:
+            raise self.fail("unexpected end of input", pos)
+        if value > 0x10FFFF:
+            raise self.fail("a character above U+10FFFF (not Unicode)", pos, GrammarRefused)
+        return value, end
+
+    def token(self, pos: int) -> tuple[int, int]:
+        src = self.src
+        if src[pos] != "<":
+            raise self.fail("expecting '<'", pos)
+        start, pos = pos, pos + 1
+        if src[pos] == "[":
+            end = self.integer(pos + 1)
+            value = int(src[pos + 1:end])
+            if value > 0xFFFFFFFF:
+                raise self.fail("token id too big", pos + 1)
+            if src[end] != "]":
+                raise self.fail("expecting ']'", end)
+            if src[end + 1] != ">":
+                raise self.fail("expecting '>'", end + 1)
+            self.tokens.append((value, ""))
+            return value, end + 2
+        while src[pos] not in "\x00>":
+            pos += 1
+        if src[pos] != ">":
+            raise self.fail("expecting '>'", pos)
+        self.tokens.append((-1, src[start:pos + 1]))   # its id: the worker's vocabulary
+        return -1, pos + 1
+
+    # -- the grammar ---------------------------------------------------------------------
+    def alternates(self, pos: int, rule_name: str, rule_id: int, nested: bool) -> int:
+        rule: list[tuple[int, int]] = []
+        pos = self.sequence(pos, rule_name, rule, nested)
+        while self.src[pos] == "|":
+            rule.append((ALT, 0))
+            pos = self.space(pos + 1, True)
+            pos = self.sequence(pos, rule_name, rule, nested)
+        rule.append((END, 0))
+        self.charge(len(rule))
+        self.add_rule(rule_id, rule)
+        return pos
+
+    def sequence(self, pos: int, rule_name: str, rule: list, nested: bool) -> int:
+        src = self.src
+        last_start = len(rule)
+        prev_rules = 1
+
+        def repeat(low: int, high: int) -> None:
+            nonlocal prev_rules
+            if last_start == len(rule):
+                raise self.fail("expecting preceding item to */+/?/{", pos)
+            prev = rule[last_start:]
+            total = high if high != UNBOUNDED and high > 0 else low if low > 0 else 1
+            if prev_rules * total > MAX_REPETITION:
+                raise self.fail("repetitions of repetitions exceed llama.cpp's limit of "
+                                f"{MAX_REPETITION} rules", pos)
+            if low == 0:
+                del rule[last_start:]
+            else:
+                self.charge(len(prev) * (low - 1))
+                for _ in range(low - 1):
+                    rule.extend(prev)
+            last_rec = 0
+            n_opt = 1 if high == UNBOUNDED else high - low
+            for i in range(n_opt):
+                rec_id = self.generate_id(rule_name)
+                rec = list(prev)
+                if i > 0 or high == UNBOUNDED:
+                    rec.append((RULE_REF, rec_id if high == UNBOUNDED else last_rec))
+                rec += [(ALT, 0), (END, 0)]
+                self.charge(len(rec))
+                self.add_rule(rec_id, rec)
+                last_rec = rec_id
+            if n_opt > 0:
+                rule.append((RULE_REF, last_rec))
+            prev_rules *= total
+
+        while True:
+            c = src[pos]
+            if c == '"':
+                pos += 1
+                last_start, prev_rules = len(rule), 1
+                while src[pos] != '"':
+                    if src[pos] == "\x00":
+                        raise self.fail("unexpected end of input", pos)
+                    value, pos = self.char(pos)
+                    rule.append((CHAR, value))
+                pos = self.space(pos + 1, nested)
+            elif c == "[":
+                pos += 1
+                start_type = CHAR
+                if src[pos] == "^":
+                    pos += 1
+                    start_type = CHAR_NOT
+                last_start, prev_rules = len(rule), 1
+                while src[pos] != "]":
+                    if src[pos] == "\x00":
+                        raise self.fail("unexpected end of input", pos)
+                    at = pos
+                    value, pos = self.char(pos)
+                    rule.append((CHAR_ALT if last_start < len(rule) else start_type, value))
+                    if src[pos] == "-" and src[pos + 1] != "]":
+                        if src[pos + 1] == "\x00":
+                            raise self.fail("unexpected end of input", pos + 1)
+                        upper, pos = self.char(pos + 1)
+                        if upper < value:
+                            raise self.fail("an empty character range (its end comes "
+                                            "before its start)", at, GrammarRefused)
+                        rule.append((CHAR_RNG_UPPER, upper))
+                pos = self.space(pos + 1, nested)
+            elif c in "<!":
+                kind = TOKEN
+                if c == "!":
+                    kind, pos = TOKEN_NOT, pos + 1
+                value, pos = self.token(pos)
+                last_start, prev_rules = len(rule), 1
+                rule.append((kind, value))
+                pos = self.space(pos, nested)
+            elif _is_word(c):
+                end = self.name(pos)
+                ref = self.symbol_id(src[pos:end])
+                pos = self.space(end, nested)
+                last_start, prev_rules = len(rule), 1
+                rule.append((RULE_REF, ref))
+            elif c == "(":
+                self.nesting += 1
+                if self.nesting > MAX_NESTING:
+                    raise GrammarTooLarge(f"the grammar nests groups more than {MAX_NESTING} "
+                                          "deep")
+                pos = self.space(pos + 1, True)
+                before = len(self.symbols)
+                sub_id = self.generate_id(rule_name)
+                pos = self.alternates(pos, rule_name, sub_id, True)
+                self.nesting -= 1
+                prev_rules = max(1, len(self.symbols) - before)
+                last_start = len(rule)
+                rule.append((RULE_REF, sub_id))
+                if src[pos] != ")":
+                    raise self.fail("expecting ')'", pos)
+                pos = self.space(pos + 1, nested)
+            elif c == ".":
+                last_start, prev_rules = len(rule), 1
+                rule.append((CHAR_ANY, 0))
+                pos = self.space(pos + 1, nested)
+            elif c in "*+?":
+                pos = self.space(pos + 1, nested)
+                repeat(*{"*": (0, UNBOUNDED), "+": (1, UNBOUNDED), "?": (0, 1)}[c])
+            elif c == "{":
+                pos = self.space(pos + 1, nested)
+                if not "0" <= src[pos] <= "9":
+                    raise self.fail("expecting an int", pos)
+                end = self.integer(pos)
+                low = int(src[pos:end])
+                pos = self.space(end, nested)
+                high = UNBOUNDED
+                if src[pos] == "}":
+                    high = low
+                    pos = self.space(pos + 1, nested)
+                elif src[pos] == ",":
+                    pos = self.space(pos + 1, nested)
+                    if "0" <= src[pos] <= "9":
+                        end = self.integer(pos)
+                        high = int(src[pos:end])
+                        pos = self.space(end, nested)
+                    if src[pos] != "}":
+                        raise self.fail("expecting '}'", pos)
+                    pos = self.space(pos + 1, nested)
+                else:
+                    raise self.fail("expecting ','", pos)
+                if low >= 2 ** 64 or (high != UNBOUNDED and high >= 2 ** 64):
+                    raise self.fail("a repetition count too big", pos)
+                if low > MAX_REPETITION:
+                    raise self.fail(f"more than {MAX_REPETITION} repetitions", pos)
+                if high != UNBOUNDED and high > MAX_REPETITION:
+                    high = UNBOUNDED            # as llama.cpp: {m,n} with n > 2000 is {m,}
+                if high != UNBOUNDED and high < low:
+                    # llama.cpp's unsigned count of optional copies would wrap around
+                    raise self.fail("a repetition whose maximum is below its minimum", pos,
+                                    GrammarRefused)
+                repeat(low, high)
+            else:
+                return pos
+
+    def rule(self, pos: int) -> int:
+        end = self.name(pos)
+        name = self.src[pos:end]
+        rule_id = self.symbol_id(name)
+        pos = self.space(end, False)
+        if self.src[pos:pos + 3] != "::=":
+            raise self.fail("expecting ::=", pos)
+        pos = self.space(pos + 3, True)
+        pos = self.alternates(pos, name, rule_id, False)
+        if self.src[pos] == "\r":
+            pos += 2 if self.src[pos + 1] == "\n" else 1
+        elif self.src[pos] == "\n":
+            pos += 1
+        elif self.src[pos] != "\x00":
+            raise self.fail("expecting newline or end", pos)
+        return self.space(pos, True)
+
+    def parse(self) -> Grammar:
+        pos = self.space(0, True)
+        while self.src[pos] != "\x00":
+            pos = self.rule(pos)
+        if not any(self.rules):
+            raise GrammarError("the grammar has no rules")
+        names = {i: n for n, i in self.symbols.items()}
+        for rule_id, rule in enumerate(self.rules):
+            if not rule:
+                raise GrammarError(f"undefined rule '{names.get(rule_id, rule_id)}'")
+            for kind, value in rule:
+                if kind == RULE_REF and (value >= len(self.rules) or not self.rules[value]):
+                    raise GrammarError(f"undefined rule '{names.get(value, value)}'")
+        if "root" not in self.symbols:
+            raise GrammarError("the grammar has no 'root' rule")
+        rules = [r or [] for r in self.rules]
+        _check_left_recursion(rules, names)
+        return Grammar(rules, self.symbols, self.elements, self.tokens)
+
+
+def _ends(element: tuple[int, int]) -> bool:
+    return element[0] in (END, ALT)
+
+
+def _check_left_recursion(rules: list, names: dict) -> None:
+    """llama.cpp's llama_grammar_detect_left_recursion (same visiting order, same verdict)
+    without recursion, bounding how deep its recursion would go and how often it would
+    be called: it does not remember rules it has cleared while inside a descent, so rules
+    that each begin with two references to the next take it 2^n calls."""
+    n = len(rules)
+    visited, in_progress, may_be_empty = [False] * n, [False] * n, [False] * n
+    calls = 0
+
+    def enter(index: int) -> list:
+        nonlocal calls
+        if in_progress[index]:
+            raise GrammarError("left recursion (a rule that can begin with itself: "
+                               f"'{names.get(index, index)}'), which llama.cpp does not "
+                               "support")
+        calls += 1
+        if calls > MAX_LEFT_CALLS:
+            raise GrammarTooLarge("the grammar's rules begin with each other in too many "
+                                  f"ways (over {MAX_LEFT_CALLS} paths for llama.cpp's "
+                                  "left-recursion check)")
+        in_progress[index] = True
+        at_start = True                 # may the rule produce the empty string?
+        for element in rules[index]:
+            if _ends(element):
+                if at_start:
+                    may_be_empty[index] = True
+                    break
+                at_start = True
+            else:
+                at_start = False
+        return [index, 0, True, None]   # rule, position, recurse flag, child entered
+
+    for first in range(n):
+        if visited[first]:
+            continue
+        stack = [enter(first)]
+        while stack:
+            frame = stack[-1]
+            index, i, recurse, child = frame
+            rule = rules[index]
+            if child is not None:           # back from the rule at position i
+                if not may_be_empty[child]:
+                    recurse = False
+                i += 1
+            while i < len(rule):
+                kind, value = rule[i]
+                if kind == RULE_REF and recurse:
+                    break
+                recurse = _ends(rule[i])
+                i += 1
+            if i < len(rule):
+                frame[:] = [index, i, recurse, rule[i][1]]
+                if len(stack) >= MAX_LEFT_DEPTH:
+                    raise GrammarTooLarge(f"rules begin with other rules more than "
+                                          f"{MAX_LEFT_DEPTH} deep (llama.cpp checks them "
+                                          "recursively)")
+                stack.append(enter(rule[i][1]))
+                continue
+            in_progress[index] = False
+            visited[index] = True
+            stack.pop()
+
+
+def check(grammar: str, n_vocab: int | None = None,
+          token_of: Callable[[str], int | None] | None = None) -> Grammar:
+    """The grammar as llama.cpp would build it, or GrammarError / GrammarTooLarge saying
+    why not. With `n_vocab`, token references `<[id]>` must name a token; with
+    `token_of`, each `<text>` must be exactly one token (llama.cpp's rule)."""
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise GrammarTooLarge(f"the grammar has {len(grammar)} characters; at most "
+                              f"{MAX_GRAMMAR_CHARS}")
+    if "\x00" in grammar:
+        raise GrammarRefused("the grammar contains a NUL character")
+    parsed = _Parser(grammar).parse()
+    for value, text in parsed.tokens:
+        if text and token_of is not None and token_of(text) is None:
+            raise GrammarError(f"{text[:40]!r} is not one token of this model")
+        if not text and n_vocab is not None and value >= n_vocab:
+            raise GrammarRefused(f"token <[{value}]> is outside the vocabulary "
+                               f"(0..{n_vocab - 1})")
+    return parsed
