@@ -14,6 +14,7 @@ import threading
 import time
 from dataclasses import asdict
 
+from dispatcher.config import non_negative_seconds
 from dispatcher.bench_targets import (HttpTarget, InProcessTarget, Level, Sample,
                                       percentile, summarize)
 
@@ -270,7 +271,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--fim-keystrokes", type=int, default=12,
                         help="keystrokes in the FIM replay (0: skip it)")
-    parser.add_argument("--keystroke-interval", type=float, default=0.15)
+    parser.add_argument("--keystroke-interval", type=non_negative_seconds, default=0.15)
     parser.add_argument("--no-fim", action="store_true",
                         help="skip the FIM replay (for servers without FIM support)")
     parser.add_argument("--workloads", default="",
@@ -280,7 +281,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--bursts", type=int, default=3, help="typing: bursts per user")
     parser.add_argument("--burst-len", type=int, default=4,
                         help="typing: keystrokes per burst")
-    parser.add_argument("--keystroke-gap", type=float, default=0.1,
+    parser.add_argument("--keystroke-gap", type=non_negative_seconds, default=0.1,
                         help="typing: seconds between keystrokes")
     parser.add_argument("--constrained", action="store_true",
                         help="also: a plain stream alone and beside a json_schema stream "

@@ -2,7 +2,6 @@
 `drain`, `resume`, `restart`, `reload`, `check-config`), `selftest`, `bench` and `soak`."""
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -118,7 +117,7 @@ def cmd_serve(args) -> int:
     try:
         plan = make_plan(args)
     except configfile.ConfigError as exc:
-        raise SystemExit("configuration problems:\n  " + "\n  ".join(exc.problems))
+        raise SystemExit(exc.report())
     if args.api_key_file and not os.access(args.api_key_file, os.R_OK):
         raise SystemExit(f"--api-key-file {args.api_key_file}: not readable")
     if args.frontends and access_log_problem(args.access_log):
@@ -213,13 +212,13 @@ def _config_values(argv: list[str] | None) -> dict:
     try:
         return configfile.read_for(argv)
     except configfile.ConfigError as exc:
-        raise SystemExit("configuration problems:\n  " + "\n  ".join(exc.problems))
+        raise SystemExit(exc.report())
 
 
 def main(argv: list[str] | None = None) -> int:
     data = _config_values(argv)
     file_values = configfile.server_defaults(data)
-    parser = argparse.ArgumentParser(prog="python -m dispatcher", description=__doc__)
+    parser = config.ArgumentParser(prog="python -m dispatcher", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the dispatcher, the workers and the front ends")
     config.add_options(serve, SERVE_OPTIONS, file_values)
@@ -259,4 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     args = config.resolve_repeats(parser.parse_args(argv))
     args._config_data = data
     _setup_logging(args.log_level)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:         # one line, never a traceback (at debug: the traceback)
+        log.debug("%s failed", args.command, exc_info=True)
+        print(f"python -m dispatcher {args.command}: error: {exc}", file=sys.stderr)
+        return 1

@@ -32,10 +32,22 @@ class Option:
         return ENV_PREFIX + self.name.upper()
 
 
+class OptionValueError(argparse.ArgumentTypeError, ValueError):
+    """A bad option value: argparse shows its message; config-file readers catch it as
+    a ValueError."""
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise OptionValueError(f"must be a whole number, got {text!r}") from None
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+        raise OptionValueError(f"must be at least 1, got {value}")
     return value
 
 
@@ -45,20 +57,41 @@ def _boolean(text: str) -> bool:
         return True
     if value in ("0", "false", "no", "off", ""):
         return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    raise OptionValueError(f"expected true or false, got {text!r}")
 
 
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's, saying a mistake in one line (without the usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def non_negative_seconds(text: str) -> float:
+    """A finite number ≥ 0 (NaN and infinities refused: a NaN deadline never passes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise OptionValueError(f"must be a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise OptionValueError(f"must be a finite number of at least 0, got {text}")
     return value
 
 
+def dispatcher_address(text: str) -> str:
+    """ipc:///dir or tcp://host:port, checked when read (not when first used)."""
+    from dispatcher.protocol import Endpoints
+    try:
+        Endpoints.from_base(text)
+    except ValueError as exc:
+        raise OptionValueError(str(exc)) from None
+    return text
+
+
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+        raise OptionValueError(f"must be at least 0, got {value}")
     return value
 
 
@@ -101,7 +134,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            str.lower, choices=("llama", "fake")),
     Option("dispatcher", None,
            "dispatcher address: ipc:///dir (sockets in dir) or tcp://host:port (port..port+4); "
-           "default: ipc:///tmp/completions-PORT"),
+           "default: ipc:///tmp/completions-PORT", dispatcher_address),
     Option("name", None, "worker name (default: derived from the device and pid)"),
     Option("config", None, "TOML config file (see deploy/workstation-4gpu.toml)"),
     Option("log_level", "info", "log level", str.lower,
@@ -115,9 +148,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            _positive_int),
     Option("queue_timeout", 0.0, "seconds a request may wait in the queue before a 504 "
            "(0: no limit; a request's X-Request-Timeout header overrides it)",
-           _non_negative_float),
+           non_negative_seconds),
     Option("stop_grace", 30.0, "seconds in-flight requests get to finish after SIGTERM",
-           _non_negative_float),
+           non_negative_seconds),
     Option("api_key", [], "API key clients must send as 'Authorization: Bearer KEY'; "
            "repeatable", repeat=True),
     Option("api_key_file", None, "file of API keys, one per line"),

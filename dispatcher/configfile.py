@@ -43,6 +43,12 @@ class ConfigError(Exception):
         super().__init__("; ".join(problems))
         self.problems = problems
 
+    def report(self) -> str:
+        """One line for one problem; a list for several."""
+        if len(self.problems) == 1:
+            return f"configuration problem: {self.problems[0]}"
+        return "configuration problems:\n  " + "\n  ".join(self.problems)
+
 
 @dataclass
 class ModelPlan:
@@ -100,8 +106,18 @@ def read(path: str | None) -> dict:
             data = tomllib.load(f)
     except OSError as exc:
         raise ConfigError([f"{path}: {exc.strerror}"]) from None
+    except UnicodeDecodeError:
+        raise ConfigError([f"{path}: not UTF-8 text"]) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"{path}: not valid TOML: {exc}"]) from None
+    shapes = {"server": "a table ([server])", "models": "an array of tables ([[models]])",
+              "workers": "an array of tables ([[workers]])"}
+    wrong = [f"{key}: must be {shape}" for key, shape in shapes.items() if key in data
+             and not (isinstance(data[key], dict) if key == "server" else
+                      isinstance(data[key], list)
+                      and all(isinstance(e, dict) for e in data[key]))]
+    if wrong:
+        raise ConfigError([f"{path}: {w}" for w in wrong])
     problems = [f"unknown section [{key}]" for key in data
                 if key not in ("server", "models", "workers")]
     for key, value in data.get("server", {}).items():

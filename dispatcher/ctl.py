@@ -10,6 +10,7 @@ import os
 import zmq
 
 from dispatcher import protocol as P
+from dispatcher.models import resolve_model_path
 
 
 def default_dispatcher_address(port: int) -> str:
@@ -91,7 +92,7 @@ def cmd_worker_action(args) -> int:
         request["grace"] = args.grace
     if args.command == "reload":
         if args.model:
-            request["model"] = os.path.abspath(args.model)
+            request["model"] = str(resolve_model_path(args.model))   # as serve checks it
         if args.model_id:
             request["model_id"] = args.model_id
     reply = control_request(_base(args), request)
@@ -115,7 +116,7 @@ def add_worker_commands(sub, config, file_values: dict) -> None:
         parser.add_argument("worker", help="worker name, as `status` shows it")
         config.add_options(parser, ["dispatcher", "port"], file_values)
         if name in ("restart", "reload"):
-            parser.add_argument("--grace", type=float, default=30.0,
+            parser.add_argument("--grace", type=config.non_negative_seconds, default=30.0,
                                 help="seconds to wait for its requests (default 30)")
         if name == "reload":
             parser.add_argument("--model", default=None, help="GGUF file to load instead")

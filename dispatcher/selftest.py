@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 from dispatcher import configfile
+from dispatcher.config import non_negative_seconds
 from dispatcher.supervisor import python_module_argv
 
 OPTIONS = ["config", "model", "model_id", "device", "nctx", "ngl", "slots", "deterministic",
@@ -29,7 +30,7 @@ def add_arguments(parser) -> None:
                         help="prompt length for the prefill figure [default 256]")
     parser.add_argument("--tokens", type=int, default=64,
                         help="tokens generated per sequence for the decode figure [64]")
-    parser.add_argument("--timeout", type=float, default=600.0,
+    parser.add_argument("--timeout", type=non_negative_seconds, default=600.0,
                         help="seconds one device may take, loading included [600]")
 
 
@@ -94,7 +95,7 @@ def run(args) -> int:
     try:
         plan = make_plan(args)
     except configfile.ConfigError as exc:
-        raise SystemExit("configuration problems:\n  " + "\n  ".join(exc.problems))
+        raise SystemExit(exc.report())
     results = []
     for worker in plan.workers:
         if not args.json:

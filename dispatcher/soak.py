@@ -357,10 +357,10 @@ class Soak:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds (≤ 3600)")
-    parser.add_argument("--rate", type=float, default=4.0,
+    parser.add_argument("--duration", type=config.non_negative_seconds, default=60.0, help="seconds (≤ 3600)")
+    parser.add_argument("--rate", type=config.non_negative_seconds, default=4.0,
                         help="requests per second (≤ 50)")
-    parser.add_argument("--kill-every", type=float, default=15.0,
+    parser.add_argument("--kill-every", type=config.non_negative_seconds, default=15.0,
                         help="SIGKILL a random worker this often, in seconds (0: never); "
                         "the run lasts until duration / kill-every kills were made")
     parser.add_argument("--device", action="append", default=None,

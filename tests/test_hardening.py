@@ -475,6 +475,51 @@ def test_boolean_flags_work_bare():
     assert result.returncode != 0 and "true or false" in result.stderr
 
 
+def odd_files(tmp_path) -> dict[str, str]:
+    files = {"not-utf8.toml": b"\xff\xfe[server]\n", "models-5.toml": b"models = 5\n",
+             "server-array.toml": b"[[server]]\nport = 1\n",
+             "workers-strings.toml": b'workers = ["cpu"]\n', "binary.toml": os.urandom(64),
+             "not-toml.toml": b"[server\n"}
+    out = {}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        out[name] = str(tmp_path / name)
+    out["directory"] = str(tmp_path)
+    return out
+
+
+GARBAGE = [
+    ("status", "--dispatcher", "foo"), ("drain", "x", "--dispatcher", "tcp://127.0.0.1:99999"),
+    ("resume", "x", "--dispatcher", "tcp://nohost"), ("status", "--port", "x"),
+    ("restart", "x", "--grace", "nan"), ("restart", "x", "--grace", "inf"),
+    ("reload", "x", "--grace", "-1"), ("reload", "x", "--model", "/etc/hostname"),
+    ("reload", "x", "--model", "/no/such/model.gguf"),
+    ("serve", "--queue-timeout", "inf"), ("serve", "--stop-grace", "nan"),
+    ("serve", "--slots", "1e3"), ("serve", "--device", "tpu:0"), ("serve", "--nctx", "0"),
+    ("broker", "--dispatcher", "ipc://"), ("check-config", "--max-queue", "-1"),
+    ("selftest", "--timeout", "nan"), ("soak", "--duration", "inf"), ("soak", "--rate", "x"),
+    ("bench", "--keystroke-gap", "nan"), ("no-such-command",), (),
+]
+
+
+@pytest.mark.parametrize("args", GARBAGE, ids=" ".join)
+def test_garbage_on_the_command_line_is_one_line_and_a_failure(args):
+    result = run_cli(*args, "--port", "1") if args and args[0] in ("serve", "broker") \
+        else run_cli(*args)
+    output = (result.stdout + result.stderr).strip()
+    assert result.returncode != 0 and "Traceback" not in output, output
+    assert len(output.splitlines()) == 1, output
+
+
+def test_odd_config_files_are_problems_not_tracebacks(tmp_path):
+    for name, path in odd_files(tmp_path).items():
+        for command in ("check-config", "status", "serve"):
+            result = run_cli(command, "--config", path, "--port", "1")
+            output = result.stdout + result.stderr
+            assert result.returncode != 0 and "Traceback" not in output, (name, output)
+            assert path in output, (name, output)
+
+
 # -- 7. HTTP details ----------------------------------------------------------------------
 def test_wrong_method_gets_allow_and_a_code(two):
     status, headers, body = http_json(two.port, "GET", "/v1/completions")

@@ -7,7 +7,6 @@ and owns the engine and the XPUB socket that streams tokens to the front ends.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -152,8 +151,11 @@ def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    file_data = configfile.read_for(argv)          # the config file, read once
-    parser = argparse.ArgumentParser(
+    try:
+        file_data = configfile.read_for(argv)      # the config file, read once
+    except configfile.ConfigError as exc:
+        raise SystemExit(exc.report())
+    parser = config.ArgumentParser(
         prog="python -m workers",
         description="Run one worker: pin it to a device, load the model, serve the "
                     "dispatcher. With --config, the file's [[workers]] entry for the device "
@@ -186,7 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         placement = pin(spec, args.ngl)      # before the inference library is imported
     except ValueError as exc:
         parser.error(str(exc))
-    model_path = resolve_model_path(args.model)
+    try:
+        model_path = resolve_model_path(args.model)
+    except SystemExit as exc:          # not there, not readable, not GGUF: never respawn
+        log.error("worker %s cannot serve: %s", args.name or spec.slug, exc)
+        return EXIT_CANNOT_LOAD
     model_id = args.model_id or default_model_id(model_path)
     name = args.name or f"{spec.slug}-{os.getpid()}"
     started = time.monotonic()
