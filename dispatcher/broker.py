@@ -204,8 +204,11 @@ class Broker:
         if self.supervisor is None:
             return
         for child, pid in self.supervisor.poll():
-            self.deliver(self.core.worker_exited(child.name, pid,
-                                                 f"process exited ({child.last_exit})"))
+            stuck = child.last_exit == config.EXIT_STUCK
+            reason = "stuck: its step ran past --step-timeout" if stuck \
+                else f"process exited ({child.last_exit})"
+            self.deliver(self.core.worker_exited(child.name, pid, reason,
+                                                 "worker_stuck" if stuck else None))
             if child.gave_up:
                 self._check_models_loadable()
 

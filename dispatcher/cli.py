@@ -21,7 +21,7 @@ SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "mo
                  "cors_origin", "device",
                  "nctx", "ngl", "slots", "deterministic", "engine", "dispatcher",
                  "log_level", "max_body", "max_prompt_chars", "max_queue", "queue_timeout",
-                 "stop_grace", "api_key", "api_key_file", "access_log"]
+                 "stop_grace", "api_key", "api_key_file", "access_log", "step_timeout"]
 
 
 def _setup_logging(level: str) -> None:
@@ -135,7 +135,8 @@ def cmd_serve(args) -> int:
         env = {**worker.device.visible_devices(),
                "COMPLETIONS_PREFILL_CHUNK": str(args.prefill_chunk),
                "COMPLETIONS_DRAFT_MAX": str(args.draft_max),
-               "COMPLETIONS_CACHE_REUSE": str(args.cache_reuse)}
+               "COMPLETIONS_CACHE_REUSE": str(args.cache_reuse),
+               "COMPLETIONS_STEP_TIMEOUT": str(args.step_timeout)}
         supervisor.add(Child(worker.name, argv, env=env,
                              extra={"device": str(worker.device), "model": worker.model.id}))
     if args.frontends:

@@ -136,6 +136,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "dispatcher address: ipc:///dir (sockets in dir) or tcp://host:port (port..port+4); "
            "default: ipc:///tmp/completions-PORT", dispatcher_address),
     Option("name", None, "worker name (default: derived from the device and pid)"),
+    Option("step_timeout", 300.0, "seconds one step of a worker's generation loop may take "
+           "(a decode of at most a batch, or one tokenize); past it the worker is stuck: its "
+           "requests fail with worker_stuck and it exits to be replaced (0: never)",
+           non_negative_seconds),
     Option("config", None, "TOML config file (see deploy/workstation-4gpu.toml)"),
     Option("log_level", "info", "log level", str.lower,
            choices=("debug", "info", "warning", "error")),
@@ -194,6 +198,9 @@ SUBSCRIPTION_WAIT = 5.0
 RESPAWN_BACKOFF = (0.5, 30.0)
 # Grace given to children, once asked to stop, before they are killed.
 STOP_GRACE = 10.0
+# A worker's exit status when its generation loop was stuck past --step-timeout
+# (EX_SOFTWARE): the supervisor respawns it as after any crash.
+EXIT_STUCK = 70
 # A worker's exit status when its model cannot be loaded on its device (EX_CONFIG): the
 # supervisor does not respawn it, and `serve` stops if no worker of a model is left.
 EXIT_CANNOT_LOAD = 78

@@ -86,6 +86,8 @@ class DispatcherCore(Admission):
                       "completed": 0, "cancelled": 0, "superseded": 0, "queue_full": 0,
                       "timed_out": 0, "adopted": 0}
         self.metrics = SystemMetrics()
+        # worker name -> {reason, code, at}: why it was last lost (status shows it)
+        self.losses: dict[str, dict] = {}
         self.draining_until: float | None = None
         self.stopped = False                       # a graceful stop is complete
         self.now = 0.0
@@ -241,7 +243,8 @@ class DispatcherCore(Admission):
         elif msg.cmd == P.DONE:
             self.job_done(record, msg.request_id, msg.body)
         elif msg.cmd == P.DISCONNECT:
-            self.worker_lost(record, "disconnected")
+            self.worker_lost(record, str(msg.body.get("reason") or "disconnected"),
+                             code=msg.body.get("code"))
         elif msg.cmd != P.HEARTBEAT:
             log.warning("unknown command %s from worker %s", P.command_name(msg.cmd),
                         record.name)
@@ -279,11 +282,12 @@ class DispatcherCore(Admission):
                           {"attempt": job.attempt, "last_seq": body.get("last_seq")})
         self.dispatch()
 
-    def worker_exited(self, name: str, pid: int, reason: str) -> list[Send]:
+    def worker_exited(self, name: str, pid: int, reason: str,
+                      code: str | None = None) -> list[Send]:
         """The launcher saw a worker's process exit."""
         record = self.registry.get(name.encode())
         if record is not None and record.info.get("pid") == pid:
-            self.worker_lost(record, reason)
+            self.worker_lost(record, reason, code)
             self.dispatch()
         return self._take()
 
@@ -302,17 +306,20 @@ class DispatcherCore(Admission):
         self.stats["requeued"] += 1
         self.queue.push(job, front=True)
 
-    def worker_lost(self, record: WorkerRecord, reason: str) -> None:
+    def worker_lost(self, record: WorkerRecord, reason: str, code: str | None = None) -> None:
         """Drop a worker; requeue its jobs that had not started (they cannot be what
         killed it), fail the others: a request that was being prefilled or generated when
-        its worker died is never handed to a second worker to kill."""
+        its worker died is never handed to a second worker to kill. `code` is the error
+        its failed requests get (worker_lost, or worker_stuck from the watchdog)."""
+        code = code if code in ("worker_lost", "worker_stuck") else "worker_lost"
         self.registry.remove(record.identity)
         log.error("worker %s lost (%s) with %d request(s)", record.name, reason,
                   len(record.running))
+        self.losses[record.name] = {"reason": reason, "code": code, "at": self.now}
         self.metrics.worker_lost(record.name, str(record.info.get("device")),
-                                 len(record.running) + len(record.ops))
-        lost = P.WireError(503, "worker_lost",
-                           f"the worker serving this request was lost ({reason})")
+                                 len(record.running) + len(record.ops),
+                                 "stuck" if code == "worker_stuck" else "lost")
+        lost = P.WireError(503, code, f"the worker serving this request was lost ({reason})")
         for job in record.running.values():
             job.worker = None
             if job.cancelled:                # nobody waits for it any more

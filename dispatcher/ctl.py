@@ -74,10 +74,13 @@ def format_status(status: dict) -> str:
                      w.get("tokens", 0), "-" if uptime is None else f"{uptime:.0f}s",
                      w.get("restarts", 0)))
     queue = ", ".join(f"{m}: {n}" for m, n in status["queue"].items()) or "empty"
+    losses = "".join(f"\n{w['name']} was lost {w['last_lost']['ago_s']:.0f}s ago: "
+                     f"{w['last_lost']['reason']}" for w in status["workers"]
+                     if w.get("last_lost"))
     fronts = [("FRONT END", "PID", "OPEN", "SERVED")] + [
         (f["id"], f.get("pid") or "-", f.get("open", 0), f.get("served") or 0)
         for f in status["frontends"]]
-    return (table(rows) + f"\n\nqueue: {queue}\n\n" + table(fronts))
+    return (table(rows) + losses + f"\n\nqueue: {queue}\n\n" + table(fronts))
 
 
 def cmd_status(args) -> int:

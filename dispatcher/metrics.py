@@ -113,8 +113,9 @@ class SystemMetrics:
             "error" if body.get("error") else "completed"
         self.outcomes[(outcome, worker, device)] += 1
 
-    def worker_lost(self, worker: str, device: str, failed: int) -> None:
-        self.outcomes[("lost", worker, device)] += failed
+    def worker_lost(self, worker: str, device: str, failed: int, outcome: str = "lost") -> None:
+        """`failed` requests ended with their worker: lost, or stuck (the watchdog)."""
+        self.outcomes[(outcome, worker, device)] += failed
 
     def snapshot(self) -> dict:
         return {

@@ -74,7 +74,12 @@ class Operations:
         record = self._record(name)
         if record is not None:
             record.draining = True
-        grace = float(request.get("grace", 30.0))
+        try:
+            grace = float(request.get("grace", 30.0))
+        except (TypeError, ValueError):
+            grace = -1.0
+        if not 0 <= grace < float("inf"):          # NaN would never expire
+            return {"error": "grace must be a finite number of seconds, at least 0"}
         self.pending[name] = {"deadline": time.monotonic() + grace, "argv": argv}
         log.info("restarting %s once its %d request(s) finish (at most %.0fs)", name,
                  len(record.running) if record else 0, grace)
@@ -111,7 +116,8 @@ class Operations:
                     "starting" if child.process else "restarting"
                 workers.append({"name": name, "state": state, "restarts": child.restarts,
                                 "pid": child.pid, "device": child.extra.get("device"),
-                                "model": child.extra.get("model")})
+                                "model": child.extra.get("model"),
+                                "last_lost": self._loss(name, now)})
                 continue
             state = ("draining" if record.running else "drained") if record.draining \
                 else "busy" if record.running else "idle"
@@ -128,12 +134,18 @@ class Operations:
                 "cancelled": record.cancelled, "tokens": record.tokens,
                 "uptime_s": round(now - record.ready_at, 1),
                 "restarts": child.restarts if child else 0,
-                "placement": record.info.get("placement"), "last_done": record.last_done})
+                "placement": record.info.get("placement"), "last_done": record.last_done,
+                "last_lost": self._loss(name, now)})
         return {"workers": sorted(workers, key=lambda w: w["name"]),
                 "queue": core.queue.depth_by_model(), "stats": dict(core.stats),
                 "frontends": [{"id": k.decode(errors="replace"), "open": v.get("open"),
                                "served": v.get("served"), "pid": v.get("pid")}
                               for k, v in core.frontends.items()]}
+
+    def _loss(self, name: str, now: float) -> dict | None:
+        loss = self.core.losses.get(name)
+        return None if loss is None else {"reason": loss["reason"], "code": loss["code"],
+                                          "ago_s": round(now - loss["at"], 1)}
 
     def metrics_snapshot(self) -> dict:
         core = self.core

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from dispatcher import config
-from dispatcher.routing import choose_worker, fits, prompt_key, shared_prefix
+from dispatcher.routing import (BLOCK_CHARS, choose_worker, fits, prefix_blocks,
+                                shared_blocks)
 
 
 @dataclass
@@ -22,6 +23,14 @@ class Job:
     first_token: bool = False    # the worker said its first text is going out
     deadline: float | None = None   # leave the queue with a 504 after this (monotonic)
     adopt_from: "Job | None" = None  # the session's running job it may take over
+    _blocks: tuple | None = field(default=None, repr=False)
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """The prompt's chained block hashes (routing.prefix_blocks), computed once."""
+        if self._blocks is None:
+            self._blocks = prefix_blocks(self.body)
+        return self._blocks
 
     @property
     def model(self) -> str:
@@ -111,19 +120,26 @@ class WorkerRecord:
     tokens: int = 0
     last_done: dict = field(default_factory=dict)
     last_assigned: float = 0.0
-    recent: deque = field(default_factory=lambda: deque(maxlen=64))   # prompt keys
+    recent: deque = field(default_factory=deque)      # block hashes of recent prompts
+    held: Counter = field(default_factory=Counter)    # ... each with how many hold it
     history: deque = field(default_factory=lambda: deque(maxlen=512))  # (t, tokens) done
     draining: bool = False       # takes no new work (ops: drain, restart, reload)
 
     def remember(self, job: Job) -> None:
         """Note the prompt this worker now holds (or will hold) in a KV cache."""
-        self.recent.append(prompt_key(job.body))
+        self.recent.append(job.blocks)
+        self.held.update(job.blocks)
         while len(self.recent) > 2 * self.slots:
-            self.recent.popleft()
+            old = self.recent.popleft()
+            self.held.subtract(old)
+            for block in old:               # no prompt holds it now
+                if self.held[block] <= 0:
+                    self.held.pop(block, None)
 
-    def cached_prefix(self, key: str) -> int:
-        """The longest prefix `key` shares with a prompt this worker ran recently."""
-        return max((shared_prefix(key, other) for other in self.recent), default=0)
+    def cached_prefix(self, blocks: tuple[int, ...]) -> int:
+        """About how many characters of a prompt (its `blocks`) a prompt this worker ran
+        recently shares with it, in whole blocks."""
+        return shared_blocks(blocks, self.held) * BLOCK_CHARS
 
     @property
     def name(self) -> str:
@@ -176,7 +192,8 @@ class WorkerRegistry:
         """Where a queued job should run now (`routing.choose_worker`), among the workers
         with a free slot that take work."""
         return choose_worker(job.body, [w for w in self.workers.values()
-                                        if w.free_slots > 0 and not w.draining])
+                                        if w.free_slots > 0 and not w.draining],
+                             job.blocks)
 
     def with_free_slots(self) -> list[WorkerRecord]:
         """Workers that can take a job, most free slots first (ties: least recently used)."""

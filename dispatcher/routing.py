@@ -7,7 +7,6 @@ routes) and the front ends (which answer 400 early with what is available).
 from __future__ import annotations
 
 import json
-import os
 
 # Cache affinity against load. A worker that recently ran a prompt sharing at least
 # MIN_SHARED_PREFIX characters with this one (~64 tokens of code) is preferred only if it
@@ -34,11 +33,40 @@ def prompt_key(job: dict) -> str:
     return key
 
 
-def shared_prefix(a: str, b: str) -> int:
-    return len(os.path.commonprefix([a, b]))
+# Prompts are compared by chained hashes of fixed blocks of their key (as paged prefix
+# caches do), computed once per job: a job's routing costs a few set lookups per worker,
+# however long its prompt. The first MAX_PREFIX_BLOCKS blocks weigh in (64 Ki characters:
+# a longer shared prefix is worth 64 busy slots of difference already).
+BLOCK_CHARS = 64
+MAX_PREFIX_BLOCKS = 1024
 
 
-def choose_worker(job: dict, free: list):
+def prefix_blocks(job: dict) -> tuple[int, ...]:
+    """The chained hashes of the job's prompt key, block by block: block i's hash
+    stands for the whole prefix up to and including it."""
+    key = prompt_key(job)
+    blocks, chained = [], 0
+    for start in range(0, min(len(key), BLOCK_CHARS * MAX_PREFIX_BLOCKS), BLOCK_CHARS):
+        chained = hash((chained, key[start:start + BLOCK_CHARS]))
+        blocks.append(chained)
+    return tuple(blocks)
+
+
+def shared_blocks(blocks: tuple[int, ...], held) -> int:
+    """How many leading blocks of `blocks` some prompt behind `held` (a set or counter of
+    block hashes) shares: where one block is held, all before it are (chained hashes),
+    so a binary search finds the end."""
+    low, high = 0, len(blocks)          # blocks[:low] held; blocks[high:] not
+    while low < high:
+        middle = (low + high + 1) // 2
+        if blocks[middle - 1] in held:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def choose_worker(job: dict, free: list, blocks: tuple[int, ...] | None = None):
     """Which of the `free` workers (WorkerRecords with a free slot) should run `job`: among
     those that fit it, the one whose recent prompts share the longest prefix with it when
     that prefix is worth the load difference (`affinity_allowed`), otherwise the least
@@ -46,11 +74,11 @@ def choose_worker(job: dict, free: list):
     candidates = [w for w in free if fits(job, w.info)]
     if not candidates:
         return None
-    key = prompt_key(job)
+    blocks = prefix_blocks(job) if blocks is None else blocks
     least_busy = min(len(w.running) for w in candidates)
 
     def affinity(worker) -> int:
-        shared = worker.cached_prefix(key)
+        shared = worker.cached_prefix(blocks)
         return shared if affinity_allowed(shared, len(worker.running), least_busy) else 0
 
     return max(candidates, key=lambda w: (affinity(w), w.free_slots, -w.last_assigned))

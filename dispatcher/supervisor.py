@@ -63,6 +63,7 @@ class Child:
     last_exit: int | None = None
     stopping: bool = False
     restart_now: bool = False            # an asked-for restart: no backoff
+    kill_at: float | None = None         # SIGTERMed for a restart: SIGKILL after this
     gave_up: bool = False                # it cannot load its model: not respawned
     ever_ready: bool = False             # it has served (so a later failure is not startup)
     extra: dict = field(default_factory=dict)
@@ -99,6 +100,7 @@ class Supervisor:
             if proc is not None and proc.poll() is not None:
                 exited.append((child, proc.pid))
                 child.last_exit = proc.returncode
+                child.kill_at = None
                 child.process = None
                 if self.stopping or child.stopping:
                     continue
@@ -121,6 +123,12 @@ class Supervisor:
                 log.error("%s %s (pid %d) exited with %s; respawning in %.1fs", child.kind,
                           child.name, proc.pid, _describe_exit(proc.returncode), child.backoff)
                 child.backoff = min(child.backoff * 2, config.RESPAWN_BACKOFF[1])
+            elif proc is not None and child.kill_at is not None and now >= child.kill_at:
+                # asked to stop and still there (a thread stuck in C never sees SIGTERM)
+                log.warning("%s %s (pid %d) did not stop in %.0fs: killing it", child.kind,
+                            child.name, proc.pid, config.STOP_GRACE)
+                child.kill_at = None
+                _signal(proc, signal.SIGKILL)
             elif proc is None and child.respawn_at is not None and now >= child.respawn_at \
                     and not self.stopping:
                 child.restarts += 1
@@ -148,6 +156,7 @@ class Supervisor:
             self._start(child)
             return
         child.restart_now = True
+        child.kill_at = time.monotonic() + config.STOP_GRACE
         _signal(child.process, signal.SIGTERM)
 
     def stop_all(self, grace: float = config.STOP_GRACE) -> None:
@@ -176,6 +185,8 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
 
 
 def _describe_exit(code: int | None) -> str:
+    if code == config.EXIT_STUCK:
+        return f"code {code} (stuck past --step-timeout)"
     if code is not None and code < 0:
         try:
             return signal.Signals(-code).name

@@ -141,6 +141,64 @@ def test_killed_worker_fails_what_it_had_started_and_spares_the_rest(all_cores):
         assert server.stop() == 0
 
 
+HANG = {"COMPLETIONS_FAULT_HANG": "[[hang]]"}      # that request's first token never ends
+
+
+def test_a_stuck_worker_is_found_its_requests_fail_clearly_and_it_is_replaced():
+    server = ServerProcess("--step-timeout", "2", env=HANG, log_name="stuck").start()
+    try:
+        port = server.port
+        neighbour = SSEStream(port, {"prompt": "Once upon a time", "max_tokens": 400,
+                                     "temperature": 0, "ignore_eos": True, "stream": True})
+        neighbour.next_data()
+        status, _, body = complete(port, {"prompt": "[[hang]] Say hi", "max_tokens": 5})
+        assert status == 503 and body["error"]["code"] == "worker_stuck", body
+        assert "--step-timeout" in body["error"]["message"]
+        events = read_all(neighbour)          # it shared the stuck loop: it ends clearly
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "worker_stuck"
+        server.wait_ready()                   # replaced
+        worker = server.worker()
+        assert worker["restarts"] == 1 and worker["last_lost"]["code"] == "worker_stuck"
+        assert "stuck" in worker["last_lost"]["reason"]
+        _, _, text = http_json(port, "GET", "/metrics")
+        stuck = [line for line in text.decode().splitlines()
+                 if line.startswith("completions_worker_requests_total")
+                 and 'outcome="stuck"' in line]
+        assert stuck and float(stuck[0].split()[-1]) == 2.0
+        status, _, body = complete(port, {"prompt": "Say hi", "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        shown = subprocess.run([sys.executable, "-m", "dispatcher", "status", "--port",
+                                str(port)], cwd=ROOT, capture_output=True, text=True,
+                               timeout=60).stdout
+        assert "was lost" in shown and "stuck" in shown
+    finally:
+        assert server.stop() == 0
+
+
+def test_restart_kills_a_worker_that_does_not_stop_when_asked():
+    server = ServerProcess("--step-timeout", "0", env=HANG, log_name="unstoppable").start()
+    try:
+        port = server.port
+        results = {}
+        hung = threading.Thread(target=lambda: results.update(
+            hung=complete(port, {"prompt": "[[hang]] Say hi", "max_tokens": 5})))
+        hung.start()
+        name = server.wait_for(lambda: (w := server.worker())["started"] and w["name"],
+                               what="the request to hang the worker")
+        result = subprocess.run([sys.executable, "-m", "dispatcher", "restart", name,
+                                 "--grace", "1", "--port", str(port)], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+        hung.join(timeout=120)
+        status, _, body = results["hung"]
+        assert status == 503 and body["error"]["code"] == "worker_lost"
+        server.wait_ready(timeout=120)
+        assert server.worker()["restarts"] == 1
+        assert "did not stop in" in server.output()       # SIGTERM, then SIGKILL
+    finally:
+        assert server.stop() == 0
+
+
 # -- 3. dispatcher loss --------------------------------------------------------------------
 def spawn(argv, env, log):
     return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},

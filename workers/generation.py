@@ -42,6 +42,7 @@ class GenerationLoop:
         self.active: dict[str, Active] = {}
         self.free_slots = list(range(engine.n_slots))
         self.faults = FaultInjection.from_env()
+        self.busy_since: float | None = None    # see stuck_for
 
     # -- inbox -------------------------------------------------------------------------
     def run(self, stopping) -> None:          # a StopFlag, or a threading.Event
@@ -56,12 +57,21 @@ class GenerationLoop:
                 # line: whatever escaped, the worker goes on serving.
                 log.exception("generation loop error")
 
+    def stuck_for(self, now: float) -> float:
+        """Seconds the loop has been in its current piece of work (0 while it waits for
+        work): read by the IO thread's watchdog."""
+        since = self.busy_since
+        return 0.0 if since is None else now - since
+
     def _read_inbox(self, block: bool) -> None:
+        # what follows (this inbox, admission, a step) is one piece of work, timed
+        self.busy_since = None if block else time.monotonic()
         try:
             # idle: wait briefly, so that a stop (a flag set by a signal) is seen at once
             item = self.inbox.get(timeout=0.05) if block else self.inbox.get_nowait()
         except queue.Empty:
             return
+        self.busy_since = time.monotonic()
         while True:
             self._apply(item)
             try:

@@ -34,7 +34,8 @@ class DispatcherLink(threading.Thread):
     """The IO thread: the DEALER socket and the heartbeat protocol (Paranoid Pirate)."""
 
     def __init__(self, context: zmq.Context, endpoints: P.Endpoints, identity: bytes,
-                 info: dict, loop: GenerationLoop, notify_address: str):
+                 info: dict, loop: GenerationLoop, notify_address: str,
+                 step_timeout: float = 0.0):
         super().__init__(name="dispatcher-link", daemon=True)
         self.context = context
         self.endpoints = endpoints
@@ -45,6 +46,7 @@ class DispatcherLink(threading.Thread):
         self.stopping = threading.Event()
         self.leaving: list[str] = []
         self.connects = 0
+        self.step_timeout = step_timeout
 
     def _connect(self) -> zmq.Socket:
         sock = self.context.socket(zmq.DEALER)
@@ -81,6 +83,9 @@ class DispatcherLink(threading.Thread):
             if now >= next_beat:
                 dealer.send_multipart(P.encode(P.HEARTBEAT))
                 next_beat = now + interval
+            stuck = self.loop.stuck_for(now)
+            if self.step_timeout and stuck > self.step_timeout:
+                self._give_up(dealer, stuck)
             if now > expires:
                 log.warning("dispatcher silent: reconnecting in %.1fs", reconnect_delay)
                 self.loop.inbox.put(("reset",))
@@ -97,6 +102,20 @@ class DispatcherLink(threading.Thread):
         time.sleep(0.05)
         dealer.close(linger=500)
         notify.close(0)
+
+    def _give_up(self, dealer: zmq.Socket, stuck: float) -> None:
+        """The watchdog: the generation thread has been inside one step for longer than
+        any legitimate step takes (a wedged sampler, a hung device). Tell the dispatcher,
+        which fails its requests with worker_stuck, and end the process at once (the
+        stuck thread may never return, nor see a signal); the supervisor replaces it."""
+        reason = (f"stuck: one step of its generation loop ran {stuck:.0f}s, past "
+                  f"--step-timeout {self.step_timeout:g}s")
+        log.error("worker %s %s; exiting to be replaced", self.identity.decode(), reason)
+        dealer.send_multipart(P.encode(P.DISCONNECT, body={"reason": reason,
+                                                           "code": "worker_stuck"}))
+        time.sleep(0.2)                  # let the message leave
+        logging.shutdown()
+        os._exit(config.EXIT_STUCK)
 
     def _handle(self, dealer: zmq.Socket) -> bool:
         try:
@@ -163,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     config.add_options(parser, ["config", "dispatcher", "device", "model", "model_id", "nctx",
                                 "ngl", "slots", "deterministic", "engine", "name",
                                 "fim_template", "prefill_chunk", "draft_max", "cache_reuse",
-                                "log_level"], configfile.server_defaults(file_data))
+                                "step_timeout", "log_level"],
+                       configfile.server_defaults(file_data))
     args = config.resolve_repeats(parser.parse_args(argv))
     logging.basicConfig(level=args.log_level.upper(), format=config.LOG_FORMAT)
     if not args.dispatcher:
@@ -237,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             "fingerprint": engine.fingerprint,
             "deterministic": args.deterministic,
             "engine": engine.name, "placement": placement.to_dict()}
-    link = DispatcherLink(context, endpoints, name.encode(), info, loop, notify_address)
+    link = DispatcherLink(context, endpoints, name.encode(), info, loop, notify_address,
+                          args.step_timeout)
     link.start()
     try:
         loop.run(stopping)
