@@ -1,6 +1,7 @@
 """The whole stack on the bundled Gemma 3 270M: `python -m dispatcher serve`, gunicorn,
 the dispatcher and real llama-cpp-python workers, driven by the `openai` client and by
 raw HTTP."""
+import http.client
 import json
 import threading
 import time
@@ -172,6 +173,26 @@ def test_disconnect_cancels_generation(real_server):
     status, _, body = http_json(real_server.port, "POST", "/v1/completions",
                                 {"prompt": PROMPT, "max_tokens": 4})
     assert status == 200 and body["usage"]["completion_tokens"] == 4
+
+
+def test_disconnect_during_the_prefill_stops_the_prefill(real_server):
+    # ~3,700 prompt tokens: seconds of prefill here, decoded 512 tokens a step
+    prompt = "".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(220))
+    for stream in (False, True):
+        conn = http.client.HTTPConnection("127.0.0.1", real_server.port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps(
+            {"prompt": prompt, "max_tokens": 50, "cache_prompt": False,
+             "stream": stream}).encode(), headers={"Content-Type": "application/json"})
+        real_server.wait_for(lambda: (w := real_server.worker())["started"]
+                             and not w["generating"], timeout=30,
+                             what="the request to be prefilling")
+        running = real_server.worker()["running"]
+        conn.close()                                 # the client leaves mid-prefill
+        worker = real_server.wait_for(
+            lambda: (w := real_server.wait_cancelled())["last_done"]["id"] in running and w,
+            what="this request's cancel")
+        assert worker["last_done"]["usage"]["completion_tokens"] == 0, worker["last_done"]
+        assert worker["last_done"]["usage"]["prompt_tokens"] > 3000
 
 
 def test_two_workers_serve_two_streams_in_parallel(all_cores):
