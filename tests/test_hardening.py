@@ -409,6 +409,26 @@ def test_costly_grammars_and_sampler_orders_are_400s_beside_a_stream(two):
     assert status == 200 and payload["choices"][0]["text"] == "yes"
 
 
+def test_heavy_bodies_are_bounded_and_parsed_off_the_loop(two):
+    before = lives(two)
+    stream = SSEStream(two.port, {"prompt": "Once upon a time", "max_tokens": 120,
+                                  "temperature": 0, "ignore_eos": True, "stream": True})
+    first = stream.next_data()
+    # millions of empty lists in a field llama.cpp's routes ignore: refused before parsing
+    hostile = b'{"prompt": "x", "n_predict": 1, "junk": [' + b"[]," * 2_000_000 + b"[]]}"
+    status, payload = post(two.port, hostile, "/completion")
+    assert status == 400 and "arrays and objects" in payload["error"]["message"]
+    # a valid body that takes the front end a while (about a million token ids to check)
+    heavy = {"prompt": [[1] * 15_000 for _ in range(64)], "max_tokens": 1}
+    for _ in range(2):
+        status, payload = post(two.port, heavy)
+        assert status == 400 and payload["error"]["code"] == "context_length_exceeded"
+    events = [first] + list(stream.events())        # the stream beside them went on
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert lives(two) == before
+
+
 # -- 6. the command line refuses what it cannot do ------------------------------------------
 def run_cli(*args, timeout=60, env=None):
     import subprocess
