@@ -6,7 +6,7 @@ from flask import Blueprint, current_app, jsonify
 from app import access
 from app.client import get_client
 from app.requests import parse_json_body, resolve_model, validate
-from app.errors import from_wire
+from app.errors import PayloadTooLarge, from_wire
 from app.schemas import DetokenizeRequestSchema, TokenizeRequestSchema
 from dispatcher import protocol as P
 
@@ -14,6 +14,14 @@ bp = Blueprint("tokens", __name__)
 
 
 def _run(op: str, req: dict) -> dict:
+    size = len(req["content"]) if op == "tokenize" else len(req["tokens"])
+    limit = int(current_app.config["MAX_PROMPT_CHARS"])
+    if size > limit:                   # the limit of a prompt: these are prompts' work
+        param = "content" if op == "tokenize" else "tokens"
+        raise PayloadTooLarge(f"the {param} has {size} "
+                              f"{'characters' if op == 'tokenize' else 'tokens'}; this "
+                              f"server takes at most {limit}", param=param,
+                              code="prompt_too_large")
     client = get_client(current_app)
     model = resolve_model(req.pop("model"), client.wait_state(), any_name=True)
     job = {"id": P.new_request_id(), "model": model, "op": op, **req}

@@ -132,7 +132,12 @@ class Admission:
 
     def _run_op(self, job: Job) -> None:
         """Tokenize/detokenize: no queue, no slot; the least busy fitting worker."""
-        worker = self.registry.pick(job.body)
+        worker = self.registry.pick(job.body, config.MAX_OPS_PER_WORKER)
+        if worker is None and self.registry.pick(job.body) is not None:
+            return self._reject(job.frontend, job.request_id, P.WireError(
+                429, "tokenizer_busy", f"every worker already has "
+                f"{config.MAX_OPS_PER_WORKER} tokenize/detokenize requests running",
+                retry_after=1))
         self._to_frontend(job.frontend, P.ACCEPTED, job.request_id)
         if worker is None:
             return self._fail(job, P.WireError(503, "no_worker_ready",

@@ -206,6 +206,9 @@ EXIT_STUCK = 70
 EXIT_CANNOT_LOAD = 78
 # Every process's log lines (the access log has its own, see app/access.py).
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
+# /tokenize and /detokenize jobs one worker runs at once (between its decode steps,
+# without a slot); more get 429 tokenizer_busy.
+MAX_OPS_PER_WORKER = 4
 # Retry-After sent with a 503 when no worker is ready.
 RETRY_AFTER_SECONDS = 5
 

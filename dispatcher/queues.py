@@ -200,9 +200,11 @@ class WorkerRegistry:
         return sorted((w for w in self.workers.values() if w.free_slots > 0 and not w.draining),
                       key=lambda w: (-w.free_slots, w.last_assigned))
 
-    def pick(self, job: dict) -> WorkerRecord | None:
-        """The least busy worker that can run `job`, free slot or not (for slotless work)."""
-        candidates = [w for w in self.workers.values() if fits(job, w.info)]
+    def pick(self, job: dict, max_ops: int | None = None) -> WorkerRecord | None:
+        """The least busy worker that can run `job`, free slot or not (for slotless work),
+        among those with fewer than `max_ops` such jobs outstanding."""
+        candidates = [w for w in self.workers.values() if fits(job, w.info)
+                      and (max_ops is None or len(w.ops) < max_ops)]
         if not candidates:
             return None
         return min(candidates, key=lambda w: (len(w.running) + len(w.ops), w.last_assigned))

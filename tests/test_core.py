@@ -214,3 +214,33 @@ def test_no_adoption_onto_a_draining_worker():
     sends = submit(core, "b", session="s", parent="b", adopt_key="k")
     assert ("CANCEL", "a") in kinds(sends)
     assert ("REQUEST", "b") not in kinds(sends) and len(core.queue) == 1
+
+
+def test_tokenize_jobs_are_bounded_per_worker():
+    from dispatcher.config import MAX_OPS_PER_WORKER
+    core = DispatcherCore()
+    ready(core, slots=1)
+    for i in range(MAX_OPS_PER_WORKER):
+        assert kinds(submit(core, f"t{i}", op="tokenize", content="x")) == [
+            ("ACCEPTED", f"t{i}"), ("REQUEST", f"t{i}")]
+    busy = submit(core, "over", op="tokenize", content="x")[0]
+    assert busy.cmd == P.REJECTED and busy.body["status"] == 429
+    assert busy.body["code"] == "tokenizer_busy" and busy.body["retry_after"] == 1
+    from_worker(core, P.DONE, "t0", attempt=1, last_seq=0)
+    assert kinds(submit(core, "again", op="tokenize", content="x")) == [
+        ("ACCEPTED", "again"), ("REQUEST", "again")]
+
+
+def test_a_stuck_worker_fails_its_started_requests_as_stuck_and_is_remembered():
+    core = DispatcherCore()
+    ready(core, slots=2)
+    submit(core, "started")
+    submit(core, "waiting")
+    from_worker(core, P.STARTED, "started", attempt=1)
+    sends = from_worker(core, P.DISCONNECT, "", reason="stuck: one step ran 301s",
+                        code="worker_stuck")
+    failed = {s.request_id: s.body["code"] for s in sends if s.cmd == P.FAILED}
+    assert failed == {"started": "worker_stuck"}
+    assert [j.request_id for j in core.queue] == ["waiting"]        # not started: requeued
+    assert core.losses["w0"]["code"] == "worker_stuck"
+    assert "301s" in core.losses["w0"]["reason"]

@@ -409,6 +409,17 @@ def test_costly_grammars_and_sampler_orders_are_400s_beside_a_stream(two):
     assert status == 200 and payload["choices"][0]["text"] == "yes"
 
 
+def test_tokenize_and_detokenize_take_the_limits_of_a_prompt(two):
+    big = "x " * 600_000                              # over --max-prompt-chars (1 Mi)
+    status, payload = post(two.port, {"content": big, "with_pieces": True}, "/tokenize")
+    assert status == 413 and payload["error"]["param"] == "content"
+    status, payload = post(two.port, {"tokens": [1] * 1_100_000}, "/detokenize")
+    assert status == 413 and payload["error"]["param"] == "tokens"
+    status, payload = post(two.port, {"content": "x " * 1000, "with_pieces": True},
+                           "/tokenize")
+    assert status == 200 and len(payload["tokens"]) >= 1000
+
+
 def test_heavy_bodies_are_bounded_and_parsed_off_the_loop(two):
     before = lives(two)
     stream = SSEStream(two.port, {"prompt": "Once upon a time", "max_tokens": 120,
