@@ -13,7 +13,8 @@ def create_app(test_config: dict | None = None) -> Flask:
     then `test_config`."""
     app = Flask(__name__)
     options = configfile.effective(["dispatcher", "max_body", "max_prompt_chars",
-                                    "api_key", "api_key_file", "cors_origin", "access_log"])
+                                    "api_key", "api_key_file", "cors_origin", "access_log",
+                                    "body_timeout"])
     app.config.from_mapping(
         DISPATCHER=options["dispatcher"],
         MAX_BODY=options["max_body"],
@@ -22,6 +23,7 @@ def create_app(test_config: dict | None = None) -> Flask:
         API_KEY_FILE=options["api_key_file"],
         CORS_ORIGINS=options["cors_origin"],
         ACCESS_LOG=options["access_log"],
+        BODY_TIMEOUT=options["body_timeout"],
     )
     if test_config:
         app.config.update(test_config)

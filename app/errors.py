@@ -63,6 +63,13 @@ class Conflict(APIError):
     code = "superseded"
 
 
+class RequestTimeout(APIError):
+    """The client did not send its body within --body-timeout (408)."""
+    status = 408
+    type = "invalid_request_error"
+    code = "body_timeout"
+
+
 class PayloadTooLarge(APIError):
     """The body or prompt is over the configured limit (413)."""
     status = 413
@@ -124,6 +131,7 @@ class NotSupported(APIError):
 
 _BY_STATUS = {cls.status: cls for cls in (InvalidRequest, Unauthorized, NotFound,
                                           MethodNotAllowed, Conflict, PayloadTooLarge,
+                                          RequestTimeout,
                                           UnsupportedMediaType, Overloaded, BadGateway,
                                           ServiceUnavailable, GatewayTimeout, ServerError,
                                           NotSupported)}

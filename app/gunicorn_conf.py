@@ -10,14 +10,15 @@ import os
 from dispatcher.config import LOG_FORMAT as _LOG_FORMAT
 from dispatcher.configfile import effective as _effective
 
-_options = _effective(["host", "port", "frontends", "log_level"])
+_options = _effective(["host", "port", "frontends", "log_level", "max_connections"])
 _host, _port = _options["host"], _options["port"]
 
 wsgi_app = "app:create_app()"
 bind = [f"[{_host}]:{_port}" if ":" in _host else f"{_host}:{_port}"]
 workers = max(1, _options["frontends"])
 worker_class = "app.gunicorn_worker.FrontendWorker"   # gevent, stops promptly
-worker_connections = 1000
+worker_connections = _options["max_connections"]   # and a reserve for /health: see
+                                                    # app/gunicorn_worker.py
 timeout = 30            # gevent workers heartbeat from a greenlet: not a request timeout
 graceful_timeout = 30   # in-flight streams get this long after SIGTERM
 keepalive = 75          # longer than nginx's upstream keepalive_timeout

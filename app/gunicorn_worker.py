@@ -33,6 +33,17 @@ NOTIFY_EVERY = 1.0      # seconds between "still alive" notes to the gunicorn ma
 FRESH_GRACE = 1.0
 
 
+# Connections beyond worker_connections (--max-connections) that are still accepted, to
+# answer /health and /metrics: a load balancer must see a full front end as alive.
+RESERVE = 64
+RESERVE_PATHS = ("/health", "/metrics")
+RESERVE_HEAD_TIMEOUT = 2.0
+FULL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s")
+FULL_BODY = (b'{"error": {"message": "this front end has as many connections open as it '
+             b'serves", "type": "server_error", "param": null, "code": "too_many_connections"}}')
+
+
 class FrontendWorker(GeventWorker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -40,6 +51,23 @@ class FrontendWorker(GeventWorker):
         self._fresh: dict[socket.socket, float] = {}     # no request yet: since when
         self._stopped_at = float("inf")
         self._noted = 0.0                                 # last "still alive" note
+        self._open = 0                                    # connections being handled
+        from dispatcher.configfile import effective
+        self._head_timeout = effective(["header_timeout"])["header_timeout"]
+
+    def timeout_ctx(self):
+        """How long the next request's line and headers may take to arrive: a new
+        connection gets --header-timeout (a client connects in order to send one, and
+        a slow-loris one is let go), one that has been served the keep-alive time; one
+        in the reserve, a moment."""
+        greenlet = gevent.getcurrent()
+        if getattr(greenlet, "completions_reserve", False):
+            seconds = RESERVE_HEAD_TIMEOUT
+        elif getattr(greenlet, "completions_served", False):
+            seconds = self.cfg.keepalive
+        else:
+            seconds = self._head_timeout or self.cfg.keepalive
+        return gevent.Timeout(seconds, False)
 
     def _note_alive(self) -> None:
         """Tell the gunicorn master this worker is alive, once per NOTIFY_EVERY."""
@@ -49,15 +77,23 @@ class FrontendWorker(GeventWorker):
 
     def handle(self, listener, client, addr):
         self._fresh[client] = time.monotonic()
+        self._open += 1
+        gevent.getcurrent().completions_reserve = self._open > self.worker_connections
         try:
             super().handle(listener, client, addr)
         finally:
+            self._open -= 1
             self._fresh.pop(client, None)
             self._idle.discard(client)
 
     def handle_request(self, listener_name, req, sock, addr):
         self._fresh.pop(sock, None)
         self._idle.discard(sock)
+        greenlet = gevent.getcurrent()
+        greenlet.completions_served = True
+        if greenlet.completions_reserve and req.path not in RESERVE_PATHS:
+            sock.sendall(FULL % (len(FULL_BODY), FULL_BODY))
+            raise StopIteration()                  # and close the connection
         try:
             return super().handle_request(listener_name, req, sock, addr)
         finally:
@@ -91,7 +127,7 @@ class FrontendWorker(GeventWorker):
         for listener in self.sockets:
             listener.setblocking(1)
             server = StreamServer(listener, handle=partial(self.handle, listener),
-                                  spawn=Pool(self.worker_connections), **ssl_args)
+                                  spawn=Pool(self.worker_connections + RESERVE), **ssl_args)
             if self.cfg.workers > 1:
                 server.max_accept = 1                  # leave connections to the others
             server.start()

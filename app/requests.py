@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 
 import gevent
 import gevent.monkey
@@ -12,8 +13,8 @@ import gevent.monkey
 from flask import current_app, request
 from marshmallow import Schema, ValidationError
 
-from app.errors import (InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable,
-                        UnsupportedMediaType)
+from app.errors import (InvalidRequest, NotFound, PayloadTooLarge, RequestTimeout,
+                        ServiceUnavailable, UnsupportedMediaType)
 from app.schemas import CompletionRequestSchema, first_error, normalize
 from dispatcher.routing import explain_unfit, fits
 
@@ -34,9 +35,24 @@ def parse_json_body(any_content_type: bool = False) -> object:
     if mimetype and mimetype != "application/json" and not mimetype.endswith("+json") \
             and not any_content_type:
         raise UnsupportedMediaType(f"Content-Type must be application/json, not {mimetype}")
-    raw = request.get_data(cache=False)
+    raw = read_body()
     check_shape(raw)
     return off_loop(decode_json_body, raw)
+
+
+def read_body() -> bytes:
+    """The whole body within --body-timeout: a client trickling it a byte at a time
+    must not hold a connection (and its greenlet) for ever."""
+    seconds = float(current_app.config.get("BODY_TIMEOUT") or 0)
+    with gevent.Timeout(seconds or None, False):
+        return request.get_data(cache=False)
+    sock = request.environ.get("gunicorn.socket")
+    if sock is not None:             # the rest of the body is never read: end the connection
+        try:
+            sock.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+    raise RequestTimeout(f"the body did not arrive within {seconds:g} s")
 
 
 # Arrays and objects one body may hold, counted in the raw bytes before anything walks

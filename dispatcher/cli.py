@@ -21,7 +21,8 @@ SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "mo
                  "cors_origin", "device",
                  "nctx", "ngl", "slots", "deterministic", "engine", "dispatcher",
                  "log_level", "max_body", "max_prompt_chars", "max_queue", "queue_timeout",
-                 "stop_grace", "api_key", "api_key_file", "access_log", "step_timeout"]
+                 "stop_grace", "api_key", "api_key_file", "access_log", "step_timeout",
+                 "max_connections", "header_timeout", "body_timeout"]
 
 
 def _setup_logging(level: str) -> None:
@@ -146,6 +147,9 @@ def cmd_serve(args) -> int:
                "COMPLETIONS_MAX_PROMPT_CHARS": str(args.max_prompt_chars),
                "COMPLETIONS_LOG_LEVEL": args.log_level,
                "COMPLETIONS_ACCESS_LOG": args.access_log,
+               "COMPLETIONS_MAX_CONNECTIONS": str(args.max_connections),
+               "COMPLETIONS_HEADER_TIMEOUT": str(args.header_timeout),
+               "COMPLETIONS_BODY_TIMEOUT": str(args.body_timeout),
                # keys travel in the environment, never on a command line (ps shows those)
                "COMPLETIONS_API_KEY": ",".join(args.api_key),
                "COMPLETIONS_API_KEY_FILE": args.api_key_file or "",

@@ -143,6 +143,14 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("config", None, "TOML config file (see deploy/workstation-4gpu.toml)"),
     Option("log_level", "info", "log level", str.lower,
            choices=("debug", "info", "warning", "error")),
+    Option("max_connections", 1000, "open connections one front-end process serves; a "
+           "reserve beyond them answers /health and /metrics only (others: 503)",
+           _positive_int),
+    Option("header_timeout", 10.0, "seconds a new connection has to send its request "
+           "line and headers (later requests on it: the keep-alive time, 75 s)",
+           non_negative_seconds),
+    Option("body_timeout", 60.0, "seconds a client has to send a request's whole body "
+           "(408 after)", non_negative_seconds),
     Option("access_log", "-", "the front ends' access log, one logfmt line per request: "
            "- (stderr), off, or a file path"),
     Option("max_body", 8 * 1024 * 1024, "largest request body accepted, in bytes", _positive_int),

@@ -403,6 +403,49 @@ def test_slow_clients_do_not_block_others(hardened):
             sock.close()
 
 
+def test_idle_connections_and_trickled_bodies_are_let_go_and_health_still_answers():
+    import socket
+    server = ServerProcess("--max-connections", "5", "--header-timeout", "5",
+                           "--body-timeout", "3", log_name="slowloris").start()
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(12)]
+    try:
+        # every connection the front end serves is taken: /health (the load balancer's)
+        # is still answered from the reserve, anything else gets a quick 503
+        server.wait_for(lambda: http_json(server.port, "GET", "/health")[0] == 200,
+                        what="/health from the reserve")
+        status, _, body = complete(server.port, {"prompt": "Hello", "max_tokens": 2})
+        assert status == 503 and body["error"]["code"] == "too_many_connections"
+        for sock in idle:                 # a connection that sends nothing is let go
+            sock.settimeout(30)
+            assert sock.recv(16) == b""
+        status, _, body = complete(server.port, {"prompt": "Hello", "max_tokens": 2})
+        assert status == 200
+        # a body trickled a byte at a time: 408 once --body-timeout is over, then closed
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 1000\r\n\r\n{")
+        answer, deadline = b"", time.monotonic() + 30
+        sock.settimeout(0.5)
+        while time.monotonic() < deadline:
+            try:
+                sock.sendall(b" ")
+                chunk = sock.recv(4096)
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            if not chunk:
+                break
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert b'"code":"body_timeout"' in answer
+        sock.close()
+    finally:
+        for sock in idle:
+            sock.close()
+        assert server.stop() == 0
+
+
 # -- 8. soak -------------------------------------------------------------------------------
 def test_short_soak_loses_nothing():
     out = subprocess.run([sys.executable, "-m", "dispatcher", "soak", "--duration", "5",
