@@ -15,6 +15,12 @@ class RecordingPublisher:
     def publish(self, topic: bytes, request_id: str, event: dict) -> None:
         self.events.append((request_id, dict(event)))
 
+    def tick(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
 
 @pytest.fixture
 def loop():

@@ -48,6 +48,7 @@ class GenerationLoop:
     def run(self, stopping) -> None:          # a StopFlag, or a threading.Event
         while not stopping.is_set():
             try:
+                self.publisher.tick()            # events held for a late subscription
                 self._read_inbox(block=not self.active and not self.waiting)
                 self._admit()
                 if self.active:

@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         loop.run(stopping)
     finally:
         loop.abort_all("the worker is shutting down")
+        loop.publisher.flush()
         link.stopping.set()
         link.join(timeout=5)
         xpub.close()
