@@ -189,3 +189,23 @@ def test_speculation_keeps_a_confident_greedy_copy_and_takes_fewer_steps(model_p
 def test_deterministic_mode_never_speculates(model_path):
     tokens, steps, stats = run_speculated(model_path, 16, deterministic=True, n=8)
     assert stats == (0, 0) and steps >= 8
+
+
+def test_a_long_text_is_tokenized_once_for_its_copies(model_path, monkeypatch):
+    from workers import vocabulary
+    engine = make(model_path, slots=1)
+    calls = []
+    real = engine._tokenize
+    monkeypatch.setattr(engine, "_tokenize", lambda t, s: calls.append(len(t)) or real(t, s))
+    text = "word " * 2000
+    first = engine.tokenize(text)
+    first.append(-1)                          # a caller's list is its own
+    again = engine.tokenize("".join(["word "] * 2000))       # an equal, distinct string
+    assert again == first[:-1] and calls == [len(text)]
+    for i in range(vocabulary.KEPT_TOKENIZATIONS):
+        engine.tokenize(f"{i} " + text)
+    engine.tokenize(text)                     # pushed out by newer ones: tokenized again
+    engine.tokenize("short")                  # short texts are not kept
+    engine.tokenize("short")
+    assert calls.count(len(text)) == 2 and calls.count(len("short")) == 2
+    engine.close()

@@ -429,6 +429,10 @@ def test_heavy_bodies_are_bounded_and_parsed_off_the_loop(two):
     hostile = b'{"prompt": "x", "n_predict": 1, "junk": [' + b"[]," * 2_000_000 + b"[]]}"
     status, payload = post(two.port, hostile, "/completion")
     assert status == 400 and "arrays and objects" in payload["error"]["message"]
+    # a million-character prompt in 128 choices: each copy is over the context; the
+    # worker tokenizes it once, and the request fails as a whole
+    status, payload = post(two.port, {"prompt": "x" * 1_000_000, "n": 128, "max_tokens": 1})
+    assert status == 400 and payload["error"]["code"] == "context_length_exceeded"
     # a valid body that takes the front end a while (about a million token ids to check)
     heavy = {"prompt": [[1] * 15_000 for _ in range(64)], "max_tokens": 1}
     for _ in range(2):

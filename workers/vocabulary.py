@@ -6,15 +6,36 @@ that the engine stays the one importer of llama-cpp-python (after the worker is 
 from __future__ import annotations
 
 import ctypes
+from collections import OrderedDict
 
 from dispatcher import grammar as gbnf
 from workers.errors import EngineError, InvalidInput
+
+
+# Long texts whose tokens are kept: the n choices of one request each bring the same
+# prompt, and a rejected copy (over the context) must not cost a full tokenization each.
+LONG_TEXT = 4096
+KEPT_TOKENIZATIONS = 4
 
 
 class Vocabulary:
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Text verbatim, special-token syntax parsed; BOS added if asked and the model
         wants one."""
+        if len(text) < LONG_TEXT:
+            return self._tokenize(text, add_special)
+        kept = self.__dict__.setdefault("_kept_tokens", OrderedDict())
+        key = (text, add_special)
+        tokens = kept.get(key)
+        if tokens is None:
+            tokens = kept[key] = self._tokenize(text, add_special)
+            while len(kept) > KEPT_TOKENIZATIONS:
+                kept.popitem(last=False)
+        else:
+            kept.move_to_end(key)
+        return list(tokens)
+
+    def _tokenize(self, text: str, add_special: bool) -> list[int]:
         data = text.encode("utf-8")
         size = len(data) + 8
         buf = (self.lib.llama_token * size)()
