@@ -44,6 +44,25 @@ INVALID_BODIES = [
     b'{"prompt": "x", "grammar": "root ::= \\"\\ud834\\""}',
     b'{"prompt": "x", "json_schema": {"enum": ["\\udc00"]}}', b'{"prompt": [5, "\\ud800"]}',
 ]
+def _chain(n: int) -> str:
+    return "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(n)) + \
+        f'r{n} ::= "x"\n'
+
+
+# Valid JSON whose cost is refused before it runs (each once crashed, wedged or bloated a
+# worker or stalled a loop): must be a clean 4xx every time.
+COSTLY_BODIES = [json.dumps(body).encode() for body in [
+    {"prompt": "x", "grammar": _chain(5_000)},
+    {"prompt": "x", "grammar": 'root ::= "' + "a" * 20_000 + '"{2000}'},
+    {"prompt": "x", "grammar": "root ::= r0\n" + "".join(
+        f"r{i} ::= r{i + 1} | r{i + 1}\n" for i in range(40)) + 'r40 ::= "x"\n'},
+    {"prompt": "x", "grammar": 'root ::= "a"{3,1}'},
+    {"prompt": "x", "grammar": "root ::= [\\U0010FFFF-\\x00]"},
+    {"prompt": "x", "grammar": "root ::= <[999999]>"},
+    {"prompt": "x", "samplers": ["infill"], "top_k": 40},
+    {"prompt": "x", "samplers": ["top_k", "infill"], "top_k": 0},
+    {"prompt": "x" * 300_000, "n": 16, "max_tokens": 1},
+]] + [b'{"prompt": "x", "junk": [' + b"[]," * 150_000 + b"[]]}"]
 # Valid but odd content that reaches the workers: special-token text, NUL,
 # noncharacters, token ids at the vocabulary's edges, windows at their largest.
 ODD_TEXT = ["<bos>", "<eos>", "<start_of_turn>", "<pad>", "\x00", "\ufffe", "\uffff",
@@ -167,12 +186,14 @@ class Soak:
                 self.details.append(outcome.detail)
 
     def one(self) -> None:
-        kind = self.rng.choices(["plain", "stream", "drop", "invalid", "batch", "odd"],
-                                weights=[3, 3, 2, 3, 1, 2])[0]
+        kind = self.rng.choices(["plain", "stream", "drop", "invalid", "batch", "odd",
+                                 "costly"], weights=[3, 3, 2, 3, 1, 2, 1])[0]
         max_tokens = self.rng.randint(4, 24)
         try:
             if kind == "invalid":
                 outcome = self.invalid(self.rng.choice(INVALID_BODIES))
+            elif kind == "costly":
+                outcome = self.invalid(self.rng.choice(COSTLY_BODIES))
             elif kind == "plain":
                 outcome = self.plain({"prompt": self.prompt(), "max_tokens": max_tokens,
                                       "temperature": 0}, 1, max_tokens)
