@@ -389,8 +389,17 @@ COSTLY = [
 ]
 
 
+def worker_rss_mb(server) -> float:
+    total = 0
+    for worker in server.status()["workers"]:
+        with open(f"/proc/{worker['pid']}/status") as f:
+            total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+    return total / 1024
+
+
 def test_costly_grammars_and_sampler_orders_are_400s_beside_a_stream(two):
     before = lives(two)
+    rss_before = worker_rss_mb(two)
     stream = SSEStream(two.port, {"prompt": "Once upon a time", "max_tokens": 60,
                                   "temperature": 0, "ignore_eos": True, "stream": True})
     first = stream.next_data()
@@ -403,6 +412,8 @@ def test_costly_grammars_and_sampler_orders_are_400s_beside_a_stream(two):
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     assert lives(two) == before
+    # one of these grew a worker by 1.6 GB before it was bounded
+    assert worker_rss_mb(two) - rss_before < 300, (rss_before, worker_rss_mb(two))
     # a grammar at the limits is served
     status, payload = post(two.port, {"prompt": "Say yes:", "max_tokens": 3,
                                       "grammar": rule_chain(1_000).replace('"x"', '"yes"')})
