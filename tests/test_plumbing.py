@@ -104,6 +104,9 @@ def test_client_leaving_while_queued_never_runs(fake_server):
                          timeout=5, what="the queue to drop the request")
     text, _ = collect_text(busy)
     assert len(text) == 40
+    # the worker's DONE may trail the stream it finished (another path)
+    fake_server.wait_for(lambda: fake_server.status()["stats"]["completed"]
+                         == before["completed"] + 1, timeout=30, what="the count")
     after = fake_server.status()["stats"]
     assert after["cancelled"] == before["cancelled"] + 1
     assert after["submitted"] == before["submitted"] + 2
