@@ -23,12 +23,21 @@ class Fanout:
         self._gone = False
 
     def submit(self) -> None:
-        """Queue every job (raises the first rejection, after cancelling the others)."""
+        """Queue every job (raises the first rejection, after cancelling the others).
+        Choices of one prompt share its objects (app.jobs): the first carries them, the
+        others name it (protocol.SHARED_FIELDS), so a long prompt crosses once."""
+        first: dict[tuple, str] = {}
         try:
             for job in self.jobs:
                 if self._gone:
                     raise ClientGone()
-                self.streams.append(self.client.submit(job))
+                key = tuple(id(job.get(name)) for name in P.SHARED_FIELDS)
+                if key in first:
+                    wire = {k: v for k, v in job.items() if k not in P.SHARED_FIELDS}
+                    wire["same_as"] = first[key]
+                else:
+                    first[key], wire = job["id"], job
+                self.streams.append(self.client.submit(wire))
         except BaseException:
             self.close()
             raise

@@ -17,6 +17,13 @@ log = logging.getLogger("dispatcher.broker")
 
 class Admission:
     def submit(self, fe_id: bytes, request_id: str, body: dict) -> None:
+        # the id its prompt fields go by: the first job of its prompt (fan-outs only)
+        share_key = body.get("same_as") or \
+            (request_id if int(body.get("fanout") or 1) > 1 else None)
+        body = self._with_shared(request_id, body)
+        if body is None:
+            return self._reject(fe_id, request_id, P.WireError(
+                400, "bad_job", "the job's same_as names no earlier job of its request"))
         model = body.get("model")
         models = self.models()
         if not request_id or not isinstance(model, str):
@@ -44,7 +51,7 @@ class Admission:
             param, code, message = explain_unfit(body, infos)
             return self._reject(fe_id, request_id, P.WireError(400, code, message, param))
         self.stats["submitted"] += 1
-        job = Job(request_id, fe_id, body, enqueued_at=self.now)
+        job = Job(request_id, fe_id, body, enqueued_at=self.now, share_key=share_key)
         if body.get("op"):
             return self._run_op(job)
         key = self.queue.key(job)
@@ -69,6 +76,24 @@ class Admission:
         self._to_frontend(fe_id, P.ACCEPTED, request_id)
         self.dispatch()
 
+    def _with_shared(self, request_id: str, body: dict) -> dict | None:
+        """The job whole: an earlier job's prompt fields filled in for `same_as` (the same
+        objects: nothing is copied), or those of this one kept for the later jobs of its
+        request (protocol.SHARED_FIELDS). None if `same_as` names nothing known."""
+        parent = body.get("parent") or request_id
+        same = body.get("same_as")
+        if same is not None:
+            entry = self.shared.get(parent)
+            fields = entry[1].get(same) if entry else None
+            if fields is None:
+                return None
+            body = {k: v for k, v in body.items() if k != "same_as"}
+            body.update(fields)
+        elif int(body.get("fanout") or 1) > 1:
+            entry = self.shared.setdefault(parent, [self.now, {}])
+            entry[1][request_id] = {k: body[k] for k in P.SHARED_FIELDS if k in body}
+        return body
+
     def _admit_unit(self, job: Job) -> bool:
         """True for a later job of a request whose first job was admitted: a request's
         prompts × choices are admitted (or refused) as one unit, never half of them."""
@@ -78,6 +103,7 @@ class Admission:
         unit[0] -= 1
         if unit[0] <= 0:
             del self.units[job.parent]
+            self.shared.pop(job.parent, None)    # every job of it is here now
         return True
 
     def _supersede(self, job: Job) -> bool:

@@ -82,6 +82,8 @@ class DispatcherCore(Admission):
         self.session_newest: dict[str, tuple] = {}
         # requests being admitted job by job: parent id -> [jobs still to come, since]
         self.units: dict[str, list] = {}
+        # parent id -> [since, {job id: its prompt fields}] while its jobs arrive
+        self.shared: dict[str, list] = {}
         self.stats = {"submitted": 0, "rejected": 0, "requeued": 0, "failed": 0,
                       "completed": 0, "cancelled": 0, "superseded": 0, "queue_full": 0,
                       "timed_out": 0, "adopted": 0}
@@ -134,6 +136,9 @@ class DispatcherCore(Admission):
         for parent, (_, since) in list(self.units.items()):
             if since < now - UNIT_TIMEOUT:         # its front end never sent the rest
                 del self.units[parent]
+        for parent, (since, _) in list(self.shared.items()):
+            if since < now - UNIT_TIMEOUT and parent not in self.units:
+                del self.shared[parent]
         for session, (_, _, seen) in list(self.session_newest.items()):
             if seen < now - SESSION_MEMORY and session not in self.sessions:
                 del self.session_newest[session]
@@ -356,8 +361,20 @@ class DispatcherCore(Admission):
                 return
 
     def _assign(self, job: Job, worker: WorkerRecord, **extra) -> None:
-        """Send `job` to `worker` (with `extra` fields) and count it as running there."""
+        """Send `job` to `worker` (with `extra` fields) and count it as running there.
+        A job whose prompt fields that worker was sent lately names them instead
+        (protocol.SHARED_FIELDS)."""
         body = {**job.body, "topic": job.frontend.decode(), "attempt": job.attempt, **extra}
+        key = job.share_key
+        if key is not None:
+            if key in worker.shared_sent:
+                body = {k: v for k, v in body.items() if k not in P.SHARED_FIELDS}
+                body["same_as"] = key
+            else:
+                body["share_as"] = key
+                worker.shared_sent[key] = None
+                while len(worker.shared_sent) > P.DISPATCHER_SHARED:
+                    worker.shared_sent.popitem(last=False)
         self._to_worker(worker.identity, P.REQUEST, job.request_id, body)
         job.worker = worker.identity
         worker.running[job.request_id] = job

@@ -54,6 +54,17 @@ REQUEST = b"Q"      # body: the job plus {topic, attempt}
 
 FRONTEND_ID_LEN = 15            # "fe-" + 12 hex digits
 
+# A request's choices share their prompt: it crosses each hop once. A job whose prompt
+# fields (these) are those of an earlier job of its request carries {"same_as": that
+# job's id} instead of them. Front end -> dispatcher: the earlier job was submitted just
+# before, in the same request. Dispatcher -> worker: the earlier job's body came with
+# {"share_as": its id}; the worker keeps the last WORKER_SHARED such bodies, and the
+# dispatcher sends "same_as" only for the last DISPATCHER_SHARED it sent that worker
+# (fewer: the worker has them all, in the same order).
+SHARED_FIELDS = ("prompt", "suffix", "infill")
+WORKER_SHARED = 16
+DISPATCHER_SHARED = 8
+
 # llama.cpp's sampler names, as a job's `samplers` order list may give them
 SAMPLER_NAMES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
                  "xtc", "temperature", "infill")

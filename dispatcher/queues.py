@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 from dispatcher import config
@@ -23,6 +23,7 @@ class Job:
     first_token: bool = False    # the worker said its first text is going out
     deadline: float | None = None   # leave the queue with a 504 after this (monotonic)
     adopt_from: "Job | None" = None  # the session's running job it may take over
+    share_key: str | None = None     # the id its prompt fields go by (protocol.SHARED_FIELDS)
     _blocks: tuple | None = field(default=None, repr=False)
 
     @property
@@ -122,6 +123,8 @@ class WorkerRecord:
     last_assigned: float = 0.0
     recent: deque = field(default_factory=deque)      # block hashes of recent prompts
     held: Counter = field(default_factory=Counter)    # ... each with how many hold it
+    # the share keys whose prompt fields it was sent lately (protocol.DISPATCHER_SHARED)
+    shared_sent: OrderedDict = field(default_factory=OrderedDict)
     history: deque = field(default_factory=lambda: deque(maxlen=512))  # (t, tokens) done
     draining: bool = False       # takes no new work (ops: drain, restart, reload)
 

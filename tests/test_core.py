@@ -244,3 +244,42 @@ def test_a_stuck_worker_fails_its_started_requests_as_stuck_and_is_remembered():
     assert [j.request_id for j in core.queue] == ["waiting"]        # not started: requeued
     assert core.losses["w0"]["code"] == "worker_stuck"
     assert "301s" in core.losses["w0"]["reason"]
+
+
+def test_a_prompt_crosses_each_hop_once():
+    core = DispatcherCore()
+    ready(core, b"w0", slots=4)
+    big = "x" * 100_000
+    sends = submit(core, "r.0.0", prompt=big, parent="r", fanout=3)
+    first = next(s for s in sends if s.cmd == P.REQUEST)
+    assert first.body["prompt"] is big and first.body["share_as"] == "r.0.0"
+    for c in (1, 2):                              # the front end names the first job
+        sends = core.frontend_message(FE, P.Message(P.SUBMIT, f"r.0.{c}", {
+            "id": f"r.0.{c}", "model": "m", "parent": "r", "fanout": 3,
+            "same_as": "r.0.0"}), 0.0)
+        request = next(s for s in sends if s.cmd == P.REQUEST)
+        assert "prompt" not in request.body and request.body["same_as"] == "r.0.0"
+        job = core.registry.get(b"w0").running[f"r.0.{c}"]
+        assert job.body["prompt"] is big          # whole in the dispatcher, not copied
+    assert "r" not in core.shared                 # the request is all here: forgotten
+
+
+def test_a_worker_that_was_not_sent_the_prompt_gets_it_whole():
+    core = DispatcherCore()
+    ready(core, b"w0", slots=1)
+    ready(core, b"w1", slots=1)
+    sends = submit(core, "r.0.0", prompt="shared prompt", parent="r", fanout=2)
+    first = next(s for s in sends if s.cmd == P.REQUEST)
+    sends = core.frontend_message(FE, P.Message(P.SUBMIT, "r.0.1", {
+        "id": "r.0.1", "model": "m", "parent": "r", "fanout": 2, "same_as": "r.0.0"}), 0.0)
+    request = next(s for s in sends if s.cmd == P.REQUEST)
+    assert request.peer != first.peer                # one slot each: the other worker
+    assert request.body["prompt"] == "shared prompt" and request.body["share_as"] == "r.0.0"
+
+
+def test_same_as_naming_nothing_is_refused():
+    core = DispatcherCore()
+    ready(core)
+    sends = core.frontend_message(FE, P.Message(P.SUBMIT, "x.0.1", {
+        "id": "x.0.1", "model": "m", "parent": "x", "fanout": 2, "same_as": "x.0.0"}), 0.0)
+    assert sends[0].cmd == P.REJECTED and sends[0].body["code"] == "bad_job"

@@ -138,3 +138,19 @@ def test_t_max_predict_ms_waits_for_a_newline():
     limits.cut("a\n")
     assert limits.out_of_time(first_at=0.0, now=1.0)
     assert not limits.out_of_time(first_at=0.0, now=0.05)
+
+
+def test_the_worker_fills_in_a_prompt_sent_once():
+    from collections import OrderedDict
+
+    from workers.worker import DispatcherLink
+    link = DispatcherLink.__new__(DispatcherLink)      # its bookkeeping alone, no sockets
+    link.shared = OrderedDict()
+    first = link._with_shared({"id": "r.0.0", "prompt": "p", "suffix": None,
+                               "share_as": "r.0.0"})
+    assert first["prompt"] == "p"
+    later = link._with_shared({"id": "r.0.1", "same_as": "r.0.0"})
+    assert later["prompt"] == "p" and "suffix" in later
+    for i in range(P.WORKER_SHARED):
+        link._with_shared({"id": f"s{i}", "prompt": str(i), "share_as": f"s{i}"})
+    assert link._with_shared({"id": "r.0.2", "same_as": "r.0.0"}) is None   # pushed out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 import signal
 import threading
 import time
@@ -47,6 +48,7 @@ class DispatcherLink(threading.Thread):
         self.leaving: list[str] = []
         self.connects = 0
         self.step_timeout = step_timeout
+        self.shared: OrderedDict[str, dict] = OrderedDict()   # protocol.SHARED_FIELDS
 
     def _connect(self) -> zmq.Socket:
         sock = self.context.socket(zmq.DEALER)
@@ -103,6 +105,22 @@ class DispatcherLink(threading.Thread):
         dealer.close(linger=500)
         notify.close(0)
 
+    def _with_shared(self, body: dict) -> dict | None:
+        """A job's prompt fields: kept for `share_as`, filled in for `same_as` (the
+        dispatcher sends each prompt of a request once; protocol.SHARED_FIELDS)."""
+        if body.get("share_as"):
+            self.shared[body["share_as"]] = {k: body[k] for k in P.SHARED_FIELDS
+                                             if k in body}
+            self.shared.move_to_end(body["share_as"])
+            while len(self.shared) > P.WORKER_SHARED:
+                self.shared.popitem(last=False)
+        elif body.get("same_as"):
+            fields = self.shared.get(body["same_as"])
+            if fields is None:
+                return None
+            body = {**body, **fields}
+        return body
+
     def _give_up(self, dealer: zmq.Socket, stuck: float) -> None:
         """The watchdog: the generation thread has been inside one step for longer than
         any legitimate step takes (a wedged sampler, a hung device). Tell the dispatcher,
@@ -124,7 +142,12 @@ class DispatcherLink(threading.Thread):
             log.warning("bad message from the dispatcher: %s", exc)
             return True
         if msg.cmd == P.REQUEST:
-            self.loop.inbox.put(("job", msg.request_id, msg.body))
+            body = self._with_shared(msg.body)
+            if body is None:
+                log.error("%s: same_as names prompt fields this worker does not have",
+                          msg.request_id)
+                body = {**msg.body, "op": "unresolvable"}    # answered as a failed job
+            self.loop.inbox.put(("job", msg.request_id, body))
         elif msg.cmd == P.CANCEL:
             self.loop.inbox.put(("cancel", msg.request_id))
         elif msg.cmd == P.DISCONNECT:
