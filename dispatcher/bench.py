@@ -157,10 +157,23 @@ BENCH_SCHEMA = {"type": "object", "properties": {
     "required": ["name", "age", "languages"]}
 
 
+# Neighbours of the constrained run: a plain stream (the baseline: two streams share a
+# batch), a json_schema one, and a grammar the model fights (prose, only a-c allowed: the
+# sampler's pick is rejected at almost every token).
+NEIGHBOURS = {
+    "plain": (lambda i: f"Story {i}: once upon a time", {}),
+    "json_schema": (lambda i: f"Person {i}, described as JSON:",
+                    {"json_schema": BENCH_SCHEMA}),
+    "[a-c]* grammar": (lambda i: f"The history of the Roman Empire, part {i}, is",
+                       {"grammar": "root ::= [a-c]*", "temperature": 0.8}),
+}
+
+
 def run_constrained(target, requests: int, prompt_chars: int, max_tokens: int,
                     salt: int) -> list[Level]:
-    """A plain stream's speed alone, then with one json_schema stream running beside it
-    the whole time: grammar sampling must not slow the rest of the batch."""
+    """A plain stream's speed alone, then with a plain, a json_schema and a fighting-
+    grammar stream running beside it the whole time: grammar sampling must not slow the
+    rest of the batch more than another plain stream does."""
     def plain_run(name: str, offset: int) -> Level:
         samples, started = [], time.perf_counter()
         for i in range(requests):
@@ -168,27 +181,26 @@ def run_constrained(target, requests: int, prompt_chars: int, max_tokens: int,
                                            max_tokens))
         return summarize(name, 1, samples, time.perf_counter() - started)
 
-    alone = plain_run("plain alone", 0)
-    stop = threading.Event()
-    constrained: list[Sample] = []
+    levels = [plain_run("plain alone", 0)]
+    for k, (name, (prompt, extra)) in enumerate(NEIGHBOURS.items(), start=1):
+        stop = threading.Event()
+        beside: list[Sample] = []
 
-    def beside():
-        i = 0
-        while not stop.is_set():
-            constrained.append(target.complete(
-                f"Person {salt + i}, described as JSON:", max_tokens,
-                extra={"json_schema": BENCH_SCHEMA}))
-            i += 1
+        def neighbour():
+            i = 0
+            while not stop.is_set():
+                beside.append(target.complete(prompt(salt + i), max_tokens, extra=extra))
+                i += 1
 
-    thread = threading.Thread(target=beside, daemon=True)
-    started = time.perf_counter()
-    thread.start()
-    time.sleep(0.5)                     # the constrained stream is decoding by now
-    with_grammar = plain_run("plain + json_schema", requests)
-    stop.set()
-    thread.join(timeout=600)
-    return [alone, with_grammar, summarize("json_schema beside", 1, constrained,
-                                           time.perf_counter() - started)]
+        thread = threading.Thread(target=neighbour, daemon=True)
+        started = time.perf_counter()
+        thread.start()
+        time.sleep(0.5)                 # the neighbour is decoding by now
+        levels.append(plain_run(f"plain + {name}", requests * k))
+        stop.set()
+        thread.join(timeout=600)
+        levels.append(summarize(f"{name} beside", 1, beside, time.perf_counter() - started))
+    return levels
 
 
 EDIT_SOURCE = "".join(
@@ -289,13 +301,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def constrained_slowdowns(rows: list[dict]) -> dict[str, float]:
-    """Per target: ITL of the plain stream beside the json_schema one / alone."""
+def constrained_slowdowns(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per target: the plain stream's ITL beside each constrained neighbour, over its ITL
+    beside a plain one (the cost of the constraint, not of sharing the batch)."""
     out = {}
     for target in {r["target"] for r in rows}:
         itl = {r["name"]: r["itl_ms"] for r in rows if r["target"] == target}
-        if itl.get("plain alone") and itl.get("plain + json_schema"):
-            out[target] = itl["plain + json_schema"] / itl["plain alone"]
+        base = itl.get("plain + plain")
+        if base:
+            out[target] = {name: itl[f"plain + {name}"] / base for name in NEIGHBOURS
+                           if name != "plain" and itl.get(f"plain + {name}")}
     return out
 
 
@@ -350,9 +365,10 @@ def run(args) -> int:
         print(json.dumps(rows, indent=2))
     else:
         print(table(rows))
-        for target, ratio in slowdowns.items():
-            print(f"  {target}: a plain stream's time per token beside a json_schema "
-                  f"stream = {ratio:.2f}x alone")
+        for target, ratios in slowdowns.items():
+            for name, ratio in ratios.items():
+                print(f"  {target}: a plain stream's time per token beside a {name} "
+                      f"stream = {ratio:.2f}x beside a plain one")
         for row in rows:
             for message in row["error_samples"]:
                 print(f"  {row['target']} / {row['name']}: {message}")
