@@ -203,6 +203,32 @@ def run_constrained(target, requests: int, prompt_chars: int, max_tokens: int,
     return levels
 
 
+def run_hostile(target, max_tokens: int) -> list[str]:
+    """A plain stream alone, then again while every costly class the server refuses
+    (dispatcher.soak.COSTLY_BODIES) is sent one after another: the lines say how each was
+    answered and the stream's largest gap between two tokens, alone and beside them."""
+    from dispatcher.soak import COSTLY_BODIES
+    prompt = "Once upon a time"
+    alone = target.complete(prompt, max_tokens, extra={"ignore_eos": True})
+    results: list[Sample] = []
+    thread = threading.Thread(target=lambda: results.append(target.complete(
+        prompt, max_tokens * 4, extra={"ignore_eos": True})))
+    thread.start()
+    time.sleep(0.5)
+    lines = []
+    for body in COSTLY_BODIES:
+        started = time.perf_counter()
+        status, payload = target.post_raw(body)
+        lines.append(f"  {body[:48]!r}... ({len(body)} bytes): HTTP {status} in "
+                     f"{time.perf_counter() - started:.2f} s {payload[:60]!r}")
+    thread.join(timeout=600)
+    beside = results[0] if results else Sample()
+    lines.append(f"  a plain stream's largest gap between tokens: alone "
+                 f"{alone.max_gap * 1000:.0f} ms, beside the costly requests "
+                 f"{beside.max_gap * 1000:.0f} ms ({'ok' if beside.ok else beside.error})")
+    return lines
+
+
 EDIT_SOURCE = "".join(
     f"def handler_{i}(request):\n    value = request.get('field_{i}')\n"
     f"    if value is None:\n        return error('missing field_{i}')\n"
@@ -298,6 +324,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--constrained", action="store_true",
                         help="also: a plain stream alone and beside a json_schema stream "
                              "(prints the slowdown; targets that take json_schema only)")
+    parser.add_argument("--hostile", action="store_true",
+                        help="also: a plain stream beside every costly request class the "
+                             "server refuses; prints each answer and the largest gap")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -324,6 +353,7 @@ def run(args) -> int:
         targets.append(InProcessTarget(str(resolve_model_path(path)), 4096, None))
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     rows = []
+    hostile_lines: list[str] = []
     for t_index, target in enumerate(targets):
         salt = 1000 * (t_index + 1) + int(time.time()) % 1000 * 10_000
         in_process = isinstance(target, InProcessTarget)
@@ -355,6 +385,8 @@ def run(args) -> int:
             elif workload != "typing":
                 raise SystemExit(f"unknown workload {workload!r}: edit, fresh, sampled, "
                                  "typing")
+        if args.hostile and not in_process:
+            hostile_lines += [f"{target.name}:"] + run_hostile(target, args.max_tokens)
         if args.constrained and not in_process:
             results += run_constrained(target, args.requests or 4, args.prompt_chars,
                                        args.max_tokens, salt + 2 + args.fim_keystrokes)
@@ -372,4 +404,6 @@ def run(args) -> int:
         for row in rows:
             for message in row["error_samples"]:
                 print(f"  {row['target']} / {row['name']}: {message}")
+        for line in hostile_lines:
+            print(line)
     return 0

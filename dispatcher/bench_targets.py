@@ -23,6 +23,7 @@ class Sample:
     decode_s: float = 0.0           # first text to last text
     finish_reason: str | None = None
     first_line: float | None = None  # seconds to the end of the first line (a newline)
+    max_gap: float = 0.0            # the longest wait between two texts, seconds
 
 
 @dataclass
@@ -104,6 +105,17 @@ class HttpTarget:
         finally:
             conn.close()
 
+    def post_raw(self, body: bytes, timeout: float = 120) -> tuple[int, bytes]:
+        """POST these bytes to the completions route: (status, answer)."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            conn.request("POST", self.base + "/completions", body,
+                         self._headers({"Content-Type": "application/json"}))
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
     def complete(self, prompt: str, max_tokens: int, suffix: str | None = None,
                  session: str | None = None, timeout: float = 600,
                  extra: dict | None = None) -> Sample:
@@ -159,6 +171,8 @@ class HttpTarget:
                     chunks += 1
                     if sample.ttft is None:
                         sample.ttft = now - started
+                    else:
+                        sample.max_gap = max(sample.max_gap, now - last_text)
                     if sample.first_line is None and "\n" in choice["text"]:
                         sample.first_line = now - started
                     last_text = now
