@@ -216,9 +216,11 @@ def run_hostile(target, max_tokens: int) -> list[str]:
     thread.start()
     time.sleep(0.5)
     lines = []
-    for body in COSTLY_BODIES:
+    heavy = [(b, None) for b in COSTLY_BODIES] + [   # and valid work beside the decoding
+        (json.dumps({"content": "word " * 180_000}).encode(), "/tokenize")]
+    for body, path in heavy:
         started = time.perf_counter()
-        status, payload = target.post_raw(body)
+        status, payload = target.post_raw(body, path=path)
         lines.append(f"  {body[:48]!r}... ({len(body)} bytes): HTTP {status} in "
                      f"{time.perf_counter() - started:.2f} s {payload[:60]!r}")
     thread.join(timeout=600)

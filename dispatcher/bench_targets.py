@@ -105,11 +105,12 @@ class HttpTarget:
         finally:
             conn.close()
 
-    def post_raw(self, body: bytes, timeout: float = 120) -> tuple[int, bytes]:
-        """POST these bytes to the completions route: (status, answer)."""
+    def post_raw(self, body: bytes, timeout: float = 120,
+                 path: str | None = None) -> tuple[int, bytes]:
+        """POST these bytes to the completions route (or `path`): (status, answer)."""
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
-            conn.request("POST", self.base + "/completions", body,
+            conn.request("POST", path or self.base + "/completions", body,
                          self._headers({"Content-Type": "application/json"}))
             resp = conn.getresponse()
             return resp.status, resp.read()

@@ -2,14 +2,16 @@
 
 Runs in one thread that owns the engine and the XPUB socket. Jobs and cancels arrive
 from the IO thread through a queue and take effect between steps, so a cancel frees its
-slot within one token. Tokenize/detokenize jobs are answered between steps without a
-slot.
+slot within one token. Tokenize/detokenize jobs take no slot: a thread of their own
+computes them beside the decoding, and their answer comes back through the same queue
+(`op_done`) to go out between steps.
 """
 from __future__ import annotations
 
 import logging
 import queue
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections import deque
 from typing import Callable
 
@@ -37,12 +39,14 @@ class GenerationLoop:
         self.identity = identity or {}            # {"worker", "device"}: in start events
         self.publisher = publisher
         self.notify = notify                      # -> dispatcher, through the IO thread
-        self.inbox: queue.Queue = queue.Queue()   # ("job", id, body) | ("cancel", id) | ("reset",)
+        # ("job", id, body) | ("cancel", id) | ("reset",) | ("op_done", id, body, outcome)
+        self.inbox: queue.Queue = queue.Queue()
         self.waiting: deque[tuple[str, dict]] = deque()
         self.active: dict[str, Active] = {}
         self.free_slots = list(range(engine.n_slots))
         self.faults = FaultInjection.from_env()
         self.busy_since: float | None = None    # see stuck_for
+        self.vocabulary_thread = ThreadPoolExecutor(1, thread_name_prefix="vocabulary")
 
     # -- inbox -------------------------------------------------------------------------
     def run(self, stopping) -> None:          # a StopFlag, or a threading.Event
@@ -91,6 +95,8 @@ class GenerationLoop:
                 adopt_or_supersede(self, item[1], item[2])
             else:
                 self.waiting.append((item[1], item[2]))
+        elif kind == "op_done":
+            self._op_done(*item[1:])
         elif kind == "cancel":
             self.cancel(item[1])
         elif kind == "reset":
@@ -125,16 +131,25 @@ class GenerationLoop:
 
     # -- utility jobs ------------------------------------------------------------------
     def _utility(self, request_id: str, body: dict) -> None:
-        """/tokenize and /detokenize, answered at once (one `end` event with a result)."""
+        """/tokenize and /detokenize: computed on a thread of their own (llama.cpp's
+        tokenizer releases the GIL), so decoding goes on meanwhile; the answer (one `end`
+        event with a result) goes out from this loop, which owns the sockets."""
+        def work():
+            try:
+                outcome = ("result", vocabulary_op(self.engine, body))
+            except Exception as exc:     # bad content must never end the worker
+                if not isinstance(exc, EngineError):
+                    log.exception("%s: %s failed", request_id, body.get("op"))
+                outcome = ("error", exc)
+            self.inbox.put(("op_done", request_id, body, outcome))
+        self.vocabulary_thread.submit(work)
+
+    def _op_done(self, request_id: str, body: dict, outcome: tuple) -> None:
         topic, attempt = body["topic"].encode(), int(body.get("attempt", 1))
-        try:
-            result = vocabulary_op(self.engine, body)
-        except Exception as exc:         # bad content must never end the worker
-            if not isinstance(exc, EngineError):
-                log.exception("%s: %s failed", request_id, body.get("op"))
-            return self._reject(request_id, topic, attempt, exc)
+        if outcome[0] == "error":
+            return self._reject(request_id, topic, attempt, outcome[1])
         self.publisher.publish(topic, request_id, {"e": P.EV_END, "s": 0, "a": attempt,
-                                                   "result": result})
+                                                   "result": outcome[1]})
         self.notify(P.DONE, request_id, {"attempt": attempt, "last_seq": 0})
 
     # -- admission ---------------------------------------------------------------------

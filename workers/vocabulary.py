@@ -6,6 +6,7 @@ that the engine stays the one importer of llama-cpp-python (after the worker is 
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections import OrderedDict
 
 from dispatcher import grammar as gbnf
@@ -24,16 +25,27 @@ class Vocabulary:
         wants one."""
         if len(text) < LONG_TEXT:
             return self._tokenize(text, add_special)
-        kept = self.__dict__.setdefault("_kept_tokens", OrderedDict())
+        kept, lock = self._kept()
         key = (text, add_special)
-        tokens = kept.get(key)
-        if tokens is None:
-            tokens = kept[key] = self._tokenize(text, add_special)
+        with lock:
+            tokens = kept.get(key)
+            if tokens is not None:
+                kept.move_to_end(key)
+                return list(tokens)
+        tokens = self._tokenize(text, add_special)
+        with lock:
+            kept[key] = tokens
             while len(kept) > KEPT_TOKENIZATIONS:
                 kept.popitem(last=False)
-        else:
-            kept.move_to_end(key)
         return list(tokens)
+
+    def _kept(self) -> tuple[OrderedDict, threading.Lock]:
+        """The kept tokenizations and their lock (/tokenize runs on a thread of its
+        own, beside the generation loop)."""
+        if "_kept_tokens" not in self.__dict__:
+            self.__dict__.setdefault("_kept_lock", threading.Lock())
+            self.__dict__.setdefault("_kept_tokens", OrderedDict())
+        return self._kept_tokens, self._kept_lock
 
     def _tokenize(self, text: str, add_special: bool) -> list[int]:
         data = text.encode("utf-8")
@@ -54,7 +66,10 @@ class Vocabulary:
 
     def piece(self, token: int) -> bytes:
         """The exact bytes of one token (may be part of a UTF-8 character)."""
-        buf = self._piece_buf
+        local = self.__dict__.setdefault("_piece_local", threading.local())
+        buf = getattr(local, "buf", None)
+        if buf is None:                   # one buffer a thread: /tokenize has its own
+            buf = local.buf = ctypes.create_string_buffer(256)
         n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
