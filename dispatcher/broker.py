@@ -186,6 +186,7 @@ class Broker:
                 self.deliver(self.core.drain(self._drain_requested, now))
                 self._drain_requested = None
             self.deliver(self.core.tick(now))
+            self.end_silent_workers()
             self.ops.tick(now)
             if self.core.stopped:
                 self.stop()
@@ -199,6 +200,14 @@ class Broker:
             except zmq.Again:
                 return
             handler(frames)
+
+    def end_silent_workers(self) -> None:
+        """A worker of ours dropped for silence is still a process holding its device
+        (frozen, or its IO thread stuck too): SIGKILL it, so that it is respawned."""
+        while self.core.silent:
+            name, pid = self.core.silent.pop()
+            if self.supervisor is not None and pid:
+                self.supervisor.kill(name, pid)
 
     def reap_children(self) -> None:
         if self.supervisor is None:

@@ -90,6 +90,7 @@ class DispatcherCore(Admission):
         self.metrics = SystemMetrics()
         # worker name -> {reason, code, at}: why it was last lost (status shows it)
         self.losses: dict[str, dict] = {}
+        self.silent: list[tuple[str, int | None]] = []    # (name, pid) dropped as silent
         self.draining_until: float | None = None
         self.stopped = False                       # a graceful stop is complete
         self.now = 0.0
@@ -156,6 +157,8 @@ class DispatcherCore(Admission):
         for record in self.registry.expired(now):
             self.worker_lost(record, "stopped answering heartbeats")
             self._to_worker(record.identity, P.DISCONNECT)
+            # a process frozen whole (its IO thread too): the launcher ends it, if its own
+            self.silent.append((record.name, record.info.get("pid")))
 
     def expire_frontends(self, now: float) -> None:
         for fe_id, info in list(self.frontends.items()):

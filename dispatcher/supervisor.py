@@ -159,6 +159,14 @@ class Supervisor:
         child.kill_at = time.monotonic() + config.STOP_GRACE
         _signal(child.process, signal.SIGTERM)
 
+    def kill(self, name: str, pid: int) -> None:
+        """SIGKILL the child `name` if it is still the process `pid` (it is respawned as
+        after any crash)."""
+        child = self.children.get(name)
+        if child is not None and child.process is not None and child.process.pid == pid:
+            log.error("%s %s (pid %d) stopped answering: killing it", child.kind, name, pid)
+            _signal(child.process, signal.SIGKILL)
+
     def stop_all(self, grace: float = config.STOP_GRACE) -> None:
         """SIGTERM every child, wait up to `grace`, then SIGKILL what is left."""
         self.stopping = True

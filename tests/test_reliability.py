@@ -175,6 +175,26 @@ def test_a_stuck_worker_is_found_its_requests_fail_clearly_and_it_is_replaced():
         assert server.stop() == 0
 
 
+def test_a_frozen_worker_is_dropped_killed_and_replaced():
+    server = ServerProcess(log_name="frozen").start()
+    try:
+        worker = server.worker()
+        os.kill(worker["pid"], signal.SIGSTOP)          # the whole process, IO thread too
+        server.wait_for(lambda: server.worker()["pid"] != worker["pid"]
+                        and server.worker()["state"] == "idle", timeout=60,
+                        what="a new worker process")
+        assert server.worker()["last_lost"]["reason"] == "stopped answering heartbeats"
+        with pytest.raises(ProcessLookupError):         # killed, not left frozen
+            for _ in range(100):
+                os.kill(worker["pid"], 0)
+                time.sleep(0.1)
+        status, _, body = complete(server.port, {"prompt": "Say hi", "max_tokens": 3})
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        assert "stopped answering: killing it" in server.output()
+    finally:
+        assert server.stop() == 0
+
+
 def test_restart_kills_a_worker_that_does_not_stop_when_asked():
     server = ServerProcess("--step-timeout", "0", env=HANG, log_name="unstoppable").start()
     try:
