@@ -233,7 +233,7 @@ CODE = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    de
 
 
 def complete_native(port, **body):
-    # decoded in full each time: the same greedy text run after run (README, Determinism)
+    # decoded in full each time: the same greedy text run after run (docs/design.md, Determinism)
     status, raw = post_raw(port, "/completion", {"prompt": CODE, "temperature": 0,
                                                  "cache_prompt": False, **body})
     assert status == 200, raw

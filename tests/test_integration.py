@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 PROMPT = "The capital of France is"
 CODE_PROMPT = "def fibonacci(n):\n"
 # A prompt decoded in full, not partly from a cached prefix: only then is the same
-# request guaranteed the same numbers (see README, Determinism).
+# request guaranteed the same numbers (see docs/design.md, Determinism).
 # decoded in full, one token a step (no speculation): as llama-cpp-python decodes
 NO_CACHE = {"cache_prompt": False, "speculative.n_max": 0}
 

@@ -119,7 +119,7 @@ def diagnose_device(kind: str, index: int | None, supports_gpu: bool,
     if not supports_gpu:
         flag = {"cuda": "-DGGML_CUDA=on", "npu": "-DGGML_CANN=on"}[kind]
         return (f"no {runtime} in this llama-cpp-python build (it offloads nothing): "
-                f"reinstall it with CMAKE_ARGS='{flag}' (README: GPU workstation)")
+                f"reinstall it with CMAKE_ARGS='{flag}' (docs/deploying.md: GPU workstation)")
     accelerators = [d for d in devices if d.type in ("gpu", "igpu", "accel")
                     and d.name.startswith(RUNTIME_PREFIX[kind])]
     if not accelerators:
