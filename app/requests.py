@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import socket
 
 import gevent
@@ -59,12 +60,16 @@ def read_body() -> bytes:
 # them (an 8 MB body of empty lists took 9 s to walk): prompts, stop strings, infill
 # chunks, logit biases and JSON schemas need far fewer.
 MAX_JSON_CONTAINERS = 100_000
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')      # (unrolled: no backtracking)
 
 
 def check_shape(raw: bytes) -> None:
     """Refuse, at C speed, a body whose parse and checks would cost more than any
-    request needs (brackets inside strings count too: the bound is loose, not exact)."""
+    request needs."""
     containers = raw.count(b"[") + raw.count(b"{")
+    if containers > MAX_JSON_CONTAINERS:        # brackets inside strings do not count
+        outside = _JSON_STRING.sub(b'""', raw)
+        containers = outside.count(b"[") + outside.count(b"{")
     if containers > MAX_JSON_CONTAINERS:
         raise InvalidRequest(f"The request body has over {MAX_JSON_CONTAINERS} arrays and "
                              "objects.", code="invalid_json")

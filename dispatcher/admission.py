@@ -72,26 +72,28 @@ class Admission:
         fanout = int(body.get("fanout") or 1)
         if fanout > 1 and job.parent not in self.units:
             self.units[job.parent] = [fanout - 1, self.now]
+        if share_key == request_id and job.parent in self.units:
+            # admitted, with more of its request to come: they may name its prompt
+            entry = self.shared.setdefault(job.parent, [self.now, {}])
+            entry[1][request_id] = {k: body[k] for k in P.SHARED_FIELDS if k in body}
         self.queue.push(job)
         self._to_frontend(fe_id, P.ACCEPTED, request_id)
         self.dispatch()
 
     def _with_shared(self, request_id: str, body: dict) -> dict | None:
         """The job whole: an earlier job's prompt fields filled in for `same_as` (the same
-        objects: nothing is copied), or those of this one kept for the later jobs of its
-        request (protocol.SHARED_FIELDS). None if `same_as` names nothing known."""
-        parent = body.get("parent") or request_id
+        objects: nothing is copied; protocol.SHARED_FIELDS; `submit` keeps those of a job
+        admitted with more of its request to come). None if `same_as` names nothing
+        known."""
         same = body.get("same_as")
-        if same is not None:
-            entry = self.shared.get(parent)
-            fields = entry[1].get(same) if entry else None
-            if fields is None:
-                return None
-            body = {k: v for k, v in body.items() if k != "same_as"}
-            body.update(fields)
-        elif int(body.get("fanout") or 1) > 1:
-            entry = self.shared.setdefault(parent, [self.now, {}])
-            entry[1][request_id] = {k: body[k] for k in P.SHARED_FIELDS if k in body}
+        if same is None:
+            return body
+        entry = self.shared.get(body.get("parent") or request_id)
+        fields = entry[1].get(same) if entry else None
+        if fields is None:
+            return None
+        body = {k: v for k, v in body.items() if k != "same_as"}
+        body.update(fields)
         return body
 
     def _admit_unit(self, job: Job) -> bool:

@@ -269,5 +269,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as exc:         # one line, never a traceback (at debug: the traceback)
         log.debug("%s failed", args.command, exc_info=True)
-        print(f"python -m dispatcher {args.command}: error: {exc}", file=sys.stderr)
+        kind = "" if isinstance(exc, (OSError, ValueError)) else f"{type(exc).__name__}: "
+        print(f"python -m dispatcher {args.command}: error: {kind}{exc}", file=sys.stderr)
         return 1

@@ -137,7 +137,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "default: ipc:///tmp/completions-PORT", dispatcher_address),
     Option("name", None, "worker name (default: derived from the device and pid)"),
     Option("step_timeout", 300.0, "seconds one step of a worker's generation loop may take "
-           "(a decode of at most a batch, or one tokenize); past it the worker is stuck: its "
+           "(a decode of at most a batch, and the sampling); past it the worker is stuck: its "
            "requests fail with worker_stuck and it exits to be replaced (0: never)",
            non_negative_seconds),
     Option("config", None, "TOML config file (see deploy/workstation-4gpu.toml)"),

@@ -264,6 +264,12 @@ class DispatcherCore(Admission):
             return
         record.running.pop(request_id, None)
         record.ops.pop(request_id, None)
+        if body.get("unshared"):          # the worker lacked the prompt it was named by
+            record.shared_sent.clear()    # ... so it is sent whole from now on
+            job.attempt -= 1              # (not a new attempt: it never ran)
+            self._requeue(job)
+            self.dispatch()
+            return
         if body.get("released"):          # a stopping worker handed it back unstarted
             record.draining = True        # ... and takes nothing more
             if job.cancelled:
@@ -323,7 +329,10 @@ class DispatcherCore(Admission):
         self.registry.remove(record.identity)
         log.error("worker %s lost (%s) with %d request(s)", record.name, reason,
                   len(record.running))
+        self.losses.pop(record.name, None)
         self.losses[record.name] = {"reason": reason, "code": code, "at": self.now}
+        while len(self.losses) > 256:             # (names with a pid in them come and go)
+            del self.losses[next(iter(self.losses))]
         self.metrics.worker_lost(record.name, str(record.info.get("device")),
                                  len(record.running) + len(record.ops),
                                  "stuck" if code == "worker_stuck" else "lost")

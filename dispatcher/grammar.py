@@ -128,6 +128,8 @@ class _Parser:
             end += 1
         if end == pos:
             raise self.fail("expecting integer", pos)
+        if end - pos > 20:              # llama.cpp's stoul/stoull refuse it too
+            raise self.fail("a number too long", pos)
         return end
 
     def hex(self, pos: int, size: int) -> tuple[int, int]:

@@ -220,6 +220,8 @@ class Endpoints:
     @classmethod
     def from_base(cls, base: str) -> "Endpoints":
         if base.startswith("ipc://"):
+            if not base[len("ipc://"):].strip("/"):
+                raise ValueError(f"an ipc address names a directory: ipc:///dir, not {base!r}")
             directory = base[len("ipc://"):].rstrip("/") or "/"
             return cls(*(f"ipc://{os.path.join(directory, name)}.sock" for name in cls.NAMES))
         if base.startswith("tcp://"):

@@ -204,3 +204,23 @@ def test_adopt_key_is_the_request_less_its_prompt_and_limits():
     for never in ({"session": None}, {"fanout": 2}, {"prompt": [1, 2]}, {"echo": True},
                   {"logprobs": 0}, {"n_probs": 3}, {"score": True}):
         assert adopt_key({**job, **never}) is None
+
+
+def test_brackets_inside_strings_do_not_count_as_arrays(client):
+    from app.requests import MAX_JSON_CONTAINERS
+    http, fake = client
+    code = "[" * (MAX_JSON_CONTAINERS + 10) + '"\\"{'    # inside the string, escapes too
+    response = http.post("/v1/completions", json={"prompt": code, "max_tokens": 1})
+    assert response.status_code == 200, response.get_json()
+    many = b'{"prompt": "x", "junk": [' + b"[]," * (MAX_JSON_CONTAINERS + 10) + b"[]]}"
+    response = http.post("/v1/completions", data=many, content_type="application/json")
+    assert response.status_code == 400
+    assert "arrays and objects" in response.get_json()["error"]["message"]
+
+
+def test_a_number_too_long_in_a_grammar_is_a_400(client):
+    http, _ = client
+    for grammar in ('root ::= "a"{' + "9" * 5000 + "}", "root ::= <[" + "1" * 5000 + "]>"):
+        response = http.post("/v1/completions", json={"prompt": "x", "grammar": grammar})
+        assert response.status_code == 400, response.get_json()
+        assert response.get_json()["error"]["param"] == "grammar"

@@ -283,3 +283,26 @@ def test_same_as_naming_nothing_is_refused():
     sends = core.frontend_message(FE, P.Message(P.SUBMIT, "x.0.1", {
         "id": "x.0.1", "model": "m", "parent": "x", "fanout": 2, "same_as": "x.0.0"}), 0.0)
     assert sends[0].cmd == P.REJECTED and sends[0].body["code"] == "bad_job"
+
+
+def test_a_job_whose_prompt_the_worker_lacks_is_sent_again_whole():
+    core = DispatcherCore()
+    ready(core, b"w0", slots=4)
+    submit(core, "r.0.0", prompt="shared", parent="r", fanout=2)
+    sends = core.frontend_message(FE, P.Message(P.SUBMIT, "r.0.1", {
+        "id": "r.0.1", "model": "m", "parent": "r", "fanout": 2, "same_as": "r.0.0"}), 0.0)
+    assert next(s for s in sends if s.cmd == P.REQUEST).body["same_as"] == "r.0.0"
+    sends = from_worker(core, P.DONE, "r.0.1", attempt=1, last_seq=-1, unshared=True)
+    again = next(s for s in sends if s.cmd == P.REQUEST)
+    assert again.request_id == "r.0.1" and again.body["prompt"] == "shared"
+    assert "same_as" not in again.body and again.body["attempt"] == 1
+    assert not any(s.cmd in (P.FAILED, P.FINISHED) for s in sends)   # the client sees nothing
+
+
+def test_a_refused_request_leaves_no_prompt_behind():
+    core = DispatcherCore(max_queue=1)
+    ready(core, slots=1)
+    submit(core, "busy")
+    submit(core, "queued")
+    refused = submit(core, "r.0.0", prompt="x" * 1000, parent="r", fanout=2)
+    assert refused[0].cmd == P.REJECTED and "r" not in core.shared

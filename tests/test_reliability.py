@@ -148,7 +148,8 @@ def test_a_stuck_worker_is_found_its_requests_fail_clearly_and_it_is_replaced():
     server = ServerProcess("--step-timeout", "2", env=HANG, log_name="stuck").start()
     try:
         port = server.port
-        neighbour = SSEStream(port, {"prompt": "Once upon a time", "max_tokens": 400,
+        # long enough to be running still when the loop hangs (the hang ends it anyway)
+        neighbour = SSEStream(port, {"prompt": "Once upon a time", "max_tokens": 3000,
                                      "temperature": 0, "ignore_eos": True, "stream": True})
         neighbour.next_data()
         status, _, body = complete(port, {"prompt": "[[hang]] Say hi", "max_tokens": 5})

@@ -5,7 +5,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from workers.errors import EngineError, InvalidInput
+from workers.errors import InvalidInput
 from workers.textstream import TextAssembler
 
 
@@ -58,8 +58,6 @@ def vocabulary_op(engine, body: dict) -> dict:
         engine.check_tokens(body["tokens"], param="tokens")
         data = b"".join(engine.piece(t) for t in body["tokens"])
         return {"content": data.decode("utf-8", "replace")}
-    if body["op"] == "unresolvable":
-        raise EngineError("the worker did not have this job's prompt (same_as)")
     raise InvalidInput(f"unknown operation {body['op']!r}")
 
 

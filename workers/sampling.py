@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -16,12 +17,27 @@ DEFAULT_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "
 DRY_BREAKERS = ("\n", ":", "\"", "*")
 
 
-def check_grammar(grammar: str, n_vocab: int, token_of=None) -> None:
-    """A 400 for a grammar llama.cpp would refuse or could not use (dispatcher.grammar)."""
-    try:
-        gbnf.check(grammar, n_vocab, token_of)
-    except gbnf.GrammarError as exc:
-        raise InvalidInput(f"the grammar cannot be used: {exc}", param="grammar") from None
+def check_grammar(grammar: str, n_vocab: int, token_of=None,
+                  verdicts: OrderedDict | None = None) -> None:
+    """A 400 for a grammar llama.cpp would refuse or could not use (dispatcher.grammar).
+    `verdicts` keeps the answers for recent texts: the n choices of one request, or an
+    editor's same grammar, are checked once."""
+    problem = verdicts.get(grammar, False) if verdicts is not None else False
+    if problem is False:
+        try:
+            gbnf.check(grammar, n_vocab, token_of)
+            problem = None
+        except gbnf.GrammarError as exc:
+            problem = str(exc)
+        if verdicts is not None:
+            verdicts[grammar] = problem
+            while len(verdicts) > KEPT_VERDICTS:
+                verdicts.popitem(last=False)
+    if problem is not None:
+        raise InvalidInput(f"the grammar cannot be used: {problem}", param="grammar")
+
+
+KEPT_VERDICTS = 64
 
 
 def one_token(lib, vocab, text: str) -> int | None:
@@ -124,6 +140,7 @@ class Candidates:
         self.pointer = self.data.ctypes.data_as(ctypes.POINTER(lib.llama_token_data))
         self.array = lib.llama_token_data_array()
         self.one = (lib.llama_token_data * 1)()
+        self.grammar_verdicts: OrderedDict = OrderedDict()     # see check_grammar
         self.one_array = lib.llama_token_data_array(
             ctypes.cast(self.one, ctypes.POINTER(lib.llama_token_data)), 1, -1, False)
 
@@ -201,7 +218,8 @@ class SamplerChain:
             if "<" in p.grammar:
                 # token references (`<[id]>`, `<text>`) are checked against this vocabulary
                 # (the front end checked the rest), so llama.cpp never logs a refusal
-                check_grammar(p.grammar, n_vocab, lambda text: one_token(lib, vocab, text))
+                check_grammar(p.grammar, n_vocab, lambda text: one_token(lib, vocab, text),
+                              self.candidates.grammar_verdicts)
             self.grammar = lib.llama_sampler_init_grammar(vocab, p.grammar.encode(), b"root")
             if not self.grammar:
                 raise InvalidInput("the grammar does not parse (GBNF with a 'root' rule)",

@@ -66,7 +66,9 @@ class Vocabulary:
 
     def piece(self, token: int) -> bytes:
         """The exact bytes of one token (may be part of a UTF-8 character)."""
-        local = self.__dict__.setdefault("_piece_local", threading.local())
+        local = self.__dict__.get("_piece_local")
+        if local is None:
+            local = self.__dict__.setdefault("_piece_local", threading.local())
         buf = getattr(local, "buf", None)
         if buf is None:                   # one buffer a thread: /tokenize has its own
             buf = local.buf = ctypes.create_string_buffer(256)
@@ -89,14 +91,21 @@ class Vocabulary:
         import json
 
         from llama_cpp.llama_grammar import json_schema_to_gbnf   # (loaded by the engine)
-        try:
-            grammar = json_schema_to_gbnf(json.dumps(schema))
-        except Exception as exc:          # the converter raises many kinds
-            raise InvalidInput(f"unsupported or invalid JSON schema: {exc}",
-                               param="json_schema") from None
-        try:
-            gbnf.check(grammar, self.n_vocab)     # what it builds is bounded as any grammar
-        except gbnf.GrammarError as exc:
-            raise InvalidInput(f"the JSON schema makes a grammar that cannot be used: {exc}",
-                               param="json_schema") from None
+        text = json.dumps(schema, sort_keys=True)
+        kept = self.__dict__.setdefault("_schema_grammars", OrderedDict())
+        if text not in kept:                      # n choices of one schema: built once
+            try:
+                grammar = json_schema_to_gbnf(json.dumps(schema))
+                gbnf.check(grammar, self.n_vocab)   # bounded as any grammar
+                kept[text] = (grammar, None)
+            except gbnf.GrammarError as exc:
+                kept[text] = (None, "the JSON schema makes a grammar that cannot be used: "
+                                    f"{exc}")
+            except Exception as exc:            # the converter raises many kinds
+                kept[text] = (None, f"unsupported or invalid JSON schema: {exc}")
+            while len(kept) > 16:
+                kept.popitem(last=False)
+        grammar, problem = kept[text]
+        if problem is not None:
+            raise InvalidInput(problem, param="json_schema")
         return grammar

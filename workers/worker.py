@@ -128,11 +128,12 @@ class DispatcherLink(threading.Thread):
         stuck thread may never return, nor see a signal); the supervisor replaces it."""
         reason = (f"stuck: one step of its generation loop ran {stuck:.0f}s, past "
                   f"--step-timeout {self.step_timeout:g}s")
-        log.error("worker %s %s; exiting to be replaced", self.identity.decode(), reason)
         dealer.send_multipart(P.encode(P.DISCONNECT, body={"reason": reason,
                                                            "code": "worker_stuck"}))
+        # straight to the file descriptor: the stuck thread may hold a logging lock
+        os.write(2, f"worker {self.identity.decode()} {reason}; exiting to be "
+                    "replaced\n".encode())
         time.sleep(0.2)                  # let the message leave
-        logging.shutdown()
         os._exit(config.EXIT_STUCK)
 
     def _handle(self, dealer: zmq.Socket) -> bool:
@@ -144,9 +145,14 @@ class DispatcherLink(threading.Thread):
         if msg.cmd == P.REQUEST:
             body = self._with_shared(msg.body)
             if body is None:
-                log.error("%s: same_as names prompt fields this worker does not have",
-                          msg.request_id)
-                body = {**msg.body, "op": "unresolvable"}    # answered as a failed job
+                # its prompt was sent to this worker's earlier connection: hand it back
+                # unstarted, the dispatcher sends it again whole
+                log.warning("%s: same_as names a prompt this worker does not have",
+                            msg.request_id)
+                dealer.send_multipart(P.encode(P.DONE, msg.request_id, {
+                    "attempt": msg.body.get("attempt", 1), "last_seq": -1,
+                    "unshared": True}))
+                return True
             self.loop.inbox.put(("job", msg.request_id, body))
         elif msg.cmd == P.CANCEL:
             self.loop.inbox.put(("cancel", msg.request_id))
@@ -287,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         loop.run(stopping)
     finally:
         loop.abort_all("the worker is shutting down")
+        loop.vocabulary_thread.shutdown(wait=True, cancel_futures=True)   # before the engine
         loop.publisher.flush()
         link.stopping.set()
         link.join(timeout=5)
