@@ -11,6 +11,8 @@ import pytest
 
 from conftest import ServerProcess, http_json
 
+pytestmark = pytest.mark.integration      # the real model
+
 ORIGIN = "https://editor.example"
 TEMPLATE = "<PRE> {prefix} <SUF>{suffix} <MID>"      # CodeLlama's, as Tabby configures it
 

@@ -13,6 +13,8 @@ import pytest
 from dispatcher import grammar as gbnf
 from dispatcher.models import bundled_model_path
 
+pytestmark = pytest.mark.integration      # llama.cpp's parser on the real model's vocabulary
+
 ORACLE = r"""
 import json, sys
 import llama_cpp

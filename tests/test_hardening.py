@@ -13,6 +13,8 @@ import zmq
 from conftest import ServerProcess, SSEStream, http_json, two_single_cores
 from dispatcher import protocol as P
 
+pytestmark = pytest.mark.integration      # the real model
+
 FAULTS = "admit:[[fail-admit]],token:[[fail-token]],finish:[[fail-finish]]"
 
 

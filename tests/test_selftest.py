@@ -15,6 +15,8 @@ from workers.backends import (BackendDevice, MemoryNeed, diagnose_device, gpu_su
                               host_memory_available, memory_need)
 from workers.selftest import placement_from_log
 
+pytestmark = pytest.mark.integration      # the real model
+
 ROOT = Path(__file__).resolve().parent.parent
 GPU_CHECK = ROOT / "deploy" / "gpu-check.sh"
 CPU = BackendDevice("CPU", "Xeon", "cpu", 8 << 30, 8 << 30)

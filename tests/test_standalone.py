@@ -44,7 +44,8 @@ def health(port):
         return None, None, None
 
 
-@pytest.mark.parametrize("engine", ["fake", "llama"])
+@pytest.mark.parametrize("engine", [
+    "fake", pytest.param("llama", marks=pytest.mark.integration)])
 def test_parts_joined_by_tcp_addresses(tmp_path, engine):
     base_port, http_port = free_port(5), free_port()
     dispatcher = f"tcp://127.0.0.1:{base_port}"
