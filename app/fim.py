@@ -28,7 +28,8 @@ bp = Blueprint("fim", __name__)
 FIM_FIELDS = ("model", "prompt", "suffix", "max_tokens", "max_completion_tokens",
               "min_tokens", "temperature", "top_p", "stop", "seed", "stream",
               "frequency_penalty", "presence_penalty", "metadata", "prompt_cache_key")
-PASSED_ON = FIM_FIELDS[:-2]        # the rest have no meaning here
+UNUSED = ("metadata", "prompt_cache_key")       # accepted, with no meaning here
+PASSED_ON = tuple(name for name in FIM_FIELDS if name not in UNUSED)
 
 
 class FimRequestSchema(CompletionRequestSchema):
@@ -68,7 +69,7 @@ class FimRequestSchema(CompletionRequestSchema):
                                   "setting and differ here.", "max_completion_tokens")
 
 
-_fim_schema = FimRequestSchema(only=FIM_FIELDS)
+FIM_SCHEMA = FimRequestSchema(only=FIM_FIELDS)
 
 
 def completion_request(data: dict) -> dict:
@@ -81,7 +82,7 @@ def completion_request(data: dict) -> dict:
 
 @bp.post("/v1/fim/completions")
 def create_fim_completion():
-    return serve(completion_request(validate(parse_json_body(), _fim_schema)), FimResult)
+    return serve(completion_request(validate(parse_json_body(), FIM_SCHEMA)), FimResult)
 
 
 class FimResult(Result):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from flask import Blueprint, jsonify
 from marshmallow import Schema, fields
 
-from app.fim import FIM_FIELDS, FimRequestSchema
+from app.fim import FIM_SCHEMA
 from app.native import NativeCompletionSchema, NativeInfillSchema
 from app.schemas import (CompletionRequestSchema, DetokenizeRequestSchema,
                          TokenizeRequestSchema)
@@ -190,7 +190,7 @@ def build_openapi() -> dict:
             "TokenizeRequest": object_schema(TokenizeRequestSchema()),
             "DetokenizeRequest": object_schema(DetokenizeRequestSchema()),
             "Completion": completion,
-            "FimRequest": object_schema(FimRequestSchema(only=FIM_FIELDS)),
+            "FimRequest": object_schema(FIM_SCHEMA),
             "FimCompletion": FIM_COMPLETION,
             "Error": {"type": "object", "required": ["error"], "properties": {"error": {
                 "type": "object", "required": ["message", "type", "param", "code"],
