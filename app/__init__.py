@@ -5,7 +5,7 @@ import time
 
 from flask import Flask, request
 
-from dispatcher import config, configfile
+from dispatcher.common import config, configfile
 
 
 def create_app(test_config: dict | None = None) -> Flask:
@@ -14,7 +14,7 @@ def create_app(test_config: dict | None = None) -> Flask:
     app = Flask(__name__)
     options = configfile.effective(["dispatcher", "max_body", "max_prompt_chars",
                                     "api_key", "api_key_file", "cors_origin", "access_log",
-                                    "body_timeout"])
+                                    "body_timeout", "heartbeat_interval"])
     app.config.from_mapping(
         DISPATCHER=options["dispatcher"],
         MAX_BODY=options["max_body"],
@@ -24,6 +24,7 @@ def create_app(test_config: dict | None = None) -> Flask:
         CORS_ORIGINS=options["cors_origin"],
         ACCESS_LOG=options["access_log"],
         BODY_TIMEOUT=options["body_timeout"],
+        HEARTBEAT_INTERVAL=options["heartbeat_interval"],
     )
     if test_config:
         app.config.update(test_config)

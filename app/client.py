@@ -3,7 +3,7 @@
 One DEALER (jobs, cancels, heartbeats) and one SUB (token events, subscribed once to this
 front end's id), each read by its own greenlet, which routes every message to the
 `RequestStream` of its request. The dispatcher counts as there while it answers pings over
-both (its state, and a beat over the token stream: see dispatcher.protocol). Created
+both (its state, and a beat over the token stream: see dispatcher.common.protocol). Created
 lazily in the process that uses it: a ZeroMQ context made before gunicorn forks is dead
 in the child.
 """
@@ -22,8 +22,8 @@ import socket
 import zmq.green as zmq
 
 from app.errors import APIError, ServiceUnavailable, from_wire
-from dispatcher import config, protocol as P
-from dispatcher.metrics import LatencyRecorder
+from dispatcher.common import config, protocol as P
+from dispatcher.common.latency import LatencyRecorder
 
 log = logging.getLogger(__name__)
 # Seconds between pings while the dispatcher has not answered, for at most this many
@@ -149,8 +149,9 @@ class RequestStream:
 class DispatcherClient:
     """This process's DEALER and SUB sockets and the requests waiting on them."""
 
-    def __init__(self, endpoints: P.Endpoints):
+    def __init__(self, endpoints: P.Endpoints, heartbeat: config.Heartbeat = config.Heartbeat()):
         self.pid = os.getpid()
+        self.heartbeat = heartbeat
         self.id = P.new_frontend_id()
         self.context = zmq.Context()
         self.dealer = self.context.socket(zmq.DEALER)
@@ -213,8 +214,8 @@ class DispatcherClient:
     def dispatcher_alive(self) -> bool:
         """Both paths answered lately: a state over the DEALER, a beat over the SUB."""
         now = time.monotonic()
-        return (now - self.state_at < config.HEARTBEAT_EXPIRY
-                and now - self.beat_at < config.HEARTBEAT_EXPIRY)
+        return (now - self.state_at < self.heartbeat.expiry
+                and now - self.beat_at < self.heartbeat.expiry)
 
     def _answered(self) -> None:
         if self.dispatcher_alive:
@@ -311,7 +312,7 @@ class DispatcherClient:
             answered = self.dispatcher_alive
             fast = UNANSWERED_FAST_PINGS if answered else fast - 1
             gevent.sleep(UNANSWERED_PING_INTERVAL if not answered and fast > 0
-                         else config.HEARTBEAT_INTERVAL)
+                         else self.heartbeat.interval)
             if self._alive and not self.dispatcher_alive:
                 self._lose("lost the dispatcher")
 
@@ -355,6 +356,7 @@ def get_client(app) -> DispatcherClient:
     """This process's client, made on first use (after gunicorn has forked)."""
     client = app.extensions.get("dispatcher_client")
     if client is None or client.pid != os.getpid():
-        client = DispatcherClient(P.Endpoints.from_base(app.config["DISPATCHER"]))
+        client = DispatcherClient(P.Endpoints.from_base(app.config["DISPATCHER"]),
+                                  config.Heartbeat(app.config["HEARTBEAT_INTERVAL"]))
         app.extensions["dispatcher_client"] = client
     return client

@@ -18,7 +18,7 @@ from app.jobs import plan_jobs
 from app.requests import (PROFILE_HEADER, check_prompt_size, check_route, parse_json_body,
                           queue_timeout, resolve_model, session_of, session_order, validate)
 from app.responses import Result
-from dispatcher import protocol as P
+from dispatcher.common import protocol as P
 
 bp = Blueprint("completions", __name__)
 def measured(events, started: float, recorder, record: access.RequestRecord):

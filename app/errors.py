@@ -8,7 +8,7 @@ from __future__ import annotations
 from flask import Flask, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from dispatcher.config import RETRY_AFTER_SECONDS
+from dispatcher.common.config import RETRY_AFTER_SECONDS
 
 
 class APIError(Exception):

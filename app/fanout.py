@@ -10,7 +10,7 @@ import gevent
 import gevent.queue
 
 from app.client import ClientGone, DispatcherClient, RequestStream
-from dispatcher import protocol as P
+from dispatcher.common import protocol as P
 
 
 class Fanout:

@@ -217,7 +217,7 @@ class LogitBiasField(fields.Field):
 
 # What a worker's JSON schema converter takes: it repeats an item `minItems`/
 # `maxLength`... times (llama.cpp's own repetition limit is 2000). GBNF grammars are
-# bounded by dispatcher.grammar.
+# bounded by dispatcher.common.grammar.
 MAX_SCHEMA_COUNT = 2000
 SCHEMA_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties",
                  "maxProperties", "minContains", "maxContains")

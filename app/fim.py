@@ -20,7 +20,7 @@ from app.fields import INT_MAX, SEED_RANGE, StrictFloat, StrictInteger, StrictSt
 from app.requests import parse_json_body, validate
 from app.responses import Result
 from app.schemas import CompletionRequestSchema, _doc, _range
-from dispatcher import protocol as P
+from dispatcher.common import protocol as P
 
 bp = Blueprint("fim", __name__)
 

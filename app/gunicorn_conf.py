@@ -7,8 +7,8 @@ Used by `python -m dispatcher serve` (as `-c python:app.gunicorn_conf`) and by
 import logging
 import os
 
-from dispatcher.config import LOG_FORMAT as _LOG_FORMAT
-from dispatcher.configfile import effective as _effective
+from dispatcher.common.config import LOG_FORMAT as _LOG_FORMAT
+from dispatcher.common.configfile import effective as _effective
 
 _options = _effective(["host", "port", "frontends", "log_level", "max_connections"])
 _host, _port = _options["host"], _options["port"]
@@ -32,7 +32,7 @@ logging.basicConfig(level=loglevel.upper(), format=_LOG_FORMAT)
 
 def on_starting(server):
     if os.environ.get("COMPLETIONS_PARENT_PID"):
-        from dispatcher.supervisor import die_with_parent
+        from dispatcher.common.process import die_with_parent
         die_with_parent(int(os.environ["COMPLETIONS_PARENT_PID"]))
 
 

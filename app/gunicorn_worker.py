@@ -52,7 +52,7 @@ class FrontendWorker(GeventWorker):
         self._stopped_at = float("inf")
         self._noted = 0.0                                 # last "still alive" note
         self._open = 0                                    # connections being handled
-        from dispatcher.configfile import effective
+        from dispatcher.common.configfile import effective
         self._head_timeout = effective(["header_timeout"])["header_timeout"]
 
     def timeout_ctx(self):

@@ -21,7 +21,7 @@ from app.errors import NotSupported, PayloadTooLarge
 from app.fields import INT_MAX, MAX_CHOICES, StrictFloat, StrictInteger, StrictString
 from app.requests import parse_json_body, resolve_model, validate
 from app.schemas import CompletionRequestSchema, _doc, _range
-from dispatcher import protocol as P
+from dispatcher.common import protocol as P
 
 bp = Blueprint("native", __name__)
 MAX_EXTRA_CHUNKS = 256          # llama.vim's ring holds 16 by default

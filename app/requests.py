@@ -17,7 +17,7 @@ from marshmallow import Schema, ValidationError
 from app.errors import (InvalidRequest, NotFound, PayloadTooLarge, RequestTimeout,
                         ServiceUnavailable, UnsupportedMediaType)
 from app.schemas import CompletionRequestSchema, first_error, normalize
-from dispatcher.routing import explain_unfit, fits
+from dispatcher.common.fit import explain_unfit, fits
 
 _schema = CompletionRequestSchema()
 PROFILE_HEADER = "X-SIE-MACHINE-PROFILE"

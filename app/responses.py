@@ -3,7 +3,7 @@ best_of selection, usage over every job), whole or as SSE chunks."""
 from __future__ import annotations
 
 from app import sse
-from dispatcher import protocol as P
+from dispatcher.common import protocol as P
 
 
 class Result:

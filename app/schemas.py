@@ -14,8 +14,8 @@ from app.fields import (COMPUTE_KINDS, INT_MAX, MAX_CHOICES, MAX_LOGPROBS,  # no
                         JSONObject, LogitBiasField, PromptField, StopField, StrictBoolean,
                         StrictFloat, StrictInteger, StrictString, StringListField,
                         MAX_SCHEMA_COUNT, schema_count_over)
-from dispatcher import grammar as gbnf
-from dispatcher.protocol import SAMPLER_ALIASES, SAMPLER_NAMES
+from dispatcher.common import grammar as gbnf
+from dispatcher.common.protocol import SAMPLER_ALIASES, SAMPLER_NAMES
 
 # The most candidates the infill sampler may be given (about 2 ms a token at 1,000 on one
 # core; 16,000 took 150 ms a token, the whole vocabulary minutes)

@@ -5,7 +5,7 @@ from flask import Blueprint, current_app, jsonify
 
 from app.client import get_client
 from app.errors import NotFound, ServiceUnavailable
-from dispatcher import config
+from dispatcher.common import config
 
 bp = Blueprint("status", __name__)
 

@@ -8,7 +8,7 @@ from app.client import get_client
 from app.requests import parse_json_body, resolve_model, validate
 from app.errors import PayloadTooLarge, from_wire
 from app.schemas import DetokenizeRequestSchema, TokenizeRequestSchema
-from dispatcher import protocol as P
+from dispatcher.common import protocol as P
 
 bp = Blueprint("tokens", __name__)
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 
-from dispatcher import config, protocol as P
+from dispatcher.common import config, protocol as P
 from dispatcher.queues import Job
-from dispatcher.routing import explain_unfit, fits
+from dispatcher.common.fit import explain_unfit, fits
 
 log = logging.getLogger("dispatcher.broker")
 

@@ -19,10 +19,10 @@ import time
 
 import zmq
 
-from dispatcher import config, protocol as P
+from dispatcher.common import config, protocol as P
 from dispatcher.core import DispatcherCore, Send
 from dispatcher.operations import Operations
-from dispatcher.supervisor import StopFlag
+from dispatcher.common.process import StopFlag
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +46,12 @@ class SupervisedFleet:
 class Broker:
     def __init__(self, endpoints: P.Endpoints, supervisor=None,
                  known_models: dict[str, dict] | None = None, max_queue: int = 64,
-                 queue_timeout: float = 0.0):
+                 queue_timeout: float = 0.0, heartbeat: config.Heartbeat = config.Heartbeat()):
         self.endpoints = endpoints
         self.supervisor = supervisor
         self.core = DispatcherCore(SupervisedFleet(supervisor) if supervisor else None,
-                                   known_models, max_queue, queue_timeout, time.time())
+                                   known_models, max_queue, queue_timeout, time.time(),
+                                   heartbeat)
         self.context = zmq.Context()
         self.frontend = self._router(endpoints.frontend)
         self.backend = self._router(endpoints.worker)

@@ -10,9 +10,9 @@ import signal
 import socket
 import sys
 
-from dispatcher import config, configfile, protocol as P
-from dispatcher.models import default_model_id, resolve_model_path
-from dispatcher.ctl import default_dispatcher_address, dispatcher_answers
+from dispatcher.common import config, configfile, protocol as P
+from dispatcher.common.models import default_model_id, resolve_model_path
+from dispatcher.tools.ctl import default_dispatcher_address, dispatcher_answers
 
 log = logging.getLogger("dispatcher")
 FRONTEND_STOP_GRACE = 3     # seconds gunicorn gets once the dispatcher has drained
@@ -22,7 +22,7 @@ SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "mo
                  "nctx", "ngl", "slots", "deterministic", "engine", "dispatcher",
                  "log_level", "max_body", "max_prompt_chars", "max_queue", "queue_timeout",
                  "stop_grace", "api_key", "api_key_file", "access_log", "step_timeout",
-                 "max_connections", "header_timeout", "body_timeout"]
+                 "max_connections", "header_timeout", "body_timeout", "heartbeat_interval"]
 
 
 def _setup_logging(level: str) -> None:
@@ -113,7 +113,8 @@ def make_plan(args) -> configfile.Plan:
 
 def cmd_serve(args) -> int:
     from dispatcher.broker import Broker
-    from dispatcher.supervisor import Child, Supervisor, python_module_argv
+    from dispatcher.common.process import python_module_argv
+    from dispatcher.supervisor import Child, Supervisor
 
     try:
         plan = make_plan(args)
@@ -130,14 +131,18 @@ def cmd_serve(args) -> int:
     broker = _make_broker(Broker, base, endpoints, supervisor,
                           known_models={m.id: {"n_ctx": m.nctx, "aliases": list(m.aliases)}
                                         for m in plan.models},
-                          max_queue=args.max_queue, queue_timeout=args.queue_timeout)
+                          max_queue=args.max_queue, queue_timeout=args.queue_timeout,
+                          heartbeat=config.Heartbeat.of(args))
     for worker in plan.workers:
-        argv = python_module_argv("workers", *worker.argv(base, args.engine, args.log_level))
-        env = {**worker.device.visible_devices(),
-               "COMPLETIONS_PREFILL_CHUNK": str(args.prefill_chunk),
-               "COMPLETIONS_DRAFT_MAX": str(args.draft_max),
-               "COMPLETIONS_CACHE_REUSE": str(args.cache_reuse),
-               "COMPLETIONS_STEP_TIMEOUT": str(args.step_timeout)}
+        # every worker option on its command line (only the device's visibility variables,
+        # which the inference library reads when it loads, go by environment)
+        argv = python_module_argv("workers", *worker.argv(base, args.engine, args.log_level),
+                                  "--prefill-chunk", str(args.prefill_chunk),
+                                  "--draft-max", str(args.draft_max),
+                                  "--cache-reuse", str(args.cache_reuse),
+                                  "--step-timeout", str(args.step_timeout),
+                                  "--heartbeat-interval", str(args.heartbeat_interval))
+        env = worker.device.visible_devices()
         supervisor.add(Child(worker.name, argv, env=env,
                              extra={"device": str(worker.device), "model": worker.model.id}))
     if args.frontends:
@@ -150,6 +155,7 @@ def cmd_serve(args) -> int:
                "COMPLETIONS_MAX_CONNECTIONS": str(args.max_connections),
                "COMPLETIONS_HEADER_TIMEOUT": str(args.header_timeout),
                "COMPLETIONS_BODY_TIMEOUT": str(args.body_timeout),
+               "COMPLETIONS_HEARTBEAT_INTERVAL": str(args.heartbeat_interval),
                # keys travel in the environment, never on a command line (ps shows those)
                "COMPLETIONS_API_KEY": ",".join(args.api_key),
                "COMPLETIONS_API_KEY_FILE": args.api_key_file or "",
@@ -172,7 +178,7 @@ def cmd_broker(args) -> int:
     from dispatcher.broker import Broker
     endpoints, base, cleanup = _endpoints(args)
     broker = _make_broker(Broker, base, endpoints, max_queue=args.max_queue,
-                          queue_timeout=args.queue_timeout)
+                          queue_timeout=args.queue_timeout, heartbeat=config.Heartbeat.of(args))
     print(f"dispatcher at {base}", file=sys.stderr, flush=True)
     return _run_broker(broker, cleanup, args.stop_grace)
 
@@ -236,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     broker = sub.add_parser("broker", help="run the dispatcher alone; workers and front ends "
                                            "connect to it by address")
     config.add_options(broker, ["config", "dispatcher", "port", "log_level", "max_queue",
-                                "queue_timeout", "stop_grace"], file_values)
+                                "queue_timeout", "stop_grace", "heartbeat_interval"], file_values)
     broker.set_defaults(func=cmd_broker)
-    from dispatcher import ctl
+    from dispatcher.tools import ctl
     status = sub.add_parser("status", help="show workers, queue and front ends")
     config.add_options(status, ["dispatcher", "port"], file_values)
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
@@ -247,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server (this one "
                                          "by default) and print latency and throughput")
     config.add_options(bench, ["port"], file_values)
-    from dispatcher import bench as bench_module, selftest as selftest_module
+    from dispatcher.tools import bench as bench_module, selftest as selftest_module
     bench_module.add_arguments(bench)
     bench.set_defaults(func=bench_module.run, log_level="warning")
     selftest = sub.add_parser("selftest", help="check each configured device alone: "
@@ -257,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     selftest.set_defaults(func=selftest_module.run, log_level="warning")
     soak = sub.add_parser("soak", help="a bounded chaos run on loopback: mixed requests, "
                                        "dropped clients, killed workers; lost must be 0")
-    from dispatcher import soak as soak_module
+    from dispatcher.tools import soak as soak_module
     soak_module.add_arguments(soak)
     soak.set_defaults(func=soak_module.run, log_level="warning")
     args = config.resolve_repeats(parser.parse_args(argv))

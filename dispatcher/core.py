@@ -17,7 +17,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Protocol
 
-from dispatcher import config, protocol as P
+from dispatcher.common import config, protocol as P
 from dispatcher.admission import Admission
 from dispatcher.metrics import SystemMetrics
 from dispatcher.queues import Job, RequestQueue, WorkerRecord, WorkerRegistry
@@ -31,7 +31,6 @@ MAX_ATTEMPTS = 3
 UNIT_TIMEOUT = 60.0
 # How long the newest request of an idle session is remembered (to refuse a late older one).
 SESSION_MEMORY = 600.0
-HEARTBEAT_EXPIRY = config.HEARTBEAT_EXPIRY
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,8 @@ class NoFleet:
 
 class DispatcherCore(Admission):
     def __init__(self, fleet: Fleet | None = None, known_models: dict | None = None,
-                 max_queue: int = 64, queue_timeout: float = 0.0, started: float = 0.0):
+                 max_queue: int = 64, queue_timeout: float = 0.0, started: float = 0.0,
+                 heartbeat: config.Heartbeat = config.Heartbeat()):
         self.fleet = fleet or NoFleet()
         self.known_models = dict(known_models or {})
         self.max_queue = max_queue
@@ -75,7 +75,8 @@ class DispatcherCore(Admission):
         self.started = started                     # wall clock, for `created`
         self.epoch = secrets.token_hex(6)          # this run: front ends see a restart
         self.queue = RequestQueue()
-        self.registry = WorkerRegistry()
+        self.heartbeat = heartbeat
+        self.registry = WorkerRegistry(heartbeat.expiry)
         self.frontends: dict[bytes, dict] = {}     # id -> {"seen": t, "pid": ...}
         self.sessions: dict[str, dict[str, Job]] = {}   # X-Session-Id -> its open jobs
         # X-Session-Id -> (order, parent, when) of the newest request the client sent
@@ -129,7 +130,7 @@ class DispatcherCore(Admission):
         self.expire_workers(now)
         self.expire_frontends(now)
         if now >= self._next_heartbeat:
-            self._next_heartbeat = now + config.HEARTBEAT_INTERVAL
+            self._next_heartbeat = now + self.heartbeat.interval
             for identity in list(self.registry.workers):
                 self._to_worker(identity, P.HEARTBEAT)
         self.expire_unservable(now)
@@ -162,7 +163,7 @@ class DispatcherCore(Admission):
 
     def expire_frontends(self, now: float) -> None:
         for fe_id, info in list(self.frontends.items()):
-            if info["seen"] < now - HEARTBEAT_EXPIRY:
+            if info["seen"] < now - self.heartbeat.expiry:
                 self.frontend_lost(fe_id)
 
     def expire_deadlines(self, now: float) -> None:
@@ -239,7 +240,7 @@ class DispatcherCore(Admission):
             # A worker we do not know (we restarted, or expired it): make it register again.
             self._to_worker(identity, P.DISCONNECT)
             return self._take()
-        record.refresh(now)
+        record.refresh(now, self.heartbeat.expiry)
         if msg.cmd == P.STARTED:
             job = record.running.get(msg.request_id)
             if job is not None and int(msg.body.get("attempt", 1)) == job.attempt:

@@ -184,5 +184,5 @@ def _replace(argv: list[str], flag: str, value: str) -> list[str]:
 
 
 def _model_id(path: Path) -> str:
-    from dispatcher.models import default_model_id
+    from dispatcher.common.models import default_model_id
     return default_model_id(path)

@@ -5,9 +5,9 @@ import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
-from dispatcher import config
-from dispatcher.routing import (BLOCK_CHARS, choose_worker, fits, prefix_blocks,
-                                shared_blocks)
+from dispatcher.common import config
+from dispatcher.common.fit import fits
+from dispatcher.routing import BLOCK_CHARS, choose_worker, prefix_blocks, shared_blocks
 
 
 @dataclass
@@ -160,14 +160,15 @@ class WorkerRecord:
     def free_slots(self) -> int:
         return self.slots - len(self.running)
 
-    def refresh(self, now: float) -> None:
-        self.expires_at = now + config.HEARTBEAT_EXPIRY
+    def refresh(self, now: float, expiry: float) -> None:
+        self.expires_at = now + expiry
 
 
 class WorkerRegistry:
     """Ready workers by identity; expiry as in the guide's Paranoid Pirate pattern."""
 
-    def __init__(self) -> None:
+    def __init__(self, expiry: float = config.Heartbeat().expiry) -> None:
+        self.expiry = expiry        # seconds a worker may be silent
         self.workers: dict[bytes, WorkerRecord] = {}
 
     def __len__(self) -> int:
@@ -181,7 +182,7 @@ class WorkerRegistry:
 
     def add(self, identity: bytes, info: dict, now: float) -> WorkerRecord:
         record = WorkerRecord(identity, info)
-        record.refresh(now)
+        record.refresh(now, self.expiry)
         self.workers[identity] = record
         return record
 

@@ -7,48 +7,16 @@ dies (`die_with_parent`), so even `kill -9` of the launcher leaves no orphans.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
-from dispatcher import config
+from dispatcher.common import config
 
 log = logging.getLogger(__name__)
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Linux: get SIGTERM when the parent exits; exit now if it already has."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-
-class StopFlag:
-    """"Stop" as signal handlers may set it. threading.Event.set() takes a lock: a handler
-    that runs while its own thread is inside set() (a second SIGTERM arriving just as the
-    dispatcher stops itself after draining) waits forever for that lock. Setting an
-    attribute takes none."""
-
-    def __init__(self) -> None:
-        self._set = False
-
-    def set(self) -> None:
-        self._set = True
-
-    def is_set(self) -> bool:
-        return self._set
-
-
 @dataclass
 class Child:
     name: str
@@ -201,7 +169,3 @@ def _describe_exit(code: int | None) -> str:
         except ValueError:
             pass
     return f"code {code}"
-
-
-def python_module_argv(module: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", module, *args]

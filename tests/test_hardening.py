@@ -11,7 +11,7 @@ import pytest
 import zmq
 
 from conftest import ServerProcess, SSEStream, http_json, two_single_cores
-from dispatcher import protocol as P
+from dispatcher.common import protocol as P
 
 pytestmark = pytest.mark.integration      # the real model
 
@@ -605,7 +605,7 @@ def test_session_ids_are_scoped_by_api_key():
 
 
 def test_a_malformed_control_request_gets_an_error_not_a_dead_dispatcher(real_server):
-    from dispatcher.ctl import control_request
+    from dispatcher.tools.ctl import control_request
     for request in ({"cmd": ["status"]}, {"cmd": "drain", "worker": ["w"]},
                     {"cmd": "restart", "worker": "x", "grace": [1]}):
         reply = control_request(real_server.dispatcher, request)

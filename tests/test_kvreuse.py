@@ -1,10 +1,10 @@
-"""KV chunk reuse: the pure planner (`workers.kvreuse`) and the engine applying it on the
+"""KV chunk reuse: the pure planner (`workers.engine.kvreuse`) and the engine applying it on the
 bundled model."""
 import os
 
 import pytest
 
-from workers.kvreuse import chunk_moves
+from workers.engine.kvreuse import chunk_moves
 from workers.sampling import SamplingParams
 
 THREADS = len(os.sched_getaffinity(0))      # this test process's cores
@@ -51,8 +51,8 @@ def test_a_chunk_is_taken_from_its_first_occurrence_after_the_previous_one():
 
 @pytest.mark.integration
 def test_engine_shifts_a_context_ring_that_dropped_its_oldest_chunk():
-    from dispatcher.models import bundled_model_path
-    from workers.engine import LlamaEngine
+    from dispatcher.common.models import bundled_model_path
+    from workers.engine.llama import LlamaEngine
     greedy = SamplingParams(temperature=0)
     path = str(bundled_model_path())
     chunks = ["".join(f"def helper_{k}_{i}(value):\n    return value * {i} + {k}\n\n"
@@ -88,8 +88,8 @@ def test_engine_shifts_a_context_ring_that_dropped_its_oldest_chunk():
 
 
 def test_deterministic_mode_never_shifts_the_cache():
-    from dispatcher.models import bundled_model_path
-    from workers.engine import LlamaEngine
+    from dispatcher.common.models import bundled_model_path
+    from workers.engine.llama import LlamaEngine
     engine = LlamaEngine(str(bundled_model_path()), 512, 1, THREADS, 0, deterministic=True,
                          cache_reuse=16)
     try:
@@ -99,7 +99,7 @@ def test_deterministic_mode_never_shifts_the_cache():
 
 
 def test_reusable_counts_the_prefix_and_the_chunks_behind_it():
-    from workers.kvreuse import reusable
+    from workers.engine.kvreuse import reusable
     a, b = list(range(10, 40)), list(range(50, 80))
     cache = [1] + a + b
     assert reusable(cache, [1] + b + [3], 16) == 31            # BOS + b shifted

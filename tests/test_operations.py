@@ -129,7 +129,7 @@ def test_restart_and_reload_keep_other_workers_serving(two, tmp_path):
                  what="the reloaded worker's count")
     ops(two, "reload", target, "--model", str(ROOT / "no-such.gguf"), check=False)
     ops(two, "reload", target, "--model",
-        str(__import__("dispatcher.models", fromlist=["x"]).bundled_model_path()))
+        str(__import__("dispatcher.common.models", fromlist=["x"]).bundled_model_path()))
     two.wait_for(lambda: workers_by_name(two).get(target, {}).get("model")
                  == "gemma-3-270m-q4_k_m" and workers_by_name(two)[target]["state"] == "idle",
                  timeout=60, what="back on the bundled model")
@@ -210,7 +210,7 @@ def test_an_access_log_the_front_ends_could_not_write_is_a_problem(tmp_path):
 
 
 def test_the_example_workstation_config_is_valid(tmp_path):
-    from dispatcher.models import bundled_model_path
+    from dispatcher.common.models import bundled_model_path
     text = (ROOT / "deploy" / "workstation-4gpu.toml").read_text()
     keys = tmp_path / "keys"
     keys.write_text("k\n")
@@ -295,7 +295,7 @@ def test_flags_and_variables_override_the_file(tmp_path):
 
 
 def test_serve_from_a_config_file_with_two_models(tmp_path, all_cores):
-    from dispatcher.models import bundled_model_path
+    from dispatcher.common.models import bundled_model_path
     from tiny_gguf import write_tiny_fim_model
     tiny = write_tiny_fim_model(tmp_path / "tiny.gguf")
     config = tmp_path / "two-models.toml"

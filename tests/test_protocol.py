@@ -1,7 +1,7 @@
 """Wire protocol codecs and addresses (unit)."""
 import pytest
 
-from dispatcher import protocol as P
+from dispatcher.common import protocol as P
 
 
 def test_message_round_trip():

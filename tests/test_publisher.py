@@ -5,7 +5,7 @@ import time
 import pytest
 import zmq
 
-from dispatcher import config, protocol as P
+from dispatcher.common import config, protocol as P
 from workers.publisher import Publisher
 
 

@@ -1,6 +1,6 @@
 """Request queue, worker registry and routing rules (unit)."""
 from dispatcher.queues import Job, RequestQueue, WorkerRegistry
-from dispatcher.routing import explain_unfit, fits
+from dispatcher.common.fit import explain_unfit, fits
 
 
 def job(rid, model="m", **extra):

@@ -3,7 +3,7 @@ import pytest
 
 from app.client import ClientGone, RequestStream
 from app.errors import APIError
-from dispatcher import config, protocol as P
+from dispatcher.common import config, protocol as P
 
 
 class FakeClient:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.backends import (BackendDevice, MemoryNeed, diagnose_device, gpu_support,
+from workers.engine.backends import (BackendDevice, MemoryNeed, diagnose_device, gpu_support,
                               host_memory_available, memory_need)
 from workers.selftest import placement_from_log
 

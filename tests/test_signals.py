@@ -7,10 +7,10 @@ import sys
 import threading
 import time
 
-from dispatcher import protocol as P
+from dispatcher.common import protocol as P
 from dispatcher.broker import Broker
 from dispatcher.cli import signal_handler
-from dispatcher.supervisor import StopFlag
+from dispatcher.common.process import StopFlag
 
 
 def interrupted_inside(function, handler) -> None:

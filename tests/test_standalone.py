@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import ROOT, free_port, http_json
-from dispatcher.ctl import control_request
+from dispatcher.tools.ctl import control_request
 
 
 def spawn(argv, env_extra, log):

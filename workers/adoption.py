@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import logging
 
-from dispatcher import protocol as P
+from dispatcher.common import protocol as P
 from workers.requests import Active, EditorLimits
 from workers.textstream import TextAssembler
 

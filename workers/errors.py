@@ -1,5 +1,5 @@
 """Errors of the worker side, and the `error` stream event each one becomes."""
-from dispatcher import protocol as P
+from dispatcher.common import protocol as P
 
 
 class EngineError(Exception):

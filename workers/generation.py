@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from collections import deque
 from typing import Callable
 
-from dispatcher import protocol as P
+from dispatcher.common import protocol as P
 from workers.adoption import adopt_or_supersede
 from workers.errors import EngineError, InvalidInput, Stopping, error_event
 from workers.prefill import PrefillMeter

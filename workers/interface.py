@@ -1,6 +1,6 @@
 """What the generation loop needs of an inference engine.
 
-`workers.engine.LlamaEngine` (llama.cpp through llama-cpp-python) and
+`workers.engine.llama.LlamaEngine` (llama.cpp through llama-cpp-python) and
 `workers.fake_engine.FakeEngine` (the test double) both implement it, so the loop
 (`workers.generation`) runs in-process on the fake in the tests.
 """

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from dispatcher.devices import DeviceSpec
+from dispatcher.common.devices import DeviceSpec
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import time
 
 import zmq
 
-from dispatcher import config, protocol as P
+from dispatcher.common import config, protocol as P
 
 log = logging.getLogger("workers.generation")
 

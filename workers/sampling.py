@@ -7,8 +7,8 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from dispatcher import grammar as gbnf
-from dispatcher.protocol import SAMPLER_ALIASES
+from dispatcher.common import grammar as gbnf
+from dispatcher.common.protocol import SAMPLER_ALIASES
 from workers.errors import EngineError, InvalidInput
 
 RANDOM_SEED = 0xFFFFFFFF     # llama.cpp's LLAMA_DEFAULT_SEED: draw a random seed
@@ -19,7 +19,7 @@ DRY_BREAKERS = ("\n", ":", "\"", "*")
 
 def check_grammar(grammar: str, n_vocab: int, token_of=None,
                   verdicts: OrderedDict | None = None) -> None:
-    """A 400 for a grammar llama.cpp would refuse or could not use (dispatcher.grammar).
+    """A 400 for a grammar llama.cpp would refuse or could not use (dispatcher.common.grammar).
     `verdicts` keeps the answers for recent texts: the n choices of one request, or an
     editor's same grammar, are checked once."""
     problem = verdicts.get(grammar, False) if verdicts is not None else False

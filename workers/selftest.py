@@ -12,7 +12,6 @@ once. Prints one JSON object on stdout; exit status 0 only when the device works
 from __future__ import annotations
 
 import argparse
-import ctypes
 import io
 import json
 import os
@@ -20,11 +19,13 @@ import re
 import sys
 import time
 
-from dispatcher import config
-from dispatcher.devices import parse_device
-from dispatcher.models import resolve_model_path
-from workers.backends import (MIB, RUNTIME_PREFIX, backend_devices, diagnose_device,
-                              gpu_support, host_memory_available, memory_need)
+from dispatcher.common import config
+from dispatcher.common.devices import parse_device
+from dispatcher.common.models import resolve_model_path
+from workers.engine.backends import (MIB, RUNTIME_PREFIX, backend_devices, diagnose_device,
+                                     gpu_support, host_memory_available, memory_need,
+                                     model_shape)
+from workers.errors import EngineError
 from workers.pinning import pin
 
 TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
@@ -35,44 +36,6 @@ OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 
 class Failed(Exception):
     """This device cannot serve; the message is the one line the table shows."""
-
-
-def model_shape(model_path: str) -> dict:
-    """Sizes from the GGUF's metadata (a vocabulary-only load: no tensors are read)."""
-    import llama_cpp
-    from workers.engine import _log_to_stderr          # llama.cpp's log: errors only
-    llama_cpp.llama_log_set(_log_to_stderr, ctypes.c_void_p(0))
-    params = llama_cpp.llama_model_default_params()
-    params.vocab_only = True
-    model = llama_cpp.llama_model_load_from_file(model_path.encode(), params)
-    if not model:
-        raise Failed(f"llama.cpp cannot read {model_path}")
-    buf = ctypes.create_string_buffer(512)
-
-    def meta(key: str) -> str | None:
-        n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
-        return buf.value.decode(errors="replace") if n >= 0 else None
-
-    def number(key: str, fallback: int) -> int:
-        value = meta(key)
-        try:
-            return int(float(value)) if value is not None else fallback
-        except ValueError:            # a per-layer array: the largest element
-            found = [int(x) for x in re.findall(r"\d+", value or "")]
-            return max(found) if found else fallback
-    try:
-        arch = meta("general.architecture") or "llama"
-        n_embd = number(f"{arch}.embedding_length", 0)
-        n_head = number(f"{arch}.attention.head_count", 1) or 1
-        head_dim = n_embd // n_head
-        return {"arch": arch, "n_layer": number(f"{arch}.block_count", 0),
-                "n_head_kv": number(f"{arch}.attention.head_count_kv", n_head),
-                "key_length": number(f"{arch}.attention.key_length", head_dim),
-                "value_length": number(f"{arch}.attention.value_length", head_dim),
-                "sliding_window": number(f"{arch}.attention.sliding_window", 0),
-                "n_vocab": llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))}
-    finally:
-        llama_cpp.llama_model_free(model)
 
 
 def check_fit(shape: dict, model_path: str, nctx: int, slots: int, free: int,
@@ -118,8 +81,7 @@ def load_with_log(args, placement):
                      (f" ({' | '.join(tail)})" if tail else "")) from None
     finally:
         sys.stderr = saved
-    import workers.engine
-    workers.engine._VERBOSE = False
+    engine.log_verbose.value = False
     return engine, captured.getvalue()
 
 
@@ -168,7 +130,10 @@ def check(args, result: dict) -> None:
                              placement.visible_devices)
     if reason:
         raise Failed(reason)
-    shape = model_shape(args.model)
+    try:
+        shape = model_shape(args.model)
+    except EngineError as exc:
+        raise Failed(str(exc)) from None
     accelerators = [d for d in devices if d.type != "cpu" and d.name.startswith(
         RUNTIME_PREFIX.get(spec.kind, "?"))]
     on_device = spec.kind != "cpu" and placement.n_gpu_layers >= shape["n_layer"] + 1
@@ -214,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args(argv)
     if os.environ.get("COMPLETIONS_PARENT_PID"):
-        from dispatcher.supervisor import die_with_parent
+        from dispatcher.common.process import die_with_parent
         die_with_parent(int(os.environ["COMPLETIONS_PARENT_PID"]))
     result = {"ok": False, "device": args.device}
     try:

@@ -16,10 +16,10 @@ import time
 
 import zmq
 
-from dispatcher import config, configfile, protocol as P
-from dispatcher.devices import parse_device
-from dispatcher.models import default_model_id, resolve_model_path
-from dispatcher.supervisor import StopFlag, die_with_parent
+from dispatcher.common import config, configfile, protocol as P
+from dispatcher.common.devices import parse_device
+from dispatcher.common.models import default_model_id, resolve_model_path
+from dispatcher.common.process import StopFlag, die_with_parent
 from workers.errors import EngineError
 from workers.generation import GenerationLoop
 from workers.publisher import Publisher
@@ -36,8 +36,9 @@ class DispatcherLink(threading.Thread):
 
     def __init__(self, context: zmq.Context, endpoints: P.Endpoints, identity: bytes,
                  info: dict, loop: GenerationLoop, notify_address: str,
-                 step_timeout: float = 0.0):
+                 step_timeout: float = 0.0, heartbeat: config.Heartbeat = config.Heartbeat()):
         super().__init__(name="dispatcher-link", daemon=True)
+        self.heartbeat = heartbeat
         self.context = context
         self.endpoints = endpoints
         self.identity = identity
@@ -66,8 +67,8 @@ class DispatcherLink(threading.Thread):
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(notify, zmq.POLLIN)
-        interval = config.HEARTBEAT_INTERVAL
-        expires = time.monotonic() + config.HEARTBEAT_EXPIRY
+        interval = self.heartbeat.interval
+        expires = time.monotonic() + self.heartbeat.expiry
         next_beat = time.monotonic() + interval
         reconnect_delay = interval
         while not self.stopping.is_set():
@@ -75,7 +76,7 @@ class DispatcherLink(threading.Thread):
             now = time.monotonic()
             if dealer in ready:
                 while dealer.poll(0, zmq.POLLIN):
-                    expires = now + config.HEARTBEAT_EXPIRY
+                    expires = now + self.heartbeat.expiry
                     reconnect_delay = interval
                     if not self._handle(dealer):
                         expires = 0.0           # told to reconnect
@@ -97,7 +98,7 @@ class DispatcherLink(threading.Thread):
                 reconnect_delay = min(reconnect_delay * 2, RECONNECT_MAX)
                 dealer = self._connect()
                 poller.register(dealer, zmq.POLLIN)
-                expires = time.monotonic() + config.HEARTBEAT_EXPIRY
+                expires = time.monotonic() + self.heartbeat.expiry
         while notify.poll(0, zmq.POLLIN):
             dealer.send_multipart(notify.recv_multipart())
         dealer.send_multipart(P.encode(P.DISCONNECT))
@@ -192,7 +193,7 @@ def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: i
         return FakeEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose,
                           deterministic)
     if kind == "llama":
-        from workers.engine import LlamaEngine      # imported only after pinning
+        from workers.engine.llama import LlamaEngine      # imported only after pinning
         return LlamaEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose,
                            deterministic, prefill_chunk, draft_max, cache_reuse)
     raise ValueError(f"unknown engine {kind!r}: use llama or fake")
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     config.add_options(parser, ["config", "dispatcher", "device", "model", "model_id", "nctx",
                                 "ngl", "slots", "deterministic", "engine", "name",
                                 "fim_template", "prefill_chunk", "draft_max", "cache_reuse",
-                                "step_timeout", "log_level"],
+                                "step_timeout", "heartbeat_interval", "log_level"],
                        configfile.server_defaults(file_data))
     args = config.resolve_repeats(parser.parse_args(argv))
     logging.basicConfig(level=args.log_level.upper(), format=config.LOG_FORMAT)
@@ -287,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             "deterministic": args.deterministic,
             "engine": engine.name, "placement": placement.to_dict()}
     link = DispatcherLink(context, endpoints, name.encode(), info, loop, notify_address,
-                          args.step_timeout)
+                          args.step_timeout, config.Heartbeat.of(args))
     link.start()
     try:
         loop.run(stopping)

@@ -1,9 +1,9 @@
 """The inference engine: the only module that imports llama_cpp (its vocabulary half is
-`workers.vocabulary`, its sampler chains `workers.sampling`, both handed the module).
+`workers.engine.vocabulary`, its sampler chains `workers.sampling`, both handed the module).
 
 llama-cpp-python's low-level C API, not `Llama`: one context holding `slots` sequences
 (one KV stream each), one `llama_batch` per step: a token for every generating slot
-(plus its speculative draft, `workers.speculation`) and prompt chunks of the admitted
+(plus its speculative draft, `workers.engine.speculation`) and prompt chunks of the admitted
 ones in a single `llama_decode`, then each slot sampled from its own rows. llama.cpp
 releases the GIL, so the worker's IO thread heartbeats during a long decode. API facts
 relied on (shared notes): exact-size piece buffers, `llama_sampler_sample` accepts the
@@ -12,24 +12,24 @@ token, `n_batch` is a hard assert, a grammar only accepts tokens its chain sampl
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
+import os
 import sys
 from dataclasses import dataclass, field
 
 import llama_cpp
 import numpy as np
 
-from dispatcher.models import model_fingerprint
 from workers.errors import EngineError
-from workers.kvreuse import reusable, shift_into_place
-from workers.repacking import extra_buffers_work
-from workers.speculation import DraftPolicy, common_prefix, find_draft
-from workers.vocabulary import Vocabulary
+from workers.engine.kvreuse import reusable, shift_into_place
+from workers.engine.repacking import extra_buffers_work
+from workers.engine.speculation import DraftPolicy, common_prefix, find_draft
+from workers.engine.vocabulary import Vocabulary
 from workers.sampling import Candidates, SamplerChain, SamplingParams, TokenOut
 
 log = logging.getLogger(__name__)
 
-_VERBOSE = False
 _GGML_LOG_ERROR = 4      # ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
 BANNED = -1e30           # a logit no token wins with, yet finite: a grammar stays satisfiable
 PROMPT_LOGPROB_CHUNK = 64   # prompt rows per step when every row's logits are kept (1 MiB each)
@@ -37,9 +37,29 @@ PROMPT_LOGPROB_CHUNK = 64   # prompt rows per step when every row's logits are k
 
 @llama_cpp.llama_log_callback
 def _log_to_stderr(level: int, text: bytes, user_data) -> None:
-    """llama.cpp's own log: errors always, the rest only when verbose."""
-    if _VERBOSE or level == _GGML_LOG_ERROR:
+    """llama.cpp's own log: errors always, the rest only when verbose. `user_data` is the
+    address of the engine's `log_verbose` flag (None: errors only); llama.cpp keeps one
+    callback per process, so the flag travels with it instead of living in this module."""
+    if level == _GGML_LOG_ERROR or (user_data and ctypes.c_bool.from_address(user_data).value):
         sys.stderr.write(text.decode("utf-8", "replace"))
+
+
+def quiet_llama_log() -> None:
+    """llama.cpp's log to errors only, before any engine exists (probes, selftest)."""
+    llama_cpp.llama_log_set(_log_to_stderr, ctypes.c_void_p(0))
+
+
+def model_fingerprint(model_path: str, build: str) -> str:
+    """Model file (size, first and last MiB) and build (llama-cpp-python's version), for
+    `system_fingerprint`."""
+    digest = hashlib.sha256()
+    size = os.path.getsize(model_path)
+    with open(model_path, "rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    digest.update(f"{size}:{build}".encode())
+    return "fp_" + digest.hexdigest()[:12]
 
 
 @dataclass(eq=False)
@@ -73,15 +93,15 @@ class LlamaEngine(Vocabulary):
     def __init__(self, model_path: str, n_ctx: int, slots: int, n_threads: int,
                  n_gpu_layers: int, verbose: bool = False, deterministic: bool = False,
                  prefill_chunk: int = 0, draft_max: int = 0, cache_reuse: int = 0):
-        global _VERBOSE
-        _VERBOSE = verbose
         self.lib = llama_cpp                      # for the Vocabulary mixin
-        llama_cpp.llama_log_set(_log_to_stderr, ctypes.c_void_p(0))
+        self.log_verbose = ctypes.c_bool(verbose)    # read by _log_to_stderr
+        llama_cpp.llama_log_set(_log_to_stderr, ctypes.cast(ctypes.pointer(self.log_verbose),
+                                                            ctypes.c_void_p))
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
         # CPU weight repacking makes matmul results depend on how many rows a batch has;
-        # where llama.cpp's AMX path crashes, it is off too (workers.repacking)
+        # where llama.cpp's AMX path crashes, it is off too (workers.engine.repacking)
         mparams.use_extra_bufts = not deterministic and extra_buffers_work()
         if not deterministic and not mparams.use_extra_bufts:
             log.warning("CPU weight repacking is off: llama.cpp's AMX code crashed on this "
@@ -120,7 +140,7 @@ class LlamaEngine(Vocabulary):
         self.draft_max = 0 if deterministic else draft_max
         self.drafted = self.draft_accepted = 0
         self.memory = llama_cpp.llama_get_memory(self.ctx)
-        # KV chunk reuse (workers/kvreuse.py) needs position shifts; never in deterministic
+        # KV chunk reuse (workers/engine/kvreuse.py) needs position shifts; never in deterministic
         # mode (shifted keys differ from prefilled ones in their last bits)
         self.cache_reuse = cache_reuse if (
             not deterministic and llama_cpp.llama_memory_can_shift(self.memory)) else 0
@@ -196,7 +216,7 @@ class LlamaEngine(Vocabulary):
 
     def _shift_chunks(self, slot: _Slot, tokens: list[int], n_past: int) -> int:
         """Shift cached chunks that the prompt repeats further along into place
-        (workers/kvreuse.py); `_truncate` then drops every cell past them."""
+        (workers/engine/kvreuse.py); `_truncate` then drops every cell past them."""
         slot.cached, in_place, shifted = shift_into_place(
             llama_cpp, self.memory, slot.seq, slot.cached, tokens, n_past, self.cache_reuse)
         self.tokens_shifted += shifted
@@ -258,7 +278,7 @@ class LlamaEngine(Vocabulary):
             generating, prefilling = [], prefilling[:1]
         else:
             generating = [s for s in self.slots if s.busy and s.next_token is not None]
-        for slot in generating:                  # speculation (workers/speculation.py)
+        for slot in generating:                  # speculation (workers/engine/speculation.py)
             want = slot.policy.wants(len(generating)) if slot.policy else 0
             want = min(want, self.n_ctx - slot.n_past - 2)
             slot.draft = find_draft(slot.cached + [slot.next_token], want) if want else []

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers.speculation import common_prefix
+from workers.engine.speculation import common_prefix
 
 
 def chunk_moves(cache: list[int], tokens: list[int], start: int, minimum: int

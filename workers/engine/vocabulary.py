@@ -9,7 +9,7 @@ import ctypes
 import threading
 from collections import OrderedDict
 
-from dispatcher import grammar as gbnf
+from dispatcher.common import grammar as gbnf
 from workers.errors import EngineError, InvalidInput
 
 

@@ -1,7 +1,6 @@
 """Model files: the bundled default and the ids clients use for them."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -80,16 +79,3 @@ def default_model_id(path: Path) -> str:
     """The file name without .gguf: gemma-3-270m-q4_k_m."""
     name = Path(path).name
     return name[:-len(".gguf")] if name.lower().endswith(".gguf") else name
-
-
-def model_fingerprint(model_path: str, build: str) -> str:
-    """Model file (size, first and last MiB) and build (llama-cpp-python's version), for
-    `system_fingerprint`."""
-    digest = hashlib.sha256()
-    size = os.path.getsize(model_path)
-    with open(model_path, "rb") as f:
-        digest.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        digest.update(f.read(1 << 20))
-    digest.update(f"{size}:{build}".encode())
-    return "fp_" + digest.hexdigest()[:12]

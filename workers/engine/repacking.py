@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dispatcher.models import bundled_model_path, cache_dir
+from dispatcher.common.models import bundled_model_path, cache_dir
 
 PROBE = """
 import sys, llama_cpp

@@ -193,7 +193,7 @@ class InProcessTarget:
         from llama_cpp import Llama
         import os
         self.name = "llama-cpp-python in-process"
-        from workers.repacking import llama_loads_like_workers
+        from workers.engine.repacking import llama_loads_like_workers
         with llama_loads_like_workers():
             self.llm = Llama(model_path, n_ctx=n_ctx, n_batch=512, flash_attn=True,
                              n_threads=n_threads or len(os.sched_getaffinity(0)),

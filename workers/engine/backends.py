@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from dataclasses import dataclass
+
+from workers.errors import EngineError
 
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}   # enum ggml_backend_dev_type
 MIB = 1 << 20
@@ -166,3 +169,41 @@ def memory_need(model_file_bytes: int, n_layer: int, n_head_kv: int, key_length:
                       kv_per_token=kv_bytes_per_token(n_layer, n_head_kv, key_length,
                                                       value_length),
                       compute=n_ubatch * n_vocab * 4, tokens=nctx * slots)
+
+
+def model_shape(model_path: str) -> dict:
+    """Sizes from the GGUF's metadata (a vocabulary-only load: no tensors are read)."""
+    import llama_cpp
+    from workers.engine.llama import quiet_llama_log
+    quiet_llama_log()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = llama_cpp.llama_model_load_from_file(model_path.encode(), params)
+    if not model:
+        raise EngineError(f"llama.cpp cannot read {model_path}")
+    buf = ctypes.create_string_buffer(512)
+
+    def meta(key: str) -> str | None:
+        n = llama_cpp.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+        return buf.value.decode(errors="replace") if n >= 0 else None
+
+    def number(key: str, fallback: int) -> int:
+        value = meta(key)
+        try:
+            return int(float(value)) if value is not None else fallback
+        except ValueError:            # a per-layer array: the largest element
+            found = [int(x) for x in re.findall(r"\d+", value or "")]
+            return max(found) if found else fallback
+    try:
+        arch = meta("general.architecture") or "llama"
+        n_embd = number(f"{arch}.embedding_length", 0)
+        n_head = number(f"{arch}.attention.head_count", 1) or 1
+        head_dim = n_embd // n_head
+        return {"arch": arch, "n_layer": number(f"{arch}.block_count", 0),
+                "n_head_kv": number(f"{arch}.attention.head_count_kv", n_head),
+                "key_length": number(f"{arch}.attention.key_length", head_dim),
+                "value_length": number(f"{arch}.attention.value_length", head_dim),
+                "sliding_window": number(f"{arch}.attention.sliding_window", 0),
+                "n_vocab": llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))}
+    finally:
+        llama_cpp.llama_model_free(model)

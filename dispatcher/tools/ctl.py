@@ -9,8 +9,8 @@ import os
 
 import zmq
 
-from dispatcher import protocol as P
-from dispatcher.models import resolve_model_path
+from dispatcher.common import protocol as P
+from dispatcher.common.models import resolve_model_path
 
 
 def default_dispatcher_address(port: int) -> str:

@@ -14,8 +14,8 @@ import threading
 import time
 from dataclasses import asdict
 
-from dispatcher.config import non_negative_seconds
-from dispatcher.bench_targets import (HttpTarget, InProcessTarget, Level, Sample,
+from dispatcher.common.config import non_negative_seconds
+from dispatcher.tools.bench_targets import (HttpTarget, InProcessTarget, Level, Sample,
                                       percentile, summarize)
 
 CODE = '''import json
@@ -205,9 +205,9 @@ def run_constrained(target, requests: int, prompt_chars: int, max_tokens: int,
 
 def run_hostile(target, max_tokens: int) -> list[str]:
     """A plain stream alone, then again while every costly class the server refuses
-    (dispatcher.soak.COSTLY_BODIES) is sent one after another: the lines say how each was
+    (dispatcher.tools.soak.COSTLY_BODIES) is sent one after another: the lines say how each was
     answered and the stream's largest gap between two tokens, alone and beside them."""
-    from dispatcher.soak import COSTLY_BODIES
+    from dispatcher.tools.soak import COSTLY_BODIES
     prompt = "Once upon a time"
     alone = target.complete(prompt, max_tokens, extra={"ignore_eos": True})
     results: list[Sample] = []
@@ -350,7 +350,7 @@ def run(args) -> int:
     for url in args.url or [f"http://127.0.0.1:{args.port}"]:
         targets.append(HttpTarget(url, args.model, args.api_key))
     if args.in_process:
-        from dispatcher.models import resolve_model_path
+        from dispatcher.common.models import resolve_model_path
         path = None if args.in_process == "bundled" else args.in_process
         targets.append(InProcessTarget(str(resolve_model_path(path)), 4096, None))
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]

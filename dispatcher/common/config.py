@@ -80,12 +80,23 @@ def non_negative_seconds(text: str) -> float:
 
 def dispatcher_address(text: str) -> str:
     """ipc:///dir or tcp://host:port, checked when read (not when first used)."""
-    from dispatcher.protocol import Endpoints
+    from dispatcher.common.protocol import Endpoints
     try:
         Endpoints.from_base(text)
     except ValueError as exc:
         raise OptionValueError(str(exc)) from None
     return text
+
+
+def heartbeat_seconds(text: str) -> float:
+    """Seconds between 0.25 and 60: the loops poll every 0.1 s, three beats must span more."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0.25 <= seconds <= 60:
+        raise OptionValueError(f"seconds between 0.25 and 60, got {text!r}")
+    return seconds
 
 
 def _non_negative_int(text: str) -> int:
@@ -140,6 +151,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "(a decode of at most a batch, and the sampling); past it the worker is stuck: its "
            "requests fail with worker_stuck and it exits to be replaced (0: never)",
            non_negative_seconds),
+    Option("heartbeat_interval", 1.0, "seconds between the heartbeats of every pair of "
+           "processes (dispatcher, workers, front ends); a peer silent for 3 of them is gone; "
+           "parts started separately must agree", heartbeat_seconds),
     Option("config", None, "TOML config file (see deploy/workstation-4gpu.toml)"),
     Option("log_level", "info", "log level", str.lower,
            choices=("debug", "info", "warning", "error")),
@@ -172,26 +186,30 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
 ]}
 
 
-def _heartbeat_interval() -> float:
-    raw = os.environ.get(ENV_PREFIX + "HEARTBEAT_INTERVAL", "1")
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    # the dispatcher's and workers' loops poll every 0.1 s: three beats must span more
-    if not 0.25 <= seconds <= 60:
-        raise SystemExit(f"{ENV_PREFIX}HEARTBEAT_INTERVAL: seconds between 0.25 and 60, "
-                         f"got {raw!r}")
-    return seconds
-
-
-# Timing of the heartbeats between every pair of processes (ZeroMQ guide, Paranoid Pirate).
-# COMPLETIONS_HEARTBEAT_INTERVAL (seconds) sets it for each process that has it in its
-# environment; serve's children inherit it, and parts started separately must agree.
-HEARTBEAT_INTERVAL = _heartbeat_interval()
+# Timing of the heartbeats between every pair of processes (ZeroMQ guide, Paranoid Pirate):
+# each process resolves `heartbeat_interval` once at start (flag, COMPLETIONS_HEARTBEAT_
+# INTERVAL, config file) and hands a `Heartbeat` to what it runs; serve's children
+# inherit the variable, and parts started separately must agree.
 HEARTBEAT_LIVENESS = 3
-# A peer silent for this long is gone.
-HEARTBEAT_EXPIRY = HEARTBEAT_INTERVAL * HEARTBEAT_LIVENESS
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Seconds between beats; a peer silent for `liveness` of them (`expiry`) is gone."""
+    interval: float = 1.0
+    liveness: int = HEARTBEAT_LIVENESS
+
+    @property
+    def expiry(self) -> float:
+        return self.interval * self.liveness
+
+    @classmethod
+    def of(cls, options) -> "Heartbeat":
+        """From resolved options (an argparse namespace or a dict), default 1 s."""
+        value = options.get("heartbeat_interval") if isinstance(options, dict) else \
+            getattr(options, "heartbeat_interval", None)
+        return cls(value) if value is not None else cls()
+
 # High-water mark of every socket on the token path (worker XPUB, proxy, front-end SUB).
 TOKEN_HWM = 100_000
 # How long a front end waits for the dispatcher to accept a job before giving up.

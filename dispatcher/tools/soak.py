@@ -29,8 +29,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from dispatcher import config
-from dispatcher.ctl import control_request, default_dispatcher_address
+from dispatcher.common import config
+from dispatcher.tools.ctl import control_request, default_dispatcher_address
 
 INVALID_BODIES = [
     b'{"prompt": "x", "temperature": "hot"}', b'{"prompt": ""}', b'{"prompt": NaN}',
@@ -106,6 +106,8 @@ class Soak:
         self.last_kill = float("-inf")         # time.monotonic() of the last kill
         self.server: subprocess.Popen | None = None
         self.port = 0
+        # the server it starts inherits the environment: its heartbeat, read once here
+        self.heartbeat = config.Heartbeat(config.env_value(config.OPTIONS["heartbeat_interval"]))
 
     # -- server --------------------------------------------------------------------------
     def start_server(self) -> None:
@@ -358,7 +360,7 @@ class Soak:
         hung = sum(1 for t in threads if t.is_alive())
         self.outcomes["lost"] += hung
         # long enough for a kill just before the end to be noticed, then respawned
-        time.sleep(max(0.0, self.last_kill + config.HEARTBEAT_EXPIRY - time.monotonic()))
+        time.sleep(max(0.0, self.last_kill + self.heartbeat.expiry - time.monotonic()))
         recovered = self.wait_healthy(60)
         after = self.rss()
         restarts = sum(w.get("restarts", 0) for w in self.status()["workers"])

@@ -16,9 +16,9 @@ import signal
 import subprocess
 import sys
 
-from dispatcher import configfile
-from dispatcher.config import non_negative_seconds
-from dispatcher.supervisor import python_module_argv
+from dispatcher.common import configfile
+from dispatcher.common.config import non_negative_seconds
+from dispatcher.common.process import python_module_argv
 
 OPTIONS = ["config", "model", "model_id", "device", "nctx", "ngl", "slots", "deterministic",
            "log_level"]

@@ -25,8 +25,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dispatcher import config
-from dispatcher.devices import DeviceSpec, format_cores, parse_device
+from dispatcher.common import config
+from dispatcher.common.devices import DeviceSpec, format_cores, parse_device
 
 MODEL_KEYS = {"id", "path", "nctx", "ngl", "slots", "deterministic", "aliases",
               "fim_template"}
