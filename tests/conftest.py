@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import machine_share
+import cores
 import pytest
 
 from dispatcher.tools.ctl import control_request, default_dispatcher_address
@@ -27,10 +27,9 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_configure(config):
-    if machine_share.WORKER:
-        machine_share.start()
+    if cores.WORKER:
+        cores.start()
     else:
-        machine_share.prepare_run()
         # the controller, before any test process starts: what they would otherwise race
         # to create on a fresh machine (the assembled model, the repacking probe's answer)
         from dispatcher.common.models import bundled_model_path
@@ -39,17 +38,15 @@ def pytest_configure(config):
         extra_buffers_work()
 
 
-def pytest_unconfigure(config):
-    if not machine_share.WORKER:
-        machine_share.finish_run()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """Each test, its fixtures included, runs with a share of the machine (see
-    machine_share: never beside a test that took the whole machine)."""
-    with machine_share.share():
-        yield
+def pytest_collection_modifyitems(config, items):
+    """In the parallel pass (an xdist worker), `serial` tests are left out: they need every
+    core, and run in the second pass, `pytest -m serial -n 0` (see tests/cores.py)."""
+    if not cores.WORKER:
+        return
+    serial = [item for item in items if item.get_closest_marker("serial")]
+    if serial:
+        config.hook.pytest_deselected(items=serial)
+        items[:] = [item for item in items if not item.get_closest_marker("serial")]
 
 
 def two_single_cores() -> tuple[int, int]:
@@ -61,9 +58,10 @@ def two_single_cores() -> tuple[int, int]:
 
 @pytest.fixture
 def all_cores():
-    """This test runs alone, with every core (it pins workers to the first two)."""
-    with machine_share.whole_machine():
-        yield sorted(machine_share.ALL_CORES)
+    """Every core, for a `serial` test (it pins workers to the first two)."""
+    if cores.WORKER:
+        pytest.fail("a test that needs every core is marked serial (it runs without xdist)")
+    return sorted(cores.ALL_CORES)
 
 
 _next_port: int | None = None
@@ -73,7 +71,7 @@ def free_port(count: int = 1) -> int:
     """A port p such that p..p+count-1 are free right now, from this test process's own
     range (parallel test processes never pick the same one)."""
     global _next_port
-    low, high = machine_share.port_range()
+    low, high = cores.port_range()
     if _next_port is None:
         _next_port = random.randrange(low, high)
     for _ in range(500):

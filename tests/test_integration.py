@@ -195,6 +195,7 @@ def test_disconnect_during_the_prefill_stops_the_prefill(real_server):
         assert worker["last_done"]["usage"]["prompt_tokens"] > 3000
 
 
+@pytest.mark.serial
 def test_two_workers_serve_two_streams_in_parallel(all_cores):
     server = ServerProcess("--device", "cpu:0", "--device", "cpu:1", workers=2,
                            log_name="two-real").start()

@@ -10,7 +10,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ROOT, ServerProcess, SSEStream, http_json
-from machine_share import whole_machine
 
 pytestmark = pytest.mark.integration
 
@@ -36,9 +35,9 @@ def complete(port, body, timeout=120):
 
 @pytest.fixture(scope="module")
 def ops_server():
-    with whole_machine():        # started with every core, to pin its workers to 0 and 1
-        server = ServerProcess("--device", "cpu:0", "--device", "cpu:1", "--frontends", "2",
-                               workers=2, log_name="ops").start()
+    # only serial tests use it: started with every core, to pin its workers to 0 and 1
+    server = ServerProcess("--device", "cpu:0", "--device", "cpu:1", "--frontends", "2",
+                           workers=2, log_name="ops").start()
     yield server
     assert server.stop() == 0
 
@@ -49,6 +48,7 @@ def two(ops_server, all_cores):
     return ops_server
 
 
+@pytest.mark.serial
 def test_status_shows_workers_queue_and_front_ends(two):
     complete(two.port, {"prompt": "Hello", "max_tokens": 4})
     status = json.loads(ops(two, "status", "--json").stdout)
@@ -65,6 +65,7 @@ def test_status_shows_workers_queue_and_front_ends(two):
         assert text in table
 
 
+@pytest.mark.serial
 def test_drain_moves_new_work_elsewhere_then_resume(two):
     stream = SSEStream(two.port, {"prompt": "Once upon a time", "max_tokens": 60,
                                   "ignore_eos": True, "stream": True})
@@ -90,6 +91,7 @@ def test_drain_moves_new_work_elsewhere_then_resume(two):
     assert out.returncode == 1 and "no ready worker" in out.stdout
 
 
+@pytest.mark.serial
 def test_restart_and_reload_keep_other_workers_serving(two, tmp_path):
     from tiny_gguf import write_tiny_fim_model
     tiny = write_tiny_fim_model(tmp_path / "tiny-fim.gguf")
@@ -152,6 +154,7 @@ def total(samples, name, **labels) -> float:
                if all(lab.get(k) == x for k, x in labels.items()))
 
 
+@pytest.mark.serial
 def test_metrics_show_the_whole_system_from_any_front_end(two):
     before = metric_samples(two.port)
     for i in range(6):
@@ -294,6 +297,7 @@ def test_flags_and_variables_override_the_file(tmp_path):
     assert [w["device"] for w in report["workers"]] == [core]        # replaces the list
 
 
+@pytest.mark.serial
 def test_serve_from_a_config_file_with_two_models(tmp_path, all_cores):
     from dispatcher.common.models import bundled_model_path
     from tiny_gguf import write_tiny_fim_model

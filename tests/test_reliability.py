@@ -76,6 +76,7 @@ def test_full_queue_is_429_and_a_deadline_is_504_before_running():
 
 
 # -- 2. worker death -----------------------------------------------------------------------
+@pytest.mark.serial
 def test_killed_worker_fails_what_it_had_started_and_spares_the_rest(all_cores):
     server = ServerProcess("--device", "cpu:0", "--device", "cpu:1", workers=2,
                            log_name="death").start()

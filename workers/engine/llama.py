@@ -26,7 +26,8 @@ from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.repacking import extra_buffers_work
 from workers.engine.speculation import DraftPolicy, common_prefix, find_draft
 from workers.engine.vocabulary import Vocabulary
-from workers.sampling import Candidates, SamplerChain, SamplingParams, TokenOut
+from workers.engine.samplers import Candidates, SamplerChain
+from workers.sampling import SamplingParams, TokenOut
 
 log = logging.getLogger(__name__)
 

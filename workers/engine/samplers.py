@@ -1,0 +1,242 @@
+"""llama.cpp's sampler chain for one request, built from its `SamplingParams` with the
+`llama_cpp` module the engine hands it (so nothing here imports llama.cpp before the worker
+is pinned), the shared candidate buffers, and the grammar check before a chain is made."""
+from __future__ import annotations
+
+import ctypes
+from collections import OrderedDict
+
+import numpy as np
+
+from dispatcher.common import grammar as gbnf
+from workers.errors import EngineError, InvalidInput
+from workers.sampling import SamplingParams
+
+
+def check_grammar(grammar: str, n_vocab: int, token_of=None,
+                  verdicts: OrderedDict | None = None) -> None:
+    """A 400 for a grammar llama.cpp would refuse or could not use (dispatcher.common.grammar).
+    `verdicts` keeps the answers for recent texts: the n choices of one request, or an
+    editor's same grammar, are checked once."""
+    problem = verdicts.get(grammar, False) if verdicts is not None else False
+    if problem is False:
+        try:
+            gbnf.check(grammar, n_vocab, token_of)
+            problem = None
+        except gbnf.GrammarError as exc:
+            problem = str(exc)
+        if verdicts is not None:
+            verdicts[grammar] = problem
+            while len(verdicts) > KEPT_VERDICTS:
+                verdicts.popitem(last=False)
+    if problem is not None:
+        raise InvalidInput(f"the grammar cannot be used: {problem}", param="grammar")
+
+
+KEPT_VERDICTS = 64
+
+
+def one_token(lib, vocab, text: str) -> int | None:
+    """The id of `text` if it is exactly one token (special-token syntax parsed), as
+    llama.cpp's grammar parser requires of a `<text>` reference."""
+    data = text.encode("utf-8")
+    buf = (lib.llama_token * 2)()
+    n = lib.llama_tokenize(vocab, data, len(data), buf, 2, False, True)
+    return int(buf[0]) if n == 1 else None
+
+
+class Candidates:
+    """Buffers for a whole-vocabulary `llama_token_data_array` (id, logit, p), reused by
+    every slot of an engine, and a one-token array for grammar checks."""
+
+    def __init__(self, lib, n_vocab: int):
+        self.lib, self.n_vocab = lib, n_vocab
+        self.data = np.zeros(n_vocab, dtype=np.dtype(
+            [("id", np.int32), ("logit", np.float32), ("p", np.float32)], align=True))
+        assert self.data.dtype.itemsize == ctypes.sizeof(lib.llama_token_data)
+        self.ids = np.arange(n_vocab, dtype=np.int32)
+        self.pointer = self.data.ctypes.data_as(ctypes.POINTER(lib.llama_token_data))
+        self.array = lib.llama_token_data_array()
+        self.one = (lib.llama_token_data * 1)()
+        self.grammar_verdicts: OrderedDict = OrderedDict()     # see check_grammar
+        self.one_array = lib.llama_token_data_array(
+            ctypes.cast(self.one, ctypes.POINTER(lib.llama_token_data)), 1, -1, False)
+
+    def whole(self, logits):
+        """The whole vocabulary over `logits` (p = 0, nothing selected)."""
+        self.data["id"] = self.ids
+        self.data["logit"] = logits
+        self.data["p"] = 0.0
+        array = self.array
+        array.data, array.size, array.selected, array.sorted = \
+            self.pointer, self.n_vocab, -1, False
+        return ctypes.byref(array)
+
+    def single(self, token: int):
+        one = self.one_array
+        one.data[0].id, one.data[0].logit, one.data[0].p = token, 1.0, 0.0
+        one.size, one.selected, one.sorted = 1, -1, False
+        return ctypes.byref(one)
+
+
+class SamplerChain:
+    """One sequence's samplers, built from its `SamplingParams`: penalties → logit bias →
+    greedy | mirostat | top-k, typical, top-p, min-p, temperature, dist (llama.cpp's common
+    sampler order), and the grammar sampler kept out of the chain.
+
+    `lib` is llama-cpp-python's module, handed over by the engine (the one importer of
+    llama_cpp, after the worker is pinned). The grammar is checked against the token the
+    chain picks and applied to the whole vocabulary only when it rejects that token, as
+    llama.cpp's own `common_sampler_sample` does: the output is exactly what the grammar
+    allows, and a grammar stream costs about what a plain one does while the model follows
+    it by itself (applying it to all candidates every step made a plain stream beside it
+    5× slower). A token the grammar rejects is never accepted into it (that throws inside
+    llama.cpp).
+    """
+
+    def __init__(self, lib, vocab, n_vocab: int, n_ctx: int, p: SamplingParams,
+                 candidates: Candidates):
+        self.lib, self.candidates = lib, candidates
+        self.grammar = None
+        bare_greedy = p.greedy and not p.penalized and not p.logit_bias and \
+            not p.dry_multiplier
+        self.plain_greedy = bare_greedy and p.grammar is None   # argmax is the whole chain
+        self.bare_greedy = bare_greedy                  # ... apart from a grammar
+        samplers: list = []
+        self.chain = None
+        try:
+            self._build(lib, vocab, n_vocab, n_ctx, p, samplers)
+            if not all(samplers):
+                raise EngineError("llama.cpp could not create a sampler")
+            self.chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+            if not self.chain:
+                raise EngineError("llama.cpp could not create a sampler chain")
+        except BaseException:         # nothing half-built is left behind
+            self._free_all([sampler for sampler in samplers if sampler])
+            if self.grammar:
+                lib.llama_sampler_free(self.grammar)
+                self.grammar = None
+            raise
+        for sampler in samplers:
+            lib.llama_sampler_chain_add(self.chain, sampler)   # the chain owns it now
+
+    def _build(self, lib, vocab, n_vocab: int, n_ctx: int, p: SamplingParams,
+               samplers: list) -> None:
+        """Create the grammar sampler and the chain's samplers (appended to `samplers`)."""
+        if p.logit_bias:
+            bad = [t for t in p.logit_bias if not 0 <= t < n_vocab]
+            if bad:
+                raise InvalidInput(f"token ids {bad[:5]} are outside the vocabulary "
+                                   f"(0..{n_vocab - 1})", param="logit_bias")
+            biases = (lib.llama_logit_bias * len(p.logit_bias))(
+                *[lib.llama_logit_bias(t, b) for t, b in p.logit_bias.items()])
+            samplers.append(lib.llama_sampler_init_logit_bias(
+                n_vocab, len(p.logit_bias), biases))
+        if p.grammar is not None:
+            if "<" in p.grammar:
+                # token references (`<[id]>`, `<text>`) are checked against this vocabulary
+                # (the front end checked the rest), so llama.cpp never logs a refusal
+                check_grammar(p.grammar, n_vocab, lambda text: one_token(lib, vocab, text),
+                              self.candidates.grammar_verdicts)
+            self.grammar = lib.llama_sampler_init_grammar(vocab, p.grammar.encode(), b"root")
+            if not self.grammar:
+                raise InvalidInput("the grammar does not parse (GBNF with a 'root' rule)",
+                                   param="grammar")
+        # llama.cpp's common sampler: the listed samplers in order (each only when its
+        # settings turn it on), then greedy, Mirostat, or temperature and a seeded draw.
+        # Windows are ring buffers: never more than a sequence can hold.
+        window = lambda n: n_ctx if n < 0 else min(n, n_ctx)     # noqa: E731
+        for name in p.order:
+            if name == "penalties" and p.penalized:
+                samplers.append(lib.llama_sampler_init_penalties(
+                    n_vocab, window(p.repeat_last_n), p.repetition_penalty,
+                    p.frequency_penalty, p.presence_penalty))
+            elif name == "dry" and p.dry_multiplier > 0:
+                breakers = [b.encode() for b in p.dry_sequence_breakers]
+                array = (ctypes.c_char_p * max(1, len(breakers)))(*breakers)
+                samplers.append(lib.llama_sampler_init_dry(
+                    vocab, p.dry_multiplier, p.dry_base, p.dry_allowed_length,
+                    window(p.dry_penalty_last_n), array, len(breakers)))
+            elif p.greedy or p.mirostat:
+                continue                          # truncation: none before these
+            elif name == "top_n_sigma" and p.top_n_sigma >= 0:
+                samplers.append(lib.llama_sampler_init_top_n_sigma(p.top_n_sigma))
+            elif name == "top_k" and p.top_k > 0:
+                samplers.append(lib.llama_sampler_init_top_k(p.top_k))
+            elif name == "typ_p" and p.typical_p < 1.0:
+                samplers.append(lib.llama_sampler_init_typical(p.typical_p, 1))
+            elif name == "top_p" and p.top_p < 1.0:
+                samplers.append(lib.llama_sampler_init_top_p(p.top_p, 1))
+            elif name == "min_p" and p.min_p > 0.0:
+                samplers.append(lib.llama_sampler_init_min_p(p.min_p, 1))
+            elif name == "xtc" and p.xtc_probability > 0.0:
+                samplers.append(lib.llama_sampler_init_xtc(
+                    p.xtc_probability, p.xtc_threshold, 1, p.seed32))
+            elif name == "temperature":
+                samplers.append(lib.llama_sampler_init_temp_ext(
+                    p.temperature, p.dynatemp_range, p.dynatemp_exponent)
+                    if p.dynatemp_range > 0 else lib.llama_sampler_init_temp(p.temperature))
+            elif name == "infill":
+                samplers.append(lib.llama_sampler_init_infill(vocab))
+        if p.greedy:
+            samplers.append(lib.llama_sampler_init_greedy())
+        elif p.mirostat:
+            samplers.append(lib.llama_sampler_init_temp(p.temperature))
+            if p.mirostat == 1:
+                samplers.append(lib.llama_sampler_init_mirostat(
+                    n_vocab, p.seed32, p.mirostat_tau, p.mirostat_eta, 100))
+            else:
+                samplers.append(lib.llama_sampler_init_mirostat_v2(
+                    p.seed32, p.mirostat_tau, p.mirostat_eta))
+        else:                # (a `samplers` list without temperature: as llama.cpp, none)
+            samplers.append(lib.llama_sampler_init_dist(p.seed32))
+
+    def _free_all(self, samplers) -> None:
+        for sampler in samplers:
+            self.lib.llama_sampler_free(sampler)
+
+    @property
+    def wants_logits(self) -> bool:
+        """Whether `sample` needs the logits row as an array (else it reads the context)."""
+        return self.plain_greedy or self.grammar is not None
+
+    def sample(self, ctx, row: int, logits) -> int:
+        """The next token from batch row `row` (`logits`: that row, possibly with banned
+        tokens, when `wants_logits`), accepted into the samplers' state."""
+        if self.plain_greedy:
+            # argmax is all a bare greedy chain does; numpy skips copying 262k candidates
+            return int(logits.argmax())
+        if self.grammar is None:
+            return self.lib.llama_sampler_sample(self.chain, ctx, row)   # accepts too
+        lib, candidates = self.lib, self.candidates
+        if self.bare_greedy:          # the chain is an argmax: no candidate array needed
+            token = int(logits.argmax())
+        else:
+            token = self._pick(candidates.whole(logits))
+        if not self._allows(token):
+            array = candidates.whole(logits)
+            lib.llama_sampler_apply(self.grammar, array)
+            token = self._pick(array)
+            if not self._allows(token):
+                raise EngineError("the grammar allows no token here")
+        lib.llama_sampler_accept(self.grammar, token)
+        lib.llama_sampler_accept(self.chain, token)
+        return token
+
+    def _allows(self, token: int) -> bool:
+        one = self.candidates.single(token)
+        self.lib.llama_sampler_apply(self.grammar, one)
+        return self.candidates.one[0].logit != float("-inf")
+
+    def _pick(self, array_ref) -> int:
+        self.lib.llama_sampler_apply(self.chain, array_ref)
+        array = self.candidates.array
+        if not 0 <= array.selected < array.size:
+            raise EngineError("the sampler chain selected no token")
+        return int(array.data[array.selected].id)
+
+    def free(self) -> None:
+        self.lib.llama_sampler_free(self.chain)
+        if self.grammar is not None:
+            self.lib.llama_sampler_free(self.grammar)
+            self.grammar = None
