@@ -58,23 +58,21 @@ class RequestRecord(dict):
     def jobs(self, plans) -> None:
         self["_prompt_of"] = [plan.prompt_index for plan in plans]
 
-    def observe(self, index: int, event: dict, kind: str, now: float) -> None:
-        """One event of job `index` (protocol EV_START / EV_TEXT / EV_END)."""
+    def observe(self, index: int, event, kind: str, now: float) -> None:
+        """One event of job `index` (protocol Start / Text / End)."""
         if kind == "start":
             workers = self.setdefault("_workers", [])
-            worker = str(event.get("worker") or "")
+            worker = str(event.worker or "")
             if worker and worker not in workers:
                 workers.append(worker)
             prompt_of = self.get("_prompt_of") or []
             key = prompt_of[index] if index < len(prompt_of) else index
-            self.setdefault("_prompts", {})[key] = (int(event.get("prompt_tokens", 0)),
-                                                    int(event.get("cached_tokens", 0)))
+            self.setdefault("_prompts", {})[key] = (event.prompt_tokens, event.cached_tokens)
         elif kind == "text" and "ttft_ms" not in self:
             self["ttft_ms"] = (now - self["_started"]) * 1000
         elif kind == "end":
-            usage = event.get("usage") or {}
             self["_completion"] = self.get("_completion", 0) + \
-                int(usage.get("completion_tokens", 0))
+                (event.usage.completion_tokens if event.usage else 0)
 
     def failed(self, code: str | None) -> None:
         self.setdefault("error", code or "error")

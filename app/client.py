@@ -36,8 +36,8 @@ class ClientGone(Exception):
     """The HTTP client closed its connection."""
 
 
-def error_event(status: int, message: str, code: str) -> dict:
-    return P.WireError(status, code, message).event()
+def error_event(status: int, message: str, code: str) -> P.Error:
+    return P.WireError(status=status, code=code, message=message).event()
 
 
 class RequestStream:
@@ -79,7 +79,7 @@ class RequestStream:
             # token events can overtake ACCEPTED (they travel another path): keep them
             self._early.append(item)
 
-    def next_event(self) -> dict:
+    def next_event(self) -> P.AnyEvent:
         while True:
             timeout = None
             if self._complete_by is not None:
@@ -105,8 +105,8 @@ class RequestStream:
             elif kind == "gone":
                 raise ClientGone()
 
-    def _accept_event(self, event: dict) -> dict | None:
-        attempt = int(event.get("a", 1))
+    def _accept_event(self, event: P.AnyEvent) -> P.AnyEvent | None:
+        attempt = event.attempt
         if attempt < self.attempt:
             return None
         if attempt > self.attempt:
@@ -115,26 +115,26 @@ class RequestStream:
                     503, "the worker serving this request was lost after output had started",
                     "worker_lost"))
             self.attempt, self.next_seq, self._complete_by = attempt, 0, None
-        if event["s"] != self.next_seq:
+        if event.seq != self.next_seq:
             return self._end(error_event(
-                502, f"the token stream skipped messages {self.next_seq}..{event['s'] - 1}",
+                502, f"the token stream skipped messages {self.next_seq}..{event.seq - 1}",
                 "stream_gap"))
         self.next_seq += 1
-        if event["e"] == P.EV_TEXT:
+        if isinstance(event, P.Text):
             self.text_seen = True
-        if event["e"] in (P.EV_END, P.EV_ERROR):
+        if isinstance(event, P.ENDS):
             return self._end(event)
         return event
 
-    def _accept_control(self, cmd: bytes, body: dict) -> dict | None:
+    def _accept_control(self, cmd: bytes, body) -> P.AnyEvent | None:
         if cmd in (P.FAILED, P.REJECTED):
-            return self._end({"e": P.EV_ERROR, **body})
-        if cmd == P.FINISHED and int(body.get("attempt", 1)) >= self.attempt:
+            return self._end(body.event())
+        if cmd == P.FINISHED and body.attempt >= self.attempt:
             # The worker is done; whatever has not arrived shortly is lost.
             self._complete_by = time.monotonic() + config.DONE_GRACE
         return None
 
-    def _end(self, event: dict) -> dict:
+    def _end(self, event: P.AnyEvent) -> P.AnyEvent:
         self.finished = True
         return event
 
@@ -165,7 +165,7 @@ class DispatcherClient:
         self.sub.setsockopt(zmq.SUBSCRIBE, self.id)
         self.sub.connect(endpoints.tokens_out)
         self.streams: dict[str, RequestStream] = {}
-        self.state: dict = {}
+        self.state = P.State()
         self.state_at = 0.0
         self.beat_at = 0.0
         self.epoch = None           # the dispatcher's run, from its state
@@ -178,7 +178,7 @@ class DispatcherClient:
                            gevent.spawn(self._heartbeat)]
 
     # -- sending -----------------------------------------------------------------------
-    def send(self, cmd: bytes, request_id: str = "", body: dict | None = None) -> bool:
+    def send(self, cmd: bytes, request_id: str = "", body=None) -> bool:
         with self._send_lock:
             try:
                 self.dealer.send_multipart(P.encode(cmd, request_id, body), zmq.NOBLOCK)
@@ -186,18 +186,18 @@ class DispatcherClient:
             except zmq.Again:
                 return False
 
-    def submit(self, job: dict) -> RequestStream:
-        stream = RequestStream(self, job["id"])
-        self.streams[job["id"]] = stream
-        if not self.send(P.SUBMIT, job["id"], job):
-            self.forget(job["id"])
+    def submit(self, job: P.WorkerJob) -> RequestStream:
+        stream = RequestStream(self, job.id)
+        self.streams[job.id] = stream
+        if not self.send(P.SUBMIT, job.id, job):
+            self.forget(job.id)
             raise ServiceUnavailable("the dispatcher is unreachable")
         try:
             stream.wait_accepted()
         except (APIError, ClientGone):
             stream.finished = True
-            self.forget(job["id"])
-            self.send(P.CANCEL, job["id"])
+            self.forget(job.id)
+            self.send(P.CANCEL, job.id)
             raise
         return stream
 
@@ -222,7 +222,7 @@ class DispatcherClient:
             self._alive = True
             self.state_event.set()
 
-    def wait_state(self, timeout: float = 2.0) -> dict | None:
+    def wait_state(self, timeout: float = 2.0) -> P.State | None:
         """The dispatcher's last state, waiting briefly for the first one after start-up."""
         if not self.state_event.is_set():
             self.state_event.wait(timeout)
@@ -239,7 +239,7 @@ class DispatcherClient:
             except zmq.ContextTerminated:
                 return
             if msg.cmd == P.STATE:
-                epoch = msg.body.get("epoch")
+                epoch = msg.body.epoch
                 if epoch != self.epoch:
                     # another run of the dispatcher (restarted sooner than the heartbeat
                     # expiry, say): it knows nothing of our requests, and our token
@@ -263,8 +263,8 @@ class DispatcherClient:
                 continue
             except zmq.ContextTerminated:
                 return
-            if not request_id and event["e"] == P.EV_BEAT:
-                if event.get("epoch") == self.epoch:
+            if not request_id and isinstance(event, P.Beat):
+                if event.epoch == self.epoch:
                     self.beat_at = time.monotonic()
                     self._answered()
                 continue
@@ -297,10 +297,9 @@ class DispatcherClient:
     def _heartbeat(self) -> None:
         fast = UNANSWERED_FAST_PINGS
         while True:
-            body = {"open": len(self.streams), "pid": self.pid, "served": self.served}
             delta = self.recorder.take()
-            if delta:
-                body["metrics"] = delta
+            body = P.Ping(open=len(self.streams), pid=self.pid, served=self.served,
+                          metrics=delta)
             if not self.send(P.PING, body=body) and delta:
                 self.recorder.restore(delta)          # the dispatcher is away: keep them
             # Until the dispatcher answers, ask again soon: the DEALER (IMMEDIATE) drops

@@ -21,19 +21,19 @@ from app.responses import Result
 from dispatcher.common import protocol as P
 
 bp = Blueprint("completions", __name__)
+
+
 def measured(events, started: float, recorder, record: access.RequestRecord):
     """Pass events through, recording time to first text and between texts per job, and
     what the access log says of the request."""
     last_text: dict[int, float] = {}
     origin: dict[int, tuple[str, str]] = {}
     for index, event in events:
-        kind = event["e"]
         now = time.perf_counter()
-        if kind == P.EV_START:
-            origin[index] = (str(event.get("worker", "unknown")),
-                             str(event.get("device", "unknown")))
+        if isinstance(event, P.Start):
+            origin[index] = (str(event.worker or "unknown"), str(event.device or "unknown"))
             record.observe(index, event, "start", now)
-        elif kind == P.EV_TEXT:
+        elif isinstance(event, P.Text):
             worker, device = origin.get(index, ("unknown", "unknown"))
             if index in last_text:
                 recorder.observe("itl", worker, device, now - last_text[index])
@@ -41,10 +41,10 @@ def measured(events, started: float, recorder, record: access.RequestRecord):
                 recorder.observe("ttft", worker, device, now - started)
             last_text[index] = now
             record.observe(index, event, "text", now)
-        elif kind == P.EV_END:
+        elif isinstance(event, P.End):
             record.observe(index, event, "end", now)
-        elif kind == P.EV_ERROR:
-            record.failed(event.get("code"))
+        elif isinstance(event, P.Error):
+            record.failed(event.code)
         yield index, event
 
 
@@ -54,7 +54,7 @@ def create_completion():
     return serve(req, Result)
 
 
-def serve(req: dict, result_class, extra_job: dict | None = None):
+def serve(req: dict, result_class, warm: bool = False, infill: P.Infill | None = None):
     """Run a validated request (OpenAI's or llama.cpp's shape: `result_class` assembles
     the answer) through the dispatcher: whole, or as a stream."""
     started = time.perf_counter()
@@ -66,7 +66,7 @@ def serve(req: dict, result_class, extra_job: dict | None = None):
     model = resolve_model(req["model"], state)
     request_id = P.new_request_id()
     plans = plan_jobs(request_id, model, req, request.headers.get(PROFILE_HEADER),
-                      session_of(request), timeout, extra_job, session_order(arrived))
+                      session_of(request), timeout, warm, infill, session_order(arrived))
     check_route(plans[0].job, state)
     record = access.current()
     record.update(request_id=request_id, model=model)
@@ -78,7 +78,7 @@ def serve(req: dict, result_class, extra_job: dict | None = None):
         fanout.submit()
         events = measured(fanout.events(), started, client.recorder, record)
         first = next(events)
-        if first[1]["e"] == P.EV_ERROR:
+        if isinstance(first[1], P.Error):
             raise from_wire(first[1])
     except BaseException as exc:
         _stop(watcher)
@@ -95,7 +95,7 @@ def serve(req: dict, result_class, extra_job: dict | None = None):
                         headers={**sse.SSE_HEADERS, **headers})
     try:
         for index, event in events:
-            if event["e"] == P.EV_ERROR:
+            if isinstance(event, P.Error):
                 raise from_wire(event)
             result.add(index, event)
         return jsonify(result.body()), 200, headers
@@ -118,7 +118,7 @@ def _stream(result, events, fanout: Fanout, watcher, record: access.RequestRecor
     try:
         for index, event in events:
             result.add(index, event)
-            if event["e"] == P.EV_ERROR:
+            if isinstance(event, P.Error):
                 yield sse.event(from_wire(event).to_dict())
                 yield from result.trailer(error=True)
                 ended = True

@@ -137,15 +137,15 @@ _BY_STATUS = {cls.status: cls for cls in (InvalidRequest, Unauthorized, NotFound
                                           NotSupported)}
 
 
-def from_wire(body: dict) -> APIError:
-    """Rebuild an error sent by the dispatcher or a worker (`protocol.WireError`): the class
-    of its status, whose `type` is the one `protocol.error_type` gives that status."""
-    cls = _BY_STATUS.get(int(body.get("status", 500)), ServerError)
-    error = cls(str(body.get("message", "internal error")), param=body.get("param"),
-                code=body.get("code"))
-    if body.get("retry_after"):
-        error.headers["Retry-After"] = str(body["retry_after"])
-    return error
+def from_wire(error) -> APIError:
+    """Rebuild an error sent by the dispatcher or a worker (a `protocol.WireError` or an
+    `Error` event): the class of its status, whose `type` is the one
+    `protocol.error_type` gives that status."""
+    cls = _BY_STATUS.get(error.status, ServerError)
+    api_error = cls(error.message, param=error.param, code=error.code)
+    if error.retry_after:
+        api_error.headers["Retry-After"] = str(error.retry_after)
+    return api_error
 
 
 def error_response(error: APIError):

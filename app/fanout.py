@@ -14,7 +14,7 @@ from dispatcher.common import protocol as P
 
 
 class Fanout:
-    def __init__(self, client: DispatcherClient, jobs: list[dict]):
+    def __init__(self, client: DispatcherClient, jobs: list[P.WorkerJob]):
         self.client = client
         self.jobs = jobs
         self.streams: list[RequestStream] = []
@@ -31,12 +31,11 @@ class Fanout:
             for job in self.jobs:
                 if self._gone:
                     raise ClientGone()
-                key = tuple(id(job.get(name)) for name in P.SHARED_FIELDS)
+                key = tuple(id(value) for value in P.prompt_fields(job).values())
                 if key in first:
-                    wire = {k: v for k, v in job.items() if k not in P.SHARED_FIELDS}
-                    wire["same_as"] = first[key]
+                    wire = P.without_prompt(job, first[key])
                 else:
-                    first[key], wire = job["id"], job
+                    first[key], wire = job.id, job
                 self.streams.append(self.client.submit(wire))
         except BaseException:
             self.close()
@@ -51,13 +50,13 @@ class Fanout:
                 self.merged.put((None, None))
                 return
             self.merged.put((index, event))
-            if event["e"] in (P.EV_END, P.EV_ERROR):
+            if isinstance(event, P.ENDS):
                 return
 
     def client_gone(self) -> None:
         self._gone = True
         for job in self.jobs:
-            self.client.client_gone(job["id"])
+            self.client.client_gone(job.id)
         self.merged.put((None, None))
 
     def events(self):
@@ -68,7 +67,7 @@ class Fanout:
             index, event = self.merged.get()
             if index is None:
                 raise ClientGone()
-            if event["e"] in (P.EV_END, P.EV_ERROR):
+            if isinstance(event, P.ENDS):
                 open_jobs -= 1
             yield index, event
 

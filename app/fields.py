@@ -9,14 +9,13 @@ import numbers
 
 from marshmallow import ValidationError, fields
 
+
 MAX_STOP_STRINGS = 256
 MAX_STOP_LENGTH = 512
 MAX_PROMPTS = 64
 MAX_CHOICES = 128
 MAX_LOGPROBS = 5
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
-INT_MAX = 2 ** 31 - 1      # token counts and the like: anything larger is a mistake
-COMPUTE_KINDS = ("cpu", "gpu", "npu", "hybrid")
 
 
 def _is_int(value) -> bool:

@@ -16,7 +16,8 @@ from marshmallow import ValidationError, fields, validates_schema
 
 from app import sse
 from app.completions import serve
-from app.fields import INT_MAX, SEED_RANGE, StrictFloat, StrictInteger, StrictString
+from app.fields import SEED_RANGE, StrictFloat, StrictInteger, StrictString
+from dispatcher.common.fields import INT_MAX
 from app.requests import parse_json_body, validate
 from app.responses import Result
 from app.schemas import CompletionRequestSchema, _doc, _range
@@ -109,19 +110,18 @@ class FimResult(Result):
                                                 "finish_reason": self.finish[0]},
                             self._usage())
 
-    def chunk(self, job_index: int, event: dict) -> bytes | None:
-        kind = event["e"]
-        if kind == P.EV_TEXT:
-            delta = {"content": event["text"]}
+    def chunk(self, job_index: int, event: P.AnyEvent) -> bytes | None:
+        if isinstance(event, P.Text):
+            delta = {"content": event.text}
             if not self.role_sent:
                 delta = {"role": "assistant", **delta}
                 self.role_sent = True
             return sse.event(self._object("chat.completion.chunk", {
                 "index": 0, "delta": delta, "finish_reason": None}))
-        if kind == P.EV_END:
+        if isinstance(event, P.End):
             return sse.event(self._object("chat.completion.chunk", {
                 "index": 0, "delta": {"content": ""},
-                "finish_reason": event["finish_reason"]}, self._usage()))
+                "finish_reason": event.finish_reason}, self._usage()))
         return None
 
     def trailer(self, error: bool) -> list[bytes]:

@@ -18,7 +18,8 @@ from app import sse
 from app.client import get_client
 from app.completions import serve
 from app.errors import NotSupported, PayloadTooLarge
-from app.fields import INT_MAX, MAX_CHOICES, StrictFloat, StrictInteger, StrictString
+from app.fields import MAX_CHOICES, StrictFloat, StrictInteger, StrictString
+from dispatcher.common.fields import INT_MAX
 from app.requests import parse_json_body, resolve_model, validate
 from app.schemas import CompletionRequestSchema, _doc, _range
 from dispatcher.common import protocol as P
@@ -114,7 +115,7 @@ def completion():
     req = _validated(_completion_schema)
     req["model"] = resolve_model(req["model"], get_client(current_app).wait_state(),
                                  any_name=True)
-    return serve(req, NativeResult, {"warm": True})
+    return serve(req, NativeResult, warm=True)
 
 
 @bp.post("/infill")
@@ -122,8 +123,8 @@ def infill():
     req = _validated(_infill_schema)
     state = get_client(current_app).wait_state()
     model = req["model"] = resolve_model(req["model"], state, any_name=True)
-    workers = [w for w in (state or {}).get("workers", []) if w.get("model") == model]
-    if workers and not any(w.get("fim") for w in workers):
+    workers = [w for w in state.workers if w.model == model]
+    if workers and not any(w.fim for w in workers):
         raise NotSupported(f"Infill is not supported by '{model}': its GGUF has no "
                            "fill-in-the-middle tokens and the server has no --fim-template "
                            "for it")
@@ -139,8 +140,7 @@ def infill():
                               code="prompt_too_large")
     middle = req["prompt"] or ""
     req.update(prompt=[req.pop("input_prefix") or ""], suffix=req.pop("input_suffix") or "")
-    return serve(req, NativeResult, {"warm": True,
-                                     "infill": {"extra": extra, "middle": middle}})
+    return serve(req, NativeResult, warm=True, infill=P.Infill(extra=extra, middle=middle))
 
 
 SETTINGS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_last_n",
@@ -158,18 +158,17 @@ class NativeResult:
         self.texts: list[list[str]] = [[] for _ in plans]
         self.ids: list[list[int]] = [[] for _ in plans]
         self.probs: list[list[dict]] = [[] for _ in plans]
-        self.starts: list[dict] = [{} for _ in plans]
-        self.ends: list[dict | None] = [None] * len(plans)
+        self.starts: list[P.Start | None] = [None] * len(plans)
+        self.ends: list[P.End | None] = [None] * len(plans)
 
-    def add(self, job_index: int, event: dict) -> None:
-        kind = event["e"]
-        if kind == P.EV_START:
+    def add(self, job_index: int, event: P.AnyEvent) -> None:
+        if isinstance(event, P.Start):
             self.starts[job_index] = event
-        elif kind == P.EV_TEXT:
-            self.texts[job_index].append(event["text"])
-            self.ids[job_index] += event.get("ids", [])
-            self.probs[job_index] += event.get("probs", [])
-        elif kind == P.EV_END:
+        elif isinstance(event, P.Text):
+            self.texts[job_index].append(event.text)
+            self.ids[job_index] += event.ids or []
+            self.probs[job_index] += event.probs or []
+        elif isinstance(event, P.End):
             self.ends[job_index] = event
 
     def settings(self) -> dict:
@@ -181,12 +180,11 @@ class NativeResult:
         return out
 
     def summary(self, i: int, content: str) -> dict:
-        start, end = self.starts[i], self.ends[i] or {}
-        usage = end.get("usage") or {}
-        prompt_tokens = int(usage.get("prompt_tokens", start.get("prompt_tokens", 0)))
-        cached = int(start.get("cached_tokens", 0))
-        predicted = int(usage.get("completion_tokens", 0))
-        timings = end.get("timings") or {}
+        start, end = self.starts[i] or P.Start(), self.ends[i] or P.End()
+        prompt_tokens = end.usage.prompt_tokens if end.usage else start.prompt_tokens
+        cached = start.cached_tokens
+        predicted = end.usage.completion_tokens if end.usage else 0
+        timings = end.timings or {}
         prompt_ms = float(timings.get("prompt_ms", 0.0))
         predicted_ms = float(timings.get("predicted_ms", 0.0))
         prompt_n = max(0, prompt_tokens - cached)
@@ -197,8 +195,8 @@ class NativeResult:
             "model": self.model, "tokens_predicted": predicted,
             "tokens_evaluated": prompt_tokens, "tokens_cached": cached,
             "generation_settings": self.settings(), "has_new_line": "\n" in text,
-            "truncated": False, "stop_type": end.get("stop_type", "limit"),
-            "stopping_word": end.get("stopping_word") or "",
+            "truncated": False, "stop_type": end.stop_type or "limit",
+            "stopping_word": end.stopping_word or "",
             "timings": {
                 "cache_n": cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
                 "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
@@ -208,11 +206,11 @@ class NativeResult:
                 "predicted_per_second": predicted * 1000.0 / predicted_ms
                 if predicted_ms else 0.0,
                 # llama.cpp's speculative counts
-                "draft_n": int((end.get("draft") or {}).get("proposed", 0)),
-                "draft_n_accepted": int((end.get("draft") or {}).get("accepted", 0))},
-            "fingerprint": start.get("fingerprint"),
+                "draft_n": int((end.draft or {}).get("proposed", 0)),
+                "draft_n_accepted": int((end.draft or {}).get("accepted", 0))},
+            "fingerprint": start.fingerprint,
             # t_max_prompt_ms: the oldest input_extra chunks left out to meet it
-            "input_extra_dropped": int(end.get("dropped_chunks", 0)),
+            "input_extra_dropped": end.dropped_chunks,
         }
 
     def body(self):
@@ -238,15 +236,14 @@ class NativeResult:
                 out[path] = value
         return out
 
-    def chunk(self, job_index: int, event: dict) -> bytes | None:
-        kind = event["e"]
-        if kind == P.EV_TEXT:
-            chunk = {"index": job_index, "content": event["text"],
-                     "tokens": event.get("ids", []), "stop": False, "id_slot": -1}
+    def chunk(self, job_index: int, event: P.AnyEvent) -> bytes | None:
+        if isinstance(event, P.Text):
+            chunk = {"index": job_index, "content": event.text,
+                     "tokens": event.ids or [], "stop": False, "id_slot": -1}
             if self.req.get("n_probs"):
-                chunk["completion_probabilities"] = event.get("probs", [])
+                chunk["completion_probabilities"] = event.probs or []
             return sse.event(chunk)
-        if kind == P.EV_END:                 # llama.cpp's last event: the summary
+        if isinstance(event, P.End):                 # llama.cpp's last event: the summary
             return sse.event(self.summary(job_index, ""))
         return None
 

@@ -17,6 +17,7 @@ from marshmallow import Schema, ValidationError
 from app.errors import (InvalidRequest, NotFound, PayloadTooLarge, RequestTimeout,
                         ServiceUnavailable, UnsupportedMediaType)
 from app.schemas import CompletionRequestSchema, first_error, normalize
+from dispatcher.common import protocol as P
 from dispatcher.common.fit import explain_unfit, fits
 
 _schema = CompletionRequestSchema()
@@ -171,7 +172,7 @@ def _validate(body: object, schema: Schema) -> dict:
         else data
 
 
-def resolve_model(requested: str | None, state: dict | None, any_name: bool = False) -> str:
+def resolve_model(requested: str | None, state: P.State | None, any_name: bool = False) -> str:
     """The model id to serve, or 404 (unknown) / 503 (known, nothing ready / no dispatcher).
 
     No `model`, or an empty one (llama.vim always sends its `model_fim` setting, "" by
@@ -180,15 +181,15 @@ def resolve_model(requested: str | None, state: dict | None, any_name: bool = Fa
     is not served means the same when one model is served."""
     if state is None:
         raise ServiceUnavailable("the dispatcher is unreachable")
-    models = state.get("models", {})
+    models = state.models
     if not models:
         raise ServiceUnavailable("no worker is ready yet", code="no_worker_ready")
-    default = state.get("default_model")
+    default = state.default_model
     if default not in models:
         default = next(iter(models))        # the config's order (dispatcher.core)
     if requested is None or not requested.strip():
         requested = default
-    requested = state.get("aliases", {}).get(requested, requested)    # --model-alias
+    requested = state.aliases.get(requested, requested)    # --model-alias
     if requested not in models:
         if any_name and len(models) == 1:
             requested = default
@@ -196,19 +197,20 @@ def resolve_model(requested: str | None, state: dict | None, any_name: bool = Fa
             raise NotFound(f"The model '{requested}' does not exist. Served: "
                            + ", ".join(sorted(models)), param="model",
                            code="model_not_found")
-    if not models[requested].get("ready"):
+    if not models[requested].ready:
         raise ServiceUnavailable(f"no worker for '{requested}' is ready yet",
                                  code="no_worker_ready")
     return requested
 
 
-def check_route(job: dict, state: dict) -> None:
+def check_route(job: P.WorkerJob, state: P.State) -> None:
     """400 naming what is available when no worker could ever run the job (the dispatcher
     checks again; this answers before anything is queued)."""
-    workers = state.get("workers", [])
-    if any(fits(job, w) for w in workers) or len(workers) < state.get("expected_workers", 0):
+    workers = state.workers
+    if any(fits(job.model, job.route, w) for w in workers) \
+            or len(workers) < state.expected_workers:
         return
-    param, code, message = explain_unfit(job, workers)
+    param, code, message = explain_unfit(job.model, job.route, workers)
     raise InvalidRequest(message, param=param, code=code)
 
 

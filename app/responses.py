@@ -29,21 +29,21 @@ class Result:
         plan = self.plans[job_index]
         return plan.prompt_index * self.n + plan.candidate
 
-    def add(self, job_index: int, event: dict) -> None:
-        kind = event["e"]
-        if kind == P.EV_START:
-            self.prompt_tokens[job_index] = event["prompt_tokens"]
-            self.cached_tokens[job_index] = event.get("cached_tokens", 0)
-            self.fingerprint = self.fingerprint or event.get("fingerprint")
-        elif kind == P.EV_TEXT:
-            self.texts[job_index].append(event["text"])
-        elif kind == P.EV_END:
-            self.finish[job_index] = event["finish_reason"]
-            self.completion_tokens[job_index] = event["usage"]["completion_tokens"]
-            self.scores[job_index] = event.get("score", 0.0)
-        if self.want_logprobs and event.get("logprobs"):
-            self.logprobs[job_index] = merge_logprobs(self.logprobs[job_index],
-                                                      event["logprobs"])
+    def add(self, job_index: int, event: P.AnyEvent) -> None:
+        if isinstance(event, P.Start):
+            self.prompt_tokens[job_index] = event.prompt_tokens
+            self.cached_tokens[job_index] = event.cached_tokens
+            self.fingerprint = self.fingerprint or event.fingerprint
+        elif isinstance(event, P.Text):
+            self.texts[job_index].append(event.text)
+        elif isinstance(event, P.End):
+            self.finish[job_index] = event.finish_reason
+            self.completion_tokens[job_index] = event.usage.completion_tokens \
+                if event.usage else 0
+            self.scores[job_index] = event.score or 0.0
+        logprobs = getattr(event, "logprobs", None)
+        if self.want_logprobs and logprobs:
+            self.logprobs[job_index] = merge_logprobs(self.logprobs[job_index], logprobs)
 
     def usage(self) -> dict:
         prompts, cached = {}, {}
@@ -85,17 +85,16 @@ class Result:
                     sse.DONE]
         return [sse.DONE]
 
-    def chunk(self, job_index: int, event: dict) -> bytes | None:
+    def chunk(self, job_index: int, event: P.AnyEvent) -> bytes | None:
         include_usage = self.include_usage
-        kind = event["e"]
-        if kind == P.EV_TEXT:
-            choice = sse.choice(event["text"], None, self.index(job_index))
-        elif kind == P.EV_END:
-            choice = sse.choice("", event["finish_reason"], self.index(job_index))
+        if isinstance(event, P.Text):
+            choice = sse.choice(event.text, None, self.index(job_index))
+        elif isinstance(event, P.End):
+            choice = sse.choice("", event.finish_reason, self.index(job_index))
         else:
             return None
         if self.want_logprobs:
-            choice["logprobs"] = event.get("logprobs")
+            choice["logprobs"] = event.logprobs
         obj = sse.completion(self.request_id, self.created, self.model, [choice], None,
                              system_fingerprint=self.fingerprint)
         if not include_usage:

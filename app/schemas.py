@@ -9,13 +9,14 @@ from __future__ import annotations
 from marshmallow import (RAISE, Schema, ValidationError, fields, pre_load, validate,
                          validates_schema)
 
-from app.fields import (COMPUTE_KINDS, INT_MAX, MAX_CHOICES, MAX_LOGPROBS,  # noqa: F401
+from app.fields import (MAX_CHOICES, MAX_LOGPROBS,  # noqa: F401
                         MAX_PROMPTS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SEED_RANGE,
                         JSONObject, LogitBiasField, PromptField, StopField, StrictBoolean,
                         StrictFloat, StrictInteger, StrictString, StringListField,
                         MAX_SCHEMA_COUNT, schema_count_over)
 from dispatcher.common import grammar as gbnf
-from dispatcher.common.protocol import SAMPLER_ALIASES, SAMPLER_NAMES
+from dispatcher.common import fields as F
+from dispatcher.common.fields import INT_MAX, SAMPLER_ALIASES, SAMPLER_NAMES
 
 # The most candidates the infill sampler may be given (about 2 ms a token at 1,000 on one
 # core; 16,000 took 150 ms a token, the whole vocabulary minutes)
@@ -27,6 +28,35 @@ def _range(low=None, high=None, **kw):
 
 def _doc(text: str, **extra) -> dict:
     return {"description": text, **extra}
+
+
+def _number(value):
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def knob_field(name: str):
+    """The schema field of a request field declared in dispatcher.common.fields: its type,
+    range, default and description as declared there."""
+    knob = F.KNOBS[name]
+    kind = {float: StrictFloat, int: StrictInteger, bool: StrictBoolean,
+            str: StrictString}[knob.kind]
+    types = {float: "number", int: "integer", bool: "boolean", str: "string"}
+    doc = {"type": types[knob.kind]}
+    validators = []
+    if knob.enum is not None:
+        validators.append(validate.OneOf(list(knob.enum)))
+        doc["enum"] = list(knob.enum)
+    if knob.low is not None or knob.high is not None:
+        validators.append(_range(knob.low, knob.high, min_inclusive=not knob.low_open))
+        if knob.low is not None:
+            doc["exclusiveMinimum" if knob.low_open else "minimum"] = _number(knob.low)
+        if knob.high is not None:
+            doc["maximum"] = _number(knob.high)
+    if knob.default is not None:
+        doc["default"] = _number(knob.default)
+    # an aliased field's default is filled in after the alias is folded in (normalize)
+    return kind(load_default=None if knob.alias else knob.default, allow_none=True,
+                validate=validators or None, metadata=_doc(knob.doc, **doc))
 
 
 class StreamOptionsSchema(Schema):
@@ -62,12 +92,8 @@ class CompletionRequestSchema(Schema):
         load_default=16, allow_none=True, validate=_range(-1, INT_MAX),
         metadata=_doc("Tokens to generate; null or -1: until the end of sequence or of the "
                       "context.", type="integer", minimum=-1, maximum=INT_MAX, default=16))
-    temperature = StrictFloat(load_default=1.0, allow_none=True, validate=_range(0.0, 2.0),
-                              metadata=_doc("0 is greedy.", type="number", minimum=0,
-                                            maximum=2, default=1))
-    top_p = StrictFloat(load_default=1.0, allow_none=True, validate=_range(0.0, 1.0),
-                        metadata=_doc("Nucleus sampling.", type="number", minimum=0,
-                                      maximum=1, default=1))
+    temperature = knob_field("temperature")
+    top_p = knob_field("top_p")
     n = StrictInteger(load_default=1, allow_none=True, validate=_range(1, MAX_CHOICES),
                       metadata=_doc("Choices per prompt.", type="integer", minimum=1,
                                     maximum=MAX_CHOICES, default=1))
@@ -92,23 +118,16 @@ class CompletionRequestSchema(Schema):
         "Strings that end the completion; never part of the text.",
         oneOf=[{"type": "string"}, {"type": "array", "items": {"type": "string"},
                                     "maxItems": MAX_STOP_STRINGS}]))
-    presence_penalty = StrictFloat(load_default=0.0, allow_none=True,
-                                   validate=_range(-2.0, 2.0), metadata=_doc(
-                                       "Penalty for tokens already generated at all.",
-                                       type="number", minimum=-2, maximum=2, default=0))
-    frequency_penalty = StrictFloat(load_default=0.0, allow_none=True,
-                                    validate=_range(-2.0, 2.0), metadata=_doc(
-                                        "Penalty growing with how often a token was "
-                                        "generated.", type="number", minimum=-2, maximum=2,
-                                        default=0))
+    presence_penalty = knob_field("presence_penalty")
+    frequency_penalty = knob_field("frequency_penalty")
     logit_bias = LogitBiasField(load_default=None, allow_none=True, metadata=_doc(
-        "Token id → bias (-100..100); llama.cpp's [[id, bias]] form too, bias false bans.",
+        F.KNOBS["logit_bias"].doc,
         oneOf=[{"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
                                                            "maximum": 100}},
                {"type": "array", "items": {"type": "array"}}]))
     seed = StrictInteger(load_default=None, allow_none=True,
                          validate=_range(SEED_RANGE[0], SEED_RANGE[1]), metadata=_doc(
-                             "Same seed and parameters → same text.", type="integer"))
+                             F.KNOBS["seed"].doc, type="integer"))
     user = StrictString(load_default=None, allow_none=True,
                         metadata=_doc("Accepted and ignored.", type="string"))
     # -- llama.cpp ---------------------------------------------------------------------
@@ -116,103 +135,47 @@ class CompletionRequestSchema(Schema):
         load_default=None, allow_none=True, validate=_range(-1, INT_MAX),
         metadata=_doc("llama.cpp's name for max_tokens.", type="integer", minimum=-1,
                       maximum=INT_MAX))
-    top_k = StrictInteger(
-        load_default=0, allow_none=True, validate=_range(-1, INT_MAX),
-        metadata=_doc("Keep the k most likely tokens; 0 or -1: off.", type="integer",
-                      minimum=-1, maximum=INT_MAX, default=0))
-    min_p = StrictFloat(load_default=0.0, allow_none=True, validate=_range(0.0, 1.0),
-                        metadata=_doc("Drop tokens less likely than min_p × the most "
-                                      "likely one; 0: off.", type="number", minimum=0,
-                                      maximum=1, default=0))
-    typical_p = StrictFloat(load_default=1.0, allow_none=True, validate=_range(0.0, 1.0),
-                            metadata=_doc("Locally typical sampling; 1: off.", type="number",
-                                          minimum=0, maximum=1, default=1))
-    repetition_penalty = StrictFloat(load_default=None, allow_none=True,
-                                     validate=_range(0.0, 10.0, min_inclusive=False),
-                                     metadata=_doc("1: off.", type="number",
-                                                   exclusiveMinimum=0, maximum=10,
-                                                   default=1))
+    top_k = knob_field("top_k")
+    min_p = knob_field("min_p")
+    typical_p = knob_field("typical_p")
+    repetition_penalty = knob_field("repetition_penalty")
     repeat_penalty = StrictFloat(load_default=None, allow_none=True,
                                  validate=_range(0.0, 10.0, min_inclusive=False),
                                  metadata=_doc("llama.cpp's name for repetition_penalty.",
                                                type="number", exclusiveMinimum=0,
                                                maximum=10))
-    repeat_last_n = StrictInteger(
-        load_default=-1, allow_none=True, validate=_range(-1, INT_MAX),
-        metadata=_doc("Tokens the penalties look back over; -1: all generated.",
-                      type="integer", minimum=-1, maximum=INT_MAX, default=-1))
-    mirostat = StrictInteger(load_default=0, allow_none=True,
-                             validate=validate.OneOf([0, 1, 2]), metadata=_doc(
-                                 "0 off, 1 Mirostat, 2 Mirostat 2.0.", type="integer",
-                                 enum=[0, 1, 2], default=0))
-    mirostat_tau = StrictFloat(load_default=5.0, allow_none=True,
-                               validate=_range(0.0, 100.0, min_inclusive=False),
-                               metadata=_doc("Mirostat target entropy.", type="number",
-                                             exclusiveMinimum=0, maximum=100, default=5))
-    mirostat_eta = StrictFloat(load_default=0.1, allow_none=True,
-                               validate=_range(0.0, 1.0, min_inclusive=False),
-                               metadata=_doc("Mirostat learning rate.", type="number",
-                                             exclusiveMinimum=0, maximum=1, default=0.1))
+    repeat_last_n = knob_field("repeat_last_n")
+    mirostat = knob_field("mirostat")
+    mirostat_tau = knob_field("mirostat_tau")
+    mirostat_eta = knob_field("mirostat_eta")
     grammar = StrictString(load_default=None, allow_none=True, metadata=_doc(
-        "GBNF grammar (root rule `root`) the output must follow.", type="string"))
+        F.KNOBS["grammar"].doc, type="string"))
     json_schema = JSONObject(load_default=None, allow_none=True, metadata=_doc(
-        "JSON schema the output must validate against.", type="object"))
-    min_tokens = StrictInteger(
-        load_default=0, allow_none=True, validate=_range(0, INT_MAX),
-        metadata=_doc("No end of sequence before this many tokens.", type="integer",
-                      minimum=0, maximum=INT_MAX, default=0))
-    ignore_eos = StrictBoolean(load_default=False, allow_none=True, metadata=_doc(
-        "Never end at end of sequence.", type="boolean", default=False))
+        F.KNOBS["json_schema"].doc, type="object"))
+    min_tokens = knob_field("min_tokens")
+    ignore_eos = knob_field("ignore_eos")
     cache_prompt = StrictBoolean(load_default=True, allow_none=True, metadata=_doc(
         "Reuse the longest prefix of this prompt already in a worker's KV cache "
         "(usage.prompt_tokens_details.cached_tokens says how much).", type="boolean",
         default=True))
     # -- llama.cpp's other samplers and fields (its /completion documents them) ------------
-    dry_multiplier = StrictFloat(load_default=0.0, allow_none=True, validate=_range(0.0, 100.0),
-                                 metadata=_doc("DRY (don't repeat yourself) strength; 0: off.",
-                                               type="number", minimum=0, maximum=100,
-                                               default=0))
-    dry_base = StrictFloat(load_default=1.75, allow_none=True, validate=_range(1.0, 10.0),
-                           metadata=_doc("DRY penalty base.", type="number", minimum=1,
-                                         maximum=10, default=1.75))
-    dry_allowed_length = StrictInteger(
-        load_default=2, allow_none=True, validate=_range(0, INT_MAX),
-        metadata=_doc("Repeats up to this long go unpenalized.", type="integer", minimum=0,
-                      maximum=INT_MAX, default=2))
-    dry_penalty_last_n = StrictInteger(
-        load_default=-1, allow_none=True, validate=_range(-1, INT_MAX),
-        metadata=_doc("Tokens DRY looks back over; -1: the context, 0: off.", type="integer",
-                      minimum=-1, maximum=INT_MAX, default=-1))
+    dry_multiplier = knob_field("dry_multiplier")
+    dry_base = knob_field("dry_base")
+    dry_allowed_length = knob_field("dry_allowed_length")
+    dry_penalty_last_n = knob_field("dry_penalty_last_n")
     dry_sequence_breakers = StringListField(
         load_default=None, allow_none=True, max_items=16, max_length=64,
-        metadata=_doc("Strings that end a repeated sequence for DRY (default \\n, :, \", *).",
+        metadata=_doc(F.KNOBS["dry_sequence_breakers"].doc,
                       type="array", items={"type": "string"}))
-    xtc_probability = StrictFloat(load_default=0.0, allow_none=True, validate=_range(0.0, 1.0),
-                                  metadata=_doc("XTC (exclude top choices) chance; 0: off.",
-                                                type="number", minimum=0, maximum=1, default=0))
-    xtc_threshold = StrictFloat(load_default=0.1, allow_none=True, validate=_range(0.0, 1.0),
-                                metadata=_doc("XTC removes choices above this probability "
-                                              "(> 0.5: off).", type="number", minimum=0,
-                                              maximum=1, default=0.1))
-    top_n_sigma = StrictFloat(load_default=-1.0, allow_none=True, validate=_range(-1.0, 100.0),
-                              metadata=_doc("Keep tokens within n standard deviations of the "
-                                            "best logit; -1: off.", type="number", minimum=-1,
-                                            maximum=100, default=-1))
-    dynatemp_range = StrictFloat(load_default=0.0, allow_none=True, validate=_range(0.0, 2.0),
-                                 metadata=_doc("Dynamic temperature: temperature ± this, by "
-                                               "entropy; 0: off.", type="number", minimum=0,
-                                               maximum=2, default=0))
-    dynatemp_exponent = StrictFloat(load_default=1.0, allow_none=True,
-                                    validate=_range(0.0, 10.0, min_inclusive=False),
-                                    metadata=_doc("Dynamic temperature exponent.",
-                                                  type="number", exclusiveMinimum=0,
-                                                  maximum=10, default=1))
+    xtc_probability = knob_field("xtc_probability")
+    xtc_threshold = knob_field("xtc_threshold")
+    top_n_sigma = knob_field("top_n_sigma")
+    dynatemp_range = knob_field("dynatemp_range")
+    dynatemp_exponent = knob_field("dynatemp_exponent")
     samplers = StringListField(
         load_default=None, allow_none=True, max_items=16, max_length=32,
         choices=SAMPLER_NAMES + tuple(SAMPLER_ALIASES),
-        metadata=_doc("llama.cpp's sampler order (penalties, dry, top_n_sigma, top_k, typ_p, "
-                      "top_p, min_p, xtc, temperature, infill); samplers not listed are not "
-                      "applied.", type="array", items={"type": "string"}))
+        metadata=_doc(F.KNOBS["samplers"].doc, type="array", items={"type": "string"}))
     n_probs = StrictInteger(load_default=0, allow_none=True, validate=_range(0, 100),
                             metadata=_doc("llama.cpp: most likely tokens to report per "
                                           "position (native endpoints).", type="integer",
@@ -261,18 +224,9 @@ class CompletionRequestSchema(Schema):
                       "chunks (/infill), at the worker's measured rate; ≤ 0: off.",
                       type="number", minimum=-1, maximum=86400000, default=-1))
     # -- geniex ------------------------------------------------------------------------
-    nctx = StrictInteger(
-        load_default=None, allow_none=True, validate=_range(1, INT_MAX),
-        metadata=_doc("This request's context length; goes to a worker with at least this "
-                      "context.", type="integer", minimum=1, maximum=INT_MAX))
-    ngl = StrictInteger(
-        load_default=None, allow_none=True, validate=_range(0, INT_MAX),
-        metadata=_doc("0: a worker without offload; N: one with at least N layers "
-                      "offloaded.", type="integer", minimum=0, maximum=INT_MAX))
-    compute = StrictString(load_default=None, allow_none=True,
-                           validate=validate.OneOf(COMPUTE_KINDS), metadata=_doc(
-                               "Workers of this kind only.", type="string",
-                               enum=list(COMPUTE_KINDS)))
+    nctx = knob_field("nctx")
+    ngl = knob_field("ngl")
+    compute = knob_field("compute")
 
     @pre_load
     def require_object(self, data, **kwargs):
@@ -340,8 +294,9 @@ def normalize(schema: Schema, data: dict, raw: dict) -> dict:
         if data.get(alias) is not None and raw.get(name) is None:
             data[name] = data[alias]
         data.pop(alias, None)
-    if data.get("repetition_penalty") is None:
-        data["repetition_penalty"] = 1.0
+    for knob in F.SAMPLING:
+        if knob.alias and data.get(knob.name) is None:
+            data[knob.name] = knob.default
     for name, field in schema.fields.items():
         if name in ALIASES:
             continue

@@ -15,15 +15,15 @@ def health():
     state = get_client(current_app).wait_state()
     if state is None:
         body, status = {"status": "unavailable", "reason": "dispatcher unreachable"}, 503
-    elif state.get("draining"):
+    elif state.draining:
         body, status = {"status": "draining", "reason": "shutting down"}, 503
-    elif state.get("workers_ready", 0) < 1:
+    elif state.workers_ready < 1:
         body, status = {"status": "unavailable", "reason": "no worker ready",
                         "workers_ready": 0}, 503
     else:
-        body, status = {"status": "ok", "workers_ready": state["workers_ready"],
-                        "workers_expected": max(state.get("expected_workers", 0),
-                                                state["workers_ready"])}, 200
+        body, status = {"status": "ok", "workers_ready": state.workers_ready,
+                        "workers_expected": max(state.expected_workers,
+                                                state.workers_ready)}, 200
     response = jsonify(body)
     response.status_code = status
     if status == 503:
@@ -31,34 +31,33 @@ def health():
     return response
 
 
-def _state() -> dict:
+def _state():
     state = get_client(current_app).wait_state()
     if state is None:
         raise ServiceUnavailable("the dispatcher is unreachable")
     return state
 
 
-def _model_object(model_id: str, info: dict, aliases: dict) -> dict:
-    return {"id": model_id, "object": "model", "created": info.get("created", 0),
+def _model_object(model_id: str, info, aliases: dict) -> dict:
+    return {"id": model_id, "object": "model", "created": info.created,
             "owned_by": "completions-server",
             "aliases": sorted(a for a, m in aliases.items() if m == model_id),
-            "meta": {"n_ctx": info.get("n_ctx"), "workers_ready": info.get("ready", 0)}}
+            "meta": {"n_ctx": info.n_ctx, "workers_ready": info.ready}}
 
 
 @bp.get("/v1/models")
 def list_models():
     state = _state()
-    aliases = state.get("aliases", {})
     return jsonify({"object": "list", "data": [
-        _model_object(model_id, info, aliases)
-        for model_id, info in sorted(state.get("models", {}).items())]})
+        _model_object(model_id, info, state.aliases)
+        for model_id, info in sorted(state.models.items())]})
 
 
 @bp.get("/v1/models/<path:model>")
 def retrieve_model(model: str):
     """OpenAI's `models.retrieve`: the model, also by one of its aliases."""
     state = _state()
-    models, aliases = state.get("models", {}), state.get("aliases", {})
+    models, aliases = state.models, state.aliases
     model_id = aliases.get(model, model)
     if model_id not in models:
         raise NotFound(f"The model '{model}' does not exist. Served: "

@@ -24,16 +24,17 @@ def _run(op: str, req: dict) -> dict:
                               code="prompt_too_large")
     client = get_client(current_app)
     model = resolve_model(req.pop("model"), client.wait_state(), any_name=True)
-    job = {"id": P.new_request_id(), "model": model, "op": op, **req}
-    access.current().update(request_id=job["id"], model=model)
+    job = P.WorkerJob(id=P.new_request_id(), model=model, op=op,
+                      generation=P.Generation(**req))
+    access.current().update(request_id=job.id, model=model)
     stream = client.submit(job)
     try:
         event = stream.next_event()
     finally:
         stream.close()
-    if event["e"] == P.EV_ERROR:
+    if isinstance(event, P.Error):
         raise from_wire(event)
-    return event["result"]
+    return event.result
 
 
 @bp.post("/tokenize")

@@ -241,12 +241,16 @@ class Broker:
             msg = P.decode(frames)
         except P.ProtocolError as exc:
             log.warning("bad message from front end %r: %s", fe_id, exc)
+            request_id = P.malformed_request(frames, P.SUBMIT)
+            if request_id:                # a job that is not one: refused, not dropped
+                self.deliver([Send("frontend", fe_id, P.REJECTED, request_id, P.WireError(
+                    status=400, code="bad_job", message=f"the job is malformed: {exc}"))])
             return
         self.deliver(self.core.frontend_message(fe_id, msg, time.monotonic(), time.time()))
         if msg.cmd == P.PING and len(fe_id) == P.FRONTEND_ID_LEN:
             # dropped by the PUB while the front end's subscription has not come through
             self.beats.send_multipart(P.encode_event(
-                fe_id, "", {"e": P.EV_BEAT, "s": 0, "epoch": self.core.epoch}))
+                fe_id, "", P.Beat(epoch=self.core.epoch)))
         if msg.cmd == P.METRICS:
             self.deliver([Send("frontend", fe_id, P.METRICS, msg.request_id,
                                self.ops.metrics_snapshot())])
@@ -258,8 +262,7 @@ class Broker:
         except P.ProtocolError as exc:
             log.warning("bad message from worker %r: %s", identity, exc)
             return
-        if msg.cmd == P.READY and isinstance(msg.body.get("model"), str) \
-                and self.supervisor is not None:
+        if msg.cmd == P.READY and self.supervisor is not None:
             self.supervisor.mark_healthy(identity.decode(errors="replace"))
         self.deliver(self.core.worker_message(identity, msg, time.monotonic()))
 

@@ -17,6 +17,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
+
 from dispatcher.common import config, protocol as P
 from dispatcher.admission import Admission
 from dispatcher.metrics import SystemMetrics
@@ -40,7 +42,7 @@ class Send:
     peer: bytes
     cmd: bytes
     request_id: str = ""
-    body: dict | None = None
+    body: object = None         # a protocol struct (protocol.BODIES), or None
 
     def __repr__(self) -> str:
         return (f"Send({self.to} {self.peer.decode(errors='replace')} "
@@ -108,19 +110,19 @@ class DispatcherCore(Admission):
         return out
 
     def _to_frontend(self, fe_id: bytes, cmd: bytes, request_id: str = "",
-                     body: dict | None = None) -> None:
+                     body=None) -> None:
         self._out.append(Send("frontend", fe_id, cmd, request_id, body))
 
     def _to_worker(self, identity: bytes, cmd: bytes, request_id: str = "",
-                   body: dict | None = None) -> None:
+                   body=None) -> None:
         self._out.append(Send("worker", identity, cmd, request_id, body))
 
     def _reject(self, fe_id: bytes, request_id: str, error: P.WireError) -> None:
         self.stats["rejected"] += 1
-        self._to_frontend(fe_id, P.REJECTED, request_id, error.body())
+        self._to_frontend(fe_id, P.REJECTED, request_id, error)
 
     def _fail(self, job: Job, error: P.WireError) -> None:
-        self._to_frontend(job.frontend, P.FAILED, job.request_id, error.body())
+        self._to_frontend(job.frontend, P.FAILED, job.request_id, error)
 
     # -- time --------------------------------------------------------------------------
     def tick(self, now: float) -> list[Send]:
@@ -159,7 +161,7 @@ class DispatcherCore(Admission):
             self.worker_lost(record, "stopped answering heartbeats")
             self._to_worker(record.identity, P.DISCONNECT)
             # a process frozen whole (its IO thread too): the launcher ends it, if its own
-            self.silent.append((record.name, record.info.get("pid")))
+            self.silent.append((record.name, record.info.pid))
 
     def expire_frontends(self, now: float) -> None:
         for fe_id, info in list(self.frontends.items()):
@@ -173,15 +175,16 @@ class DispatcherCore(Admission):
             self._forget(job)
             waited = now - job.enqueued_at
             self._reject(job.frontend, job.request_id, P.WireError(
-                504, "queue_timeout",
-                f"waited {waited:.1f}s in the queue, past the request's deadline"))
+                status=504, code="queue_timeout",
+                message=f"waited {waited:.1f}s in the queue, past the request's deadline"))
 
     def expire_unservable(self, now: float) -> None:
         for job in self.queue.expire(now - NO_WORKER_TIMEOUT, self.registry.infos()):
             self._forget(job)
             self._reject(job.frontend, job.request_id, P.WireError(
-                503, "no_worker_ready",
-                f"no worker for '{job.model}' became ready in {NO_WORKER_TIMEOUT:.0f}s",
+                status=503, code="no_worker_ready",
+                message=f"no worker for '{job.model}' became ready in "
+                        f"{NO_WORKER_TIMEOUT:.0f}s",
                 retry_after=config.RETRY_AFTER_SECONDS))
 
     def drain(self, grace: float, now: float) -> list[Send]:
@@ -204,11 +207,9 @@ class DispatcherCore(Admission):
         info = self.frontends.setdefault(fe_id, {"since": wall})
         info["seen"] = now
         if msg.cmd == P.PING:
-            body = dict(msg.body)
-            delta = body.pop("metrics", None)
-            if isinstance(delta, dict):
-                self.metrics.absorb(delta)
-            info.update(body)
+            if msg.body.metrics:
+                self.metrics.absorb(msg.body.metrics)
+            info.update(open=msg.body.open, pid=msg.body.pid, served=msg.body.served)
             self._to_frontend(fe_id, P.STATE, body=self.state())
         elif msg.cmd == P.SUBMIT:
             self.submit(fe_id, msg.request_id, msg.body)
@@ -226,13 +227,10 @@ class DispatcherCore(Admission):
         if msg.cmd == P.READY:
             if record is not None:
                 self.worker_lost(record, "re-registered")
-            if not isinstance(msg.body.get("model"), str):
-                log.warning("worker %r sent READY without a model", identity)
-                return self._take()
             record = self.registry.add(identity, msg.body, now)
             log.info("worker %s ready: %s on %s, pid %s, n_ctx %s, %s slot(s)", record.name,
-                     record.model, msg.body.get("device"), msg.body.get("pid"),
-                     msg.body.get("n_ctx"), record.slots)
+                     record.model, msg.body.device, msg.body.pid, msg.body.n_ctx,
+                     record.slots)
             self.broadcast_state()
             self.dispatch()
             return self._take()
@@ -243,35 +241,34 @@ class DispatcherCore(Admission):
         record.refresh(now, self.heartbeat.expiry)
         if msg.cmd == P.STARTED:
             job = record.running.get(msg.request_id)
-            if job is not None and int(msg.body.get("attempt", 1)) == job.attempt:
+            if job is not None and msg.body.attempt == job.attempt:
                 job.started = True
         elif msg.cmd == P.FIRST:
             job = record.running.get(msg.request_id)
-            if job is not None and int(msg.body.get("attempt", job.attempt)) == job.attempt:
+            if job is not None and msg.body.attempt == job.attempt:
                 job.started = job.first_token = True
         elif msg.cmd == P.DONE:
             self.job_done(record, msg.request_id, msg.body)
         elif msg.cmd == P.DISCONNECT:
-            self.worker_lost(record, str(msg.body.get("reason") or "disconnected"),
-                             code=msg.body.get("code"))
+            self.worker_lost(record, msg.body.reason or "disconnected", code=msg.body.code)
         elif msg.cmd != P.HEARTBEAT:
             log.warning("unknown command %s from worker %s", P.command_name(msg.cmd),
                         record.name)
         return self._take()
 
-    def job_done(self, record: WorkerRecord, request_id: str, body: dict) -> None:
+    def job_done(self, record: WorkerRecord, request_id: str, body: P.Done) -> None:
         job = record.running.get(request_id) or record.ops.get(request_id)
-        if job is None or int(body.get("attempt", 1)) != job.attempt:
+        if job is None or body.attempt != job.attempt:
             return
         record.running.pop(request_id, None)
         record.ops.pop(request_id, None)
-        if body.get("unshared"):          # the worker lacked the prompt it was named by
+        if body.unshared:          # the worker lacked the prompt it was named by
             record.shared_sent.clear()    # ... so it is sent whole from now on
             job.attempt -= 1              # (not a new attempt: it never ran)
             self._requeue(job)
             self.dispatch()
             return
-        if body.get("released"):          # a stopping worker handed it back unstarted
+        if body.released:          # a stopping worker handed it back unstarted
             record.draining = True        # ... and takes nothing more
             if job.cancelled:
                 self._forget(job)
@@ -280,28 +277,28 @@ class DispatcherCore(Admission):
                 self.dispatch()
             return
         self._forget(job)
-        usage = body.get("usage") or {}
-        record.tokens += int(usage.get("completion_tokens", 0))
-        if body.get("adopted_by"):
+        tokens = body.usage.completion_tokens if body.usage else 0
+        record.tokens += tokens
+        if body.adopted_by:
             self.stats["adopted"] += 1
-        if body.get("cancelled"):
+        if body.cancelled:
             record.cancelled += 1
             self.stats["cancelled"] += 1
         else:
             record.completed += 1
             self.stats["completed"] += 1
-        record.last_done = {"id": request_id, **body}
-        record.history.append((self.now, int(usage.get("completion_tokens", 0))))
-        self.metrics.job_done(record.name, str(record.info.get("device")), body)
+        record.last_done = {"id": request_id, **P.to_dict(body)}
+        record.history.append((self.now, tokens))
+        self.metrics.job_done(record.name, record.info.device, body)
         self._to_frontend(job.frontend, P.FINISHED, request_id,
-                          {"attempt": job.attempt, "last_seq": body.get("last_seq")})
+                          P.Finished(attempt=job.attempt, last_seq=body.last_seq))
         self.dispatch()
 
     def worker_exited(self, name: str, pid: int, reason: str,
                       code: str | None = None) -> list[Send]:
         """The launcher saw a worker's process exit."""
         record = self.registry.get(name.encode())
-        if record is not None and record.info.get("pid") == pid:
+        if record is not None and record.info.pid == pid:
             self.worker_lost(record, reason, code)
             self.dispatch()
         return self._take()
@@ -334,10 +331,11 @@ class DispatcherCore(Admission):
         self.losses[record.name] = {"reason": reason, "code": code, "at": self.now}
         while len(self.losses) > 256:             # (names with a pid in them come and go)
             del self.losses[next(iter(self.losses))]
-        self.metrics.worker_lost(record.name, str(record.info.get("device")),
+        self.metrics.worker_lost(record.name, record.info.device,
                                  len(record.running) + len(record.ops),
                                  "stuck" if code == "worker_stuck" else "lost")
-        lost = P.WireError(503, code, f"the worker serving this request was lost ({reason})")
+        lost = P.WireError(status=503, code=code,
+                           message=f"the worker serving this request was lost ({reason})")
         for job in record.running.values():
             job.worker = None
             if job.cancelled:                # nobody waits for it any more
@@ -377,14 +375,13 @@ class DispatcherCore(Admission):
         """Send `job` to `worker` (with `extra` fields) and count it as running there.
         A job whose prompt fields that worker was sent lately names them instead
         (protocol.SHARED_FIELDS)."""
-        body = {**job.body, "topic": job.frontend.decode(), "attempt": job.attempt, **extra}
+        body = job.for_worker(**extra)
         key = job.share_key
         if key is not None:
             if key in worker.shared_sent:
-                body = {k: v for k, v in body.items() if k not in P.SHARED_FIELDS}
-                body["same_as"] = key
+                body = P.without_prompt(body, key)
             else:
-                body["share_as"] = key
+                body = msgspec.structs.replace(body, share_as=key)
                 worker.shared_sent[key] = None
                 while len(worker.shared_sent) > P.DISPATCHER_SHARED:
                     worker.shared_sent.popitem(last=False)
@@ -405,19 +402,18 @@ class DispatcherCore(Admission):
             info["created"] = int(self.started)
         return models
 
-    def state(self) -> dict:
-        capabilities = ("model", "n_ctx", "compute", "n_gpu_layers", "profile", "fim")
+    def state(self) -> P.State:
         models = self.models()
-        return {"epoch": self.epoch, "workers_ready": len(self.registry),
-                "models": models,
-                # what a request without a `model` gets: the config's first model
-                "default_model": next(iter(models), None),
-                "aliases": {alias: model for model, info in self.known_models.items()
-                            for alias in info.get("aliases", ())},
-                "queued": len(self.queue), "expected_workers": self.fleet.expected_workers(),
-                "draining": self.draining_until is not None,
-                "workers": [{k: info.get(k) for k in capabilities}
-                            for info in self.registry.infos()]}
+        return P.State(
+            epoch=self.epoch, workers_ready=len(self.registry),
+            models={m: P.ModelState(**info) for m, info in models.items()},
+            # what a request without a `model` gets: the config's first model
+            default_model=next(iter(models), None),
+            aliases={alias: model for model, info in self.known_models.items()
+                     for alias in info.get("aliases", ())},
+            queued=len(self.queue), expected_workers=self.fleet.expected_workers(),
+            draining=self.draining_until is not None,
+            workers=[info.capabilities() for info in self.registry.infos()])
 
     def broadcast_state(self) -> None:
         state = self.state()

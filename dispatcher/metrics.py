@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from dispatcher.common import protocol as P
 from dispatcher.common.latency import HISTOGRAMS, Histogram
 
 
@@ -38,13 +39,14 @@ class SystemMetrics:
         except (TypeError, ValueError, KeyError):
             pass
 
-    def job_done(self, worker: str, device: str, body: dict) -> None:
-        usage = body.get("usage") or {}
-        self.tokens[("prompt", worker, device)] += int(usage.get("prompt_tokens", 0))
-        self.tokens[("generated", worker, device)] += int(usage.get("completion_tokens", 0))
-        self.tokens[("cached", worker, device)] += int(body.get("cached_tokens", 0))
-        outcome = "cancelled" if body.get("cancelled") else \
-            "error" if body.get("error") else "completed"
+    def job_done(self, worker: str, device: str, body) -> None:
+        """A worker's DONE (protocol.Done)."""
+        usage = body.usage or P.Usage()
+        self.tokens[("prompt", worker, device)] += usage.prompt_tokens
+        self.tokens[("generated", worker, device)] += usage.completion_tokens
+        self.tokens[("cached", worker, device)] += body.cached_tokens
+        outcome = "cancelled" if body.cancelled else \
+            "error" if body.error else "completed"
         self.outcomes[(outcome, worker, device)] += 1
 
     def worker_lost(self, worker: str, device: str, failed: int, outcome: str = "lost") -> None:

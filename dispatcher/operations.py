@@ -124,8 +124,8 @@ class Operations:
             workers.append({
                 "name": name, "state": state,
                 "tokens_per_s": tokens_per_second(record.history, now),
-                "device": record.info.get("device"), "model": record.model,
-                "pid": record.info.get("pid"), "n_ctx": record.info.get("n_ctx"),
+                "device": record.info.device, "model": record.model,
+                "pid": record.info.pid, "n_ctx": record.info.n_ctx,
                 "slots": record.slots, "busy_slots": len(record.running),
                 "running": sorted(record.running),
                 "started": sorted(i for i, j in record.running.items() if j.started),
@@ -134,7 +134,7 @@ class Operations:
                 "cancelled": record.cancelled, "tokens": record.tokens,
                 "uptime_s": round(now - record.ready_at, 1),
                 "restarts": child.restarts if child else 0,
-                "placement": record.info.get("placement"), "last_done": record.last_done,
+                "placement": record.info.placement, "last_done": record.last_done,
                 "last_lost": self._loss(name, now)})
         return {"workers": sorted(workers, key=lambda w: w["name"]),
                 "queue": core.queue.depth_by_model(), "stats": dict(core.stats),
@@ -157,7 +157,7 @@ class Operations:
                                 "model": child.extra.get("model"), "up": 0, "slots": 0,
                                 "busy": 0, "restarts": child.restarts})
             else:
-                workers.append({"worker": name, "device": record.info.get("device"),
+                workers.append({"worker": name, "device": record.info.device,
                                 "model": record.model, "up": 1, "slots": record.slots,
                                 "busy": len(record.running),
                                 "restarts": child.restarts if child else 0})

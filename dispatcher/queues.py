@@ -5,7 +5,9 @@ import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
-from dispatcher.common import config
+import msgspec
+
+from dispatcher.common import config, protocol as P
 from dispatcher.common.fit import fits
 from dispatcher.routing import BLOCK_CHARS, choose_worker, prefix_blocks, shared_blocks
 
@@ -14,7 +16,7 @@ from dispatcher.routing import BLOCK_CHARS, choose_worker, prefix_blocks, shared
 class Job:
     request_id: str
     frontend: bytes              # the owning front end's id (also its token topic)
-    body: dict                   # the job as the front end sent it
+    body: P.SubmittedJob         # the job as the front end sent it (prompt filled in)
     attempt: int = 1
     enqueued_at: float = field(default_factory=time.monotonic)
     worker: bytes | None = None  # the worker running it, once dispatched
@@ -35,12 +37,17 @@ class Job:
 
     @property
     def model(self) -> str:
-        return self.body["model"]
+        return self.body.model
+
+    def for_worker(self, **changes) -> P.SubmittedJob:
+        """The REQUEST body: the job as submitted, with its owner's topic and attempt."""
+        return msgspec.structs.replace(self.body, topic=self.frontend.decode(),
+                                       attempt=self.attempt, **changes)
 
     @property
     def parent(self) -> str:
         """The HTTP request this job is part of (one of its prompts × choices)."""
-        return self.body.get("parent") or self.request_id
+        return self.body.parent or self.request_id
 
 
 class RequestQueue:
@@ -69,7 +76,7 @@ class RequestQueue:
     @staticmethod
     def key(job: Job) -> tuple[str, str | None]:
         """Admission is bounded per model and machine profile."""
-        return job.model, (job.body.get("route") or {}).get("profile")
+        return job.model, job.body.route.profile
 
     def depth(self, key: tuple[str, str | None]) -> int:
         """Queued requests (not jobs: a request's n × prompts jobs count once)."""
@@ -89,11 +96,11 @@ class RequestQueue:
             self._jobs.remove(job)
         return late
 
-    def expire(self, older_than: float, infos: list[dict]) -> list[Job]:
+    def expire(self, older_than: float, infos: list[P.Capabilities]) -> list[Job]:
         """Remove and return jobs no worker in `infos` can run that have waited since
         before `older_than`."""
         old = [j for j in self._jobs if j.enqueued_at < older_than
-               and not any(fits(j.body, info) for info in infos)]
+               and not any(fits(j.model, j.body.route, info) for info in infos)]
         for job in old:
             self._jobs.remove(job)
         return old
@@ -111,7 +118,7 @@ class RequestQueue:
 @dataclass
 class WorkerRecord:
     identity: bytes
-    info: dict                   # what the worker said in READY
+    info: P.WorkerInfo           # what the worker said in READY
     expires_at: float = 0.0
     running: dict[str, Job] = field(default_factory=dict)
     ops: dict[str, Job] = field(default_factory=dict)        # tokenize/detokenize: no slot
@@ -150,11 +157,11 @@ class WorkerRecord:
 
     @property
     def model(self) -> str:
-        return self.info["model"]
+        return self.info.model
 
     @property
     def slots(self) -> int:
-        return max(1, int(self.info.get("slots", 1)))
+        return max(1, self.info.slots)
 
     @property
     def free_slots(self) -> int:
@@ -180,7 +187,7 @@ class WorkerRegistry:
     def get(self, identity: bytes) -> WorkerRecord | None:
         return self.workers.get(identity)
 
-    def add(self, identity: bytes, info: dict, now: float) -> WorkerRecord:
+    def add(self, identity: bytes, info: P.WorkerInfo, now: float) -> WorkerRecord:
         record = WorkerRecord(identity, info)
         record.refresh(now, self.expiry)
         self.workers[identity] = record
@@ -204,16 +211,16 @@ class WorkerRegistry:
         return sorted((w for w in self.workers.values() if w.free_slots > 0 and not w.draining),
                       key=lambda w: (-w.free_slots, w.last_assigned))
 
-    def pick(self, job: dict, max_ops: int | None = None) -> WorkerRecord | None:
+    def pick(self, job: P.SubmittedJob, max_ops: int | None = None) -> WorkerRecord | None:
         """The least busy worker that can run `job`, free slot or not (for slotless work),
         among those with fewer than `max_ops` such jobs outstanding."""
-        candidates = [w for w in self.workers.values() if fits(job, w.info)
+        candidates = [w for w in self.workers.values() if fits(job.model, job.route, w.info)
                       and (max_ops is None or len(w.ops) < max_ops)]
         if not candidates:
             return None
         return min(candidates, key=lambda w: (len(w.running) + len(w.ops), w.last_assigned))
 
-    def infos(self) -> list[dict]:
+    def infos(self) -> list[P.WorkerInfo]:
         return [w.info for w in self.workers.values()]
 
     def models(self) -> dict[str, dict]:
@@ -223,6 +230,6 @@ class WorkerRegistry:
                                                   "fim": False})
             entry["ready"] += 1
             entry["slots"] += worker.slots
-            entry["n_ctx"] = max(entry["n_ctx"], int(worker.info.get("n_ctx", 0)))
-            entry["fim"] = entry["fim"] or bool(worker.info.get("fim"))
+            entry["n_ctx"] = max(entry["n_ctx"], worker.info.n_ctx)
+            entry["fim"] = entry["fim"] or worker.info.fim
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from dispatcher.common import protocol as P
 from dispatcher.common.fit import fits
 
 # Cache affinity against load. A worker that recently ran a prompt sharing at least
@@ -22,13 +23,13 @@ def affinity_allowed(shared: int, busy: int, least_busy: int) -> bool:
         busy - least_busy <= shared // AFFINITY_CHARS_PER_SLOT
 
 
-def prompt_key(job: dict) -> str:
+def prompt_key(job: P.Job) -> str:
     """The job's prompt as text laid out the way its tokens will be (FIM: prefix, then
     suffix), so that a common text prefix means a common token prefix, roughly."""
-    prompt = job.get("prompt")
+    prompt = job.prompt
     key = prompt if isinstance(prompt, str) else json.dumps(prompt)
-    if job.get("suffix") is not None:
-        key = "\x00fim\x00" + key + "\x00suffix\x00" + job["suffix"]
+    if job.suffix is not None:
+        key = "\x00fim\x00" + key + "\x00suffix\x00" + job.suffix
     return key
 
 
@@ -40,7 +41,7 @@ BLOCK_CHARS = 64
 MAX_PREFIX_BLOCKS = 1024
 
 
-def prefix_blocks(job: dict) -> tuple[int, ...]:
+def prefix_blocks(job: P.Job) -> tuple[int, ...]:
     """The chained hashes of the job's prompt key, block by block: block i's hash
     stands for the whole prefix up to and including it."""
     key = prompt_key(job)
@@ -65,12 +66,12 @@ def shared_blocks(blocks: tuple[int, ...], held) -> int:
     return low
 
 
-def choose_worker(job: dict, free: list, blocks: tuple[int, ...] | None = None):
+def choose_worker(job: P.Job, free: list, blocks: tuple[int, ...] | None = None):
     """Which of the `free` workers (WorkerRecords with a free slot) should run `job`: among
     those that fit it, the one whose recent prompts share the longest prefix with it when
     that prefix is worth the load difference (`affinity_allowed`), otherwise the least
     loaded (most free slots, then least recently used). None if none fits."""
-    candidates = [w for w in free if fits(job, w.info)]
+    candidates = [w for w in free if fits(job.model, job.route, w.info)]
     if not candidates:
         return None
     blocks = prefix_blocks(job) if blocks is None else blocks

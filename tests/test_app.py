@@ -4,6 +4,7 @@ response assembly; the real stack is tested elsewhere."""
 import json
 import os
 
+import msgspec
 import pytest
 
 from app import create_app
@@ -11,18 +12,33 @@ from dispatcher.common import protocol as P
 from dispatcher.common.latency import LatencyRecorder
 
 MODEL = "tiny"
-STATE = {"workers_ready": 1, "expected_workers": 1, "queued": 0, "draining": False,
+STATE = msgspec.convert({"workers_ready": 1, "expected_workers": 1, "queued": 0, "draining": False,
          "models": {MODEL: {"ready": 1, "n_ctx": 4096, "slots": 8, "fim": False,
                             "created": 0}},
          "workers": [{"model": MODEL, "n_ctx": 4096, "compute": "cpu", "n_gpu_layers": 0,
-                      "profile": None, "fim": False}]}
+                      "profile": None, "fim": False}]}, P.State)
+GENERATION = set(P.Generation.__struct_fields__)
+
+
+def flat(job: P.WorkerJob) -> dict:
+    """A job as it goes on the wire, its generation's fields beside the envelope's."""
+    wire = msgspec.to_builtins(job)
+    return {**wire, **wire.pop("generation")}
+
+
+def as_job(fields: dict) -> P.WorkerJob:
+    """The inverse: envelope and generation fields, as one job."""
+    generation = {k: v for k, v in fields.items() if k in GENERATION}
+    envelope = {k: v for k, v in fields.items() if k not in GENERATION}
+    return msgspec.convert({**envelope, "generation": generation}, P.WorkerJob)
 
 
 class FakeStream:
     """One job's scripted events."""
 
-    def __init__(self, events: list[dict]):
-        self.events = list(events)
+    def __init__(self, events: list):
+        self.events = [e if isinstance(e, P.Event) else msgspec.convert(e, P.AnyEvent)
+                       for e in events]
         self.closed = False
 
     def next_event(self) -> dict:
@@ -42,12 +58,12 @@ class FakeDispatcherClient:
         self.recorder = LatencyRecorder()
         self.served = 0
 
-    def wait_state(self, timeout: float = 2.0) -> dict:
+    def wait_state(self, timeout: float = 2.0) -> P.State:
         return STATE
 
-    def submit(self, job: dict) -> FakeStream:
-        self.jobs.append(job)
-        return FakeStream(self.script(job))
+    def submit(self, job: P.WorkerJob) -> FakeStream:
+        self.jobs.append(flat(job))
+        return FakeStream(self.script(self.jobs[-1]))
 
     def client_gone(self, request_id: str) -> None:
         pass
@@ -57,10 +73,11 @@ class FakeDispatcherClient:
 
 
 def completion(text: str, reason: str = "length", score: float = 0.0) -> list[dict]:
-    events = [{"e": P.EV_START, "prompt_tokens": 3, "cached_tokens": 1,
+    events = [{"e": P.EV_START, "s": 0, "prompt_tokens": 3, "cached_tokens": 1,
                "fingerprint": "fp_test", "worker": "w0", "device": "cpu"}]
-    events += [{"e": P.EV_TEXT, "text": ch} for ch in text]
-    events.append({"e": P.EV_END, "finish_reason": reason, "score": score,
+    events += [{"e": P.EV_TEXT, "s": 1 + i, "text": ch} for i, ch in enumerate(text)]
+    events.append({"e": P.EV_END, "s": 1 + len(text), "finish_reason": reason,
+                   "score": score,
                    "usage": {"prompt_tokens": 3, "completion_tokens": len(text)}})
     return events
 
@@ -94,7 +111,7 @@ def test_a_completion_is_assembled_from_the_job_events(client):
     assert body["system_fingerprint"] == "fp_test"
     job = fake.jobs[0]
     assert job["model"] == MODEL and job["prompt"] == "Say hi" and job["max_tokens"] == 5
-    assert job["sampling"]["temperature"] == 0 and job["fanout"] == 1
+    assert job["sampling"]["temperature"] == 0 and job.get("fanout", 1) == 1
 
 
 def test_prompts_times_choices_become_numbered_jobs(client):
@@ -135,8 +152,9 @@ def test_a_stream_is_sse_chunks_then_done(client):
 
 
 def test_a_worker_error_before_any_text_is_the_status_it_carries(client_of):
-    error = P.WireError(400, "context_length_exceeded", "too long", "prompt").event()
-    http, _ = client_of(lambda job: [{**error, "s": 0}])
+    error = P.WireError(status=400, code="context_length_exceeded", message="too long",
+                        param="prompt").event()
+    http, _ = client_of(lambda job: [error])
     response = http.post("/v1/completions", json={"prompt": "p"})
     assert response.status_code == 400
     assert response.get_json()["error"] == {"message": "too long",
@@ -146,7 +164,8 @@ def test_a_worker_error_before_any_text_is_the_status_it_carries(client_of):
 
 
 def test_an_error_after_the_stream_started_is_an_error_event(client_of):
-    failed = P.WireError(500, "generation_failed", "generation failed: x").event()
+    failed = P.WireError(status=500, code="generation_failed",
+                         message="generation failed: x").event()
     http, _ = client_of(lambda job: completion("Hi")[:2] + [failed])
     response = http.post("/v1/completions", json={"prompt": "p", "stream": True})
     frames = [f for f in response.get_data(as_text=True).split("\n\n") if f]
@@ -196,14 +215,15 @@ def test_adopt_key_is_the_request_less_its_prompt_and_limits():
            "stop": [], "echo": False, "logprobs": None, "score": False,
            "sampling": {"temperature": 0}, "session": "s", "session_order": 1,
            "parent": "r", "fanout": 1, "timeout": None}
-    key = adopt_key(job)
-    assert key and key == adopt_key({**job, "id": "r2", "parent": "r2", "prompt": "def f(x",
-                                     "max_tokens": 64, "session_order": 2})
-    assert adopt_key({**job, "suffix": "\nreturn"}) != key
-    assert adopt_key({**job, "sampling": {"temperature": 0.5}}) != key
+    key = adopt_key(as_job(job))
+    assert key and key == adopt_key(as_job({**job, "id": "r2", "parent": "r2",
+                                            "prompt": "def f(x", "max_tokens": 64,
+                                            "session_order": 2}))
+    assert adopt_key(as_job({**job, "suffix": "\nreturn"})) != key
+    assert adopt_key(as_job({**job, "sampling": {"temperature": 0.5}})) != key
     for never in ({"session": None}, {"fanout": 2}, {"prompt": [1, 2]}, {"echo": True},
                   {"logprobs": 0}, {"n_probs": 3}, {"score": True}):
-        assert adopt_key({**job, **never}) is None
+        assert adopt_key(as_job({**job, **never})) is None
 
 
 def test_brackets_inside_strings_do_not_count_as_arrays(client):

@@ -1,4 +1,6 @@
 """The dispatcher's core, driven by messages and a fake clock: no sockets, no processes."""
+import msgspec
+
 from dispatcher.common import protocol as P
 from dispatcher.common.config import Heartbeat
 from dispatcher.core import DispatcherCore, Send
@@ -10,18 +12,28 @@ FE2 = b"fe-000000000002"
 
 
 def ready(core, name=b"w0", now=0.0, slots=2, model="m", **info):
-    return core.worker_message(name, P.Message(P.READY, "", {
-        "model": model, "slots": slots, "n_ctx": 4096, "compute": "cpu", "pid": 1,
-        **info}), now)
+    return core.worker_message(name, P.Message(P.READY, "", P.WorkerInfo(
+        model=model, slots=slots, n_ctx=4096, compute="cpu", pid=1, **info)), now)
+
+
+def wire_job(**fields):
+    """A job as the dispatcher holds it: envelope fields, the rest its unparsed generation."""
+    if "route" in fields:
+        fields["route"] = P.Route(**fields["route"])
+    envelope = set(P.Job.__struct_fields__)
+    generation = {k: fields.pop(k) for k in list(fields) if k not in envelope}
+    return P.SubmittedJob(**fields, generation=msgspec.Raw(msgspec.json.encode(generation)))
 
 
 def submit(core, rid, now=0.0, fe=FE, **body):
-    job = {"id": rid, "model": "m", "prompt": f"prompt of {rid}", **body}
-    return core.frontend_message(fe, P.Message(P.SUBMIT, rid, job), now)
+    body = {"id": rid, "model": "m", "prompt": f"prompt of {rid}", **body}
+    return core.frontend_message(fe, P.Message(P.SUBMIT, rid, wire_job(**body)), now)
 
 
 def from_worker(core, cmd, rid, now=0.0, name=b"w0", **body):
-    return core.worker_message(name, P.Message(cmd, rid, body), now)
+    kind = P.BODIES[cmd]
+    return core.worker_message(name, P.Message(cmd, rid, kind and msgspec.convert(body, kind)),
+                               now)
 
 
 def kinds(sends: list[Send]) -> list[tuple[str, str]]:
@@ -33,7 +45,7 @@ def test_a_job_is_accepted_then_sent_to_a_free_worker():
     ready(core)
     assert kinds(submit(core, "a")) == [("ACCEPTED", "a"), ("REQUEST", "a")]
     request = next(s for s in submit(core, "b") if s.cmd == P.REQUEST)
-    assert request.peer == b"w0" and request.body["topic"] == FE.decode()
+    assert request.peer == b"w0" and request.body.topic == FE.decode()
     assert kinds(submit(core, "c")) == [("ACCEPTED", "c")]           # two slots: queued
     assert len(core.queue) == 1
     sends = from_worker(core, P.DONE, "a", attempt=1, last_seq=3)
@@ -42,16 +54,16 @@ def test_a_job_is_accepted_then_sent_to_a_free_worker():
 
 def test_admission_refuses_what_cannot_run():
     core = DispatcherCore(max_queue=1)
-    assert submit(core, "x")[0].body["code"] == "no_worker_ready"
+    assert submit(core, "x")[0].body.code == "no_worker_ready"
     ready(core, slots=1)
-    assert submit(core, "y", model="other")[0].body["code"] == "model_not_found"
+    assert submit(core, "y", model="other")[0].body.code == "model_not_found"
     submit(core, "a")                                  # runs
     submit(core, "b")                                  # queued
     rejected = submit(core, "c")[0]
-    assert rejected.cmd == P.REJECTED and rejected.body["status"] == 429
-    assert rejected.body["type"] == "rate_limit_error" and rejected.body["retry_after"] == 1
-    sends = submit(core, "d", route={"nctx": 100000})
-    assert sends[0].body["code"] == "context_length_unavailable"
+    assert rejected.cmd == P.REJECTED and rejected.body.status == 429
+    assert rejected.body.type == "rate_limit_error" and rejected.body.retry_after == 1
+    sends = submit(core, "d", route={"n_ctx": 100000})
+    assert sends[0].body.code == "context_length_unavailable"
 
 
 def test_a_request_is_admitted_as_one_unit():
@@ -62,7 +74,7 @@ def test_a_request_is_admitted_as_one_unit():
         sends = submit(core, f"r.0.{c}", parent="r", fanout=5)
         assert kinds(sends) == [("ACCEPTED", f"r.0.{c}")]
     assert core.queue.depth(("m", None)) == 1
-    assert submit(core, "other")[0].body["code"] == "queue_full"
+    assert submit(core, "other")[0].body.code == "queue_full"
 
 
 def test_a_new_request_of_a_session_supersedes_queued_and_running_ones():
@@ -71,7 +83,7 @@ def test_a_new_request_of_a_session_supersedes_queued_and_running_ones():
     submit(core, "a", session="s", parent="a")        # running
     submit(core, "b", session="s", parent="b")        # supersedes a; queued
     sends = submit(core, "c", session="s", parent="c")
-    failed = {s.request_id: s.body["code"] for s in sends if s.cmd == P.FAILED}
+    failed = {s.request_id: s.body.code for s in sends if s.cmd == P.FAILED}
     assert failed == {"b": "superseded"}
     assert "b" not in [j.request_id for j in core.queue]
     assert core.stats["superseded"] == 2
@@ -85,13 +97,13 @@ def test_a_lost_worker_requeues_what_it_had_not_started_and_fails_the_rest():
     from_worker(core, P.STARTED, "started", attempt=1)
     from_worker(core, P.FIRST, "generating")
     sends = core.worker_exited("w0", 1, "killed")
-    failed = {s.request_id: s.body["code"] for s in sends if s.cmd == P.FAILED}
+    failed = {s.request_id: s.body.code for s in sends if s.cmd == P.FAILED}
     assert failed == {"started": "worker_lost", "generating": "worker_lost"}
     assert [j.request_id for j in core.queue] == ["waiting"]
     assert core.stats["requeued"] == 1 and core.stats["failed"] == 2
     sends = ready(core, b"w1")
     request = next(s for s in sends if s.cmd == P.REQUEST)
-    assert request.request_id == "waiting" and request.body["attempt"] == 2
+    assert request.request_id == "waiting" and request.body.attempt == 2
 
 
 def test_a_stopping_worker_hands_back_what_it_had_not_started():
@@ -102,7 +114,7 @@ def test_a_stopping_worker_hands_back_what_it_had_not_started():
     worker = next(n for n, r in core.registry.workers.items() if "a" in r.running)
     sends = from_worker(core, P.DONE, "a", name=worker, attempt=1, released=True)
     request = next(s for s in sends if s.cmd == P.REQUEST)
-    assert request.body["attempt"] == 2 and core.stats["completed"] == 0
+    assert request.body.attempt == 2 and core.stats["completed"] == 0
 
 
 def test_workers_and_front_ends_expire_without_heartbeats():
@@ -112,7 +124,7 @@ def test_workers_and_front_ends_expire_without_heartbeats():
     assert kinds(core.tick(HEARTBEAT_EXPIRY - 0.1)) == [("HEARTBEAT", "")]
     from_worker(core, P.HEARTBEAT, "", now=HEARTBEAT_EXPIRY - 0.1)
     assert len(core.registry) == 1
-    core.frontend_message(FE, P.Message(P.PING, "", {}), 2 * HEARTBEAT_EXPIRY - 0.1)
+    core.frontend_message(FE, P.Message(P.PING, "", P.Ping()), 2 * HEARTBEAT_EXPIRY - 0.1)
     sends = core.tick(2 * HEARTBEAT_EXPIRY)
     assert len(core.registry) == 0 and ("DISCONNECT", "") in kinds(sends)
     assert [j.request_id for j in core.queue] == ["a"]  # not started: kept for later
@@ -127,7 +139,7 @@ def test_a_queued_job_past_its_deadline_gets_a_504():
     submit(core, "late", now=1.0, timeout=2.0)
     assert kinds(core.tick(2.9)) == [("HEARTBEAT", "")]
     sends = core.tick(3.1)
-    assert [(s.request_id, s.body["status"]) for s in sends if s.cmd == P.REJECTED] == \
+    assert [(s.request_id, s.body.status) for s in sends if s.cmd == P.REJECTED] == \
         [("late", 504)]
 
 
@@ -136,7 +148,7 @@ def test_a_graceful_stop_waits_for_work_in_flight():
     ready(core)
     submit(core, "a")
     core.drain(30.0, now=1.0)
-    assert submit(core, "b", now=1.0)[0].body["code"] == "shutting_down"
+    assert submit(core, "b", now=1.0)[0].body.code == "shutting_down"
     core.tick(2.0)
     assert not core.stopped
     from_worker(core, P.DONE, "a", now=2.0, attempt=1)
@@ -151,7 +163,7 @@ def test_an_undeliverable_request_requeues_it_on_another_worker():
     ready(core, b"w1")
     sends = core.send_failed(request)
     retried = next(s for s in sends if s.cmd == P.REQUEST)
-    assert retried.peer != request.peer and retried.body["attempt"] == 2
+    assert retried.peer != request.peer and retried.body.attempt == 2
 
 
 def test_superseding_follows_the_clients_order_not_the_arrival_here():
@@ -159,12 +171,12 @@ def test_superseding_follows_the_clients_order_not_the_arrival_here():
     ready(core, slots=4)
     submit(core, "newer", session="s", parent="newer", session_order=20)
     sends = submit(core, "older", session="s", parent="older", session_order=10)
-    assert [(P.command_name(s.cmd), s.request_id, s.body["code"]) for s in sends] == \
+    assert [(P.command_name(s.cmd), s.request_id, s.body.code) for s in sends] == \
         [("REJECTED", "older", "superseded")]                # it lost the race: never runs
     assert "newer" in core.registry.get(b"w0").running      # and the newer one goes on
     from_worker(core, P.DONE, "newer", attempt=1)
     late = submit(core, "oldest", session="s", parent="oldest", session_order=5)
-    assert late[0].body["code"] == "superseded"             # even once the newer one ended
+    assert late[0].body.code == "superseded"             # even once the newer one ended
     sends = submit(core, "newest", session="s", parent="newest", session_order=30)
     assert ("REQUEST", "newest") in kinds(sends)
 
@@ -173,7 +185,7 @@ def test_a_cancelled_job_is_not_requeued_when_its_worker_is_lost():
     core = DispatcherCore()
     ready(core, b"w0")
     submit(core, "gone")
-    core.frontend_message(FE, P.Message(P.CANCEL, "gone", {}), 0.0)   # cancel sent
+    core.frontend_message(FE, P.Message(P.CANCEL, "gone"), 0.0)   # cancel sent
     core.worker_exited("w0", 1, "killed")                             # ... then lost
     assert len(core.queue) == 0 and core.stats["requeued"] == 0
 
@@ -190,7 +202,7 @@ def test_a_session_request_with_the_same_adopt_key_goes_to_the_running_ones_work
     sends = submit(core, "b", session="s", parent="b", adopt_key="k")
     assert kinds(sends) == [("FAILED", "a"), ("ACCEPTED", "b"), ("REQUEST", "b")]
     request = sends[-1]
-    assert request.peer == worker_a.identity and request.body["adopt"] == "a"
+    assert request.peer == worker_a.identity and request.body.adopt == "a"
     assert set(worker_a.running) == {"a", "b"} and not len(core.queue)
     # the worker adopted: a's DONE says so; b runs on in a's slot
     from_worker(core, P.DONE, "a", name=worker_a.identity, attempt=1, last_seq=2,
@@ -204,7 +216,7 @@ def test_a_different_adopt_key_or_none_cancels_as_before():
     submit(core, "a", session="s", parent="a", adopt_key="k")
     sends = submit(core, "b", session="s", parent="b", adopt_key="other")
     assert ("CANCEL", "a") in kinds(sends)
-    assert all("adopt" not in (s.body or {}) for s in sends)
+    assert all(getattr(s.body, "adopt", None) is None for s in sends)
     sends = submit(core, "c", session="s", parent="c")            # no key: no adoption
     assert ("CANCEL", "b") in kinds(sends)
 
@@ -227,8 +239,8 @@ def test_tokenize_jobs_are_bounded_per_worker():
         assert kinds(submit(core, f"t{i}", op="tokenize", content="x")) == [
             ("ACCEPTED", f"t{i}"), ("REQUEST", f"t{i}")]
     busy = submit(core, "over", op="tokenize", content="x")[0]
-    assert busy.cmd == P.REJECTED and busy.body["status"] == 429
-    assert busy.body["code"] == "tokenizer_busy" and busy.body["retry_after"] == 1
+    assert busy.cmd == P.REJECTED and busy.body.status == 429
+    assert busy.body.code == "tokenizer_busy" and busy.body.retry_after == 1
     from_worker(core, P.DONE, "t0", attempt=1, last_seq=0)
     assert kinds(submit(core, "again", op="tokenize", content="x")) == [
         ("ACCEPTED", "again"), ("REQUEST", "again")]
@@ -242,7 +254,7 @@ def test_a_stuck_worker_fails_its_started_requests_as_stuck_and_is_remembered():
     from_worker(core, P.STARTED, "started", attempt=1)
     sends = from_worker(core, P.DISCONNECT, "", reason="stuck: one step ran 301s",
                         code="worker_stuck")
-    failed = {s.request_id: s.body["code"] for s in sends if s.cmd == P.FAILED}
+    failed = {s.request_id: s.body.code for s in sends if s.cmd == P.FAILED}
     assert failed == {"started": "worker_stuck"}
     assert [j.request_id for j in core.queue] == ["waiting"]        # not started: requeued
     assert core.losses["w0"]["code"] == "worker_stuck"
@@ -255,15 +267,15 @@ def test_a_prompt_crosses_each_hop_once():
     big = "x" * 100_000
     sends = submit(core, "r.0.0", prompt=big, parent="r", fanout=3)
     first = next(s for s in sends if s.cmd == P.REQUEST)
-    assert first.body["prompt"] is big and first.body["share_as"] == "r.0.0"
+    assert first.body.prompt is big and first.body.share_as == "r.0.0"
     for c in (1, 2):                              # the front end names the first job
-        sends = core.frontend_message(FE, P.Message(P.SUBMIT, f"r.0.{c}", {
+        sends = core.frontend_message(FE, P.Message(P.SUBMIT, f"r.0.{c}", wire_job(**{
             "id": f"r.0.{c}", "model": "m", "parent": "r", "fanout": 3,
-            "same_as": "r.0.0"}), 0.0)
+            "same_as": "r.0.0"})), 0.0)
         request = next(s for s in sends if s.cmd == P.REQUEST)
-        assert "prompt" not in request.body and request.body["same_as"] == "r.0.0"
+        assert request.body.prompt is None and request.body.same_as == "r.0.0"
         job = core.registry.get(b"w0").running[f"r.0.{c}"]
-        assert job.body["prompt"] is big          # whole in the dispatcher, not copied
+        assert job.body.prompt is big          # whole in the dispatcher, not copied
     assert "r" not in core.shared                 # the request is all here: forgotten
 
 
@@ -273,32 +285,32 @@ def test_a_worker_that_was_not_sent_the_prompt_gets_it_whole():
     ready(core, b"w1", slots=1)
     sends = submit(core, "r.0.0", prompt="shared prompt", parent="r", fanout=2)
     first = next(s for s in sends if s.cmd == P.REQUEST)
-    sends = core.frontend_message(FE, P.Message(P.SUBMIT, "r.0.1", {
-        "id": "r.0.1", "model": "m", "parent": "r", "fanout": 2, "same_as": "r.0.0"}), 0.0)
+    sends = core.frontend_message(FE, P.Message(P.SUBMIT, "r.0.1", wire_job(**{
+        "id": "r.0.1", "model": "m", "parent": "r", "fanout": 2, "same_as": "r.0.0"})), 0.0)
     request = next(s for s in sends if s.cmd == P.REQUEST)
     assert request.peer != first.peer                # one slot each: the other worker
-    assert request.body["prompt"] == "shared prompt" and request.body["share_as"] == "r.0.0"
+    assert request.body.prompt == "shared prompt" and request.body.share_as == "r.0.0"
 
 
 def test_same_as_naming_nothing_is_refused():
     core = DispatcherCore()
     ready(core)
-    sends = core.frontend_message(FE, P.Message(P.SUBMIT, "x.0.1", {
-        "id": "x.0.1", "model": "m", "parent": "x", "fanout": 2, "same_as": "x.0.0"}), 0.0)
-    assert sends[0].cmd == P.REJECTED and sends[0].body["code"] == "bad_job"
+    sends = core.frontend_message(FE, P.Message(P.SUBMIT, "x.0.1", wire_job(**{
+        "id": "x.0.1", "model": "m", "parent": "x", "fanout": 2, "same_as": "x.0.0"})), 0.0)
+    assert sends[0].cmd == P.REJECTED and sends[0].body.code == "bad_job"
 
 
 def test_a_job_whose_prompt_the_worker_lacks_is_sent_again_whole():
     core = DispatcherCore()
     ready(core, b"w0", slots=4)
     submit(core, "r.0.0", prompt="shared", parent="r", fanout=2)
-    sends = core.frontend_message(FE, P.Message(P.SUBMIT, "r.0.1", {
-        "id": "r.0.1", "model": "m", "parent": "r", "fanout": 2, "same_as": "r.0.0"}), 0.0)
-    assert next(s for s in sends if s.cmd == P.REQUEST).body["same_as"] == "r.0.0"
+    sends = core.frontend_message(FE, P.Message(P.SUBMIT, "r.0.1", wire_job(**{
+        "id": "r.0.1", "model": "m", "parent": "r", "fanout": 2, "same_as": "r.0.0"})), 0.0)
+    assert next(s for s in sends if s.cmd == P.REQUEST).body.same_as == "r.0.0"
     sends = from_worker(core, P.DONE, "r.0.1", attempt=1, last_seq=-1, unshared=True)
     again = next(s for s in sends if s.cmd == P.REQUEST)
-    assert again.request_id == "r.0.1" and again.body["prompt"] == "shared"
-    assert "same_as" not in again.body and again.body["attempt"] == 1
+    assert again.request_id == "r.0.1" and again.body.prompt == "shared"
+    assert again.body.same_as is None and again.body.attempt == 1
     assert not any(s.cmd in (P.FAILED, P.FINISHED) for s in sends)   # the client sees nothing
 
 

@@ -5,6 +5,7 @@ import threading
 import time
 
 import gevent
+import msgspec
 import pytest
 import zmq
 import zmq.green as gzmq
@@ -13,7 +14,7 @@ import app.client as client_module
 from dispatcher.common import config, protocol as P
 from dispatcher.broker import Broker
 
-STATE = {"epoch": "run-1", "workers_ready": 1}
+STATE = P.State(epoch="run-1", workers_ready=1)
 
 
 class ScriptedDispatcher:
@@ -27,7 +28,7 @@ class ScriptedDispatcher:
         self.xpub = self.context.socket(gzmq.XPUB)
         self.state = STATE
         self.beats = True
-        self.beat_epoch = STATE["epoch"]
+        self.beat_epoch = STATE.epoch
         self.pings = []
         self._greenlet = None
 
@@ -46,7 +47,7 @@ class ScriptedDispatcher:
             self.router.send_multipart([frames[0]] + P.encode(P.STATE, body=self.state))
             if self.beats:
                 self.xpub.send_multipart(P.encode_event(
-                    frames[0], "", {"e": P.EV_BEAT, "s": 0, "epoch": self.beat_epoch}))
+                    frames[0], "", P.Beat(epoch=self.beat_epoch)))
 
     def close(self) -> None:
         if self._greenlet is not None:
@@ -120,7 +121,7 @@ def test_a_front_end_whose_beats_stop_fails_its_open_requests(monkeypatch, endpo
         stream = open_request_when_ready(client)
         dispatcher.beats = False                # states still come
         with gevent.Timeout(20):
-            assert stream.next_event()["code"] == "dispatcher_unavailable"
+            assert stream.next_event().code == "dispatcher_unavailable"
         assert client.wait_state(timeout=0) is None
     finally:
         client.close()
@@ -136,11 +137,11 @@ def test_a_dispatcher_restarted_within_the_expiry_is_noticed(monkeypatch, endpoi
     client = client_module.DispatcherClient(endpoints, config.Heartbeat(0.25))
     try:
         stream = open_request_when_ready(client)
-        dispatcher.state = {**STATE, "epoch": "run-2"}      # beats still of run 1
+        dispatcher.state = msgspec.structs.replace(STATE, epoch="run-2")   # beats: run 1
         with gevent.Timeout(20):
-            assert stream.next_event()["code"] == "dispatcher_unavailable"
+            assert stream.next_event().code == "dispatcher_unavailable"
         gevent.sleep(0.6)                                   # pings answered: no beat of run 2
-        assert client.wait_state(timeout=0) is None and client.state["epoch"] == "run-2"
+        assert client.wait_state(timeout=0) is None and client.state.epoch == "run-2"
         dispatcher.beat_epoch = "run-2"
         with gevent.Timeout(20):
             while client.wait_state(timeout=0) is None:
@@ -190,15 +191,14 @@ def test_the_dispatcher_answers_a_ping_with_a_beat_over_the_token_stream(endpoin
         deadline = time.monotonic() + 20
         beat = None
         while beat is None and time.monotonic() < deadline:
-            dealer.send_multipart(P.encode(P.PING, body={"open": 0}))
+            dealer.send_multipart(P.encode(P.PING, body=P.Ping(open=0)))
             assert dealer.poll(5000)
             assert P.decode(dealer.recv_multipart()).cmd == P.STATE
             if sub.poll(200):       # the first beats go before the subscription is through
                 beat = sub.recv_multipart()
         assert beat is not None
         assert beat[0] == fe_id
-        assert P.decode_event(beat) == ("", {"e": P.EV_BEAT, "s": 0,
-                                             "epoch": broker.core.epoch})
+        assert P.decode_event(beat) == ("", P.Beat(epoch=broker.core.epoch))
     finally:
         sub.close(0)
         dealer.close(0)

@@ -192,7 +192,7 @@ def test_deterministic_mode_never_speculates(model_path):
 
 
 def test_a_long_text_is_tokenized_once_for_its_copies(model_path, monkeypatch):
-    from workers.engine.llama import vocabulary
+    from workers.engine import vocabulary
     engine = make(model_path, slots=1)
     calls = []
     real = engine._tokenize

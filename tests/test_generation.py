@@ -1,5 +1,8 @@
 """The worker's generation loop in-process, on FakeEngine (a test double, not a model):
 admission, streaming, cancel, failures confined to one request, shutdown."""
+import json
+
+import msgspec
 import pytest
 
 from dispatcher.common import protocol as P
@@ -12,8 +15,10 @@ class RecordingPublisher:
     def __init__(self):
         self.events: list[tuple[str, dict]] = []
 
-    def publish(self, topic: bytes, request_id: str, event: dict) -> None:
-        self.events.append((request_id, dict(event)))
+    def publish(self, topic: bytes, request_id: str, event: P.Event) -> None:
+        """Each event as it goes on the wire."""
+        self.events.append((request_id, json.loads(P.encode_event(topic, request_id,
+                                                                   event)[2])))
 
     def tick(self) -> None:
         pass
@@ -27,15 +32,23 @@ def loop():
     engine = FakeEngine("fake.gguf", 256, 2, step_delay=0.0)
     notices: list[tuple[str, str, dict | None]] = []
     loop = GenerationLoop(engine, RecordingPublisher(),
-                          lambda cmd, rid, body: notices.append((P.command_name(cmd), rid,
-                                                                 body)))
+                          lambda cmd, rid, body: notices.append((
+                              P.command_name(cmd), rid,
+                              None if body is None else msgspec.to_builtins(body))))
     loop.notices = notices
     return loop
 
 
+GENERATION = set(P.Generation.__struct_fields__)
+
+
 def job(prompt="x", max_tokens=3, **extra):
-    return {"topic": "fe-000000000001", "attempt": 1, "prompt": prompt,
-            "max_tokens": max_tokens, "stop": [], "sampling": {}, **extra}
+    """A job as a worker reads it: envelope fields, the others its generation's."""
+    fields = {"id": "j", "model": "m", "topic": "fe-000000000001", "attempt": 1,
+              "prompt": prompt, "max_tokens": max_tokens, "stop": [], "sampling": {},
+              **extra}
+    generation = {k: fields.pop(k) for k in list(fields) if k in GENERATION}
+    return msgspec.convert({**fields, "generation": generation}, P.WorkerJob)
 
 
 def submit(loop, request_id, body):
@@ -97,8 +110,7 @@ def test_a_failure_inside_one_request_ends_it_alone(loop, phase):
 
 def test_text_that_cannot_be_encoded_fails_its_request_not_the_loop(loop):
     submit(loop, "bad", job("a\ud800b"))
-    loop.inbox.put(("job", "tok", {"topic": "fe-000000000001", "op": "tokenize",
-                                   "content": "\udfff"}))
+    loop.inbox.put(("job", "tok", job(op="tokenize", content="\udfff")))
     submit(loop, "ok", job())
     run(loop)
     assert events_of(loop, "bad")[-1]["code"] == "generation_failed"
@@ -146,11 +158,10 @@ def test_the_worker_fills_in_a_prompt_sent_once():
     from workers.worker import DispatcherLink
     link = DispatcherLink.__new__(DispatcherLink)      # its bookkeeping alone, no sockets
     link.shared = OrderedDict()
-    first = link._with_shared({"id": "r.0.0", "prompt": "p", "suffix": None,
-                               "share_as": "r.0.0"})
-    assert first["prompt"] == "p"
-    later = link._with_shared({"id": "r.0.1", "same_as": "r.0.0"})
-    assert later["prompt"] == "p" and "suffix" in later
+    first = link._with_shared(job("p", id="r.0.0", suffix="s", share_as="r.0.0"))
+    assert first.prompt == "p"
+    later = link._with_shared(job(None, id="r.0.1", same_as="r.0.0"))
+    assert later.prompt == "p" and later.suffix == "s" and later.same_as is None
     for i in range(P.WORKER_SHARED):
-        link._with_shared({"id": f"s{i}", "prompt": str(i), "share_as": f"s{i}"})
-    assert link._with_shared({"id": "r.0.2", "same_as": "r.0.0"}) is None   # pushed out
+        link._with_shared(job(str(i), id=f"s{i}", share_as=f"s{i}"))
+    assert link._with_shared(job(None, id="r.0.2", same_as="r.0.0")) is None   # pushed out

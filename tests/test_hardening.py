@@ -90,13 +90,21 @@ class RawFrontEnd:
         # no wait for the subscription: the worker waits for it before publishing
 
     def run(self, job: dict) -> dict:
-        """The job's last stream event (end or error)."""
-        self.dealer.send_multipart(P.encode(P.SUBMIT, job["id"], job))
+        """The job's last stream event (end or error), or the dispatcher's refusal as an
+        error event. The job is sent as raw JSON (json.dumps: lone surrogates escaped), as
+        a hostile peer could."""
+        self.dealer.send_multipart([P.PROTO, P.SUBMIT, job["id"].encode(),
+                                    json.dumps(job).encode()])
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
+            if self.dealer.poll(0):
+                msg = P.decode(self.dealer.recv_multipart())
+                if msg.cmd in (P.REJECTED, P.FAILED):
+                    return {"e": P.EV_ERROR, **P.to_dict(msg.body)}
             if self.sub.poll(100):
-                request_id, event = P.decode_event(self.sub.recv_multipart())
-                if request_id == job["id"] and event["e"] in (P.EV_END, P.EV_ERROR):
+                frames = self.sub.recv_multipart()
+                event = json.loads(frames[2])
+                if frames[1].decode() == job["id"] and event["e"] in (P.EV_END, P.EV_ERROR):
                     return event
         raise AssertionError("no answer from the worker")
 
@@ -110,15 +118,17 @@ def test_content_that_breaks_a_worker_fails_only_its_own_request(two, model_id):
     before = lives(two)
     raw = RawFrontEnd(two)
     try:
-        base = {"model": model_id, "max_tokens": 3, "stop": [], "sampling": {},
-                "route": {}, "cache_prompt": True}
-        for job in ({**base, "prompt": SURROGATE}, {**base, "prompt": "x", "suffix": None,
-                                                    "sampling": {"grammar": SURROGATE}},
-                    {"model": model_id, "op": "tokenize", "content": SURROGATE},
-                    {"model": model_id, "op": "detokenize", "tokens": ["x"]}):
+        generation = {"max_tokens": 3, "stop": [], "sampling": {}, "cache_prompt": True}
+        base = {"model": model_id, "route": {}, "generation": generation}
+        for job in ({**base, "prompt": SURROGATE},
+                    {**base, "prompt": "x", "suffix": None,
+                     "generation": {**generation, "sampling": {"grammar": SURROGATE}}},
+                    {"model": model_id, "op": "tokenize", "generation": {"content": SURROGATE}},
+                    {"model": model_id, "op": "detokenize", "generation": {"tokens": ["x"]}}):
             event = raw.run({**job, "id": P.new_request_id()})
             assert event["e"] == P.EV_ERROR and event["status"] in (400, 500), event
-            assert event["code"] in ("generation_failed", "invalid_value"), event
+            # refused at the socket that decodes it (bad_job), or failed by the worker
+            assert event["code"] in ("generation_failed", "invalid_value", "bad_job"), event
     finally:
         raw.close()
     status, body = post(two.port, {"prompt": "Hello", "max_tokens": 3})

@@ -1,18 +1,31 @@
 """Wire protocol codecs and addresses (unit)."""
+import msgspec
 import pytest
 
 from dispatcher.common import protocol as P
 
 
 def test_message_round_trip():
-    frames = P.encode(P.SUBMIT, "cmpl-1", {"model": "m", "prompt": "é"})
-    msg = P.decode(frames)
-    assert msg == P.Message(P.SUBMIT, "cmpl-1", {"model": "m", "prompt": "é"})
+    job = P.WorkerJob(id="cmpl-1", model="m", prompt="é",
+                      generation=P.Generation(max_tokens=3))
+    msg = P.decode(P.encode(P.SUBMIT, "cmpl-1", job))
+    assert (msg.cmd, msg.request_id) == (P.SUBMIT, "cmpl-1")
+    assert (msg.body.id, msg.body.model, msg.body.prompt) == ("cmpl-1", "m", "é")
+    # the dispatcher holds the generation unparsed; a worker reads it typed
+    assert msg.body.generation == msgspec.Raw(b'{"max_tokens":3}')
+    assert P.decode(P.encode(P.REQUEST, "cmpl-1", msg.body)).body == job
+
+
+def test_a_body_that_is_not_its_commands_struct_is_a_protocol_error():
+    with pytest.raises(P.ProtocolError, match="SUBMIT body"):
+        P.decode(P.encode(P.SUBMIT, "cmpl-1", {"model": "m", "prompt": "é"}))   # no id
+    with pytest.raises(P.ProtocolError, match="DONE body"):
+        P.decode(P.encode(P.DONE, "cmpl-1", {"attempt": "two"}))
 
 
 def test_empty_body_is_an_empty_frame():
     assert P.encode(P.PING)[3] == b""
-    assert P.decode(P.encode(P.PING)).body == {}
+    assert P.decode(P.encode(P.PING)).body == P.Ping()
 
 
 @pytest.mark.parametrize("frames", [
@@ -28,10 +41,9 @@ def test_malformed_messages_raise_protocol_error(frames):
 
 
 def test_event_round_trip_and_validation():
-    frames = P.encode_event(b"fe-0123456789ab", "cmpl-1", {"s": 3, "a": 1, "e": "text",
-                                                           "text": "x"})
+    frames = P.encode_event(b"fe-0123456789ab", "cmpl-1", P.Text(seq=3, attempt=1, text="x"))
     assert frames[0] == b"fe-0123456789ab"
-    assert P.decode_event(frames) == ("cmpl-1", {"s": 3, "a": 1, "e": "text", "text": "x"})
+    assert P.decode_event(frames) == ("cmpl-1", P.Text(seq=3, attempt=1, text="x"))
     with pytest.raises(P.ProtocolError):
         P.decode_event([b"t", b"r", b'{"e": "text"}'])     # no sequence number
 

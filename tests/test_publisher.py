@@ -30,12 +30,12 @@ def subscriber(context, topic: bytes) -> zmq.Socket:
 def received(sub) -> list[str]:
     out = []
     while sub.poll(200, zmq.POLLIN):
-        out.append(P.decode_event(sub.recv_multipart())[1]["text"])
+        out.append(P.decode_event(sub.recv_multipart())[1].text)
     return out
 
 
-def event(text: str) -> dict:
-    return {"e": P.EV_TEXT, "s": 0, "a": 1, "text": text}
+def event(text: str) -> P.Text:
+    return P.Text(seq=0, attempt=1, text=text)
 
 
 def test_events_are_held_until_the_subscription_then_sent_in_order(pair):

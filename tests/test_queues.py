@@ -1,15 +1,24 @@
 """Request queue, worker registry and routing rules (unit)."""
-from dispatcher.queues import Job, RequestQueue, WorkerRegistry
+import msgspec
+
+from dispatcher.common import protocol as P
 from dispatcher.common.fit import explain_unfit, fits
+from dispatcher.queues import Job, RequestQueue, WorkerRegistry
+
+
+def wire_job(rid="x", model="m", route=None, **extra):
+    return P.SubmittedJob(id=rid, model=model, route=P.Route(**(route or {})), **extra,
+                          generation=msgspec.Raw(b"{}"))
 
 
 def job(rid, model="m", **extra):
-    return Job(rid, b"fe-000000000000", {"model": model, **extra})
+    return Job(rid, b"fe-000000000000", wire_job(rid, model, **extra))
 
 
 def info(model="m", **extra):
-    return {"model": model, "n_ctx": 4096, "compute": "cpu", "n_gpu_layers": 0,
-            "profile": None, "fim": False, "slots": 1, **extra}
+    return P.WorkerInfo(**{"model": model, "n_ctx": 4096, "compute": "cpu",
+                           "n_gpu_layers": 0, "profile": None, "fim": False, "slots": 1,
+                           **extra})
 
 
 def test_queue_keeps_arrival_order_and_counts_per_model_and_profile():
@@ -69,7 +78,7 @@ def test_a_job_only_goes_to_workers_that_fit_it():
     r = WorkerRegistry()
     r.add(b"small", info(), 0.0)
     big = r.add(b"big", info(n_ctx=16384), 0.0)
-    assert r.choose(job("j", route={"nctx": 8192})) is big
+    assert r.choose(job("j", route={"n_ctx": 8192})) is big
 
 
 def test_requeued_job_goes_first():
@@ -113,10 +122,10 @@ def test_pick_for_slotless_work_takes_the_least_busy_fitting_worker():
     a = r.add(b"a", info(), 0.0)
     r.add(b"b", info("other"), 0.0)
     a.running["x"] = job("x")
-    assert r.pick({"model": "m"}) is a                     # busy, but the only fit
+    assert r.pick(wire_job()) is a                         # busy, but the only fit
     c = r.add(b"c", info(), 0.0)
-    assert r.pick({"model": "m"}) is c
-    assert r.pick({"model": "none"}) is None
+    assert r.pick(wire_job()) is c
+    assert r.pick(wire_job(model="none")) is None
 
 
 def test_registry_expiry_and_models_summary():
@@ -130,30 +139,28 @@ def test_registry_expiry_and_models_summary():
 def test_routing_requirements():
     gpu = info(compute="gpu", n_gpu_layers=999, profile="fast", n_ctx=8192, fim=True)
     cpu = info()
-    assert fits({"model": "m", "route": {"nctx": 8192}}, gpu)
-    assert not fits({"model": "m", "route": {"nctx": 8192}}, cpu)
-    assert fits({"model": "m", "route": {"compute": "cpu"}}, cpu)
-    assert not fits({"model": "m", "route": {"compute": "cpu"}}, gpu)
-    assert fits({"model": "m", "route": {"ngl": 0}}, cpu)
-    assert not fits({"model": "m", "route": {"ngl": 0}}, gpu)
-    assert fits({"model": "m", "route": {"ngl": 20}}, gpu)
-    assert fits({"model": "m", "route": {"profile": "fast"}}, gpu)
-    assert not fits({"model": "m", "route": {"profile": "fast"}}, cpu)
-    assert fits({"model": "m", "suffix": "x"}, gpu)
-    assert not fits({"model": "m", "suffix": "x"}, cpu)
-    assert not fits({"model": "other"}, cpu)
+    assert fits("m", P.Route(n_ctx=8192), gpu)
+    assert not fits("m", P.Route(n_ctx=8192), cpu)
+    assert fits("m", P.Route(compute="cpu"), cpu)
+    assert not fits("m", P.Route(compute="cpu"), gpu)
+    assert fits("m", P.Route(n_gpu_layers=0), cpu)
+    assert not fits("m", P.Route(n_gpu_layers=0), gpu)
+    assert fits("m", P.Route(n_gpu_layers=20), gpu)
+    assert fits("m", P.Route(profile="fast"), gpu)
+    assert not fits("m", P.Route(profile="fast"), cpu)
+    assert fits("m", P.Route(fim=True), gpu)                # a suffix
+    assert not fits("m", P.Route(fim=True), cpu)
+    assert not fits("other", P.Route(), cpu)
 
 
 def test_unfit_requests_are_explained_with_what_is_available():
     workers = [info(n_ctx=2048), info(n_ctx=4096, profile="fast")]
-    param, code, message = explain_unfit({"model": "m", "route": {"nctx": 9000}}, workers)
+    param, code, message = explain_unfit("m", P.Route(n_ctx=9000), workers)
     assert (param, code) == ("nctx", "context_length_unavailable")
     assert "2048" in message and "4096" in message
-    param, code, message = explain_unfit({"model": "m", "route": {"compute": "npu"}},
-                                         workers)
+    param, code, message = explain_unfit("m", P.Route(compute="npu"), workers)
     assert code == "compute_unavailable" and "cpu" in message
-    param, code, message = explain_unfit({"model": "m", "route": {"profile": "slow"}},
-                                         workers)
+    param, code, message = explain_unfit("m", P.Route(profile="slow"), workers)
     assert param == "X-SIE-MACHINE-PROFILE" and "fast" in message
-    param, code, _ = explain_unfit({"model": "m", "suffix": ""}, workers)
+    param, code, _ = explain_unfit("m", P.Route(fim=True), workers)
     assert (param, code) == ("suffix", "fim_unsupported")

@@ -1,4 +1,5 @@
 """RequestStream: ordering and completeness checks of a front end's token stream (unit)."""
+import msgspec
 import pytest
 
 from app.client import ClientGone, RequestStream
@@ -22,7 +23,13 @@ class FakeClient:
 
 
 def ev(s, e, a=1, **fields):
-    return ("ev", {"s": s, "e": e, "a": a, **fields})
+    """An event as the SUB socket hands it on (decoded)."""
+    return ("ev", msgspec.convert({"s": s, "e": e, "a": a, **fields}, P.AnyEvent))
+
+
+def ctl(cmd, body):
+    """A message from the dispatcher, its body decoded as the DEALER reader does."""
+    return ("ctl", cmd, P.decode_body(cmd, msgspec.json.encode(body)))
 
 
 def make(*items):
@@ -33,11 +40,12 @@ def make(*items):
 
 
 def drain(stream):
+    """The stream's events, each as JSON (its wire form)."""
     events = []
     while True:
         event = stream.next_event()
-        events.append(event)
-        if event["e"] in (P.EV_END, P.EV_ERROR):
+        events.append(msgspec.to_builtins(event))
+        if isinstance(event, P.ENDS):
             return events
 
 
@@ -73,22 +81,23 @@ def test_a_new_attempt_after_text_was_shown_is_an_error():
 
 
 def test_failed_from_the_dispatcher_ends_the_stream():
-    stream = make(ev(0, "start"), ("ctl", P.FAILED, {"status": 503, "code": "worker_lost",
-                                                   "message": "gone"}))
+    stream = make(ev(0, "start"), ctl(P.FAILED, {"status": 503, "code": "worker_lost",
+                                                 "message": "gone"}))
     events = drain(stream)
-    assert events[-1] == {"e": "error", "status": 503, "code": "worker_lost", "message": "gone"}
+    assert {k: events[-1][k] for k in ("e", "status", "code", "message")} == \
+        {"e": "error", "status": 503, "code": "worker_lost", "message": "gone"}
 
 
 def test_messages_missing_after_finished_become_an_error(monkeypatch):
     monkeypatch.setattr(config, "DONE_GRACE", 0.05)
-    stream = make(ev(0, "start"), ("ctl", P.FINISHED, {"attempt": 1, "last_seq": 2}))
+    stream = make(ev(0, "start"), ctl(P.FINISHED, {"attempt": 1, "last_seq": 2}))
     events = drain(stream)
     assert events[-1]["code"] == "stream_incomplete"
 
 
 def test_finished_overtaking_the_last_events_is_fine(monkeypatch):
     monkeypatch.setattr(config, "DONE_GRACE", 5)
-    stream = make(ev(0, "start"), ("ctl", P.FINISHED, {"attempt": 1, "last_seq": 1}),
+    stream = make(ev(0, "start"), ctl(P.FINISHED, {"attempt": 1, "last_seq": 1}),
                   ev(1, "end", finish_reason="length"))
     assert drain(stream)[-1]["e"] == "end"
 
@@ -105,16 +114,15 @@ def test_client_gone_raises():
 
 
 def test_events_arriving_before_accepted_are_kept_in_order():
-    stream = make(ev(0, "start"), ev(1, "text", text="a"), ("ctl", P.ACCEPTED, {}),
+    stream = make(ev(0, "start"), ev(1, "text", text="a"), ctl(P.ACCEPTED, {}),
                   ev(2, "end"))
     stream.wait_accepted(timeout=1)
     assert [e["e"] for e in drain(stream)] == ["start", "text", "end"]
 
 
 def test_rejection_raises_the_api_error_it_describes():
-    stream = make(("ctl", P.REJECTED, {"status": 503, "type": "server_error",
-                                       "code": "no_worker_ready", "message": "none",
-                                       "retry_after": 5}))
+    stream = make(ctl(P.REJECTED, {"status": 503, "code": "no_worker_ready",
+                                   "message": "none", "retry_after": 5}))
     with pytest.raises(APIError) as info:
         stream.wait_accepted(timeout=1)
     assert info.value.status == 503 and info.value.headers == {"Retry-After": "5"}

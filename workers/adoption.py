@@ -24,8 +24,8 @@ from workers.textstream import TextAssembler
 log = logging.getLogger(__name__)
 
 
-def adopt_or_supersede(loop, request_id: str, body: dict) -> None:
-    old_id = body["adopt"]
+def adopt_or_supersede(loop, request_id: str, body: P.WorkerJob) -> None:
+    old_id = body.adopt
     old = loop.active.get(old_id)
     found = _typed(loop, old, body)
     if found is not None:
@@ -36,13 +36,13 @@ def adopt_or_supersede(loop, request_id: str, body: dict) -> None:
     loop.waiting.appendleft((request_id, body))
 
 
-def _typed(loop, old: Active | None, body: dict) -> tuple[str, int] | None:
+def _typed(loop, old: Active | None, body: P.WorkerJob) -> tuple[str, int] | None:
     """What the user typed since `old`'s prompt, if it is a prefix of what `old` has
     generated, and how many generated tokens it covers (None: not adoptable)."""
     if old is None or not isinstance(old.prompt, str) or old.assembler.stopped \
             or getattr(loop.engine, "deterministic", False):
         return None             # (deterministic: a result never depends on another one)
-    prompt = body.get("prompt")
+    prompt = body.prompt
     if not isinstance(prompt, str) or not prompt.startswith(old.prompt):
         return None
     typed = prompt[len(old.prompt):]
@@ -51,36 +51,32 @@ def _typed(loop, old: Active | None, body: dict) -> tuple[str, int] | None:
         return None
     # the tokens whose text lies within what was typed become prompt tokens
     covered = bisect.bisect_right(old.offsets, len(typed))
-    limit = body.get("max_tokens")
+    limit = body.generation.max_tokens
     if limit is not None and old.generated - covered > limit:
         return None             # it has already generated more than the new one may
     return typed, covered
 
 
 def _adopt(loop, old: Active, typed: str, covered: int, request_id: str,
-           body: dict) -> None:
-    new = Active(request_id, body["topic"].encode(), int(body.get("attempt", 1)), old.slot,
-                 body.get("max_tokens"), old.n_ctx, old.prompt_tokens + covered,
-                 TextAssembler(body.get("stop")))
-    new.prompt, new.cached = body["prompt"], new.prompt_tokens
+           body: P.WorkerJob) -> None:
+    gen = body.generation
+    new = Active(request_id, body.topic.encode(), body.attempt, old.slot, gen.max_tokens,
+                 old.n_ctx, old.prompt_tokens + covered, TextAssembler(gen.stop))
+    new.prompt, new.cached = body.prompt, new.prompt_tokens
     new.generated = old.generated - covered
     new.offsets = [offset - len(typed) for offset in old.offsets[covered:]]
     new.first_at = new.started                  # no prefill: it starts generating
-    if body.get("n_indent") or body.get("t_max_predict_ms"):
-        new.limits = EditorLimits(int(body.get("n_indent") or 0),
-                                  float(body.get("t_max_predict_ms") or 0))
+    new.limits = EditorLimits.of(gen)
     # the slot changes hands: the engine's sequence goes on as it was
     del loop.active[old.request_id]
     loop.active[request_id] = new
-    loop.notify(P.STARTED, request_id, {"attempt": new.attempt})
-    loop.notify(P.DONE, old.request_id, {
-        "attempt": old.attempt, "last_seq": old.seq - 1, "cancelled": True,
-        "adopted_by": request_id,
-        # its output is what the user typed; the rest is counted with the new request
-        "usage": {"prompt_tokens": old.prompt_tokens, "completion_tokens": covered}})
-    loop._publish(new, {"e": P.EV_START, "prompt_tokens": new.prompt_tokens,
-                        "cached_tokens": new.cached, "adopted": True,
-                        "fingerprint": loop.engine.fingerprint, **loop.identity})
+    loop.notify(P.STARTED, request_id, P.Attempt(attempt=new.attempt))
+    # its output is what the user typed; the rest is counted with the new request
+    loop.notify(P.DONE, old.request_id, old.done(cancelled=True, adopted_by=request_id,
+                                                 usage=old.usage(covered)))
+    loop._publish(new, P.Start(prompt_tokens=new.prompt_tokens, cached_tokens=new.cached,
+                               adopted=True, fingerprint=loop.engine.fingerprint,
+                               **loop.identity))
     log.info("%s adopted the generation of %s (%d characters typed along, %d generated "
              "tokens kept)", request_id, old.request_id, len(typed), new.generated)
     text = new.assembler.take_over(old.assembler, len(typed))

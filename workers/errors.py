@@ -21,16 +21,14 @@ class Stopping(EngineError):
     """The worker is shutting down with this request's text already out."""
 
 
-def error_event(exc: Exception) -> dict:
-    """The `error` event for a request that failed with `exc`."""
+def wire_error(exc: Exception) -> P.WireError:
+    """The error a request that failed with `exc` gets (its `error` event's content)."""
     if isinstance(exc, InvalidInput):
-        error = P.WireError(400, exc.code, str(exc), exc.param)
-    elif isinstance(exc, Stopping):
-        error = P.WireError(503, "worker_stopping", str(exc))
-    else:
-        # Anything else (the engine refused, or a bug met odd content): this request
-        # failed, the worker did not (SIE's "generation failed").
-        detail = str(exc) if isinstance(exc, EngineError) else \
-            f"{type(exc).__name__}: {exc}"
-        error = P.WireError(500, "generation_failed", f"generation failed: {detail}")
-    return error.event()
+        return P.WireError(status=400, code=exc.code, message=str(exc), param=exc.param)
+    if isinstance(exc, Stopping):
+        return P.WireError(status=503, code="worker_stopping", message=str(exc))
+    # Anything else (the engine refused, or a bug met odd content): this request
+    # failed, the worker did not (SIE's "generation failed").
+    detail = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+    return P.WireError(status=500, code="generation_failed",
+                       message=f"generation failed: {detail}")

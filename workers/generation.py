@@ -17,7 +17,7 @@ from typing import Callable
 
 from dispatcher.common import protocol as P
 from workers.adoption import adopt_or_supersede
-from workers.errors import EngineError, InvalidInput, Stopping, error_event
+from workers.errors import EngineError, InvalidInput, Stopping, wire_error
 from workers.prefill import PrefillMeter
 from workers.publisher import FaultInjection, Publisher
 from workers.interface import Engine
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 class GenerationLoop:
     def __init__(self, engine: Engine, publisher: Publisher,
-                 notify: Callable[[bytes, str, dict | None], None],
+                 notify: Callable[[bytes, str, object], None],
                  identity: dict | None = None, fim_template=None):
         self.engine = engine
         self.fim_template = fim_template          # FimTemplate for suffix / infill
@@ -40,8 +40,9 @@ class GenerationLoop:
         self.publisher = publisher
         self.notify = notify                      # -> dispatcher, through the IO thread
         # ("job", id, body) | ("cancel", id) | ("reset",) | ("op_done", id, body, outcome)
+        # | ("invalid", id, topic, attempt, message)
         self.inbox: queue.Queue = queue.Queue()
-        self.waiting: deque[tuple[str, dict]] = deque()
+        self.waiting: deque[tuple[str, P.WorkerJob]] = deque()
         self.active: dict[str, Active] = {}
         self.free_slots = list(range(engine.n_slots))
         self.faults = FaultInjection.from_env()
@@ -87,16 +88,20 @@ class GenerationLoop:
     def _apply(self, item: tuple) -> None:
         kind = item[0]
         if kind == "job":
-            if not isinstance(item[2].get("topic"), str):
+            if not item[2].topic:
                 log.warning("job %s without a topic: dropped", item[1])
-            elif item[2].get("op"):
+            elif item[2].op:
                 self._utility(item[1], item[2])
-            elif item[2].get("adopt"):
+            elif item[2].adopt:
                 adopt_or_supersede(self, item[1], item[2])
             else:
                 self.waiting.append((item[1], item[2]))
         elif kind == "op_done":
             self._op_done(*item[1:])
+        elif kind == "invalid":                  # a REQUEST that did not decode
+            _, request_id, topic, attempt, message = item
+            self._reject(request_id, topic.encode(), attempt,
+                         InvalidInput(message, code="bad_job"))
         elif kind == "cancel":
             self.cancel(item[1])
         elif kind == "reset":
@@ -109,16 +114,13 @@ class GenerationLoop:
         for i, (waiting_id, body) in enumerate(self.waiting):
             if waiting_id == request_id:
                 del self.waiting[i]
-                self.notify(P.DONE, request_id, {"attempt": body.get("attempt", 1),
-                                                 "last_seq": -1, "cancelled": True})
+                self.notify(P.DONE, request_id, P.Done(attempt=body.attempt,
+                                                       cancelled=True))
                 return
         active = self.active.get(request_id)
         if active is not None:
             self._drop(active)
-            self.notify(P.DONE, request_id, {
-                "attempt": active.attempt, "last_seq": active.seq - 1, "cancelled": True,
-                "usage": {"prompt_tokens": active.prompt_tokens,
-                          "completion_tokens": active.generated}})
+            self.notify(P.DONE, request_id, active.done(cancelled=True, usage=active.usage()))
             log.info("%s cancelled after %d tokens", request_id, active.generated)
 
     def _drop(self, active: Active, keep_cache: bool = True) -> None:
@@ -130,7 +132,7 @@ class GenerationLoop:
         self.free_slots.append(active.slot)
 
     # -- utility jobs ------------------------------------------------------------------
-    def _utility(self, request_id: str, body: dict) -> None:
+    def _utility(self, request_id: str, body: P.WorkerJob) -> None:
         """/tokenize and /detokenize: computed on a thread of their own (llama.cpp's
         tokenizer releases the GIL), so decoding goes on meanwhile; the answer (one `end`
         event with a result) goes out from this loop, which owns the sockets."""
@@ -139,18 +141,18 @@ class GenerationLoop:
                 outcome = ("result", vocabulary_op(self.engine, body))
             except Exception as exc:     # bad content must never end the worker
                 if not isinstance(exc, EngineError):
-                    log.exception("%s: %s failed", request_id, body.get("op"))
+                    log.exception("%s: %s failed", request_id, body.op)
                 outcome = ("error", exc)
             self.inbox.put(("op_done", request_id, body, outcome))
         self.vocabulary_thread.submit(work)
 
-    def _op_done(self, request_id: str, body: dict, outcome: tuple) -> None:
-        topic, attempt = body["topic"].encode(), int(body.get("attempt", 1))
+    def _op_done(self, request_id: str, body: P.WorkerJob, outcome: tuple) -> None:
+        topic, attempt = body.topic.encode(), body.attempt
         if outcome[0] == "error":
             return self._reject(request_id, topic, attempt, outcome[1])
-        self.publisher.publish(topic, request_id, {"e": P.EV_END, "s": 0, "a": attempt,
-                                                   "result": outcome[1]})
-        self.notify(P.DONE, request_id, {"attempt": attempt, "last_seq": 0})
+        self.publisher.publish(topic, request_id, P.End(seq=0, attempt=attempt,
+                                                         result=outcome[1]))
+        self.notify(P.DONE, request_id, P.Done(attempt=attempt, last_seq=0))
 
     # -- admission ---------------------------------------------------------------------
     def _admit(self) -> None:
@@ -165,78 +167,72 @@ class GenerationLoop:
                 if active is not None:
                     self._fail(active, exc)
                 else:
-                    self._reject(request_id, body["topic"].encode(),
-                                 int(body.get("attempt", 1)), exc)
+                    self._reject(request_id, body.topic.encode(), body.attempt, exc)
 
-    def _start(self, request_id: str, body: dict) -> None:
+    def _start(self, request_id: str, body: P.WorkerJob) -> None:
         # From here on the request counts as started: if this process dies now, the
         # dispatcher fails it rather than handing a possible poison pill to another worker.
-        self.notify(P.STARTED, request_id, {"attempt": int(body.get("attempt", 1))})
-        self.faults.check("admit", body.get("prompt"))
-        topic = body["topic"].encode()
-        sampling = dict(body.get("sampling", {}))
+        self.notify(P.STARTED, request_id, P.Attempt(attempt=body.attempt))
+        self.faults.check("admit", body.prompt)
+        gen = body.generation
+        topic = body.topic.encode()
+        sampling = dict(gen.sampling)
         if sampling.get("json_schema") is not None:
             sampling["grammar"] = self.engine.grammar_from_json_schema(sampling["json_schema"])
-        infill = body.get("infill") or {}
-        extra = list(infill.get("extra") or [])
-        tokens = prompt_tokens(self.engine, body["prompt"], body.get("suffix"),
-                               self.fim_template, extra, infill.get("middle") or "")
+        extra = list(body.infill.extra) if body.infill else []
+        middle = body.infill.middle if body.infill else ""
+        tokens = prompt_tokens(self.engine, body.prompt, body.suffix, self.fim_template,
+                               extra, middle)
         dropped = 0
-        budget = float(body.get("t_max_prompt_ms") or 0)
-        if budget > 0 and extra and (body.get("max_tokens") is None
-                                     or body["max_tokens"] > 1):
+        budget = float(gen.t_max_prompt_ms or 0)
+        if budget > 0 and extra and (gen.max_tokens is None or gen.max_tokens > 1):
             # llama.cpp declares t_max_prompt_ms and never implemented it: drop the
             # oldest extra chunks until the prefill fits, at this worker's measured rate
             # (warm-ups, n_predict 0 or 1, always fill the cache in full)
             dropped = self.prefill.chunks_over_budget(tokens, extra, budget, self.free_slots,
-                                                      body.get("cache_prompt", True))
+                                                      gen.cache_prompt)
             if dropped:
                 extra = extra[dropped:]
-                tokens = prompt_tokens(self.engine, body["prompt"], body.get("suffix"),
-                                       self.fim_template, extra, infill.get("middle") or "")
-        n_ctx = min(self.engine.n_ctx, body.get("nctx") or self.engine.n_ctx)
+                tokens = prompt_tokens(self.engine, body.prompt, body.suffix,
+                                       self.fim_template, extra, middle)
+        n_ctx = min(self.engine.n_ctx, body.route.n_ctx or self.engine.n_ctx)
         if len(tokens) >= n_ctx:
             raise InvalidInput(f"This model's maximum context length is {n_ctx} tokens, but "
                                f"the prompt has {len(tokens)} tokens.",
                                code="context_length_exceeded", param="prompt")
         if not tokens:
             raise InvalidInput("the prompt has no tokens", param="prompt")
-        logprobs = body.get("logprobs")
-        echo = bool(body.get("echo"))
+        logprobs = gen.logprobs
+        echo = gen.echo
         slot = self.engine.best_slot(tokens, self.free_slots)
-        active = Active(request_id, topic, int(body.get("attempt", 1)), slot,
-                        body.get("max_tokens"), n_ctx, len(tokens),
-                        TextAssembler(body.get("stop")),
+        active = Active(request_id, topic, body.attempt, slot, gen.max_tokens, n_ctx,
+                        len(tokens), TextAssembler(gen.stop),
                         ledger=LogprobLedger(logprobs) if logprobs is not None else None,
-                        score=bool(body.get("score")))
+                        score=gen.score)
         want = logprobs if logprobs is not None else (0 if active.score else None)
-        active.n_probs = int(body.get("n_probs") or 0)
-        active.return_tokens = bool(body.get("return_tokens"))
-        active.prompt = body.get("prompt")
+        active.n_probs = int(gen.n_probs or 0)
+        active.return_tokens = bool(gen.return_tokens)
+        active.prompt = body.prompt
         active.dropped_chunks = dropped
-        if body.get("n_indent") or body.get("t_max_predict_ms"):
-            active.limits = EditorLimits(int(body.get("n_indent") or 0),
-                                         float(body.get("t_max_predict_ms") or 0))
+        active.limits = EditorLimits.of(gen)
         if active.n_probs:
             want = max(want or 0, active.n_probs)
         prompt_lp = echo and logprobs is not None
         cached = self.engine.add(slot, tokens, SamplingParams.from_job(sampling), want,
                                  prompt_logprobs=prompt_lp,
-                                 reuse=body.get("cache_prompt", True),
-                                 draft_max=body.get("draft_max"))
+                                 reuse=gen.cache_prompt, draft_max=gen.draft_max)
         self.free_slots.remove(slot)
         self.active[request_id] = active     # from here a failure frees the slot
         active.cached = cached
-        self._publish(active, {"e": P.EV_START, "prompt_tokens": len(tokens),
-                               "cached_tokens": cached, "fingerprint": self.engine.fingerprint,
-                               **self.identity})
+        self._publish(active, P.Start(prompt_tokens=len(tokens), cached_tokens=cached,
+                                      fingerprint=self.engine.fingerprint, **self.identity))
         if echo:
-            active.echo_text = prompt_text(self.engine, body["prompt"], tokens)
+            active.echo_text = prompt_text(self.engine, body.prompt, tokens)
             active.echo_pending = prompt_lp        # then it waits for the prompt logprobs
             active.prompt_ids = tokens if prompt_lp else None
             if not prompt_lp:
                 self._send_echo(active, None, tokens)
-        if active.max_tokens == 0 and not prompt_lp and not body.get("warm"):
+        if active.max_tokens == 0 and not prompt_lp and not gen.warm:
             self._finish(active, "length")          # (warm-up: after the prefill)
 
     def _send_echo(self, active: Active, prompt_lp: list | None, tokens: list[int]) -> None:
@@ -254,9 +250,10 @@ class GenerationLoop:
         self._send_text(active, active.echo_text, logprobs)
 
     def _reject(self, request_id: str, topic: bytes, attempt: int, exc: EngineError) -> None:
-        self.publisher.publish(topic, request_id, {"s": 0, "a": attempt, **error_event(exc)})
-        self.notify(P.DONE, request_id, {"attempt": attempt, "last_seq": 0,
-                                         "error": error_event(exc)["code"]})
+        error = wire_error(exc)
+        self.publisher.publish(topic, request_id, error.event(0, attempt))
+        self.notify(P.DONE, request_id, P.Done(attempt=attempt, last_seq=0,
+                                               error=error.code))
 
     # -- generation --------------------------------------------------------------------
     def _step(self) -> None:
@@ -345,13 +342,9 @@ class GenerationLoop:
         active.chars_out += len(text)
         if logprobs is None and active.ledger is not None:
             logprobs = active.ledger.release(active.chars_out)
-        event = {"e": P.EV_TEXT, "text": text}
-        if logprobs is not None:
-            event["logprobs"] = logprobs
-        if active.pending_ids:
-            event["ids"], active.pending_ids = active.pending_ids, []
-        if active.pending_probs:
-            event["probs"], active.pending_probs = active.pending_probs, []
+        event = P.Text(text=text, logprobs=logprobs, ids=active.pending_ids or None,
+                       probs=active.pending_probs or None)
+        active.pending_ids, active.pending_probs = [], []
         self._publish(active, event)
 
     def _finish(self, active: Active, reason: str, stop_type: str = "limit") -> None:
@@ -361,48 +354,42 @@ class GenerationLoop:
         tail = active.assembler.finish()
         if tail:
             self._send_text(active, tail)
-        usage = {"prompt_tokens": active.prompt_tokens, "completion_tokens": active.generated}
+        usage = active.usage()
         now = time.monotonic()
         first = active.first_at or now
-        event = {"e": P.EV_END, "finish_reason": reason, "usage": usage,
-                 "stop_type": stop_type,
-                 "timings": {"prompt_ms": round((first - active.started) * 1000, 3),
-                             "predicted_ms": round((now - first) * 1000, 3)}}
+        event = P.End(finish_reason=reason, usage=usage, stop_type=stop_type,
+                      timings={"prompt_ms": round((first - active.started) * 1000, 3),
+                               "predicted_ms": round((now - first) * 1000, 3)},
+                      dropped_chunks=active.dropped_chunks)
         if stop_type == "word":
-            event["stopping_word"] = active.assembler.stop_word
-        if active.dropped_chunks:
-            event["dropped_chunks"] = active.dropped_chunks
+            event.stopping_word = active.assembler.stop_word
         drafted, accepted = self.engine.draft_stats(active.slot)
         if drafted:
-            event["draft"] = {"proposed": drafted, "accepted": accepted}
+            event.draft = {"proposed": drafted, "accepted": accepted}
         if active.ledger is not None:
-            rest = active.ledger.release(None if reason == "length" or
-                                         not active.assembler.stopped else active.chars_out)
-            if rest is not None:
-                event["logprobs"] = rest
+            event.logprobs = active.ledger.release(
+                None if reason == "length" or not active.assembler.stopped
+                else active.chars_out)
         if active.score:
-            event["score"] = active.logprob_sum / max(1, active.generated)
+            event.score = active.logprob_sum / max(1, active.generated)
         self._publish(active, event)
         self._drop(active)
-        self.notify(P.DONE, active.request_id, {
-            "attempt": active.attempt, "last_seq": active.seq - 1, "finish_reason": reason,
-            "usage": usage, "cached_tokens": active.cached,
-            "seconds": round(time.monotonic() - active.started, 3)})
+        self.notify(P.DONE, active.request_id, active.done(
+            finish_reason=reason, usage=usage, cached_tokens=active.cached,
+            seconds=round(time.monotonic() - active.started, 3)))
 
     def _fail(self, active: Active, exc: Exception, keep_cache: bool = True) -> None:
-        error = error_event(exc)
+        error = wire_error(exc)
         self._drop(active, keep_cache)
-        self._publish(active, error)
-        self.notify(P.DONE, active.request_id, {"attempt": active.attempt,
-                                                "last_seq": active.seq - 1,
-                                                "error": error["code"]})
+        self._publish(active, error.event())
+        self.notify(P.DONE, active.request_id, active.done(error=error.code))
 
-    def _publish(self, active: Active, event: dict) -> None:
-        event["s"] = active.seq
-        event["a"] = active.attempt
+    def _publish(self, active: Active, event: P.Event) -> None:
+        event.seq = active.seq
+        event.attempt = active.attempt
         active.seq += 1
         if self.faults.drops(event):
-            log.warning("fault injection: dropping event %d of %s", event["s"],
+            log.warning("fault injection: dropping event %d of %s", event.seq,
                         active.request_id)
             return
         self.publisher.publish(active.topic, active.request_id, event)
@@ -415,10 +402,7 @@ class GenerationLoop:
                 self._fail(active, Stopping(reason))
             else:
                 self._drop(active)
-                self.notify(P.DONE, active.request_id, {"attempt": active.attempt,
-                                                        "last_seq": active.seq - 1,
-                                                        "released": True})
+                self.notify(P.DONE, active.request_id, active.done(released=True))
         for request_id, body in self.waiting:
-            self.notify(P.DONE, request_id, {"attempt": int(body.get("attempt", 1)),
-                                             "last_seq": -1, "released": True})
+            self.notify(P.DONE, request_id, P.Done(attempt=body.attempt, released=True))
         self.waiting.clear()

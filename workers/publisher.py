@@ -66,7 +66,7 @@ class Publisher:
                 self.sock.send_multipart(frames)
         self.held.clear()
 
-    def publish(self, topic: bytes, request_id: str, event: dict) -> None:
+    def publish(self, topic: bytes, request_id: str, event: P.Event) -> None:
         self.tick()
         frames = P.encode_event(topic, request_id, event)
         if topic in self.held:                     # behind its earlier events
@@ -107,8 +107,8 @@ class FaultInjection:
                    os.environ.get("COMPLETIONS_FAULT_DROP_END") == "1", raises,
                    os.environ.get("COMPLETIONS_FAULT_HANG") or None)
 
-    def drops(self, event: dict) -> bool:
-        return event["s"] == self.drop_seq or (self.drop_end and event["e"] == P.EV_END)
+    def drops(self, event: P.Event) -> bool:
+        return event.seq == self.drop_seq or (self.drop_end and isinstance(event, P.End))
 
     def check(self, phase: str, prompt) -> None:
         if self.hang and phase == "token" and self.hang in str(prompt):

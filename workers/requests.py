@@ -5,6 +5,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from dispatcher.common import protocol as P
 from workers.errors import InvalidInput
 from workers.textstream import TextAssembler
 
@@ -48,17 +49,18 @@ class FimTemplate:
         return out
 
 
-def vocabulary_op(engine, body: dict) -> dict:
+def vocabulary_op(engine, body: P.WorkerJob) -> dict:
     """The answer to a /tokenize or /detokenize job, in llama.cpp's shape."""
-    if body["op"] == "tokenize":
-        tokens = engine.tokenize(body["content"], bool(body.get("add_special")))
+    gen = body.generation
+    if body.op == "tokenize":
+        tokens = engine.tokenize(gen.content or "", bool(gen.add_special))
         return {"tokens": [{"id": t, "piece": token_text(engine.piece(t))} for t in tokens]
-                if body.get("with_pieces") else tokens}
-    if body["op"] == "detokenize":
-        engine.check_tokens(body["tokens"], param="tokens")
-        data = b"".join(engine.piece(t) for t in body["tokens"])
+                if gen.with_pieces else tokens}
+    if body.op == "detokenize":
+        engine.check_tokens(gen.tokens or [], param="tokens")
+        data = b"".join(engine.piece(t) for t in gen.tokens or [])
         return {"content": data.decode("utf-8", "replace")}
-    raise InvalidInput(f"unknown operation {body['op']!r}")
+    raise InvalidInput(f"unknown operation {body.op!r}")
 
 
 def probs_entry(engine, token: int, piece: bytes, logprob, top) -> dict:
@@ -194,6 +196,15 @@ class Active:
     first_at: float | None = None   # when the first token was sampled (prefill done)
     offsets: list = field(default_factory=list)   # characters decoded after each token
 
+    def usage(self, completion_tokens: int | None = None) -> P.Usage:
+        return P.Usage(prompt_tokens=self.prompt_tokens,
+                       completion_tokens=self.generated if completion_tokens is None
+                       else completion_tokens)
+
+    def done(self, **fields) -> P.Done:
+        """Its DONE body: this attempt, its last event's number, and `fields`."""
+        return P.Done(attempt=self.attempt, last_seq=self.seq - 1, **fields)
+
 
 @dataclass
 class EditorLimits:
@@ -209,6 +220,13 @@ class EditorLimits:
     seen_newline: bool = False
     at_line_start: bool = False
     indent: int = 0
+
+    @classmethod
+    def of(cls, gen: P.Generation) -> "EditorLimits | None":
+        """The job's limits; None when it sets neither."""
+        if not gen.n_indent and not gen.t_max_predict_ms:
+            return None
+        return cls(int(gen.n_indent or 0), float(gen.t_max_predict_ms or 0))
 
     def cut(self, text: str) -> tuple[str, bool]:
         """(the part of `text` to send, whether the completion ends here)."""

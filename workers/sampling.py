@@ -2,46 +2,27 @@
 (the llama.cpp sampler chain built from them: `workers.engine.samplers`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 
-from dispatcher.common.protocol import SAMPLER_ALIASES
+from dispatcher.common.fields import DEFAULT_ORDER, SAMPLER_ALIASES, SAMPLING
 
 RANDOM_SEED = 0xFFFFFFFF     # llama.cpp's LLAMA_DEFAULT_SEED: draw a random seed
-DEFAULT_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
-                 "xtc", "temperature")    # llama.cpp's (its `samplers` default)
-DRY_BREAKERS = ("\n", ":", "\"", "*")
+
+# The worker's value where a request leaves a field out: its declared default
+# (dispatcher.common.fields), in the form the sampler chain takes.
+_KINDS = {"seed": int | None, "logit_bias": dict, "grammar": str | None,
+          "strings": tuple, "samplers": tuple | None}
+_WORKER_DEFAULTS = {"logit_bias": field(default_factory=dict)}     # (None: no biases)
+_Values = make_dataclass("_Values", [
+    (knob.name, _KINDS.get(knob.kind, knob.kind),
+     _WORKER_DEFAULTS.get(knob.name, knob.default))
+    for knob in SAMPLING if knob.name != "json_schema"], frozen=True)  # (-> grammar)
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0               # 0 or less: off
-    min_p: float = 0.0
-    typical_p: float = 1.0       # 1: off
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    repeat_last_n: int = -1      # penalty window in tokens; -1: everything generated
-    mirostat: int = 0            # 0 off, 1 Mirostat, 2 Mirostat 2.0
-    mirostat_tau: float = 5.0
-    mirostat_eta: float = 0.1
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    grammar: str | None = None   # GBNF, root rule "root"
-    min_tokens: int = 0          # end of generation is impossible before this many tokens
-    ignore_eos: bool = False     # ... or at all
-    dry_multiplier: float = 0.0  # DRY (don't repeat yourself); 0: off
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1  # -1: the context
-    dry_sequence_breakers: tuple[str, ...] = DRY_BREAKERS
-    xtc_probability: float = 0.0  # XTC (exclude top choices); 0: off
-    xtc_threshold: float = 0.1
-    top_n_sigma: float = -1.0    # < 0: off
-    dynatemp_range: float = 0.0  # dynamic temperature: temperature ± range by entropy
-    dynatemp_exponent: float = 1.0
-    samplers: tuple[str, ...] | None = None   # llama.cpp's order list; None: the default
+class SamplingParams(_Values):
+    """One request's sampling settings: the fields of dispatcher.common.fields.SAMPLING
+    (json_schema arrives converted into `grammar`)."""
 
     @classmethod
     def from_job(cls, sampling: dict) -> "SamplingParams":

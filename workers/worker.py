@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 
+import msgspec
 import zmq
 
 from dispatcher.common import config, configfile, protocol as P
@@ -35,7 +36,7 @@ class DispatcherLink(threading.Thread):
     """The IO thread: the DEALER socket and the heartbeat protocol (Paranoid Pirate)."""
 
     def __init__(self, context: zmq.Context, endpoints: P.Endpoints, identity: bytes,
-                 info: dict, loop: GenerationLoop, notify_address: str,
+                 info: P.WorkerInfo, loop: GenerationLoop, notify_address: str,
                  step_timeout: float = 0.0, heartbeat: config.Heartbeat = config.Heartbeat()):
         super().__init__(name="dispatcher-link", daemon=True)
         self.heartbeat = heartbeat
@@ -106,21 +107,34 @@ class DispatcherLink(threading.Thread):
         dealer.close(linger=500)
         notify.close(0)
 
-    def _with_shared(self, body: dict) -> dict | None:
+    def _with_shared(self, body: P.WorkerJob) -> P.WorkerJob | None:
         """A job's prompt fields: kept for `share_as`, filled in for `same_as` (the
         dispatcher sends each prompt of a request once; protocol.SHARED_FIELDS)."""
-        if body.get("share_as"):
-            self.shared[body["share_as"]] = {k: body[k] for k in P.SHARED_FIELDS
-                                             if k in body}
-            self.shared.move_to_end(body["share_as"])
+        if body.share_as:
+            self.shared[body.share_as] = P.prompt_fields(body)
+            self.shared.move_to_end(body.share_as)
             while len(self.shared) > P.WORKER_SHARED:
                 self.shared.popitem(last=False)
-        elif body.get("same_as"):
-            fields = self.shared.get(body["same_as"])
+        elif body.same_as:
+            fields = self.shared.get(body.same_as)
             if fields is None:
                 return None
-            body = {**body, **fields}
+            body = msgspec.structs.replace(body, same_as=None, **fields)
         return body
+
+    def _refuse(self, frames: list[bytes], exc: P.ProtocolError) -> None:
+        """A REQUEST whose generation is not one (the dispatcher forwards it unread): its
+        request fails with a 400, through the loop that owns the token socket."""
+        request_id = P.malformed_request(frames, P.REQUEST)
+        if request_id is None:
+            return
+        try:
+            envelope = msgspec.json.decode(frames[3], type=P.SubmittedJob)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            return                       # not even its envelope: nobody to answer
+        if envelope.topic:
+            self.loop.inbox.put(("invalid", request_id, envelope.topic, envelope.attempt,
+                                 f"the job is malformed: {exc}"))
 
     def _give_up(self, dealer: zmq.Socket, stuck: float) -> None:
         """The watchdog: the generation thread has been inside one step for longer than
@@ -129,8 +143,8 @@ class DispatcherLink(threading.Thread):
         stuck thread may never return, nor see a signal); the supervisor replaces it."""
         reason = (f"stuck: one step of its generation loop ran {stuck:.0f}s, past "
                   f"--step-timeout {self.step_timeout:g}s")
-        dealer.send_multipart(P.encode(P.DISCONNECT, body={"reason": reason,
-                                                           "code": "worker_stuck"}))
+        dealer.send_multipart(P.encode(P.DISCONNECT, body=P.Disconnect(
+            reason=reason, code="worker_stuck")))
         # straight to the file descriptor: the stuck thread may hold a logging lock
         os.write(2, f"worker {self.identity.decode()} {reason}; exiting to be "
                     "replaced\n".encode())
@@ -138,10 +152,12 @@ class DispatcherLink(threading.Thread):
         os._exit(config.EXIT_STUCK)
 
     def _handle(self, dealer: zmq.Socket) -> bool:
+        frames = dealer.recv_multipart()
         try:
-            msg = P.decode(dealer.recv_multipart())
+            msg = P.decode(frames)
         except P.ProtocolError as exc:
             log.warning("bad message from the dispatcher: %s", exc)
+            self._refuse(frames, exc)
             return True
         if msg.cmd == P.REQUEST:
             body = self._with_shared(msg.body)
@@ -150,9 +166,8 @@ class DispatcherLink(threading.Thread):
                 # unstarted, the dispatcher sends it again whole
                 log.warning("%s: same_as names a prompt this worker does not have",
                             msg.request_id)
-                dealer.send_multipart(P.encode(P.DONE, msg.request_id, {
-                    "attempt": msg.body.get("attempt", 1), "last_seq": -1,
-                    "unshared": True}))
+                dealer.send_multipart(P.encode(P.DONE, msg.request_id, P.Done(
+                    attempt=msg.body.attempt, unshared=True)))
                 return True
             self.loop.inbox.put(("job", msg.request_id, body))
         elif msg.cmd == P.CANCEL:
@@ -269,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     notify = context.socket(zmq.PAIR)
     notify.bind(notify_address)
 
-    def send_notice(cmd: bytes, request_id: str, body: dict | None) -> None:
+    def send_notice(cmd: bytes, request_id: str, body=None) -> None:
         notify.send_multipart(P.encode(cmd, request_id, body))
 
     try:
@@ -279,14 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     loop = GenerationLoop(engine, Publisher(xpub), send_notice,
                           identity={"worker": name, "device": str(spec)},
                           fim_template=template)
-    info = {"model": model_id, "model_path": str(model_path), "device": str(spec),
-            "compute": compute_kind(spec.compute, placement.n_gpu_layers, engine.n_layer),
-            "n_gpu_layers": placement.n_gpu_layers, "profile": spec.profile,
-            "pid": os.getpid(), "n_ctx": engine.n_ctx, "slots": engine.n_slots,
-            "fim": engine.fim_tokens is not None or template is not None,
-            "fingerprint": engine.fingerprint,
-            "deterministic": args.deterministic,
-            "engine": engine.name, "placement": placement.to_dict()}
+    info = P.WorkerInfo(
+        model=model_id, model_path=str(model_path), device=str(spec),
+        compute=compute_kind(spec.compute, placement.n_gpu_layers, engine.n_layer),
+        n_gpu_layers=placement.n_gpu_layers, profile=spec.profile, pid=os.getpid(),
+        n_ctx=engine.n_ctx, slots=engine.n_slots,
+        fim=engine.fim_tokens is not None or template is not None,
+        fingerprint=engine.fingerprint, deterministic=args.deterministic,
+        engine=engine.name, placement=placement.to_dict())
     link = DispatcherLink(context, endpoints, name.encode(), info, loop, notify_address,
                           args.step_timeout, config.Heartbeat.of(args))
     link.start()

@@ -8,10 +8,15 @@ Sockets (all owned by the dispatcher's addresses, see `Endpoints`):
     front end SUB     <- tokens_out XPUB /  [topic = front-end id, request_id, event]
     ops tool  REQ     -> control ROUTER    [json request] -> [json reply]
 
-`body` and `event` are UTF-8 JSON objects (an empty frame is an empty object). A front
-end's id is fixed-width (`FRONTEND_ID_LEN`), so subscribing to it matches only its own
-messages. Every stream event carries `s` (its sequence number, from 0, per attempt) and
-`a` (the attempt: a request requeued after a worker died is attempt 2).
+`body` and `event` are UTF-8 JSON objects (an empty frame: no body), each one of the typed
+structs below (`msgspec.Struct`): `BODIES` says which struct each command's body is, and
+`decode` turns the frames into a `Message` whose body is that struct, validated, once, at
+the socket that receives it. A job's `generation` (what only a worker reads) crosses the
+dispatcher as raw JSON it never parses (`SubmittedJob`); the worker decodes it typed
+(`WorkerJob`). A front end's id is fixed-width (`FRONTEND_ID_LEN`), so subscribing to it
+matches only its own messages. Every stream event carries `s` (its sequence number, from
+0, per attempt) and `a` (the attempt: a request requeued after a worker died is
+attempt 2).
 
 The dispatcher answers each PING twice: STATE over the DEALER, and a `beat` event (no
 request id) published into its own proxy. A front end counts the dispatcher as there only
@@ -26,7 +31,9 @@ import json
 import os
 import secrets
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar, Union
+
+import msgspec
 
 PROTO = b"CMPL1"
 
@@ -65,12 +72,6 @@ SHARED_FIELDS = ("prompt", "suffix", "infill")
 WORKER_SHARED = 16
 DISPATCHER_SHARED = 8
 
-# llama.cpp's sampler names, as a job's `samplers` order list may give them
-SAMPLER_NAMES = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p",
-                 "xtc", "temperature", "infill")
-SAMPLER_ALIASES = {"typical_p": "typ_p", "typical": "typ_p", "nucleus": "top_p",
-                   "temp": "temperature", "repetition": "penalties"}
-
 # Stream events (field "e")
 EV_START = "start"   # prompt tokenized and admitted: {prompt_tokens}
 EV_TEXT = "text"     # {text}
@@ -108,8 +109,128 @@ def error_type(status: int) -> str:
                            "invalid_request_error")
 
 
-@dataclass(frozen=True)
-class WireError:
+class Body(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A message body: fields with their defaults left out on the wire."""
+
+
+# -- routing ---------------------------------------------------------------------------
+class Route(Body, frozen=True):
+    """What a worker must offer to run a job, each key named as the worker names it in
+    `Capabilities` (the request's `nctx` is `n_ctx` here, its `ngl` `n_gpu_layers`; the
+    names are mapped once, where the request fields are declared: dispatcher.common.fields).
+    The one rule that judges a fit: dispatcher.common.fit."""
+    n_ctx: int | None = None            # at least this context
+    n_gpu_layers: int | None = None     # 0: no offload; N: at least N layers
+    compute: str | None = None          # this compute kind (cpu, cuda, hybrid, ...)
+    profile: str | None = None          # SIE's machine profile
+    fim: bool = False                   # fill-in-the-middle tokens or a template
+
+
+class Capabilities(Body):
+    """What the dispatcher's state says of a worker: what a route is judged against."""
+    model: str
+    n_ctx: int = 0
+    compute: str = "cpu"
+    n_gpu_layers: int = 0
+    profile: str | None = None
+    fim: bool = False
+
+
+class WorkerInfo(Capabilities):
+    """READY: a worker registers (again, after a reconnect) with what it is."""
+    model_path: str = ""
+    device: str = ""
+    pid: int | None = None
+    slots: int = 1
+    fingerprint: str | None = None
+    deterministic: bool = False
+    engine: str = "llama"
+    placement: dict = {}
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(model=self.model, n_ctx=self.n_ctx, compute=self.compute,
+                            n_gpu_layers=self.n_gpu_layers, profile=self.profile,
+                            fim=self.fim)
+
+
+# -- jobs ------------------------------------------------------------------------------
+class Infill(Body, frozen=True):
+    """llama.cpp's /infill context: repository chunks before the prefix, text after MID."""
+    extra: list[dict] = []              # {"filename", "text"}
+    middle: str = ""
+
+
+class Generation(Body):
+    """What only a worker reads of a job: the dispatcher forwards it unparsed."""
+    max_tokens: int | None = None       # None: until the context is full
+    stop: list[str] = []
+    echo: bool = False
+    logprobs: int | None = None
+    score: bool = False                 # sum the logprobs (best_of)
+    sampling: dict = {}                 # dispatcher.common.fields.SAMPLING, by name
+    cache_prompt: bool = True
+    n_indent: int | None = None
+    t_max_predict_ms: float | None = None
+    t_max_prompt_ms: float | None = None
+    n_probs: int | None = None
+    return_tokens: bool | None = None
+    draft_max: int | None = None
+    warm: bool = False                  # n_predict 0 fills the cache (llama.vim's warm-up)
+    # tokenize / detokenize (op jobs)
+    content: str | None = None
+    add_special: bool | None = None
+    with_pieces: bool | None = None
+    tokens: list[int] | None = None
+
+
+G = TypeVar("G")
+
+
+class Job(Body, Generic[G], kw_only=True):
+    """One job: a prompt × candidate of an HTTP request, or a tokenize/detokenize op.
+
+    The envelope is what the dispatcher reads: identity, model, route, session, queue
+    deadline, admission unit (`parent`, `fanout`), adoption key and the prompt fields it
+    hashes to route by cache (SHARED_FIELDS, which may be replaced by `same_as`). The
+    dispatcher adds `topic`, `attempt` and `share_as`/`same_as`/`adopt` when it hands the
+    job to a worker. `generation` is the payload it forwards as it came."""
+    id: str
+    model: str
+    parent: str | None = None           # the HTTP request (None: the job is the request)
+    fanout: int = 1                     # jobs of that request
+    route: Route = Route()
+    session: str | None = None          # X-Session-Id (scoped by key)
+    session_order: int = 0              # the client's order of its session's requests
+    timeout: float | None = None        # seconds it may wait in the queue
+    adopt_key: str | None = None        # type-along adoption (app.jobs.adopt_key)
+    op: str | None = None               # tokenize / detokenize: no queue, no slot
+    prompt: str | list | None = None    # text, token ids, or llama.cpp's mix
+    suffix: str | None = None           # fill in the middle
+    infill: Infill | None = None
+    same_as: str | None = None          # the prompt fields are those of this job
+    share_as: str | None = None         # keep this job's prompt fields under its id
+    topic: str | None = None            # the owning front end (dispatcher -> worker)
+    attempt: int = 1
+    adopt: str | None = None            # the running job it may take over
+    generation: G
+
+
+SubmittedJob = Job[msgspec.Raw]         # as the dispatcher holds it
+WorkerJob = Job[Generation]             # as a worker reads it
+
+
+def without_prompt(job: Job, same_as: str) -> Job:
+    """The job naming `same_as`'s prompt fields instead of carrying them."""
+    return msgspec.structs.replace(job, prompt=None, suffix=None, infill=None,
+                                   same_as=same_as)
+
+
+def prompt_fields(job: Job) -> dict:
+    return {name: getattr(job, name) for name in SHARED_FIELDS}
+
+
+# -- control bodies --------------------------------------------------------------------
+class WireError(Body, frozen=True):
     """An error for one request, as it crosses the wire (REJECTED and FAILED bodies, the
     `error` stream event): status, code and message; the OpenAI type from the status."""
     status: int
@@ -122,22 +243,155 @@ class WireError:
     def type(self) -> str:
         return error_type(self.status)
 
-    def body(self) -> dict:
-        body = {"status": self.status, "type": self.type, "code": self.code,
-                "message": self.message, "param": self.param}
-        if self.retry_after:
-            body["retry_after"] = self.retry_after
-        return body
+    def event(self, seq: int = 0, attempt: int = 1) -> "Error":
+        return Error(seq=seq, attempt=attempt, status=self.status, type=self.type,
+                     code=self.code, message=self.message, param=self.param,
+                     retry_after=self.retry_after)
 
-    def event(self) -> dict:
-        return {"e": EV_ERROR, **self.body()}
+
+class Attempt(Body):
+    """STARTED and FIRST: which attempt of the job it is about."""
+    attempt: int = 1
+
+
+class Finished(Body):
+    """FINISHED: the worker is done with this attempt; its last event's number."""
+    attempt: int = 1
+    last_seq: int | None = None
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    """Token counts (zeros are said, not left out)."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Done(Body):
+    """DONE: a worker is through with a job, one way or another."""
+    attempt: int = 1
+    last_seq: int = -1
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    cached_tokens: int = 0
+    seconds: float | None = None
+    error: str | None = None            # its error event's code
+    cancelled: bool = False
+    adopted_by: str | None = None       # cancelled: another job took its generation over
+    released: bool = False              # handed back unstarted (the worker is stopping)
+    unshared: bool = False              # named prompt fields the worker no longer had
+
+
+class Disconnect(Body):
+    reason: str | None = None
+    code: str | None = None             # worker_stuck: the watchdog gave up
+
+
+class Ping(Body):
+    open: int = 0                       # requests the front end has open
+    pid: int | None = None
+    served: int = 0
+    metrics: dict | None = None         # dispatcher.common.latency increments
+
+
+class ModelState(Body):
+    ready: int = 0
+    n_ctx: int = 0
+    slots: int = 0
+    fim: bool = False
+    created: int = 0
+
+
+class State(Body):
+    """STATE: the dispatcher's answer to a PING (and its broadcast on changes)."""
+    epoch: str | None = None            # this run of the dispatcher
+    workers_ready: int = 0
+    models: dict[str, ModelState] = {}
+    default_model: str | None = None    # a request without a model gets this one
+    aliases: dict[str, str] = {}
+    queued: int = 0
+    expected_workers: int = 0
+    draining: bool = False
+    workers: list[Capabilities] = []
+
+
+# -- stream events ---------------------------------------------------------------------
+class Event(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="e"):
+    """One event of a job's stream, tagged by kind (`e`), numbered per attempt (-1: not
+    numbered yet; the worker numbers each as it publishes it, and an event that arrives
+    without its number is refused)."""
+    seq: int = msgspec.field(default=-1, name="s")
+    attempt: int = msgspec.field(default=1, name="a")
+
+
+class Start(Event, tag="start"):
+    """Prompt tokenized and admitted into a slot (or its generation adopted)."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    fingerprint: str | None = None
+    worker: str | None = None
+    device: str | None = None
+    adopted: bool = False
+
+
+class Text(Event, tag="text", kw_only=True):
+    text: str
+    logprobs: dict | None = None        # OpenAI's legacy shape, for this text
+    ids: list[int] | None = None        # llama.cpp's `tokens`
+    probs: list | None = None           # llama.cpp's completion_probabilities
+
+
+class End(Event, tag="end"):
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    stop_type: str | None = None        # llama.cpp's: eos, word, limit
+    stopping_word: str | None = None
+    timings: dict | None = None         # prompt_ms, predicted_ms
+    dropped_chunks: int = 0             # t_max_prompt_ms left these input_extra out
+    draft: dict | None = None           # proposed, accepted
+    logprobs: dict | None = None
+    score: float | None = None          # mean logprob (best_of)
+    result: Any = None                  # an op's answer
+
+
+class Error(Event, tag="error", kw_only=True):
+    status: int
+    type: str
+    code: str
+    message: str
+    param: str | None = None
+    retry_after: int | None = None
+
+
+class Beat(Event, tag="beat"):
+    """The dispatcher's answer to a PING over the token stream (request id "")."""
+    seq: int = msgspec.field(default=0, name="s")
+    epoch: str | None = None
+
+
+AnyEvent = Union[Start, Text, End, Error, Beat]
+ENDS = (End, Error)                     # the last event of a stream
+
+EV_START, EV_TEXT, EV_END, EV_ERROR, EV_BEAT = "start", "text", "end", "error", "beat"
+
+# Which struct each command's body is (None: no body). A command is read on one side.
+BODIES: dict[bytes, Any] = {
+    SUBMIT: SubmittedJob, CANCEL: None, PING: Ping, METRICS: dict,
+    ACCEPTED: None, REJECTED: WireError, FAILED: WireError, FINISHED: Finished,
+    STATE: State, READY: WorkerInfo, HEARTBEAT: None, STARTED: Attempt, FIRST: Attempt,
+    DONE: Done, DISCONNECT: Disconnect, REQUEST: WorkerJob,
+}
+
+_encoder = msgspec.json.Encoder()
+_decoders = {cmd: msgspec.json.Decoder(kind) for cmd, kind in BODIES.items()
+             if kind is not None}
+_event_decoder = msgspec.json.Decoder(AnyEvent)
 
 
 @dataclass(frozen=True)
 class Message:
     cmd: bytes
     request_id: str
-    body: dict
+    body: Any = None                    # the struct BODIES names (None: no body)
 
 
 def new_frontend_id() -> bytes:
@@ -148,23 +402,25 @@ def new_request_id() -> str:
     return "cmpl-" + secrets.token_hex(12)
 
 
-def encode_body(body: dict | None) -> bytes:
-    return json.dumps(body, separators=(",", ":")).encode() if body else b""
+def encode_body(body: Any) -> bytes:
+    return _encoder.encode(body) if body is not None else b""
 
 
-def decode_body(frame: bytes) -> dict:
+def decode_body(cmd: bytes, frame: bytes) -> Any:
+    decoder = _decoders.get(cmd)
+    if decoder is None:
+        return None                     # (a body where none belongs is ignored)
     if not frame:
-        return {}
+        frame = b"{}"
     try:
-        body = json.loads(frame)
-    except (ValueError, UnicodeDecodeError) as exc:
+        return decoder.decode(frame)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"{command_name(cmd)} body: {exc}") from None
+    except msgspec.DecodeError as exc:
         raise ProtocolError(f"body is not JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise ProtocolError("body is not a JSON object")
-    return body
 
 
-def encode(cmd: bytes, request_id: str = "", body: dict | None = None) -> list[bytes]:
+def encode(cmd: bytes, request_id: str = "", body: Any = None) -> list[bytes]:
     return [PROTO, cmd, request_id.encode(), encode_body(body)]
 
 
@@ -178,28 +434,44 @@ def decode(frames: list[bytes]) -> Message:
         request_id = frames[2].decode("ascii")
     except UnicodeDecodeError:
         raise ProtocolError("request id is not ASCII") from None
-    return Message(frames[1], request_id, decode_body(frames[3]))
+    return Message(frames[1], request_id, decode_body(frames[1], frames[3]))
 
 
-def encode_event(topic: bytes, request_id: str, event: dict) -> list[bytes]:
-    return [topic, request_id.encode(), encode_body(event)]
+def malformed_request(frames: list[bytes], cmd: bytes) -> str | None:
+    """The request id of a `cmd` message whose body did not decode (None: not such a
+    message), so that it can be answered instead of dropped."""
+    if len(frames) == 4 and frames[0] == PROTO and frames[1] == cmd and frames[2].isascii():
+        return frames[2].decode() or None
+    return None
 
 
-def decode_event(frames: list[bytes]) -> tuple[str, dict]:
+def encode_event(topic: bytes, request_id: str, event: Event) -> list[bytes]:
+    return [topic, request_id.encode(), _encoder.encode(event)]
+
+
+def decode_event(frames: list[bytes]) -> tuple[str, AnyEvent]:
     if len(frames) != 3:
         raise ProtocolError(f"expected 3 event frames, got {len(frames)}")
     try:
         request_id = frames[1].decode("ascii")
     except UnicodeDecodeError:
         raise ProtocolError("request id is not ASCII") from None
-    event = decode_body(frames[2])
-    if not isinstance(event.get("s"), int) or not isinstance(event.get("e"), str):
-        raise ProtocolError("event lacks its sequence number or kind")
+    try:
+        event = _event_decoder.decode(frames[2])
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"bad event: {exc}") from None
+    if event.seq < 0:
+        raise ProtocolError("event lacks its sequence number")
     return request_id, event
 
 
 def encode_json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def to_dict(struct) -> dict:
+    """A struct as plain JSON values (for status output, logs and tests)."""
+    return msgspec.to_builtins(struct)
 
 
 @dataclass(frozen=True)
