@@ -67,7 +67,7 @@ ADOPT_FREE_GENERATION = {"max_tokens", "t_max_predict_ms", "t_max_prompt_ms"}
 
 
 def adopt_key(job: P.WorkerJob) -> str | None:
-    """Type-along adoption (dispatcher/admission.py, workers/adoption.py): requests of a
+    """Type-along adoption (dispatcher/core.py, workers/generation.py): requests of a
     session with equal keys differ only in their prompt (and limits), so a newer one may
     take over an older one's running generation. None where it never may: no session,
     several jobs, token-id prompts, per-token output (logprobs, echo, n_probs), grammars."""

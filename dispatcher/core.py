@@ -20,7 +20,8 @@ from typing import Protocol
 import msgspec
 
 from dispatcher.common import config, protocol as P
-from dispatcher.admission import Admission
+from dispatcher.admission import Sessions, Units
+from dispatcher.common.fit import explain_unfit, fits
 from dispatcher.metrics import SystemMetrics
 from dispatcher.queues import Job, RequestQueue, WorkerRecord, WorkerRegistry
 
@@ -29,10 +30,6 @@ log = logging.getLogger("dispatcher.broker")
 NO_WORKER_TIMEOUT = 30.0
 # A job that never started is requeued when its worker is lost, up to this many attempts.
 MAX_ATTEMPTS = 3
-# How long the rest of an admitted request's jobs may take to arrive.
-UNIT_TIMEOUT = 60.0
-# How long the newest request of an idle session is remembered (to refuse a late older one).
-SESSION_MEMORY = 600.0
 
 
 @dataclass(frozen=True)
@@ -66,7 +63,7 @@ class NoFleet:
         return None
 
 
-class DispatcherCore(Admission):
+class DispatcherCore:
     def __init__(self, fleet: Fleet | None = None, known_models: dict | None = None,
                  max_queue: int = 64, queue_timeout: float = 0.0, started: float = 0.0,
                  heartbeat: config.Heartbeat = config.Heartbeat()):
@@ -80,13 +77,8 @@ class DispatcherCore(Admission):
         self.heartbeat = heartbeat
         self.registry = WorkerRegistry(heartbeat.expiry)
         self.frontends: dict[bytes, dict] = {}     # id -> {"seen": t, "pid": ...}
-        self.sessions: dict[str, dict[str, Job]] = {}   # X-Session-Id -> its open jobs
-        # X-Session-Id -> (order, parent, when) of the newest request the client sent
-        self.session_newest: dict[str, tuple] = {}
-        # requests being admitted job by job: parent id -> [jobs still to come, since]
-        self.units: dict[str, list] = {}
-        # parent id -> [since, {job id: its prompt fields}] while its jobs arrive
-        self.shared: dict[str, list] = {}
+        self.sessions = Sessions()                 # superseding by X-Session-Id
+        self.units = Units()                       # requests admitted job by job
         self.stats = {"submitted": 0, "rejected": 0, "requeued": 0, "failed": 0,
                       "completed": 0, "cancelled": 0, "superseded": 0, "queue_full": 0,
                       "timed_out": 0, "adopted": 0}
@@ -137,15 +129,8 @@ class DispatcherCore(Admission):
                 self._to_worker(identity, P.HEARTBEAT)
         self.expire_unservable(now)
         self.expire_deadlines(now)
-        for parent, (_, since) in list(self.units.items()):
-            if since < now - UNIT_TIMEOUT:         # its front end never sent the rest
-                del self.units[parent]
-        for parent, (since, _) in list(self.shared.items()):
-            if since < now - UNIT_TIMEOUT and parent not in self.units:
-                del self.shared[parent]
-        for session, (_, _, seen) in list(self.session_newest.items()):
-            if seen < now - SESSION_MEMORY and session not in self.sessions:
-                del self.session_newest[session]
+        self.units.expire(now)
+        self.sessions.expire(now)
         self.dispatch()
         if self.draining_until is not None and (
                 now >= self.draining_until or not (len(self.queue) or self.in_flight())):
@@ -200,7 +185,149 @@ class DispatcherCore(Admission):
     def in_flight(self) -> int:
         return sum(len(w.running) + len(w.ops) for w in self.registry.workers.values())
 
-    # -- front ends --------------------------------------------------------------------
+    # -- front ends: admission, superseding, cancel ----------------------------------
+    def submit(self, fe_id: bytes, request_id: str, body: P.SubmittedJob) -> None:
+        # the id its prompt fields go by: the first job of its prompt (fan-outs only)
+        share_key = body.same_as or (request_id if body.fanout > 1 else None)
+        body = self.units.fill(request_id, body)
+        if body is None:
+            return self._reject(fe_id, request_id, P.WireError(
+                status=400, code="bad_job",
+                message="the job's same_as names no earlier job of its request"))
+        model = body.model
+        models = self.models()
+        if not request_id:
+            return self._reject(fe_id, request_id, P.WireError(
+                status=400, code="bad_job", message="the job lacks an id"))
+        if self.draining_until is not None:
+            return self._reject(fe_id, request_id, P.WireError(
+                status=503, code="shutting_down", message="the server is shutting down",
+                retry_after=config.RETRY_AFTER_SECONDS))
+        if not models:
+            return self._reject(fe_id, request_id, P.WireError(
+                status=503, code="no_worker_ready", message="no worker is ready",
+                retry_after=config.RETRY_AFTER_SECONDS))
+        if model not in models:
+            return self._reject(fe_id, request_id, P.WireError(
+                status=404, code="model_not_found",
+                message=f"The model '{model}' does not exist"))
+        infos = self.registry.infos()
+        if not any(fits(model, body.route, info) for info in infos):
+            if not models[model]["ready"] or \
+                    len(self.registry) < self.fleet.expected_workers():
+                return self._reject(fe_id, request_id, P.WireError(
+                    status=503, code="no_worker_ready",
+                    message=f"no worker for '{model}' that can run this is ready",
+                    retry_after=config.RETRY_AFTER_SECONDS))
+            param, code, message = explain_unfit(model, body.route, infos)
+            return self._reject(fe_id, request_id, P.WireError(
+                status=400, code=code, message=message, param=param))
+        self.stats["submitted"] += 1
+        job = Job(request_id, fe_id, body, enqueued_at=self.now, share_key=share_key)
+        if body.op:
+            return self._run_op(job)
+        key = self.queue.key(job)
+        if not self.units.later_job(job.parent) and self.queue.depth(key) >= self.max_queue:
+            self.stats["queue_full"] += 1           # (refused before it supersedes anything)
+            return self._reject(fe_id, request_id, P.WireError(
+                status=429, code="queue_full", message=f"{self.max_queue} requests are "
+                f"already waiting for '{key[0]}'" + (f" (profile '{key[1]}')" if key[1]
+                                                     else ""),
+                retry_after=1))
+        if body.session and not self._supersede(job):
+            return self._reject(fe_id, request_id, P.WireError(
+                status=409, code="superseded",
+                message="superseded: the session sent a newer request first"))
+        if job.adopt_from is not None:
+            return self._hand_over(job)
+        timeout = body.timeout or self.queue_timeout
+        if timeout:
+            job.deadline = job.enqueued_at + float(timeout)
+        self.units.admitted(job, self.now)
+        self.queue.push(job)
+        self._to_frontend(fe_id, P.ACCEPTED, request_id)
+        self.dispatch()
+
+    def _supersede(self, job: Job) -> bool:
+        """A request of a session (X-Session-Id) ends the session's requests the client
+        sent before it, queued or running: an editor sends one per keystroke and wants
+        only the last (admission.Sessions keeps the order). False: the client sent a newer
+        one first, so this one is superseded itself, whether that newer one is still open
+        or already done."""
+        accepted, older = self.sessions.arrives(job, self.now)
+        if not accepted:
+            self.stats["superseded"] += 1
+            return False
+        for old in older:
+            self.stats["superseded"] += 1
+            self._fail(old, P.WireError(
+                status=409, code="superseded",
+                message="superseded by a newer request of the same session"))
+            if self.queue.remove(old.request_id) is None and old.worker is not None:
+                old.cancelled = True
+                key, record = job.body.adopt_key, self.registry.get(old.worker)
+                if key and job.adopt_from is None and old.body.adopt_key == key \
+                        and record is not None and not record.draining:
+                    job.adopt_from = old     # its worker decides: adopt, or cancel it
+                else:
+                    self._to_worker(old.worker, P.CANCEL, old.request_id)
+        return True
+
+    def _hand_over(self, job: Job) -> None:
+        """Type-along adoption: the new request goes straight to the worker running the
+        one it supersedes, marked `adopt`. If the user typed what that generation had
+        produced, the worker hands the running generation to the new request (no
+        prefill, no lost tokens); otherwise it cancels the old one and runs the new one
+        in the freed slot, its prompt mostly cached."""
+        old, job.adopt_from = job.adopt_from, None
+        self._to_frontend(job.frontend, P.ACCEPTED, job.request_id)
+        self._assign(job, self.registry.get(old.worker), adopt=old.request_id)
+
+    def _forget(self, job: Job) -> None:
+        self.sessions.forget(job)
+
+    def _run_op(self, job: Job) -> None:
+        """Tokenize/detokenize: no queue, no slot; the least busy fitting worker."""
+        worker = self.registry.pick(job.body, config.MAX_OPS_PER_WORKER)
+        if worker is None and self.registry.pick(job.body) is not None:
+            return self._reject(job.frontend, job.request_id, P.WireError(
+                status=429, code="tokenizer_busy", message=f"every worker already has "
+                f"{config.MAX_OPS_PER_WORKER} tokenize/detokenize requests running",
+                retry_after=1))
+        self._to_frontend(job.frontend, P.ACCEPTED, job.request_id)
+        if worker is None:
+            return self._fail(job, P.WireError(status=503, code="no_worker_ready",
+                                               message="no worker could take the request"))
+        self._to_worker(worker.identity, P.REQUEST, job.request_id, job.for_worker())
+        job.worker = worker.identity
+        worker.ops[job.request_id] = job
+
+    def cancel(self, request_id: str) -> None:
+        job = self.queue.remove(request_id)
+        if job is not None:
+            self.stats["cancelled"] += 1
+            self._forget(job)
+            return
+        for record in self.registry.workers.values():
+            if request_id in record.running or request_id in record.ops:
+                job = record.running.get(request_id) or record.ops.get(request_id)
+                job.cancelled = True
+                self._to_worker(record.identity, P.CANCEL, request_id)
+                return
+
+    def frontend_lost(self, fe_id: bytes) -> None:
+        """A front end stopped heartbeating: its clients are gone with it."""
+        self.frontends.pop(fe_id, None)
+        for job in list(self.queue):
+            if job.frontend == fe_id:
+                self.cancel(job.request_id)
+        for record in self.registry.workers.values():
+            for job in list(record.running.values()):
+                if job.frontend == fe_id:
+                    job.cancelled = True
+                    self._to_worker(record.identity, P.CANCEL, job.request_id)
+        log.warning("front end %s stopped heartbeating", fe_id.decode(errors="replace"))
+
     def frontend_message(self, fe_id: bytes, msg: P.Message, now: float,
                          wall: float = 0.0) -> list[Send]:
         self.now = now

@@ -276,7 +276,7 @@ def test_a_prompt_crosses_each_hop_once():
         assert request.body.prompt is None and request.body.same_as == "r.0.0"
         job = core.registry.get(b"w0").running[f"r.0.{c}"]
         assert job.body.prompt is big          # whole in the dispatcher, not copied
-    assert "r" not in core.shared                 # the request is all here: forgotten
+    assert "r" not in core.units.shared                 # the request is all here: forgotten
 
 
 def test_a_worker_that_was_not_sent_the_prompt_gets_it_whole():
@@ -320,4 +320,4 @@ def test_a_refused_request_leaves_no_prompt_behind():
     submit(core, "busy")
     submit(core, "queued")
     refused = submit(core, "r.0.0", prompt="x" * 1000, parent="r", fanout=2)
-    assert refused[0].cmd == P.REJECTED and "r" not in core.shared
+    assert refused[0].cmd == P.REJECTED and "r" not in core.units.shared

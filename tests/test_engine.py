@@ -195,8 +195,9 @@ def test_a_long_text_is_tokenized_once_for_its_copies(model_path, monkeypatch):
     from workers.engine import vocabulary
     engine = make(model_path, slots=1)
     calls = []
-    real = engine._tokenize
-    monkeypatch.setattr(engine, "_tokenize", lambda t, s: calls.append(len(t)) or real(t, s))
+    real = engine.vocabulary._tokenize
+    monkeypatch.setattr(engine.vocabulary, "_tokenize",
+                        lambda t, s: calls.append(len(t)) or real(t, s))
     text = "word " * 2000
     first = engine.tokenize(text)
     first.append(-1)                          # a caller's list is its own

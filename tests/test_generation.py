@@ -8,7 +8,7 @@ import pytest
 from dispatcher.common import protocol as P
 from workers.fake_engine import SCRIPT, FakeEngine
 from workers.generation import GenerationLoop
-from workers.publisher import FaultInjection
+from workers.faults import FaultInjection
 
 
 class RecordingPublisher:
@@ -132,7 +132,7 @@ def test_shutdown_hands_back_what_sent_no_text_and_fails_the_rest(loop):
 
 
 def test_n_indent_ends_at_the_first_dedented_line_after_a_newline():
-    from workers.requests import EditorLimits
+    from workers.active import EditorLimits
     limits = EditorLimits(n_indent=4)
     assert limits.cut("x = 1") == ("x = 1", False)          # the cursor's line: exempt
     assert limits.cut("\n    y = 2\n  ") == ("\n    y = 2\n  ", False)
@@ -143,7 +143,7 @@ def test_n_indent_ends_at_the_first_dedented_line_after_a_newline():
 
 
 def test_t_max_predict_ms_waits_for_a_newline():
-    from workers.requests import EditorLimits
+    from workers.active import EditorLimits
     limits = EditorLimits(t_max_predict_ms=100)
     limits.cut("no newline yet")
     assert not limits.out_of_time(first_at=0.0, now=1.0)

@@ -22,9 +22,10 @@ from dispatcher.common.devices import parse_device
 from dispatcher.common.models import default_model_id, resolve_model_path
 from dispatcher.common.process import StopFlag, die_with_parent
 from workers.errors import EngineError
+from workers.faults import FaultInjection
 from workers.generation import GenerationLoop
 from workers.publisher import Publisher
-from workers.requests import FimTemplate
+from workers.prompts import FimTemplate
 from workers.pinning import pin
 
 log = logging.getLogger("workers")
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     loop = GenerationLoop(engine, Publisher(xpub), send_notice,
                           identity={"worker": name, "device": str(spec)},
-                          fim_template=template)
+                          fim_template=template, faults=FaultInjection.from_env())
     info = P.WorkerInfo(
         model=model_id, model_path=str(model_path), device=str(spec),
         compute=compute_kind(spec.compute, placement.n_gpu_layers, engine.n_layer),

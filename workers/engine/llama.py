@@ -88,13 +88,13 @@ class _Slot:
         return self.chain is not None
 
 
-class LlamaEngine(Vocabulary):
+class LlamaEngine:
     name = "llama"
 
     def __init__(self, model_path: str, n_ctx: int, slots: int, n_threads: int,
                  n_gpu_layers: int, verbose: bool = False, deterministic: bool = False,
                  prefill_chunk: int = 0, draft_max: int = 0, cache_reuse: int = 0):
-        self.lib = llama_cpp                      # for the Vocabulary mixin
+        self.lib = llama_cpp
         self.log_verbose = ctypes.c_bool(verbose)    # read by _log_to_stderr
         llama_cpp.llama_log_set(_log_to_stderr, ctypes.cast(ctypes.pointer(self.log_verbose),
                                                             ctypes.c_void_p))
@@ -148,7 +148,6 @@ class LlamaEngine(Vocabulary):
         self.tokens_shifted = 0
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.slots = [_Slot(seq) for seq in range(slots)]
-        self._piece_buf = ctypes.create_string_buffer(256)
         self.candidates = Candidates(llama_cpp, self.n_vocab)   # shared by every slot
         self.eog_tokens = [t for t in range(self.n_vocab)
                            if llama_cpp.llama_vocab_is_eog(self.vocab, t)]
@@ -159,7 +158,27 @@ class LlamaEngine(Vocabulary):
                 llama_cpp.llama_vocab_fim_sep(self.vocab))
         self.fim_repo = repo if all(t >= 0 for t in repo) else None   # repo-level FIM
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        self.vocabulary = Vocabulary(llama_cpp, self.vocab, self.n_vocab, self.add_bos)
         self.fingerprint = model_fingerprint(model_path, llama_cpp.__version__)
+
+    # -- the vocabulary (workers.engine.vocabulary), as the Engine protocol names it ----
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.vocabulary.tokenize(text, add_special)
+
+    def bos(self) -> list[int]:
+        return self.vocabulary.bos()
+
+    def piece(self, token: int) -> bytes:
+        return self.vocabulary.piece(token)
+
+    def is_eog(self, token: int) -> bool:
+        return self.vocabulary.is_eog(token)
+
+    def check_tokens(self, tokens: list[int], param: str = "prompt") -> None:
+        self.vocabulary.check_tokens(tokens, param)
+
+    def grammar_from_json_schema(self, schema: dict) -> str:
+        return self.vocabulary.grammar_from_json_schema(schema)
 
     # -- sequences ---------------------------------------------------------------------
     @property

@@ -1,7 +1,8 @@
-"""The vocabulary half of `LlamaEngine` (a mixin): tokenizing, pieces, token checks.
+"""A model's vocabulary, held by `LlamaEngine`: tokenizing, pieces, token checks, JSON
+schemas as grammars.
 
-It calls llama.cpp through `self.lib`, the `llama_cpp` module the engine hands over, so
-that the engine stays the one importer of llama-cpp-python (after the worker is pinned).
+It calls llama.cpp through the `llama_cpp` module the engine hands over, so that nothing
+imports llama-cpp-python before the worker is pinned.
 """
 from __future__ import annotations
 
@@ -20,12 +21,22 @@ KEPT_TOKENIZATIONS = 4
 
 
 class Vocabulary:
+    """A model's vocabulary through llama.cpp: the engine's tokenizer (`engine.vocabulary`),
+    also used from the /tokenize thread beside the generation loop."""
+
+    def __init__(self, lib, vocab, n_vocab: int, add_bos: bool):
+        self.lib, self.vocab, self.n_vocab, self.add_bos = lib, vocab, n_vocab, add_bos
+        self._kept_tokens: OrderedDict = OrderedDict()      # the last long texts' tokens
+        self._kept_lock = threading.Lock()
+        self._piece_local = threading.local()               # a piece buffer per thread
+        self._schema_grammars: OrderedDict = OrderedDict()
+
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Text verbatim, special-token syntax parsed; BOS added if asked and the model
         wants one."""
         if len(text) < LONG_TEXT:
             return self._tokenize(text, add_special)
-        kept, lock = self._kept()
+        kept, lock = self._kept_tokens, self._kept_lock
         key = (text, add_special)
         with lock:
             tokens = kept.get(key)
@@ -38,14 +49,6 @@ class Vocabulary:
             while len(kept) > KEPT_TOKENIZATIONS:
                 kept.popitem(last=False)
         return list(tokens)
-
-    def _kept(self) -> tuple[OrderedDict, threading.Lock]:
-        """The kept tokenizations and their lock (/tokenize runs on a thread of its
-        own, beside the generation loop)."""
-        if "_kept_tokens" not in self.__dict__:
-            self.__dict__.setdefault("_kept_lock", threading.Lock())
-            self.__dict__.setdefault("_kept_tokens", OrderedDict())
-        return self._kept_tokens, self._kept_lock
 
     def _tokenize(self, text: str, add_special: bool) -> list[int]:
         data = text.encode("utf-8")
@@ -66,9 +69,7 @@ class Vocabulary:
 
     def piece(self, token: int) -> bytes:
         """The exact bytes of one token (may be part of a UTF-8 character)."""
-        local = self.__dict__.get("_piece_local")
-        if local is None:
-            local = self.__dict__.setdefault("_piece_local", threading.local())
+        local = self._piece_local
         buf = getattr(local, "buf", None)
         if buf is None:                   # one buffer a thread: /tokenize has its own
             buf = local.buf = ctypes.create_string_buffer(256)
@@ -92,7 +93,7 @@ class Vocabulary:
 
         from llama_cpp.llama_grammar import json_schema_to_gbnf   # (loaded by the engine)
         text = json.dumps(schema, sort_keys=True)
-        kept = self.__dict__.setdefault("_schema_grammars", OrderedDict())
+        kept = self._schema_grammars
         if text not in kept:                      # n choices of one schema: built once
             try:
                 grammar = json_schema_to_gbnf(json.dumps(schema))

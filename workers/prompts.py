@@ -1,13 +1,12 @@
-"""One request inside a worker: its prompt tokens, its text so far, its logprobs."""
+"""A job's prompt as tokens: text, token ids or llama.cpp's mix; fill-in-the-middle and
+/infill layouts (the model's FIM tokens or a server template); and /tokenize's answers."""
 from __future__ import annotations
 
 import re
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from dispatcher.common import protocol as P
 from workers.errors import InvalidInput
-from workers.textstream import TextAssembler
 
 
 def token_text(piece: bytes) -> str:
@@ -61,14 +60,6 @@ def vocabulary_op(engine, body: P.WorkerJob) -> dict:
         data = b"".join(engine.piece(t) for t in gen.tokens or [])
         return {"content": data.decode("utf-8", "replace")}
     raise InvalidInput(f"unknown operation {body.op!r}")
-
-
-def probs_entry(engine, token: int, piece: bytes, logprob, top) -> dict:
-    """llama.cpp's `completion_probabilities` entry for one generated token."""
-    def one(t: int, data: bytes, lp) -> dict:
-        return {"id": t, "token": token_text(data), "bytes": list(data), "logprob": lp}
-    return {**one(token, piece, logprob),
-            "top_logprobs": [one(t, engine.piece(t), lp) for t, lp in top]}
 
 
 def prompt_tokens(engine, prompt, suffix: str | None,
@@ -136,115 +127,3 @@ def prompt_text(engine, prompt, tokens: list[int]) -> str:
     if isinstance(prompt, str):
         return prompt
     return b"".join(engine.piece(t) for t in tokens).decode("utf-8", "replace")
-
-
-@dataclass
-class LogprobLedger:
-    """Token logprobs waiting for their text to go out, in OpenAI's legacy shape.
-
-    A token's entry is released with the chunk that carries (the start of) its text, so
-    text held back for a possible stop string keeps its logprobs back too, and tokens
-    inside a stop string are never reported.
-    """
-    k: int
-    pending: list[tuple[int, str, float | None, dict | None]] = field(default_factory=list)
-
-    def add(self, offset: int, text: str, logprob: float | None, top: dict | None) -> None:
-        self.pending.append((offset, text, logprob, top))
-
-    def release(self, upto: int | None) -> dict | None:
-        """Entries whose text starts before character `upto` (None: all)."""
-        n = len(self.pending) if upto is None else \
-            next((i for i, e in enumerate(self.pending) if e[0] >= upto), len(self.pending))
-        if n == 0:
-            return None
-        out, self.pending = self.pending[:n], self.pending[n:]
-        return {"tokens": [e[1] for e in out], "token_logprobs": [e[2] for e in out],
-                "top_logprobs": [e[3] for e in out], "text_offset": [e[0] for e in out]}
-
-
-@dataclass
-class Active:
-    """One request admitted into a slot."""
-    request_id: str
-    topic: bytes
-    attempt: int
-    slot: int
-    max_tokens: int | None
-    n_ctx: int                      # this request's context limit
-    prompt_tokens: int
-    assembler: TextAssembler
-    echo_text: str | None = None    # sent before the completion
-    echo_pending: bool = False      # echo waits for the prompt's logprobs
-    prompt_ids: list[int] | None = None
-    ledger: LogprobLedger | None = None
-    score: bool = False             # sum logprobs, for best_of
-    limits: "EditorLimits | None" = None   # n_indent, t_max_predict_ms
-    n_probs: int = 0                # llama.cpp's completion_probabilities, per token
-    return_tokens: bool = False     # llama.cpp's `tokens`: the generated ids
-    pending_ids: list = field(default_factory=list)     # ... waiting for their text
-    pending_probs: list = field(default_factory=list)
-    dropped_chunks: int = 0         # extra context left out to meet t_max_prompt_ms
-    cached: int = 0                 # prompt tokens reused from the slot's KV cache
-    seq: int = 0
-    generated: int = 0
-    logprob_sum: float = 0.0
-    text_sent: bool = False
-    chars_out: int = 0              # characters sent so far (echo included)
-    started: float = field(default_factory=time.monotonic)
-    prompt: object = None           # as the job gave it (for fault injection)
-    first_at: float | None = None   # when the first token was sampled (prefill done)
-    offsets: list = field(default_factory=list)   # characters decoded after each token
-
-    def usage(self, completion_tokens: int | None = None) -> P.Usage:
-        return P.Usage(prompt_tokens=self.prompt_tokens,
-                       completion_tokens=self.generated if completion_tokens is None
-                       else completion_tokens)
-
-    def done(self, **fields) -> P.Done:
-        """Its DONE body: this attempt, its last event's number, and `fields`."""
-        return P.Done(attempt=self.attempt, last_seq=self.seq - 1, **fields)
-
-
-@dataclass
-class EditorLimits:
-    """llama.cpp's editor stops, applied to the text as it is released:
-
-    `n_indent`: after the first newline, a line whose first visible character is indented
-    less than this ends the completion there (that line's text is not sent);
-    `t_max_predict_ms`: once a newline has been generated, a completion running longer
-    than this (since its first token) ends at the next token.
-    """
-    n_indent: int = 0
-    t_max_predict_ms: float = 0.0
-    seen_newline: bool = False
-    at_line_start: bool = False
-    indent: int = 0
-
-    @classmethod
-    def of(cls, gen: P.Generation) -> "EditorLimits | None":
-        """The job's limits; None when it sets neither."""
-        if not gen.n_indent and not gen.t_max_predict_ms:
-            return None
-        return cls(int(gen.n_indent or 0), float(gen.t_max_predict_ms or 0))
-
-    def cut(self, text: str) -> tuple[str, bool]:
-        """(the part of `text` to send, whether the completion ends here)."""
-        if self.n_indent <= 0:
-            if "\n" in text:
-                self.seen_newline = True
-            return text, False
-        for i, ch in enumerate(text):
-            if ch == "\n":
-                self.seen_newline, self.at_line_start, self.indent = True, True, 0
-            elif self.at_line_start and ch in " \t":
-                self.indent += 1
-            elif self.at_line_start:
-                self.at_line_start = False
-                if self.indent < self.n_indent:
-                    return text[:i], True
-        return text, False
-
-    def out_of_time(self, first_at: float | None, now: float) -> bool:
-        return self.t_max_predict_ms > 0 and self.seen_newline and first_at is not None \
-            and (now - first_at) * 1000 > self.t_max_predict_ms
