@@ -108,7 +108,7 @@ def _make_broker(broker_class, base: str, *args, **kwargs):
 
 
 def make_plan(args) -> configfile.Plan:
-    return configfile.plan(args._config_data, args, resolve_model_path, default_model_id)
+    return configfile.plan(args.file_data, args, resolve_model_path, default_model_id)
 
 
 def cmd_serve(args) -> int:
@@ -266,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     from dispatcher.tools import soak as soak_module
     soak_module.add_arguments(soak)
     soak.set_defaults(func=soak_module.run, log_level="warning")
-    args = config.resolve_repeats(parser.parse_args(argv))
-    args._config_data = data
+    args = config.resolve(parser.parse_args(argv), data)
     _setup_logging(args.log_level)
     try:
         return args.func(args)

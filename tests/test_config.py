@@ -14,7 +14,7 @@ def parse(argv, env, monkeypatch, names=("port", "device", "engine", "log_level"
         monkeypatch.setenv(key, value)
     parser = argparse.ArgumentParser()
     config.add_options(parser, names)
-    return config.resolve_repeats(parser.parse_args(argv))
+    return config.resolve(parser.parse_args(argv))
 
 
 def test_defaults(monkeypatch):

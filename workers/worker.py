@@ -183,9 +183,9 @@ def _from_config_file(args, spec, file_data: dict):
     """This device's [[workers]] entry: its model, profile, name and sizes, unless a flag
     or variable gave them."""
     data = configfile.worker_entry(file_data, str(spec))
-    args._device_explicit = False
+    args.explicit.discard("device")        # the entry's device is this one, as given
     worker = configfile.plan(data, args, resolve_model_path, default_model_id).workers[0]
-    if not getattr(args, "_model_explicit", False):
+    if "model" not in args.explicit:
         args.model, args.model_id = str(worker.model.path), worker.model.id
         args.deterministic = worker.model.deterministic
         args.fim_template = args.fim_template or worker.model.fim_template
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "fim_template", "prefill_chunk", "draft_max", "cache_reuse",
                                 "step_timeout", "heartbeat_interval", "log_level"],
                        configfile.server_defaults(file_data))
-    args = config.resolve_repeats(parser.parse_args(argv))
+    args = config.resolve(parser.parse_args(argv), file_data)
     logging.basicConfig(level=args.log_level.upper(), format=config.LOG_FORMAT)
     if not args.dispatcher:
         parser.error(f"--dispatcher (or {config.OPTIONS['dispatcher'].env}) is required")

@@ -283,19 +283,31 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
                                 choices=option.choices, help=help_text)
 
 
-def resolve_repeats(args: argparse.Namespace) -> argparse.Namespace:
-    """Repeatable flags replace, not extend, the env/default list. Also notes, as
-    `_NAME_explicit`, whether a flag or variable (not a file, not a default) set it."""
+class Settings(argparse.Namespace):
+    """One process's options, resolved once at start (`resolve`) and passed down: each
+    option an attribute; `explicit`, the names a flag or variable set (not the config
+    file, not a default); `file_data`, the config file as read."""
+    explicit: set
+    file_data: dict
+
+
+def resolve(args: argparse.Namespace, file_data: dict | None = None) -> Settings:
+    """The parsed arguments as Settings. Repeatable flags replace, not extend, the
+    env/default list."""
+    parsed = vars(args)
+    settings = Settings(**{k: v for k, v in parsed.items() if not k.startswith("_")})
+    settings.explicit, settings.file_data = set(), dict(file_data or {})
     for name, option in OPTIONS.items():
-        if not hasattr(args, name):
+        if name not in parsed:
             continue
         explicit = env_is_set(option)
         if option.repeat:
-            if getattr(args, name) is None:
-                setattr(args, name, getattr(args, f"_{name}_default", option.default))
+            if parsed[name] is None:
+                setattr(settings, name, parsed.get(f"_{name}_default", option.default))
             else:
                 explicit = True
-        elif option.default is None and getattr(args, name) is not None:
+        elif option.default is None and parsed[name] is not None:
             explicit = True
-        setattr(args, f"_{name}_explicit", explicit)
-    return args
+        if explicit:
+            settings.explicit.add(name)
+    return settings

@@ -289,4 +289,4 @@ def _int(entry: dict, key: str, default: int, minimum: int) -> int:
 
 def _given(args, name: str) -> bool:
     """Whether a flag or a variable (not the file, not the default) set this option."""
-    return bool(getattr(args, f"_{name}_explicit", False))
+    return name in getattr(args, "explicit", ())
