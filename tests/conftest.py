@@ -287,14 +287,10 @@ class SSEStream:
 @pytest.fixture(scope="session")
 def reference_llm():
     """llama-cpp-python in this process, with the worker's settings: the ground truth."""
-    from llama_cpp import Llama
-
     from dispatcher.common.models import bundled_model_path
-    from workers.engine.repacking import llama_loads_like_workers
-    with llama_loads_like_workers():
-        llm = Llama(str(bundled_model_path()), n_ctx=512, n_batch=512, verbose=False,
-                    logits_all=True, flash_attn=True,
-                    n_threads=len(os.sched_getaffinity(0)))
+    from workers.engine.repacking import reference_llama
+    llm = reference_llama(bundled_model_path(), 512, len(os.sched_getaffinity(0)),
+                          logits_all=True)
     yield FreshReference(llm)
     llm.close()
 

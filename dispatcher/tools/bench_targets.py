@@ -190,14 +190,12 @@ class InProcessTarget:
     """llama-cpp-python's `Llama` in this process, one request at a time."""
 
     def __init__(self, model_path: str, n_ctx: int, n_threads: int | None):
-        from llama_cpp import Llama
         import os
+
+        from workers.engine.repacking import reference_llama
         self.name = "llama-cpp-python in-process"
-        from workers.engine.repacking import llama_loads_like_workers
-        with llama_loads_like_workers():
-            self.llm = Llama(model_path, n_ctx=n_ctx, n_batch=512, flash_attn=True,
-                             n_threads=n_threads or len(os.sched_getaffinity(0)),
-                             verbose=False)
+        self.llm = reference_llama(model_path, n_ctx,
+                                   n_threads or len(os.sched_getaffinity(0)))
         self.lock = threading.Lock()
 
     def complete(self, prompt: str, max_tokens: int, suffix: str | None = None,

@@ -116,3 +116,13 @@ def llama_loads_like_workers():
         yield
     finally:
         bindings.llama_model_default_params = original
+
+
+def reference_llama(model_path: str, n_ctx: int, n_threads: int, **kwargs):
+    """llama-cpp-python's own `Llama`, loaded with the workers' settings (flash attention,
+    a batch of 512, repacking as workers do here): the bench's in-process target and the
+    tests' reference."""
+    from llama_cpp import Llama
+    with llama_loads_like_workers():
+        return Llama(str(model_path), n_ctx=n_ctx, n_batch=512, flash_attn=True,
+                     n_threads=n_threads, verbose=False, **kwargs)

@@ -1,0 +1,61 @@
+"""The package boundaries (docs/design.md's module list), checked on the imports
+themselves: app/ and workers/ take from the dispatcher package only what
+dispatcher/common/ shares; only dispatcher/tools/ imports workers/; only workers/engine/
+imports llama_cpp; nothing in dispatcher/common/ imports the broker, the tools, app/ or
+workers/."""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def imports(path: Path) -> set[str]:
+    """Every module `path` imports, at any depth of its code."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def sources(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def offenders(package: str, allowed) -> list[str]:
+    return [f"{path.relative_to(ROOT)}: {name}" for path in sources(package)
+            for name in sorted(imports(path)) if not allowed(path, name)]
+
+
+def within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+@pytest.mark.parametrize("package", ["app", "workers"])
+def test_app_and_workers_take_only_the_shared_part_of_the_dispatcher(package):
+    assert offenders(package, lambda path, name: not within(name, "dispatcher")
+                     or within(name, "dispatcher.common")) == []
+
+
+def test_only_the_tools_import_the_workers():
+    tools = ROOT / "dispatcher" / "tools"
+    assert offenders("dispatcher", lambda path, name: not within(name, "workers")
+                     or tools in path.parents) == []
+
+
+def test_only_the_engine_layer_touches_llama_cpp():
+    engine = ROOT / "workers" / "engine"
+    for package in ("app", "dispatcher", "workers"):
+        assert offenders(package, lambda path, name: not within(name, "llama_cpp")
+                         or engine in path.parents) == []
+
+
+def test_the_shared_part_stands_alone():
+    assert offenders("dispatcher/common", lambda path, name: not any(
+        within(name, p) for p in ("app", "workers", "dispatcher"))
+        or within(name, "dispatcher.common")) == []
