@@ -14,7 +14,7 @@ def create_app(test_config: dict | None = None) -> Flask:
     app = Flask(__name__)
     options = configfile.effective(["dispatcher", "max_body", "max_prompt_chars",
                                     "api_key", "api_key_file", "cors_origin", "access_log",
-                                    "body_timeout", "heartbeat_interval"])
+                                    "body_timeout", "heartbeat_interval", "cache_scope"])
     app.config.from_mapping(
         DISPATCHER=options["dispatcher"],
         MAX_BODY=options["max_body"],
@@ -25,6 +25,7 @@ def create_app(test_config: dict | None = None) -> Flask:
         ACCESS_LOG=options["access_log"],
         BODY_TIMEOUT=options["body_timeout"],
         HEARTBEAT_INTERVAL=options["heartbeat_interval"],
+        CACHE_SCOPE=options["cache_scope"],
     )
     if test_config:
         app.config.update(test_config)

@@ -36,6 +36,8 @@ def key_matches(candidate: bytes, keys: list[bytes]) -> bool:
 def init_app(app: Flask) -> None:
     keys = load_keys(str(app.config.get("API_KEY") or ""), app.config.get("API_KEY_FILE"))
     app.config["API_KEYS_ENABLED"] = bool(keys)
+    # keys are tenants: each reuses only the prompt cache it filled, unless told otherwise
+    app.config["CACHE_SCOPE"] = app.config.get("CACHE_SCOPE") or ("key" if keys else "shared")
     if not keys:
         return
 

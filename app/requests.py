@@ -233,15 +233,36 @@ def queue_timeout() -> float | None:
                          "a number of seconds, more than 0 and at most 86400")
 
 
+MAX_SESSION_ID = 128               # characters of an X-Session-Id (400 above)
+
+
+def key_scope(req) -> str | None:
+    """The API key the request was admitted with, as a fingerprint (None: no keys are
+    configured): what sessions and, with --cache-scope key, the prompt cache are
+    partitioned by."""
+    if not current_app.config.get("API_KEYS_ENABLED"):
+        return None
+    _, _, token = req.headers.get("Authorization", "").partition(" ")
+    return hashlib.sha256(token.strip().encode()).hexdigest()[:16]
+
+
+def tenant_of(req) -> str | None:
+    """Whose prompt cache the request may reuse and fill: its key's (--cache-scope key,
+    the default when keys are configured), or everyone's (None: shared)."""
+    return key_scope(req) if current_app.config.get("CACHE_SCOPE") == "key" else None
+
+
 def session_of(req) -> str | None:
     """The X-Session-Id, scoped by API key: with keys configured, one key's clients can
-    never supersede (cancel) another key's requests by sending the same value."""
+    never supersede (cancel) another key's requests by sending the same value. Bounded:
+    an id longer than MAX_SESSION_ID characters is a 400."""
     session = req.headers.get(SESSION_HEADER) or None
-    if session is None or not current_app.config.get("API_KEYS_ENABLED"):
-        return session
-    _, _, token = req.headers.get("Authorization", "").partition(" ")
-    scope = hashlib.sha256(token.strip().encode()).hexdigest()[:16]
-    return f"{scope}:{session}"
+    if session is not None and len(session) > MAX_SESSION_ID:
+        raise InvalidRequest(f"{SESSION_HEADER} has {len(session)} characters; at most "
+                             f"{MAX_SESSION_ID}", param=SESSION_HEADER,
+                             code="header_too_long")
+    scope = key_scope(req)
+    return session if session is None or scope is None else f"{scope}:{session}"
 
 
 SEQUENCE_HEADER = "X-Session-Seq"   # the client's own order of its session's requests
@@ -250,6 +271,10 @@ SEQUENCE_HEADER = "X-Session-Seq"   # the client's own order of its session's re
 def session_order(arrived_ns: int) -> int:
     """The order of this request among its session's: the client's X-Session-Seq if it
     sends one (a session should use it always or never), else the arrival time here."""
+    raw = request.headers.get(SEQUENCE_HEADER)
+    if raw is not None and len(raw) > 20:             # (2 ** 63 has 19 digits)
+        raise InvalidRequest(f"{SEQUENCE_HEADER} must be an integer from 0 below 2**63",
+                             param=SEQUENCE_HEADER, code="header_too_long")
     value = header_number(SEQUENCE_HEADER, int, lambda v: 0 <= v < 2 ** 63,
                           "an integer from 0")
     return arrived_ns if value is None else value

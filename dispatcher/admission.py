@@ -11,6 +11,8 @@ late is itself superseded.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import msgspec
 
 from dispatcher.common import protocol as P
@@ -20,6 +22,9 @@ from dispatcher.queues import Job
 UNIT_TIMEOUT = 60.0
 # How long the newest request of an idle session is remembered (to refuse a late older one).
 SESSION_MEMORY = 600.0
+# Sessions remembered at most, the least recently used forgotten first: with ids of at
+# most 128 characters (the front end's limit) about 5 MB.
+MAX_SESSIONS = 10_000
 
 
 class Units:
@@ -75,8 +80,9 @@ class Units:
 class Sessions:
     def __init__(self) -> None:
         self.open: dict[str, dict[str, Job]] = {}   # X-Session-Id -> its open jobs
-        # X-Session-Id -> (order, parent, when) of the newest request the client sent
-        self.newest: dict[str, tuple] = {}
+        # X-Session-Id -> (order, parent, when) of the newest request the client sent,
+        # least recently used first
+        self.newest: OrderedDict[str, tuple] = OrderedDict()
 
     def arrives(self, job: Job, now: float) -> tuple[bool, list[Job]]:
         """A job of a session arrives: (False, []) if the client sent a newer request of
@@ -89,6 +95,9 @@ class Sessions:
         if newest is not None and newest[1] != parent and newest[0] > order:
             return False, []
         self.newest[session] = (order, parent, now)
+        self.newest.move_to_end(session)
+        while len(self.newest) > MAX_SESSIONS:
+            self.newest.popitem(last=False)
         jobs = self.open.setdefault(session, {})
         older = [old for old in jobs.values() if old.body.parent != parent]  # not siblings
         for old in older:

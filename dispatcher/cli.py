@@ -22,7 +22,8 @@ SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "mo
                  "nctx", "ngl", "slots", "deterministic", "engine", "dispatcher",
                  "log_level", "max_body", "max_prompt_chars", "max_queue", "queue_timeout",
                  "stop_grace", "api_key", "api_key_file", "access_log", "step_timeout",
-                 "max_connections", "header_timeout", "body_timeout", "heartbeat_interval"]
+                 "max_connections", "header_timeout", "body_timeout", "heartbeat_interval",
+                 "cache_scope"]
 
 
 def _setup_logging(level: str) -> None:
@@ -156,6 +157,7 @@ def cmd_serve(args) -> int:
                "COMPLETIONS_HEADER_TIMEOUT": str(args.header_timeout),
                "COMPLETIONS_BODY_TIMEOUT": str(args.body_timeout),
                "COMPLETIONS_HEARTBEAT_INTERVAL": str(args.heartbeat_interval),
+               "COMPLETIONS_CACHE_SCOPE": args.cache_scope or "",
                # keys travel in the environment, never on a command line (ps shows those)
                "COMPLETIONS_API_KEY": ",".join(args.api_key),
                "COMPLETIONS_API_KEY_FILE": args.api_key_file or "",

@@ -25,11 +25,14 @@ def affinity_allowed(shared: int, busy: int, least_busy: int) -> bool:
 
 def prompt_key(job: P.Job) -> str:
     """The job's prompt as text laid out the way its tokens will be (FIM: prefix, then
-    suffix), so that a common text prefix means a common token prefix, roughly."""
+    suffix), so that a common text prefix means a common token prefix, roughly; under its
+    tenant's name, so that a key is drawn only to the cache of its own prompts."""
     prompt = job.prompt
     key = prompt if isinstance(prompt, str) else json.dumps(prompt)
     if job.suffix is not None:
         key = "\x00fim\x00" + key + "\x00suffix\x00" + job.suffix
+    if job.tenant is not None:
+        key = "\x00tenant\x00" + job.tenant + "\x00" + key
     return key
 
 

@@ -321,3 +321,15 @@ def test_a_refused_request_leaves_no_prompt_behind():
     submit(core, "queued")
     refused = submit(core, "r.0.0", prompt="x" * 1000, parent="r", fanout=2)
     assert refused[0].cmd == P.REJECTED and "r" not in core.units.shared
+
+
+def test_the_session_table_is_bounded_least_recently_used_first(monkeypatch):
+    from dispatcher import admission
+    monkeypatch.setattr(admission, "MAX_SESSIONS", 3)
+    core = DispatcherCore()
+    ready(core, slots=8)
+    for i in range(5):
+        submit(core, f"r{i}", session=f"s{i}", parent=f"r{i}")
+    submit(core, "again", session="s2", parent="again")         # s2 used again
+    submit(core, "new", session="s5", parent="new")
+    assert list(core.sessions.newest) == ["s4", "s2", "s5"]

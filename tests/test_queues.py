@@ -164,3 +164,14 @@ def test_unfit_requests_are_explained_with_what_is_available():
     assert param == "X-SIE-MACHINE-PROFILE" and "fast" in message
     param, code, _ = explain_unfit("m", P.Route(fim=True), workers)
     assert (param, code) == ("suffix", "fim_unsupported")
+
+
+def test_a_tenant_is_drawn_only_to_the_cache_of_its_own_prompts():
+    r = WorkerRegistry()
+    a = r.add(b"a", info(slots=4), 0.0)
+    b = r.add(b"b", info(slots=4), 0.0)
+    text = "x" * 2000
+    a.remember(job("old", prompt=text, tenant="key-1"))
+    b.last_assigned = -1.0                                # b first when nothing else counts
+    assert r.choose(job("same", prompt=text + "!", tenant="key-1")) is a
+    assert r.choose(job("other", prompt=text + "!", tenant="key-2")) is b

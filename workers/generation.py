@@ -47,6 +47,9 @@ class GenerationLoop:
         self.waiting: deque[tuple[str, P.WorkerJob]] = deque()
         self.active: dict[str, Active] = {}
         self.free_slots = list(range(engine.n_slots))
+        # whose prompt each slot's KV cache holds (the job's tenant: None when shared); a
+        # job reuses only a cache its own tenant filled (--cache-scope key)
+        self.slot_tenant: dict[int, str | None] = {}
         self.faults = faults or FaultInjection()    # test hooks: none unless given
         self.busy_since: float | None = None    # see stuck_for
         self.vocabulary_thread = ThreadPoolExecutor(1, thread_name_prefix="vocabulary")
@@ -191,7 +194,8 @@ class GenerationLoop:
             # llama.cpp declares t_max_prompt_ms and never implemented it: drop the
             # oldest extra chunks until the prefill fits, at this worker's measured rate
             # (warm-ups, n_predict 0 or 1, always fill the cache in full)
-            dropped = self.prefill.chunks_over_budget(tokens, extra, budget, self.free_slots,
+            dropped = self.prefill.chunks_over_budget(tokens, extra, budget,
+                                                      self._own_slots(body.tenant),
                                                       gen.cache_prompt)
             if dropped:
                 extra = extra[dropped:]
@@ -206,7 +210,7 @@ class GenerationLoop:
             raise InvalidInput("the prompt has no tokens", param="prompt")
         logprobs = gen.logprobs
         echo = gen.echo
-        slot = self.engine.best_slot(tokens, self.free_slots)
+        slot, reuse = self._slot_for(tokens, body.tenant, gen.cache_prompt)
         active = Active(request_id, topic, body.attempt, slot, gen.max_tokens, n_ctx,
                         len(tokens), TextAssembler(gen.stop),
                         ledger=LogprobLedger(logprobs) if logprobs is not None else None,
@@ -222,7 +226,8 @@ class GenerationLoop:
         prompt_lp = echo and logprobs is not None
         cached = self.engine.add(slot, tokens, SamplingParams.from_job(sampling), want,
                                  prompt_logprobs=prompt_lp,
-                                 reuse=gen.cache_prompt, draft_max=gen.draft_max)
+                                 reuse=reuse, draft_max=gen.draft_max)
+        self.slot_tenant[slot] = body.tenant
         self.free_slots.remove(slot)
         self.active[request_id] = active     # from here a failure frees the slot
         active.cached = cached
@@ -236,6 +241,20 @@ class GenerationLoop:
                 self._send_echo(active, None, tokens)
         if active.max_tokens == 0 and not prompt_lp and not gen.warm:
             self._finish(active, "length")          # (warm-up: after the prefill)
+
+    def _own_slots(self, tenant: str | None) -> list[int]:
+        """Free slots whose cache this tenant may reuse: its own, and empty ones."""
+        return [s for s in self.free_slots if self.slot_tenant.get(s, tenant) == tenant]
+
+    def _slot_for(self, tokens: list[int], tenant: str | None,
+                  reuse: bool) -> tuple[int, bool]:
+        """The free slot for a prompt, and whether its cache may be reused: the best of the
+        tenant's own (most of the prompt cached); else another tenant's, prefilled from
+        scratch (its cache is dropped, never read)."""
+        own = self._own_slots(tenant)
+        if own:
+            return self.engine.best_slot(tokens, own), reuse
+        return self.engine.best_slot([], self.free_slots), False
 
     def _send_echo(self, active: Active, prompt_lp: list | None, tokens: list[int]) -> None:
         active.echo_pending = False

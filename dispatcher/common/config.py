@@ -180,6 +180,11 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("api_key", [], "API key clients must send as 'Authorization: Bearer KEY'; "
            "repeatable", repeat=True),
     Option("api_key_file", None, "file of API keys, one per line"),
+    Option("cache_scope", None, "whose prompt cache a request may reuse: key (only what "
+           "requests of the same API key filled, so cached_tokens and timings reveal nothing "
+           "of another key's prompts) or shared (everyone's: for one trusted team); default: "
+           "key when API keys are configured, else shared", str.lower,
+           choices=("key", "shared")),
     Option("cors_origin", [], "a browser origin allowed to call the API (CORS), e.g. "
            "https://editor.example.com, or * for any; repeatable; none by default",
            repeat=True),

@@ -1,0 +1,74 @@
+"""API keys as tenants, on the real stack: a request reuses only prompt cache that its
+own key filled (`--cache-scope key`, the default with keys), so `cached_tokens` tells one
+key nothing of another's prompts; `--cache-scope shared` reuses across keys, as it says.
+And per-client state stays bounded: oversized session headers are 400s."""
+import pytest
+
+from conftest import ServerProcess, http_json
+
+pytestmark = pytest.mark.integration
+
+SECRET = ("def connect():\n    # internal service account, do not share\n"
+          "    user = 'deploy'\n    the_password_is = 'Tr0ub4dor&3'\n"
+          "    return login(user, the_password_is)\n" * 6)
+
+
+def complete(port, key, prompt, headers=None):
+    status, _, body = http_json(port, "POST", "/v1/completions", {
+        "prompt": prompt, "max_tokens": 1, "temperature": 0},
+        headers={"Authorization": f"Bearer {key}", **(headers or {})})
+    assert status == 200, body
+    return body
+
+
+def cached(body) -> int:
+    return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    server = ServerProcess("--api-key", "key-a", "--api-key", "key-b", "--slots", "4",
+                           log_name="tenants").start()
+    yield server
+    assert server.stop() == 0
+
+
+def test_a_key_reuses_only_the_prompt_cache_it_filled(keyed):
+    first = complete(keyed.port, "key-a", SECRET)
+    assert cached(first) == 0
+    assert cached(complete(keyed.port, "key-a", SECRET)) > 0      # its own: reused
+    other = complete(keyed.port, "key-b", SECRET)                 # the same text, other key
+    assert cached(other) == 0
+    assert other["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"]
+
+
+def test_probing_another_keys_prompt_learns_nothing(keyed):
+    """Key b guesses, right, the text key a sent: as if key a had sent nothing."""
+    secret = "# payroll export job\n" + SECRET.replace("deploy", "payroll")   # b: never
+    complete(keyed.port, "key-a", secret)
+    assert cached(complete(keyed.port, "key-a", secret)) > 0        # a's cache is there
+    guess = secret[:secret.index("Tr0ub4dor")] + "Tr0ub4dor&3'\n"
+    control = "@" + guess[1:]                    # nobody sent it; shares no text with it
+    # both hit only what b's own earlier prompts share with them (the BOS token)
+    assert cached(complete(keyed.port, "key-b", control)) == \
+        cached(complete(keyed.port, "key-b", guess)) <= 1
+
+
+@pytest.mark.parametrize("header, value", [("X-Session-Id", "s" * 129),
+                                           ("X-Session-Seq", "1" * 21)])
+def test_an_oversized_session_header_is_a_400(keyed, header, value):
+    status, _, body = http_json(keyed.port, "POST", "/v1/completions",
+                                {"prompt": "x", "max_tokens": 1},
+                                headers={"Authorization": "Bearer key-a", header: value})
+    assert status == 400, body
+    assert body["error"]["param"] == header and body["error"]["code"] == "header_too_long"
+
+
+def test_a_shared_cache_scope_reuses_across_keys():
+    server = ServerProcess("--api-key", "key-a", "--api-key", "key-b", "--cache-scope",
+                           "shared", log_name="shared-cache").start()
+    try:
+        complete(server.port, "key-a", SECRET)
+        assert cached(complete(server.port, "key-b", SECRET)) > 0   # what `shared` reveals
+    finally:
+        assert server.stop() == 0
