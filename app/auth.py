@@ -7,23 +7,13 @@ tells nothing about how much of a key matched. Keys are never logged.
 from __future__ import annotations
 
 import hmac
-from pathlib import Path
 
 from flask import Flask, request
 
 from app.errors import Unauthorized
+from dispatcher.common.config import load_keys
 
 OPEN_PATHS = {"/health", "/metrics"}     # for load balancers and Prometheus
-
-
-def load_keys(inline: str | None, path: str | None) -> list[bytes]:
-    keys = [k.strip() for k in (inline or "").split(",") if k.strip()]
-    if path:
-        for line in Path(path).read_text().splitlines():
-            line = line.strip()
-            if line and not line.startswith("#"):
-                keys.append(line)
-    return [k.encode() for k in keys]
 
 
 def key_matches(candidate: bytes, keys: list[bytes]) -> bool:

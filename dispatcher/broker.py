@@ -46,12 +46,13 @@ class SupervisedFleet:
 class Broker:
     def __init__(self, endpoints: P.Endpoints, supervisor=None,
                  known_models: dict[str, dict] | None = None, max_queue: int = 64,
-                 queue_timeout: float = 0.0, heartbeat: config.Heartbeat = config.Heartbeat()):
+                 queue_timeout: float = 0.0, heartbeat: config.Heartbeat = config.Heartbeat(),
+                 max_queue_per_key: int = 0):
         self.endpoints = endpoints
         self.supervisor = supervisor
         self.core = DispatcherCore(SupervisedFleet(supervisor) if supervisor else None,
                                    known_models, max_queue, queue_timeout, time.time(),
-                                   heartbeat)
+                                   heartbeat, max_queue_per_key)
         self.context = zmq.Context()
         self.frontend = self._router(endpoints.frontend)
         self.backend = self._router(endpoints.worker)

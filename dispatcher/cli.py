@@ -23,7 +23,7 @@ SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "mo
                  "log_level", "max_body", "max_prompt_chars", "max_queue", "queue_timeout",
                  "stop_grace", "api_key", "api_key_file", "access_log", "step_timeout",
                  "max_connections", "header_timeout", "body_timeout", "heartbeat_interval",
-                 "cache_scope"]
+                 "cache_scope", "max_queue_per_key", "log_content"]
 
 
 def _setup_logging(level: str) -> None:
@@ -127,13 +127,20 @@ def cmd_serve(args) -> int:
         raise SystemExit(access_log_problem(args.access_log))
     if args.frontends and not _port_free(args.host, args.port):
         raise SystemExit(f"{args.host}:{args.port} is already in use")
+    if args.log_content:
+        log.warning("--log-content: request content (prompts, grammars) may reach the logs "
+                    "of this server and its workers at --log-level debug")
     endpoints, base, cleanup = _endpoints(args)
     supervisor = Supervisor()
     broker = _make_broker(Broker, base, endpoints, supervisor,
                           known_models={m.id: {"n_ctx": m.nctx, "aliases": list(m.aliases)}
                                         for m in plan.models},
                           max_queue=args.max_queue, queue_timeout=args.queue_timeout,
-                          heartbeat=config.Heartbeat.of(args))
+                          heartbeat=config.Heartbeat.of(args),
+                          max_queue_per_key=config.queue_share(
+                              args.max_queue, args.max_queue_per_key,
+                              len(config.load_keys(",".join(args.api_key),
+                                                   args.api_key_file))))
     for worker in plan.workers:
         # every worker option on its command line (only the device's visibility variables,
         # which the inference library reads when it loads, go by environment)
@@ -142,7 +149,8 @@ def cmd_serve(args) -> int:
                                   "--draft-max", str(args.draft_max),
                                   "--cache-reuse", str(args.cache_reuse),
                                   "--step-timeout", str(args.step_timeout),
-                                  "--heartbeat-interval", str(args.heartbeat_interval))
+                                  "--heartbeat-interval", str(args.heartbeat_interval),
+                                  "--log-content", str(args.log_content))
         env = worker.device.visible_devices()
         supervisor.add(Child(worker.name, argv, env=env,
                              extra={"device": str(worker.device), "model": worker.model.id}))
@@ -180,7 +188,8 @@ def cmd_broker(args) -> int:
     from dispatcher.broker import Broker
     endpoints, base, cleanup = _endpoints(args)
     broker = _make_broker(Broker, base, endpoints, max_queue=args.max_queue,
-                          queue_timeout=args.queue_timeout, heartbeat=config.Heartbeat.of(args))
+                          queue_timeout=args.queue_timeout, heartbeat=config.Heartbeat.of(args),
+                          max_queue_per_key=args.max_queue_per_key or 0)
     print(f"dispatcher at {base}", file=sys.stderr, flush=True)
     return _run_broker(broker, cleanup, args.stop_grace)
 
@@ -244,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     broker = sub.add_parser("broker", help="run the dispatcher alone; workers and front ends "
                                            "connect to it by address")
     config.add_options(broker, ["config", "dispatcher", "port", "log_level", "max_queue",
-                                "queue_timeout", "stop_grace", "heartbeat_interval"], file_values)
+                                "queue_timeout", "stop_grace", "heartbeat_interval",
+                                "max_queue_per_key"], file_values)
     broker.set_defaults(func=cmd_broker)
     from dispatcher.tools import ctl
     status = sub.add_parser("status", help="show workers, queue and front ends")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -66,11 +67,16 @@ class NoFleet:
 class DispatcherCore:
     def __init__(self, fleet: Fleet | None = None, known_models: dict | None = None,
                  max_queue: int = 64, queue_timeout: float = 0.0, started: float = 0.0,
-                 heartbeat: config.Heartbeat = config.Heartbeat()):
+                 heartbeat: config.Heartbeat = config.Heartbeat(),
+                 max_queue_per_key: int = 0):
         self.fleet = fleet or NoFleet()
         self.known_models = dict(known_models or {})
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
+        self.max_queue_per_key = max_queue_per_key     # 0: no share per API key
+        # API key fingerprint -> the number of the dispatch that last served it (turns)
+        self.key_served: OrderedDict[str, int] = OrderedDict()
+        self._dispatched = 0
         self.started = started                     # wall clock, for `created`
         self.epoch = secrets.token_hex(6)          # this run: front ends see a restart
         self.queue = RequestQueue()
@@ -227,7 +233,15 @@ class DispatcherCore:
         if body.op:
             return self._run_op(job)
         key = self.queue.key(job)
-        if not self.units.later_job(job.parent) and self.queue.depth(key) >= self.max_queue:
+        later = self.units.later_job(job.parent)
+        if not later and body.key is not None and self.max_queue_per_key \
+                and self.queue.depth_of_key(key, body.key) >= self.max_queue_per_key:
+            self.stats["queue_full"] += 1           # this key's share; others still admitted
+            return self._reject(fe_id, request_id, P.WireError(
+                status=429, code="key_queue_full", message=f"this API key already has "
+                f"{self.max_queue_per_key} requests waiting for '{key[0]}' (its share of "
+                f"the queue of {self.max_queue})", retry_after=1))
+        if not later and self.queue.depth(key) >= self.max_queue:
             self.stats["queue_full"] += 1           # (refused before it supersedes anything)
             return self._reject(fe_id, request_id, P.WireError(
                 status=429, code="queue_full", message=f"{self.max_queue} requests are "
@@ -486,10 +500,12 @@ class DispatcherCore:
         if not len(self.queue) or not self.registry.with_free_slots():
             return
         running: dict[str, int] = {}
+        by_key: dict[str | None, int] = {}
         for record in self.registry.workers.values():
             for job in record.running.values():
                 running[job.parent] = running.get(job.parent, 0) + 1
-        for job in self.queue.in_fair_order(running):
+                by_key[job.body.key] = by_key.get(job.body.key, 0) + 1
+        for job in self.queue.in_fair_order(running, by_key, self.key_served):
             worker = self.registry.choose(job)
             if worker is None:
                 continue
@@ -513,6 +529,12 @@ class DispatcherCore:
                 while len(worker.shared_sent) > P.DISPATCHER_SHARED:
                     worker.shared_sent.popitem(last=False)
         self._to_worker(worker.identity, P.REQUEST, job.request_id, body)
+        if job.body.key is not None:
+            self._dispatched += 1
+            self.key_served[job.body.key] = self._dispatched
+            self.key_served.move_to_end(job.body.key)
+            while len(self.key_served) > 4096:
+                self.key_served.popitem(last=False)
         job.worker = worker.identity
         worker.running[job.request_id] = job
         worker.last_assigned = self.now

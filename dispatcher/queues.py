@@ -82,13 +82,31 @@ class RequestQueue:
         """Queued requests (not jobs: a request's n × prompts jobs count once)."""
         return len({job.parent for job in self._jobs if self.key(job) == key})
 
-    def in_fair_order(self, running: dict[str, int]) -> list[Job]:
-        """The jobs, those of requests with the fewest jobs running first, then oldest
-        first: a request of 128 choices cannot keep a single-choice request behind all
-        of them."""
-        jobs = list(self._jobs)
-        order = sorted(range(len(jobs)), key=lambda i: (running.get(jobs[i].parent, 0), i))
+    def in_fair_order(self, running: dict[str, int],
+                      by_key: dict[str | None, int] | None = None,
+                      served: dict[str, int] | None = None) -> list[Job]:
+        """The jobs in the order they should get a slot: API keys in turn (a job's turn is
+        its key's running jobs plus its key's jobs queued before it; at equal turns, the key
+        served least recently, `served`), then requests with the fewest jobs running, then
+        oldest first. One key's 80 requests cannot keep another
+        key's behind them, nor a request of 128 choices a single-choice one."""
+        jobs, by_key, served = list(self._jobs), by_key or {}, served or {}
+        turn, seen = [], {}
+        for job in jobs:
+            key = job.body.key
+            if key is None:
+                turn.append(0)
+                continue
+            turn.append(by_key.get(key, 0) + seen.get(key, 0))
+            seen[key] = seen.get(key, 0) + 1
+        order = sorted(range(len(jobs)), key=lambda i: (
+            turn[i], served.get(jobs[i].body.key, 0), running.get(jobs[i].parent, 0), i))
         return [jobs[i] for i in order]
+
+    def depth_of_key(self, key: tuple[str, str | None], api_key: str) -> int:
+        """Queued requests of one API key for `key` (model, profile)."""
+        return len({job.parent for job in self._jobs
+                    if job.body.key == api_key and self.key(job) == key})
 
     def past_deadline(self, now: float) -> list[Job]:
         late = [j for j in self._jobs if j.deadline is not None and j.deadline <= now]

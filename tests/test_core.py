@@ -333,3 +333,19 @@ def test_the_session_table_is_bounded_least_recently_used_first(monkeypatch):
     submit(core, "again", session="s2", parent="again")         # s2 used again
     submit(core, "new", session="s5", parent="new")
     assert list(core.sessions.newest) == ["s4", "s2", "s5"]
+
+
+def test_a_key_over_its_share_of_the_queue_is_refused_while_others_are_admitted():
+    core = DispatcherCore(max_queue=4, max_queue_per_key=2)
+    ready(core, slots=1)
+    submit(core, "a0", key="k1", parent="a0")                   # runs
+    submit(core, "a1", key="k1", parent="a1")                   # queued
+    submit(core, "a2", key="k1", parent="a2")                   # queued: its share
+    refused = submit(core, "a3", key="k1", parent="a3")[0]
+    assert refused.cmd == P.REJECTED and refused.body.code == "key_queue_full"
+    assert refused.body.status == 429 and refused.body.retry_after == 1
+    assert kinds(submit(core, "b0", key="k2", parent="b0")) == [("ACCEPTED", "b0")]
+    sends = from_worker(core, P.DONE, "a0", attempt=1, last_seq=1)
+    assert ("REQUEST", "b0") in kinds(sends)        # keys take turns: k1 just had one
+    sends = from_worker(core, P.DONE, "b0", attempt=1, last_seq=1)
+    assert ("REQUEST", "a1") in kinds(sends)        # then k1 again

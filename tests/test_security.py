@@ -72,3 +72,54 @@ def test_a_shared_cache_scope_reuses_across_keys():
         assert cached(complete(server.port, "key-b", SECRET)) > 0   # what `shared` reveals
     finally:
         assert server.stop() == 0
+
+
+def test_a_key_over_its_share_of_the_queue_gets_429_while_another_key_is_served():
+    """Two keys, a queue of 4: each key may have 2 waiting (FakeEngine, one slot)."""
+    import time
+
+    from conftest import SSEStream
+    server = ServerProcess("--engine", "fake", "--slots", "1", "--max-queue", "4",
+                           "--api-key", "key-a", "--api-key", "key-b",
+                           log_name="fair-share").start()
+    try:
+        def stream(key, wait=True):
+            return SSEStream(server.port, {"prompt": "[slow=0.02] x", "max_tokens": 50,
+                                           "stream": True}, timeout=60, wait=wait,
+                             headers={"Authorization": f"Bearer {key}"})
+
+        running = stream("key-a")
+        assert running.next_data() is not None
+        queued = [stream("key-a", wait=False) for _ in range(2)]    # its share, waiting
+        deadline = time.monotonic() + 30
+        while sum(server.status()["queue"].values()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        status, headers, body = http_json(server.port, "POST", "/v1/completions",
+                                          {"prompt": "x", "max_tokens": 1},
+                                          headers={"Authorization": "Bearer key-a"})
+        assert status == 429 and body["error"]["code"] == "key_queue_full", body
+        assert headers["Retry-After"] == "1"
+        other = stream("key-b", wait=False)                 # another key: still admitted
+        other.receive()
+        assert other.status == 200
+        assert list(other.events())[-1] == "[DONE]"
+        for s in [running] + queued:
+            s.receive() if not hasattr(s, "response") else None
+            assert list(s.events())[-1] == "[DONE]"
+    finally:
+        assert server.stop() == 0
+
+
+def test_request_content_never_reaches_the_log(keyed):
+    marker = "Zq7-private-marker"
+    complete(keyed.port, "key-a", f"# {marker}\nprint(1)\n")
+    status, _, _ = http_json(keyed.port, "POST", "/v1/completions", {
+        "prompt": "x", "max_tokens": 1, "grammar": f'root ::= "{marker}" bad (('},
+        headers={"Authorization": "Bearer key-a"})
+    assert status == 400
+    status, _, _ = http_json(keyed.port, "POST", "/v1/completions", {
+        "prompt": "x", "max_tokens": 1,
+        "json_schema": {"type": "object", "properties": {marker: {"type": "nope"}}}},
+        headers={"Authorization": "Bearer key-a"})
+    assert status in (200, 400)
+    assert marker not in keyed.log_path.read_text(errors="replace")

@@ -81,7 +81,7 @@ def load_with_log(args, placement):
                      (f" ({' | '.join(tail)})" if tail else "")) from None
     finally:
         sys.stderr = saved
-    engine.log_verbose.value = False
+    engine.log.verbose = False
     return engine, captured.getvalue()
 
 

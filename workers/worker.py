@@ -203,7 +203,8 @@ def compute_kind(device_compute: str, n_gpu_layers: int, n_layer: int) -> str:
 
 def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: int,
                 n_gpu_layers: int, verbose: bool, deterministic: bool = False,
-                prefill_chunk: int = 0, draft_max: int = 0, cache_reuse: int = 0):
+                prefill_chunk: int = 0, draft_max: int = 0, cache_reuse: int = 0,
+                log_content: bool = False):
     if kind == "fake":
         from workers.fake_engine import FakeEngine
         return FakeEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose,
@@ -211,7 +212,8 @@ def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: i
     if kind == "llama":
         from workers.engine.llama import LlamaEngine      # imported only after pinning
         return LlamaEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose,
-                           deterministic, prefill_chunk, draft_max, cache_reuse)
+                           deterministic, prefill_chunk, draft_max, cache_reuse,
+                           log_content)
     raise ValueError(f"unknown engine {kind!r}: use llama or fake")
 
 
@@ -228,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     config.add_options(parser, ["config", "dispatcher", "device", "model", "model_id", "nctx",
                                 "ngl", "slots", "deterministic", "engine", "name",
                                 "fim_template", "prefill_chunk", "draft_max", "cache_reuse",
-                                "step_timeout", "heartbeat_interval", "log_level"],
+                                "step_timeout", "heartbeat_interval", "log_level",
+                                "log_content"],
                        configfile.server_defaults(file_data))
     args = config.resolve(parser.parse_args(argv), file_data)
     logging.basicConfig(level=args.log_level.upper(), format=config.LOG_FORMAT)
@@ -267,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = load_engine(args.engine, str(model_path), args.nctx, slots,
                              placement.n_threads, placement.n_gpu_layers,
                              args.log_level.lower() == "debug", args.deterministic,
-                             args.prefill_chunk, args.draft_max, args.cache_reuse)
+                             args.prefill_chunk, args.draft_max, args.cache_reuse,
+                             args.log_content)
     except EngineError as exc:
         # One line, and an exit status that tells the supervisor not to try again.
         log.error("worker %s cannot serve %s on %s: %s", name, model_path, spec, exc)

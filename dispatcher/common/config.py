@@ -157,6 +157,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("config", None, "TOML config file (see deploy/workstation-4gpu.toml)"),
     Option("log_level", "info", "log level", str.lower,
            choices=("debug", "info", "warning", "error")),
+    Option("log_content", False, "let request content (prompts, grammars) reach the logs: "
+           "llama.cpp's lines whole at --log-level debug (by default every line is cut to "
+           "200 characters and its errors to 20 per 10 s); a warning says so at start",
+           _boolean),
     Option("max_connections", 1000, "open connections one front-end process serves; a "
            "reserve beyond them answers /health and /metrics only (others: 503)",
            _positive_int),
@@ -180,6 +184,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("api_key", [], "API key clients must send as 'Authorization: Bearer KEY'; "
            "repeatable", repeat=True),
     Option("api_key_file", None, "file of API keys, one per line"),
+    Option("max_queue_per_key", None, "queued requests one API key may have per model and "
+           "profile (429 with Retry-After above, while other keys are still admitted); 0: no "
+           "limit; default: max-queue divided by the number of keys when there are several",
+           _non_negative_int),
     Option("cache_scope", None, "whose prompt cache a request may reuse: key (only what "
            "requests of the same API key filled, so cached_tokens and timings reveal nothing "
            "of another key's prompts) or shared (everyone's: for one trusted team); default: "
@@ -286,6 +294,25 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
         else:
             parser.add_argument(option.flag, dest=name, type=option.type, default=default,
                                 choices=option.choices, help=help_text)
+
+
+def load_keys(inline: str | None, path: str | None) -> list[bytes]:
+    """The API keys: comma-separated inline ones, then the file's, one per line."""
+    keys = [k.strip() for k in (inline or "").split(",") if k.strip()]
+    if path:
+        for line in open(path, encoding="utf-8").read().splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                keys.append(line)
+    return [k.encode() for k in keys]
+
+
+def queue_share(max_queue: int, given: int | None, keys: int) -> int:
+    """Requests one API key may have queued per model (0: no limit): as given, else a fair
+    share of the queue when more than one key is configured."""
+    if given is not None:
+        return given
+    return max(1, max_queue // keys) if keys > 1 else 0
 
 
 class Settings(argparse.Namespace):

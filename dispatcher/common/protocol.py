@@ -204,6 +204,7 @@ class Job(Body, Generic[G], kw_only=True):
     timeout: float | None = None        # seconds it may wait in the queue
     adopt_key: str | None = None        # type-along adoption (app.jobs.adopt_key)
     tenant: str | None = None           # whose prompt cache it may reuse (None: shared)
+    key: str | None = None              # its API key's fingerprint: fair shares per key
     op: str | None = None               # tokenize / detokenize: no queue, no slot
     prompt: str | list | None = None    # text, token ids, or llama.cpp's mix
     suffix: str | None = None           # fill in the middle

@@ -175,7 +175,7 @@ def model_shape(model_path: str) -> dict:
     """Sizes from the GGUF's metadata (a vocabulary-only load: no tensors are read)."""
     import llama_cpp
     from workers.engine.llama import quiet_llama_log
-    quiet_llama_log()
+    log = quiet_llama_log()            # held while the model is read
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = True
     model = llama_cpp.llama_model_load_from_file(model_path.encode(), params)
@@ -207,3 +207,4 @@ def model_shape(model_path: str) -> dict:
                 "n_vocab": llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))}
     finally:
         llama_cpp.llama_model_free(model)
+        del log

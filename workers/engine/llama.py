@@ -15,7 +15,6 @@ import ctypes
 import hashlib
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
 
 import llama_cpp
@@ -23,6 +22,7 @@ import numpy as np
 
 from workers.errors import EngineError
 from workers.engine.kvreuse import reusable, shift_into_place
+from workers.engine.llamalog import LlamaLog
 from workers.engine.repacking import extra_buffers_work
 from workers.engine.speculation import DraftPolicy, common_prefix, find_draft
 from workers.engine.vocabulary import Vocabulary
@@ -31,23 +31,28 @@ from workers.sampling import SamplingParams, TokenOut
 
 log = logging.getLogger(__name__)
 
-_GGML_LOG_ERROR = 4      # ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
 BANNED = -1e30           # a logit no token wins with, yet finite: a grammar stays satisfiable
 PROMPT_LOGPROB_CHUNK = 64   # prompt rows per step when every row's logits are kept (1 MiB each)
 
 
 @llama_cpp.llama_log_callback
 def _log_to_stderr(level: int, text: bytes, user_data) -> None:
-    """llama.cpp's own log: errors always, the rest only when verbose. `user_data` is the
-    address of the engine's `log_verbose` flag (None: errors only); llama.cpp keeps one
-    callback per process, so the flag travels with it instead of living in this module."""
-    if level == _GGML_LOG_ERROR or (user_data and ctypes.c_bool.from_address(user_data).value):
-        sys.stderr.write(text.decode("utf-8", "replace"))
+    """llama.cpp's own log, through the `LlamaLog` whose address is `user_data` (llama.cpp
+    keeps one callback per process: its settings travel with it, not in this module)."""
+    if user_data:
+        ctypes.cast(ctypes.c_void_p(user_data), ctypes.py_object).value.write(
+            level, text.decode("utf-8", "replace"))
 
 
-def quiet_llama_log() -> None:
-    """llama.cpp's log to errors only, before any engine exists (probes, selftest)."""
-    llama_cpp.llama_log_set(_log_to_stderr, ctypes.c_void_p(0))
+def set_llama_log(log: LlamaLog) -> LlamaLog:
+    """Send llama.cpp's log through `log` (the caller keeps it alive while it is set)."""
+    llama_cpp.llama_log_set(_log_to_stderr, ctypes.c_void_p(id(log)))
+    return log
+
+
+def quiet_llama_log() -> LlamaLog:
+    """llama.cpp's log to bounded errors only, before any engine exists (probes)."""
+    return set_llama_log(LlamaLog())
 
 
 def model_fingerprint(model_path: str, build: str) -> str:
@@ -93,11 +98,10 @@ class LlamaEngine:
 
     def __init__(self, model_path: str, n_ctx: int, slots: int, n_threads: int,
                  n_gpu_layers: int, verbose: bool = False, deterministic: bool = False,
-                 prefill_chunk: int = 0, draft_max: int = 0, cache_reuse: int = 0):
+                 prefill_chunk: int = 0, draft_max: int = 0, cache_reuse: int = 0,
+                 log_content: bool = False):
         self.lib = llama_cpp
-        self.log_verbose = ctypes.c_bool(verbose)    # read by _log_to_stderr
-        llama_cpp.llama_log_set(_log_to_stderr, ctypes.cast(ctypes.pointer(self.log_verbose),
-                                                            ctypes.c_void_p))
+        self.log = set_llama_log(LlamaLog(verbose, log_content))   # held while loaded
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers

@@ -1,0 +1,46 @@
+"""llama.cpp's own log, with request content kept out of it.
+
+llama.cpp logs through one callback per process, and some of its lines carry request
+text (a grammar it cannot parse is printed whole, at error level). By default only its
+errors are written, each cut to `LINE_LIMIT` characters, at most `BURST` of them per
+`WINDOW` seconds (the rest counted, and said in one line): a request can add a bounded
+amount to the log whatever it contains. With `verbose` (--log-level debug) every line is
+written, cut the same way; only `content` (--log-content) writes lines whole.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+GGML_LOG_ERROR = 4         # ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
+LINE_LIMIT = 200
+BURST = 20
+WINDOW = 10.0
+
+
+class LlamaLog:
+    def __init__(self, verbose: bool = False, content: bool = False, stream=None,
+                 clock=time.monotonic):
+        self.verbose, self.content = verbose, content
+        self.stream, self.clock = stream, clock
+        self.window_start, self.written, self.suppressed = 0.0, 0, 0
+
+    def write(self, level: int, text: str) -> None:
+        if level != GGML_LOG_ERROR and not self.verbose:
+            return
+        out = self.stream or sys.stderr
+        if not self.content:
+            if len(text) > LINE_LIMIT:
+                text = f"{text[:LINE_LIMIT]}… ({len(text) - LINE_LIMIT} characters cut)\n"
+            if not self.verbose:
+                now = self.clock()
+                if now - self.window_start >= WINDOW:
+                    if self.suppressed:
+                        out.write(f"llama.cpp: {self.suppressed} more error lines in "
+                                  f"{WINDOW:.0f}s not logged\n")
+                    self.window_start, self.written, self.suppressed = now, 0, 0
+                if self.written >= BURST:
+                    self.suppressed += 1
+                    return
+                self.written += 1
+        out.write(text)
