@@ -5,7 +5,7 @@ import time
 
 from flask import Flask, request
 
-from dispatcher.common import config, configfile
+from dispatcher.common import config, configfile, curve
 
 
 def create_app(test_config: dict | None = None) -> Flask:
@@ -14,7 +14,8 @@ def create_app(test_config: dict | None = None) -> Flask:
     app = Flask(__name__)
     options = configfile.effective(["dispatcher", "max_body", "max_prompt_chars",
                                     "api_key", "api_key_file", "cors_origin", "access_log",
-                                    "body_timeout", "heartbeat_interval", "cache_scope"])
+                                    "body_timeout", "heartbeat_interval", "cache_scope",
+                                    "curve_keys", "curve_name", "insecure_transport"])
     app.config.from_mapping(
         DISPATCHER=options["dispatcher"],
         MAX_BODY=options["max_body"],
@@ -26,11 +27,18 @@ def create_app(test_config: dict | None = None) -> Flask:
         BODY_TIMEOUT=options["body_timeout"],
         HEARTBEAT_INTERVAL=options["heartbeat_interval"],
         CACHE_SCOPE=options["cache_scope"],
+        CURVE_KEYS=options["curve_keys"],
+        CURVE_NAME=options["curve_name"],
+        INSECURE_TRANSPORT=options["insecure_transport"],
     )
     if test_config:
         app.config.update(test_config)
     if not app.config["DISPATCHER"]:
         raise RuntimeError(f"set {config.ENV_PREFIX}DISPATCHER to the dispatcher's address")
+    problem = curve.transport_problem(app.config["DISPATCHER"], app.config["CURVE_KEYS"],
+                                      app.config["INSECURE_TRANSPORT"])
+    if problem:
+        raise RuntimeError(problem)
     app.config["MAX_CONTENT_LENGTH"] = int(app.config["MAX_BODY"])
     app.json.sort_keys = False
     app.json.ensure_ascii = False

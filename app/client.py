@@ -23,6 +23,7 @@ import zmq.green as zmq
 
 from app.errors import APIError, ServiceUnavailable, from_wire
 from dispatcher.common import config, protocol as P
+from dispatcher.common.curve import PartKeys
 from dispatcher.common.latency import LatencyRecorder
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,8 @@ class RequestStream:
 class DispatcherClient:
     """This process's DEALER and SUB sockets and the requests waiting on them."""
 
-    def __init__(self, endpoints: P.Endpoints, heartbeat: config.Heartbeat = config.Heartbeat()):
+    def __init__(self, endpoints: P.Endpoints, heartbeat: config.Heartbeat = config.Heartbeat(),
+                 keys: PartKeys | None = None):
         self.pid = os.getpid()
         self.heartbeat = heartbeat
         self.id = P.new_frontend_id()
@@ -158,11 +160,15 @@ class DispatcherClient:
         self.dealer.setsockopt(zmq.IDENTITY, self.id)
         self.dealer.setsockopt(zmq.IMMEDIATE, 1)     # never queue for a missing dispatcher
         self.dealer.setsockopt(zmq.LINGER, 0)
+        if keys is not None:                         # CURVE: this front end's key
+            keys.apply(self.dealer)
         self.dealer.connect(endpoints.frontend)
         self.sub = self.context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, config.TOKEN_HWM)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.setsockopt(zmq.SUBSCRIBE, self.id)
+        if keys is not None:
+            keys.apply(self.sub)
         self.sub.connect(endpoints.tokens_out)
         self.streams: dict[str, RequestStream] = {}
         self.state = P.State()
@@ -355,7 +361,10 @@ def get_client(app) -> DispatcherClient:
     """This process's client, made on first use (after gunicorn has forked)."""
     client = app.extensions.get("dispatcher_client")
     if client is None or client.pid != os.getpid():
+        keys = app.config.get("CURVE_KEYS")
         client = DispatcherClient(P.Endpoints.from_base(app.config["DISPATCHER"]),
-                                  config.Heartbeat(app.config["HEARTBEAT_INTERVAL"]))
+                                  config.Heartbeat(app.config["HEARTBEAT_INTERVAL"]),
+                                  PartKeys.load(keys, app.config.get("CURVE_NAME") or "local")
+                                  if keys else None)
         app.extensions["dispatcher_client"] = client
     return client

@@ -22,6 +22,7 @@ import zmq
 from dispatcher.common import config, protocol as P
 from dispatcher.core import DispatcherCore, Send
 from dispatcher.operations import Operations
+from dispatcher.common.curve import DispatcherKeys
 from dispatcher.common.process import StopFlag
 
 log = logging.getLogger(__name__)
@@ -47,17 +48,22 @@ class Broker:
     def __init__(self, endpoints: P.Endpoints, supervisor=None,
                  known_models: dict[str, dict] | None = None, max_queue: int = 64,
                  queue_timeout: float = 0.0, heartbeat: config.Heartbeat = config.Heartbeat(),
-                 max_queue_per_key: int = 0):
+                 max_queue_per_key: int = 0, keys: DispatcherKeys | None = None):
         self.endpoints = endpoints
+        self.keys = keys                          # CURVE: every socket authenticated
+        self.bound_keys: dict[str, str] = {}      # worker name -> the key it registered with
         self.supervisor = supervisor
         self.core = DispatcherCore(SupervisedFleet(supervisor) if supervisor else None,
                                    known_models, max_queue, queue_timeout, time.time(),
                                    heartbeat, max_queue_per_key)
         self.context = zmq.Context()
-        self.frontend = self._router(endpoints.frontend)
-        self.backend = self._router(endpoints.worker)
+        self.auth = keys.authenticator(self.context) if keys else None
+        self.frontend = self._router(endpoints.frontend, "frontends")
+        self.backend = self._router(endpoints.worker, "workers")
         self.control = self.context.socket(zmq.ROUTER)
         self.control.setsockopt(zmq.LINGER, 0)
+        if keys:
+            keys.serve(self.control, "ops")
         self.control.bind(endpoints.control)
         self.ops = Operations(self.core, supervisor)
         self._stop = StopFlag()                   # set by signal handlers
@@ -72,10 +78,15 @@ class Broker:
         self._proxy_thread = self._start_proxy()
 
     # -- sockets -----------------------------------------------------------------------
-    def _router(self, address: str) -> zmq.Socket:
+    def _router(self, address: str, role: str) -> zmq.Socket:
         sock = self.context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a send to a vanished peer raises
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)    # a reconnecting peer takes its name back
+        if self.keys is None:
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)    # a reconnecting peer takes its name
+        else:
+            # keyed: a connection never takes over a name in use (it could be another
+            # key's), and only `role`'s keys get through at all
+            self.keys.serve(sock, role)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(address)
         return sock
@@ -87,12 +98,15 @@ class Broker:
             sock.setsockopt(zmq.SNDHWM, config.TOKEN_HWM)
             sock.setsockopt(zmq.RCVHWM, config.TOKEN_HWM)
             sock.setsockopt(zmq.LINGER, 0)
-        xsub.bind(self.endpoints.tokens_in)
-        xpub.bind(self.endpoints.tokens_out)
         # the beats that prove a front end's token path (see protocol): published into
-        # the proxy like a worker's events
+        # the proxy like a worker's events (bound before CURVE applies to the socket)
         beats_address = f"inproc://token-beats-{id(self)}"
         xsub.bind(beats_address)
+        if self.keys:                     # workers publish; only front ends may read
+            self.keys.serve(xsub, "workers")
+            self.keys.serve(xpub, "frontends")
+        xsub.bind(self.endpoints.tokens_in)
+        xpub.bind(self.endpoints.tokens_out)
         self.beats = self.context.socket(zmq.PUB)
         self.beats.setsockopt(zmq.LINGER, 0)
         self.beats.connect(beats_address)
@@ -198,10 +212,28 @@ class Broker:
     def _read(self, sock: zmq.Socket, handler) -> None:
         for _ in range(1000):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=self.keys is None)
             except zmq.Again:
                 return
+            if self.keys is not None:
+                if sock is self.backend and not self._key_holds_name(frames):
+                    continue
+                frames = [frame.bytes for frame in frames]
             handler(frames)
+
+    def _key_holds_name(self, frames: list) -> bool:
+        """A keyed worker speaks only under a name its key holds (curve.may_register);
+        the first key to register a name keeps it."""
+        identity = frames[0].bytes.decode(errors="replace")
+        user = frames[-1].get("User-Id") if len(frames) > 1 else None
+        if not self.keys.may_register(user, identity, self.bound_keys):
+            log.warning("worker message as %r from a key that does not hold that name: "
+                        "dropped", identity)
+            return False
+        self.bound_keys.setdefault(identity, user)
+        while len(self.bound_keys) > 4096:        # (names with a pid in them come and go)
+            del self.bound_keys[next(iter(self.bound_keys))]
+        return True
 
     def end_silent_workers(self) -> None:
         """A worker of ours dropped for silence is still a process holding its device
@@ -290,6 +322,8 @@ class Broker:
         for sock in (self.frontend, self.backend, self.control, self.beats,
                      self._proxy_control):
             sock.close(0)
+        if self.auth is not None:
+            self.auth.stop()
         self._wake_r.close()
         self._wake_w.close()
         self.context.term()

@@ -23,7 +23,8 @@ SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "mo
                  "log_level", "max_body", "max_prompt_chars", "max_queue", "queue_timeout",
                  "stop_grace", "api_key", "api_key_file", "access_log", "step_timeout",
                  "max_connections", "header_timeout", "body_timeout", "heartbeat_interval",
-                 "cache_scope", "max_queue_per_key", "log_content"]
+                 "cache_scope", "max_queue_per_key", "log_content", "curve_keys",
+                 "insecure_transport"]
 
 
 def _setup_logging(level: str) -> None:
@@ -131,6 +132,7 @@ def cmd_serve(args) -> int:
         log.warning("--log-content: request content (prompts, grammars) may reach the logs "
                     "of this server and its workers at --log-level debug")
     endpoints, base, cleanup = _endpoints(args)
+    keys = _dispatcher_keys(args, base)
     supervisor = Supervisor()
     broker = _make_broker(Broker, base, endpoints, supervisor,
                           known_models={m.id: {"n_ctx": m.nctx, "aliases": list(m.aliases)}
@@ -140,7 +142,8 @@ def cmd_serve(args) -> int:
                           max_queue_per_key=config.queue_share(
                               args.max_queue, args.max_queue_per_key,
                               len(config.load_keys(",".join(args.api_key),
-                                                   args.api_key_file))))
+                                                   args.api_key_file))),
+                          keys=keys)
     for worker in plan.workers:
         # every worker option on its command line (only the device's visibility variables,
         # which the inference library reads when it loads, go by environment)
@@ -150,7 +153,9 @@ def cmd_serve(args) -> int:
                                   "--cache-reuse", str(args.cache_reuse),
                                   "--step-timeout", str(args.step_timeout),
                                   "--heartbeat-interval", str(args.heartbeat_interval),
-                                  "--log-content", str(args.log_content))
+                                  "--log-content", str(args.log_content),
+                                  *(["--curve-keys", args.curve_keys, "--curve-name", "local"]
+                                    if keys else []))
         env = worker.device.visible_devices()
         supervisor.add(Child(worker.name, argv, env=env,
                              extra={"device": str(worker.device), "model": worker.model.id}))
@@ -166,6 +171,8 @@ def cmd_serve(args) -> int:
                "COMPLETIONS_BODY_TIMEOUT": str(args.body_timeout),
                "COMPLETIONS_HEARTBEAT_INTERVAL": str(args.heartbeat_interval),
                "COMPLETIONS_CACHE_SCOPE": args.cache_scope or "",
+               "COMPLETIONS_CURVE_KEYS": args.curve_keys if keys else "",
+               "COMPLETIONS_CURVE_NAME": "local",
                # keys travel in the environment, never on a command line (ps shows those)
                "COMPLETIONS_API_KEY": ",".join(args.api_key),
                "COMPLETIONS_API_KEY_FILE": args.api_key_file or "",
@@ -184,12 +191,42 @@ def cmd_serve(args) -> int:
     return _run_broker(broker, cleanup, args.stop_grace)
 
 
+def _dispatcher_keys(args, base: str):
+    """The dispatcher's CURVE keys (None: unkeyed), refusing in one line a tcp address
+    beyond loopback without them unless --insecure-transport."""
+    from dispatcher.common import curve
+    problem = curve.transport_problem(base, args.curve_keys, args.insecure_transport)
+    if problem:
+        raise SystemExit(problem)
+    if not args.curve_keys:
+        if not curve.is_loopback(base):
+            log.warning("--insecure-transport: %s is UNAUTHENTICATED and UNENCRYPTED; "
+                        "anyone who reaches it can read every token and submit work", base)
+        return None
+    try:
+        return curve.DispatcherKeys.load(args.curve_keys)
+    except curve.CurveKeyError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def cmd_keygen(args) -> int:
+    from dispatcher.common import curve
+    try:
+        written = curve.keygen(args.directory, args.worker or [], args.frontend or [])
+    except curve.CurveKeyError as exc:
+        raise SystemExit(str(exc)) from None
+    print(f"keys in {args.directory}: " + (", ".join(written) + " written" if written
+                                           else "nothing new"))
+    return 0
+
+
 def cmd_broker(args) -> int:
     from dispatcher.broker import Broker
     endpoints, base, cleanup = _endpoints(args)
     broker = _make_broker(Broker, base, endpoints, max_queue=args.max_queue,
                           queue_timeout=args.queue_timeout, heartbeat=config.Heartbeat.of(args),
-                          max_queue_per_key=args.max_queue_per_key or 0)
+                          max_queue_per_key=args.max_queue_per_key or 0,
+                          keys=_dispatcher_keys(args, base))
     print(f"dispatcher at {base}", file=sys.stderr, flush=True)
     return _run_broker(broker, cleanup, args.stop_grace)
 
@@ -205,6 +242,16 @@ def cmd_check_config(args) -> int:
         problems.append(f"api_key_file {args.api_key_file}: not readable")
     if access_log_problem(args.access_log):
         problems.append(access_log_problem(args.access_log))
+    from dispatcher.common import curve
+    base = args.dispatcher or default_dispatcher_address(args.port)
+    problem = curve.transport_problem(base, args.curve_keys, args.insecure_transport)
+    if problem:
+        problems.append(problem)
+    if args.curve_keys:
+        try:
+            curve.DispatcherKeys.load(args.curve_keys)
+        except curve.CurveKeyError as exc:
+            problems.append(str(exc))
     try:
         P.Endpoints.from_base(args.dispatcher or default_dispatcher_address(args.port))
     except ValueError as exc:
@@ -254,11 +301,20 @@ def main(argv: list[str] | None = None) -> int:
                                            "connect to it by address")
     config.add_options(broker, ["config", "dispatcher", "port", "log_level", "max_queue",
                                 "queue_timeout", "stop_grace", "heartbeat_interval",
-                                "max_queue_per_key"], file_values)
+                                "max_queue_per_key", "curve_keys", "insecure_transport"],
+                       file_values)
     broker.set_defaults(func=cmd_broker)
+    keygen = sub.add_parser("keygen", help="write CURVE key pairs for the dispatcher and "
+                                           "its parts (see docs/deploying.md)")
+    keygen.add_argument("directory")
+    keygen.add_argument("--worker", action="append", metavar="NAME",
+                        help="a key for workers named NAME or NAME-... (repeatable)")
+    keygen.add_argument("--frontend", action="append", metavar="NAME",
+                        help="a key for a front end started on its own (repeatable)")
+    keygen.set_defaults(func=cmd_keygen, log_level="warning")
     from dispatcher.tools import ctl
     status = sub.add_parser("status", help="show workers, queue and front ends")
-    config.add_options(status, ["dispatcher", "port"], file_values)
+    config.add_options(status, ["dispatcher", "port", "curve_keys", "curve_name"], file_values)
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
     status.set_defaults(func=ctl.cmd_status, log_level="warning")
     ctl.add_worker_commands(sub, config, file_values)

@@ -117,11 +117,13 @@ def healthy(port, workers=1) -> bool:
     return status == 200 and body.get("workers_ready") == workers
 
 
-def write_config(tmp: Path, base_port: int, host: str = "127.0.0.1") -> Path:
+def write_config(tmp: Path, base_port: int, host: str = "127.0.0.1",
+                 curve_keys: Path | None = None) -> Path:
     from dispatcher.common.models import bundled_model_path
     config = tmp / "config.toml"
+    keys = f'curve_keys = "{curve_keys}"\n' if curve_keys else ""
     config.write_text(f'[server]\nhost = "127.0.0.1"\ndispatcher = "tcp://{host}:{base_port}"\n'
-                      f'nctx = 2048\n[[models]]\npath = "{bundled_model_path()}"\n'
+                      f'nctx = 2048\n{keys}[[models]]\npath = "{bundled_model_path()}"\n'
                       f'[[workers]]\ndevice = "cpu"\n')
     return config
 
@@ -254,30 +256,44 @@ def netns():
 
 def test_a_worker_on_another_host_joins_over_tcp_and_its_loss_is_handled(netns, tmp_path,
                                                                         monkeypatch):
+    from dispatcher.common.curve import PartKeys
     from dispatcher.tools.ctl import control_request
     # every part beats twice as often as by default (they must agree): liveness 1.5 s
     monkeypatch.setenv("COMPLETIONS_HEARTBEAT_INTERVAL", "0.5")
     base, http_port = free_port(5), free_port()
-    config = write_config(tmp_path, base, host=netns["ip"])
+    # keyed (CURVE): the second host gets only the dispatcher's public key and its own
+    keys, remote_keys = tmp_path / "keys", tmp_path / "remote-keys"
+    subprocess.run([sys.executable, "-m", "dispatcher", "keygen", str(keys), "--worker",
+                    "remote-gpu-box"], check=True, capture_output=True)
+    remote_keys.mkdir()
+    for name in ("dispatcher.key", "remote-gpu-box.key_secret"):
+        shutil.copy(keys / name, remote_keys / name)
+    config = write_config(tmp_path, base, host=netns["ip"], curve_keys=keys)
     dispatcher = f"tcp://{netns['ip']}:{base}"
+    ops = PartKeys.load(str(keys), "ops")
     stack = Stack(tmp_path)
     try:
         stack.start("dispatcher", [sys.executable, "-m", "dispatcher", "broker",
-                                   "--dispatcher", dispatcher], {})
+                                   "--config", str(config)], {})
         stack.start("frontend", [sys.executable, "-m", "gunicorn", "-c",
                                  str(DEPLOY / "gunicorn.conf.py")],
                     {"COMPLETIONS_CONFIG": str(config), "COMPLETIONS_PORT": str(http_port)})
         # the worker knows only the dispatcher's address, and lives in the other namespace
         stack.start("worker", [sys.executable, "-m", "workers", "--dispatcher", dispatcher,
-                               "--device", "cpu", "--name", "remote-gpu-box"], {},
+                               "--device", "cpu", "--name", "remote-gpu-box",
+                               "--curve-keys", str(remote_keys),
+                               "--curve-name", "remote-gpu-box"], {},
                     netns=netns["name"])
         wait(lambda: healthy(http_port), 120, "remote worker ready", stack)
         status, _, body = http_json(http_port, "POST", "/v1/completions",
                                     {"prompt": "Hello", "max_tokens": 3})
         assert status == 200 and body["usage"]["completion_tokens"] == 3
         wait(lambda: [(w["name"], w["completed"]) for w in control_request(
-            dispatcher, {"cmd": "status"})["workers"]] == [("remote-gpu-box", 1)], 10,
-             "the request to be counted against the remote worker", stack)
+            dispatcher, {"cmd": "status"}, keys=ops)["workers"]] == [("remote-gpu-box", 1)],
+             10, "the request to be counted against the remote worker", stack)
+        assert_nothing_without_the_right_key(dispatcher, keys, http_port)
+        assert [w["name"] for w in control_request(
+            dispatcher, {"cmd": "status"}, keys=ops)["workers"]] == ["remote-gpu-box"]
         # the host disappears from the network: within the heartbeat liveness it
         # is dropped, and clients are told there is no worker rather than left waiting
         subprocess.run(["ip", "link", "set", netns["host_if"], "down"], check=True)
@@ -294,3 +310,52 @@ def test_a_worker_on_another_host_joins_over_tcp_and_its_loss_is_handled(netns, 
         assert status == 200
     finally:
         stack.stop()
+
+
+def assert_nothing_without_the_right_key(dispatcher: str, keys: Path, http_port: int):
+    """An unkeyed client, and one with a key the dispatcher was not given, get nothing on
+    any of its five sockets while a stream flows; an authorized worker key cannot speak
+    under another worker's name."""
+    import zmq
+
+    from conftest import SSEStream
+    from dispatcher.common import protocol as P
+    from dispatcher.common.curve import PartKeys
+    endpoints = P.Endpoints.from_base(dispatcher)
+    server = PartKeys.load(str(keys), "ops").server
+    public, secret = zmq.curve_keypair()
+    strangers = {"unkeyed": None, "wrongly keyed": PartKeys(public, secret, server)}
+    context = zmq.Context()
+    stream = SSEStream(http_port, {"prompt": "Count slowly:", "max_tokens": 40,
+                                   "stream": True})
+    try:
+        for who, key in strangers.items():
+            socks = {}
+            for name, kind in (("frontend", zmq.DEALER), ("worker", zmq.DEALER),
+                               ("control", zmq.REQ), ("tokens_out", zmq.SUB),
+                               ("tokens_in", zmq.XPUB)):
+                sock = socks[name] = context.socket(kind)
+                sock.setsockopt(zmq.LINGER, 0)
+                if key is not None:
+                    key.apply(sock)
+                if kind == zmq.SUB:
+                    sock.setsockopt(zmq.SUBSCRIBE, b"")           # everyone's tokens
+                sock.connect(getattr(endpoints, name))
+            socks["frontend"].send_multipart(P.encode(P.PING, body=P.Ping()), zmq.NOBLOCK)
+            socks["control"].send(b'{"cmd": "status"}', zmq.NOBLOCK)
+            for name in ("frontend", "control", "tokens_out"):
+                assert not socks[name].poll(1500), f"{who}: answered on {name}"
+            for sock in socks.values():
+                sock.close(0)
+        # an authorized worker key, another name: never registered
+        impostor = context.socket(zmq.DEALER)
+        impostor.setsockopt(zmq.LINGER, 0)
+        impostor.setsockopt(zmq.IDENTITY, b"someone-else")
+        PartKeys.load(str(keys / ".." / "remote-keys"), "remote-gpu-box").apply(impostor)
+        impostor.connect(endpoints.worker)
+        impostor.send_multipart(P.encode(P.READY, body=P.WorkerInfo(model="x")))
+        assert not impostor.poll(1500), "the impostor was answered"
+        impostor.close(0)
+        assert list(stream.events())[-1] == "[DONE]"            # the stream went on
+    finally:
+        context.term()

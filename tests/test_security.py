@@ -123,3 +123,40 @@ def test_request_content_never_reaches_the_log(keyed):
         headers={"Authorization": "Bearer key-a"})
     assert status in (200, 400)
     assert marker not in keyed.log_path.read_text(errors="replace")
+
+
+def test_a_dispatcher_reachable_from_other_hosts_needs_keys(tmp_path):
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "dispatcher", "serve", "--engine", "fake",
+                          "--dispatcher", "tcp://0.0.0.0:5590"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "tcp://0.0.0.0:5590 is reachable from other hosts: give --curve-keys DIR")
+    check = subprocess.run([sys.executable, "-m", "dispatcher", "check-config",
+                            "--dispatcher", "tcp://10.1.2.3:5590"], capture_output=True,
+                           text=True, timeout=60)
+    assert check.returncode != 0 and "--insecure-transport" in check.stdout
+
+
+def test_serve_keyed_over_tcp_hands_its_own_parts_their_keys(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import free_port
+    keys = tmp_path / "keys"
+    made = subprocess.run([sys.executable, "-m", "dispatcher", "keygen", str(keys)],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0 and "dispatcher" in made.stdout
+    assert sorted(p.name for p in (keys / "authorized" / "workers").iterdir()) == ["local.key"]
+    assert (keys / "dispatcher.key_secret").stat().st_mode & 0o077 == 0
+    base = free_port(5)
+    server = ServerProcess("--engine", "fake", "--dispatcher", f"tcp://127.0.0.1:{base}",
+                           "--curve-keys", str(keys), log_name="keyed").start()
+    try:
+        status, _, body = http_json(server.port, "POST", "/v1/completions",
+                                    {"prompt": "x", "max_tokens": 2})
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+    finally:
+        assert server.stop() == 0

@@ -17,7 +17,8 @@ import time
 import msgspec
 import zmq
 
-from dispatcher.common import config, configfile, protocol as P
+from dispatcher.common import config, configfile, curve, protocol as P
+from dispatcher.common.curve import PartKeys
 from dispatcher.common.devices import parse_device
 from dispatcher.common.models import default_model_id, resolve_model_path
 from dispatcher.common.process import StopFlag, die_with_parent
@@ -38,9 +39,11 @@ class DispatcherLink(threading.Thread):
 
     def __init__(self, context: zmq.Context, endpoints: P.Endpoints, identity: bytes,
                  info: P.WorkerInfo, loop: GenerationLoop, notify_address: str,
-                 step_timeout: float = 0.0, heartbeat: config.Heartbeat = config.Heartbeat()):
+                 step_timeout: float = 0.0, heartbeat: config.Heartbeat = config.Heartbeat(),
+                 keys: PartKeys | None = None):
         super().__init__(name="dispatcher-link", daemon=True)
         self.heartbeat = heartbeat
+        self.keys = keys                 # CURVE: this worker's key and the dispatcher's
         self.context = context
         self.endpoints = endpoints
         self.identity = identity
@@ -57,6 +60,8 @@ class DispatcherLink(threading.Thread):
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, self.identity)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            self.keys.apply(sock)
         sock.connect(self.endpoints.worker)
         sock.send_multipart(P.encode(P.READY, body=self.info))
         self.connects += 1
@@ -231,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "ngl", "slots", "deterministic", "engine", "name",
                                 "fim_template", "prefill_chunk", "draft_max", "cache_reuse",
                                 "step_timeout", "heartbeat_interval", "log_level",
-                                "log_content"],
+                                "log_content", "curve_keys", "curve_name",
+                                "insecure_transport"],
                        configfile.server_defaults(file_data))
     args = config.resolve(parser.parse_args(argv), file_data)
     logging.basicConfig(level=args.log_level.upper(), format=config.LOG_FORMAT)
@@ -242,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = parse_device(args.device[0])
         endpoints = P.Endpoints.from_base(args.dispatcher)
+        problem = curve.transport_problem(args.dispatcher, args.curve_keys,
+                                          args.insecure_transport)
+        if problem:
+            raise ValueError(problem)
+        keys = curve.PartKeys.load(args.curve_keys, args.curve_name) if args.curve_keys \
+            else None
         if args.config:
             spec, args = _from_config_file(args, spec, file_data)
     except (ValueError, configfile.ConfigError) as exc:
@@ -263,7 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         log.error("worker %s cannot serve: %s", args.name or spec.slug, exc)
         return EXIT_CANNOT_LOAD
     model_id = args.model_id or default_model_id(model_path)
-    name = args.name or f"{spec.slug}-{os.getpid()}"
+    # a keyed worker's name starts with its key's name (the dispatcher binds the two)
+    prefix = f"{args.curve_name}-" if keys is not None and args.curve_name != "local" else ""
+    name = args.name or f"{prefix}{spec.slug}-{os.getpid()}"
     started = time.monotonic()
     slots = args.slots or config.DEFAULT_SLOTS[spec.compute]
     try:
@@ -284,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     xpub = context.socket(zmq.XPUB)
     xpub.setsockopt(zmq.SNDHWM, config.TOKEN_HWM)
     xpub.setsockopt(zmq.LINGER, 2000)
+    if keys is not None:
+        keys.apply(xpub)
     xpub.connect(endpoints.tokens_in)
     notify_address = f"inproc://notify-{os.getpid()}"
     notify = context.socket(zmq.PAIR)
@@ -308,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         fingerprint=engine.fingerprint, deterministic=args.deterministic,
         engine=engine.name, placement=placement.to_dict())
     link = DispatcherLink(context, endpoints, name.encode(), info, loop, notify_address,
-                          args.step_timeout, config.Heartbeat.of(args))
+                          args.step_timeout, config.Heartbeat.of(args), keys)
     link.start()
     try:
         loop.run(stopping)

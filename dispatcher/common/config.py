@@ -147,6 +147,14 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "dispatcher address: ipc:///dir (sockets in dir) or tcp://host:port (port..port+4); "
            "default: ipc:///tmp/completions-PORT", dispatcher_address),
     Option("name", None, "worker name (default: derived from the device and pid)"),
+    Option("curve_keys", None, "CURVE key directory (python -m dispatcher keygen DIR): the "
+           "dispatcher authenticates and encrypts every socket with it; a part started on "
+           "its own needs the directory's dispatcher.key and its NAME.key_secret"),
+    Option("curve_name", "local", "the key a part presents: NAME.key_secret in "
+           "--curve-keys (a worker's name must be NAME or start with NAME-)"),
+    Option("insecure_transport", False, "allow a tcp:// dispatcher address reachable from "
+           "other hosts without --curve-keys (anyone on the network can then read the "
+           "token stream and submit work)", _boolean),
     Option("step_timeout", 300.0, "seconds one step of a worker's generation loop may take "
            "(a decode of at most a batch, and the sampling); past it the worker is stuck: its "
            "requests fail with worker_stuck and it exits to be replaced (0: never)",

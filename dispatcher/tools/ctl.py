@@ -10,6 +10,7 @@ import os
 import zmq
 
 from dispatcher.common import protocol as P
+from dispatcher.common.curve import OPS, CurveKeyError, PartKeys
 from dispatcher.common.models import resolve_model_path
 
 
@@ -19,11 +20,14 @@ def default_dispatcher_address(port: int) -> str:
     return f"ipc://{os.path.join(tempfile.gettempdir(), f'completions-{port}')}"
 
 
-def control_request(base: str, request: dict, timeout: float = 3.0) -> dict:
+def control_request(base: str, request: dict, timeout: float = 3.0,
+                    keys: PartKeys | None = None) -> dict:
     endpoints = P.Endpoints.from_base(base)
     context = zmq.Context()
     sock = context.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        keys.apply(sock)
     sock.connect(endpoints.control)
     try:
         sock.send(P.encode_json(request))
@@ -84,7 +88,7 @@ def format_status(status: dict) -> str:
 
 
 def cmd_status(args) -> int:
-    status = control_request(_base(args), {"cmd": "status"})
+    status = control_request(_base(args), {"cmd": "status"}, keys=_keys(args))
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0
 
@@ -98,7 +102,7 @@ def cmd_worker_action(args) -> int:
             request["model"] = str(resolve_model_path(args.model))   # as serve checks it
         if args.model_id:
             request["model_id"] = args.model_id
-    reply = control_request(_base(args), request)
+    reply = control_request(_base(args), request, keys=_keys(args))
     if args.json:
         print(json.dumps(reply, indent=2))
     elif "error" in reply:
@@ -109,6 +113,17 @@ def cmd_worker_action(args) -> int:
     return 1 if "error" in reply else 0
 
 
+def _keys(args) -> PartKeys | None:
+    """The ops tool's key (--curve-keys, --curve-name ops by default), if keyed."""
+    if not getattr(args, "curve_keys", None):
+        return None
+    name = args.curve_name if "curve_name" in args.explicit else OPS
+    try:
+        return PartKeys.load(args.curve_keys, name)
+    except CurveKeyError as exc:
+        raise SystemExit(str(exc)) from None
+
+
 def add_worker_commands(sub, config, file_values: dict) -> None:
     helps = {"drain": "stop giving WORKER new work; it finishes what it runs, then idles",
              "resume": "give a drained WORKER work again",
@@ -117,7 +132,8 @@ def add_worker_commands(sub, config, file_values: dict) -> None:
     for name, text in helps.items():
         parser = sub.add_parser(name, help=text)
         parser.add_argument("worker", help="worker name, as `status` shows it")
-        config.add_options(parser, ["dispatcher", "port"], file_values)
+        config.add_options(parser, ["dispatcher", "port", "curve_keys", "curve_name"],
+                           file_values)
         if name in ("restart", "reload"):
             parser.add_argument("--grace", type=config.non_negative_seconds, default=30.0,
                                 help="seconds to wait for its requests (default 30)")

@@ -1,0 +1,170 @@
+"""Authenticated, encrypted transports between hosts: ZeroMQ's CURVE, checked by ZAP.
+
+`python -m dispatcher keygen DIR` writes a key directory:
+
+    DIR/dispatcher.key, dispatcher.key_secret    the dispatcher's pair
+    DIR/NAME.key, NAME.key_secret                each part's pair: `local` (the parts
+                                                 `serve` starts itself), `ops` (the ops
+                                                 tool), and each --worker / --frontend NAME
+    DIR/authorized/workers/NAME.key              the public keys the dispatcher accepts,
+    DIR/authorized/frontends/NAME.key            by role (`local` in all three, `ops` in
+    DIR/authorized/ops/NAME.key                  ops only)
+
+The dispatcher (`--curve-keys DIR`) serves every socket as a CURVE server and accepts only
+the public keys under `authorized/` of the socket's role: workers on the worker and
+token-in sockets, front ends on the front-end and token-out sockets (so the token stream
+is readable only by them), the ops tool and the front ends on the control socket. A part
+(`--curve-keys DIR --curve-name NAME`) needs only `dispatcher.key` and its own
+`NAME.key_secret` in DIR: that is what a second host is given. A worker's name is bound
+to its key: a key named NAME registers only workers named NAME or NAME-..., `local`
+any name no other key holds.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.auth
+
+ROLES = ("workers", "frontends", "ops")
+LOCAL, OPS = "local", "ops"
+
+
+class CurveKeyError(ValueError):
+    """A key directory that cannot be used, said in one line."""
+
+
+def keygen(directory: str, workers: list[str] = (), frontends: list[str] = ()) -> list[str]:
+    """Write (or add to) a key directory; returns the names of the pairs written."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o700)
+    for role in ROLES:
+        (root / "authorized" / role).mkdir(parents=True, exist_ok=True)
+    roles = {"dispatcher": (), LOCAL: ROLES, OPS: ("ops",)}
+    roles.update({name: ("workers",) for name in workers})
+    roles.update({name: ("frontends",) for name in frontends})
+    written = []
+    for name, authorized in roles.items():
+        if not name or "/" in name or name.startswith("."):
+            raise CurveKeyError(f"a key name is a plain file name, got {name!r}")
+        if not (root / f"{name}.key_secret").exists():
+            zmq.auth.create_certificates(str(root), name)
+            os.chmod(root / f"{name}.key_secret", 0o600)
+            written.append(name)
+        for role in authorized:
+            shutil.copyfile(root / f"{name}.key", root / "authorized" / role / f"{name}.key")
+    return written
+
+
+def _secret(path: Path) -> tuple[bytes, bytes]:
+    try:
+        public, secret = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as exc:
+        raise CurveKeyError(f"{path}: not a readable CURVE secret key file ({exc})") from None
+    if not secret:
+        raise CurveKeyError(f"{path}: holds no secret key")
+    return public, secret
+
+
+def _public(path: Path) -> bytes:
+    try:
+        return zmq.auth.load_certificate(str(path))[0]
+    except (OSError, ValueError) as exc:
+        raise CurveKeyError(f"{path}: not a readable CURVE public key file ({exc})") from None
+
+
+@dataclass(frozen=True)
+class PartKeys:
+    """What a part (worker, front end, ops tool) presents to the dispatcher."""
+    public: bytes
+    secret: bytes
+    server: bytes              # the dispatcher's public key
+
+    @classmethod
+    def load(cls, directory: str, name: str = LOCAL) -> "PartKeys":
+        root = Path(directory)
+        public, secret = _secret(root / f"{name}.key_secret")
+        return cls(public, secret, _public(root / "dispatcher.key"))
+
+    def apply(self, sock: zmq.Socket) -> None:
+        """Before connect: this socket speaks CURVE to the dispatcher as this part."""
+        sock.curve_publickey, sock.curve_secretkey = self.public, self.secret
+        sock.curve_serverkey = self.server
+
+
+@dataclass
+class DispatcherKeys:
+    """The dispatcher's pair and the public keys it accepts, by role."""
+    directory: Path
+    public: bytes
+    secret: bytes
+    names: dict[str, str] = field(default_factory=dict)   # z85 public key -> its name
+
+    @classmethod
+    def load(cls, directory: str) -> "DispatcherKeys":
+        root = Path(directory)
+        public, secret = _secret(root / "dispatcher.key_secret")
+        keys = cls(root, public, secret)
+        for role in ROLES:
+            if not (root / "authorized" / role).is_dir():
+                raise CurveKeyError(f"{root}: no authorized/{role} directory "
+                                "(python -m dispatcher keygen DIR writes one)")
+            for path in (root / "authorized" / role).glob("*.key"):
+                keys.names[_public(path).decode()] = path.stem
+        return keys
+
+    def serve(self, sock: zmq.Socket, role: str) -> None:
+        """Before bind: this socket is a CURVE server accepting `role`'s keys (ZAP)."""
+        sock.curve_publickey, sock.curve_secretkey = self.public, self.secret
+        sock.curve_server = True
+        sock.zap_domain = role.encode()
+
+    def authenticator(self, context: zmq.Context):
+        """The ZAP handler of `context`: each role's domain, its authorized keys."""
+        from zmq.auth.thread import ThreadAuthenticator
+        auth = ThreadAuthenticator(context)
+        auth.start()
+        for role in ROLES:
+            location = str(self.directory / "authorized" / role)
+            auth.configure_curve(domain=role, location=location)
+        return auth
+
+    def may_register(self, user_id: str | None, identity: str, bound: dict) -> bool:
+        """Whether the worker key `user_id` may speak as `identity`: its own name (NAME,
+        NAME-...), or for `local` any name; and never a name bound to another key."""
+        name = self.names.get(user_id or "")
+        if name is None:
+            return False
+        if bound.get(identity, user_id) != user_id:
+            return False
+        return name == LOCAL or identity == name or identity.startswith(name + "-")
+
+
+LOOPBACK_NAMES = ("localhost", "ip6-localhost")
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a dispatcher address stays on this host (ipc://, or tcp:// to loopback)."""
+    if not address.startswith("tcp://"):
+        return True
+    host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def transport_problem(address: str | None, keys: str | None, insecure: bool) -> str | None:
+    """One line when a tcp address beyond loopback would go unauthenticated."""
+    if not address or keys or insecure or is_loopback(address):
+        return None
+    return (f"{address} is reachable from other hosts: give --curve-keys DIR (python -m "
+            "dispatcher keygen DIR makes one), or --insecure-transport to run it "
+            "unauthenticated anyway")
