@@ -342,8 +342,11 @@ def assert_nothing_without_the_right_key(dispatcher: str, keys: Path, http_port:
                     sock.setsockopt(zmq.SUBSCRIBE, b"")           # everyone's tokens
                 sock.connect(getattr(endpoints, name))
             socks["frontend"].send_multipart(P.encode(P.PING, body=P.Ping()), zmq.NOBLOCK)
+            socks["worker"].send_multipart(P.encode(P.READY, body=P.WorkerInfo(model="x")),
+                                           zmq.NOBLOCK)      # registered: heartbeats come
             socks["control"].send(b'{"cmd": "status"}', zmq.NOBLOCK)
-            for name in ("frontend", "control", "tokens_out"):
+            # (a publisher the proxy accepted would be sent the front ends' subscriptions)
+            for name in ("frontend", "worker", "control", "tokens_out", "tokens_in"):
                 assert not socks[name].poll(1500), f"{who}: answered on {name}"
             for sock in socks.values():
                 sock.close(0)
