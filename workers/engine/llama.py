@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import llama_cpp
@@ -35,18 +37,24 @@ BANNED = -1e30           # a logit no token wins with, yet finite: a grammar sta
 PROMPT_LOGPROB_CHUNK = 64   # prompt rows per step when every row's logits are kept (1 MiB each)
 
 
+# llama.cpp keeps one log callback per process; `user_data` names the LlamaLog it writes
+# through. Held weakly: a log whose engine is gone falls back to a bounded errors-only one
+# (a raw pointer to it would dangle).
+_LOGS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_FALLBACK = LlamaLog()
+_NEXT = itertools.count(1)
+
+
 @llama_cpp.llama_log_callback
 def _log_to_stderr(level: int, text: bytes, user_data) -> None:
-    """llama.cpp's own log, through the `LlamaLog` whose address is `user_data` (llama.cpp
-    keeps one callback per process: its settings travel with it, not in this module)."""
-    if user_data:
-        ctypes.cast(ctypes.c_void_p(user_data), ctypes.py_object).value.write(
-            level, text.decode("utf-8", "replace"))
+    _LOGS.get(user_data or 0, _FALLBACK).write(level, text.decode("utf-8", "replace"))
 
 
 def set_llama_log(log: LlamaLog) -> LlamaLog:
-    """Send llama.cpp's log through `log` (the caller keeps it alive while it is set)."""
-    llama_cpp.llama_log_set(_log_to_stderr, ctypes.c_void_p(id(log)))
+    """Send llama.cpp's log through `log` (for as long as the caller keeps it)."""
+    key = next(_NEXT)
+    _LOGS[key] = log
+    llama_cpp.llama_log_set(_log_to_stderr, ctypes.c_void_p(key))
     return log
 
 
