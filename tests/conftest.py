@@ -140,7 +140,8 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.output()}")
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n"
+                                   f"{self.output()[-6000:]}")
             try:
                 status, _, body = http_json(self.port, "GET", "/health", timeout=5)
                 if status == 200 and body.get("workers_ready") == self.workers:
@@ -148,7 +149,7 @@ class ServerProcess:
             except OSError:
                 pass
             time.sleep(0.05)
-        raise RuntimeError(f"server not ready in {timeout}s:\n{self.output()}")
+        raise RuntimeError(f"server not ready in {timeout}s:\n{self.output()[-6000:]}")
 
     def status(self) -> dict:
         return control_request(self.dispatcher, {"cmd": "status"})
@@ -173,8 +174,10 @@ class ServerProcess:
             what="the worker to go idle after a cancel")
 
     def output(self) -> str:
+        """Everything the server has logged (its access log too: a line looked for must
+        not scroll out of a tail)."""
         try:
-            return self.log_path.read_text(errors="replace")[-6000:]
+            return self.log_path.read_text(errors="replace")
         except OSError:
             return ""
 

@@ -206,7 +206,10 @@ def test_restart_kills_a_worker_that_does_not_stop_when_asked():
             hung=complete(port, {"prompt": "[[hang]] Say hi", "max_tokens": 5})))
         hung.start()
         name = server.wait_for(lambda: (w := server.worker())["started"] and w["name"],
-                               what="the request to hang the worker")
+                               what="the request to start")
+        # (started is before the prefill: asked to stop then, a worker still can)
+        server.wait_for(lambda: "the generation loop hangs now" in server.output(),
+                        what="the request to hang the worker")
         result = subprocess.run([sys.executable, "-m", "dispatcher", "restart", name,
                                  "--grace", "1", "--port", str(port)], cwd=ROOT,
                                 capture_output=True, text=True, timeout=60)

@@ -45,6 +45,7 @@ class FaultInjection:
 
     def check(self, phase: str, prompt) -> None:
         if self.hang and phase == "token" and self.hang in str(prompt):
+            os.write(2, b"fault injection: the generation loop hangs now\n")
             while True:                 # signals are handled, and the sleep goes on
                 time.sleep(1)
         marker = self.raises.get(phase)
