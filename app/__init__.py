@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+import gevent
 from flask import Flask, request
 
 from dispatcher.common import config, configfile, curve
@@ -49,8 +50,10 @@ def create_app(test_config: dict | None = None) -> Flask:
 
     @app.before_request
     def stamp_arrival():
-        # the client's order of a session's requests (superseding) is their arrival here
-        request.environ["completions.arrived_ns"] = time.time_ns()
+        # the client's order of a session's requests (superseding) is their arrival: as
+        # the front end's gunicorn worker stamped it (app.gunicorn_worker), else now
+        request.environ["completions.arrived_ns"] = getattr(
+            gevent.getcurrent(), "completions_arrived_ns", None) or time.time_ns()
 
     access.init_app(app)               # first: a request refused below is logged too
     cors.init_app(app)                 # before auth: a preflight carries no credentials

@@ -76,6 +76,9 @@ class FrontendWorker(GeventWorker):
             self._noted = time.monotonic()
 
     def handle(self, listener, client, addr):
+        # a session's order of requests is their arrival (app.requests.session_order):
+        # the first request of a connection arrives when it is accepted
+        gevent.getcurrent().completions_accepted_ns = time.time_ns()
         self._fresh[client] = time.monotonic()
         self._open += 1
         gevent.getcurrent().completions_reserve = self._open > self.worker_connections
@@ -90,6 +93,9 @@ class FrontendWorker(GeventWorker):
         self._fresh.pop(sock, None)
         self._idle.discard(sock)
         greenlet = gevent.getcurrent()
+        # ... a later one on the same connection when its head has been read (this call)
+        greenlet.completions_arrived_ns = time.time_ns() if getattr(
+            greenlet, "completions_served", False) else greenlet.completions_accepted_ns
         greenlet.completions_served = True
         if greenlet.completions_reserve and req.path not in RESERVE_PATHS:
             sock.sendall(FULL % (len(FULL_BODY), FULL_BODY))

@@ -29,7 +29,7 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
               session: str | None = None, timeout: float | None = None,
               warm: bool = False, infill: P.Infill | None = None,
               session_order: int = 0, tenant: str | None = None,
-              key: str | None = None) -> list[JobPlan]:
+              key: str | None = None, session_seq: bool = False) -> list[JobPlan]:
     """One job per prompt and candidate. Candidates of one prompt get seeds seed, seed+1,
     ... so that n > 1 gives different texts and the same request gives the same ones.
     A prompt's jobs share its objects (the fan-out sends them once)."""
@@ -55,7 +55,8 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
             job = P.WorkerJob(
                 id=request_id if fanout == 1 else f"{request_id}.{p}.{c}", model=model,
                 parent=request_id, fanout=fanout, route=route, session=session,
-                session_order=session_order, timeout=timeout, tenant=tenant, key=key,
+                session_order=session_order, session_seq=session_seq, timeout=timeout,
+                tenant=tenant, key=key,
                 prompt=prompt,
                 suffix=req.get("suffix"), infill=infill, generation=generation)
             plans.append(JobPlan(msgspec.structs.replace(job, adopt_key=adopt_key(job)),

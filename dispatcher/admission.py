@@ -22,6 +22,11 @@ from dispatcher.queues import Job
 UNIT_TIMEOUT = 60.0
 # How long the newest request of an idle session is remembered (to refuse a late older one).
 SESSION_MEMORY = 600.0
+# A session whose client's counter (X-Session-Seq) starts again: a request numbered at most
+# this, or one arriving this long after the newest has ended, begins a new epoch.
+RESTARTED_SEQ = 1
+RESTART_GAP = 10                # (a late 0 or 1 among the first few is only a late one)
+EPOCH_PAUSE = 2.0
 # Sessions remembered at most, the least recently used forgotten first: with ids of at
 # most 128 characters (the front end's limit) about 5 MB.
 MAX_SESSIONS = 10_000
@@ -92,7 +97,8 @@ class Sessions:
         session, parent = job.body.session, job.body.parent
         order = job.body.session_order
         newest = self.newest.get(session)
-        if newest is not None and newest[1] != parent and newest[0] > order:
+        if newest is not None and newest[1] != parent and newest[0] > order \
+                and not self._new_epoch(job, newest, now):
             return False, []
         self.newest[session] = (order, parent, now)
         self.newest.move_to_end(session)
@@ -104,6 +110,17 @@ class Sessions:
             del jobs[old.request_id]
         jobs[job.request_id] = job
         return True, older
+
+    def _new_epoch(self, job: Job, newest: tuple, now: float) -> bool:
+        """A lower X-Session-Seq that starts the client's count again (an editor restarted
+        with the same session id) rather than a late older request: numbered 0 or 1, or
+        sent after a pause once the session's requests have all ended."""
+        if not job.body.session_seq:
+            return False                 # arrival stamps never go back
+        idle = not self.open.get(job.body.session)
+        restarted = job.body.session_order <= RESTARTED_SEQ and \
+            newest[0] >= job.body.session_order + RESTART_GAP
+        return restarted or (idle and now - newest[2] >= EPOCH_PAUSE)
 
     def forget(self, job: Job) -> None:
         session = job.body.session

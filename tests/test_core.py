@@ -349,3 +349,57 @@ def test_a_key_over_its_share_of_the_queue_is_refused_while_others_are_admitted(
     assert ("REQUEST", "b0") in kinds(sends)        # keys take turns: k1 just had one
     sends = from_worker(core, P.DONE, "b0", attempt=1, last_seq=1)
     assert ("REQUEST", "a1") in kinds(sends)        # then k1 again
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.permutations(range(6)), st.lists(st.integers(0, 5), max_size=3),
+       st.booleans())
+def test_the_last_request_sent_is_answered_in_every_interleaving(arrival, closed, seq):
+    """Six requests of one session, numbered in the order sent (X-Session-Seq, or the
+    arrival stamp), reach the dispatcher in any order; the client closes some older
+    ones; the last one sent is never failed or refused as superseded."""
+    core = DispatcherCore()
+    ready(core, slots=2)
+    last, refused = 5, set()
+    for step, i in enumerate(arrival):
+        sends = submit(core, f"r{i}", now=step * 0.01, session="s", parent=f"r{i}",
+                       session_order=100 + i, session_seq=seq)
+        refused |= {s.request_id for s in sends if s.cmd in (P.REJECTED, P.FAILED)}
+        for c in closed:
+            if c != last:
+                core.frontend_message(FE, P.Message(P.CANCEL, f"r{c}"), step * 0.01)
+    assert f"r{last}" not in refused
+
+
+def test_a_client_counting_from_zero_again_starts_a_new_epoch():
+    core = DispatcherCore()
+    ready(core, slots=2)
+    for i in range(30, 41):
+        submit(core, f"old{i}", session="s", parent=f"old{i}", session_order=i,
+               session_seq=True)
+    sends = submit(core, "late", session="s", parent="late", session_order=35,
+                   session_seq=True)
+    assert sends[0].cmd == P.REJECTED and sends[0].body.code == "superseded"   # late
+    sends = submit(core, "again", session="s", parent="again", session_order=0,
+                   session_seq=True)                # the editor restarted: counts from 0
+    assert ("ACCEPTED", "again") in kinds(sends)
+    assert {s.request_id for s in sends if s.cmd == P.FAILED} == {"old40"}
+    assert ("ACCEPTED", "next") in kinds(submit(core, "next", session="s", parent="next",
+                                                session_order=1, session_seq=True))
+
+
+def test_after_a_pause_a_lower_seq_is_a_new_epoch_but_arrival_stamps_never_go_back():
+    core = DispatcherCore()
+    ready(core, slots=2)
+    submit(core, "a", session="s", parent="a", session_order=7, session_seq=True)
+    from_worker(core, P.DONE, "a", attempt=1, last_seq=1)
+    sends = submit(core, "b", now=3.0, session="s", parent="b", session_order=3,
+                   session_seq=True)
+    assert kinds(sends)[0] == ("ACCEPTED", "b")
+    submit(core, "c", session="t", parent="c", session_order=7)
+    from_worker(core, P.DONE, "c", attempt=1, last_seq=1)
+    sends = submit(core, "d", now=3.0, session="t", parent="d", session_order=3)
+    assert sends[0].cmd == P.REJECTED                      # (stamps: d was sent before c)

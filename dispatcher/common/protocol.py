@@ -201,6 +201,7 @@ class Job(Body, Generic[G], kw_only=True):
     route: Route = Route()
     session: str | None = None          # X-Session-Id (scoped by key)
     session_order: int = 0              # the client's order of its session's requests
+    session_seq: bool = False           # ... its own counter (X-Session-Seq), not arrival
     timeout: float | None = None        # seconds it may wait in the queue
     adopt_key: str | None = None        # type-along adoption (app.jobs.adopt_key)
     tenant: str | None = None           # whose prompt cache it may reuse (None: shared)

@@ -250,27 +250,32 @@ def run_single(target, name: str, prompt: str, requests: int, max_tokens: int,
 
 
 def run_typing(target, sessions: int, bursts: int, burst_len: int, gap: float,
-               max_tokens: int, salt: int) -> Level:
+               max_tokens: int, salt: int, session_seq: bool = False,
+               session_name: str | None = None) -> Level:
     """Editors typing: `sessions` users, each typing bursts of `burst_len` keystrokes
     `gap` s apart into its own ~400-token file, one request per keystroke superseding
     the last (X-Session-Id), a pause after each burst. Reports, for the request the user
     waits for (the last of each burst): TTFT, time to the end of the first line
-    (`first_line_p50_ms`), and how many got no answer (errors)."""
+    (`first_line_p50_ms`), and how many got no answer (errors). With `session_seq`,
+    each request also says its number in the user's count (X-Session-Seq)."""
     waited: list[Sample] = []
     lock = threading.Lock()
+    name = session_name or f"typing-{salt}"
 
     def user(u: int) -> None:
         text = prompt_of(1600, salt + u)
         cursor = len(text) // 2
+        count = 0
         for b in range(bursts):
             threads, results = [], {}
             for k in range(burst_len):
                 cursor += 2
+                count += 1
                 prefix = text[:cursor] + "\n    "
 
-                def fire(key=k, prefix=prefix):
+                def fire(key=k, prefix=prefix, seq=count if session_seq else None):
                     results[key] = target.complete(prefix, max_tokens,
-                                                   session=f"typing-{salt}-{u}")
+                                                   session=f"{name}-{u}", seq=seq)
                 thread = threading.Thread(target=fire)
                 thread.start()
                 threads.append(thread)
@@ -323,6 +328,11 @@ def add_arguments(parser) -> None:
                         help="typing: keystrokes per burst")
     parser.add_argument("--keystroke-gap", type=non_negative_seconds, default=0.1,
                         help="typing: seconds between keystrokes")
+    parser.add_argument("--session-seq", action="store_true",
+                        help="typing: number each user's requests (X-Session-Seq)")
+    parser.add_argument("--session-name", default=None,
+                        help="typing: session ids NAME-0, NAME-1, ... (default: new ones "
+                             "each run; the same NAME again is an editor restarted)")
     parser.add_argument("--constrained", action="store_true",
                         help="also: a plain stream alone and beside a json_schema stream "
                              "(prints the slowdown; targets that take json_schema only)")
@@ -383,7 +393,8 @@ def run(args) -> int:
             elif workload == "typing" and not in_process:
                 results.append(run_typing(target, args.sessions, args.bursts,
                                           args.burst_len, args.keystroke_gap,
-                                          args.max_tokens, salt + 3))
+                                          args.max_tokens, salt + 3, args.session_seq,
+                                          args.session_name))
             elif workload != "typing":
                 raise SystemExit(f"unknown workload {workload!r}: edit, fresh, sampled, "
                                  "typing")

@@ -119,14 +119,17 @@ class HttpTarget:
 
     def complete(self, prompt: str, max_tokens: int, suffix: str | None = None,
                  session: str | None = None, timeout: float = 600,
-                 extra: dict | None = None) -> Sample:
+                 extra: dict | None = None, seq: int | None = None) -> Sample:
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
         if self.model:
             body["model"] = self.model
         if suffix is not None:
             body["suffix"] = suffix
-        headers = self._headers({"X-Session-Id": session} if session else None)
+        session_headers = {"X-Session-Id": session} if session else {}
+        if session and seq is not None:
+            session_headers["X-Session-Seq"] = str(seq)
+        headers = self._headers(session_headers or None)
         sample = Sample()
         started = time.perf_counter()
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)

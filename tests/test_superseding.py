@@ -1,0 +1,72 @@
+"""Superseding on the real stack (FakeEngine): a session's order is the client's, taken as
+close to the client as the server sees it (the connection's acceptance), and a client
+whose X-Session-Seq starts again is a new epoch, not locked out."""
+import json
+import socket
+import time
+
+import pytest
+
+from conftest import ServerProcess, http_json
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = ServerProcess("--engine", "fake", "--slots", "2", log_name="superseding").start()
+    yield server
+    assert server.stop() == 0
+
+
+def raw_request(port: int, body: dict, headers: dict) -> tuple[socket.socket, bytes]:
+    data = json.dumps(body).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    return sock, (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  f"application/json\r\nContent-Length: {len(data)}\r\n{head}"
+                  f"Connection: close\r\n\r\n").encode() + data
+
+
+def status_of(sock: socket.socket) -> int:
+    reply = b""
+    while b"\r\n" not in reply:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        reply += chunk
+    sock.close()
+    return int(reply.split(b" ")[1])
+
+
+def test_the_order_is_the_connections_not_when_its_request_was_read(server):
+    """The older request's head and body come late (a slow client, or a busy front end
+    that reads it late): it is still the older one, so the newer one is answered."""
+    session = {"X-Session-Id": "slow-body"}
+    old, old_bytes = raw_request(server.port, {"prompt": "[slow=0.05] a", "max_tokens": 20},
+                                 session)
+    old.sendall(old_bytes[:30])                       # its request line, part of its head
+    time.sleep(0.3)
+    status, _, body = http_json(server.port, "POST", "/v1/completions",
+                                {"prompt": "[slow=0.05] ab", "max_tokens": 3},
+                                headers=session)
+    old.sendall(old_bytes[30:])
+    assert status == 200, body                        # the newer one: answered
+    assert status_of(old) == 409                      # the older: superseded on arrival
+
+
+def test_a_client_whose_seq_starts_again_is_not_locked_out(server):
+    session = {"X-Session-Id": "restarted-editor"}
+    for seq in (40, 41):
+        status, _, _ = http_json(server.port, "POST", "/v1/completions",
+                                 {"prompt": "x", "max_tokens": 1},
+                                 headers={**session, "X-Session-Seq": str(seq)})
+        assert status == 200
+    status, _, body = http_json(server.port, "POST", "/v1/completions",
+                                {"prompt": "x", "max_tokens": 1},
+                                headers={**session, "X-Session-Seq": "0"})
+    assert status == 200, body                        # a new epoch, not a 409
+    status, _, body = http_json(server.port, "POST", "/v1/completions",
+                                {"prompt": "x", "max_tokens": 1},
+                                headers={**session, "X-Session-Seq": "1"})
+    assert status == 200, body
