@@ -22,6 +22,7 @@ import socket
 import zmq.green as zmq
 
 from app.errors import APIError, ServiceUnavailable, from_wire
+from dispatcher.common.addresses import Endpoints
 from dispatcher.common import config, protocol as P
 from dispatcher.common.curve import PartKeys
 from dispatcher.common.latency import LatencyRecorder
@@ -150,7 +151,7 @@ class RequestStream:
 class DispatcherClient:
     """This process's DEALER and SUB sockets and the requests waiting on them."""
 
-    def __init__(self, endpoints: P.Endpoints, heartbeat: config.Heartbeat = config.Heartbeat(),
+    def __init__(self, endpoints: Endpoints, heartbeat: config.Heartbeat = config.Heartbeat(),
                  keys: PartKeys | None = None):
         self.pid = os.getpid()
         self.heartbeat = heartbeat
@@ -362,7 +363,7 @@ def get_client(app) -> DispatcherClient:
     client = app.extensions.get("dispatcher_client")
     if client is None or client.pid != os.getpid():
         keys = app.config.get("CURVE_KEYS")
-        client = DispatcherClient(P.Endpoints.from_base(app.config["DISPATCHER"]),
+        client = DispatcherClient(Endpoints.from_base(app.config["DISPATCHER"]),
                                   config.Heartbeat(app.config["HEARTBEAT_INTERVAL"]),
                                   PartKeys.load(keys, app.config.get("CURVE_NAME") or "local")
                                   if keys else None)

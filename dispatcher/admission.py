@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-import msgspec
-
 from dispatcher.common import protocol as P
 from dispatcher.queues import Job
 
@@ -49,7 +47,7 @@ class Units:
         fields = entry[1].get(same) if entry else None
         if fields is None:
             return None
-        return msgspec.structs.replace(body, same_as=None, **fields)
+        return P.with_prompt(body, fields)
 
     def later_job(self, parent: str) -> bool:
         """True for a later job of a request whose first job was admitted: a request's

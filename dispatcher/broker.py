@@ -19,6 +19,7 @@ import time
 
 import zmq
 
+from dispatcher.common.addresses import Endpoints
 from dispatcher.common import config, protocol as P
 from dispatcher.core import DispatcherCore, Send
 from dispatcher.operations import Operations
@@ -45,7 +46,7 @@ class SupervisedFleet:
 
 
 class Broker:
-    def __init__(self, endpoints: P.Endpoints, supervisor=None,
+    def __init__(self, endpoints: Endpoints, supervisor=None,
                  known_models: dict[str, dict] | None = None, max_queue: int = 64,
                  queue_timeout: float = 0.0, heartbeat: config.Heartbeat = config.Heartbeat(),
                  max_queue_per_key: int = 0, keys: DispatcherKeys | None = None):
@@ -179,7 +180,7 @@ class Broker:
         wake = self._wake_r.fileno()            # the poller reports plain sockets by fd
         poller.register(wake, zmq.POLLIN)
         log.info("dispatcher listening: %s", ", ".join(
-            f"{n}={getattr(self.endpoints, n)}" for n in P.Endpoints.NAMES))
+            f"{n}={getattr(self.endpoints, n)}" for n in Endpoints.NAMES))
         while not self._stop.is_set():
             ready = dict(poller.poll(100))
             if wake in ready:

@@ -10,7 +10,8 @@ import signal
 import socket
 import sys
 
-from dispatcher.common import config, configfile, protocol as P
+from dispatcher.common.addresses import Endpoints
+from dispatcher.common import config, configfile
 from dispatcher.common.models import default_model_id, resolve_model_path
 from dispatcher.tools.ctl import default_dispatcher_address, dispatcher_answers
 
@@ -84,9 +85,9 @@ def _run_broker(broker, cleanup_dir: str | None, grace: float = 0.0) -> int:
     return broker.exit_code
 
 
-def _endpoints(args) -> tuple[P.Endpoints, str, str | None]:
+def _endpoints(args) -> tuple[Endpoints, str, str | None]:
     base = args.dispatcher or default_dispatcher_address(args.port)
-    endpoints = P.Endpoints.from_base(base)
+    endpoints = Endpoints.from_base(base)
     # Binding an ipc address takes it over silently (and the leaving process would
     # remove the live one's directory): refuse while another dispatcher answers there.
     if dispatcher_answers(base):
@@ -253,7 +254,7 @@ def cmd_check_config(args) -> int:
         except curve.CurveKeyError as exc:
             problems.append(str(exc))
     try:
-        P.Endpoints.from_base(args.dispatcher or default_dispatcher_address(args.port))
+        Endpoints.from_base(args.dispatcher or default_dispatcher_address(args.port))
     except ValueError as exc:
         problems.append(f"dispatcher: {exc}")
     if args.json:

@@ -320,8 +320,9 @@ def assert_nothing_without_the_right_key(dispatcher: str, keys: Path, http_port:
 
     from conftest import SSEStream
     from dispatcher.common import protocol as P
+    from dispatcher.common.addresses import Endpoints
     from dispatcher.common.curve import PartKeys
-    endpoints = P.Endpoints.from_base(dispatcher)
+    endpoints = Endpoints.from_base(dispatcher)
     server = PartKeys.load(str(keys), "ops").server
     public, secret = zmq.curve_keypair()
     strangers = {"unkeyed": None, "wrongly keyed": PartKeys(public, secret, server)}

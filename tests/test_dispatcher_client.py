@@ -11,6 +11,7 @@ import zmq
 import zmq.green as gzmq
 
 import app.client as client_module
+from dispatcher.common.addresses import Endpoints
 from dispatcher.common import config, protocol as P
 from dispatcher.broker import Broker
 
@@ -21,7 +22,7 @@ class ScriptedDispatcher:
     """Answers every PING with `state` and, while `beats` is set, a beat of `beat_epoch`
     on its XPUB."""
 
-    def __init__(self, endpoints: P.Endpoints):
+    def __init__(self, endpoints: Endpoints):
         self.endpoints = endpoints
         self.context = gzmq.Context()
         self.router = self.context.socket(gzmq.ROUTER)
@@ -68,7 +69,7 @@ def open_request_when_ready(client) -> client_module.RequestStream:
 
 @pytest.fixture
 def endpoints(tmp_path):
-    return P.Endpoints.from_base(f"ipc://{tmp_path}")
+    return Endpoints.from_base(f"ipc://{tmp_path}")
 
 
 def test_a_front_end_asks_again_soon_until_the_dispatcher_first_answers(monkeypatch,

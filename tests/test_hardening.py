@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from conftest import ServerProcess, SSEStream, http_json, two_single_cores
+from dispatcher.common.addresses import Endpoints
 from dispatcher.common import protocol as P
 
 pytestmark = pytest.mark.integration      # the real model
@@ -78,7 +79,7 @@ class RawFrontEnd:
     let through (as a buggy or hostile peer on the dispatcher's network could)."""
 
     def __init__(self, server):
-        endpoints = P.Endpoints.from_base(server.dispatcher)
+        endpoints = Endpoints.from_base(server.dispatcher)
         self.id = P.new_frontend_id()
         self.context = zmq.Context()
         self.sub = self.context.socket(zmq.SUB)

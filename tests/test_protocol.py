@@ -2,6 +2,7 @@
 import msgspec
 import pytest
 
+from dispatcher.common.addresses import Endpoints
 from dispatcher.common import protocol as P
 
 
@@ -54,14 +55,14 @@ def test_frontend_ids_are_fixed_width_so_topics_never_prefix_each_other():
 
 
 def test_endpoints_from_ipc_directory():
-    e = P.Endpoints.from_base("ipc:///run/cs/")
+    e = Endpoints.from_base("ipc:///run/cs/")
     assert e.frontend == "ipc:///run/cs/frontend.sock"
     assert e.control == "ipc:///run/cs/control.sock"
     assert len(e.ipc_paths()) == 5
 
 
 def test_endpoints_from_tcp_base_port():
-    e = P.Endpoints.from_base("tcp://10.0.0.5:5550")
+    e = Endpoints.from_base("tcp://10.0.0.5:5550")
     assert [e.frontend, e.worker, e.tokens_in, e.tokens_out, e.control] == [
         f"tcp://10.0.0.5:{p}" for p in range(5550, 5555)]
 
@@ -69,4 +70,4 @@ def test_endpoints_from_tcp_base_port():
 @pytest.mark.parametrize("base", ["udp://x:1", "tcp://host", "tcp://:5550", "tcp://h:65535"])
 def test_bad_dispatcher_addresses_are_rejected(base):
     with pytest.raises(ValueError):
-        P.Endpoints.from_base(base)
+        Endpoints.from_base(base)

@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from dispatcher.common import protocol as P
+from dispatcher.common.addresses import Endpoints
 from dispatcher.broker import Broker
 from dispatcher.cli import signal_handler
 from dispatcher.common.process import StopFlag
@@ -54,7 +54,7 @@ def test_a_stop_flag_can_be_set_by_a_signal_that_interrupts_setting_it():
 
 def test_the_dispatcher_stops_when_a_signal_asks_while_it_is_stopping_itself(tmp_path,
                                                                            caplog):
-    broker = Broker(P.Endpoints.from_base(f"ipc://{tmp_path}"))
+    broker = Broker(Endpoints.from_base(f"ipc://{tmp_path}"))
     on_signal = signal_handler(broker, grace=30)           # serve's own handler
     try:
         interrupted_inside(lambda: broker.drain(30), lambda: on_signal(signal.SIGTERM, None))
@@ -70,7 +70,7 @@ def test_the_dispatcher_stops_when_a_signal_asks_while_it_is_stopping_itself(tmp
 def test_a_wake_up_is_consumed_not_left_to_spin_the_dispatcher(tmp_path):
     """stop() and drain() wake the loop through a socket; left unread, it would keep the
     poll returning at once and the dispatcher would burn a core (starving the workers)."""
-    broker = Broker(P.Endpoints.from_base(f"ipc://{tmp_path}"))
+    broker = Broker(Endpoints.from_base(f"ipc://{tmp_path}"))
     loop = threading.Thread(target=broker.run)
     loop.start()
     try:

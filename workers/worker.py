@@ -17,6 +17,7 @@ import time
 import msgspec
 import zmq
 
+from dispatcher.common.addresses import Endpoints
 from dispatcher.common import config, configfile, curve, protocol as P
 from dispatcher.common.curve import PartKeys
 from dispatcher.common.devices import parse_device
@@ -37,7 +38,7 @@ EXIT_CANNOT_LOAD = config.EXIT_CANNOT_LOAD
 class DispatcherLink(threading.Thread):
     """The IO thread: the DEALER socket and the heartbeat protocol (Paranoid Pirate)."""
 
-    def __init__(self, context: zmq.Context, endpoints: P.Endpoints, identity: bytes,
+    def __init__(self, context: zmq.Context, endpoints: Endpoints, identity: bytes,
                  info: P.WorkerInfo, loop: GenerationLoop, notify_address: str,
                  step_timeout: float = 0.0, heartbeat: config.Heartbeat = config.Heartbeat(),
                  keys: PartKeys | None = None):
@@ -125,7 +126,7 @@ class DispatcherLink(threading.Thread):
             fields = self.shared.get(body.same_as)
             if fields is None:
                 return None
-            body = msgspec.structs.replace(body, same_as=None, **fields)
+            body = P.with_prompt(body, fields)
         return body
 
     def _refuse(self, frames: list[bytes], exc: P.ProtocolError) -> None:
@@ -247,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"a worker serves exactly one device, got {args.device}")
     try:
         spec = parse_device(args.device[0])
-        endpoints = P.Endpoints.from_base(args.dispatcher)
+        endpoints = Endpoints.from_base(args.dispatcher)
         problem = curve.transport_problem(args.dispatcher, args.curve_keys,
                                           args.insecure_transport)
         if problem:

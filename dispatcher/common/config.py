@@ -80,7 +80,7 @@ def non_negative_seconds(text: str) -> float:
 
 def dispatcher_address(text: str) -> str:
     """ipc:///dir or tcp://host:port, checked when read (not when first used)."""
-    from dispatcher.common.protocol import Endpoints
+    from dispatcher.common.addresses import Endpoints
     try:
         Endpoints.from_base(text)
     except ValueError as exc:
@@ -226,9 +226,8 @@ class Heartbeat:
 
     @classmethod
     def of(cls, options) -> "Heartbeat":
-        """From resolved options (an argparse namespace or a dict), default 1 s."""
-        value = options.get("heartbeat_interval") if isinstance(options, dict) else \
-            getattr(options, "heartbeat_interval", None)
+        """From resolved options (`heartbeat_interval`), default 1 s."""
+        value = getattr(options, "heartbeat_interval", None)
         return cls(value) if value is not None else cls()
 
 # High-water mark of every socket on the token path (worker XPUB, proxy, front-end SUB).

@@ -1,6 +1,6 @@
 """The wire protocol shared by front ends, the dispatcher and workers.
 
-Sockets (all owned by the dispatcher's addresses, see `Endpoints`):
+Sockets (all owned by the dispatcher's addresses, see `dispatcher.common.addresses`):
 
     front end DEALER  -> frontend ROUTER   [PROTO, cmd, request_id, body]
     worker    DEALER  -> worker ROUTER     [PROTO, cmd, request_id, body]
@@ -28,7 +28,6 @@ subscriptions it saw before the restart, so it cannot tell the difference.)
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, Union
@@ -226,6 +225,11 @@ def without_prompt(job: Job, same_as: str) -> Job:
     """The job naming `same_as`'s prompt fields instead of carrying them."""
     return msgspec.structs.replace(job, prompt=None, suffix=None, infill=None,
                                    same_as=same_as)
+
+
+def with_prompt(job: Job, fields: dict) -> Job:
+    """The job carrying the prompt fields (`prompt_fields` of the job it named)."""
+    return msgspec.structs.replace(job, same_as=None, **fields)
 
 
 def prompt_fields(job: Job) -> dict:
@@ -475,37 +479,3 @@ def encode_json(obj: Any) -> bytes:
 def to_dict(struct) -> dict:
     """A struct as plain JSON values (for status output, logs and tests)."""
     return msgspec.to_builtins(struct)
-
-
-@dataclass(frozen=True)
-class Endpoints:
-    """The dispatcher's five addresses, all derived from one base address.
-
-    `ipc:///some/dir` puts five sockets in that directory; `tcp://host:port` uses
-    port .. port+4. Workers and front ends on other hosts need only the base address.
-    """
-    frontend: str
-    worker: str
-    tokens_in: str
-    tokens_out: str
-    control: str
-
-    NAMES = ("frontend", "worker", "tokens_in", "tokens_out", "control")
-
-    @classmethod
-    def from_base(cls, base: str) -> "Endpoints":
-        if base.startswith("ipc://"):
-            if not base[len("ipc://"):].strip("/"):
-                raise ValueError(f"an ipc address names a directory: ipc:///dir, not {base!r}")
-            directory = base[len("ipc://"):].rstrip("/") or "/"
-            return cls(*(f"ipc://{os.path.join(directory, name)}.sock" for name in cls.NAMES))
-        if base.startswith("tcp://"):
-            host, sep, port = base[len("tcp://"):].rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65531:
-                raise ValueError(f"tcp address needs host:port with port <= 65531: {base!r}")
-            return cls(*(f"tcp://{host}:{int(port) + i}" for i in range(len(cls.NAMES))))
-        raise ValueError(f"dispatcher address must start with ipc:// or tcp://: {base!r}")
-
-    def ipc_paths(self) -> list[str]:
-        return [a[len("ipc://"):] for a in (getattr(self, n) for n in self.NAMES)
-                if a.startswith("ipc://")]

@@ -9,6 +9,7 @@ import os
 
 import zmq
 
+from dispatcher.common.addresses import Endpoints
 from dispatcher.common import protocol as P
 from dispatcher.common.curve import OPS, CurveKeyError, PartKeys
 from dispatcher.common.models import resolve_model_path
@@ -22,7 +23,7 @@ def default_dispatcher_address(port: int) -> str:
 
 def control_request(base: str, request: dict, timeout: float = 3.0,
                     keys: PartKeys | None = None) -> dict:
-    endpoints = P.Endpoints.from_base(base)
+    endpoints = Endpoints.from_base(base)
     context = zmq.Context()
     sock = context.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
@@ -41,7 +42,7 @@ def control_request(base: str, request: dict, timeout: float = 3.0,
 
 def dispatcher_answers(base: str, timeout: float = 1.0) -> bool:
     """Whether a live dispatcher answers on `base` (its control socket)."""
-    endpoints = P.Endpoints.from_base(base)
+    endpoints = Endpoints.from_base(base)
     if endpoints.control.startswith("ipc://") and \
             not os.path.exists(endpoints.control[len("ipc://"):]):
         return False
