@@ -242,8 +242,11 @@ def test_bench_editor_workloads(two_fake_workers):
     rows = {row["name"]: row for row in json.loads(out.stdout)}
     for name in ("edit", "fresh", "sampled"):
         assert rows[name]["ok"] == 1 and rows[name]["errors"] == 0
-    typing = rows["typing (waited-for)"]
+    typing = rows["typing (plugin-like)"]     # stale requests closed at once, no header
     assert typing["requests"] == 2 and typing["ok"] == 2 and typing["errors"] == 0
+    assert typing["unanswered"] == 0 and 0 <= typing["closed"] <= 4
+    assert typing["first_line_p95_ms"] is None or \
+        typing["first_line_p95_ms"] >= typing["first_line_p50_ms"]
 
 
 @pytest.mark.integration

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict
 
 from dispatcher.common.config import non_negative_seconds
-from dispatcher.tools.bench_targets import (HttpTarget, InProcessTarget, Level, Sample,
+from dispatcher.tools.bench_targets import (Abort, HttpTarget, InProcessTarget, Level, Sample,
                                       percentile, summarize)
 
 CODE = '''import json
@@ -135,7 +135,9 @@ COLUMNS = [("target", "target", "{}"), ("workload", "name", "{}"),
            ("TTFT p50 ms", "ttft_p50_ms", "{:.1f}"), ("TTFT p95 ms", "ttft_p95_ms", "{:.1f}"),
            ("ITL ms", "itl_ms", "{:.1f}"), ("stream tok/s", "stream_tok_s", "{:.1f}"),
            ("aggregate tok/s", "aggregate_tok_s", "{:.1f}"),
-           ("1st line p50 ms", "first_line_p50_ms", "{:.1f}")]
+           ("1st line p50 ms", "first_line_p50_ms", "{:.1f}"),
+           ("1st line p95 ms", "first_line_p95_ms", "{:.1f}"),
+           ("unanswered", "unanswered", "{}"), ("closed", "closed", "{}")]
 
 
 def table(rows: list[dict]) -> str:
@@ -251,31 +253,45 @@ def run_single(target, name: str, prompt: str, requests: int, max_tokens: int,
 
 def run_typing(target, sessions: int, bursts: int, burst_len: int, gap: float,
                max_tokens: int, salt: int, session_seq: bool = False,
-               session_name: str | None = None) -> Level:
+               session_name: str | None = None, header: bool = False,
+               keep_stale: bool = False) -> Level:
     """Editors typing: `sessions` users, each typing bursts of `burst_len` keystrokes
-    `gap` s apart into its own ~400-token file, one request per keystroke superseding
-    the last (X-Session-Id), a pause after each burst. Reports, for the request the user
-    waits for (the last of each burst): TTFT, time to the end of the first line
-    (`first_line_p50_ms`), and how many got no answer (errors). With `session_seq`,
-    each request also says its number in the user's count (X-Session-Seq)."""
+    `gap` s apart into its own ~400-token file, one request per keystroke, a pause after
+    each burst. As the plugins do (../shared/notes/editor-clients.md), each keystroke
+    closes the previous keystroke's connection at once and no session header is sent;
+    `keep_stale` leaves it open instead (a client that has not read anything yet), and
+    `header` sends X-Session-Id (`session_seq`: and X-Session-Seq, the user's count).
+
+    Reports, for the request the user waits for (the last of each burst): TTFT, time to
+    the end of the first line (p50 and p95), and how many never showed a suggestion
+    (`unanswered`); `closed` counts the stale requests closed."""
     waited: list[Sample] = []
+    closed = 0
     lock = threading.Lock()
     name = session_name or f"typing-{salt}"
+    header = header or session_seq
 
     def user(u: int) -> None:
+        nonlocal closed
         text = prompt_of(1600, salt + u)
         cursor = len(text) // 2
         count = 0
         for b in range(bursts):
-            threads, results = [], {}
+            threads, results, aborts = [], {}, []
             for k in range(burst_len):
                 cursor += 2
                 count += 1
                 prefix = text[:cursor] + "\n    "
+                if aborts and not keep_stale:
+                    aborts[-1].close()            # the plugin drops the stale request
+                abort = Abort()
+                aborts.append(abort)
 
-                def fire(key=k, prefix=prefix, seq=count if session_seq else None):
-                    results[key] = target.complete(prefix, max_tokens,
-                                                   session=f"{name}-{u}", seq=seq)
+                def fire(key=k, prefix=prefix, seq=count if session_seq else None,
+                         abort=abort):
+                    results[key] = target.complete(
+                        prefix, max_tokens, session=f"{name}-{u}" if header else None,
+                        seq=seq, abort=abort)
                 thread = threading.Thread(target=fire)
                 thread.start()
                 threads.append(thread)
@@ -284,6 +300,7 @@ def run_typing(target, sessions: int, bursts: int, burst_len: int, gap: float,
                 thread.join()
             with lock:
                 waited.append(results[burst_len - 1])
+                closed += sum(1 for r in results.values() if r.closed)
             time.sleep(gap * 3)
 
     started = time.perf_counter()
@@ -292,9 +309,14 @@ def run_typing(target, sessions: int, bursts: int, burst_len: int, gap: float,
         thread.start()
     for thread in users:
         thread.join()
-    level = summarize("typing (waited-for)", sessions, waited, time.perf_counter() - started)
+    mode = ("stale kept open" if keep_stale else "plugin-like") + \
+        (", X-Session-Seq" if session_seq else ", X-Session-Id" if header else "")
+    level = summarize(f"typing ({mode})", sessions, waited, time.perf_counter() - started)
     lines = [s.first_line * 1000 for s in waited if s.ok and s.first_line is not None]
     level.first_line_p50_ms = percentile(lines, 0.5)
+    level.first_line_p95_ms = percentile(lines, 0.95)
+    level.unanswered = sum(1 for s in waited if not s.ok)
+    level.closed = closed
     return level
 
 
@@ -328,8 +350,14 @@ def add_arguments(parser) -> None:
                         help="typing: keystrokes per burst")
     parser.add_argument("--keystroke-gap", type=non_negative_seconds, default=0.1,
                         help="typing: seconds between keystrokes")
+    parser.add_argument("--session-header", action="store_true",
+                        help="typing: send X-Session-Id (the plugins send none)")
     parser.add_argument("--session-seq", action="store_true",
-                        help="typing: number each user's requests (X-Session-Seq)")
+                        help="typing: number each user's requests (X-Session-Seq; implies "
+                             "--session-header)")
+    parser.add_argument("--keep-stale", action="store_true",
+                        help="typing: leave a stale keystroke's connection open instead of "
+                             "closing it at once as the plugins do")
     parser.add_argument("--session-name", default=None,
                         help="typing: session ids NAME-0, NAME-1, ... (default: new ones "
                              "each run; the same NAME again is an editor restarted)")
@@ -394,7 +422,8 @@ def run(args) -> int:
                 results.append(run_typing(target, args.sessions, args.bursts,
                                           args.burst_len, args.keystroke_gap,
                                           args.max_tokens, salt + 3, args.session_seq,
-                                          args.session_name))
+                                          args.session_name, args.session_header,
+                                          args.keep_stale))
             elif workload != "typing":
                 raise SystemExit(f"unknown workload {workload!r}: edit, fresh, sampled, "
                                  "typing")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import statistics
 import threading
 import time
@@ -24,6 +25,36 @@ class Sample:
     finish_reason: str | None = None
     first_line: float | None = None  # seconds to the end of the first line (a newline)
     max_gap: float = 0.0            # the longest wait between two texts, seconds
+    closed: bool = False            # the client closed it (a newer keystroke came)
+
+
+class Abort:
+    """Lets another thread close a request's connection at once, as an editor plugin
+    does with the previous keystroke's request (llama.vim's jobstop, Continue's abort)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.conn: http.client.HTTPConnection | None = None
+        self.closed = False
+
+    def attach(self, conn: http.client.HTTPConnection) -> None:
+        with self.lock:
+            self.conn = conn
+            if self.closed:
+                self._shut()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self._shut()
+
+    def _shut(self) -> None:
+        sock = self.conn.sock if self.conn is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 @dataclass
@@ -43,6 +74,9 @@ class Level:
     stream_tok_s: float | None = None
     aggregate_tok_s: float | None = None
     first_line_p50_ms: float | None = None
+    first_line_p95_ms: float | None = None
+    unanswered: int | None = None   # typing: requests the user waited for and never saw
+    closed: int | None = None       # typing: stale requests the client closed at once
     error_samples: list[str] = field(default_factory=list)
 
 
@@ -119,7 +153,8 @@ class HttpTarget:
 
     def complete(self, prompt: str, max_tokens: int, suffix: str | None = None,
                  session: str | None = None, timeout: float = 600,
-                 extra: dict | None = None, seq: int | None = None) -> Sample:
+                 extra: dict | None = None, seq: int | None = None,
+                 abort: Abort | None = None) -> Sample:
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
         if self.model:
@@ -134,6 +169,9 @@ class HttpTarget:
         started = time.perf_counter()
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
+            if abort is not None:
+                conn.connect()
+                abort.attach(conn)
             conn.request("POST", self.base + "/completions", json.dumps(body), headers)
             resp = conn.getresponse()
             if resp.status != 200:
@@ -142,11 +180,13 @@ class HttpTarget:
                 sample.error = f"HTTP {resp.status}: {payload}"
                 return sample
             self._read_stream(resp, sample, started)
-        except (OSError, http.client.HTTPException) as exc:
+        except (OSError, http.client.HTTPException, ValueError) as exc:
             sample.error = f"{type(exc).__name__}: {exc}"
             sample.truncated = sample.ttft is not None
         finally:
             conn.close()
+        if abort is not None and abort.closed and not sample.ok:
+            sample.closed, sample.error, sample.truncated = True, None, False
         return sample
 
     @staticmethod
