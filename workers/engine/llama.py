@@ -14,8 +14,10 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import itertools
+import json
 import logging
 import os
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -25,8 +27,9 @@ import numpy as np
 from workers.errors import EngineError
 from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.llamalog import LlamaLog
-from workers.engine.repacking import extra_buffers_work
-from workers.engine.speculation import DraftPolicy, common_prefix, find_draft
+from dispatcher.common.models import cache_dir
+from workers.engine.repacking import cpu_identity, extra_buffers_work
+from workers.engine.speculation import Drafter, StepCosts, common_prefix, plan
 from workers.engine.vocabulary import Vocabulary
 from workers.engine.samplers import Candidates, SamplerChain
 from workers.sampling import SamplingParams, TokenOut
@@ -94,7 +97,7 @@ class _Slot:
     cached: list[int] = field(default_factory=list)     # the tokens in this slot's KV cache
     draft: list[int] = field(default_factory=list)      # speculative tokens in this step
     draft_rows: list[int] = field(default_factory=list)
-    policy: DraftPolicy | None = None                   # None: no speculation
+    policy: Drafter | None = None                       # None: no speculation
 
     @property
     def busy(self) -> bool:
@@ -172,6 +175,65 @@ class LlamaEngine:
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.vocabulary = Vocabulary(llama_cpp, self.vocab, self.n_vocab, self.add_bos)
         self.fingerprint = model_fingerprint(model_path, llama_cpp.__version__)
+        # whether a draft pays in a step: this device's step times by batch shape
+        self.step_costs = self._step_costs(slots, n_threads, n_gpu_layers,
+                                           mparams.use_extra_bufts) if self.draft_max else None
+
+    def _step_costs(self, slots: int, n_threads: int, n_gpu_layers: int,
+                    repacked: bool) -> StepCosts:
+        """Measured once per model, build, shape of the engine and CPU, then kept in the
+        cache directory (delete `step-costs-*.json` there to measure again)."""
+        key = hashlib.sha256(f"{self.fingerprint}:{slots}:{n_threads}:{n_gpu_layers}:"
+                             f"{repacked}:{cpu_identity()}".encode()).hexdigest()[:16]
+        path = cache_dir() / f"step-costs-{key}.json"
+        try:
+            data = json.loads(path.read_text())
+            return StepCosts(tuple(data["sequences"]),
+                             {(s, d): ms for s, d, ms in data["table"]})
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        costs = StepCosts.measure(self._timed_shape, min(slots, 32))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}")
+            partial.write_text(json.dumps({"sequences": costs.sequences, "table": [
+                [s, d, ms] for (s, d), ms in costs.table.items()]}))
+            os.replace(partial, path)
+        except OSError:
+            pass
+        log.info("step costs (ms by sequences, draft rows): %s",
+                 {f"{s}+{d}": round(ms, 1) for (s, d), ms in costs.table.items()})
+        return costs
+
+    def _timed_shape(self, sequences: int, extra: int) -> float:
+        """Seconds of one decode of `sequences` rows (one a sequence, each after a short
+        prefix) plus `extra` draft rows on the first: the start-up measurement of
+        StepCosts. Leaves the slots' caches empty."""
+        prefix = 8
+        token = self.bos()[0] if self.bos() else 0
+        batch = self.batch
+
+        def fill(rows):
+            for n, (seq, pos) in enumerate(rows):
+                batch.token[n], batch.pos[n] = token, pos
+                batch.n_seq_id[n], batch.seq_id[n][0], batch.logits[n] = 1, seq, True
+            batch.n_tokens = len(rows)
+
+        try:
+            fill([(s, p) for s in range(sequences) for p in range(prefix)])
+            if llama_cpp.llama_decode(self.ctx, batch) != 0:
+                raise EngineError("llama_decode failed while measuring step costs")
+            fill([(s, prefix + j) for s in range(sequences)
+                  for j in range(1 + (extra if s == 0 else 0))])
+            started = time.perf_counter()
+            rc = llama_cpp.llama_decode(self.ctx, batch)
+            elapsed = time.perf_counter() - started
+            if rc != 0:
+                raise EngineError("llama_decode failed while measuring step costs")
+            return elapsed
+        finally:
+            for s in range(sequences):
+                llama_cpp.llama_memory_seq_rm(self.memory, s, -1, -1)
 
     # -- the vocabulary (workers.engine.vocabulary), as the Engine protocol names it ----
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -236,7 +298,7 @@ class LlamaEngine:
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
         limit = self.draft_max if draft_max is None else min(draft_max, self.draft_max)
-        slot.policy = DraftPolicy(limit) if limit else None
+        slot.policy = Drafter(limit) if limit else None
         return n_past
 
     def clear_caches(self) -> None:
@@ -310,10 +372,7 @@ class LlamaEngine:
             generating, prefilling = [], prefilling[:1]
         else:
             generating = [s for s in self.slots if s.busy and s.next_token is not None]
-        for slot in generating:                  # speculation (workers/engine/speculation.py)
-            want = slot.policy.wants(len(generating)) if slot.policy else 0
-            want = min(want, self.n_ctx - slot.n_past - 2)
-            slot.draft = find_draft(slot.cached + [slot.next_token], want) if want else []
+        self._draft(generating)                  # speculation (workers/engine/speculation.py)
         # Every generating slot has its rows; prompts share at most `prefill_chunk` more,
         # so a long prompt holds the running streams back by one chunk a step at most.
         room = min(self.n_batch - sum(1 + len(s.draft) for s in generating),
@@ -371,6 +430,29 @@ class LlamaEngine:
                 slot.row, slot.prompt_rows = -1, []
                 out[slot_id] = TokenOut(-1, error=exc)
         return out
+
+    def _draft(self, generating: list[_Slot]) -> None:
+        """Each generating sequence's best draft, and the ones that pay in this step
+        (speculation.plan, on the step costs measured at start-up)."""
+        proposals = []
+        for slot in generating:
+            slot.draft = []
+            room = self.n_ctx - slot.n_past - 2
+            if slot.policy is not None and room > 0:
+                proposal = slot.policy.propose(slot.cached + [slot.next_token], room)
+                if proposal is not None:
+                    proposals.append((slot.seq, proposal))
+        if not proposals:
+            return
+        rows = self.n_batch - len(generating)
+        by_seq = dict(proposals)
+        for seq, length in plan(self.step_costs, len(generating), proposals).items():
+            slot, proposal = self.slots[seq], by_seq[seq]
+            length = min(length, rows)
+            if length >= 1:
+                slot.draft = proposal.tokens[:length]
+                slot.policy.started(proposal, len(slot.cached) + 1)
+                rows -= length
 
     def draft_stats(self, slot_id: int) -> tuple[int, int]:
         """(drafted, accepted) tokens of the slot's current sequence."""

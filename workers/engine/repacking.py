@@ -39,6 +39,16 @@ sys.exit(llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, 8)))
 """
 
 
+def cpu_identity() -> str:
+    """The CPU's model name and flags (what measured costs depend on)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    name = next((line for line in lines if line.startswith("model name")), "")
+    return hashlib.sha256(f"{name}:{sorted(_cpu_flags())}".encode()).hexdigest()[:16]
+
+
 def _cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

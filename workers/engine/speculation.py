@@ -1,33 +1,45 @@
-"""Prompt-lookup speculative decoding: drafts from the sequence's own tokens, and when to
-draft at all.
+"""Speculative drafts from the sequence's own tokens, which one to try, and whether a
+draft pays in this step at all.
 
-A draft is what followed the latest earlier occurrence of the sequence's last few tokens
-(code edits copy much of their prompt). The engine verifies a draft in the same
-`llama_decode` as every other sequence's token: one row per draft position, each sampled
-with the sequence's own sampler chain in turn and compared with the draft, so greedy
-output is what it would be without speculation and sampled output has the same
-distribution; the first mismatch ends the accepted run and the rejected positions leave
-the KV cache.
+The engine verifies a draft in the same `llama_decode` as every other sequence's token:
+one row per draft position, each sampled with the sequence's own sampler chain in turn
+and compared with the draft, so greedy output is what it would be without speculation
+and sampled output has the same distribution; the first mismatch ends the accepted run
+and the rejected positions leave the KV cache.
 
-When it pays, from measured step costs on the 2-core machine (shared notes,
-speculation-costs.md): a single draft row costs 2.2x a plain step, 8 accepted drafts give
-2x and 16 give 3x alone, but in a batch of 8 every draft row costs more than batching
-already gains. So: drafts of at least DRAFT_MIN tokens only, only while at most
-MAX_STREAMS sequences are generating, each sequence's draft length following its recent
-acceptance (doubling on a full accept, shrinking to what was accepted), and a pause after
-a draft was rejected outright that doubles with each outright rejection in a row (1, 2,
-4, 8 steps) and ends with the next accepted token: an edit's copy misses at each changed
-name or number and is right again just after it, sampled text keeps missing.
+Three sources propose a draft for a sequence (its context: prompt and output so far):
+- `copy`: keep copying from where the last draft's source left off, at the same distance
+  back. An edit rewrites a block with a changed name or number now and then; the model's
+  own token at a mismatch is a substitution, so the copy goes on just after it (the
+  distance stays), instead of waiting for a fresh match that every key containing the new
+  token misses. Two drafts in a row rejected at their first token drop it.
+- `long`: the latest earlier occurrence of the last LONG_KEY tokens (an index kept as the
+  sequence grows): a long key names the function and the number it copies, and the
+  latest occurrence is the newest version of it (what the model just wrote wins over
+  the prompt's stale sibling).
+- `short`: the latest earlier occurrence of the last 4, 3 or 2 tokens: what wins on
+  fresh code that repeats itself locally.
+
+Each source keeps its own acceptance record in the sequence (accepted draft tokens
+against drafts cut short), started from a prior by how strong its evidence is; the
+source with the most expected accepted tokens is tried. Whether a draft goes into the
+step, and how long, is decided by `StepCosts`: the step times measured at start-up on the
+actual device for a few batch shapes. A draft of length L with per-token acceptance a is
+expected to add sum(a**i, i=1..L) tokens; it goes in when that adds tokens at a better
+rate per millisecond than the step already gives (its S sequences' tokens over its
+time), so drafts run beside more sequences only where extra rows are cheap (a GPU) and
+when they are long and likely.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from dataclasses import dataclass, field
 
-DRAFT_MIN = 4           # shorter drafts cost more than they can save (2.2x for one row)
-MAX_STREAMS = 2         # beyond this, draft rows cost more than batching gains
-NGRAM = (4, 3, 2)       # the suffix lengths tried, longest first
-LOOKBACK = 8192         # tokens searched for the suffix
-PAUSE_STEPS = 8         # the longest pause after drafts rejected at once (1, 2, 4, 8)
+DRAFT_MIN = 4           # shorter drafts cost more than they can save on CPUs measured
+NGRAM = (4, 3, 2)       # the `short` suffix lengths tried, longest first
+LONG_KEY = 12           # tokens in the `long` source's key
+LOOKBACK = 8192         # tokens the `short` source searches for its suffix
+SHAPES_EXTRA = (0, 4, 8, 16, 32)   # draft rows measured beside the plain rows at start-up
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -42,8 +54,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def find_draft(context: list[int], limit: int, minimum: int = DRAFT_MIN) -> list[int]:
     """The tokens that followed the latest earlier occurrence of `context`'s last n tokens
     (n from NGRAM), at most `limit` of them; [] when nothing of `minimum` tokens is found."""
+    start = find_source(context, limit, minimum)
+    return [] if start is None else context[start:start + limit]
+
+
+def find_source(context: list[int], limit: int, minimum: int = DRAFT_MIN) -> int | None:
+    """Where `find_draft`'s draft starts in `context` (None: no draft)."""
     if limit < minimum:
-        return []
+        return None
     start = max(0, len(context) - LOOKBACK)
     for n in NGRAM:
         if len(context) <= n:
@@ -52,44 +70,226 @@ def find_draft(context: list[int], limit: int, minimum: int = DRAFT_MIN) -> list
         first = key[0]
         for i in range(len(context) - n - 1, start - 1, -1):
             if context[i] == first and context[i:i + n] == key:
-                draft = context[i + n:i + n + limit]
-                if len(draft) >= minimum:
-                    return draft
+                if len(context) - (i + n) >= minimum:
+                    return i + n
                 break          # the latest match is too close to the end: try shorter n
-    return []
+    return None
+
+
+def matched(context: list[int], start: int) -> int:
+    """How many tokens before `start` equal those at the end of `context` (at most
+    MATCH_WINDOW): the length of the match a lookup found."""
+    n, k = len(context), 0
+    while k < MATCH_WINDOW and k < start and context[start - 1 - k] == context[n - 1 - k]:
+        k += 1
+    return k
+
+
+def expected_accepted(rate: float, length: int) -> float:
+    """Draft tokens expected to survive verification: each is accepted with `rate` if all
+    before it were."""
+    if rate >= 1.0:
+        return float(length)
+    return rate * (1 - rate ** length) / (1 - rate)
 
 
 @dataclass
-class DraftPolicy:
+class Record:
+    """A source's acceptance in one sequence: accepted draft tokens and drafts cut short
+    (the maximum-likelihood per-token acceptance of a geometric run is acc / (acc + cut))."""
+    accepted: float
+    cut: float
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.cut)
+
+
+# Priors (pseudo-counts): a copy that ran before is likely to go on; a lookup's own
+# evidence is how far back its match reaches (`matched`), counted per proposal.
+PRIORS = {"copy": (9.0, 1.0), "long": (1.0, 1.0), "short": (1.0, 1.0)}
+PRIOR_CUT = 1.0
+FADE = 0.98             # per step: a source's misses of ~35 steps ago count half
+MATCH_WINDOW = 64       # how far back a lookup's match is measured
+
+
+@dataclass
+class Proposal:
+    source: str
+    start: int          # where the draft starts in the context
+    tokens: list[int]
+    rate: float
+    sources: list[str] = field(default_factory=list)   # all that proposed this text
+
+    def gain(self, length: int) -> float:
+        return expected_accepted(self.rate, min(length, len(self.tokens)))
+
+
+@dataclass
+class Drafter:
     """One sequence's drafting state."""
     max_len: int
-    length: int = 0        # the next draft's length
-    pause: int = 0         # steps left without drafting
+    records: dict[str, Record] = field(default_factory=dict)
+    distance: int | None = None     # `copy`: how far back the copied text lies
+    misses: int = 0                 # drafts in a row rejected at their first token
+    index: dict[tuple, int] = field(default_factory=dict)   # `long`: key -> next position
+    indexed: int = 0                # context positions [LONG_KEY, indexed) are in `index`
     proposed: int = 0
     accepted: int = 0
-    misses: int = 0        # drafts rejected outright in a row
+    tried: Proposal | None = None   # the draft in this step
+    tried_at: int = 0               # the context's length when it was drafted
 
     def __post_init__(self) -> None:
-        self.length = self.max_len
+        self.records = {name: Record(*prior) for name, prior in PRIORS.items()}
 
-    def wants(self, generating: int) -> int:
-        """How long a draft to try now (0: none)."""
-        if self.max_len < DRAFT_MIN or generating > MAX_STREAMS:
-            return 0
-        if self.pause > 0:
-            self.pause -= 1
-            return 0
-        return max(DRAFT_MIN, self.length)
+    def propose(self, context: list[int], limit: int) -> Proposal | None:
+        """The draft with the most expected accepted tokens, at most `limit` long."""
+        limit = min(limit, self.max_len)
+        if limit < DRAFT_MIN:
+            return None
+        n = len(context)
+        best, found = None, []
+        for record in self.records.values():    # old misses fade: a source gets retried
+            record.cut = max(PRIOR_CUT, record.cut * FADE)
+        for source, start in (("copy", self._copy_start(n)), ("long", self._long(context)),
+                              ("short", find_source(context, limit))):
+            if start is None or n - start < DRAFT_MIN:
+                continue
+            record = self.records[source]
+            rate = record.rate
+            if source != "copy":            # a longer match is a likelier continuation
+                m = matched(context, start)
+                rate = (record.accepted + m) / (record.accepted + record.cut + m + 1)
+            proposal = Proposal(source, start, context[start:start + limit], rate)
+            found.append(proposal)
+            if best is None or proposal.gain(limit) > best.gain(limit):
+                best = proposal
+        if best is not None:            # the sources that found the same text share its fate
+            best.sources = [p.source for p in found if p.start == best.start]
+        return best
+
+    def _copy_start(self, n: int) -> int | None:
+        return None if self.distance is None or self.distance > n else n - self.distance
+
+    def _long(self, context: list[int]) -> int | None:
+        """The latest earlier occurrence of the last LONG_KEY tokens. The index holds the
+        key ending at every position before the last (the key at the end is not its own
+        match; it goes in next step, overwriting older occurrences: the newest wins)."""
+        n = len(context)
+        if n <= LONG_KEY:
+            return None
+        # after a rejected draft the context is shorter: entries past it are stale (checked
+        # below), those before it still hold
+        first = max(LONG_KEY, n - LOOKBACK, min(self.indexed, n - 1))
+        index = self.index
+        for i in range(first, n):
+            index[tuple(context[i - LONG_KEY:i])] = i
+        self.indexed = n
+        key = tuple(context[n - LONG_KEY:])
+        start = index.get(key)
+        if start is None or start >= n or tuple(context[start - LONG_KEY:start]) != key:
+            return None
+        return start
+
+    def started(self, proposal: Proposal, context_len: int) -> None:
+        self.tried, self.tried_at = proposal, context_len
 
     def record(self, drafted: int, accepted: int) -> None:
+        """The verification of the draft in this step: `accepted` of `drafted` survived."""
+        proposal, self.tried = self.tried, None
         self.proposed += drafted
         self.accepted += accepted
-        if accepted == drafted:
-            self.length = min(self.max_len, max(DRAFT_MIN, self.length * 2))
-        else:
-            self.length = max(DRAFT_MIN, accepted + 1)
-        if accepted == 0:
-            self.misses += 1
-            self.pause = min(PAUSE_STEPS, 1 << (self.misses - 1))
-        else:
-            self.misses = 0
+        if proposal is None:
+            return
+        for source in proposal.sources or [proposal.source]:
+            record = self.records[source]
+            record.accepted += accepted
+            record.cut += accepted < drafted
+        # the text after the draft's source goes on at the same distance (a mismatch is a
+        # substitution); a source rejected outright twice in a row is dropped
+        self.misses = self.misses + 1 if accepted == 0 else 0
+        self.distance = None if self.misses >= 2 else self.tried_at - proposal.start
+
+
+class StepCosts:
+    """Milliseconds of one decode step by batch shape, measured at start-up: S sequences
+    with one row each, plus D draft rows on one of them, for S in {1, 2, slots} and D in
+    SHAPES_EXTRA; interpolated linearly between them (past the largest D along the last
+    measured slope, past the most sequences by the per-sequence cost)."""
+
+    def __init__(self, sequences: tuple[int, ...], table: dict[tuple[int, int], float]):
+        self.sequences = sequences
+        self.table = table
+
+    @classmethod
+    def measure(cls, timed_step, slots: int, repeats: int = 2) -> "StepCosts":
+        """`timed_step(S, D)` decodes one batch of that shape and returns its seconds.
+        Each shape's fastest run counts (a busy machine only adds to it), and a shape with
+        more rows never counts as cheaper than one with fewer."""
+        sequences = tuple(sorted({1, min(2, slots), max(1, slots)}))
+        timed_step(sequences[-1], SHAPES_EXTRA[-1])          # warm-up
+        table = {}
+        for s in sequences:
+            floor = 0.0
+            for d in SHAPES_EXTRA:
+                floor = max(floor, 1000 * min(timed_step(s, d) for _ in range(repeats)))
+                table[s, d] = floor
+        return cls(sequences, table)
+
+    @classmethod
+    def assumed(cls) -> "StepCosts":
+        """Figures measured on a 2-core AMD EPYC VM (bundled model), for tests."""
+        return cls((1, 2, 8), {
+            (1, 0): 12.5, (1, 4): 51.4, (1, 8): 56.9, (1, 16): 72.1, (1, 32): 126.4,
+            (2, 0): 24.9, (2, 4): 60.4, (2, 8): 68.0, (2, 16): 82.9, (2, 32): 137.3,
+            (8, 0): 42.0, (8, 4): 75.5, (8, 8): 85.5, (8, 16): 119.8, (8, 32): 148.3})
+
+    def _at(self, s: int, d: float) -> float:
+        points = SHAPES_EXTRA
+        for lo, hi in zip(points, points[1:]):
+            if d <= hi or hi == points[-1]:
+                a, b = self.table[s, lo], self.table[s, hi]
+                return a + (b - a) * (d - lo) / (hi - lo)
+        return self.table[s, points[0]]
+
+    def cost(self, sequences: int, extra: float) -> float:
+        known = self.sequences
+        if sequences >= known[-1]:
+            top = known[-1]
+            return self._at(top, extra) + (sequences - top) * self._at(top, 0) / top
+        for lo, hi in zip(known, known[1:]):
+            if sequences <= hi:
+                t = (max(sequences, lo) - lo) / (hi - lo)
+                return (1 - t) * self._at(lo, extra) + t * self._at(hi, extra)
+        return self._at(known[0], extra)
+
+
+def plan(costs: StepCosts, sequences: int, proposals: list[tuple[object, Proposal]],
+         lengths: tuple[int, ...] = (4, 8, 16, 32)) -> dict[object, int]:
+    """How many draft tokens each proposal gets in a step of `sequences` generating
+    sequences. Greedily: the proposal and length that give the step the best rate (its
+    tokens, drafts' expected ones included, over its time), while that beats the rate
+    without it. Empty: no drafts."""
+    extra, tokens = 0, float(sequences)
+    chosen: dict[object, int] = {}
+    left = list(proposals)
+    while left:
+        now = costs.cost(sequences, extra)
+        if now <= 0:
+            break
+        best = (tokens / now, None, 0, 0.0)
+        for key, proposal in left:
+            size = len(proposal.tokens)
+            for length in [n for n in lengths if n < size] + [size]:
+                gain = proposal.gain(length)
+                rate = (tokens + gain) / costs.cost(sequences, extra + length)
+                if rate > best[0]:
+                    best = (rate, key, length, gain)
+        _, key, length, gain = best
+        if key is None:
+            break
+        chosen[key] = length
+        extra += length
+        tokens += gain
+        left = [(k, p) for k, p in left if k != key]
+    return chosen
