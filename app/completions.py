@@ -16,9 +16,8 @@ from app.errors import from_wire
 from app.fanout import Fanout
 from app.jobs import plan_jobs
 from app.requests import (PROFILE_HEADER, check_prompt_size, check_route, parse_json_body,
-                          SEQUENCE_HEADER, key_scope, queue_timeout, resolve_model,
-                          session_of, session_order,
-                          tenant_of, validate)
+                          SEQUENCE_HEADER, client_of, key_scope, queue_timeout,
+                          resolve_model, session_of, session_order, tenant_of, validate)
 from app.responses import Result
 from dispatcher.common import protocol as P
 
@@ -70,7 +69,7 @@ def serve(req: dict, result_class, warm: bool = False, infill: P.Infill | None =
     plans = plan_jobs(request_id, model, req, request.headers.get(PROFILE_HEADER),
                       session_of(request), timeout, warm, infill, session_order(arrived),
                       tenant_of(request), key_scope(request),
-                      SEQUENCE_HEADER in request.headers)
+                      SEQUENCE_HEADER in request.headers, client_of(request))
     check_route(plans[0].job, state)
     record = access.current()
     record.update(request_id=request_id, model=model)

@@ -29,7 +29,8 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
               session: str | None = None, timeout: float | None = None,
               warm: bool = False, infill: P.Infill | None = None,
               session_order: int = 0, tenant: str | None = None,
-              key: str | None = None, session_seq: bool = False) -> list[JobPlan]:
+              key: str | None = None, session_seq: bool = False,
+              client: str | None = None) -> list[JobPlan]:
     """One job per prompt and candidate. Candidates of one prompt get seeds seed, seed+1,
     ... so that n > 1 gives different texts and the same request gives the same ones.
     A prompt's jobs share its objects (the fan-out sends them once)."""
@@ -55,6 +56,7 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
             job = P.WorkerJob(
                 id=request_id if fanout == 1 else f"{request_id}.{p}.{c}", model=model,
                 parent=request_id, fanout=fanout, route=route, session=session,
+                client=None if session else client,
                 session_order=session_order, session_seq=session_seq, timeout=timeout,
                 tenant=tenant, key=key,
                 prompt=prompt,
@@ -72,10 +74,11 @@ ADOPT_FREE_GENERATION = {"max_tokens", "t_max_predict_ms", "t_max_prompt_ms"}
 def adopt_key(job: P.WorkerJob) -> str | None:
     """Type-along adoption (dispatcher/core.py, workers/generation.py): requests of a
     session with equal keys differ only in their prompt (and limits), so a newer one may
-    take over an older one's running generation. None where it never may: no session,
-    several jobs, token-id prompts, per-token output (logprobs, echo, n_probs), grammars."""
+    take over an older one's running generation. None where it never may: no session (nor
+    a client to infer one from), several jobs, token-id prompts, per-token output
+    (logprobs, echo, n_probs), grammars."""
     gen = job.generation
-    if not job.session or job.fanout != 1 or not isinstance(job.prompt, str) \
+    if not (job.session or job.client) or job.fanout != 1 or not isinstance(job.prompt, str) \
             or gen.echo or gen.logprobs is not None or gen.score \
             or gen.n_probs or gen.return_tokens \
             or gen.sampling.get("grammar") or gen.sampling.get("json_schema") \

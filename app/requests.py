@@ -265,6 +265,20 @@ def session_of(req) -> str | None:
     return session if session is None or scope is None else f"{scope}:{session}"
 
 
+def client_of(req) -> str | None:
+    """Who sent a request that names no session, for the sessions the dispatcher infers
+    (admission.InferredSessions): its API key and address, fingerprinted. Behind a proxy
+    on this host (nginx) the address is the last one X-Forwarded-For names, the one the
+    proxy saw; a direct client's own X-Forwarded-For is not believed."""
+    if req.headers.get(SESSION_HEADER):
+        return None
+    address = req.remote_addr or ""
+    forwarded = req.headers.get("X-Forwarded-For")
+    if forwarded and address in ("127.0.0.1", "::1"):
+        address = forwarded.rsplit(",", 1)[-1].strip()[:64]
+    return hashlib.sha256(f"{key_scope(req) or ''}|{address}".encode()).hexdigest()[:16]
+
+
 SEQUENCE_HEADER = "X-Session-Seq"   # the client's own order of its session's requests
 
 

@@ -8,6 +8,9 @@ prompt instead of carrying the prompt again (protocol.SHARED_FIELDS).
 `Sessions`: the open jobs of each session (X-Session-Id) and the client's order of its
 newest request, so that a newer request ends the older ones and an older one arriving
 late is itself superseded.
+
+`InferredSessions`: a session for editors' FIM requests that send no X-Session-Id, from
+who sent them and how their text before the cursor changes.
 """
 from __future__ import annotations
 
@@ -131,3 +134,69 @@ class Sessions:
         for session, (_, _, seen) in list(self.newest.items()):
             if seen < now - SESSION_MEMORY and session not in self.open:
                 del self.newest[session]
+
+
+# Sessions inferred for requests without X-Session-Id (InferredSessions)
+INFER_WINDOW = 3.0          # seconds since a request of the session last arrived
+CURSOR_REGION = 64          # characters before the cursor a keystroke may change
+MIN_SHARED = 32             # ... and at least this much (or all of the shorter) shared
+MAX_ENTRIES = 16            # sessions remembered per client and route
+MAX_CLIENTS = 4096          # clients and routes remembered, least recently seen first
+
+
+def cursor_text(body: P.SubmittedJob) -> str | None:
+    """The text before the cursor of a fill-in-the-middle request (its prompt, and for
+    /infill the current line's start, `middle`); None for any other request: only
+    editors' FIM requests are ever inferred to replace one another."""
+    if not isinstance(body.prompt, str) or not (body.suffix is not None or body.infill):
+        return None
+    return body.prompt + (body.infill.middle if body.infill else "")
+
+
+def same_cursor(old: str, new: str) -> bool:
+    """A keystroke's change: the texts differ, and only within the last CURSOR_REGION
+    characters of the shorter (typing, deleting, a word completed), while sharing at
+    least MIN_SHARED characters (or all of the shorter)."""
+    if old == new:
+        return False
+    n = min(len(old), len(new))
+    shared = 0
+    while shared < n and old[shared] == new[shared]:
+        shared += 1
+    return shared >= n - CURSOR_REGION and shared >= min(MIN_SHARED, n)
+
+
+class InferredSessions:
+    """Sessions for clients that send no X-Session-Id (no editor plugin does): a FIM
+    request joins the session of a recent one from the same client (API key and address,
+    `Job.client`), model and route whose text before the cursor it changes only near the
+    cursor (`same_cursor`), within INFER_WINDOW seconds of that session's last request.
+    Otherwise it starts a session of its own. The session id names the client, so no
+    request of another key or address ever joins it; order is the arrival stamp, as for
+    a header without X-Session-Seq."""
+
+    def __init__(self) -> None:
+        # (client, model, route) -> [[text, session, last seen, order of the text]]
+        self.clients: OrderedDict[tuple, list[list]] = OrderedDict()
+        self.counter = 0
+
+    def session_for(self, body: P.SubmittedJob, now: float) -> str | None:
+        text = cursor_text(body) if body.client and body.fanout == 1 else None
+        if text is None:
+            return None
+        key = (body.client, body.model, body.route)
+        entries = [e for e in self.clients.pop(key, []) if e[2] >= now - INFER_WINDOW]
+        self.clients[key] = entries
+        while len(self.clients) > MAX_CLIENTS:
+            self.clients.popitem(last=False)
+        for entry in reversed(entries):
+            if same_cursor(entry[0], text):
+                if body.session_order >= entry[3]:      # the newest text goes on matching
+                    entry[0], entry[3] = text, body.session_order
+                entry[2] = now
+                return entry[1]
+        self.counter += 1
+        session = f"~{body.client}:{self.counter}"
+        entries.append([text, session, now, body.session_order])
+        del entries[:-MAX_ENTRIES]
+        return session

@@ -49,14 +49,15 @@ class Broker:
     def __init__(self, endpoints: Endpoints, supervisor=None,
                  known_models: dict[str, dict] | None = None, max_queue: int = 64,
                  queue_timeout: float = 0.0, heartbeat: config.Heartbeat = config.Heartbeat(),
-                 max_queue_per_key: int = 0, keys: DispatcherKeys | None = None):
+                 max_queue_per_key: int = 0, keys: DispatcherKeys | None = None,
+                 infer_sessions: bool = True):
         self.endpoints = endpoints
         self.keys = keys                          # CURVE: every socket authenticated
         self.bound_keys: dict[str, str] = {}      # worker name -> the key it registered with
         self.supervisor = supervisor
         self.core = DispatcherCore(SupervisedFleet(supervisor) if supervisor else None,
                                    known_models, max_queue, queue_timeout, time.time(),
-                                   heartbeat, max_queue_per_key)
+                                   heartbeat, max_queue_per_key, infer_sessions)
         self.context = zmq.Context()
         self.auth = keys.authenticator(self.context) if keys else None
         self.frontend = self._router(endpoints.frontend, "frontends")

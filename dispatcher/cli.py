@@ -25,7 +25,7 @@ SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "mo
                  "stop_grace", "api_key", "api_key_file", "access_log", "step_timeout",
                  "max_connections", "header_timeout", "body_timeout", "heartbeat_interval",
                  "cache_scope", "max_queue_per_key", "log_content", "curve_keys",
-                 "insecure_transport"]
+                 "insecure_transport", "infer_sessions"]
 
 
 def _setup_logging(level: str) -> None:
@@ -144,7 +144,7 @@ def cmd_serve(args) -> int:
                               args.max_queue, args.max_queue_per_key,
                               len(config.load_keys(",".join(args.api_key),
                                                    args.api_key_file))),
-                          keys=keys)
+                          keys=keys, infer_sessions=args.infer_sessions)
     for worker in plan.workers:
         # every worker option on its command line (only the device's visibility variables,
         # which the inference library reads when it loads, go by environment)
@@ -227,7 +227,8 @@ def cmd_broker(args) -> int:
     broker = _make_broker(Broker, base, endpoints, max_queue=args.max_queue,
                           queue_timeout=args.queue_timeout, heartbeat=config.Heartbeat.of(args),
                           max_queue_per_key=args.max_queue_per_key or 0,
-                          keys=_dispatcher_keys(args, base))
+                          keys=_dispatcher_keys(args, base),
+                          infer_sessions=args.infer_sessions)
     print(f"dispatcher at {base}", file=sys.stderr, flush=True)
     return _run_broker(broker, cleanup, args.stop_grace)
 
@@ -302,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                                            "connect to it by address")
     config.add_options(broker, ["config", "dispatcher", "port", "log_level", "max_queue",
                                 "queue_timeout", "stop_grace", "heartbeat_interval",
-                                "max_queue_per_key", "curve_keys", "insecure_transport"],
+                                "max_queue_per_key", "curve_keys", "insecure_transport",
+                                "infer_sessions"],
                        file_values)
     broker.set_defaults(func=cmd_broker)
     keygen = sub.add_parser("keygen", help="write CURVE key pairs for the dispatcher and "

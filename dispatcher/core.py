@@ -21,7 +21,7 @@ from typing import Protocol
 import msgspec
 
 from dispatcher.common import config, protocol as P
-from dispatcher.admission import Sessions, Units
+from dispatcher.admission import InferredSessions, Sessions, Units
 from dispatcher.common.fit import explain_unfit, fits
 from dispatcher.metrics import SystemMetrics
 from dispatcher.queues import Job, RequestQueue, WorkerRecord, WorkerRegistry
@@ -68,7 +68,7 @@ class DispatcherCore:
     def __init__(self, fleet: Fleet | None = None, known_models: dict | None = None,
                  max_queue: int = 64, queue_timeout: float = 0.0, started: float = 0.0,
                  heartbeat: config.Heartbeat = config.Heartbeat(),
-                 max_queue_per_key: int = 0):
+                 max_queue_per_key: int = 0, infer_sessions: bool = True):
         self.fleet = fleet or NoFleet()
         self.known_models = dict(known_models or {})
         self.max_queue = max_queue
@@ -84,6 +84,8 @@ class DispatcherCore:
         self.registry = WorkerRegistry(heartbeat.expiry)
         self.frontends: dict[bytes, dict] = {}     # id -> {"seen": t, "pid": ...}
         self.sessions = Sessions()                 # superseding by X-Session-Id
+        # ... and by sessions inferred for FIM requests without one (None: off)
+        self.inferred = InferredSessions() if infer_sessions else None
         self.units = Units()                       # requests admitted job by job
         self.stats = {"submitted": 0, "rejected": 0, "requeued": 0, "failed": 0,
                       "completed": 0, "cancelled": 0, "superseded": 0, "queue_full": 0,
@@ -248,6 +250,10 @@ class DispatcherCore:
                 f"already waiting for '{key[0]}'" + (f" (profile '{key[1]}')" if key[1]
                                                      else ""),
                 retry_after=1))
+        if body.session is None and self.inferred is not None:
+            session = self.inferred.session_for(body, self.now)   # an editor's keystroke
+            if session is not None:
+                body = job.body = msgspec.structs.replace(body, session=session)
         if body.session and not self._supersede(job):
             return self._reject(fe_id, request_id, P.WireError(
                 status=409, code="superseded",

@@ -244,3 +244,24 @@ def test_a_number_too_long_in_a_grammar_is_a_400(client):
         response = http.post("/v1/completions", json={"prompt": "x", "grammar": grammar})
         assert response.status_code == 400, response.get_json()
         assert response.get_json()["error"]["param"] == "grammar"
+
+
+def test_the_client_a_session_is_inferred_for_is_its_key_and_address():
+    """app.requests.client_of: keys and addresses tell clients apart; X-Forwarded-For
+    counts only from a proxy on this host (its last entry, the address nginx saw); a
+    request that names its session has no inferred one."""
+    from app.requests import client_of as fingerprint
+    app = create_app({"TESTING": True, "DISPATCHER": "ipc:///nonexistent",
+                      "API_KEY": "ka,kb"})
+
+    def who(addr="10.0.0.5", key="ka", **headers):
+        headers.setdefault("Authorization", f"Bearer {key}")
+        with app.test_request_context("/", headers=headers,
+                                      environ_base={"REMOTE_ADDR": addr}):
+            from flask import request
+            return fingerprint(request)
+
+    assert who() == who() and who() != who(key="kb") and who() != who(addr="10.0.0.6")
+    assert who(addr="127.0.0.1", **{"X-Forwarded-For": "1.2.3.4, 10.0.0.5"}) == who()
+    assert who(**{"X-Forwarded-For": "10.0.0.6"}) == who()      # not from a local proxy
+    assert who(**{"X-Session-Id": "mine"}) is None

@@ -1,5 +1,6 @@
 """The dispatcher's core, driven by messages and a fake clock: no sockets, no processes."""
 import msgspec
+import pytest
 
 from dispatcher.common import protocol as P
 from dispatcher.common.config import Heartbeat
@@ -403,3 +404,86 @@ def test_after_a_pause_a_lower_seq_is_a_new_epoch_but_arrival_stamps_never_go_ba
     from_worker(core, P.DONE, "c", attempt=1, last_seq=1)
     sends = submit(core, "d", now=3.0, session="t", parent="d", session_order=3)
     assert sends[0].cmd == P.REJECTED                      # (stamps: d was sent before c)
+
+
+# -- sessions inferred for editors' FIM requests without X-Session-Id ----------------------
+FILE = "def handler(request):\n    value = request.get('field')\n    return respond(val"
+
+
+def keystroke(core, rid, text, now=0.0, client="c1", order=None, **body):
+    return submit(core, rid, now=now, prompt=text, suffix="ue)\n", client=client,
+                  parent=rid, session_order=order if order is not None else int(now * 1e9),
+                  **body)
+
+
+def failed(sends, code="superseded") -> set[str]:
+    return {s.request_id for s in sends
+            if s.cmd in (P.FAILED, P.REJECTED) and s.body.code == code}
+
+
+def test_a_keystroke_without_a_session_header_supersedes_the_one_before():
+    core = DispatcherCore()
+    ready(core, slots=2)
+    keystroke(core, "k1", FILE, now=0.0)
+    sends = keystroke(core, "k2", FILE + "u", now=0.1)
+    assert failed(sends) == {"k1"} and ("ACCEPTED", "k2") in kinds(sends)
+    sends = keystroke(core, "k3", FILE[:-2], now=0.2)          # deleting is a keystroke too
+    assert failed(sends) == {"k2"}
+
+
+def test_an_older_keystroke_arriving_late_is_superseded_itself():
+    core = DispatcherCore()
+    ready(core, slots=2)
+    keystroke(core, "new", FILE + "ue", now=0.1, order=200)
+    sends = keystroke(core, "old", FILE + "u", now=0.11, order=100)
+    assert failed(sends) == {"old"}
+    assert ("ACCEPTED", "again") in kinds(keystroke(core, "again", FILE + "ue)", now=0.2,
+                                                    order=300))
+
+
+@pytest.mark.parametrize("second", [
+    dict(client="c2"),                                   # another key or address
+    dict(text="class Other:\n    pass\n" + FILE),        # another place in the file
+    dict(text=FILE + "u", now=5.0),                      # after the window
+    dict(text=FILE),                                     # the same text again
+    dict(text=FILE + "u", model="other"),                # another model
+    dict(text=FILE + "u", suffix=None),                  # not a FIM request
+    dict(text=FILE + "u", fanout=2),                     # several jobs
+    dict(text=FILE + "u", session="explicit"),           # it names its own session
+])
+def test_what_never_joins_an_inferred_session(second):
+    core = DispatcherCore(known_models={"m": {}, "other": {}})
+    ready(core, slots=4)
+    ready(core, name=b"w1", model="other", slots=4)
+    keystroke(core, "k1", FILE, now=0.0)
+    args = {"client": "c1", "now": 0.1, "text": FILE, **second}
+    text, now = args.pop("text"), args.pop("now")
+    if args.get("suffix", "x") is None:
+        args.pop("suffix")
+        sends = submit(core, "k2", now=now, prompt=text, parent="k2",
+                       session_order=int(now * 1e9), **args)
+    else:
+        sends = keystroke(core, "k2", text, now=now, **args)
+    assert not failed(sends) and not failed(sends, "bad_job")
+
+
+def test_inferring_sessions_can_be_turned_off():
+    core = DispatcherCore(infer_sessions=False)
+    ready(core, slots=2)
+    keystroke(core, "k1", FILE, now=0.0)
+    assert not failed(keystroke(core, "k2", FILE + "u", now=0.1))
+
+
+def test_the_newest_keystroke_is_answered_in_every_interleaving_without_a_header():
+    """Issue 24's guarantee for inferred sessions: five keystrokes of one user, stamped in
+    the order typed, reach the dispatcher in every order; the last one typed is never
+    refused or failed as superseded."""
+    import itertools
+    for arrival in itertools.permutations(range(5)):
+        core = DispatcherCore()
+        ready(core, slots=2)
+        refused = set()
+        for step, i in enumerate(arrival):
+            refused |= failed(keystroke(core, f"k{i}", FILE + "x" * i, now=step * 0.01,
+                                        order=1000 + i))
+        assert "k4" not in refused, arrival

@@ -70,3 +70,67 @@ def test_a_client_whose_seq_starts_again_is_not_locked_out(server):
                                 {"prompt": "x", "max_tokens": 1},
                                 headers={**session, "X-Session-Seq": "1"})
     assert status == 200, body
+
+
+TEMPLATE = "<PRE> {prefix} <SUF>{suffix} <MID>"
+KEYS = ("sk-infer-a", "sk-infer-b")
+
+
+@pytest.fixture(scope="module")
+def fim_server():
+    server = ServerProcess("--engine", "fake", "--slots", "4", "--fim-template", TEMPLATE,
+                           "--api-key", KEYS[0], "--api-key", KEYS[1],
+                           log_name="inferred-sessions").start()
+    yield server
+    assert server.stop() == 0
+
+
+def keystroke(port: int, text: str, key: str = KEYS[0], path: str = "/v1/completions",
+              extra: dict | None = None):
+    """An editor's FIM request as the plugins send it: no session header."""
+    body = {"prompt": text, "suffix": "\n    return total\n", "max_tokens": 20,
+            "temperature": 0} if path == "/v1/completions" else \
+        {"input_prefix": text, "input_suffix": "\n    return total\n", "prompt": "",
+         "n_predict": 20}
+    return raw_request(port, {**body, **(extra or {})}, {"Authorization": f"Bearer {key}"}) \
+        if path == "/v1/completions" else _raw_infill(port, {**body, **(extra or {})}, key)
+
+
+def _raw_infill(port, body, key):
+    sock, data = raw_request(port, body, {"Authorization": f"Bearer {key}"})
+    return sock, data.replace(b"/v1/completions", b"/infill", 1)
+
+
+CODE = "[slow=0.05] def total(items):\n    total = 0\n    for item in items:\n        tot"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/infill"])
+def test_a_keystroke_without_a_header_supersedes_the_open_one_before_it(fim_server, path):
+    """A client that leaves its previous keystroke's request open (it has not read
+    anything yet) and sends no X-Session-Id: the newer keystroke of the same key and
+    address replaces it, so the older one is answered 409 and the newer one 200."""
+    old, data = keystroke(fim_server.port, CODE, path=path)
+    old.sendall(data)
+    time.sleep(0.4)                                    # it is running
+    new, data = keystroke(fim_server.port, CODE + "a", path=path)
+    new.sendall(data)
+    assert status_of(new) == 200
+    assert status_of(old) == 409
+
+
+def test_another_keys_keystroke_never_supersedes(fim_server):
+    old, data = keystroke(fim_server.port, CODE, key=KEYS[0])
+    old.sendall(data)
+    time.sleep(0.4)
+    new, data = keystroke(fim_server.port, CODE + "a", key=KEYS[1])
+    new.sendall(data)
+    assert status_of(new) == 200 and status_of(old) == 200
+
+
+def test_requests_elsewhere_in_the_file_are_both_answered(fim_server):
+    old, data = keystroke(fim_server.port, CODE)
+    old.sendall(data)
+    time.sleep(0.4)
+    new, data = keystroke(fim_server.port, "[slow=0.05] class Basket:\n    def __init__(se")
+    new.sendall(data)
+    assert status_of(new) == 200 and status_of(old) == 200

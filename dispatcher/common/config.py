@@ -196,6 +196,11 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "profile (429 with Retry-After above, while other keys are still admitted); 0: no "
            "limit; default: max-queue divided by the number of keys when there are several",
            _non_negative_int),
+    Option("infer_sessions", True, "give editors' fill-in-the-middle requests that send no "
+           "X-Session-Id a session: one from the same API key and address, model and route "
+           "whose text before the cursor changed only near the cursor within 3 s replaces "
+           "the older one (superseding, type-along adoption); false: only X-Session-Id does",
+           _boolean),
     Option("cache_scope", None, "whose prompt cache a request may reuse: key (only what "
            "requests of the same API key filled, so cached_tokens and timings reveal nothing "
            "of another key's prompts) or shared (everyone's: for one trusted team); default: "

@@ -199,6 +199,7 @@ class Job(Body, Generic[G], kw_only=True):
     fanout: int = 1                     # jobs of that request
     route: Route = Route()
     session: str | None = None          # X-Session-Id (scoped by key)
+    client: str | None = None           # without one: its key and address, fingerprinted
     session_order: int = 0              # the client's order of its session's requests
     session_seq: bool = False           # ... its own counter (X-Session-Seq), not arrival
     timeout: float | None = None        # seconds it may wait in the queue
