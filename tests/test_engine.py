@@ -210,3 +210,29 @@ def test_a_long_text_is_tokenized_once_for_its_copies(model_path, monkeypatch):
     engine.tokenize("short")
     assert calls.count(len(text)) == 2 and calls.count(len("short")) == 2
     engine.close()
+
+
+def test_first_line_first_a_deep_sequence_yields_every_other_step(model_path):
+    """A sequence past its first line and DEEP_AFTER tokens gets a row every other step
+    while another is short of its first newline, never waiting two steps in a row; once
+    that one has its line, both get a row every step again."""
+    from workers.engine.llama import DEEP_AFTER
+    from workers.sampling import SamplingParams
+    engine = make(model_path, slots=2)
+    keep_going = SamplingParams(temperature=0.0, ignore_eos=True)
+    try:
+        engine.add(0, engine.tokenize("def f():\n    return 1\n\n\ndef g():\n"), keep_going)
+        while not (engine.slots[0].line_done and engine.slots[0].sampled >= DEEP_AFTER):
+            engine.step()
+        engine.add(1, engine.tokenize("x = [1, 2, 3]\nprint(len(x))  # a comment that goes on"),
+                   keep_going)
+        pattern = []
+        while not engine.slots[1].line_done and len(pattern) < 200:
+            pattern.append(0 in engine.step())
+        assert engine.slots[1].line_done, "the second sequence never wrote a newline"
+        assert len(pattern) >= 3
+        assert "FF" not in "".join("T" if p else "F" for p in pattern)
+        assert pattern.count(False) >= len(pattern) // 2 - 1
+        assert all(0 in engine.step() for _ in range(4))          # no one waits: every step
+    finally:
+        engine.close()

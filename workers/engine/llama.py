@@ -37,6 +37,8 @@ from workers.sampling import SamplingParams, TokenOut
 log = logging.getLogger(__name__)
 
 BANNED = -1e30           # a logit no token wins with, yet finite: a grammar stays satisfiable
+DEEP_AFTER = 16     # first line first: tokens after which a sequence past its first line
+                    # yields every other step to sequences still short of theirs
 PROMPT_LOGPROB_CHUNK = 64   # prompt rows per step when every row's logits are kept (1 MiB each)
 
 
@@ -98,6 +100,8 @@ class _Slot:
     draft: list[int] = field(default_factory=list)      # speculative tokens in this step
     draft_rows: list[int] = field(default_factory=list)
     policy: Drafter | None = None                       # None: no speculation
+    line_done: bool = False                             # its output has a newline
+    waited: bool = False                                # first line first: skipped a step
 
     @property
     def busy(self) -> bool:
@@ -294,6 +298,7 @@ class LlamaEngine:
             n_past = 0
         slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
         slot.next_token, slot.row, slot.chain, slot.sampled = None, -1, chain, 0
+        slot.line_done = slot.waited = False
         slot.logprobs = logprobs
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
@@ -371,7 +376,8 @@ class LlamaEngine:
         if self.deterministic and prefilling:
             generating, prefilling = [], prefilling[:1]
         else:
-            generating = [s for s in self.slots if s.busy and s.next_token is not None]
+            generating = self._first_line_first(
+                [s for s in self.slots if s.busy and s.next_token is not None], prefilling)
         self._draft(generating)                  # speculation (workers/engine/speculation.py)
         # Every generating slot has its rows; prompts share at most `prefill_chunk` more,
         # so a long prompt holds the running streams back by one chunk a step at most.
@@ -429,6 +435,23 @@ class LlamaEngine:
             except Exception as exc:      # one sequence's sampling failed, not the step
                 slot.row, slot.prompt_rows = -1, []
                 out[slot_id] = TokenOut(-1, error=exc)
+        return out
+
+    def _first_line_first(self, generating: list[_Slot], prefilling: list[_Slot]
+                          ) -> list[_Slot]:
+        """A user waits for a suggestion's first line: while some sequence is still short
+        of its first newline (or still prefilling), a sequence deep in a long completion
+        (past its first line and DEEP_AFTER tokens) gets a row only every other step, so
+        the step is shorter for the others; it never waits two steps in a row."""
+        waiting = bool(prefilling) or any(not s.line_done for s in generating)
+        out = []
+        for slot in generating:
+            deep = slot.line_done and slot.sampled >= DEEP_AFTER
+            if waiting and deep and not slot.waited:
+                slot.waited = True
+                continue
+            slot.waited = False
+            out.append(slot)
         return out
 
     def _draft(self, generating: list[_Slot]) -> None:
@@ -519,6 +542,8 @@ class LlamaEngine:
         slot.row = -1
         slot.next_token = token
         slot.sampled += 1
+        if not slot.line_done and b"\n" in self.piece(token):
+            slot.line_done = True
         result = TokenOut(token)
         if lse is not None:
             result.logprob, result.top = float(logits[token] - lse), top
