@@ -142,6 +142,7 @@ CURSOR_REGION = 64          # characters before the cursor a keystroke may chang
 MIN_SHARED = 32             # ... and at least this much (or all of the shorter) shared
 MAX_ENTRIES = 16            # sessions remembered per client and route
 MAX_CLIENTS = 4096          # clients and routes remembered, least recently seen first
+MAX_TEXT = 32 << 20         # ... and characters of text kept in all (prompts are <= 1 MiB)
 
 
 def cursor_text(body: P.SubmittedJob) -> str | None:
@@ -179,24 +180,37 @@ class InferredSessions:
         # (client, model, route) -> [[text, session, last seen, order of the text]]
         self.clients: OrderedDict[tuple, list[list]] = OrderedDict()
         self.counter = 0
+        self.chars = 0                  # the texts' characters, all clients together
+
+    def _drop(self, entries: list[list]) -> None:
+        self.chars -= sum(len(e[0]) for e in entries)
 
     def session_for(self, body: P.SubmittedJob, now: float) -> str | None:
         text = cursor_text(body) if body.client and body.fanout == 1 else None
         if text is None:
             return None
         key = (body.client, body.model, body.route)
-        entries = [e for e in self.clients.pop(key, []) if e[2] >= now - INFER_WINDOW]
+        entries = self.clients.pop(key, [])
+        self._drop([e for e in entries if e[2] < now - INFER_WINDOW])
+        entries = [e for e in entries if e[2] >= now - INFER_WINDOW]
         self.clients[key] = entries
-        while len(self.clients) > MAX_CLIENTS:
-            self.clients.popitem(last=False)
+        session = None
         for entry in reversed(entries):
             if same_cursor(entry[0], text):
                 if body.session_order >= entry[3]:      # the newest text goes on matching
+                    self.chars += len(text) - len(entry[0])
                     entry[0], entry[3] = text, body.session_order
                 entry[2] = now
-                return entry[1]
-        self.counter += 1
-        session = f"~{body.client}:{self.counter}"
-        entries.append([text, session, now, body.session_order])
-        del entries[:-MAX_ENTRIES]
+                session = entry[1]
+                break
+        if session is None:
+            self.counter += 1
+            session = f"~{body.client}:{self.counter}"
+            entries.append([text, session, now, body.session_order])
+            self.chars += len(text)
+            self._drop(entries[:-MAX_ENTRIES])
+            del entries[:-MAX_ENTRIES]
+        while len(self.clients) > 1 and (len(self.clients) > MAX_CLIENTS
+                                         or self.chars > MAX_TEXT):
+            self._drop(self.clients.popitem(last=False)[1])   # least recently seen first
         return session

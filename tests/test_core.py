@@ -487,3 +487,15 @@ def test_the_newest_keystroke_is_answered_in_every_interleaving_without_a_header
             refused |= failed(keystroke(core, f"k{i}", FILE + "x" * i, now=step * 0.01,
                                         order=1000 + i))
         assert "k4" not in refused, arrival
+
+
+def test_inferred_sessions_keep_bounded_text(monkeypatch):
+    from dispatcher import admission
+    monkeypatch.setattr(admission, "MAX_TEXT", 10_000)
+    inferred = admission.InferredSessions()
+    for i in range(50):
+        body = wire_job(id=f"j{i}", model="m", prompt=f"{i} " + "x" * 1000, suffix="",
+                        client=f"c{i}", session_order=i)
+        inferred.session_for(body, 0.0)
+    assert inferred.chars <= 10_000 and len(inferred.clients) <= 10
+    assert inferred.chars == sum(len(e[0]) for v in inferred.clients.values() for e in v)

@@ -254,13 +254,14 @@ def run_single(target, name: str, prompt: str, requests: int, max_tokens: int,
 def run_typing(target, sessions: int, bursts: int, burst_len: int, gap: float,
                max_tokens: int, salt: int, session_seq: bool = False,
                session_name: str | None = None, header: bool = False,
-               keep_stale: bool = False) -> Level:
+               keep_stale: bool = False, fim: bool = False) -> Level:
     """Editors typing: `sessions` users, each typing bursts of `burst_len` keystrokes
     `gap` s apart into its own ~400-token file, one request per keystroke, a pause after
     each burst. As the plugins do (../shared/notes/editor-clients.md), each keystroke
     closes the previous keystroke's connection at once and no session header is sent;
     `keep_stale` leaves it open instead (a client that has not read anything yet), and
-    `header` sends X-Session-Id (`session_seq`: and X-Session-Seq, the user's count).
+    `header` sends X-Session-Id (`session_seq`: and X-Session-Seq, the user's count);
+    `fim` sends the text after the cursor as `suffix` (servers with FIM only).
 
     Reports, for the request the user waits for (the last of each burst): TTFT, time to
     the end of the first line (p50 and p95), and how many never showed a suggestion
@@ -288,10 +289,10 @@ def run_typing(target, sessions: int, bursts: int, burst_len: int, gap: float,
                 aborts.append(abort)
 
                 def fire(key=k, prefix=prefix, seq=count if session_seq else None,
-                         abort=abort):
+                         abort=abort, suffix=text[cursor:cursor + 200] if fim else None):
                     results[key] = target.complete(
-                        prefix, max_tokens, session=f"{name}-{u}" if header else None,
-                        seq=seq, abort=abort)
+                        prefix, max_tokens, suffix=suffix,
+                        session=f"{name}-{u}" if header else None, seq=seq, abort=abort)
                 thread = threading.Thread(target=fire)
                 thread.start()
                 threads.append(thread)
@@ -310,6 +311,7 @@ def run_typing(target, sessions: int, bursts: int, burst_len: int, gap: float,
     for thread in users:
         thread.join()
     mode = ("stale kept open" if keep_stale else "plugin-like") + \
+        (", FIM" if fim else "") + \
         (", X-Session-Seq" if session_seq else ", X-Session-Id" if header else "")
     level = summarize(f"typing ({mode})", sessions, waited, time.perf_counter() - started)
     lines = [s.first_line * 1000 for s in waited if s.ok and s.first_line is not None]
@@ -361,6 +363,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--session-name", default=None,
                         help="typing: session ids NAME-0, NAME-1, ... (default: new ones "
                              "each run; the same NAME again is an editor restarted)")
+    parser.add_argument("--typing-fim", action="store_true",
+                        help="typing: send the text after the cursor as suffix (FIM)")
     parser.add_argument("--constrained", action="store_true",
                         help="also: a plain stream alone and beside a json_schema stream "
                              "(prints the slowdown; targets that take json_schema only)")
@@ -423,7 +427,7 @@ def run(args) -> int:
                                           args.burst_len, args.keystroke_gap,
                                           args.max_tokens, salt + 3, args.session_seq,
                                           args.session_name, args.session_header,
-                                          args.keep_stale))
+                                          args.keep_stale, args.typing_fim))
             elif workload != "typing":
                 raise SystemExit(f"unknown workload {workload!r}: edit, fresh, sampled, "
                                  "typing")

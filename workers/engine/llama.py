@@ -38,7 +38,9 @@ log = logging.getLogger(__name__)
 
 BANNED = -1e30           # a logit no token wins with, yet finite: a grammar stays satisfiable
 DEEP_AFTER = 16     # first line first: tokens after which a sequence past its first line
-                    # yields every other step to sequences still short of theirs
+                    # yields one step in YIELD_EVERY to sequences still short of theirs
+YIELD_EVERY = 2     # (measured on 2 cores: first line p50 377-478 ms against 452-506
+                    # without; 8 x 128-token streams ~10% slower in aggregate)
 PROMPT_LOGPROB_CHUNK = 64   # prompt rows per step when every row's logits are kept (1 MiB each)
 
 
@@ -101,7 +103,7 @@ class _Slot:
     draft_rows: list[int] = field(default_factory=list)
     policy: Drafter | None = None                       # None: no speculation
     line_done: bool = False                             # its output has a newline
-    waited: bool = False                                # first line first: skipped a step
+    turns: int = 0                                      # first line first: steps offered
 
     @property
     def busy(self) -> bool:
@@ -298,7 +300,7 @@ class LlamaEngine:
             n_past = 0
         slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
         slot.next_token, slot.row, slot.chain, slot.sampled = None, -1, chain, 0
-        slot.line_done = slot.waited = False
+        slot.line_done, slot.turns = False, 0
         slot.logprobs = logprobs
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
@@ -441,16 +443,16 @@ class LlamaEngine:
                           ) -> list[_Slot]:
         """A user waits for a suggestion's first line: while some sequence is still short
         of its first newline (or still prefilling), a sequence deep in a long completion
-        (past its first line and DEEP_AFTER tokens) gets a row only every other step, so
-        the step is shorter for the others; it never waits two steps in a row."""
+        (past its first line and DEEP_AFTER tokens) sits out one step in YIELD_EVERY, so
+        those steps are shorter for the others; it never waits two steps in a row."""
         waiting = bool(prefilling) or any(not s.line_done for s in generating)
         out = []
         for slot in generating:
             deep = slot.line_done and slot.sampled >= DEEP_AFTER
-            if waiting and deep and not slot.waited:
-                slot.waited = True
-                continue
-            slot.waited = False
+            if waiting and deep:
+                slot.turns += 1
+                if slot.turns % YIELD_EVERY == 0:
+                    continue
             out.append(slot)
         return out
 
