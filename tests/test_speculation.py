@@ -117,3 +117,30 @@ def test_step_costs_measured_never_fall_with_more_rows():
 
 def test_find_draft_is_the_latest_occurrence():
     assert find_draft([1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 7, 8, 9, 0, 1, 2, 3], 4) == [7, 8, 9, 0]
+
+
+def test_an_earlier_sequence_of_the_tenant_is_drafted_from():
+    """The same request again (an editor asking for nearly the same completion): its
+    answer comes from the earlier one's output in drafts, not token by token."""
+    from workers.engine.speculation import History
+    prompt = list(range(500, 540))
+    output = list(range(600, 700))
+    history = History()
+    history.add(prompt + output, len(prompt))
+    drafter = Drafter(16, history=history)
+    steps, drafted, accepted = drive(drafter, prompt, output)
+    assert accepted >= len(output) - 8 and steps <= 12
+    assert drive(Drafter(16), prompt, output)[2] == 0      # without it: nothing to copy
+
+
+def test_history_keeps_recent_sequences_only():
+    from workers.engine import speculation
+    from workers.engine.speculation import History
+    history = History()
+    for n in range(speculation.HISTORY_SEQUENCES + 4):
+        history.add([n] * 3 + list(range(1000 + 100 * n, 1040 + 100 * n)), 3)
+    assert len(history.sequences) == speculation.HISTORY_SEQUENCES
+    assert history.lookup(list(range(1000, 1000 + LONG_KEY))) is None      # the oldest
+    assert history.lookup(list(range(1000 + 100 * 19, 1000 + 100 * 19 + LONG_KEY)))
+    live = set(history.sequences)
+    assert all(seq in live for seq, _ in history.index.values())

@@ -226,7 +226,8 @@ class GenerationLoop:
         prompt_lp = echo and logprobs is not None
         cached = self.engine.add(slot, tokens, SamplingParams.from_job(sampling), want,
                                  prompt_logprobs=prompt_lp,
-                                 reuse=reuse, draft_max=gen.draft_max)
+                                 reuse=reuse, draft_max=gen.draft_max,
+                                 history=body.tenant or "")
         self.slot_tenant[slot] = body.tenant
         self.free_slots.remove(slot)
         self.active[request_id] = active     # from here a failure frees the slot

@@ -44,7 +44,8 @@ class Engine(Protocol):
 
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
             logprobs: int | None = None, prompt_logprobs: bool = False,
-            reuse: bool = True, draft_max: int | None = None) -> int: ...
+            reuse: bool = True, draft_max: int | None = None,
+            history: str | None = None) -> int: ...
 
     def release(self, slot_id: int, keep_cache: bool = True) -> None: ...
 

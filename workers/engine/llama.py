@@ -29,7 +29,7 @@ from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.llamalog import LlamaLog
 from dispatcher.common.models import cache_dir
 from workers.engine.repacking import cpu_identity, extra_buffers_work
-from workers.engine.speculation import Drafter, StepCosts, common_prefix, plan
+from workers.engine.speculation import Drafter, Histories, StepCosts, common_prefix, plan
 from workers.engine.vocabulary import Vocabulary
 from workers.engine.samplers import Candidates, SamplerChain
 from workers.sampling import SamplingParams, TokenOut
@@ -161,6 +161,7 @@ class LlamaEngine:
         # decoded beside the token's row change logprobs in their last bits (measured)
         self.draft_max = 0 if deterministic else draft_max
         self.drafted = self.draft_accepted = 0
+        self.histories = Histories()     # recent sequences per tenant: a draft source
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         # KV chunk reuse (workers/engine/kvreuse.py) needs position shifts; never in deterministic
         # mode (shifted keys differ from prefilled ones in their last bits)
@@ -279,9 +280,12 @@ class LlamaEngine:
 
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
             logprobs: int | None = None, prompt_logprobs: bool = False,
-            reuse: bool = True, draft_max: int | None = None) -> int:
+            reuse: bool = True, draft_max: int | None = None,
+            history: str | None = None) -> int:
         """Start a sequence in a free slot; its prompt is decoded by the coming steps.
-        Returns how many prompt tokens were already in the slot's KV cache (reused)."""
+        Returns how many prompt tokens were already in the slot's KV cache (reused).
+        `history` names whose recent sequences may be drafted from (a tenant; None:
+        none), and where this one's goes when it ends."""
         slot = self.slots[slot_id]
         if slot.busy:
             raise EngineError(f"slot {slot_id} is busy")
@@ -306,6 +310,8 @@ class LlamaEngine:
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
         limit = self.draft_max if draft_max is None else min(draft_max, self.draft_max)
         slot.policy = Drafter(limit) if limit else None
+        if slot.policy is not None and history is not None:
+            slot.policy.history = self.histories.of(history)
         return n_past
 
     def clear_caches(self) -> None:
@@ -340,6 +346,9 @@ class LlamaEngine:
         slot = self.slots[slot_id]
         if slot.chain is not None:
             slot.chain.free()
+        if slot.policy is not None and slot.policy.history is not None:
+            slot.policy.history.add(slot.cached, len(slot.prompt))
+            slot.policy.history = None           # (once per sequence)
         if not keep_cache:
             llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
             slot.cached = []

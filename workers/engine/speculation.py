@@ -33,12 +33,17 @@ when they are long and likely.
 from __future__ import annotations
 
 import statistics
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 DRAFT_MIN = 4           # shorter drafts cost more than they can save on CPUs measured
 NGRAM = (4, 3, 2)       # the `short` suffix lengths tried, longest first
 LONG_KEY = 12           # tokens in the `long` source's key
 LOOKBACK = 8192         # tokens the `short` source searches for its suffix
+HISTORY_SEQUENCES = 16  # `history`: recent sequences kept per tenant
+HISTORY_TOKENS = 4096   # ... at most this many tokens of each
+HISTORY_PROMPT = 64     # ... of which the prompt's last ones (the output's lead-in)
+HISTORY_TENANTS = 64    # tenants whose history is kept, least recently used dropped
 SHAPES_EXTRA = (0, 4, 8, 16, 32)   # draft rows measured beside the plain rows at start-up
 
 
@@ -76,13 +81,72 @@ def find_source(context: list[int], limit: int, minimum: int = DRAFT_MIN) -> int
     return None
 
 
-def matched(context: list[int], start: int) -> int:
-    """How many tokens before `start` equal those at the end of `context` (at most
-    MATCH_WINDOW): the length of the match a lookup found."""
+def matched(context: list[int], start: int, source: list[int] | None = None) -> int:
+    """How many tokens before `start` in `source` (default: the context itself) equal
+    those at the end of `context` (at most MATCH_WINDOW): the length of the match a
+    lookup found."""
+    source = context if source is None else source
     n, k = len(context), 0
-    while k < MATCH_WINDOW and k < start and context[start - 1 - k] == context[n - 1 - k]:
+    while k < MATCH_WINDOW and k < start and k < n and \
+            source[start - 1 - k] == context[n - 1 - k]:
         k += 1
     return k
+
+
+class History:
+    """Recent sequences of one tenant (an API key's, or everyone's with a shared cache),
+    for the `history` source: an editor asks for nearly the same completion again and
+    again as the user types, so the previous answer is the likeliest draft. Keeps the
+    last HISTORY_SEQUENCES sequences (each the tail of its prompt and its output, at most
+    HISTORY_TOKENS), indexed by LONG_KEY-token keys, the newest occurrence winning."""
+
+    def __init__(self) -> None:
+        self.sequences: OrderedDict[int, list[int]] = OrderedDict()
+        self.index: dict[tuple, tuple[int, int]] = {}
+        self.counter = 0
+
+    def add(self, tokens: list[int], output_from: int) -> None:
+        """A finished (or cancelled) sequence: `tokens` is its prompt and output, the
+        output starting at `output_from`."""
+        if len(tokens) - output_from < DRAFT_MIN:
+            return
+        start = max(0, output_from - LONG_KEY - HISTORY_PROMPT)
+        kept = tokens[start:][-HISTORY_TOKENS:]
+        self.counter += 1
+        self.sequences[self.counter] = kept
+        for i in range(LONG_KEY, len(kept)):
+            self.index[tuple(kept[i - LONG_KEY:i])] = (self.counter, i)
+        while len(self.sequences) > HISTORY_SEQUENCES:
+            old_id, old = self.sequences.popitem(last=False)
+            for i in range(LONG_KEY, len(old)):
+                key = tuple(old[i - LONG_KEY:i])
+                if self.index.get(key, (None,))[0] == old_id:
+                    del self.index[key]
+
+    def lookup(self, context: list[int]) -> tuple[list[int], int] | None:
+        """(tokens, position) where an earlier sequence went on after the context's last
+        LONG_KEY tokens."""
+        if len(context) < LONG_KEY:
+            return None
+        found = self.index.get(tuple(context[-LONG_KEY:]))
+        if found is None or found[0] not in self.sequences:
+            return None
+        tokens = self.sequences[found[0]]
+        return (tokens, found[1]) if found[1] < len(tokens) else None
+
+
+class Histories:
+    """Each tenant's History, the least recently used forgotten first."""
+
+    def __init__(self) -> None:
+        self.tenants: OrderedDict[str, History] = OrderedDict()
+
+    def of(self, tenant: str) -> History:
+        history = self.tenants.pop(tenant, None) or History()
+        self.tenants[tenant] = history
+        while len(self.tenants) > HISTORY_TENANTS:
+            self.tenants.popitem(last=False)
+        return history
 
 
 def expected_accepted(rate: float, length: int) -> float:
@@ -107,7 +171,8 @@ class Record:
 
 # Priors (pseudo-counts): a copy that ran before is likely to go on; a lookup's own
 # evidence is how far back its match reaches (`matched`), counted per proposal.
-PRIORS = {"copy": (9.0, 1.0), "long": (1.0, 1.0), "short": (1.0, 1.0)}
+PRIORS = {"copy": (9.0, 1.0), "long": (1.0, 1.0), "short": (1.0, 1.0),
+          "history": (1.0, 1.0)}
 PRIOR_CUT = 1.0
 FADE = 0.98             # per step: a source's misses of ~35 steps ago count half
 MATCH_WINDOW = 64       # how far back a lookup's match is measured
@@ -120,6 +185,8 @@ class Proposal:
     tokens: list[int]
     rate: float
     sources: list[str] = field(default_factory=list)   # all that proposed this text
+    origin: list[int] | None = field(default=None, repr=False)  # the tokens it copies
+    external: bool = False          # ... a recent sequence's, not the context's
 
     def gain(self, length: int) -> float:
         return expected_accepted(self.rate, min(length, len(self.tokens)))
@@ -138,6 +205,10 @@ class Drafter:
     accepted: int = 0
     tried: Proposal | None = None   # the draft in this step
     tried_at: int = 0               # the context's length when it was drafted
+    history: History | None = None  # `history`: the tenant's recent sequences
+    # `copy` from a recent sequence instead of the context: (its tokens, the position
+    # aligned with the context's end at length `at`, at)
+    copied: tuple[list[int], int, int] | None = None
 
     def __post_init__(self) -> None:
         self.records = {name: Record(*prior) for name, prior in PRIORS.items()}
@@ -151,21 +222,33 @@ class Drafter:
         best, found = None, []
         for record in self.records.values():    # old misses fade: a source gets retried
             record.cut = max(PRIOR_CUT, record.cut * FADE)
-        for source, start in (("copy", self._copy_start(n)), ("long", self._long(context)),
-                              ("short", find_source(context, limit))):
-            if start is None or n - start < DRAFT_MIN:
+        candidates = [("copy", context, self._copy_start(n)),
+                      ("long", context, self._long(context)),
+                      ("short", context, find_source(context, limit))]
+        if self.copied is not None:
+            tokens, at, when = self.copied
+            candidates[0] = ("copy", tokens, at + n - when)
+        if self.history is not None:
+            earlier = self.history.lookup(context)
+            if earlier is not None:
+                candidates.append(("history", *earlier))
+        for source, tokens, start in candidates:
+            if start is None or len(tokens) - start < DRAFT_MIN or \
+                    (tokens is context and n - start < DRAFT_MIN):
                 continue
             record = self.records[source]
             rate = record.rate
             if source != "copy":            # a longer match is a likelier continuation
-                m = matched(context, start)
+                m = matched(context, start, tokens)
                 rate = (record.accepted + m) / (record.accepted + record.cut + m + 1)
-            proposal = Proposal(source, start, context[start:start + limit], rate)
+            proposal = Proposal(source, start, tokens[start:start + limit], rate,
+                                origin=tokens, external=tokens is not context)
             found.append(proposal)
             if best is None or proposal.gain(limit) > best.gain(limit):
                 best = proposal
         if best is not None:            # the sources that found the same text share its fate
-            best.sources = [p.source for p in found if p.start == best.start]
+            best.sources = [p.source for p in found
+                            if p.start == best.start and p.origin is best.origin]
         return best
 
     def _copy_start(self, n: int) -> int | None:
@@ -208,7 +291,13 @@ class Drafter:
         # the text after the draft's source goes on at the same distance (a mismatch is a
         # substitution); a source rejected outright twice in a row is dropped
         self.misses = self.misses + 1 if accepted == 0 else 0
-        self.distance = None if self.misses >= 2 else self.tried_at - proposal.start
+        self.distance = self.copied = None
+        if self.misses >= 2:
+            return
+        if proposal.external:            # copying a recent sequence: go on there
+            self.copied = (proposal.origin, proposal.start, self.tried_at)
+        else:
+            self.distance = self.tried_at - proposal.start
 
 
 class StepCosts:
