@@ -160,9 +160,12 @@ REPEATING_CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    ret
 
 
 def run_speculated(model_path, draft_max, deterministic=False, n=24):
+    """Given step costs (those of a 2-core CPU), so whether a draft pays does not depend
+    on how busy this machine was when it measured its own."""
     from workers.engine.llama import LlamaEngine
+    from workers.engine.speculation import StepCosts
     engine = LlamaEngine(model_path, 1024, 2, THREADS, 0, deterministic=deterministic,
-                         draft_max=draft_max)
+                         draft_max=draft_max, step_costs=StepCosts.assumed())
     try:
         engine.add(0, engine.tokenize(REPEATING_CODE), GREEDY)
         tokens, steps = [], 0
@@ -184,6 +187,31 @@ def test_speculation_keeps_a_confident_greedy_copy_and_takes_fewer_steps(model_p
     drafted, steps, (proposed, accepted) = run_speculated(model_path, 16)
     assert drafted == plain and 0 < accepted <= proposed
     assert steps < plain_steps / 2
+
+
+def test_step_costs_are_measured_on_this_device_and_kept(model_path, tmp_path, monkeypatch):
+    """At start-up with drafts on: a decode per batch shape, times growing with the rows;
+    the next engine of the same shape reads them from the cache directory."""
+    from workers.engine.llama import LlamaEngine
+    from workers.engine.speculation import SHAPES_EXTRA
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    engine = LlamaEngine(model_path, 256, 2, THREADS, 0, draft_max=16)
+    try:
+        table = engine.step_costs.table
+        assert set(table) == {(s, d) for s in (1, 2) for d in SHAPES_EXTRA}
+        assert all(table[s, 0] > 0 for s in (1, 2))
+        assert all(table[s, a] <= table[s, b] for s in (1, 2)
+                   for a, b in zip(SHAPES_EXTRA, SHAPES_EXTRA[1:]))
+        assert engine.cached_prefix([1, 2, 3], [0, 1]) == 0     # the slots are empty again
+    finally:
+        engine.close()
+    kept = list((tmp_path / "completions-server").glob("step-costs-*.json"))
+    assert len(kept) == 1
+    again = LlamaEngine(model_path, 256, 2, THREADS, 0, draft_max=16)
+    try:
+        assert again.step_costs.table == table
+    finally:
+        again.close()
 
 
 def test_deterministic_mode_never_speculates(model_path):

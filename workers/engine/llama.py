@@ -116,7 +116,7 @@ class LlamaEngine:
     def __init__(self, model_path: str, n_ctx: int, slots: int, n_threads: int,
                  n_gpu_layers: int, verbose: bool = False, deterministic: bool = False,
                  prefill_chunk: int = 0, draft_max: int = 0, cache_reuse: int = 0,
-                 log_content: bool = False):
+                 log_content: bool = False, step_costs: StepCosts | None = None):
         self.lib = llama_cpp
         self.log = set_llama_log(LlamaLog(verbose, log_content))   # held while loaded
         llama_cpp.llama_backend_init()
@@ -183,8 +183,8 @@ class LlamaEngine:
         self.vocabulary = Vocabulary(llama_cpp, self.vocab, self.n_vocab, self.add_bos)
         self.fingerprint = model_fingerprint(model_path, llama_cpp.__version__)
         # whether a draft pays in a step: this device's step times by batch shape
-        self.step_costs = self._step_costs(slots, n_threads, n_gpu_layers,
-                                           mparams.use_extra_bufts) if self.draft_max else None
+        self.step_costs = step_costs or (self._step_costs(
+            slots, n_threads, n_gpu_layers, mparams.use_extra_bufts) if self.draft_max else None)
 
     def _step_costs(self, slots: int, n_threads: int, n_gpu_layers: int,
                     repacked: bool) -> StepCosts:
