@@ -79,7 +79,7 @@ class FakeEngine:
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
             logprobs: int | None = None, prompt_logprobs: bool = False,
             reuse: bool = True, draft_max: int | None = None,
-            history: str | None = None) -> int:
+            history: str | None = None, budget: int | None = None) -> int:
         self.check_tokens(tokens)
         if sampling.grammar is not None:
             raise InvalidInput("the fake engine has no grammar support", param="grammar")

@@ -227,7 +227,7 @@ class GenerationLoop:
         cached = self.engine.add(slot, tokens, SamplingParams.from_job(sampling), want,
                                  prompt_logprobs=prompt_lp,
                                  reuse=reuse, draft_max=gen.draft_max,
-                                 history=body.tenant or "")
+                                 history=body.tenant or "", budget=gen.max_tokens)
         self.slot_tenant[slot] = body.tenant
         self.free_slots.remove(slot)
         self.active[request_id] = active     # from here a failure frees the slot

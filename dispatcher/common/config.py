@@ -114,9 +114,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("frontends", 1, "number of gunicorn front-end processes (0: none)", _non_negative_int),
     Option("model", None, "path of the GGUF model (default: the bundled Gemma 3 270M Q4_K_M)"),
     Option("model_id", None, "model name clients send (default: the file name without .gguf)"),
-    Option("draft_max", 16, "prompt-lookup speculative decoding: at most this many tokens "
-           "drafted a step from the request's own text, verified in the same decode (0: "
-           "off); drafts only while at most 2 sequences generate", _non_negative_int),
+    Option("draft_max", 64, "speculative decoding: at most this many tokens drafted a step "
+           "from the request's own text and its key's recent answers, verified in the same "
+           "decode (0: off); each draft's length, and whether to draft at all, follows the "
+           "step costs measured at start-up", _non_negative_int),
     Option("cache_reuse", 256, "KV chunk reuse: after the prefix a slot's cache shares with "
            "a prompt, runs of at least this many cached tokens that the prompt repeats "
            "further along (the file after an edit) are shifted into place instead of "

@@ -29,7 +29,8 @@ from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.llamalog import LlamaLog
 from dispatcher.common.models import cache_dir
 from workers.engine.repacking import cpu_identity, extra_buffers_work
-from workers.engine.speculation import Drafter, Histories, StepCosts, common_prefix, plan
+from workers.engine.speculation import (DRAFT_MIN, Drafter, Histories, StepCosts,
+                                        common_prefix, plan)
 from workers.engine.vocabulary import Vocabulary
 from workers.engine.samplers import Candidates, SamplerChain
 from workers.sampling import SamplingParams, TokenOut
@@ -104,6 +105,7 @@ class _Slot:
     policy: Drafter | None = None                       # None: no speculation
     line_done: bool = False                             # its output has a newline
     turns: int = 0                                      # first line first: steps offered
+    budget: int | None = None                           # tokens it may generate
 
     @property
     def busy(self) -> bool:
@@ -281,11 +283,12 @@ class LlamaEngine:
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
             logprobs: int | None = None, prompt_logprobs: bool = False,
             reuse: bool = True, draft_max: int | None = None,
-            history: str | None = None) -> int:
+            history: str | None = None, budget: int | None = None) -> int:
         """Start a sequence in a free slot; its prompt is decoded by the coming steps.
         Returns how many prompt tokens were already in the slot's KV cache (reused).
         `history` names whose recent sequences may be drafted from (a tenant; None:
-        none), and where this one's goes when it ends."""
+        none), and where this one's goes when it ends; `budget`, the tokens it may
+        generate, keeps drafts from running past its end."""
         slot = self.slots[slot_id]
         if slot.busy:
             raise EngineError(f"slot {slot_id} is busy")
@@ -304,7 +307,7 @@ class LlamaEngine:
             n_past = 0
         slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
         slot.next_token, slot.row, slot.chain, slot.sampled = None, -1, chain, 0
-        slot.line_done, slot.turns = False, 0
+        slot.line_done, slot.turns, slot.budget = False, 0, budget
         slot.logprobs = logprobs
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
@@ -312,6 +315,8 @@ class LlamaEngine:
         slot.policy = Drafter(limit) if limit else None
         if slot.policy is not None and history is not None:
             slot.policy.history = self.histories.of(history)
+            # a sampled answer is one draw: the next is unlikely to repeat it
+            slot.policy.drafts_from_history = sampling.greedy
         return n_past
 
     def clear_caches(self) -> None:
@@ -472,7 +477,9 @@ class LlamaEngine:
         for slot in generating:
             slot.draft = []
             room = self.n_ctx - slot.n_past - 2
-            if slot.policy is not None and room > 0:
+            if slot.budget is not None and slot.budget - slot.sampled - 1 >= DRAFT_MIN:
+                room = min(room, slot.budget - slot.sampled - 1)   # (a draft past the end
+            if slot.policy is not None and room > 0:                # is rows for nothing)
                 proposal = slot.policy.propose(slot.cached + [slot.next_token], room)
                 if proposal is not None:
                     proposals.append((slot.seq, proposal))

@@ -7,7 +7,7 @@ and compared with the draft, so greedy output is what it would be without specul
 and sampled output has the same distribution; the first mismatch ends the accepted run
 and the rejected positions leave the KV cache.
 
-Three sources propose a draft for a sequence (its context: prompt and output so far):
+Four sources propose a draft for a sequence (its context: prompt and output so far):
 - `copy`: keep copying from where the last draft's source left off, at the same distance
   back. An edit rewrites a block with a changed name or number now and then; the model's
   own token at a mismatch is a substitution, so the copy goes on just after it (the
@@ -19,6 +19,9 @@ Three sources propose a draft for a sequence (its context: prompt and output so 
   the prompt's stale sibling).
 - `short`: the latest earlier occurrence of the last 4, 3 or 2 tokens: what wins on
   fresh code that repeats itself locally.
+- `history`: where one of the tenant's recent sequences went on after the last LONG_KEY
+  tokens (`History`): an editor asks for nearly the same completion many times, so the
+  previous answer is the likeliest draft; a copy started there goes on there.
 
 Each source keeps its own acceptance record in the sequence (accepted draft tokens
 against drafts cut short), started from a prior by how strong its evidence is; the
@@ -176,6 +179,7 @@ PRIORS = {"copy": (9.0, 1.0), "long": (1.0, 1.0), "short": (1.0, 1.0),
 PRIOR_CUT = 1.0
 FADE = 0.98             # per step: a source's misses of ~35 steps ago count half
 MATCH_WINDOW = 64       # how far back a lookup's match is measured
+CUT_WEIGHT = 8          # a lookup's miss counts against it as much as 8 matched tokens
 
 
 @dataclass
@@ -209,6 +213,7 @@ class Drafter:
     # `copy` from a recent sequence instead of the context: (its tokens, the position
     # aligned with the context's end at length `at`, at)
     copied: tuple[list[int], int, int] | None = None
+    drafts_from_history: bool = True    # False: the history only records this one
 
     def __post_init__(self) -> None:
         self.records = {name: Record(*prior) for name, prior in PRIORS.items()}
@@ -228,7 +233,7 @@ class Drafter:
         if self.copied is not None:
             tokens, at, when = self.copied
             candidates[0] = ("copy", tokens, at + n - when)
-        if self.history is not None:
+        if self.history is not None and self.drafts_from_history:
             earlier = self.history.lookup(context)
             if earlier is not None:
                 candidates.append(("history", *earlier))
@@ -238,9 +243,10 @@ class Drafter:
                 continue
             record = self.records[source]
             rate = record.rate
-            if source != "copy":            # a longer match is a likelier continuation
-                m = matched(context, start, tokens)
-                rate = (record.accepted + m) / (record.accepted + record.cut + m + 1)
+            if source != "copy":            # a longer match is a likelier continuation,
+                m = matched(context, start, tokens)     # but the source's misses weigh more
+                rate = (record.accepted + m) / (record.accepted + m + 1 +
+                                                CUT_WEIGHT * (record.cut - PRIOR_CUT))
             proposal = Proposal(source, start, tokens[start:start + limit], rate,
                                 origin=tokens, external=tokens is not context)
             found.append(proposal)
@@ -354,7 +360,7 @@ class StepCosts:
 
 
 def plan(costs: StepCosts, sequences: int, proposals: list[tuple[object, Proposal]],
-         lengths: tuple[int, ...] = (4, 8, 16, 32)) -> dict[object, int]:
+         lengths: tuple[int, ...] = (4, 8, 16, 32, 64)) -> dict[object, int]:
     """How many draft tokens each proposal gets in a step of `sequences` generating
     sequences. Greedily: the proposal and length that give the step the best rate (its
     tokens, drafts' expected ones included, over its time), while that beats the rate
