@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 BANNED = -1e30           # a logit no token wins with, yet finite: a grammar stays satisfiable
 DEEP_AFTER = 16     # first line first: tokens after which a sequence past its first line
                     # yields one step in YIELD_EVERY to sequences still short of theirs
+ARRIVAL_QUIET = 0.5     # s after another request arrives without drafts (see _draft)
 YIELD_EVERY = 2     # (measured on 2 cores: first line p50 377-478 ms against 452-506
                     # without; 8 x 128-token streams ~10% slower in aggregate)
 PROMPT_LOGPROB_CHUNK = 64   # prompt rows per step when every row's logits are kept (1 MiB each)
@@ -164,6 +165,7 @@ class LlamaEngine:
         self.draft_max = 0 if deterministic else draft_max
         self.drafted = self.draft_accepted = 0
         self.histories = Histories()     # recent sequences per tenant: a draft source
+        self.arrivals: list[tuple[float, int]] = []   # (when, slot) of recent add()s
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         # KV chunk reuse (workers/engine/kvreuse.py) needs position shifts; never in deterministic
         # mode (shifted keys differ from prefilled ones in their last bits)
@@ -308,6 +310,7 @@ class LlamaEngine:
         slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
         slot.next_token, slot.row, slot.chain, slot.sampled = None, -1, chain, 0
         slot.line_done, slot.turns, slot.budget = False, 0, budget
+        self.arrivals.append((time.monotonic(), slot_id))
         slot.logprobs = logprobs
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
@@ -394,7 +397,7 @@ class LlamaEngine:
         else:
             generating = self._first_line_first(
                 [s for s in self.slots if s.busy and s.next_token is not None], prefilling)
-        self._draft(generating)                  # speculation (workers/engine/speculation.py)
+        self._draft(generating, prefilling)      # speculation (workers/engine/speculation.py)
         # Every generating slot has its rows; prompts share at most `prefill_chunk` more,
         # so a long prompt holds the running streams back by one chunk a step at most.
         room = min(self.n_batch - sum(1 + len(s.draft) for s in generating),
@@ -470,12 +473,22 @@ class LlamaEngine:
             out.append(slot)
         return out
 
-    def _draft(self, generating: list[_Slot]) -> None:
+    def _draft(self, generating: list[_Slot], prefilling: list[_Slot]) -> None:
         """Each generating sequence's best draft, and the ones that pay in this step
-        (speculation.plan, on the step costs measured at start-up)."""
+        (speculation.plan, on the step costs measured at start-up). First line first: no
+        sequence drafts while another is prefilling or short of its first newline, or
+        within ARRIVAL_QUIET s of another request's arrival (a draft lengthens the step a
+        new keystroke waits behind; with requests coming steadily, drafts cost more in
+        its latency than they gain: measured on the typing trace)."""
         proposals = []
+        waiting = [s for s in generating if not s.line_done] + prefilling
+        now = time.monotonic()
+        self.arrivals = [(t, s) for t, s in self.arrivals if now - t < ARRIVAL_QUIET]
         for slot in generating:
             slot.draft = []
+            if any(other is not slot for other in waiting) or \
+                    any(s != slot.seq for _, s in self.arrivals):
+                continue
             room = self.n_ctx - slot.n_past - 2
             if slot.budget is not None and slot.budget - slot.sampled - 1 >= DRAFT_MIN:
                 room = min(room, slot.budget - slot.sampled - 1)   # (a draft past the end
