@@ -35,7 +35,6 @@ when they are long and likely.
 """
 from __future__ import annotations
 
-import statistics
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
