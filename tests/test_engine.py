@@ -189,6 +189,52 @@ def test_speculation_keeps_a_confident_greedy_copy_and_takes_fewer_steps(model_p
     assert steps < plain_steps / 2
 
 
+def test_drafts_are_held_short_while_another_sequence_shares_the_worker(model_path):
+    """Beside another running sequence, a step with drafts may take at most twice the
+    plain one: on the CPU's costs that is no draft, on a GPU's (cheap rows) the drafts
+    stay; alone again, the sequence drafts on the CPU too."""
+    from workers.engine.llama import LlamaEngine
+    from workers.engine.speculation import SHAPES_EXTRA, StepCosts
+    keep_going = SamplingParams(temperature=0.0, ignore_eos=True)
+    gpu = StepCosts((1, 2), {(s, d): 10.0 + s + 0.05 * d for s in (1, 2)
+                             for d in SHAPES_EXTRA})
+    for name, costs in (("cpu", StepCosts.assumed()), ("gpu", gpu)):
+        engine = LlamaEngine(model_path, 1024, 2, THREADS, 0, draft_max=16,
+                             step_costs=costs)
+        try:
+            engine.add(1, engine.tokenize("x = [1, 2, 3]\nprint(len(x))\n"), keep_going)
+            while not engine.slots[1].line_done:
+                engine.step()
+            engine.add(0, engine.tokenize(REPEATING_CODE), GREEDY)
+            for _ in range(24):
+                engine.step()
+            beside = engine.draft_stats(0)
+            assert (beside[1] > 0) == (name == "gpu"), (name, beside)
+            engine.release(1)
+            for _ in range(24):
+                engine.step()
+            assert engine.draft_stats(0)[1] > beside[1], name
+        finally:
+            engine.close()
+
+
+def test_steps_keep_measured_costs_current(model_path, tmp_path, monkeypatch):
+    """Measured costs (not given ones) move toward the steps' real times."""
+    from workers.engine.llama import LlamaEngine
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    engine = LlamaEngine(model_path, 1024, 2, THREADS, 0, draft_max=16)
+    try:
+        engine.step_costs.table[1, 0] *= 50            # a start-up taken on a busy machine
+        wrong = engine.step_costs.table[1, 0]
+        engine.add(0, engine.tokenize("Once upon a time"), GREEDY, draft_max=0)
+        for _ in range(12):
+            engine.step()
+        assert engine.step_costs.observed >= 10
+        assert engine.step_costs.table[1, 0] < 0.5 * wrong
+    finally:
+        engine.close()
+
+
 def test_step_costs_are_measured_on_this_device_and_kept(model_path, tmp_path, monkeypatch):
     """At start-up with drafts on: a decode per batch shape, times growing with the rows;
     the next engine of the same shape reads them from the cache directory."""

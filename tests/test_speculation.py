@@ -1,7 +1,7 @@
 """The drafter's sources and the per-step plan (workers/engine/speculation.py), as units:
 token lists stand in for a sequence's context, and step costs are given tables."""
-from workers.engine.speculation import (LONG_KEY, Drafter, Proposal, StepCosts, find_draft,
-                                        matched, plan)
+from workers.engine.speculation import (LONG_KEY, SHAPES_EXTRA, Drafter, Proposal, StepCosts,
+                                        find_draft, matched, plan)
 
 # an "edit": the same block again with one token changed (a number), as a token list
 BLOCK = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]
@@ -90,8 +90,8 @@ def test_plan_drafts_alone_on_a_cpu_but_not_beside_seven_others():
 
 def test_plan_drafts_beside_many_sequences_where_rows_are_cheap():
     """A device where extra rows cost little (a GPU): drafts for all eight."""
-    gpu = StepCosts((1, 8), {(1, d): 10.0 + 0.05 * d for d in (0, 4, 8, 16, 32)} |
-                    {(8, d): 11.0 + 0.05 * d for d in (0, 4, 8, 16, 32)})
+    gpu = StepCosts((1, 8), {(1, d): 10.0 + 0.05 * d for d in SHAPES_EXTRA} |
+                    {(8, d): 11.0 + 0.05 * d for d in SHAPES_EXTRA})
     chosen = plan(gpu, 8, [(i, sure()) for i in range(8)])
     assert sorted(chosen) == list(range(8)) and all(n >= 8 for n in chosen.values())
 
@@ -99,6 +99,47 @@ def test_plan_drafts_beside_many_sequences_where_rows_are_cheap():
 def test_plan_skips_unlikely_drafts():
     cpu = StepCosts.assumed()
     assert plan(cpu, 1, [("a", Proposal("short", 0, list(range(16)), 0.5))]) == {}
+
+
+def test_under_traffic_a_draft_step_is_held_to_a_stretch_of_the_plain_one():
+    """Others wait on the worker: on the CPU a draft row costs several plain steps, so
+    a sure draft that pays alone is left out; where rows are cheap it stays."""
+    cpu = StepCosts.assumed()
+    assert plan(cpu, 1, [("a", sure())], stretch=1.0) == {}
+    assert plan(cpu, 1, [("a", sure())], stretch=None) == {"a": 16}
+    assert plan(cpu, 1, [("a", sure(64))], stretch=5.0) == {"a": 16}   # 72 ms <= 75
+    gpu = StepCosts((1, 8), {(1, d): 10.0 + 0.05 * d for d in SHAPES_EXTRA} |
+                    {(8, d): 11.0 + 0.05 * d for d in SHAPES_EXTRA})
+    chosen = plan(gpu, 8, [(i, sure()) for i in range(8)], stretch=1.0)
+    assert sorted(chosen) == list(range(8))
+    assert gpu.cost(8, sum(chosen.values())) <= 2 * gpu.cost(8, 0)
+
+
+def test_steps_correct_start_up_costs_measured_on_a_busy_machine():
+    """Start-up figures that made drafts look cheap: the steps that run them pull the
+    shape toward what it really takes, and plan stops choosing the draft; a shape
+    outside the measured range is left alone."""
+    wrong = StepCosts.assumed()
+    for d in SHAPES_EXTRA[1:]:
+        wrong.table[1, d] = wrong.table[1, 0] * 1.2        # drafts "nearly free"
+    likely = [("a", Proposal("long", 0, list(range(16)), 0.75))]
+    truth = StepCosts.assumed()
+    assert plan(wrong, 1, likely) and plan(truth, 1, likely) == {}
+    steps = 0
+    while plan(wrong, 1, likely) and steps < 200:    # the engine's loop: run, observe
+        length = plan(wrong, 1, likely)["a"]
+        wrong.observe(1, length, truth.cost(1, length))
+        steps += 1
+    assert 0 < steps < 200
+    for _ in range(60):
+        wrong.observe(1, 16, truth.cost(1, 16))
+    assert abs(wrong.cost(1, 16) - truth.cost(1, 16)) < 0.05 * truth.cost(1, 16)
+    before = dict(wrong.table)
+    for _ in range(20):
+        wrong.observe(3, 6, 1000.0)              # between measured shapes: both corners
+    assert wrong.table[2, 4] > before[2, 4] and wrong.table[8, 8] > before[8, 8]
+    assert wrong.table[1, 0] == before[1, 0]
+    assert not wrong.observe(1, 500, 9.0) and wrong.observed == steps + 80
 
 
 def test_step_costs_interpolate_and_extrapolate():
@@ -111,7 +152,7 @@ def test_step_costs_measured_never_fall_with_more_rows():
     times = iter([0.05, 0.012, 0.012, 0.05, 0.05, 0.04, 0.04, 0.08, 0.08, 0.1, 0.1] +
                  [0.02] * 40)
     costs = StepCosts.measure(lambda s, d: next(times), 1)
-    row = [costs.table[1, d] for d in (0, 4, 8, 16, 32)]
+    row = [costs.table[1, d] for d in SHAPES_EXTRA]
     assert row == sorted(row) and row[0] == 12.0
 
 
@@ -131,6 +172,34 @@ def test_an_earlier_sequence_of_the_tenant_is_drafted_from():
     steps, drafted, accepted = drive(drafter, prompt, output)
     assert accepted >= len(output) - 8 and steps <= 12
     assert drive(Drafter(16), prompt, output)[2] == 0      # without it: nothing to copy
+
+
+def test_a_copy_of_an_earlier_answer_finds_its_place_again_after_an_inserted_token(
+        monkeypatch):
+    """The model writes the earlier answer again with one token more ("lists." for
+    "lists"): the copy finds its place by the last few tokens near where it stood and
+    goes on within a step or two, instead of waiting for a LONG_KEY key to match."""
+    from workers.engine import speculation
+    from workers.engine.speculation import History
+    prompt = list(range(500, 540))
+    output = list(range(600, 700))
+    now = output[:30] + [999] + output[30:]
+    history = History()
+    history.add(prompt + output, len(prompt))
+    resynced = drive(Drafter(16, history=history), prompt, now)
+    monkeypatch.setattr(speculation, "RESYNC", -1)          # no place searched for
+    stuck = drive(Drafter(16, history=history), prompt, now)
+    assert resynced[2] >= len(output) - 8
+    assert resynced[2] > stuck[2] + 4 and resynced[0] < stuck[0]
+
+
+def test_under_traffic_a_lookup_drafts_on_its_record_not_its_match_length():
+    """Others share the step (or the sequence is sampled): a lookup's long match is no
+    proof; its own record is."""
+    context = list(range(100, 140)) + list(range(100, 120))
+    assert Drafter(16).propose(context, 16).rate > 0.9
+    assert Drafter(16).propose(context, 16, proven=True).rate == 0.5
+    assert Drafter(16, proven_only=True).propose(context, 16).rate == 0.5   # sampled
 
 
 def test_history_keeps_recent_sequences_only():

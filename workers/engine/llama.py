@@ -29,8 +29,8 @@ from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.llamalog import LlamaLog
 from dispatcher.common.models import cache_dir
 from workers.engine.repacking import cpu_identity, extra_buffers_work
-from workers.engine.speculation import (DRAFT_MIN, Drafter, Histories, StepCosts,
-                                        common_prefix, plan)
+from workers.engine.speculation import (DRAFT_MIN, SHAPES_EXTRA, Drafter, Histories,
+                                        StepCosts, common_prefix, plan)
 from workers.engine.vocabulary import Vocabulary
 from workers.engine.samplers import Candidates, SamplerChain
 from workers.sampling import SamplingParams, TokenOut
@@ -41,6 +41,11 @@ BANNED = -1e30           # a logit no token wins with, yet finite: a grammar sta
 DEEP_AFTER = 16     # first line first: tokens after which a sequence past its first line
                     # yields one step in YIELD_EVERY to sequences still short of theirs
 ARRIVAL_QUIET = 0.5     # s after another request arrives without drafts (see _draft)
+TRAFFIC_WINDOW = 2.0    # s after another request arrives that drafts are held short
+TRAFFIC_STRETCH = 1.0   # ... to a step at most this much longer than the plain one
+COSTS_LOG_EVERY = 5000  # steps that corrected the step costs between two logs of them
+UNCONTENDED = 0.6       # CPU busy share of the measuring threads below which the
+                        # start-up step costs are used but not kept (a busy machine)
 YIELD_EVERY = 2     # (measured on 2 cores: first line p50 377-478 ms against 452-506
                     # without; 8 x 128-token streams ~10% slower in aggregate)
 PROMPT_LOGPROB_CHUNK = 64   # prompt rows per step when every row's logits are kept (1 MiB each)
@@ -165,7 +170,8 @@ class LlamaEngine:
         self.draft_max = 0 if deterministic else draft_max
         self.drafted = self.draft_accepted = 0
         self.histories = Histories()     # recent sequences per tenant: a draft source
-        self.arrivals: list[tuple[float, int]] = []   # (when, slot) of recent add()s
+        # (when, slot, whether another sequence was running then) of recent add()s
+        self.arrivals: list[tuple[float, int, bool]] = []
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         # KV chunk reuse (workers/engine/kvreuse.py) needs position shifts; never in deterministic
         # mode (shifted keys differ from prefilled ones in their last bits)
@@ -186,7 +192,9 @@ class LlamaEngine:
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.vocabulary = Vocabulary(llama_cpp, self.vocab, self.n_vocab, self.add_bos)
         self.fingerprint = model_fingerprint(model_path, llama_cpp.__version__)
-        # whether a draft pays in a step: this device's step times by batch shape
+        # whether a draft pays in a step: this device's step times by batch shape,
+        # measured here and kept current by the steps (given ones stay as given)
+        self.learn_costs = step_costs is None
         self.step_costs = step_costs or (self._step_costs(
             slots, n_threads, n_gpu_layers, mparams.use_extra_bufts) if self.draft_max else None)
 
@@ -199,21 +207,33 @@ class LlamaEngine:
         path = cache_dir() / f"step-costs-{key}.json"
         try:
             data = json.loads(path.read_text())
-            return StepCosts(tuple(data["sequences"]),
-                             {(s, d): ms for s, d, ms in data["table"]})
+            kept = StepCosts(tuple(data["sequences"]),
+                             {(s, d): float(ms) for s, d, ms in data["table"]})
+            if set(kept.table) == {(s, d) for s in kept.sequences for d in SHAPES_EXTRA}:
+                return kept              # (else measured with other shapes: again)
         except (OSError, ValueError, KeyError, TypeError):
             pass
+        cpu, started = time.process_time(), time.perf_counter()
         costs = StepCosts.measure(self._timed_shape, min(slots, 32))
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f"{path.name}.{os.getpid()}")
-            partial.write_text(json.dumps({"sequences": costs.sequences, "table": [
-                [s, d, ms] for (s, d), ms in costs.table.items()]}))
-            os.replace(partial, path)
-        except OSError:
-            pass
-        log.info("step costs (ms by sequences, draft rows): %s",
-                 {f"{s}+{d}": round(ms, 1) for (s, d), ms in costs.table.items()})
+        share = (time.process_time() - cpu) / max(1e-9, (time.perf_counter() - started)
+                                                  * max(1, n_threads))
+        # On the CPU, threads that got less than their cores were measured on a busy
+        # machine: those figures serve this run (the steps correct them, StepCosts.observe)
+        # but are not kept for the next. A GPU's decode leaves the CPU idle: always kept.
+        on_gpu = n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload()
+        if on_gpu or share >= UNCONTENDED:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_name(f"{path.name}.{os.getpid()}")
+                partial.write_text(json.dumps({"sequences": costs.sequences,
+                                               "table": costs.rows()}))
+                os.replace(partial, path)
+            except OSError:
+                pass
+        else:
+            log.warning("step costs measured on a busy machine (its threads ran %.0f%% of "
+                        "the time): used and corrected by the steps, not kept", 100 * share)
+        log.info("step costs (ms by sequences, draft rows): %s", costs.summary())
         return costs
 
     def _timed_shape(self, sequences: int, extra: int) -> float:
@@ -310,12 +330,13 @@ class LlamaEngine:
         slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
         slot.next_token, slot.row, slot.chain, slot.sampled = None, -1, chain, 0
         slot.line_done, slot.turns, slot.budget = False, 0, budget
-        self.arrivals.append((time.monotonic(), slot_id))
+        self.arrivals.append((time.monotonic(), slot_id,
+                              any(s.busy for s in self.slots if s is not slot)))
         slot.logprobs = logprobs
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
         limit = self.draft_max if draft_max is None else min(draft_max, self.draft_max)
-        slot.policy = Drafter(limit) if limit else None
+        slot.policy = Drafter(limit, proven_only=not sampling.greedy) if limit else None
         if slot.policy is not None and history is not None:
             slot.policy.history = self.histories.of(history)
             # a sampled answer is one draw: the next is unlikely to repeat it
@@ -431,9 +452,17 @@ class LlamaEngine:
         if n == 0:
             return {}
         batch.n_tokens = n
+        started = time.perf_counter()
         rc = llama_cpp.llama_decode(self.ctx, batch)
         if rc != 0:
             raise EngineError(f"llama_decode returned {rc}")
+        if self.learn_costs and self.step_costs is not None and not grant and generating:
+            # a step of a measured shape (no prompt rows): it keeps the costs current
+            if self.step_costs.observe(len(generating), sum(len(s.draft) for s in generating),
+                                       1000 * (time.perf_counter() - started)) and \
+                    self.step_costs.observed % COSTS_LOG_EVERY == 0:
+                log.info("step costs now (ms by sequences, draft rows): %s",
+                         self.step_costs.summary())
         out: dict[int, TokenOut] = {}
         for slot_id, slot in enumerate(self.slots):
             if not slot.busy:
@@ -479,28 +508,43 @@ class LlamaEngine:
         sequence drafts while another is prefilling or short of its first newline, or
         within ARRIVAL_QUIET s of another request's arrival (a draft lengthens the step a
         new keystroke waits behind; with requests coming steadily, drafts cost more in
-        its latency than they gain: measured on the typing trace)."""
+        its latency than they gain: measured on the typing trace). Under traffic (another
+        sequence in the worker, or another request's arrival in the last TRAFFIC_WINDOW
+        s) a source drafts on what it proved in the sequence (not on a lookup's match
+        length) and a step with drafts may take at most 1 + TRAFFIC_STRETCH times the
+        plain step: on a CPU, where a draft row costs several plain steps, that is no
+        draft; on a GPU, where rows are cheap, the drafts stay. An arrival counts as
+        traffic when it came while another sequence was running: one client sending
+        requests one after another keeps its drafts."""
         proposals = []
         waiting = [s for s in generating if not s.line_done] + prefilling
         now = time.monotonic()
-        self.arrivals = [(t, s) for t, s in self.arrivals if now - t < ARRIVAL_QUIET]
+        self.arrivals = [a for a in self.arrivals if now - a[0] < TRAFFIC_WINDOW]
+        # traffic: others share the worker, or requests have been arriving beside running
+        # ones (a client sending one request after another is not traffic); then only
+        # sources that proved themselves in the sequence draft, within the stretch
+        busy = {s.seq for s in self.slots if s.busy}
+        traffic = len(busy) > 1 or any(concurrent and s not in busy
+                                       for _, s, concurrent in self.arrivals)
         for slot in generating:
             slot.draft = []
             if any(other is not slot for other in waiting) or \
-                    any(s != slot.seq for _, s in self.arrivals):
+                    any(s != slot.seq and now - t < ARRIVAL_QUIET for t, s, _ in self.arrivals):
                 continue
             room = self.n_ctx - slot.n_past - 2
             if slot.budget is not None and slot.budget - slot.sampled - 1 >= DRAFT_MIN:
                 room = min(room, slot.budget - slot.sampled - 1)   # (a draft past the end
             if slot.policy is not None and room > 0:                # is rows for nothing)
-                proposal = slot.policy.propose(slot.cached + [slot.next_token], room)
+                proposal = slot.policy.propose(slot.cached + [slot.next_token], room,
+                                               proven=traffic)
                 if proposal is not None:
                     proposals.append((slot.seq, proposal))
         if not proposals:
             return
         rows = self.n_batch - len(generating)
         by_seq = dict(proposals)
-        for seq, length in plan(self.step_costs, len(generating), proposals).items():
+        for seq, length in plan(self.step_costs, len(generating), proposals,
+                                stretch=TRAFFIC_STRETCH if traffic else None).items():
             slot, proposal = self.slots[seq], by_seq[seq]
             length = min(length, rows)
             if length >= 1:

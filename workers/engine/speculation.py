@@ -46,7 +46,10 @@ HISTORY_SEQUENCES = 16  # `history`: recent sequences kept per tenant
 HISTORY_TOKENS = 4096   # ... at most this many tokens of each
 HISTORY_PROMPT = 64     # ... of which the prompt's last ones (the output's lead-in)
 HISTORY_TENANTS = 64    # tenants whose history is kept, least recently used dropped
-SHAPES_EXTRA = (0, 4, 8, 16, 32)   # draft rows measured beside the plain rows at start-up
+RESYNC = 16             # `history`: how far from where a recent sequence's copy stood the
+                        # context's last NGRAM tokens are looked for again after a miss
+SHAPES_EXTRA = (0, 4, 8, 16, 32, 64)   # draft rows measured beside the plain rows at start-up
+OBSERVED_WEIGHT = 0.1   # how far one step's time moves the costs of its shape
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -212,13 +215,22 @@ class Drafter:
     # `copy` from a recent sequence instead of the context: (its tokens, the position
     # aligned with the context's end at length `at`, at)
     copied: tuple[list[int], int, int] | None = None
+    # the recent sequence copied last, kept past misses (same layout): where to look for
+    # the context's last tokens again after the model wrote something else (`_resync`)
+    recent: tuple[list[int], int, int] | None = None
     drafts_from_history: bool = True    # False: the history only records this one
+    # True (a sampled sequence): lookups rate by the sequence's own record only; that the
+    # text repeats says little of whether a draw at temperature repeats it
+    proven_only: bool = False
 
     def __post_init__(self) -> None:
         self.records = {name: Record(*prior) for name, prior in PRIORS.items()}
 
-    def propose(self, context: list[int], limit: int) -> Proposal | None:
-        """The draft with the most expected accepted tokens, at most `limit` long."""
+    def propose(self, context: list[int], limit: int, proven: bool = False
+                ) -> Proposal | None:
+        """The draft with the most expected accepted tokens, at most `limit` long.
+        `proven`: rate each source by its own record in this sequence only, not by how far
+        back a lookup's match reaches (others share the step: a guess costs them too)."""
         limit = min(limit, self.max_len)
         if limit < DRAFT_MIN:
             return None
@@ -233,7 +245,7 @@ class Drafter:
             tokens, at, when = self.copied
             candidates[0] = ("copy", tokens, at + n - when)
         if self.history is not None and self.drafts_from_history:
-            earlier = self.history.lookup(context)
+            earlier = self.history.lookup(context) or self._resync(context)
             if earlier is not None:
                 candidates.append(("history", *earlier))
         for source, tokens, start in candidates:
@@ -242,7 +254,8 @@ class Drafter:
                 continue
             record = self.records[source]
             rate = record.rate
-            if source != "copy":            # a longer match is a likelier continuation,
+            if source != "copy" and not (proven or self.proven_only):
+                # a longer match is a likelier continuation,
                 m = matched(context, start, tokens)     # but the source's misses weigh more
                 rate = (record.accepted + m) / (record.accepted + m + 1 +
                                                 CUT_WEIGHT * (record.cut - PRIOR_CUT))
@@ -255,6 +268,23 @@ class Drafter:
             best.sources = [p.source for p in found
                             if p.start == best.start and p.origin is best.origin]
         return best
+
+    def _resync(self, context: list[int]) -> tuple[list[int], int] | None:
+        """Where the recent sequence copied last goes on, found again near where its copy
+        stood by the context's last 4, 3 or 2 tokens: the model inserted or dropped a
+        token ("lists.\n" for "lists\n"), which a copy at the same distance never gets
+        past and a LONG_KEY key finds only LONG_KEY tokens later."""
+        if self.recent is None:
+            return None
+        tokens, at, when = self.recent
+        guess = at + len(context) - when
+        for size in NGRAM:
+            key = context[-size:]
+            for offset in sorted(range(-RESYNC, RESYNC + 1), key=abs):
+                p = guess + offset
+                if size <= p < len(tokens) and tokens[p - size:p] == key:
+                    return tokens, p
+        return None
 
     def _copy_start(self, n: int) -> int | None:
         return None if self.distance is None or self.distance > n else n - self.distance
@@ -297,6 +327,8 @@ class Drafter:
         # substitution); a source rejected outright twice in a row is dropped
         self.misses = self.misses + 1 if accepted == 0 else 0
         self.distance = self.copied = None
+        if proposal.external:
+            self.recent = (proposal.origin, proposal.start, self.tried_at)
         if self.misses >= 2:
             return
         if proposal.external:            # copying a recent sequence: go on there
@@ -309,11 +341,17 @@ class StepCosts:
     """Milliseconds of one decode step by batch shape, measured at start-up: S sequences
     with one row each, plus D draft rows on one of them, for S in {1, 2, slots} and D in
     SHAPES_EXTRA; interpolated linearly between them (past the largest D along the last
-    measured slope, past the most sequences by the per-sequence cost)."""
+    measured slope, past the most sequences by the per-sequence cost).
+
+    Then kept current by the steps themselves (`observe`): a start-up measurement taken
+    while the machine was busy (other workers loading, a build) is corrected by the real
+    steps of the shapes that are run, so a draft that looked cheap and is not stops
+    being chosen."""
 
     def __init__(self, sequences: tuple[int, ...], table: dict[tuple[int, int], float]):
         self.sequences = sequences
         self.table = table
+        self.observed = 0               # steps that corrected the table
 
     @classmethod
     def measure(cls, timed_step, slots: int, repeats: int = 2) -> "StepCosts":
@@ -335,8 +373,44 @@ class StepCosts:
         """Figures measured on a 2-core AMD EPYC VM (bundled model), for tests."""
         return cls((1, 2, 8), {
             (1, 0): 12.5, (1, 4): 51.4, (1, 8): 56.9, (1, 16): 72.1, (1, 32): 126.4,
+            (1, 64): 230.0,
             (2, 0): 24.9, (2, 4): 60.4, (2, 8): 68.0, (2, 16): 82.9, (2, 32): 137.3,
-            (8, 0): 42.0, (8, 4): 75.5, (8, 8): 85.5, (8, 16): 119.8, (8, 32): 148.3})
+            (2, 64): 245.0,
+            (8, 0): 42.0, (8, 4): 75.5, (8, 8): 85.5, (8, 16): 119.8, (8, 32): 148.3,
+            (8, 64): 265.0})
+
+    def _weights(self, sequences: int, extra: float) -> list[tuple[tuple[int, int], float]]:
+        """The measured shapes around (sequences, extra) and their interpolation weights
+        ([]: outside the measured range)."""
+        def around(points, x):
+            for lo, hi in zip(points, points[1:]):
+                if lo <= x <= hi:
+                    t = (x - lo) / (hi - lo)
+                    return [(lo, 1 - t), (hi, t)]
+            return [(points[0], 1.0)] if len(points) == 1 and x == points[0] else []
+        rows, cols = around(self.sequences, sequences), around(SHAPES_EXTRA, extra)
+        return [((s, d), ws * wd) for s, ws in rows for d, wd in cols
+                if ws * wd > 0 and (s, d) in self.table]
+
+    def observe(self, sequences: int, extra: int, ms: float) -> bool:
+        """A real step of this shape took `ms`: move the shapes it lies between toward it
+        (each by its interpolation weight times OBSERVED_WEIGHT). False: a shape outside
+        the measured range, left alone."""
+        weights = self._weights(sequences, extra)
+        predicted = self.cost(sequences, extra)
+        if not weights or predicted <= 0 or ms <= 0:
+            return False
+        ratio = ms / predicted
+        for shape, weight in weights:
+            self.table[shape] *= 1 + OBSERVED_WEIGHT * weight * (ratio - 1)
+        self.observed += 1
+        return True
+
+    def summary(self) -> dict[str, float]:
+        return {f"{s}+{d}": round(ms, 1) for (s, d), ms in self.table.items()}
+
+    def rows(self) -> list[list]:
+        return [[s, d, ms] for (s, d), ms in self.table.items()]
 
     def _at(self, s: int, d: float) -> float:
         points = SHAPES_EXTRA
@@ -359,14 +433,18 @@ class StepCosts:
 
 
 def plan(costs: StepCosts, sequences: int, proposals: list[tuple[object, Proposal]],
-         lengths: tuple[int, ...] = (4, 8, 16, 32, 64)) -> dict[object, int]:
+         lengths: tuple[int, ...] = (4, 8, 16, 32, 64), stretch: float | None = None
+         ) -> dict[object, int]:
     """How many draft tokens each proposal gets in a step of `sequences` generating
     sequences. Greedily: the proposal and length that give the step the best rate (its
     tokens, drafts' expected ones included, over its time), while that beats the rate
-    without it. Empty: no drafts."""
+    without it. `stretch`: the step with its drafts may take at most (1 + stretch) times
+    the plain step (others are waiting on the worker: a request that arrives during a
+    long step waits for it). Empty: no drafts."""
     extra, tokens = 0, float(sequences)
     chosen: dict[object, int] = {}
     left = list(proposals)
+    ceiling = None if stretch is None else (1 + stretch) * costs.cost(sequences, 0)
     while left:
         now = costs.cost(sequences, extra)
         if now <= 0:
@@ -376,7 +454,10 @@ def plan(costs: StepCosts, sequences: int, proposals: list[tuple[object, Proposa
             size = len(proposal.tokens)
             for length in [n for n in lengths if n < size] + [size]:
                 gain = proposal.gain(length)
-                rate = (tokens + gain) / costs.cost(sequences, extra + length)
+                cost = costs.cost(sequences, extra + length)
+                if ceiling is not None and cost > ceiling:
+                    break
+                rate = (tokens + gain) / cost
                 if rate > best[0]:
                     best = (rate, key, length, gain)
         _, key, length, gain = best
