@@ -26,14 +26,16 @@ def server():
 
     def alongside():
         s = SSEStream(server.port, {"prompt": "Once upon a time", "max_tokens": 200,
-                                    "ignore_eos": True, "temperature": 0, "stream": True},
+                                    "ignore_eos": True, "temperature": 0, "stream": True,
+                                    "speculative.n_max": 0},
                       timeout=600)
         stream["events"] = list(s.events())
 
     # the alongside stream's text must begin as greedy text does: its first 20 characters
     reference = json.loads(http_post(server.port, json.dumps(
         {"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": True,
-         "temperature": 0, "cache_prompt": False}).encode())[1])["choices"][0]["text"]
+         "temperature": 0, "cache_prompt": False,
+         "speculative.n_max": 0}).encode())[1])["choices"][0]["text"]
     assert len(reference) >= 20
     thread = threading.Thread(target=alongside)
     thread.start()

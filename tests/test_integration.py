@@ -204,7 +204,8 @@ def test_two_workers_serve_two_streams_in_parallel(all_cores):
 
         def run(i):
             stream = SSEStream(server.port, {"prompt": CODE_PROMPT, "max_tokens": 48,
-                                             "temperature": 0, "stream": True})
+                                             "temperature": 0, "stream": True,
+                                             "speculative.n_max": 0})
             chunks = []
             for data in stream.events():
                 if not chunks:

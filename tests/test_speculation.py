@@ -202,6 +202,25 @@ def test_under_traffic_a_lookup_drafts_on_its_record_not_its_match_length():
     assert Drafter(16, proven_only=True).propose(context, 16).rate == 0.5   # sampled
 
 
+def test_drafts_start_short_and_double_while_wholly_accepted():
+    """A confident source that turns out wrong costs a DRAFT_START-row step, not a
+    64-row one: lengths go 16, 32, 64 while each draft holds, and back to 16 after a
+    draft cut short."""
+    from workers.engine.speculation import DRAFT_START
+    context = list(range(100, 240)) * 2 + list(range(100, 120))
+    drafter = Drafter(64)
+    lengths = []
+    for accepted_all in (True, True, True, False, True):
+        proposal = drafter.propose(context, 64)
+        lengths.append(len(proposal.tokens))
+        drafter.started(proposal, len(context))
+        kept = len(proposal.tokens) if accepted_all else 2
+        drafter.record(len(proposal.tokens), kept)
+        context = context + proposal.tokens[:kept] + ([proposal.tokens[kept]]
+                                                       if kept < len(proposal.tokens) else [])
+    assert lengths == [DRAFT_START, 2 * DRAFT_START, 64, 64, DRAFT_START]
+
+
 def test_history_keeps_recent_sequences_only():
     from workers.engine import speculation
     from workers.engine.speculation import History

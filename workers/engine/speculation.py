@@ -39,6 +39,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 DRAFT_MIN = 4           # shorter drafts cost more than they can save on CPUs measured
+DRAFT_START = 16        # a sequence's drafts start at most this long and double while
+                        # wholly accepted (a confident source that turns out wrong
+                        # costs a 16-row step, not a 64-row one)
 NGRAM = (4, 3, 2)       # the `short` suffix lengths tried, longest first
 LONG_KEY = 12           # tokens in the `long` source's key
 LOOKBACK = 8192         # tokens the `short` source searches for its suffix
@@ -219,6 +222,7 @@ class Drafter:
     # the context's last tokens again after the model wrote something else (`_resync`)
     recent: tuple[list[int], int, int] | None = None
     drafts_from_history: bool = True    # False: the history only records this one
+    allowance: int = DRAFT_START    # the longest draft now: doubles while drafts hold
     # True (a sampled sequence): lookups rate by the sequence's own record only; that the
     # text repeats says little of whether a draw at temperature repeats it
     proven_only: bool = False
@@ -231,7 +235,7 @@ class Drafter:
         """The draft with the most expected accepted tokens, at most `limit` long.
         `proven`: rate each source by its own record in this sequence only, not by how far
         back a lookup's match reaches (others share the step: a guess costs them too)."""
-        limit = min(limit, self.max_len)
+        limit = min(limit, self.max_len, self.allowance)
         if limit < DRAFT_MIN:
             return None
         n = len(context)
@@ -317,6 +321,8 @@ class Drafter:
         proposal, self.tried = self.tried, None
         self.proposed += drafted
         self.accepted += accepted
+        self.allowance = min(2 * self.allowance, self.max_len) if accepted == drafted \
+            else DRAFT_START
         if proposal is None:
             return
         for source in proposal.sources or [proposal.source]:
