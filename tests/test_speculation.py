@@ -131,7 +131,7 @@ def test_steps_correct_start_up_costs_measured_on_a_busy_machine():
         wrong.observe(1, length, truth.cost(1, length))
         steps += 1
     assert 0 < steps < 200
-    for _ in range(60):
+    for _ in range(150):                         # slower steps move it up slowly
         wrong.observe(1, 16, truth.cost(1, 16))
     assert abs(wrong.cost(1, 16) - truth.cost(1, 16)) < 0.05 * truth.cost(1, 16)
     before = dict(wrong.table)
@@ -139,7 +139,22 @@ def test_steps_correct_start_up_costs_measured_on_a_busy_machine():
         wrong.observe(3, 6, 1000.0)              # between measured shapes: both corners
     assert wrong.table[2, 4] > before[2, 4] and wrong.table[8, 8] > before[8, 8]
     assert wrong.table[1, 0] == before[1, 0]
-    assert not wrong.observe(1, 500, 9.0) and wrong.observed == steps + 80
+    assert not wrong.observe(1, 500, 9.0) and wrong.observed == steps + 170
+
+
+def test_one_stalled_step_moves_the_costs_little_and_rows_stay_ordered():
+    """A step that stalled (1 s against 12.5 ms) counts as twice off at most, and slow
+    plain steps never leave a draft shape cheaper than the plain one."""
+    from workers.engine.speculation import OBSERVED_CLAMP, OBSERVED_UP
+    costs = StepCosts.assumed()
+    costs.observe(1, 0, 1000.0)
+    assert costs.table[1, 0] <= 12.5 * OBSERVED_CLAMP ** OBSERVED_UP + 1e-9
+    gpu = StepCosts((1,), {(1, d): 10.0 + 0.01 * d for d in SHAPES_EXTRA})
+    for _ in range(200):
+        gpu.observe(1, 0, 11.0)
+    row = [gpu.table[1, d] for d in SHAPES_EXTRA]
+    assert row == sorted(row) and row[0] > 10.5
+    assert plan(gpu, 1, [("a", Proposal("short", 0, list(range(16)), 0.0))]) == {}
 
 
 def test_step_costs_interpolate_and_extrapolate():
@@ -199,7 +214,19 @@ def test_under_traffic_a_lookup_drafts_on_its_record_not_its_match_length():
     context = list(range(100, 140)) + list(range(100, 120))
     assert Drafter(16).propose(context, 16).rate > 0.9
     assert Drafter(16).propose(context, 16, proven=True).rate == 0.5
-    assert Drafter(16, proven_only=True).propose(context, 16).rate == 0.5   # sampled
+    assert Drafter(16, proven_only=True).propose(context, 16).rate == 0.5   # a wide draw
+
+
+def test_a_wide_draw_is_one_from_the_whole_distribution():
+    from workers.sampling import SamplingParams
+    assert SamplingParams(temperature=1.0).wide                    # OpenAI's defaults
+    assert not SamplingParams(temperature=0.0).wide
+    assert not SamplingParams(temperature=0.2).wide
+    assert not SamplingParams(temperature=1.0, top_p=0.9).wide
+    # llama.vim: top-k 40, top-p 0.9 and infill; its chain has no temperature sampler
+    assert not SamplingParams(temperature=0.8, top_k=40, top_p=0.9,
+                              samplers=("top_k", "top_p", "infill")).wide
+    assert SamplingParams(temperature=0.2, samplers=("infill",)).wide
 
 
 def test_drafts_start_short_and_double_while_wholly_accepted():
@@ -219,6 +246,10 @@ def test_drafts_start_short_and_double_while_wholly_accepted():
         context = context + proposal.tokens[:kept] + ([proposal.tokens[kept]]
                                                        if kept < len(proposal.tokens) else [])
     assert lengths == [DRAFT_START, 2 * DRAFT_START, 64, 64, DRAFT_START]
+    short = Drafter(64)
+    short.started(Proposal("short", 0, [1, 2, 3, 4], 0.9), 10)
+    short.record(4, 4)                       # a short draft that held: no longer allowance
+    assert short.allowance == DRAFT_START
 
 
 def test_history_keeps_recent_sequences_only():

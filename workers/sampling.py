@@ -47,6 +47,18 @@ class SamplingParams(_Values):
         return self.temperature <= 0.0
 
     @property
+    def wide(self) -> bool:
+        """A draw from (nearly) the whole distribution: temperature 0.7 or more (or none in
+        the chain) and no top-k, top-p or min-p cut. Such a draw leaves any copied text at
+        its first uncertain token; with a cut (llama.cpp's defaults, llama.vim's top-k 40
+        and top-p 0.9) a confident token is drawn every time."""
+        order = self.order
+        cut = ("top_k" in order and self.top_k > 0) or \
+            ("top_p" in order and self.top_p < 1.0) or ("min_p" in order and self.min_p > 0.0)
+        hot = "temperature" not in order or self.temperature >= 0.7
+        return not self.greedy and hot and not cut
+
+    @property
     def seed32(self) -> int:
         """The seed as llama.cpp's uint32, never the value that means 'random'."""
         if self.seed is None:

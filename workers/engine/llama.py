@@ -215,8 +215,9 @@ class LlamaEngine:
             pass
         cpu, started = time.process_time(), time.perf_counter()
         costs = StepCosts.measure(self._timed_shape, min(slots, 32))
+        usable = max(1, min(n_threads, len(os.sched_getaffinity(0))))
         share = (time.process_time() - cpu) / max(1e-9, (time.perf_counter() - started)
-                                                  * max(1, n_threads))
+                                                  * usable)
         # On the CPU, threads that got less than their cores were measured on a busy
         # machine: those figures serve this run (the steps correct them, StepCosts.observe)
         # but are not kept for the next. A GPU's decode leaves the CPU idle: always kept.
@@ -336,7 +337,7 @@ class LlamaEngine:
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
         limit = self.draft_max if draft_max is None else min(draft_max, self.draft_max)
-        slot.policy = Drafter(limit, proven_only=not sampling.greedy) if limit else None
+        slot.policy = Drafter(limit, proven_only=sampling.wide) if limit else None
         if slot.policy is not None and history is not None:
             slot.policy.history = self.histories.of(history)
             # a sampled answer is one draw: the next is unlikely to repeat it
@@ -532,9 +533,9 @@ class LlamaEngine:
                     any(s != slot.seq and now - t < ARRIVAL_QUIET for t, s, _ in self.arrivals):
                 continue
             room = self.n_ctx - slot.n_past - 2
-            if slot.budget is not None and slot.budget - slot.sampled - 1 >= DRAFT_MIN:
-                room = min(room, slot.budget - slot.sampled - 1)   # (a draft past the end
-            if slot.policy is not None and room > 0:                # is rows for nothing)
+            if slot.budget is not None:             # (a draft past the end is rows for
+                room = min(room, slot.budget - slot.sampled - 1)    # nothing; under
+            if slot.policy is not None and room >= DRAFT_MIN:       # DRAFT_MIN: none)
                 proposal = slot.policy.propose(slot.cached + [slot.next_token], room,
                                                proven=traffic)
                 if proposal is not None:

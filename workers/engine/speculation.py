@@ -52,7 +52,10 @@ HISTORY_TENANTS = 64    # tenants whose history is kept, least recently used dro
 RESYNC = 16             # `history`: how far from where a recent sequence's copy stood the
                         # context's last NGRAM tokens are looked for again after a miss
 SHAPES_EXTRA = (0, 4, 8, 16, 32, 64)   # draft rows measured beside the plain rows at start-up
-OBSERVED_WEIGHT = 0.1   # how far one step's time moves the costs of its shape
+OBSERVED_DOWN = 0.1     # how far (in log) one step faster than its shape's cost moves it
+OBSERVED_UP = 0.03      # ... and one slower: the costs follow the fast steps (as the
+                        # start-up's fastest runs do), not the average of noisy ones
+OBSERVED_CLAMP = 2.0    # one step counts as at most this many times off
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -223,8 +226,8 @@ class Drafter:
     recent: tuple[list[int], int, int] | None = None
     drafts_from_history: bool = True    # False: the history only records this one
     allowance: int = DRAFT_START    # the longest draft now: doubles while drafts hold
-    # True (a sampled sequence): lookups rate by the sequence's own record only; that the
-    # text repeats says little of whether a draw at temperature repeats it
+    # True (a wide draw, SamplingParams.wide): lookups rate by the sequence's own record
+    # only; that the text repeats says little of whether such a draw repeats it
     proven_only: bool = False
 
     def __post_init__(self) -> None:
@@ -277,8 +280,9 @@ class Drafter:
         """Where the recent sequence copied last goes on, found again near where its copy
         stood by the context's last 4, 3 or 2 tokens: the model inserted or dropped a
         token ("lists.\n" for "lists\n"), which a copy at the same distance never gets
-        past and a LONG_KEY key finds only LONG_KEY tokens later."""
-        if self.recent is None:
+        past and a LONG_KEY key finds only LONG_KEY tokens later. Only within RESYNC
+        tokens of that copy's last draft (further on, a short key matches by chance)."""
+        if self.recent is None or len(context) - self.recent[2] > RESYNC:
             return None
         tokens, at, when = self.recent
         guess = at + len(context) - when
@@ -321,8 +325,10 @@ class Drafter:
         proposal, self.tried = self.tried, None
         self.proposed += drafted
         self.accepted += accepted
-        self.allowance = min(2 * self.allowance, self.max_len) if accepted == drafted \
-            else DRAFT_START
+        if accepted < drafted:
+            self.allowance = DRAFT_START
+        elif drafted >= self.allowance:          # (a short draft that held proves less)
+            self.allowance = min(2 * self.allowance, self.max_len)
         if proposal is None:
             return
         for source in proposal.sources or [proposal.source]:
@@ -399,16 +405,23 @@ class StepCosts:
                 if ws * wd > 0 and (s, d) in self.table]
 
     def observe(self, sequences: int, extra: int, ms: float) -> bool:
-        """A real step of this shape took `ms`: move the shapes it lies between toward it
-        (each by its interpolation weight times OBSERVED_WEIGHT). False: a shape outside
-        the measured range, left alone."""
+        """A real step of this shape took `ms`: move the shapes it lies between toward it,
+        in log, each by its interpolation weight times OBSERVED_DOWN (faster) or
+        OBSERVED_UP (slower), the ratio clamped to OBSERVED_CLAMP; then a row never
+        costs less with more draft rows. False: a shape outside the measured range, left
+        alone."""
         weights = self._weights(sequences, extra)
         predicted = self.cost(sequences, extra)
         if not weights or predicted <= 0 or ms <= 0:
             return False
-        ratio = ms / predicted
+        ratio = min(max(ms / predicted, 1 / OBSERVED_CLAMP), OBSERVED_CLAMP)
+        rate = OBSERVED_DOWN if ratio < 1 else OBSERVED_UP
         for shape, weight in weights:
-            self.table[shape] *= 1 + OBSERVED_WEIGHT * weight * (ratio - 1)
+            self.table[shape] *= ratio ** (rate * weight)
+        for s in {s for (s, _), _ in weights}:
+            floor = 0.0
+            for d in SHAPES_EXTRA:
+                floor = self.table[s, d] = max(floor, self.table[s, d])
         self.observed += 1
         return True
 
