@@ -359,7 +359,7 @@ def test_llama_vscode_infill_payload(editor_server):
 
 
 def test_speculative_drafts_are_counted_in_the_timings(editor_server):
-    from workers.engine.llama import TRAFFIC_WINDOW
+    from workers.engine.scheduling import TRAFFIC_WINDOW
     time.sleep(TRAFFIC_WINDOW)          # no other request just arrived: the worker is quiet
     code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n" * 3
     answer = complete_native(editor_server.port, prompt=code + "def add(a, b):\n",

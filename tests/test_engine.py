@@ -195,9 +195,9 @@ def test_drafts_are_held_short_while_another_sequence_shares_the_worker(model_pa
     plain one: on the CPU's costs that is no draft, on a GPU's (cheap rows) the drafts
     stay; alone again, the sequence drafts on the CPU too. (The quiet time after an
     arrival is another rule, off here: the test does not depend on the clock.)"""
-    from workers.engine import llama
+    from workers.engine import scheduling
     from workers.engine.llama import LlamaEngine
-    monkeypatch.setattr(llama, "ARRIVAL_QUIET", 0.0)
+    monkeypatch.setattr(scheduling, "ARRIVAL_QUIET", 0.0)
     from workers.engine.speculation import SHAPES_EXTRA, StepCosts
     keep_going = SamplingParams(temperature=0.0, ignore_eos=True)
     gpu = StepCosts((1, 2), {(s, d): 10.0 + s + 0.05 * d for s in (1, 2)
@@ -312,7 +312,7 @@ def test_first_line_first_a_deep_sequence_yields_steps(model_path):
     """A sequence past its first line and DEEP_AFTER tokens sits out one step in
     YIELD_EVERY while another is short of its first newline, never two in a row; once
     that one has its line, both get a row every step again."""
-    from workers.engine.llama import DEEP_AFTER, YIELD_EVERY
+    from workers.engine.scheduling import DEEP_AFTER, YIELD_EVERY
     from workers.sampling import SamplingParams
     engine = make(model_path, slots=2)
     keep_going = SamplingParams(temperature=0.0, ignore_eos=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import itertools
-import json
 import logging
 import os
 import time
@@ -29,8 +28,8 @@ from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.llamalog import LlamaLog
 from dispatcher.common.models import cache_dir
 from workers.engine.repacking import cpu_identity, extra_buffers_work
-from workers.engine.speculation import (DRAFT_MIN, SHAPES_EXTRA, Drafter, Histories,
-                                        StepCosts, common_prefix, plan)
+from workers.engine.scheduling import Scheduler
+from workers.engine.speculation import Drafter, Histories, StepCosts, common_prefix
 from workers.engine.vocabulary import Vocabulary
 from workers.engine.samplers import Candidates, SamplerChain
 from workers.sampling import SamplingParams, TokenOut
@@ -38,16 +37,9 @@ from workers.sampling import SamplingParams, TokenOut
 log = logging.getLogger(__name__)
 
 BANNED = -1e30           # a logit no token wins with, yet finite: a grammar stays satisfiable
-DEEP_AFTER = 16     # first line first: tokens after which a sequence past its first line
-                    # yields one step in YIELD_EVERY to sequences still short of theirs
-ARRIVAL_QUIET = 0.5     # s after another request arrives without drafts (see _draft)
-TRAFFIC_WINDOW = 2.0    # s after another request arrives that drafts are held short
-TRAFFIC_STRETCH = 1.0   # ... to a step at most this much longer than the plain one
 COSTS_LOG_EVERY = 5000  # steps that corrected the step costs between two logs of them
 UNCONTENDED = 0.6       # CPU busy share of the measuring threads below which the
                         # start-up step costs are used but not kept (a busy machine)
-YIELD_EVERY = 2     # (measured on 2 cores: first line p50 377-478 ms against 452-506
-                    # without; 8 x 128-token streams ~10% slower in aggregate)
 PROMPT_LOGPROB_CHUNK = 64   # prompt rows per step when every row's logits are kept (1 MiB each)
 
 
@@ -170,8 +162,7 @@ class LlamaEngine:
         self.draft_max = 0 if deterministic else draft_max
         self.drafted = self.draft_accepted = 0
         self.histories = Histories()     # recent sequences per tenant: a draft source
-        # (when, slot, whether another sequence was running then) of recent add()s
-        self.arrivals: list[tuple[float, int, bool]] = []
+        self.scheduler = Scheduler()     # first line first, who drafts (scheduling.py)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         # KV chunk reuse (workers/engine/kvreuse.py) needs position shifts; never in deterministic
         # mode (shifted keys differ from prefilled ones in their last bits)
@@ -205,14 +196,9 @@ class LlamaEngine:
         key = hashlib.sha256(f"{self.fingerprint}:{slots}:{n_threads}:{n_gpu_layers}:"
                              f"{repacked}:{cpu_identity()}".encode()).hexdigest()[:16]
         path = cache_dir() / f"step-costs-{key}.json"
-        try:
-            data = json.loads(path.read_text())
-            kept = StepCosts(tuple(data["sequences"]),
-                             {(s, d): float(ms) for s, d, ms in data["table"]})
-            if set(kept.table) == {(s, d) for s in kept.sequences for d in SHAPES_EXTRA}:
-                return kept              # (else measured with other shapes: again)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+        kept = StepCosts.load(path)
+        if kept is not None:
+            return kept
         cpu, started = time.process_time(), time.perf_counter()
         costs = StepCosts.measure(self._timed_shape, min(slots, 32))
         usable = max(1, min(n_threads, len(os.sched_getaffinity(0))))
@@ -223,14 +209,7 @@ class LlamaEngine:
         # but are not kept for the next. A GPU's decode leaves the CPU idle: always kept.
         on_gpu = n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload()
         if on_gpu or share >= UNCONTENDED:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                partial = path.with_name(f"{path.name}.{os.getpid()}")
-                partial.write_text(json.dumps({"sequences": costs.sequences,
-                                               "table": costs.rows()}))
-                os.replace(partial, path)
-            except OSError:
-                pass
+            costs.save(path)
         else:
             log.warning("step costs measured on a busy machine (its threads ran %.0f%% of "
                         "the time): used and corrected by the steps, not kept", 100 * share)
@@ -331,8 +310,7 @@ class LlamaEngine:
         slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
         slot.next_token, slot.row, slot.chain, slot.sampled = None, -1, chain, 0
         slot.line_done, slot.turns, slot.budget = False, 0, budget
-        self.arrivals.append((time.monotonic(), slot_id,
-                              any(s.busy for s in self.slots if s is not slot)))
+        self.scheduler.arrived(slot_id, any(s.busy for s in self.slots if s is not slot))
         slot.logprobs = logprobs
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
@@ -417,9 +395,10 @@ class LlamaEngine:
         if self.deterministic and prefilling:
             generating, prefilling = [], prefilling[:1]
         else:
-            generating = self._first_line_first(
+            generating = self.scheduler.first_line_first(
                 [s for s in self.slots if s.busy and s.next_token is not None], prefilling)
-        self._draft(generating, prefilling)      # speculation (workers/engine/speculation.py)
+        self.scheduler.draft(self.slots, generating, prefilling, self.n_ctx, self.n_batch,
+                             self.step_costs)
         # Every generating slot has its rows; prompts share at most `prefill_chunk` more,
         # so a long prompt holds the running streams back by one chunk a step at most.
         room = min(self.n_batch - sum(1 + len(s.draft) for s in generating),
@@ -485,73 +464,6 @@ class LlamaEngine:
                 slot.row, slot.prompt_rows = -1, []
                 out[slot_id] = TokenOut(-1, error=exc)
         return out
-
-    def _first_line_first(self, generating: list[_Slot], prefilling: list[_Slot]
-                          ) -> list[_Slot]:
-        """A user waits for a suggestion's first line: while some sequence is still short
-        of its first newline (or still prefilling), a sequence deep in a long completion
-        (past its first line and DEEP_AFTER tokens) sits out one step in YIELD_EVERY, so
-        those steps are shorter for the others; it never waits two steps in a row."""
-        waiting = bool(prefilling) or any(not s.line_done for s in generating)
-        out = []
-        for slot in generating:
-            deep = slot.line_done and slot.sampled >= DEEP_AFTER
-            if waiting and deep:
-                slot.turns += 1
-                if slot.turns % YIELD_EVERY == 0:
-                    continue
-            out.append(slot)
-        return out
-
-    def _draft(self, generating: list[_Slot], prefilling: list[_Slot]) -> None:
-        """Each generating sequence's best draft, and the ones that pay in this step
-        (speculation.plan, on the step costs measured at start-up). First line first: no
-        sequence drafts while another is prefilling or short of its first newline, or
-        within ARRIVAL_QUIET s of another request's arrival (a draft lengthens the step a
-        new keystroke waits behind; with requests coming steadily, drafts cost more in
-        its latency than they gain: measured on the typing trace). Under traffic (another
-        sequence in the worker, or another request's arrival in the last TRAFFIC_WINDOW
-        s) a source drafts on what it proved in the sequence (not on a lookup's match
-        length) and a step with drafts may take at most 1 + TRAFFIC_STRETCH times the
-        plain step: on a CPU, where a draft row costs several plain steps, that is no
-        draft; on a GPU, where rows are cheap, the drafts stay. An arrival counts as
-        traffic when it came while another sequence was running: one client sending
-        requests one after another keeps its drafts."""
-        proposals = []
-        waiting = [s for s in generating if not s.line_done] + prefilling
-        now = time.monotonic()
-        self.arrivals = [a for a in self.arrivals if now - a[0] < TRAFFIC_WINDOW]
-        # traffic: others share the worker, or requests have been arriving beside running
-        # ones (a client sending one request after another is not traffic); then only
-        # sources that proved themselves in the sequence draft, within the stretch
-        busy = {s.seq for s in self.slots if s.busy}
-        traffic = len(busy) > 1 or any(concurrent and s not in busy
-                                       for _, s, concurrent in self.arrivals)
-        for slot in generating:
-            slot.draft = []
-            if any(other is not slot for other in waiting) or \
-                    any(s != slot.seq and now - t < ARRIVAL_QUIET for t, s, _ in self.arrivals):
-                continue
-            room = self.n_ctx - slot.n_past - 2
-            if slot.budget is not None:             # (a draft past the end is rows for
-                room = min(room, slot.budget - slot.sampled - 1)    # nothing; under
-            if slot.policy is not None and room >= DRAFT_MIN:       # DRAFT_MIN: none)
-                proposal = slot.policy.propose(slot.cached + [slot.next_token], room,
-                                               proven=traffic)
-                if proposal is not None:
-                    proposals.append((slot.seq, proposal))
-        if not proposals:
-            return
-        rows = self.n_batch - len(generating)
-        by_seq = dict(proposals)
-        for seq, length in plan(self.step_costs, len(generating), proposals,
-                                stretch=TRAFFIC_STRETCH if traffic else None).items():
-            slot, proposal = self.slots[seq], by_seq[seq]
-            length = min(length, rows)
-            if length >= 1:
-                slot.draft = proposal.tokens[:length]
-                slot.policy.started(proposal, len(slot.cached) + 1)
-                rows -= length
 
     def draft_stats(self, slot_id: int) -> tuple[int, int]:
         """(drafted, accepted) tokens of the slot's current sequence."""

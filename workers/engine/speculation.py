@@ -35,8 +35,11 @@ when they are long and likely.
 """
 from __future__ import annotations
 
+import json
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DRAFT_MIN = 4           # shorter drafts cost more than they can save on CPUs measured
 DRAFT_START = 16        # a sequence's drafts start at most this long and double while
@@ -372,13 +375,17 @@ class StepCosts:
         more rows never counts as cheaper than one with fewer."""
         sequences = tuple(sorted({1, min(2, slots), max(1, slots)}))
         timed_step(sequences[-1], SHAPES_EXTRA[-1])          # warm-up
-        table = {}
+        costs = cls(sequences, {(s, d): 1000 * min(timed_step(s, d) for _ in range(repeats))
+                                for s in sequences for d in SHAPES_EXTRA})
         for s in sequences:
-            floor = 0.0
-            for d in SHAPES_EXTRA:
-                floor = max(floor, 1000 * min(timed_step(s, d) for _ in range(repeats)))
-                table[s, d] = floor
-        return cls(sequences, table)
+            costs._order(s)
+        return costs
+
+    def _order(self, s: int) -> None:
+        """A step of S sequences never costs less with more draft rows."""
+        floor = 0.0
+        for d in SHAPES_EXTRA:
+            floor = self.table[s, d] = max(floor, self.table[s, d])
 
     @classmethod
     def assumed(cls) -> "StepCosts":
@@ -419,17 +426,36 @@ class StepCosts:
         for shape, weight in weights:
             self.table[shape] *= ratio ** (rate * weight)
         for s in {s for (s, _), _ in weights}:
-            floor = 0.0
-            for d in SHAPES_EXTRA:
-                floor = self.table[s, d] = max(floor, self.table[s, d])
+            self._order(s)
         self.observed += 1
         return True
 
     def summary(self) -> dict[str, float]:
         return {f"{s}+{d}": round(ms, 1) for (s, d), ms in self.table.items()}
 
-    def rows(self) -> list[list]:
-        return [[s, d, ms] for (s, d), ms in self.table.items()]
+    @classmethod
+    def load(cls, path: Path) -> "StepCosts | None":
+        """Costs kept by `save` (None: none there, unreadable, or measured with other
+        shapes than SHAPES_EXTRA: measure again)."""
+        try:
+            data = json.loads(path.read_text())
+            kept = cls(tuple(data["sequences"]),
+                       {(s, d): float(ms) for s, d, ms in data["table"]})
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        shapes = {(s, d) for s in kept.sequences for d in SHAPES_EXTRA}
+        return kept if set(kept.table) == shapes else None
+
+    def save(self, path: Path) -> None:
+        """Keep the costs for the next start (written whole or not at all)."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{path.name}.{os.getpid()}")
+            partial.write_text(json.dumps({"sequences": self.sequences, "table": [
+                [s, d, ms] for (s, d), ms in self.table.items()]}))
+            os.replace(partial, path)
+        except OSError:
+            pass
 
     def _at(self, s: int, d: float) -> float:
         points = SHAPES_EXTRA

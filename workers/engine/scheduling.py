@@ -1,0 +1,96 @@
+"""Who gets rows in a step, beyond every generating sequence's one: first line first
+(a sequence deep in a long completion yields steps to those still short of their first
+line) and speculative drafts (which sequences draft, and how long, under the rules that
+put a waiting user first). Pure policy over the engine's slots: the engine builds the
+batch from what this decides (`workers.engine.llama`), the drafts come from
+`workers.engine.speculation`."""
+from __future__ import annotations
+
+import time
+
+from workers.engine.speculation import DRAFT_MIN, StepCosts, plan
+
+DEEP_AFTER = 16         # first line first: tokens after which a sequence past its first line
+                        # yields one step in YIELD_EVERY to sequences still short of theirs
+YIELD_EVERY = 2         # (measured on 2 cores: first line p50 377-478 ms against 452-506
+                        # without; 8 x 128-token streams ~10% slower in aggregate)
+ARRIVAL_QUIET = 0.5     # s after another request arrives without drafts (see draft)
+TRAFFIC_WINDOW = 2.0    # s after another request arrives that drafts are held short
+TRAFFIC_STRETCH = 1.0   # ... to a step at most this much longer than the plain one
+
+
+class Scheduler:
+    """One engine's scheduling state: the recent arrivals."""
+
+    def __init__(self) -> None:
+        # (when, slot, whether another sequence was running then) of recent arrivals
+        self.arrivals: list[tuple[float, int, bool]] = []
+
+    def arrived(self, slot: int, others_running: bool) -> None:
+        self.arrivals.append((time.monotonic(), slot, others_running))
+
+    @staticmethod
+    def first_line_first(generating: list, prefilling: list) -> list:
+        """A user waits for a suggestion's first line: while some sequence is still short
+        of its first newline (or still prefilling), a sequence deep in a long completion
+        (past its first line and DEEP_AFTER tokens) sits out one step in YIELD_EVERY, so
+        those steps are shorter for the others; it never waits two steps in a row.
+        Returns the sequences that get a row in this step."""
+        waiting = bool(prefilling) or any(not s.line_done for s in generating)
+        out = []
+        for slot in generating:
+            deep = slot.line_done and slot.sampled >= DEEP_AFTER
+            if waiting and deep:
+                slot.turns += 1
+                if slot.turns % YIELD_EVERY == 0:
+                    continue
+            out.append(slot)
+        return out
+
+    def draft(self, slots: list, generating: list, prefilling: list, n_ctx: int,
+              n_batch: int, step_costs: StepCosts | None) -> None:
+        """Sets each generating sequence's `draft` for this step: its best proposal, where
+        it pays (speculation.plan, on the step costs). No sequence drafts while another is
+        prefilling or short of its first newline, or within ARRIVAL_QUIET s of another
+        request's arrival (a draft lengthens the step a new keystroke waits behind; with
+        requests coming steadily, drafts cost more in its latency than they gain:
+        measured on the typing trace). Under traffic (another sequence in the worker, or
+        another request's arrival in the last TRAFFIC_WINDOW s) a source drafts on what
+        it proved in the sequence (not on a lookup's match length) and a step with
+        drafts may take at most 1 + TRAFFIC_STRETCH times the plain step: on a CPU, where
+        a draft row costs several plain steps, that is no draft; on a GPU, where rows are
+        cheap, the drafts stay. An arrival counts as traffic when it came while another
+        sequence was running: one client sending requests one after another keeps its
+        drafts."""
+        proposals = []
+        waiting = [s for s in generating if not s.line_done] + prefilling
+        now = time.monotonic()
+        self.arrivals = [a for a in self.arrivals if now - a[0] < TRAFFIC_WINDOW]
+        busy = {s.seq for s in slots if s.busy}
+        traffic = len(busy) > 1 or any(concurrent and s not in busy
+                                       for _, s, concurrent in self.arrivals)
+        for slot in generating:
+            slot.draft = []
+            if any(other is not slot for other in waiting) or \
+                    any(s != slot.seq and now - t < ARRIVAL_QUIET for t, s, _ in self.arrivals):
+                continue
+            room = n_ctx - slot.n_past - 2
+            if slot.budget is not None:             # (a draft past the end is rows for
+                room = min(room, slot.budget - slot.sampled - 1)    # nothing; under
+            if slot.policy is not None and room >= DRAFT_MIN:       # DRAFT_MIN: none)
+                proposal = slot.policy.propose(slot.cached + [slot.next_token], room,
+                                               proven=traffic)
+                if proposal is not None:
+                    proposals.append((slot.seq, proposal))
+        if not proposals:
+            return
+        rows = n_batch - len(generating)
+        by_seq = dict(proposals)
+        for seq, length in plan(step_costs, len(generating), proposals,
+                                stretch=TRAFFIC_STRETCH if traffic else None).items():
+            slot, proposal = slots[seq], by_seq[seq]
+            length = min(length, rows)
+            if length >= 1:
+                slot.draft = proposal.tokens[:length]
+                slot.policy.started(proposal, len(slot.cached) + 1)
+                rows -= length
