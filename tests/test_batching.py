@@ -1,5 +1,6 @@
 """Continuous batching, prefix-cache reuse, cache-aware routing, superseding and the
 bench command, through the whole stack."""
+import argparse
 import json
 import subprocess
 import sys
@@ -204,6 +205,36 @@ def test_bench_reports_every_workload(two_fake_workers):
     assert "TTFT p50 ms" in table and "stream x1" in table
 
 
+def test_bench_runs_each_part_on_every_target_before_the_next_part(monkeypatch):
+    """A machine whose speed drifts over minutes must shift every target's figure of a
+    part alike: the bench runs the first part on each target, then the second..."""
+    from dispatcher.tools import bench
+    from dispatcher.tools.bench_targets import Level
+    calls = []
+
+    class Target:
+        def __init__(self, url, model, api_key=None):
+            self.name = url
+
+    def recorder(part):
+        def run_part(target, *args, **kwargs):
+            calls.append((part, target.name))
+            return Level(part, 1)
+        return run_part
+
+    monkeypatch.setattr(bench, "HttpTarget", Target)
+    monkeypatch.setattr(bench, "run_level", recorder("level"))
+    monkeypatch.setattr(bench, "run_extension", recorder("extension"))
+    monkeypatch.setattr(bench, "run_single", recorder("single"))
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--url", "a", "--url", "b", "--concurrency", "1,8",
+                              "--no-fim", "--workloads", "edit,fresh", "--json"])
+    assert bench.run(args) == 0
+    assert calls == [(part, target) for part in ("level", "level", "extension", "single",
+                                                 "single") for target in ("a", "b")]
+
+
 def test_a_request_the_client_sent_earlier_never_supersedes_a_later_one(two_fake_workers):
     server = two_fake_workers
     port = server.port
@@ -235,13 +266,14 @@ def test_bench_editor_workloads(two_fake_workers):
     out = subprocess.run(
         [sys.executable, "-m", "dispatcher", "bench", "--url", two_fake_workers.url,
          "--concurrency", "1", "--requests", "1", "--max-tokens", "4", "--no-fim",
-         "--workloads", "edit,fresh,sampled,typing", "--sessions", "2", "--bursts", "1",
-         "--burst-len", "3", "--keystroke-gap", "0.05", "--json"],
+         "--workloads", "edit,fresh,fresh1,sampled,typing", "--sessions", "2",
+         "--bursts", "1", "--burst-len", "3", "--keystroke-gap", "0.05", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     rows = {row["name"]: row for row in json.loads(out.stdout)}
-    for name in ("edit", "fresh", "sampled"):
-        assert rows[name]["ok"] == 1 and rows[name]["errors"] == 0
+    for name, requests in (("edit", 1), ("fresh", 6), ("fresh1", 1), ("sampled", 1)):
+        assert rows[name]["ok"] == rows[name]["requests"] == requests   # fresh: 6 prompts
+        assert rows[name]["errors"] == 0
     typing = rows["typing (plugin-like)"]     # stale requests closed at once, no header
     assert typing["requests"] == 2 and typing["ok"] == 2 and typing["errors"] == 0
     assert typing["unanswered"] == 0 and 0 <= typing["closed"] <= 4

@@ -239,15 +239,26 @@ EDIT_SOURCE = "".join(
     f"    return respond(value * {i})\n\n\n" for i in range(12))
 
 
-def run_single(target, name: str, prompt: str, requests: int, max_tokens: int,
-               temperature: float) -> Level:
+# `fresh`: new code, each prompt asked `requests` times in a row (an editor asks for
+# nearly the same completion again and again). Several prompts, because whether a
+# repeat drafts the earlier answer whole turns on near-ties in the greedy text that a
+# draft's batched rows flip one way or the other: one prompt measures one coin.
+FRESH_PROMPTS = ("def merge_sorted(left, right):\n", "class LRUCache:\n",
+                 "def parse_args(argv):\n", "import os\n\ndef walk_files(root):\n",
+                 "function debounce(fn, ms) {\n", "def fibonacci(n):\n")
+
+
+def run_single(target, name: str, prompts: tuple[str, ...], requests: int,
+               max_tokens: int, temperature: float) -> Level:
     """One stream at a time: `edit` (the output copies much of the prompt), `fresh`
-    (new code), `sampled` (temperature 1: drafts rarely survive)."""
+    (new code), `sampled` (temperature 1: drafts rarely survive); each prompt
+    `requests` times in a row."""
     samples, started = [], time.perf_counter()
-    for _ in range(requests):
-        samples.append(target.complete(prompt, max_tokens,
-                                       extra={"temperature": temperature,
-                                              "ignore_eos": True}))
+    for prompt in prompts:
+        for _ in range(requests):
+            samples.append(target.complete(prompt, max_tokens,
+                                           extra={"temperature": temperature,
+                                                  "ignore_eos": True}))
     return summarize(name, 1, samples, time.perf_counter() - started)
 
 
@@ -344,8 +355,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-fim", action="store_true",
                         help="skip the FIM replay (for servers without FIM support)")
     parser.add_argument("--workloads", default="",
-                        help="also: comma-separated editor workloads: edit, fresh, sampled "
-                             "(one stream, --max-tokens each), typing (see --sessions)")
+                        help="also: comma-separated editor workloads: edit, fresh (six prompts), "
+                             "fresh1 (the first of them only), sampled (one stream, "
+                             "--max-tokens each, each prompt --requests times, default "
+                             "3), typing (see --sessions)")
     parser.add_argument("--sessions", type=int, default=8, help="typing: users")
     parser.add_argument("--bursts", type=int, default=3, help="typing: bursts per user")
     parser.add_argument("--burst-len", type=int, default=4,
@@ -387,6 +400,44 @@ def constrained_slowdowns(rows: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
+def parts(args, target, levels: list[int], workloads: list[str], single: dict,
+          salt: int) -> list[tuple[str, object]]:
+    """What `run` measures on one target, in order, as (kind, callable) pairs: each
+    callable returns its Levels (kind "levels") or printed lines (kind "hostile")."""
+    in_process = isinstance(target, InProcessTarget)
+    out: list[tuple[str, object]] = []
+    for level in levels:
+        if in_process and level > 1:
+            continue                           # one Llama runs one request at a time
+        count = args.requests or max(4, 2 * level)
+        out.append(("levels", lambda level=level, count=count, salt=salt: [run_level(
+            target, level, count, args.prompt_chars, args.max_tokens, salt)]))
+        salt += count + 1
+    out.append(("levels", lambda salt=salt: [run_extension(
+        target, args.prompt_chars, args.max_tokens, salt)]))
+    if args.fim_keystrokes and not args.no_fim and not in_process:
+        out.append(("levels", lambda salt=salt: [run_fim_replay(
+            target, args.fim_keystrokes, args.max_tokens, salt + 1,
+            args.keystroke_interval)]))
+    for workload in workloads:
+        if workload in single:
+            prompts, temperature = single[workload]
+            out.append(("levels", lambda w=workload, prompts=prompts, t=temperature: [
+                run_single(target, w, prompts, args.requests or 3, args.max_tokens, t)]))
+        elif not in_process:                   # typing
+            out.append(("levels", lambda salt=salt: [run_typing(
+                target, args.sessions, args.bursts, args.burst_len, args.keystroke_gap,
+                args.max_tokens, salt + 3, args.session_seq, args.session_name,
+                args.session_header, args.keep_stale, args.typing_fim)]))
+    if args.hostile and not in_process:
+        out.append(("hostile", lambda: run_hostile(target, args.max_tokens)))
+    if args.constrained and not in_process:
+        out.append(("levels", lambda salt=salt: run_constrained(
+            target, args.requests or 4, args.prompt_chars, args.max_tokens,
+            salt + 2 + args.fim_keystrokes)))
+    return out
+
+
 def run(args) -> int:
     targets = []
     for url in args.url or [f"http://127.0.0.1:{args.port}"]:
@@ -396,48 +447,34 @@ def run(args) -> int:
         path = None if args.in_process == "bundled" else args.in_process
         targets.append(InProcessTarget(str(resolve_model_path(path)), 4096, None))
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    rows = []
-    hostile_lines: list[str] = []
-    for t_index, target in enumerate(targets):
-        salt = 1000 * (t_index + 1) + int(time.time()) % 1000 * 10_000
-        in_process = isinstance(target, InProcessTarget)
-        results = []
-        for level in levels:
-            if in_process and level > 1:
-                continue                       # one Llama runs one request at a time
-            count = args.requests or max(4, 2 * level)
-            results.append(run_level(target, level, count, args.prompt_chars,
-                                     args.max_tokens, salt))
-            salt += count + 1
-        results.append(run_extension(target, args.prompt_chars, args.max_tokens, salt))
-        if args.fim_keystrokes and not args.no_fim and not in_process:
-            results.append(run_fim_replay(target, args.fim_keystrokes, args.max_tokens,
-                                          salt + 1, args.keystroke_interval))
-        extra_workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-        single = {"edit": (EDIT_SOURCE + "def handler_12(request):\n", 0.0),
-                  "fresh": ("def merge_sorted(left, right):\n", 0.0),
-                  "sampled": ("def merge_sorted(left, right):\n", 1.0)}
-        for workload in extra_workloads:
-            if workload in single:
-                prompt, temperature = single[workload]
-                results.append(run_single(target, workload, prompt, args.requests or 3,
-                                          args.max_tokens, temperature))
-            elif workload == "typing" and not in_process:
-                results.append(run_typing(target, args.sessions, args.bursts,
-                                          args.burst_len, args.keystroke_gap,
-                                          args.max_tokens, salt + 3, args.session_seq,
-                                          args.session_name, args.session_header,
-                                          args.keep_stale, args.typing_fim))
-            elif workload != "typing":
-                raise SystemExit(f"unknown workload {workload!r}: edit, fresh, sampled, "
-                                 "typing")
-        if args.hostile and not in_process:
-            hostile_lines += [f"{target.name}:"] + run_hostile(target, args.max_tokens)
-        if args.constrained and not in_process:
-            results += run_constrained(target, args.requests or 4, args.prompt_chars,
-                                       args.max_tokens, salt + 2 + args.fim_keystrokes)
-        for result in results:
-            rows.append({"target": target.name, **asdict(result)})
+    extra_workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    single = {"edit": ((EDIT_SOURCE + "def handler_12(request):\n",), 0.0),
+              "fresh": (FRESH_PROMPTS, 0.0),
+              "fresh1": (FRESH_PROMPTS[:1], 0.0),
+              "sampled": (FRESH_PROMPTS[:1], 1.0)}
+    for workload in extra_workloads:
+        if workload not in single and workload != "typing":
+            raise SystemExit(f"unknown workload {workload!r}: edit, fresh, fresh1, "
+                             "sampled, typing")
+    # Each target's parts, in order; run part by part across the targets (the first part
+    # on every target, then the second...), so a machine whose speed drifts over minutes
+    # (a shared host) shifts every target's figure of a part alike, not one target's.
+    plans = [parts(args, target, levels, extra_workloads, single,
+                   1000 * (t_index + 1) + int(time.time()) % 1000 * 10_000)
+             for t_index, target in enumerate(targets)]
+    results: list[list] = [[] for _ in targets]
+    hostile: list[list[str]] = [[] for _ in targets]
+    for index in range(max(map(len, plans), default=0)):
+        for t_index, (target, plan) in enumerate(zip(targets, plans)):
+            if index < len(plan):
+                kind, part = plan[index]
+                if kind == "hostile":
+                    hostile[t_index] = [f"{target.name}:"] + part()
+                else:
+                    results[t_index] += part()
+    rows = [{"target": target.name, **asdict(result)}
+            for target, done in zip(targets, results) for result in done]
+    hostile_lines = [line for lines in hostile for line in lines]
     slowdowns = constrained_slowdowns(rows)
     if args.json:
         print(json.dumps(rows, indent=2))
