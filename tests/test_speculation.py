@@ -208,6 +208,21 @@ def test_a_copy_of_an_earlier_answer_finds_its_place_again_after_an_inserted_tok
     assert resynced[2] > stuck[2] + 4 and resynced[0] < stuck[0]
 
 
+def test_a_copy_of_an_earlier_answer_cut_short_is_not_taken_up_again_blindly():
+    """The repeat went another way at a near-tie and goes on with new text: the earlier
+    answer is not drafted again at the same distance (each such draft a wasted step);
+    only the draft that was cut is lost."""
+    from workers.engine.speculation import History
+    prompt = list(range(500, 540))
+    output = list(range(600, 700))
+    now = output[:30] + list(range(800, 870))
+    history = History()
+    history.add(prompt + output, len(prompt))
+    steps, drafted, accepted = drive(Drafter(16, history=history), prompt, now)
+    assert accepted >= 30 - 2
+    assert drafted - accepted <= 16
+
+
 def test_under_traffic_a_lookup_drafts_on_its_record_not_its_match_length():
     """Others share the step (or the sequence is sampled): a lookup's long match is no
     proof; its own record is."""

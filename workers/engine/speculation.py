@@ -21,7 +21,10 @@ Four sources propose a draft for a sequence (its context: prompt and output so f
   fresh code that repeats itself locally.
 - `history`: where one of the tenant's recent sequences went on after the last LONG_KEY
   tokens (`History`): an editor asks for nearly the same completion many times, so the
-  previous answer is the likeliest draft; a copy started there goes on there.
+  previous answer is the likeliest draft; a copy started there goes on there while its
+  drafts hold. Cut short, it is not taken up again at the same distance (the repeat
+  wrote something else at a near-tie and mostly goes on differently: measured) but
+  re-aligned by the last few tokens (`_resync`) or looked up again.
 
 Each source keeps its own acceptance record in the sequence (accepted draft tokens
 against drafts cut short), started from a prior by how strong its evidence is; the
@@ -346,8 +349,9 @@ class Drafter:
             self.recent = (proposal.origin, proposal.start, self.tried_at)
         if self.misses >= 2:
             return
-        if proposal.external:            # copying a recent sequence: go on there
-            self.copied = (proposal.origin, proposal.start, self.tried_at)
+        if proposal.external:            # copying a recent sequence: go on there while it
+            if accepted == drafted:      # holds; cut short, the model went another way
+                self.copied = (proposal.origin, proposal.start, self.tried_at)  # (resync)
         else:
             self.distance = self.tried_at - proposal.start
 
