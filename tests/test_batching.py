@@ -222,17 +222,35 @@ def test_bench_runs_each_part_on_every_target_before_the_next_part(monkeypatch):
             return Level(part, 1)
         return run_part
 
+    class InProcess:                  # llama-cpp-python in the bench: fewer parts
+        def __init__(self, path, n_ctx, threads):
+            self.name = "in-process"
+
+    from dispatcher.common import models
+    monkeypatch.setattr(models, "resolve_model_path", lambda path: "model.gguf")
     monkeypatch.setattr(bench, "HttpTarget", Target)
+    monkeypatch.setattr(bench, "InProcessTarget", InProcess)
     monkeypatch.setattr(bench, "run_level", recorder("level"))
     monkeypatch.setattr(bench, "run_extension", recorder("extension"))
     monkeypatch.setattr(bench, "run_single", recorder("single"))
+    monkeypatch.setattr(bench, "run_typing", recorder("typing"))
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--url", "a", "--url", "b", "--concurrency", "1,8",
-                              "--no-fim", "--workloads", "edit,fresh", "--json"])
+                              "--no-fim", "--workloads", "edit,fresh,typing", "--json"])
     assert bench.run(args) == 0
     assert calls == [(part, target) for part in ("level", "level", "extension", "single",
-                                                 "single") for target in ("a", "b")]
+                                                 "single", "typing")
+                     for target in ("a", "b")]
+    calls.clear()            # the in-process target has no x8 and no typing: it runs
+    args.in_process = "bundled"          # each part it has beside the others' same part
+    assert bench.run(args) == 0
+    assert calls == [("level", "a"), ("level", "b"), ("level", "in-process"),
+                     ("level", "a"), ("level", "b"),
+                     ("extension", "a"), ("extension", "b"), ("extension", "in-process"),
+                     ("single", "a"), ("single", "b"), ("single", "in-process"),
+                     ("single", "a"), ("single", "b"), ("single", "in-process"),
+                     ("typing", "a"), ("typing", "b")]
 
 
 def test_a_request_the_client_sent_earlier_never_supersedes_a_later_one(two_fake_workers):

@@ -223,6 +223,22 @@ def test_a_copy_of_an_earlier_answer_cut_short_is_not_taken_up_again_blindly():
     assert drafted - accepted <= 16
 
 
+def test_a_copy_of_an_earlier_answer_goes_on_after_one_substituted_token(monkeypatch):
+    """One token of the earlier answer replaced: the cut copy is not resumed blindly, but
+    found again by the last tokens a couple of steps later (not LONG_KEY tokens later)."""
+    from workers.engine import speculation
+    from workers.engine.speculation import History
+    prompt = list(range(500, 540))
+    output = list(range(600, 700))
+    now = output[:30] + [999] + output[31:]
+    history = History()
+    history.add(prompt + output, len(prompt))
+    steps, drafted, accepted = drive(Drafter(16, history=history), prompt, now)
+    assert accepted >= len(now) - 8 and steps <= 10
+    monkeypatch.setattr(speculation, "RESYNC", -1)          # no place searched for
+    assert drive(Drafter(16, history=history), prompt, now)[0] > steps + 4
+
+
 def test_under_traffic_a_lookup_drafts_on_its_record_not_its_match_length():
     """Others share the step (or the sequence is sampled): a lookup's long match is no
     proof; its own record is."""

@@ -402,37 +402,39 @@ def constrained_slowdowns(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 def parts(args, target, levels: list[int], workloads: list[str], single: dict,
           salt: int) -> list[tuple[str, object]]:
-    """What `run` measures on one target, in order, as (kind, callable) pairs: each
-    callable returns its Levels (kind "levels") or printed lines (kind "hostile")."""
+    """What `run` measures on one target, in order, as (part, callable) pairs: the part
+    names what is measured (the same part on every target that has it: an in-process
+    target has fewer); each callable returns its Levels, or printed lines for
+    "hostile"."""
     in_process = isinstance(target, InProcessTarget)
     out: list[tuple[str, object]] = []
     for level in levels:
         if in_process and level > 1:
             continue                           # one Llama runs one request at a time
         count = args.requests or max(4, 2 * level)
-        out.append(("levels", lambda level=level, count=count, salt=salt: [run_level(
+        out.append((f"x{level}", lambda level=level, count=count, salt=salt: [run_level(
             target, level, count, args.prompt_chars, args.max_tokens, salt)]))
         salt += count + 1
-    out.append(("levels", lambda salt=salt: [run_extension(
+    out.append(("extension", lambda salt=salt: [run_extension(
         target, args.prompt_chars, args.max_tokens, salt)]))
     if args.fim_keystrokes and not args.no_fim and not in_process:
-        out.append(("levels", lambda salt=salt: [run_fim_replay(
+        out.append(("fim", lambda salt=salt: [run_fim_replay(
             target, args.fim_keystrokes, args.max_tokens, salt + 1,
             args.keystroke_interval)]))
     for workload in workloads:
         if workload in single:
             prompts, temperature = single[workload]
-            out.append(("levels", lambda w=workload, prompts=prompts, t=temperature: [
+            out.append((workload, lambda w=workload, prompts=prompts, t=temperature: [
                 run_single(target, w, prompts, args.requests or 3, args.max_tokens, t)]))
         elif not in_process:                   # typing
-            out.append(("levels", lambda salt=salt: [run_typing(
+            out.append(("typing", lambda salt=salt: [run_typing(
                 target, args.sessions, args.bursts, args.burst_len, args.keystroke_gap,
                 args.max_tokens, salt + 3, args.session_seq, args.session_name,
                 args.session_header, args.keep_stale, args.typing_fim)]))
     if args.hostile and not in_process:
         out.append(("hostile", lambda: run_hostile(target, args.max_tokens)))
     if args.constrained and not in_process:
-        out.append(("levels", lambda salt=salt: run_constrained(
+        out.append(("constrained", lambda salt=salt: run_constrained(
             target, args.requests or 4, args.prompt_chars, args.max_tokens,
             salt + 2 + args.fim_keystrokes)))
     return out
@@ -462,13 +464,19 @@ def run(args) -> int:
     plans = [parts(args, target, levels, extra_workloads, single,
                    1000 * (t_index + 1) + int(time.time()) % 1000 * 10_000)
              for t_index, target in enumerate(targets)]
+    order: list[str] = []                 # every part, in the order the targets run them
+    for plan in plans:
+        for name, _ in plan:
+            if name not in order:
+                order.append(name)
     results: list[list] = [[] for _ in targets]
     hostile: list[list[str]] = [[] for _ in targets]
-    for index in range(max(map(len, plans), default=0)):
+    for name in order:
         for t_index, (target, plan) in enumerate(zip(targets, plans)):
-            if index < len(plan):
-                kind, part = plan[index]
-                if kind == "hostile":
+            for part_name, part in plan:
+                if part_name != name:
+                    continue
+                if name == "hostile":
                     hostile[t_index] = [f"{target.name}:"] + part()
                 else:
                     results[t_index] += part()

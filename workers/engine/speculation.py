@@ -341,19 +341,23 @@ class Drafter:
             record = self.records[source]
             record.accepted += accepted
             record.cut += accepted < drafted
-        # the text after the draft's source goes on at the same distance (a mismatch is a
-        # substitution); a source rejected outright twice in a row is dropped
+        # The context's own text after the draft's source goes on at the same distance (a
+        # mismatch is a substitution); a source rejected outright twice in a row is
+        # dropped. A recent sequence's text goes on only while its drafts hold: cut
+        # short, the model went another way (a near-tie flipped), and `_resync` finds
+        # the place again by the last few tokens if it comes back to that text. (A
+        # one-token substitution then costs the two steps until the last two tokens
+        # match again: measured, fewer wasted draft steps than resuming blindly.)
         self.misses = self.misses + 1 if accepted == 0 else 0
         self.distance = self.copied = None
         if proposal.external:
             self.recent = (proposal.origin, proposal.start, self.tried_at)
         if self.misses >= 2:
             return
-        if proposal.external:            # copying a recent sequence: go on there while it
-            if accepted == drafted:      # holds; cut short, the model went another way
-                self.copied = (proposal.origin, proposal.start, self.tried_at)  # (resync)
-        else:
+        if not proposal.external:
             self.distance = self.tried_at - proposal.start
+        elif accepted == drafted:
+            self.copied = (proposal.origin, proposal.start, self.tried_at)
 
 
 class StepCosts:
