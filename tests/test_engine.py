@@ -163,7 +163,7 @@ def run_speculated(model_path, draft_max, deterministic=False, n=24):
     """Given step costs (those of a 2-core CPU), so whether a draft pays does not depend
     on how busy this machine was when it measured its own."""
     from workers.engine.llama import LlamaEngine
-    from workers.engine.speculation import StepCosts
+    from workers.engine.stepcosts import StepCosts
     engine = LlamaEngine(model_path, 1024, 2, THREADS, 0, deterministic=deterministic,
                          draft_max=draft_max, step_costs=StepCosts.assumed())
     try:
@@ -198,7 +198,7 @@ def test_drafts_are_held_short_while_another_sequence_shares_the_worker(model_pa
     from workers.engine import scheduling
     from workers.engine.llama import LlamaEngine
     monkeypatch.setattr(scheduling, "ARRIVAL_QUIET", 0.0)
-    from workers.engine.speculation import SHAPES_EXTRA, StepCosts
+    from workers.engine.stepcosts import SHAPES_EXTRA, StepCosts
     keep_going = SamplingParams(temperature=0.0, ignore_eos=True)
     gpu = StepCosts((1, 2), {(s, d): 10.0 + s + 0.05 * d for s in (1, 2)
                              for d in SHAPES_EXTRA})
@@ -260,7 +260,7 @@ def test_step_costs_are_measured_on_this_device_and_kept(model_path, tmp_path, m
     busy this machine is: the busy-machine rule has a test of its own.)"""
     from workers.engine import llama
     from workers.engine.llama import LlamaEngine
-    from workers.engine.speculation import SHAPES_EXTRA
+    from workers.engine.stepcosts import SHAPES_EXTRA
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(llama, "UNCONTENDED", 0.0)
     engine = LlamaEngine(model_path, 256, 2, THREADS, 0, draft_max=16)

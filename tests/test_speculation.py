@@ -1,7 +1,8 @@
-"""The drafter's sources and the per-step plan (workers/engine/speculation.py), as units:
-token lists stand in for a sequence's context, and step costs are given tables."""
-from workers.engine.speculation import (LONG_KEY, SHAPES_EXTRA, Drafter, Proposal, StepCosts,
-                                        find_draft, matched, plan)
+"""The drafter's sources (workers/engine/speculation.py) and the step costs and per-step
+plan (workers/engine/stepcosts.py), as units: token lists stand in for a sequence's
+context, and step costs are given tables."""
+from workers.engine.speculation import LONG_KEY, Drafter, Proposal, find_draft, matched
+from workers.engine.stepcosts import SHAPES_EXTRA, StepCosts, plan
 
 # an "edit": the same block again with one token changed (a number), as a token list
 BLOCK = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]
@@ -145,7 +146,7 @@ def test_steps_correct_start_up_costs_measured_on_a_busy_machine():
 def test_one_stalled_step_moves_the_costs_little_and_rows_stay_ordered():
     """A step that stalled (1 s against 12.5 ms) counts as twice off at most, and slow
     plain steps never leave a draft shape cheaper than the plain one."""
-    from workers.engine.speculation import OBSERVED_CLAMP, OBSERVED_UP
+    from workers.engine.stepcosts import OBSERVED_CLAMP, OBSERVED_UP
     costs = StepCosts.assumed()
     costs.observe(1, 0, 1000.0)
     assert costs.table[1, 0] <= 12.5 * OBSERVED_CLAMP ** OBSERVED_UP + 1e-9

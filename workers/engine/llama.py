@@ -29,7 +29,8 @@ from workers.engine.llamalog import LlamaLog
 from dispatcher.common.models import cache_dir
 from workers.engine.repacking import cpu_identity, extra_buffers_work
 from workers.engine.scheduling import Scheduler
-from workers.engine.speculation import Drafter, Histories, StepCosts, common_prefix
+from workers.engine.speculation import Drafter, Histories, common_prefix
+from workers.engine.stepcosts import StepCosts
 from workers.engine.vocabulary import Vocabulary
 from workers.engine.samplers import Candidates, SamplerChain
 from workers.sampling import SamplingParams, TokenOut

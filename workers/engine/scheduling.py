@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 
-from workers.engine.speculation import DRAFT_MIN, StepCosts, plan
+from workers.engine.speculation import DRAFT_MIN
+from workers.engine.stepcosts import StepCosts, plan
 
 DEEP_AFTER = 16         # first line first: tokens after which a sequence past its first line
                         # yields one step in YIELD_EVERY to sequences still short of theirs
@@ -50,7 +51,7 @@ class Scheduler:
     def draft(self, slots: list, generating: list, prefilling: list, n_ctx: int,
               n_batch: int, step_costs: StepCosts | None) -> None:
         """Sets each generating sequence's `draft` for this step: its best proposal, where
-        it pays (speculation.plan, on the step costs). No sequence drafts while another is
+        it pays (stepcosts.plan, on the step costs). No sequence drafts while another is
         prefilling or short of its first newline, or within ARRIVAL_QUIET s of another
         request's arrival (a draft lengthens the step a new keystroke waits behind; with
         requests coming steadily, drafts cost more in its latency than they gain:
