@@ -103,7 +103,7 @@ class _Slot:
     draft_rows: list[int] = field(default_factory=list)
     policy: Drafter | None = None                       # None: no speculation
     line_done: bool = False                             # its output has a newline
-    turns: int = 0                                      # first line first: steps offered
+    sat_out: bool = False                               # first line first: last step
     budget: int | None = None                           # tokens it may generate
 
     @property
@@ -310,7 +310,7 @@ class LlamaEngine:
             n_past = 0
         slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
         slot.next_token, slot.row, slot.chain, slot.sampled = None, -1, chain, 0
-        slot.line_done, slot.turns, slot.budget = False, 0, budget
+        slot.line_done, slot.sat_out, slot.budget = False, False, budget
         self.scheduler.arrived(slot_id, any(s.busy for s in self.slots if s is not slot))
         slot.logprobs = logprobs
         slot.prompt_logprobs = [] if prompt_logprobs else None
@@ -397,7 +397,8 @@ class LlamaEngine:
             generating, prefilling = [], prefilling[:1]
         else:
             generating = self.scheduler.first_line_first(
-                [s for s in self.slots if s.busy and s.next_token is not None], prefilling)
+                [s for s in self.slots if s.busy and s.next_token is not None], prefilling,
+                self.step_costs)
         self.scheduler.draft(self.slots, generating, prefilling, self.n_ctx, self.n_batch,
                              self.step_costs)
         # Every generating slot has its rows; prompts share at most `prefill_chunk` more,

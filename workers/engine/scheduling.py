@@ -12,9 +12,7 @@ from workers.engine.speculation import DRAFT_MIN
 from workers.engine.stepcosts import StepCosts, plan
 
 DEEP_AFTER = 16         # first line first: tokens after which a sequence past its first line
-                        # yields one step in YIELD_EVERY to sequences still short of theirs
-YIELD_EVERY = 2         # (measured on 2 cores: first line p50 377-478 ms against 452-506
-                        # without; 8 x 128-token streams ~10% slower in aggregate)
+                        # may sit out a step for sequences still short of theirs
 ARRIVAL_QUIET = 0.5     # s after another request arrives without drafts (see draft)
 TRAFFIC_WINDOW = 2.0    # s after another request arrives that drafts are held short
 TRAFFIC_STRETCH = 1.0   # ... to a step at most this much longer than the plain one
@@ -31,22 +29,29 @@ class Scheduler:
         self.arrivals.append((time.monotonic(), slot, others_running))
 
     @staticmethod
-    def first_line_first(generating: list, prefilling: list) -> list:
+    def first_line_first(generating: list, prefilling: list,
+                         costs: StepCosts | None = None) -> list:
         """A user waits for a suggestion's first line: while some sequence is still short
-        of its first newline (or still prefilling), a sequence deep in a long completion
-        (past its first line and DEEP_AFTER tokens) sits out one step in YIELD_EVERY, so
-        those steps are shorter for the others; it never waits two steps in a row.
+        of its first newline (or still prefilling), sequences deep in a long completion
+        (past their first line and DEEP_AFTER tokens) sit out a step, so that it is
+        shorter for those waiting; none waits two steps in a row. How many sit out is
+        what makes the step cheapest on the measured costs (`costs.plain_cost`), the
+        deepest first, and none where no count does: on a CPU with repacked weights 8
+        rows cost less than 7, so one deep sequence of eight sitting out would lengthen
+        the step it was meant to shorten. Without costs, every one that may sits out.
         Returns the sequences that get a row in this step."""
         waiting = bool(prefilling) or any(not s.line_done for s in generating)
-        out = []
+        may = sorted((s for s in generating if waiting and not s.sat_out and s.line_done
+                      and s.sampled >= DEEP_AFTER), key=lambda s: -s.sampled)
+        out_count = len(may)
+        if costs is not None and may:
+            total = len(generating)
+            out_count = min(range(len(may) + 1),
+                            key=lambda k: (round(costs.plain_cost(total - k), 3), k))
+        sitting = may[:out_count]
         for slot in generating:
-            deep = slot.line_done and slot.sampled >= DEEP_AFTER
-            if waiting and deep:
-                slot.turns += 1
-                if slot.turns % YIELD_EVERY == 0:
-                    continue
-            out.append(slot)
-        return out
+            slot.sat_out = slot in sitting
+        return [s for s in generating if not s.sat_out]
 
     def draft(self, slots: list, generating: list, prefilling: list, n_ctx: int,
               n_batch: int, step_costs: StepCosts | None) -> None:

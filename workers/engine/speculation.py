@@ -321,8 +321,8 @@ class Drafter:
         self.accepted += accepted
         if accepted < drafted:
             self.allowance = DRAFT_START
-        elif drafted >= self.allowance:          # (a short draft that held proves less)
-            self.allowance = min(2 * self.allowance, self.max_len)
+        elif 4 * drafted >= 3 * self.allowance:  # (a short draft that held proves less;
+            self.allowance = min(2 * self.allowance, self.max_len)  # plan may take 15 of 16)
         if proposal is None:
             return
         for source in proposal.sources or [proposal.source]:

@@ -15,18 +15,48 @@ from pathlib import Path
 
 from workers.engine.speculation import Proposal
 
-SHAPES_EXTRA = (0, 4, 8, 16, 32, 64)   # draft rows measured beside the plain rows at start-up
+# Draft rows measured beside the plain rows at start-up: both sides of each multiple of 4,
+# since on a CPU with repacked weights a batch's output rows cost by their count modulo 4
+# (llama.cpp multiplies four rows at a time and each one left over alone, reading the
+# whole output matrix again): one sequence with 7 draft rows (8 outputs) costs less than
+# with 4 (5 outputs). Those are also the draft lengths `plan` chooses from.
+SHAPES_EXTRA = (0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64)
+PLAIN_MAX = 16          # plain steps (one row per sequence) measured for each count up to this
 OBSERVED_DOWN = 0.1     # how far (in log) one step faster than its shape's cost moves it
 OBSERVED_UP = 0.03      # ... and one slower: the costs follow the fast steps (as the
                         # start-up's fastest runs do), not the average of noisy ones
 OBSERVED_CLAMP = 2.0    # one step counts as at most this many times off
+OBSERVED_SPREAD = 0.5   # a step with drafts moves the other draft shapes of its row this much
+                        # of what it moves its own (a busy start-up slowed them all)
+
+
+# A 2-core AMD EPYC VM with repacked weights, the bundled model, 8 slots (StepCosts.assumed,
+# for tests): one sequence's drafts cost least at 3, 7, 15, ... rows (4, 8, 16 outputs),
+# beside others at 4, 8, 16 (llama.cpp decodes them in a batch of their own); 8 plain
+# sequences cost less than 5, 6 or 7.
+ASSUMED: dict[tuple[int, int], float] = {
+    (1, 0): 12.9, (1, 1): 25.4, (1, 2): 32.6, (1, 3): 37.4, (1, 4): 56.0, (1, 7): 46.3,
+    (1, 8): 64.8, (1, 15): 68.1, (1, 16): 74.9, (1, 31): 104.2, (1, 32): 112.4, (1, 63): 184.7,
+    (1, 64): 209.9,
+    (2, 0): 26.5, (2, 1): 47.0, (2, 2): 58.0, (2, 3): 58.6, (2, 4): 61.7, (2, 7): 96.0,
+    (2, 8): 85.3, (2, 15): 111.5, (2, 16): 80.9, (2, 31): 154.5, (2, 32): 126.1, (2, 63): 239.4,
+    (2, 64): 228.2,
+    (3, 0): 34.7, (4, 0): 37.1, (5, 0): 56.8, (6, 0): 58.7, (7, 0): 62.4,
+    (8, 0): 46.3, (8, 1): 57.7, (8, 2): 70.9, (8, 3): 80.1, (8, 4): 84.1, (8, 7): 109.3,
+    (8, 8): 93.2, (8, 15): 126.6, (8, 16): 98.2, (8, 31): 182.8, (8, 32): 150.9, (8, 63): 246.5,
+    (8, 64): 243.6,
+}
 
 
 class StepCosts:
-    """Milliseconds of one decode step by batch shape, measured at start-up: S sequences
-    with one row each, plus D draft rows on one of them, for S in {1, 2, slots} and D in
-    SHAPES_EXTRA; interpolated linearly between them (past the largest D along the last
-    measured slope, past the most sequences by the per-sequence cost).
+    """Milliseconds of one decode step by batch shape, measured at start-up: a plain step
+    (one row a sequence) of every count of sequences up to the slots (PLAIN_MAX at most),
+    and S sequences plus D draft rows on one of them, for S in {1, 2, slots} and D in
+    SHAPES_EXTRA. A plain step costs its own figure; a step with drafts costs the plain
+    one plus what the draft rows add, interpolated linearly between the measured S and D
+    (past the largest D along the last measured slope, past the most sequences by the
+    per-sequence cost). Costs need not grow with the rows (see SHAPES_EXTRA); a step
+    with drafts never counts as cheaper than the plain one.
 
     Then kept current by the steps themselves (`observe`): a start-up measurement taken
     while the machine was busy (other workers loading, a build) is corrected by the real
@@ -34,43 +64,52 @@ class StepCosts:
     being chosen."""
 
     def __init__(self, sequences: tuple[int, ...], table: dict[tuple[int, int], float]):
-        self.sequences = sequences
+        self.sequences = sequences      # the counts of sequences measured with drafts
         self.table = table
+        self.plain = sorted(s for s, d in table if d == 0)
         self.observed = 0               # steps that corrected the table
+
+    @staticmethod
+    def shapes(slots: int) -> tuple[tuple[int, ...], set[tuple[int, int]]]:
+        """The counts of sequences measured with drafts, and every (S, D) measured."""
+        sequences = tuple(sorted({1, min(2, slots), max(1, slots)}))
+        return sequences, ({(s, d) for s in sequences for d in SHAPES_EXTRA} |
+                           {(s, 0) for s in range(1, min(slots, PLAIN_MAX) + 1)})
 
     @classmethod
     def measure(cls, timed_step, slots: int, repeats: int = 2) -> "StepCosts":
         """`timed_step(S, D)` decodes one batch of that shape and returns its seconds.
-        Each shape's fastest run counts (a busy machine only adds to it), and a shape with
-        more rows never counts as cheaper than one with fewer."""
-        sequences = tuple(sorted({1, min(2, slots), max(1, slots)}))
+        Each shape's fastest run counts (a busy machine only adds to it); the repeats go
+        round all the shapes, so a slow moment does not fall on one shape twice."""
+        sequences, shapes = cls.shapes(slots)
         timed_step(sequences[-1], SHAPES_EXTRA[-1])          # warm-up
-        costs = cls(sequences, {(s, d): 1000 * min(timed_step(s, d) for _ in range(repeats))
-                                for s in sequences for d in SHAPES_EXTRA})
+        table: dict[tuple[int, int], float] = {}
+        for _ in range(repeats):
+            for shape in sorted(shapes):
+                ms = 1000 * timed_step(*shape)
+                table[shape] = min(ms, table.get(shape, ms))
+        costs = cls(sequences, table)
         for s in sequences:
-            costs._order(s)
+            costs._floor(s)
         return costs
 
-    def _order(self, s: int) -> None:
-        """A step of S sequences never costs less with more draft rows."""
-        floor = 0.0
-        for d in SHAPES_EXTRA:
-            floor = self.table[s, d] = max(floor, self.table[s, d])
+    def _floor(self, s: int) -> None:
+        """A step of S sequences with drafts never costs less than without."""
+        for d in SHAPES_EXTRA[1:]:
+            self.table[s, d] = max(self.table[s, 0], self.table[s, d])
 
     @classmethod
     def assumed(cls) -> "StepCosts":
-        """Figures measured on a 2-core AMD EPYC VM (bundled model), for tests."""
-        return cls((1, 2, 8), {
-            (1, 0): 12.5, (1, 4): 51.4, (1, 8): 56.9, (1, 16): 72.1, (1, 32): 126.4,
-            (1, 64): 230.0,
-            (2, 0): 24.9, (2, 4): 60.4, (2, 8): 68.0, (2, 16): 82.9, (2, 32): 137.3,
-            (2, 64): 245.0,
-            (8, 0): 42.0, (8, 4): 75.5, (8, 8): 85.5, (8, 16): 119.8, (8, 32): 148.3,
-            (8, 64): 265.0})
+        """Figures measured on a 2-core AMD EPYC VM with repacked weights (bundled model,
+        8 slots), for tests."""
+        return cls((1, 2, 8), dict(ASSUMED))
 
     def _weights(self, sequences: int, extra: float) -> list[tuple[tuple[int, int], float]]:
         """The measured shapes around (sequences, extra) and their interpolation weights
         ([]: outside the measured range)."""
+        if extra == 0 and (sequences, 0) in self.table:
+            return [((sequences, 0), 1.0)]
+
         def around(points, x):
             for lo, hi in zip(points, points[1:]):
                 if lo <= x <= hi:
@@ -84,9 +123,10 @@ class StepCosts:
     def observe(self, sequences: int, extra: int, ms: float) -> bool:
         """A real step of this shape took `ms`: move the shapes it lies between toward it,
         in log, each by its interpolation weight times OBSERVED_DOWN (faster) or
-        OBSERVED_UP (slower), the ratio clamped to OBSERVED_CLAMP; then a row never
-        costs less with more draft rows. False: a shape outside the measured range, left
-        alone."""
+        OBSERVED_UP (slower), the ratio clamped to OBSERVED_CLAMP, and the other draft
+        shapes of the same rows by OBSERVED_SPREAD of that; then a step with drafts never
+        costs less than without. False: a shape outside the measured range,
+        left alone."""
         weights = self._weights(sequences, extra)
         predicted = self.cost(sequences, extra)
         if not weights or predicted <= 0 or ms <= 0:
@@ -95,8 +135,14 @@ class StepCosts:
         rate = OBSERVED_DOWN if ratio < 1 else OBSERVED_UP
         for shape, weight in weights:
             self.table[shape] *= ratio ** (rate * weight)
-        for s in {s for (s, _), _ in weights}:
-            self._order(s)
+        if extra > 0:          # the other draft shapes of those rows by OBSERVED_SPREAD of it
+            for s in {s for (s, _), _ in weights}:
+                row_weight = sum(w for (r, _), w in weights if r == s)
+                for d in SHAPES_EXTRA[1:]:
+                    if all(shape != (s, d) for shape, _ in weights):
+                        self.table[s, d] *= ratio ** (rate * OBSERVED_SPREAD * row_weight)
+        for s in {s for (s, _), _ in weights} & set(self.sequences):
+            self._floor(s)
         self.observed += 1
         return True
 
@@ -113,8 +159,8 @@ class StepCosts:
                        {(s, d): float(ms) for s, d, ms in data["table"]})
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        shapes = {(s, d) for s in kept.sequences for d in SHAPES_EXTRA}
-        return kept if set(kept.table) == shapes else None
+        sequences, shapes = cls.shapes(kept.sequences[-1])
+        return kept if (sequences, set(kept.table)) == (kept.sequences, shapes) else None
 
     def save(self, path: Path) -> None:
         """Keep the costs for the next start (written whole or not at all)."""
@@ -128,27 +174,50 @@ class StepCosts:
             pass
 
     def _at(self, s: int, d: float) -> float:
+        """Linear between the measured draft rows; past the largest, along the slope from
+        the one half its size (two points of the same count modulo 4)."""
         points = SHAPES_EXTRA
+        top = points[-1]
+        if d > top:
+            half = max(p for p in points if p <= top // 2)
+            slope = max(0.0, (self.table[s, top] - self.table[s, half]) / (top - half))
+            return self.table[s, top] + slope * (d - top)
         for lo, hi in zip(points, points[1:]):
-            if d <= hi or hi == points[-1]:
+            if d <= hi:
                 a, b = self.table[s, lo], self.table[s, hi]
                 return a + (b - a) * (d - lo) / (hi - lo)
         return self.table[s, points[0]]
 
-    def cost(self, sequences: int, extra: float) -> float:
-        known = self.sequences
+    def plain_cost(self, sequences: int) -> float:
+        """A step of one row for each of `sequences` sequences."""
+        if (sequences, 0) in self.table:
+            return self.table[sequences, 0]
+        known = self.plain
         if sequences >= known[-1]:
-            top = known[-1]
-            return self._at(top, extra) + (sequences - top) * self._at(top, 0) / top
+            return self.table[known[-1], 0] * sequences / known[-1]
         for lo, hi in zip(known, known[1:]):
             if sequences <= hi:
                 t = (max(sequences, lo) - lo) / (hi - lo)
-                return (1 - t) * self._at(lo, extra) + t * self._at(hi, extra)
-        return self._at(known[0], extra)
+                return (1 - t) * self.table[lo, 0] + t * self.table[hi, 0]
+        return self.table[known[0], 0]
+
+    def cost(self, sequences: int, extra: float) -> float:
+        plain = self.plain_cost(sequences)
+        if extra <= 0:
+            return plain
+        known = self.sequences
+        if sequences >= known[-1]:
+            return plain + self._at(known[-1], extra) - self.table[known[-1], 0]
+        for lo, hi in zip(known, known[1:]):
+            if sequences <= hi:
+                t = (max(sequences, lo) - lo) / (hi - lo)
+                return plain + (1 - t) * (self._at(lo, extra) - self.table[lo, 0]) + \
+                    t * (self._at(hi, extra) - self.table[hi, 0])
+        return plain + self._at(known[0], extra) - self.table[known[0], 0]
 
 
 def plan(costs: StepCosts, sequences: int, proposals: list[tuple[object, Proposal]],
-         lengths: tuple[int, ...] = (4, 8, 16, 32, 64), stretch: float | None = None
+         lengths: tuple[int, ...] = SHAPES_EXTRA[1:], stretch: float | None = None
          ) -> dict[object, int]:
     """How many draft tokens each proposal gets in a step of `sequences` generating
     sequences. Greedily: the proposal and length that give the step the best rate (its
@@ -171,7 +240,7 @@ def plan(costs: StepCosts, sequences: int, proposals: list[tuple[object, Proposa
                 gain = proposal.gain(length)
                 cost = costs.cost(sequences, extra + length)
                 if ceiling is not None and cost > ceiling:
-                    break
+                    continue                # (a longer draft may cost less: SHAPES_EXTRA)
                 rate = (tokens + gain) / cost
                 if rate > best[0]:
                     best = (rate, key, length, gain)
