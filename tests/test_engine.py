@@ -192,9 +192,10 @@ def test_speculation_keeps_a_confident_greedy_copy_and_takes_fewer_steps(model_p
 def test_drafts_are_held_short_while_another_sequence_shares_the_worker(model_path,
                                                                         monkeypatch):
     """Beside another running sequence, a step with drafts may take at most twice the
-    plain one: on the CPU's costs that is no draft, on a GPU's (cheap rows) the drafts
-    stay; alone again, the sequence drafts on the CPU too. (The quiet time after an
-    arrival is another rule, off here: the test does not depend on the clock.)"""
+    plain one: on the CPU's costs (here without the drafts-alike shapes: the other has
+    nothing to draft) that is no draft, on a GPU's (cheap rows) the drafts stay; alone
+    again, the sequence drafts on the CPU too. (The quiet time after an arrival is
+    another rule, off here: the test does not depend on the clock.)"""
     from workers.engine import scheduling
     from workers.engine.llama import LlamaEngine
     monkeypatch.setattr(scheduling, "ARRIVAL_QUIET", 0.0)
@@ -202,7 +203,8 @@ def test_drafts_are_held_short_while_another_sequence_shares_the_worker(model_pa
     keep_going = SamplingParams(temperature=0.0, ignore_eos=True)
     gpu = StepCosts((1, 2), {(s, d): 10.0 + s + 0.05 * d for s in (1, 2)
                              for d in SHAPES_EXTRA})
-    for name, costs in (("cpu", StepCosts.assumed()), ("gpu", gpu)):
+    cpu = StepCosts((1, 2, 8), StepCosts.assumed().table)
+    for name, costs in (("cpu", cpu), ("gpu", gpu)):
         engine = LlamaEngine(model_path, 1024, 2, THREADS, 0, draft_max=16,
                              step_costs=costs)
         try:
@@ -221,6 +223,39 @@ def test_drafts_are_held_short_while_another_sequence_shares_the_worker(model_pa
             assert engine.draft_stats(0)[1] > beside[1], name
         finally:
             engine.close()
+
+
+def test_sequences_that_repeat_draft_alike_on_the_cpu(model_path, monkeypatch):
+    """Two sequences copying their own code, on the CPU's costs: a draft on one alone
+    beside the other does not pay, the same number of draft rows on both (one batch)
+    does: both draft and have drafts accepted, in steps where their drafts are equally
+    long."""
+    from workers.engine import scheduling
+    from workers.engine.llama import LlamaEngine
+    from workers.engine.stepcosts import StepCosts
+    monkeypatch.setattr(scheduling, "ARRIVAL_QUIET", 0.0)
+    keep_going = SamplingParams(temperature=0.0, ignore_eos=True)
+    engine = LlamaEngine(model_path, 1024, 2, THREADS, 0, draft_max=16,
+                         step_costs=StepCosts.assumed())
+    lengths = []
+    original = scheduling.Scheduler.draft
+
+    def draft(self, slots, generating, *args):
+        original(self, slots, generating, *args)
+        lengths.append(tuple(len(s.draft) for s in generating))
+    monkeypatch.setattr(scheduling.Scheduler, "draft", draft)
+    try:
+        engine.add(0, engine.tokenize(REPEATING_CODE), keep_going)
+        engine.add(1, engine.tokenize("# b\n" + REPEATING_CODE), keep_going)
+        for _ in range(40):
+            engine.step()
+        assert all(engine.draft_stats(slot)[1] > 0 for slot in (0, 1)), \
+            [engine.draft_stats(slot) for slot in (0, 1)]
+        drafted = [shape for shape in lengths if any(shape)]
+        assert drafted and all(len(shape) == 2 and len(set(shape)) == 1
+                               for shape in drafted), drafted
+    finally:
+        engine.close()
 
 
 def test_step_costs_measured_on_a_busy_machine_are_used_but_not_kept(model_path, tmp_path,
@@ -261,7 +296,7 @@ def test_step_costs_are_measured_on_this_device_and_kept(model_path, tmp_path, m
     busy this machine is: the busy-machine rule has a test of its own.)"""
     from workers.engine import llama
     from workers.engine.llama import LlamaEngine
-    from workers.engine.stepcosts import SHAPES_EXTRA
+    from workers.engine.stepcosts import EACH, SHAPES_EXTRA
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(llama, "UNCONTENDED", 0.0)
     engine = LlamaEngine(model_path, 256, 2, THREADS, 0, draft_max=16)
@@ -270,6 +305,7 @@ def test_step_costs_are_measured_on_this_device_and_kept(model_path, tmp_path, m
         assert set(table) == {(s, d) for s in (1, 2) for d in SHAPES_EXTRA}
         assert all(table[s, 0] > 0 for s in (1, 2))
         assert all(table[s, 0] <= table[s, d] for s in (1, 2) for d in SHAPES_EXTRA)
+        assert set(engine.step_costs.each) == {(2, k) for k in EACH}
         assert table[1, 0] < table[2, 0] and table[1, 0] < table[1, SHAPES_EXTRA[-1]]
         assert engine.cached_prefix([1, 2, 3], [0, 1]) == 0     # the slots are empty again
     finally:
@@ -278,7 +314,7 @@ def test_step_costs_are_measured_on_this_device_and_kept(model_path, tmp_path, m
     assert len(kept) == 1
     again = LlamaEngine(model_path, 256, 2, THREADS, 0, draft_max=16)
     try:
-        assert again.step_costs.table == table
+        assert again.step_costs.table == table and again.step_costs.each
     finally:
         again.close()
 

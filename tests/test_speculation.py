@@ -2,7 +2,7 @@
 plan (workers/engine/stepcosts.py), as units: token lists stand in for a sequence's
 context, and step costs are given tables."""
 from workers.engine.speculation import LONG_KEY, Drafter, Proposal, find_draft, matched
-from workers.engine.stepcosts import SHAPES_EXTRA, StepCosts, plan
+from workers.engine.stepcosts import SHAPES_EXTRA, StepCosts, each_plan, plan
 
 # an "edit": the same block again with one token changed (a number), as a token list
 BLOCK = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]
@@ -184,7 +184,8 @@ def test_step_costs_measured_keep_the_fastest_run_and_a_cheaper_longer_draft():
     shape counts as cheaper than the plain step."""
     runs: dict = {}
 
-    def timed(s, d):
+    def timed(s, d, each):
+        assert not each                     # one slot: nothing to measure alike
         runs[s, d] = runs.get((s, d), 0) + 1
         busy = 10 if runs[s, d] == 1 and d == 16 else 1           # its first run was slow
         return busy * {0: 0.012, 1: 0.010, 4: 0.05, 7: 0.045}.get(d, 0.02 + 0.001 * d)
@@ -224,6 +225,26 @@ def test_first_line_first_sits_out_only_what_makes_the_step_cheaper():
     assert 5 in ran and all(s.sat_out for s in five if s.seq not in ran)
     none = slots(2)
     assert [s.seq for s in Scheduler.first_line_first(none, [], None)] == [2, 3, 4, 5, 6, 7]
+
+
+def test_drafts_alike_on_every_sequence_where_one_batch_pays():
+    """Eight sequences with one draft row each are one batch of 16 outputs (57 ms against
+    46 plain on the CPU's costs): likely drafts on most of them pay, unlikely ones do not,
+    and a draft on one alone beside seven others does not either (a batch of its own);
+    runs of sequences with a gap between them cost a batch each."""
+    from workers.engine.scheduling import seq_runs
+    cpu = StepCosts.assumed()
+    likely = [Proposal("history", 0, list(range(16)), 0.8)] * 8
+    k, rate = each_plan(cpu, [8], likely)
+    assert k == 1 and rate > 8 / cpu.plain_cost(8)
+    assert plan(cpu, 8, [(0, likely[0])]) == {}
+    assert each_plan(cpu, [8], [Proposal("short", 0, list(range(16)), 0.2)] * 8)[0] == 0
+    assert each_plan(cpu, [8], likely[:2])[0] == 0          # six carry only a guess
+    assert each_plan(cpu, [8], likely, stretch=0.1)[0] == 0  # 57 ms > 1.1 x 46
+    assert seq_runs([0, 1, 2, 4, 5, 7]) == [3, 2, 1]
+    _, apart = each_plan(cpu, [4, 4], likely)
+    assert apart < rate                                     # two batches of four
+    assert StepCosts((1, 2, 8), dict(cpu.table)).each_cost(8, 1) == cpu.cost(8, 8)
 
 
 def test_find_draft_is_the_latest_occurrence():

@@ -28,7 +28,7 @@ from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.llamalog import LlamaLog
 from dispatcher.common.models import cache_dir
 from workers.engine.repacking import cpu_identity, extra_buffers_work
-from workers.engine.scheduling import Scheduler
+from workers.engine.scheduling import Scheduler, seq_runs
 from workers.engine.speculation import Drafter, Histories, common_prefix
 from workers.engine.stepcosts import StepCosts
 from workers.engine.vocabulary import Vocabulary
@@ -217,10 +217,10 @@ class LlamaEngine:
         log.info("step costs (ms by sequences, draft rows): %s", costs.summary())
         return costs
 
-    def _timed_shape(self, sequences: int, extra: int) -> float:
+    def _timed_shape(self, sequences: int, extra: int, each: bool = False) -> float:
         """Seconds of one decode of `sequences` rows (one a sequence, each after a short
-        prefix) plus `extra` draft rows on the first: the start-up measurement of
-        StepCosts. Leaves the slots' caches empty."""
+        prefix) plus `extra` draft rows on the first (`each`: on every one): the start-up
+        measurement of StepCosts. Leaves the slots' caches empty."""
         prefix = 8
         token = self.bos()[0] if self.bos() else 0
         batch = self.batch
@@ -236,7 +236,7 @@ class LlamaEngine:
             if llama_cpp.llama_decode(self.ctx, batch) != 0:
                 raise EngineError("llama_decode failed while measuring step costs")
             fill([(s, prefix + j) for s in range(sequences)
-                  for j in range(1 + (extra if s == 0 else 0))])
+                  for j in range(1 + (extra if s == 0 or each else 0))])
             started = time.perf_counter()
             rc = llama_cpp.llama_decode(self.ctx, batch)
             elapsed = time.perf_counter() - started
@@ -438,10 +438,14 @@ class LlamaEngine:
         rc = llama_cpp.llama_decode(self.ctx, batch)
         if rc != 0:
             raise EngineError(f"llama_decode returned {rc}")
-        if self.learn_costs and self.step_costs is not None and not grant and generating:
-            # a step of a measured shape (no prompt rows): it keeps the costs current
-            if self.step_costs.observe(len(generating), sum(len(s.draft) for s in generating),
-                                       1000 * (time.perf_counter() - started)) and \
+        if self.learn_costs and self.step_costs is not None and not grant and generating \
+                and len(seq_runs(sorted(s.seq for s in generating))) == 1:
+            # a step of a measured shape (no prompt rows, one batch of consecutive
+            # sequences plus drafts): it keeps the costs current
+            drafts = [len(s.draft) for s in generating]
+            each = len(generating) > 1 and min(drafts) > 0 and len(set(drafts)) == 1
+            if self.step_costs.observe(len(generating), drafts[0] if each else sum(drafts),
+                                       1000 * (time.perf_counter() - started), each) and \
                     self.step_costs.observed % COSTS_LOG_EVERY == 0:
                 log.info("step costs now (ms by sequences, draft rows): %s",
                          self.step_costs.summary())

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import time
 
-from workers.engine.speculation import DRAFT_MIN
-from workers.engine.stepcosts import StepCosts, plan
+from workers.engine.speculation import DRAFT_MIN, find_draft
+from workers.engine.stepcosts import EACH, StepCosts, each_plan, plan
 
 DEEP_AFTER = 16         # first line first: tokens after which a sequence past its first line
                         # may sit out a step for sequences still short of theirs
@@ -75,10 +75,12 @@ class Scheduler:
         busy = {s.seq for s in slots if s.busy}
         traffic = len(busy) > 1 or any(concurrent and s not in busy
                                        for _, s, concurrent in self.arrivals)
+        alike = len(generating) >= 2        # all may draft alike (each_plan)
         for slot in generating:
             slot.draft = []
             if any(other is not slot for other in waiting) or \
                     any(s != slot.seq and now - t < ARRIVAL_QUIET for t, s, _ in self.arrivals):
+                alike = False
                 continue
             room = n_ctx - slot.n_past - 2
             if slot.budget is not None:             # (a draft past the end is rows for
@@ -88,15 +90,48 @@ class Scheduler:
                                                proven=traffic)
                 if proposal is not None:
                     proposals.append((slot.seq, proposal))
-        if not proposals:
+            else:
+                alike = False
+        if not proposals or step_costs is None:
             return
-        rows = n_batch - len(generating)
+        stretch = TRAFFIC_STRETCH if traffic else None
         by_seq = dict(proposals)
-        for seq, length in plan(step_costs, len(generating), proposals,
-                                stretch=TRAFFIC_STRETCH if traffic else None).items():
+        chosen = plan(step_costs, len(generating), proposals, stretch=stretch)
+        if alike and len(generating) * (1 + EACH[-1]) <= n_batch:
+            runs = seq_runs(sorted(s.seq for s in generating))
+            plain = sum(step_costs.plain_cost(r) for r in runs)
+            drafted = sum(chosen.values())
+            one_rate = (len(generating) + sum(by_seq[q].gain(n) for q, n in chosen.items())) \
+                / (plain + step_costs.cost(len(generating), drafted) -
+                   step_costs.cost(len(generating), 0))
+            k, rate = each_plan(step_costs, runs, list(by_seq.values()), stretch)
+            if k and rate > one_rate:
+                for slot in generating:
+                    proposal = by_seq.get(slot.seq)
+                    context = slot.cached + [slot.next_token]
+                    if proposal is not None:
+                        slot.draft = proposal.tokens[:k]
+                        slot.policy.started(proposal, len(context))
+                    guess = find_draft(context, k - len(slot.draft), 1)
+                    slot.draft = (slot.draft + guess + [context[-1]] * k)[:k]
+                return
+        rows = n_batch - len(generating)
+        for seq, length in chosen.items():
             slot, proposal = slots[seq], by_seq[seq]
             length = min(length, rows)
             if length >= 1:
                 slot.draft = proposal.tokens[:length]
                 slot.policy.started(proposal, len(slot.cached) + 1)
                 rows -= length
+
+
+def seq_runs(seqs: list[int]) -> list[int]:
+    """The lengths of the runs of consecutive ids in sorted `seqs`: llama.cpp (KV cache per
+    sequence) decodes each run in a batch of its own."""
+    runs: list[int] = []
+    for i, seq in enumerate(seqs):
+        if i and seq == seqs[i - 1] + 1:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+    return runs

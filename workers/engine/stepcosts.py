@@ -22,6 +22,9 @@ from workers.engine.speculation import Proposal
 # with 4 (5 outputs). Those are also the draft lengths `plan` chooses from.
 SHAPES_EXTRA = (0, 1, 2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64)
 PLAIN_MAX = 16          # plain steps (one row per sequence) measured for each count up to this
+EACH = (1, 2)           # draft rows given to every generating sequence alike, measured for
+                        # each count of sequences from 2 to PLAIN_MAX: llama.cpp decodes
+                        # sequences with equal rows in one batch, unequal ones in several
 OBSERVED_DOWN = 0.1     # how far (in log) one step faster than its shape's cost moves it
 OBSERVED_UP = 0.03      # ... and one slower: the costs follow the fast steps (as the
                         # start-up's fastest runs do), not the average of noisy ones
@@ -46,6 +49,13 @@ ASSUMED: dict[tuple[int, int], float] = {
     (8, 8): 93.2, (8, 15): 126.6, (8, 16): 98.2, (8, 31): 182.8, (8, 32): 150.9, (8, 63): 246.5,
     (8, 64): 243.6,
 }
+# ... and with 1 or 2 draft rows on each of S sequences: 8 with one each (16 outputs, one
+# batch) cost 1.2-1.35 times the plain step, one draft beside 7 others more
+ASSUMED_EACH: dict[tuple[int, int], float] = {
+    (2, 1): 34.5, (2, 2): 55.1, (3, 1): 57.4, (3, 2): 62.2, (4, 1): 44.0, (4, 2): 54.9,
+    (5, 1): 62.3, (5, 2): 80.3, (6, 1): 54.7, (6, 2): 80.2, (7, 1): 78.0, (7, 2): 90.3,
+    (8, 1): 57.2, (8, 2): 80.9,
+}
 
 
 class StepCosts:
@@ -63,10 +73,12 @@ class StepCosts:
     steps of the shapes that are run, so a draft that looked cheap and is not stops
     being chosen."""
 
-    def __init__(self, sequences: tuple[int, ...], table: dict[tuple[int, int], float]):
+    def __init__(self, sequences: tuple[int, ...], table: dict[tuple[int, int], float],
+                 each: dict[tuple[int, int], float] | None = None):
         self.sequences = sequences      # the counts of sequences measured with drafts
         self.table = table
         self.plain = sorted(s for s, d in table if d == 0)
+        self.each = each or {}          # (S, k): S sequences with k draft rows each
         self.observed = 0               # steps that corrected the table
 
     @staticmethod
@@ -76,19 +88,30 @@ class StepCosts:
         return sequences, ({(s, d) for s in sequences for d in SHAPES_EXTRA} |
                            {(s, 0) for s in range(1, min(slots, PLAIN_MAX) + 1)})
 
+    @staticmethod
+    def each_shapes(slots: int) -> set[tuple[int, int]]:
+        """Every (S, k) measured with k draft rows on each of S sequences."""
+        return {(s, k) for s in range(2, min(slots, PLAIN_MAX) + 1) for k in EACH}
+
     @classmethod
     def measure(cls, timed_step, slots: int, repeats: int = 2) -> "StepCosts":
-        """`timed_step(S, D)` decodes one batch of that shape and returns its seconds.
-        Each shape's fastest run counts (a busy machine only adds to it); the repeats go
-        round all the shapes, so a slow moment does not fall on one shape twice."""
+        """`timed_step(S, D, each)` decodes one batch of that shape (D draft rows on the
+        first sequence, or with `each` on every one) and returns its seconds. Each shape's
+        fastest run counts (a busy machine only adds to it); the repeats go round all the
+        shapes, so a slow moment does not fall on one shape twice."""
         sequences, shapes = cls.shapes(slots)
-        timed_step(sequences[-1], SHAPES_EXTRA[-1])          # warm-up
+        timed_step(sequences[-1], SHAPES_EXTRA[-1], False)           # warm-up
         table: dict[tuple[int, int], float] = {}
-        for _ in range(repeats):
-            for shape in sorted(shapes):
-                ms = 1000 * timed_step(*shape)
-                table[shape] = min(ms, table.get(shape, ms))
-        costs = cls(sequences, table)
+        each: dict[tuple[int, int], float] = {}
+        for round_ in range(repeats + 1):       # (one more round for the alike shapes,
+            for into, alike, todo in ((table, False, shapes), (each, True,   # fewer and
+                                                               cls.each_shapes(slots))):
+                if round_ == repeats and not alike:                  # noisier for it)
+                    continue
+                for shape in sorted(todo):
+                    ms = 1000 * timed_step(*shape, alike)
+                    into[shape] = min(ms, into.get(shape, ms))
+        costs = cls(sequences, table, each)
         for s in sequences:
             costs._floor(s)
         return costs
@@ -102,7 +125,7 @@ class StepCosts:
     def assumed(cls) -> "StepCosts":
         """Figures measured on a 2-core AMD EPYC VM with repacked weights (bundled model,
         8 slots), for tests."""
-        return cls((1, 2, 8), dict(ASSUMED))
+        return cls((1, 2, 8), dict(ASSUMED), dict(ASSUMED_EACH))
 
     def _weights(self, sequences: int, extra: float) -> list[tuple[tuple[int, int], float]]:
         """The measured shapes around (sequences, extra) and their interpolation weights
@@ -120,13 +143,22 @@ class StepCosts:
         return [((s, d), ws * wd) for s, ws in rows for d, wd in cols
                 if ws * wd > 0 and (s, d) in self.table]
 
-    def observe(self, sequences: int, extra: int, ms: float) -> bool:
+    def observe(self, sequences: int, extra: int, ms: float, each: bool = False) -> bool:
         """A real step of this shape took `ms`: move the shapes it lies between toward it,
         in log, each by its interpolation weight times OBSERVED_DOWN (faster) or
         OBSERVED_UP (slower), the ratio clamped to OBSERVED_CLAMP, and the other draft
         shapes of the same rows by OBSERVED_SPREAD of that; then a step with drafts never
         costs less than without. False: a shape outside the measured range,
         left alone."""
+        if each:                # `extra` draft rows on each sequence: that shape alone
+            predicted = self.each.get((sequences, extra), 0.0)
+            if predicted <= 0 or ms <= 0:
+                return False
+            ratio = min(max(ms / predicted, 1 / OBSERVED_CLAMP), OBSERVED_CLAMP)
+            self.each[sequences, extra] = predicted * ratio ** (
+                OBSERVED_DOWN if ratio < 1 else OBSERVED_UP)
+            self.observed += 1
+            return True
         weights = self._weights(sequences, extra)
         predicted = self.cost(sequences, extra)
         if not weights or predicted <= 0 or ms <= 0:
@@ -147,7 +179,8 @@ class StepCosts:
         return True
 
     def summary(self) -> dict[str, float]:
-        return {f"{s}+{d}": round(ms, 1) for (s, d), ms in self.table.items()}
+        return {f"{s}+{d}": round(ms, 1) for (s, d), ms in self.table.items()} | {
+            f"{s}x{k + 1}": round(ms, 1) for (s, k), ms in self.each.items()}
 
     @classmethod
     def load(cls, path: Path) -> "StepCosts | None":
@@ -156,19 +189,23 @@ class StepCosts:
         try:
             data = json.loads(path.read_text())
             kept = cls(tuple(data["sequences"]),
-                       {(s, d): float(ms) for s, d, ms in data["table"]})
+                       {(s, d): float(ms) for s, d, ms in data["table"]},
+                       {(s, k): float(ms) for s, k, ms in data["each"]})
         except (OSError, ValueError, KeyError, TypeError):
             return None
         sequences, shapes = cls.shapes(kept.sequences[-1])
-        return kept if (sequences, set(kept.table)) == (kept.sequences, shapes) else None
+        return kept if (sequences, set(kept.table), set(kept.each)) == (
+            kept.sequences, shapes, cls.each_shapes(sequences[-1])) else None
 
     def save(self, path: Path) -> None:
         """Keep the costs for the next start (written whole or not at all)."""
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_name(f"{path.name}.{os.getpid()}")
-            partial.write_text(json.dumps({"sequences": self.sequences, "table": [
-                [s, d, ms] for (s, d), ms in self.table.items()]}))
+            partial.write_text(json.dumps({
+                "sequences": self.sequences,
+                "table": [[s, d, ms] for (s, d), ms in self.table.items()],
+                "each": [[s, k, ms] for (s, k), ms in self.each.items()]}))
             os.replace(partial, path)
         except OSError:
             pass
@@ -216,6 +253,20 @@ class StepCosts:
         return plain + self._at(known[0], extra) - self.table[known[0], 0]
 
 
+    def each_cost(self, sequences: int, rows: int) -> float:
+        """A step of `sequences` sequences with `rows` draft rows on each (one sequence:
+        its draft shape; a count not measured: the nearest measured one below, scaled by
+        the plain steps; none measured: every draft row on one sequence)."""
+        if sequences <= 1:
+            return self.cost(1, rows)
+        if (sequences, rows) in self.each:
+            return self.each[sequences, rows]
+        below = [s for s, k in self.each if k == rows and s < sequences]
+        if not below:
+            return self.cost(sequences, sequences * rows)
+        s = max(below)
+        return self.each[s, rows] * self.plain_cost(sequences) / self.plain_cost(s)
+
 def plan(costs: StepCosts, sequences: int, proposals: list[tuple[object, Proposal]],
          lengths: tuple[int, ...] = SHAPES_EXTRA[1:], stretch: float | None = None
          ) -> dict[object, int]:
@@ -252,3 +303,27 @@ def plan(costs: StepCosts, sequences: int, proposals: list[tuple[object, Proposa
         tokens += gain
         left = [(k, p) for k, p in left if k != key]
     return chosen
+
+
+def each_plan(costs: StepCosts, runs: list[int], proposals: list[Proposal],
+              stretch: float | None = None) -> tuple[int, float]:
+    """How many draft rows every generating sequence gets alike (k in EACH, 0: none) and
+    the rate (tokens a millisecond) that gives the step: the plain step's when no k beats
+    it. `runs`: the lengths of the runs of consecutive sequence ids (each is a batch of its
+    own in llama.cpp); `proposals`: the sequences' drafts (a sequence without one carries
+    a guess, counted as adding nothing). On a CPU with repacked weights eight sequences
+    with one draft row each (16 outputs) cost ~1.25 times the plain step: likely drafts
+    on most of them pay, where a draft on one alone (a batch of its own) does not."""
+    sequences = sum(runs)
+    plain = sum(costs.plain_cost(r) for r in runs)
+    best = (0, sequences / plain if plain > 0 else 0.0)
+    if sequences < 2 or plain <= 0:
+        return best
+    for k in EACH:
+        step = sum(costs.each_cost(r, k) for r in runs)
+        if stretch is not None and step > (1 + stretch) * plain:
+            continue
+        rate = (sequences + sum(p.gain(k) for p in proposals)) / step
+        if rate > best[1]:
+            best = (k, rate)
+    return best
