@@ -64,6 +64,28 @@ def test_batched_greedy_text_is_close_in_the_default_configuration(model_path):
         engine.close()
 
 
+def test_a_slot_is_not_taken_for_a_few_shared_tokens(model_path):
+    """Two files that differ from their first line share a few tokens: a new prompt takes
+    an empty slot rather than the one whose cache holds the other file (which that
+    file's next keystroke reuses), and still the one holding its own file."""
+    engine = make(model_path, slots=3)
+    try:
+        body = "x = 1\n" * 60
+        mine, other = (engine.tokenize(f"# file {n}\n" + body) for n in (12, 13))
+        engine.slots[0].cached = list(other)                 # the other editor's file
+        engine.slots[1].cached = engine.tokenize("# file 12")  # a few tokens of mine
+        assert engine.best_slot(mine, [0, 1, 2]) == 2          # empty, not 0 or 1
+        assert engine.cached_prefix(mine, [0, 1, 2]) == 0      # (what routing weighs)
+        engine.slots[2].cached = list(mine[:-3])
+        assert engine.best_slot(mine, [0, 1, 2]) == 2          # its own file
+        assert engine.cached_prefix(mine, [0, 1, 2]) == len(mine) - 3
+        assert engine.best_slot(other + [5], [0, 1]) == 0
+    finally:
+        for slot in engine.slots:
+            slot.cached = []
+        engine.close()
+
+
 def test_prefix_reuse_keeps_the_common_part_of_the_slot_cache(model_path):
     engine = make(model_path, slots=2)
     try:

@@ -41,6 +41,7 @@ BANNED = -1e30           # a logit no token wins with, yet finite: a grammar sta
 COSTS_LOG_EVERY = 5000  # steps that corrected the step costs between two logs of them
 UNCONTENDED = 0.6       # CPU busy share of the measuring threads below which the
                         # start-up step costs are used but not kept (a busy machine)
+SLOT_SIMILARITY = 0.1   # the share of a prompt a slot's cache must hold to be chosen for it
 PROMPT_LOGPROB_CHUNK = 64   # prompt rows per step when every row's logits are kept (1 MiB each)
 
 
@@ -272,16 +273,22 @@ class LlamaEngine:
         return len(self.slots)
 
     def cached_prefix(self, tokens: list[int], free: list[int]) -> int:
-        """The longest prefix of `tokens` some free slot's cache already holds."""
-        return max((reusable(self.slots[i].cached, tokens, self.cache_reuse) for i in free),
-                   default=0)
+        """The most of `tokens` that the free slot `best_slot` would choose holds."""
+        return max((self._worth(i, tokens) for i in free), default=0)
+
+    def _worth(self, slot_id: int, tokens: list[int]) -> int:
+        held = reusable(self.slots[slot_id].cached, tokens, self.cache_reuse)
+        return held if held >= SLOT_SIMILARITY * len(tokens) else 0
 
     def best_slot(self, tokens: list[int], free: list[int]) -> int:
-        """The free slot whose cache holds the most of `tokens`: the shared prefix, plus
-        the chunks KV chunk reuse would shift into place (ties: the one with the least
-        cached, so long caches survive)."""
-        return max(free, key=lambda i: (reusable(self.slots[i].cached, tokens, self.cache_reuse),
-                                        -len(self.slots[i].cached)))
+        """The free slot whose cache holds the most of `tokens` (the shared prefix, plus
+        the chunks KV chunk reuse would shift into place), counted only where that is at
+        least SLOT_SIMILARITY of the prompt; otherwise, and on ties, the one with the least
+        cached, so long caches survive. (Two editors' files that differ from their first
+        line share a few tokens: taking the slot whose cache holds the other's file for
+        those would throw away what that editor's next keystroke reuses. llama-server's
+        slot similarity rule, 0.1 too.)"""
+        return max(free, key=lambda i: (self._worth(i, tokens), -len(self.slots[i].cached)))
 
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
             logprobs: int | None = None, prompt_logprobs: bool = False,
