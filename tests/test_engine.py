@@ -274,8 +274,8 @@ def test_sequences_that_repeat_draft_alike_on_the_cpu(model_path, monkeypatch):
         assert all(engine.draft_stats(slot)[1] > 0 for slot in (0, 1)), \
             [engine.draft_stats(slot) for slot in (0, 1)]
         drafted = [shape for shape in lengths if any(shape)]
-        assert drafted and all(len(shape) == 2 and len(set(shape)) == 1
-                               for shape in drafted), drafted
+        assert drafted and all(len(shape) == 2 and len(set(shape)) == 1 and max(shape) <= 2
+                               for shape in drafted), drafted        # (EACH: 1 or 2 rows)
     finally:
         engine.close()
 
@@ -328,7 +328,7 @@ def test_step_costs_are_measured_on_this_device_and_kept(model_path, tmp_path, m
         assert all(table[s, 0] > 0 for s in (1, 2))
         assert all(table[s, 0] <= table[s, d] for s in (1, 2) for d in SHAPES_EXTRA)
         assert set(engine.step_costs.each) == {(2, k) for k in EACH}
-        assert table[1, 0] < table[2, 0] and table[1, 0] < table[1, SHAPES_EXTRA[-1]]
+        assert table[1, 0] < table[1, SHAPES_EXTRA[-1]]
         assert engine.cached_prefix([1, 2, 3], [0, 1]) == 0     # the slots are empty again
     finally:
         engine.close()

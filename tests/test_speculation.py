@@ -247,6 +247,33 @@ def test_drafts_alike_on_every_sequence_where_one_batch_pays():
     assert StepCosts((1, 2, 8), dict(cpu.table)).each_cost(8, 1) == cpu.cost(8, 8)
 
 
+def test_plain_steps_correct_only_the_plain_shapes_around_them(tmp_path):
+    """With more slots than plain counts measured, a plain step of 18 sequences moves the
+    plain figures it lies between (16 and 20), not the 2-sequence one; no sequences cost
+    nothing; a kept table without sequences is measured again, not a crash."""
+    costs = StepCosts.measure(lambda s, d, each: 0.001 * (10 + s + d), 20)
+    before = dict(costs.table)
+    for _ in range(50):
+        assert costs.observe(18, 0, 10.0)
+    assert costs.table[2, 0] == before[2, 0]
+    assert costs.table[16, 0] < before[16, 0] and costs.table[20, 0] < before[20, 0]
+    assert costs.plain_cost(0) == 0.0
+    broken = tmp_path / "step-costs.json"
+    broken.write_text('{"sequences": [], "table": [], "each": []}')
+    assert StepCosts.load(broken) is None
+    costs.save(tmp_path / "kept.json")
+    assert StepCosts.load(tmp_path / "kept.json").each == costs.each
+
+
+def test_a_guess_that_fills_drafts_alike_leaves_the_allowance():
+    """A sequence without a proposal carries a guess in a step of drafts alike; its miss
+    is no source's and does not shorten the drafts its sources earned."""
+    drafter = Drafter(64)
+    drafter.allowance = 64
+    drafter.record(1, 0)                      # a guess (nothing started), rejected
+    assert drafter.allowance == 64 and drafter.proposed == 1
+
+
 def test_find_draft_is_the_latest_occurrence():
     assert find_draft([1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 7, 8, 9, 0, 1, 2, 3], 4) == [7, 8, 9, 0]
 

@@ -447,12 +447,14 @@ class LlamaEngine:
             raise EngineError(f"llama_decode returned {rc}")
         if self.learn_costs and self.step_costs is not None and not grant and generating \
                 and len(seq_runs(sorted(s.seq for s in generating))) == 1:
-            # a step of a measured shape (no prompt rows, one batch of consecutive
-            # sequences plus drafts): it keeps the costs current
+            # a step of a measured shape (no prompt rows, one run of consecutive
+            # sequences, drafts on one of them or alike on all): it keeps the costs current
             drafts = [len(s.draft) for s in generating]
             each = len(generating) > 1 and min(drafts) > 0 and len(set(drafts)) == 1
-            if self.step_costs.observe(len(generating), drafts[0] if each else sum(drafts),
-                                       1000 * (time.perf_counter() - started), each) and \
+            measured = each or sum(1 for d in drafts if d) <= 1
+            if measured and self.step_costs.observe(
+                    len(generating), drafts[0] if each else sum(drafts),
+                    1000 * (time.perf_counter() - started), each) and \
                     self.step_costs.observed % COSTS_LOG_EVERY == 0:
                 log.info("step costs now (ms by sequences, draft rows): %s",
                          self.step_costs.summary())

@@ -90,6 +90,8 @@ class Scheduler:
                                                proven=traffic)
                 if proposal is not None:
                     proposals.append((slot.seq, proposal))
+                if slot.policy.max_len < EACH[-1]:      # its request asked for fewer
+                    alike = False
             else:
                 alike = False
         if not proposals or step_costs is None:

@@ -319,12 +319,12 @@ class Drafter:
         proposal, self.tried = self.tried, None
         self.proposed += drafted
         self.accepted += accepted
+        if proposal is None:        # a guess that filled drafts alike: no source's, and
+            return                  # no reason to shorten the sources' drafts
         if accepted < drafted:
             self.allowance = DRAFT_START
         elif 4 * drafted >= 3 * self.allowance:  # (a short draft that held proves less;
             self.allowance = min(2 * self.allowance, self.max_len)  # plan may take 15 of 16)
-        if proposal is None:
-            return
         for source in proposal.sources or [proposal.source]:
             record = self.records[source]
             record.accepted += accepted

@@ -130,15 +130,16 @@ class StepCosts:
     def _weights(self, sequences: int, extra: float) -> list[tuple[tuple[int, int], float]]:
         """The measured shapes around (sequences, extra) and their interpolation weights
         ([]: outside the measured range)."""
-        if extra == 0 and (sequences, 0) in self.table:
-            return [((sequences, 0), 1.0)]
-
         def around(points, x):
             for lo, hi in zip(points, points[1:]):
                 if lo <= x <= hi:
                     t = (x - lo) / (hi - lo)
                     return [(lo, 1 - t), (hi, t)]
             return [(points[0], 1.0)] if len(points) == 1 and x == points[0] else []
+        if extra == 0:                  # a plain step: between the plain steps measured
+            if (sequences, 0) in self.table:
+                return [((sequences, 0), 1.0)]
+            return [((s, 0), w) for s, w in around(self.plain, sequences) if w > 0]
         rows, cols = around(self.sequences, sequences), around(SHAPES_EXTRA, extra)
         return [((s, d), ws * wd) for s, ws in rows for d, wd in cols
                 if ws * wd > 0 and (s, d) in self.table]
@@ -191,9 +192,9 @@ class StepCosts:
             kept = cls(tuple(data["sequences"]),
                        {(s, d): float(ms) for s, d, ms in data["table"]},
                        {(s, k): float(ms) for s, k, ms in data["each"]})
-        except (OSError, ValueError, KeyError, TypeError):
+            sequences, shapes = cls.shapes(kept.sequences[-1])
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
             return None
-        sequences, shapes = cls.shapes(kept.sequences[-1])
         return kept if (sequences, set(kept.table), set(kept.each)) == (
             kept.sequences, shapes, cls.each_shapes(sequences[-1])) else None
 
@@ -226,7 +227,9 @@ class StepCosts:
         return self.table[s, points[0]]
 
     def plain_cost(self, sequences: int) -> float:
-        """A step of one row for each of `sequences` sequences."""
+        """A step of one row for each of `sequences` sequences (none: nothing)."""
+        if sequences <= 0:
+            return 0.0
         if (sequences, 0) in self.table:
             return self.table[sequences, 0]
         known = self.plain
