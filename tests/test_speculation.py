@@ -292,6 +292,26 @@ def test_an_earlier_sequence_of_the_tenant_is_drafted_from():
     assert drive(Drafter(16), prompt, output)[2] == 0      # without it: nothing to copy
 
 
+def test_a_long_text_asked_again_drafts_its_answer_past_the_allowance():
+    """The same long prompt again (an edit asked for twice): the earlier answer matches
+    over HISTORY_REPEAT tokens or more, so its first draft may run to the limit instead
+    of working up from DRAFT_START; a short prompt asked again works up as before (its
+    repeat flips at near-ties more often)."""
+    from workers.engine.speculation import DRAFT_START, HISTORY_REPEAT, History
+    output = list(range(2000, 2100))
+    for prompt_len, first in ((HISTORY_REPEAT + 20, 64), (40, DRAFT_START)):
+        prompt = list(range(1000, 1000 + prompt_len))
+        history = History()
+        history.add(prompt + output, len(prompt))
+        proposal = Drafter(64, history=history).propose(prompt, 64)
+        assert proposal.source == "history" and proposal.tokens == output[:first]
+    long_prompt = list(range(1000, 1000 + HISTORY_REPEAT + 20))
+    history = History()
+    history.add(long_prompt + output, len(long_prompt))
+    steps, drafted, accepted = drive(Drafter(64, history=history), long_prompt, output, 64)
+    assert accepted >= len(output) - 4 and steps <= 3
+
+
 def test_a_copy_of_an_earlier_answer_finds_its_place_again_after_an_inserted_token(
         monkeypatch):
     """The model writes the earlier answer again with one token more ("lists." for

@@ -46,8 +46,12 @@ LONG_KEY = 12           # tokens in the `long` source's key
 LOOKBACK = 8192         # tokens the `short` source searches for its suffix
 HISTORY_SEQUENCES = 16  # `history`: recent sequences kept per tenant
 HISTORY_TOKENS = 4096   # ... at most this many tokens of each
-HISTORY_PROMPT = 64     # ... of which the prompt's last ones (the output's lead-in)
+HISTORY_PROMPT = 256    # ... of which the prompt's last ones (the output's lead-in: a
+                        # repeated request matches all of it, see HISTORY_REPEAT)
 HISTORY_TENANTS = 64    # tenants whose history is kept, least recently used dropped
+HISTORY_REPEAT = 128    # `history`: a match this long (a request asked again, or the same
+                        # text again) drafts past the allowance, rated on the match over
+                        # HISTORY_PROMPT tokens: its whole answer goes in one or two steps
 RESYNC = 16             # `history`: how far from where a recent sequence's copy stood the
                         # context's last NGRAM tokens are looked for again after a miss
 
@@ -86,13 +90,15 @@ def find_source(context: list[int], limit: int, minimum: int = DRAFT_MIN) -> int
     return None
 
 
-def matched(context: list[int], start: int, source: list[int] | None = None) -> int:
+def matched(context: list[int], start: int, source: list[int] | None = None,
+            window: int | None = None) -> int:
     """How many tokens before `start` in `source` (default: the context itself) equal
-    those at the end of `context` (at most MATCH_WINDOW): the length of the match a
-    lookup found."""
+    those at the end of `context` (at most `window`, default MATCH_WINDOW): the length of
+    the match a lookup found."""
     source = context if source is None else source
+    window = MATCH_WINDOW if window is None else window
     n, k = len(context), 0
-    while k < MATCH_WINDOW and k < start and k < n and \
+    while k < window and k < start and k < n and \
             source[start - 1 - k] == context[n - 1 - k]:
         k += 1
     return k
@@ -232,8 +238,9 @@ class Drafter:
         """The draft with the most expected accepted tokens, at most `limit` long.
         `proven`: rate each source by its own record in this sequence only, not by how far
         back a lookup's match reaches (others share the step: a guess costs them too)."""
-        limit = min(limit, self.max_len, self.allowance)
-        if limit < DRAFT_MIN:
+        room = min(limit, self.max_len)
+        limit = min(room, self.allowance)
+        if room < DRAFT_MIN:
             return None
         n = len(context)
         best, found = None, []
@@ -254,16 +261,21 @@ class Drafter:
                     (tokens is context and n - start < DRAFT_MIN):
                 continue
             record = self.records[source]
-            rate = record.rate
+            rate, length = record.rate, limit
             if source != "copy" and not (proven or self.proven_only):
                 # a longer match is a likelier continuation,
-                m = matched(context, start, tokens)     # but the source's misses weigh more
+                m = matched(context, start, tokens,     # but the source's misses weigh more
+                            HISTORY_PROMPT if source == "history" else None)
+                if source == "history" and m >= HISTORY_REPEAT:
+                    length = room   # a long text asked again: no need to work up to it
                 rate = (record.accepted + m) / (record.accepted + m + 1 +
                                                 CUT_WEIGHT * (record.cut - PRIOR_CUT))
-            proposal = Proposal(source, start, tokens[start:start + limit], rate,
+            if length < DRAFT_MIN:
+                continue
+            proposal = Proposal(source, start, tokens[start:start + length], rate,
                                 origin=tokens, external=tokens is not context)
             found.append(proposal)
-            if best is None or proposal.gain(limit) > best.gain(limit):
+            if best is None or proposal.gain(room) > best.gain(room):
                 best = proposal
         if best is not None:            # the sources that found the same text share its fate
             best.sources = [p.source for p in found
