@@ -110,6 +110,19 @@ def test_plan_drafts_beside_many_sequences_where_rows_are_cheap():
     assert sorted(chosen) == list(range(8)) and all(n >= 8 for n in chosen.values())
 
 
+def test_plan_drafts_several_sequences_at_one_length():
+    """Rows of sequences with equal counts are one batch in llama.cpp, each other count a
+    batch of its own: drafts on several sequences all take the first one's length, and a
+    proposal too short for it stays out; with one proposal nothing changes."""
+    gpu = StepCosts((1, 8), {(1, d): 10.0 + 0.05 * d for d in SHAPES_EXTRA} |
+                    {(8, d): 11.0 + 0.05 * d for d in SHAPES_EXTRA})
+    sizes = {0: 20, 1: 9, 2: 20, 3: 5}
+    chosen = plan(gpu, 8, [(q, sure(n)) for q, n in sizes.items()])
+    assert len(chosen) >= 2 and len(set(chosen.values())) == 1
+    assert all(n <= sizes[q] for q, n in chosen.items())
+    assert plan(gpu, 8, [(3, sure(5))]) == {3: 5}
+
+
 def test_plan_skips_unlikely_drafts():
     cpu = StepCosts.assumed()
     assert plan(cpu, 1, [("a", Proposal("short", 0, list(range(16)), 0.5))]) == {}
