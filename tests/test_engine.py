@@ -282,10 +282,10 @@ def test_sequences_that_repeat_draft_alike_on_the_cpu(model_path, monkeypatch):
 
 def test_step_costs_measured_on_a_busy_machine_are_used_but_not_kept(model_path, tmp_path,
                                                                     monkeypatch):
-    from workers.engine import llama
+    from workers.engine import costprobe
     from workers.engine.llama import LlamaEngine
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(llama, "UNCONTENDED", 1e9)      # no share of the cores is enough
+    monkeypatch.setattr(costprobe, "UNCONTENDED", 1e9)      # no share of the cores is enough
     engine = LlamaEngine(model_path, 256, 2, THREADS, 0, draft_max=16)
     try:
         assert engine.step_costs.table[1, 0] > 0
@@ -316,11 +316,11 @@ def test_step_costs_are_measured_on_this_device_and_kept(model_path, tmp_path, m
     step, more rows dearer overall);
     the next engine of the same shape reads them from the cache directory. (Kept however
     busy this machine is: the busy-machine rule has a test of its own.)"""
-    from workers.engine import llama
+    from workers.engine import costprobe
     from workers.engine.llama import LlamaEngine
     from workers.engine.stepcosts import EACH, SHAPES_EXTRA
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(llama, "UNCONTENDED", 0.0)
+    monkeypatch.setattr(costprobe, "UNCONTENDED", 0.0)
     engine = LlamaEngine(model_path, 256, 2, THREADS, 0, draft_max=16)
     try:
         table = engine.step_costs.table

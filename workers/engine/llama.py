@@ -26,8 +26,8 @@ import numpy as np
 from workers.errors import EngineError
 from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.llamalog import LlamaLog
-from dispatcher.common.models import cache_dir
-from workers.engine.repacking import cpu_identity, extra_buffers_work
+from workers.engine.costprobe import device_step_costs
+from workers.engine.repacking import extra_buffers_work
 from workers.engine.scheduling import Scheduler, seq_runs
 from workers.engine.speculation import Drafter, Histories, common_prefix
 from workers.engine.stepcosts import StepCosts
@@ -39,8 +39,6 @@ log = logging.getLogger(__name__)
 
 BANNED = -1e30           # a logit no token wins with, yet finite: a grammar stays satisfiable
 COSTS_LOG_EVERY = 5000  # steps that corrected the step costs between two logs of them
-UNCONTENDED = 0.6       # CPU busy share of the measuring threads below which the
-                        # start-up step costs are used but not kept (a busy machine)
 SLOT_SIMILARITY = 0.1   # the share of a prompt a slot's cache must hold to be chosen for it
 PROMPT_LOGPROB_CHUNK = 64   # prompt rows per step when every row's logits are kept (1 MiB each)
 
@@ -188,65 +186,9 @@ class LlamaEngine:
         # whether a draft pays in a step: this device's step times by batch shape,
         # measured here and kept current by the steps (given ones stay as given)
         self.learn_costs = step_costs is None
-        self.step_costs = step_costs or (self._step_costs(
-            slots, n_threads, n_gpu_layers, mparams.use_extra_bufts) if self.draft_max else None)
-
-    def _step_costs(self, slots: int, n_threads: int, n_gpu_layers: int,
-                    repacked: bool) -> StepCosts:
-        """Measured once per model, build, shape of the engine and CPU, then kept in the
-        cache directory (delete `step-costs-*.json` there to measure again)."""
-        key = hashlib.sha256(f"{self.fingerprint}:{slots}:{n_threads}:{n_gpu_layers}:"
-                             f"{repacked}:{cpu_identity()}".encode()).hexdigest()[:16]
-        path = cache_dir() / f"step-costs-{key}.json"
-        kept = StepCosts.load(path)
-        if kept is not None:
-            return kept
-        cpu, started = time.process_time(), time.perf_counter()
-        costs = StepCosts.measure(self._timed_shape, min(slots, 32))
-        usable = max(1, min(n_threads, len(os.sched_getaffinity(0))))
-        share = (time.process_time() - cpu) / max(1e-9, (time.perf_counter() - started)
-                                                  * usable)
-        # On the CPU, threads that got less than their cores were measured on a busy
-        # machine: those figures serve this run (the steps correct them, StepCosts.observe)
-        # but are not kept for the next. A GPU's decode leaves the CPU idle: always kept.
-        on_gpu = n_gpu_layers != 0 and llama_cpp.llama_supports_gpu_offload()
-        if on_gpu or share >= UNCONTENDED:
-            costs.save(path)
-        else:
-            log.warning("step costs measured on a busy machine (its threads ran %.0f%% of "
-                        "the time): used and corrected by the steps, not kept", 100 * share)
-        log.info("step costs (ms by sequences, draft rows): %s", costs.summary())
-        return costs
-
-    def _timed_shape(self, sequences: int, extra: int, each: bool = False) -> float:
-        """Seconds of one decode of `sequences` rows (one a sequence, each after a short
-        prefix) plus `extra` draft rows on the first (`each`: on every one): the start-up
-        measurement of StepCosts. Leaves the slots' caches empty."""
-        prefix = 8
-        token = self.bos()[0] if self.bos() else 0
-        batch = self.batch
-
-        def fill(rows):
-            for n, (seq, pos) in enumerate(rows):
-                batch.token[n], batch.pos[n] = token, pos
-                batch.n_seq_id[n], batch.seq_id[n][0], batch.logits[n] = 1, seq, True
-            batch.n_tokens = len(rows)
-
-        try:
-            fill([(s, p) for s in range(sequences) for p in range(prefix)])
-            if llama_cpp.llama_decode(self.ctx, batch) != 0:
-                raise EngineError("llama_decode failed while measuring step costs")
-            fill([(s, prefix + j) for s in range(sequences)
-                  for j in range(1 + (extra if s == 0 or each else 0))])
-            started = time.perf_counter()
-            rc = llama_cpp.llama_decode(self.ctx, batch)
-            elapsed = time.perf_counter() - started
-            if rc != 0:
-                raise EngineError("llama_decode failed while measuring step costs")
-            return elapsed
-        finally:
-            for s in range(sequences):
-                llama_cpp.llama_memory_seq_rm(self.memory, s, -1, -1)
+        self.step_costs = step_costs or (device_step_costs(
+            self, slots, n_threads, n_gpu_layers, mparams.use_extra_bufts)
+            if self.draft_max else None)
 
     # -- the vocabulary (workers.engine.vocabulary), as the Engine protocol names it ----
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
