@@ -177,6 +177,34 @@ def test_chunked_prefill_never_stalls_a_running_stream_and_serves_short_prompts_
         engine.close()
 
 
+def test_a_step_that_finishes_a_prompt_takes_no_piece_of_another(model_path):
+    """A cold burst: prompts that each fill half a batch. The step that finishes the
+    first takes none of the second (its rows would delay the first's token and give the
+    second none); a whole prompt that fits still goes along, and a prompt too long for
+    any one step is still prefilled in full batches."""
+    from workers.engine.llama import LlamaEngine
+    engine = LlamaEngine(model_path, 2048, 3, THREADS, 0)
+    try:
+        half = engine.tokenize("def helper(value):\n    return value\n" * 30)
+        assert engine.n_batch // 2 < len(half) < engine.n_batch
+        short = engine.tokenize("Short one")
+        engine.add(0, half, GREEDY)
+        engine.add(1, list(half[:-1]) + [half[0]], GREEDY)   # (no shared cache to reuse)
+        engine.add(2, short, GREEDY)
+        produced = engine.step()
+        assert set(produced) == {0, 2}              # the short one and one whole half
+        assert len(engine.slots[1].pending) == len(half)    # not a piece of the other
+        assert 1 in engine.step()
+        for slot in range(3):
+            engine.release(slot, keep_cache=False)
+        long_prompt = engine.tokenize("def helper(value):\n    return value\n" * 100)
+        engine.add(0, long_prompt, GREEDY)
+        engine.step()
+        assert len(engine.slots[0].pending) == len(long_prompt) - engine.n_batch
+    finally:
+        engine.close()
+
+
 REPEATING_CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
                   * 3 + "def add(a, b):\n")
 

@@ -354,15 +354,21 @@ class LlamaEngine:
         # so a long prompt holds the running streams back by one chunk a step at most.
         room = min(self.n_batch - sum(1 + len(s.draft) for s in generating),
                    self.prefill_chunk)
+        # A step that finishes a prompt takes no piece of another: its rows would delay
+        # that prompt's first token and give none of their own (see design.md).
         grant: dict[int, int] = {}
+        finishing = False
         for slot in prefilling:
             if room <= 0:
                 break
             take = min(room, len(slot.pending))
             if slot.prompt_logprobs is not None:
                 take = min(take, PROMPT_LOGPROB_CHUNK)
+            if finishing and take < len(slot.pending):
+                break
             grant[slot.seq] = take
             room -= take
+            finishing = finishing or take == len(slot.pending)
         for slot in self.slots:                        # rows in slot order
             if slot in generating:
                 slot.row = add_row(slot, slot.next_token, True)
