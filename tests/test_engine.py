@@ -205,6 +205,27 @@ def test_a_step_that_finishes_a_prompt_takes_no_piece_of_another(model_path):
         engine.close()
 
 
+def test_a_long_prompt_beside_short_ones_finishing_every_step_is_not_starved(model_path):
+    """Keystrokes finishing in every step beside a cold file: the file's piece waits one
+    step at most, then goes in beside the next keystroke."""
+    from workers.engine.llama import LlamaEngine
+    engine = LlamaEngine(model_path, 2048, 4, THREADS, 0)
+    try:
+        long_prompt = engine.tokenize("def helper(value):\n    return value\n" * 200)
+        assert len(long_prompt) > 2 * engine.n_batch
+        engine.add(0, long_prompt, GREEDY)
+        left = [len(engine.slots[0].pending)]
+        for slot in (1, 2, 3):                     # a new short prompt every step
+            engine.add(slot, engine.tokenize(f"Short one {slot}"), GREEDY)
+            assert slot in engine.step()
+            left.append(len(engine.slots[0].pending))
+        assert left[1] == left[0]                  # passed over beside the first
+        assert left[2] < left[1]                   # its piece beside the second
+        assert left[3] == left[2]                  # passed over again
+    finally:
+        engine.close()
+
+
 REPEATING_CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
                   * 3 + "def add(a, b):\n")
 

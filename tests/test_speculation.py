@@ -121,6 +121,11 @@ def test_plan_drafts_several_sequences_at_one_length():
     assert len(chosen) >= 2 and len(set(chosen.values())) == 1
     assert all(n <= sizes[q] for q, n in chosen.items())
     assert plan(gpu, 8, [(3, sure(5))]) == {3: 5}
+    # one long likely draft does not shut the others out: all eight at their length
+    # give the step more than the long one alone
+    chosen = plan(gpu, 8, [(0, Proposal("history", 0, list(range(63)), 0.99))] +
+                  [(q, sure(16)) for q in range(1, 8)])
+    assert sorted(chosen) == list(range(8)) and set(chosen.values()) == {16}
 
 
 def test_plan_skips_unlikely_drafts():

@@ -103,6 +103,7 @@ class _Slot:
     policy: Drafter | None = None                       # None: no speculation
     line_done: bool = False                             # its output has a newline
     sat_out: bool = False                               # first line first: last step
+    passed_over: bool = False                           # its prompt got no piece: last step
     budget: int | None = None                           # tokens it may generate
 
     @property
@@ -260,6 +261,7 @@ class LlamaEngine:
         slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
         slot.next_token, slot.row, slot.chain, slot.sampled = None, -1, chain, 0
         slot.line_done, slot.sat_out, slot.budget = False, False, budget
+        slot.passed_over = False
         self.scheduler.arrived(slot_id, any(s.busy for s in self.slots if s is not slot))
         slot.logprobs = logprobs
         slot.prompt_logprobs = [] if prompt_logprobs else None
@@ -355,7 +357,9 @@ class LlamaEngine:
         room = min(self.n_batch - sum(1 + len(s.draft) for s in generating),
                    self.prefill_chunk)
         # A step that finishes a prompt takes no piece of another: its rows would delay
-        # that prompt's first token and give none of their own (see design.md).
+        # that prompt's first token and give none of their own (see design.md); a prompt
+        # passed over so gets its piece the next step, so a stream of short prompts
+        # finishing every step halves a long one's pace at worst.
         grant: dict[int, int] = {}
         finishing = False
         for slot in prefilling:
@@ -364,8 +368,10 @@ class LlamaEngine:
             take = min(room, len(slot.pending))
             if slot.prompt_logprobs is not None:
                 take = min(take, PROMPT_LOGPROB_CHUNK)
-            if finishing and take < len(slot.pending):
-                break
+            if finishing and take < len(slot.pending) and not slot.passed_over:
+                slot.passed_over = True
+                continue                # (a longer one may still fit whole)
+            slot.passed_over = False
             grant[slot.seq] = take
             room -= take
             finishing = finishing or take == len(slot.pending)

@@ -274,44 +274,40 @@ def plan(costs: StepCosts, sequences: int, proposals: list[tuple[object, Proposa
          lengths: tuple[int, ...] = SHAPES_EXTRA[1:], stretch: float | None = None
          ) -> dict[object, int]:
     """How many draft tokens each proposal gets in a step of `sequences` generating
-    sequences. Greedily: the proposal and length that give the step the best rate (its
-    tokens, drafts' expected ones included, over its time), while that beats the rate
-    without it. `stretch`: the step with its drafts may take at most (1 + stretch) times
-    the plain step (others are waiting on the worker: a request that arrives during a
-    long step waits for it). Drafts on several sequences are all of one length: llama.cpp
-    decodes the rows of sequences with equal counts in one batch, and each further
-    length in a batch of its own (8 sequences with drafts of 3 and 3 cost what one of 6
-    does; of 15 and 4, ~40 ms more than one of 19: measured). Empty: no drafts."""
-    extra, tokens = 0, float(sequences)
-    chosen: dict[object, int] = {}
-    left = list(proposals)
-    ceiling = None if stretch is None else (1 + stretch) * costs.cost(sequences, 0)
-    while left:
-        now = costs.cost(sequences, extra)
-        if now <= 0:
-            break
-        best = (tokens / now, None, 0, 0.0)
-        for key, proposal in left:
-            size = len(proposal.tokens)
-            options = [n for n in lengths if n < size] + [size]
-            if chosen:      # drafts of another length would be a batch of their own
-                options = [n for n in set(chosen.values()) if n <= size]
-            for length in options:
-                gain = proposal.gain(length)
-                cost = costs.cost(sequences, extra + length)
-                if ceiling is not None and cost > ceiling:
-                    continue                # (a longer draft may cost less: SHAPES_EXTRA)
-                rate = (tokens + gain) / cost
-                if rate > best[0]:
-                    best = (rate, key, length, gain)
-        _, key, length, gain = best
-        if key is None:
-            break
-        chosen[key] = length
-        extra += length
-        tokens += gain
-        left = [(k, p) for k, p in left if k != key]
-    return chosen
+    sequences: the drafts that give the step the best rate (its tokens, drafts' expected
+    ones included, over its time), if that beats the rate without them. Drafts on
+    several sequences are all of one length: llama.cpp decodes the rows of sequences
+    with equal counts in one batch, and each further length in a batch of its own (8
+    sequences with drafts of 3 and 3 cost what one of 6 does; of 15 and 4, ~40 ms more
+    than one of 19: measured). So for each length (a measured one, or a proposal's
+    whole), the proposals at least that long join, likeliest first, while each raises
+    the rate; the best length wins. `stretch`: the step with its drafts may take at most
+    (1 + stretch) times the plain step (others are waiting on the worker: a request that
+    arrives during a long step waits for it). Empty: no drafts."""
+    plain = costs.cost(sequences, 0)
+    if plain <= 0:
+        return {}
+    ceiling = None if stretch is None else (1 + stretch) * plain
+    best_rate, best = sequences / plain, {}
+    candidates = {n for _, p in proposals
+                  for n in [m for m in lengths if m < len(p.tokens)] + [len(p.tokens)]}
+    for length in sorted(candidates):
+        able = sorted(((p.gain(length), i, key) for i, (key, p) in enumerate(proposals)
+                       if len(p.tokens) >= length), reverse=True)
+        chosen: dict[object, int] = {}
+        tokens, rate = float(sequences), sequences / plain
+        for gain, _, key in able:
+            cost = costs.cost(sequences, length * (len(chosen) + 1))
+            if ceiling is not None and cost > ceiling:
+                break                       # (a longer draft may cost less: SHAPES_EXTRA)
+            if (tokens + gain) / cost <= rate:
+                break
+            chosen[key] = length
+            tokens += gain
+            rate = tokens / cost
+        if chosen and rate > best_rate:
+            best_rate, best = rate, chosen
+    return best
 
 
 def each_plan(costs: StepCosts, runs: list[int], proposals: list[Proposal],
