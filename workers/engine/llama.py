@@ -356,25 +356,7 @@ class LlamaEngine:
         # so a long prompt holds the running streams back by one chunk a step at most.
         room = min(self.n_batch - sum(1 + len(s.draft) for s in generating),
                    self.prefill_chunk)
-        # A step that finishes a prompt takes no piece of another: its rows would delay
-        # that prompt's first token and give none of their own (see design.md); a prompt
-        # passed over so gets its piece the next step, so a stream of short prompts
-        # finishing every step halves a long one's pace at worst.
-        grant: dict[int, int] = {}
-        finishing = False
-        for slot in prefilling:
-            if room <= 0:
-                break
-            take = min(room, len(slot.pending))
-            if slot.prompt_logprobs is not None:
-                take = min(take, PROMPT_LOGPROB_CHUNK)
-            if finishing and take < len(slot.pending) and not slot.passed_over:
-                slot.passed_over = True
-                continue                # (a longer one may still fit whole)
-            slot.passed_over = False
-            grant[slot.seq] = take
-            room -= take
-            finishing = finishing or take == len(slot.pending)
+        grant = self.scheduler.prefill(prefilling, room, PROMPT_LOGPROB_CHUNK)
         for slot in self.slots:                        # rows in slot order
             if slot in generating:
                 slot.row = add_row(slot, slot.next_token, True)

@@ -1,4 +1,5 @@
-"""Who gets rows in a step, beyond every generating sequence's one: first line first
+"""Who gets rows in a step, beyond every generating sequence's one: prompt pieces (a
+step that finishes a prompt takes no piece of another), first line first
 (a sequence deep in a long completion yields steps to those still short of their first
 line) and speculative drafts (which sequences draft, and how long, under the rules that
 put a waiting user first). Pure policy over the engine's slots: the engine builds the
@@ -52,6 +53,32 @@ class Scheduler:
         for slot in generating:
             slot.sat_out = slot in sitting
         return [s for s in generating if not s.sat_out]
+
+    @staticmethod
+    def prefill(prefilling: list, room: int, logprob_chunk: int) -> dict[int, int]:
+        """How many prompt rows each prefilling sequence gets in `room` ({seq: rows}),
+        `prefilling` in priority order (fewest left first). A step that finishes a prompt
+        takes no piece of another: its rows would delay that prompt's first token and
+        give none of their own (see design.md); a prompt passed over so gets its piece
+        the next step, so a stream of short prompts finishing every step halves a long
+        one's pace at worst. A prompt keeping its prompt logprobs goes `logprob_chunk`
+        rows at a time."""
+        grant: dict[int, int] = {}
+        finishing = False
+        for slot in prefilling:
+            if room <= 0:
+                break
+            take = min(room, len(slot.pending))
+            if slot.prompt_logprobs is not None:
+                take = min(take, logprob_chunk)
+            if finishing and take < len(slot.pending) and not slot.passed_over:
+                slot.passed_over = True
+                continue                # (a longer one may still fit whole)
+            slot.passed_over = False
+            grant[slot.seq] = take
+            room -= take
+            finishing = finishing or take == len(slot.pending)
+        return grant
 
     def draft(self, slots: list, generating: list, prefilling: list, n_ctx: int,
               n_batch: int, step_costs: StepCosts | None) -> None:

@@ -270,8 +270,6 @@ class Drafter:
                     length = room   # a long text asked again: no need to work up to it
                 rate = (record.accepted + m) / (record.accepted + m + 1 +
                                                 CUT_WEIGHT * (record.cut - PRIOR_CUT))
-            if length < DRAFT_MIN:
-                continue
             proposal = Proposal(source, start, tokens[start:start + length], rate,
                                 origin=tokens, external=tokens is not context)
             found.append(proposal)
