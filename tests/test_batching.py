@@ -205,9 +205,11 @@ def test_bench_reports_every_workload(two_fake_workers):
     assert "TTFT p50 ms" in table and "stream x1" in table
 
 
-def test_bench_runs_each_part_on_every_target_before_the_next_part(monkeypatch):
-    """A machine whose speed drifts over minutes must shift every target's figure of a
-    part alike: the bench runs the first part on each target, then the second..."""
+def test_bench_runs_each_part_on_every_target_round_by_round(monkeypatch):
+    """A machine whose speed drifts must shift every target's figure of a part alike:
+    the bench runs the first part on each target, then the second...; within the
+    streams at one concurrency and the single-stream workloads, a round (a request, or
+    a round of concurrent streams) on each target in turn, the first target rotating."""
     from dispatcher.tools import bench
     from dispatcher.tools.bench_targets import Level
     calls = []
@@ -216,11 +218,19 @@ def test_bench_runs_each_part_on_every_target_before_the_next_part(monkeypatch):
         def __init__(self, url, model, api_key=None):
             self.name = url
 
-    def recorder(part):
+    def whole(part):
         def run_part(target, *args, **kwargs):
             calls.append((part, target.name))
             return Level(part, 1)
         return run_part
+
+    def in_rounds(part, count):
+        def rounds(target, *args, **kwargs):
+            for i in range(count):
+                calls.append((f"{part}{i}", target.name))
+                yield
+            return Level(f"{part} on {target.name}", 1)
+        return rounds
 
     class InProcess:                  # llama-cpp-python in the bench: fewer parts
         def __init__(self, path, n_ctx, threads):
@@ -230,27 +240,70 @@ def test_bench_runs_each_part_on_every_target_before_the_next_part(monkeypatch):
     monkeypatch.setattr(models, "resolve_model_path", lambda path: "model.gguf")
     monkeypatch.setattr(bench, "HttpTarget", Target)
     monkeypatch.setattr(bench, "InProcessTarget", InProcess)
-    monkeypatch.setattr(bench, "run_level", recorder("level"))
-    monkeypatch.setattr(bench, "run_extension", recorder("extension"))
-    monkeypatch.setattr(bench, "run_single", recorder("single"))
-    monkeypatch.setattr(bench, "run_typing", recorder("typing"))
+    monkeypatch.setattr(bench, "level_rounds", in_rounds("level", 2))
+    monkeypatch.setattr(bench, "run_extension", whole("extension"))
+    monkeypatch.setattr(bench, "single_rounds", in_rounds("single", 3))
+    monkeypatch.setattr(bench, "run_typing", whole("typing"))
+    monkeypatch.setattr(bench, "table", lambda rows: "\n".join(
+        f"{row['target']} {row['name']}" for row in rows))
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--url", "a", "--url", "b", "--concurrency", "1,8",
-                              "--no-fim", "--workloads", "edit,fresh,typing", "--json"])
+                              "--no-fim", "--workloads", "edit,fresh,typing"])
     assert bench.run(args) == 0
-    assert calls == [(part, target) for part in ("level", "level", "extension", "single",
-                                                 "single", "typing")
-                     for target in ("a", "b")]
+    ab, ba = ("a", "b"), ("b", "a")
+    assert calls == [("level0", "a"), ("level0", "b"), ("level1", "b"), ("level1", "a")] * 2 + \
+        [("extension", "a"), ("extension", "b")] + \
+        [(f"single{i}", t) for i, order in enumerate((ab, ba, ab)) for t in order] * 2 + \
+        [("typing", "a"), ("typing", "b")]
     calls.clear()            # the in-process target has no x8 and no typing: it runs
     args.in_process = "bundled"          # each part it has beside the others' same part
     assert bench.run(args) == 0
-    assert calls == [("level", "a"), ("level", "b"), ("level", "in-process"),
-                     ("level", "a"), ("level", "b"),
-                     ("extension", "a"), ("extension", "b"), ("extension", "in-process"),
-                     ("single", "a"), ("single", "b"), ("single", "in-process"),
-                     ("single", "a"), ("single", "b"), ("single", "in-process"),
-                     ("typing", "a"), ("typing", "b")]
+    three = [("a", "b", "in-process"), ("b", "in-process", "a"), ("in-process", "a", "b")]
+    assert calls == [(f"level{i}", t) for i in range(2) for t in three[i]] + \
+        [("level0", "a"), ("level0", "b"), ("level1", "b"), ("level1", "a")] + \
+        [("extension", t) for t in three[0]] + \
+        [(f"single{i}", t) for i in range(3) for t in three[i]] * 2 + \
+        [("typing", "a"), ("typing", "b")]
+
+
+def test_bench_figures_of_a_part_in_rounds_are_timed_over_its_own_rounds(monkeypatch):
+    """Other targets' rounds run between one target's: a part's aggregate rate counts
+    only the time of its own requests (a fake clock: each request takes 1 s, each other
+    target's round 100 s)."""
+    from dispatcher.tools import bench
+    from dispatcher.tools.bench_targets import Sample
+    clock = [0.0]
+    lock = threading.Lock()
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+    class Target:
+        name = "fake engine"
+
+        def complete(self, prompt, max_tokens, **kwargs):
+            with lock:
+                clock[0] += 1.0
+            return Sample(ok=True, ttft=0.01, tokens=max_tokens, decode_s=0.5)
+
+    monkeypatch.setattr(bench, "time", Clock)
+
+    def between(rounds):             # another target's round after each of this one's
+        while True:
+            try:
+                next(rounds)
+            except StopIteration as done:
+                return done.value
+            clock[0] += 100.0
+
+    level = between(bench.single_rounds(Target(), "edit", ("p", "q"), 2, 10, 0.0))
+    assert level.requests == 4 and level.wall_s == 4.0 and level.aggregate_tok_s == 10.0
+    level = between(bench.level_rounds(Target(), 4, 6, 100, 8, 0))
+    assert level.requests == 6 and level.tokens == 48
+    assert level.wall_s == 6.0       # rounds of 4 and 2 streams, the fake's 1 s apiece
 
 
 def test_a_request_the_client_sent_earlier_never_supersedes_a_later_one(two_fake_workers):

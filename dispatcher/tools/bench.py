@@ -15,76 +15,58 @@ import time
 from dataclasses import asdict
 
 from dispatcher.common.config import non_negative_seconds
+from dispatcher.tools.bench_checks import constrained_slowdowns, run_constrained, run_hostile
+from dispatcher.tools.bench_prompts import EDIT_SOURCE, FRESH_PROMPTS, prompt_of
 from dispatcher.tools.bench_targets import (Abort, HttpTarget, InProcessTarget, Level, Sample,
-                                      percentile, summarize)
-
-CODE = '''import json
-import os
-
-
-class Inventory:
-    """Items in stock, persisted as JSON."""
-
-    def __init__(self, path):
-        self.path = path
-        self.items = {}
-        if os.path.exists(path):
-            with open(path) as f:
-                self.items = json.load(f)
-
-    def add(self, name, count=1):
-        self.items[name] = self.items.get(name, 0) + count
-        self.save()
-
-    def remove(self, name, count=1):
-        left = self.items.get(name, 0) - count
-        if left <= 0:
-            self.items.pop(name, None)
-        else:
-            self.items[name] = left
-        self.save()
-
-    def save(self):
-        with open(self.path, "w") as f:
-            json.dump(self.items, f, indent=2)
-
-    def total(self):
-'''
-
-
-def prompt_of(chars: int, salt: int = 0) -> str:
-    """A code prompt of about `chars` characters; `salt` makes prompts differ at the start
-    so that no request reuses another's cached prefix unless the workload wants it."""
-    text = f"# file {salt}\n" + CODE
-    while len(text) < chars:
-        text += CODE
-    return text[:chars]
+                                            percentile, summarize)
 
 
 def run_level(target, concurrency: int, requests: int, prompt_chars: int, max_tokens: int,
               salt: int) -> Level:
+    """`requests` streams, `concurrency` at a time (see `level_rounds`)."""
+    return drain(level_rounds(target, concurrency, requests, prompt_chars, max_tokens, salt))
+
+
+def level_rounds(target, concurrency: int, requests: int, prompt_chars: int,
+                 max_tokens: int, salt: int):
+    """`requests` streams in rounds of `concurrency` started at once, each round waiting
+    for its last stream: a generator that yields after each round (`run` runs the other
+    targets' rounds in between) and returns the Level, timed over its own rounds."""
     samples: list[Sample] = []
-    lock = threading.Lock()
-    counter = iter(range(requests))
+    wall = 0.0
+    for first in range(0, requests, concurrency):
+        batch = range(first, min(requests, first + concurrency))
+        results: dict[int, Sample] = {}
 
-    def worker():
-        while True:
-            with lock:
-                i = next(counter, None)
-            if i is None:
-                return
-            sample = target.complete(prompt_of(prompt_chars, salt + i), max_tokens)
-            with lock:
-                samples.append(sample)
+        def stream(i: int) -> None:
+            results[i] = target.complete(prompt_of(prompt_chars, salt + i), max_tokens)
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return summarize(f"stream x{concurrency}", concurrency, samples,
-                     time.perf_counter() - started)
+        started = time.perf_counter()
+        threads = [threading.Thread(target=stream, args=(i,)) for i in batch]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall += time.perf_counter() - started
+        samples += [results[i] for i in batch]
+        yield
+    return summarize(f"stream x{concurrency}", concurrency, samples, wall)
+
+
+def drain(rounds):
+    """A part's rounds run to the end, one after the other: its result."""
+    while True:
+        try:
+            next(rounds)
+        except StopIteration as done:
+            return done.value
+
+
+def at_once(run_part):
+    """A part that runs whole, as one round (`run_part()` is its result)."""
+    result = run_part()
+    yield
+    return result
 
 
 def run_extension(target, prompt_chars: int, max_tokens: int, salt: int, steps: int = 5
@@ -151,115 +133,30 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# A schema the bench's constrained stream follows; its prompt invites prose, so the
-# grammar has to reject the model's own choice now and then.
-BENCH_SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer"},
-    "languages": {"type": "array", "items": {"type": "string"}}},
-    "required": ["name", "age", "languages"]}
-
-
-# Neighbours of the constrained run: a plain stream (the baseline: two streams share a
-# batch), a json_schema one, and a grammar the model fights (prose, only a-c allowed: the
-# sampler's pick is rejected at almost every token).
-NEIGHBOURS = {
-    "plain": (lambda i: f"Story {i}: once upon a time", {}),
-    "json_schema": (lambda i: f"Person {i}, described as JSON:",
-                    {"json_schema": BENCH_SCHEMA}),
-    "[a-c]* grammar": (lambda i: f"The history of the Roman Empire, part {i}, is",
-                       {"grammar": "root ::= [a-c]*", "temperature": 0.8}),
-}
-
-
-def run_constrained(target, requests: int, prompt_chars: int, max_tokens: int,
-                    salt: int) -> list[Level]:
-    """A plain stream's speed alone, then with a plain, a json_schema and a fighting-
-    grammar stream running beside it the whole time: grammar sampling must not slow the
-    rest of the batch more than another plain stream does."""
-    def plain_run(name: str, offset: int) -> Level:
-        samples, started = [], time.perf_counter()
-        for i in range(requests):
-            samples.append(target.complete(prompt_of(prompt_chars, salt + offset + i),
-                                           max_tokens))
-        return summarize(name, 1, samples, time.perf_counter() - started)
-
-    levels = [plain_run("plain alone", 0)]
-    for k, (name, (prompt, extra)) in enumerate(NEIGHBOURS.items(), start=1):
-        stop = threading.Event()
-        beside: list[Sample] = []
-
-        def neighbour():
-            i = 0
-            while not stop.is_set():
-                beside.append(target.complete(prompt(salt + i), max_tokens, extra=extra))
-                i += 1
-
-        thread = threading.Thread(target=neighbour, daemon=True)
-        started = time.perf_counter()
-        thread.start()
-        time.sleep(0.5)                 # the neighbour is decoding by now
-        levels.append(plain_run(f"plain + {name}", requests * k))
-        stop.set()
-        thread.join(timeout=600)
-        levels.append(summarize(f"{name} beside", 1, beside, time.perf_counter() - started))
-    return levels
-
-
-def run_hostile(target, max_tokens: int) -> list[str]:
-    """A plain stream alone, then again while every costly class the server refuses
-    (dispatcher.tools.soak.COSTLY_BODIES) is sent one after another: the lines say how each was
-    answered and the stream's largest gap between two tokens, alone and beside them."""
-    from dispatcher.tools.soak import COSTLY_BODIES
-    prompt = "Once upon a time"
-    alone = target.complete(prompt, max_tokens, extra={"ignore_eos": True})
-    results: list[Sample] = []
-    thread = threading.Thread(target=lambda: results.append(target.complete(
-        prompt, max_tokens * 4, extra={"ignore_eos": True})))
-    thread.start()
-    time.sleep(0.5)
-    lines = []
-    heavy = [(b, None) for b in COSTLY_BODIES] + [   # and valid work beside the decoding
-        (json.dumps({"content": "word " * 180_000}).encode(), "/tokenize")]
-    for body, path in heavy:
-        started = time.perf_counter()
-        status, payload = target.post_raw(body, path=path)
-        lines.append(f"  {body[:48]!r}... ({len(body)} bytes): HTTP {status} in "
-                     f"{time.perf_counter() - started:.2f} s {payload[:60]!r}")
-    thread.join(timeout=600)
-    beside = results[0] if results else Sample()
-    lines.append(f"  a plain stream's largest gap between tokens: alone "
-                 f"{alone.max_gap * 1000:.0f} ms, beside the costly requests "
-                 f"{beside.max_gap * 1000:.0f} ms ({'ok' if beside.ok else beside.error})")
-    return lines
-
-
-EDIT_SOURCE = "".join(
-    f"def handler_{i}(request):\n    value = request.get('field_{i}')\n"
-    f"    if value is None:\n        return error('missing field_{i}')\n"
-    f"    return respond(value * {i})\n\n\n" for i in range(12))
-
-
-# `fresh`: new code, each prompt asked `requests` times in a row (an editor asks for
-# nearly the same completion again and again). Several prompts, because whether a
-# repeat drafts the earlier answer whole turns on near-ties in the greedy text that a
-# draft's batched rows flip one way or the other: one prompt measures one coin.
-FRESH_PROMPTS = ("def merge_sorted(left, right):\n", "class LRUCache:\n",
-                 "def parse_args(argv):\n", "import os\n\ndef walk_files(root):\n",
-                 "function debounce(fn, ms) {\n", "def fibonacci(n):\n")
-
-
 def run_single(target, name: str, prompts: tuple[str, ...], requests: int,
                max_tokens: int, temperature: float) -> Level:
+    """One stream at a time (see `single_rounds`)."""
+    return drain(single_rounds(target, name, prompts, requests, max_tokens, temperature))
+
+
+def single_rounds(target, name: str, prompts: tuple[str, ...], requests: int,
+                  max_tokens: int, temperature: float):
     """One stream at a time: `edit` (the output copies much of the prompt), `fresh`
     (new code), `sampled` (temperature 1: drafts rarely survive); each prompt
-    `requests` times in a row."""
-    samples, started = [], time.perf_counter()
+    `requests` times in a row. A generator that yields after each request (`run` runs
+    the other targets' requests in between, so a drift of the machine's speed over
+    seconds reaches every target's figure alike) and returns the Level, timed over its
+    own requests."""
+    samples, wall = [], 0.0
     for prompt in prompts:
         for _ in range(requests):
+            started = time.perf_counter()
             samples.append(target.complete(prompt, max_tokens,
                                            extra={"temperature": temperature,
                                                   "ignore_eos": True}))
-    return summarize(name, 1, samples, time.perf_counter() - started)
+            wall += time.perf_counter() - started
+            yield
+    return summarize(name, 1, samples, wall)
 
 
 def run_typing(target, sessions: int, bursts: int, burst_len: int, gap: float,
@@ -387,56 +284,53 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def constrained_slowdowns(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """Per target: the plain stream's ITL beside each constrained neighbour, over its ITL
-    beside a plain one (the cost of the constraint, not of sharing the batch)."""
-    out = {}
-    for target in {r["target"] for r in rows}:
-        itl = {r["name"]: r["itl_ms"] for r in rows if r["target"] == target}
-        base = itl.get("plain + plain")
-        if base:
-            out[target] = {name: itl[f"plain + {name}"] / base for name in NEIGHBOURS
-                           if name != "plain" and itl.get(f"plain + {name}")}
-    return out
-
-
 def parts(args, target, levels: list[int], workloads: list[str], single: dict,
           salt: int) -> list[tuple[str, object]]:
-    """What `run` measures on one target, in order, as (part, callable) pairs: the part
+    """What `run` measures on one target, in order, as (part, start) pairs: the part
     names what is measured (the same part on every target that has it: an in-process
-    target has fewer); each callable returns its Levels, or printed lines for
-    "hostile"."""
+    target has fewer); `start()` returns the part's rounds (a generator that yields
+    after each round and returns its Levels, or printed lines for "hostile"). The
+    streams at one concurrency and the single-stream workloads come in rounds of one
+    round of streams or one request; the rest runs whole, as one round."""
     in_process = isinstance(target, InProcessTarget)
     out: list[tuple[str, object]] = []
+
+    def whole(run_part):
+        return lambda: at_once(run_part)
+
+    def listed(rounds):
+        return [(yield from rounds)]
+
     for level in levels:
         if in_process and level > 1:
             continue                           # one Llama runs one request at a time
         count = args.requests or max(4, 2 * level)
-        out.append((f"x{level}", lambda level=level, count=count, salt=salt: [run_level(
-            target, level, count, args.prompt_chars, args.max_tokens, salt)]))
+        out.append((f"x{level}", lambda level=level, count=count, salt=salt: listed(
+            level_rounds(target, level, count, args.prompt_chars, args.max_tokens, salt))))
         salt += count + 1
-    out.append(("extension", lambda salt=salt: [run_extension(
-        target, args.prompt_chars, args.max_tokens, salt)]))
+    out.append(("extension", whole(lambda salt=salt: [run_extension(
+        target, args.prompt_chars, args.max_tokens, salt)])))
     if args.fim_keystrokes and not args.no_fim and not in_process:
-        out.append(("fim", lambda salt=salt: [run_fim_replay(
+        out.append(("fim", whole(lambda salt=salt: [run_fim_replay(
             target, args.fim_keystrokes, args.max_tokens, salt + 1,
-            args.keystroke_interval)]))
+            args.keystroke_interval)])))
     for workload in workloads:
         if workload in single:
             prompts, temperature = single[workload]
-            out.append((workload, lambda w=workload, prompts=prompts, t=temperature: [
-                run_single(target, w, prompts, args.requests or 3, args.max_tokens, t)]))
+            out.append((workload, lambda w=workload, prompts=prompts, t=temperature: listed(
+                single_rounds(target, w, prompts, args.requests or 3, args.max_tokens,
+                              t))))
         elif not in_process:                   # typing
-            out.append(("typing", lambda salt=salt: [run_typing(
+            out.append(("typing", whole(lambda salt=salt: [run_typing(
                 target, args.sessions, args.bursts, args.burst_len, args.keystroke_gap,
                 args.max_tokens, salt + 3, args.session_seq, args.session_name,
-                args.session_header, args.keep_stale, args.typing_fim)]))
+                args.session_header, args.keep_stale, args.typing_fim)])))
     if args.hostile and not in_process:
-        out.append(("hostile", lambda: run_hostile(target, args.max_tokens)))
+        out.append(("hostile", whole(lambda: run_hostile(target, args.max_tokens))))
     if args.constrained and not in_process:
-        out.append(("constrained", lambda salt=salt: run_constrained(
+        out.append(("constrained", whole(lambda salt=salt: run_constrained(
             target, args.requests or 4, args.prompt_chars, args.max_tokens,
-            salt + 2 + args.fim_keystrokes)))
+            salt + 2 + args.fim_keystrokes))))
     return out
 
 
@@ -448,8 +342,9 @@ def run(args) -> int:
         from dispatcher.common.models import resolve_model_path
         path = None if args.in_process == "bundled" else args.in_process
         targets.append(InProcessTarget(str(resolve_model_path(path)), 4096, None))
-    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    extra_workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    levels = list(dict.fromkeys(int(c) for c in args.concurrency.split(",") if c.strip()))
+    extra_workloads = list(dict.fromkeys(w.strip() for w in args.workloads.split(",")
+                                         if w.strip()))
     single = {"edit": ((EDIT_SOURCE + "def handler_12(request):\n",), 0.0),
               "fresh": (FRESH_PROMPTS, 0.0),
               "fresh1": (FRESH_PROMPTS[:1], 0.0),
@@ -459,8 +354,10 @@ def run(args) -> int:
             raise SystemExit(f"unknown workload {workload!r}: edit, fresh, fresh1, "
                              "sampled, typing")
     # Each target's parts, in order; run part by part across the targets (the first part
-    # on every target, then the second...), so a machine whose speed drifts over minutes
-    # (a shared host) shifts every target's figure of a part alike, not one target's.
+    # on every target, then the second...) and within a part round by round (a request,
+    # or a round of concurrent streams, on each target in turn, the first target
+    # rotating), so a machine whose speed drifts (a shared host) shifts every target's
+    # figure of a part alike, not one target's.
     plans = [parts(args, target, levels, extra_workloads, single,
                    1000 * (t_index + 1) + int(time.time()) % 1000 * 10_000)
              for t_index, target in enumerate(targets)]
@@ -469,20 +366,28 @@ def run(args) -> int:
         for name, _ in plan:
             if name not in order:
                 order.append(name)
-    results: list[list] = [[] for _ in targets]
-    hostile: list[list[str]] = [[] for _ in targets]
+    done: list[dict] = [{} for _ in targets]
     for name in order:
-        for t_index, (target, plan) in enumerate(zip(targets, plans)):
-            for part_name, part in plan:
-                if part_name != name:
-                    continue
-                if name == "hostile":
-                    hostile[t_index] = [f"{target.name}:"] + part()
-                else:
-                    results[t_index] += part()
+        running = [(t_index, start()) for t_index, plan in enumerate(plans)
+                   for part_name, start in plan if part_name == name]
+        turn = 0
+        while running:
+            first = turn % len(running)
+            for t_index, rounds in running[first:] + running[:first]:
+                try:
+                    next(rounds)
+                except StopIteration as finished:
+                    done[t_index][name] = finished.value
+            running = [(t, r) for t, r in running if name not in done[t]]
+            turn += 1
+    results = [[level for part_name, _ in plan if part_name != "hostile"
+                for level in done[t_index][part_name]]
+               for t_index, plan in enumerate(plans)]
+    hostile_lines = [line for t_index, target in enumerate(targets)
+                     if "hostile" in done[t_index]
+                     for line in [f"{target.name}:"] + done[t_index]["hostile"]]
     rows = [{"target": target.name, **asdict(result)}
-            for target, done in zip(targets, results) for result in done]
-    hostile_lines = [line for lines in hostile for line in lines]
+            for target, levels_done in zip(targets, results) for result in levels_done]
     slowdowns = constrained_slowdowns(rows)
     if args.json:
         print(json.dumps(rows, indent=2))

@@ -1,0 +1,107 @@
+"""The bench's checks beside the speed workloads (`python -m dispatcher bench
+--constrained`, `--hostile`): whether a constrained neighbour slows a plain stream more
+than a plain one does, and whether requests the server refuses for their cost disturb a
+stream decoding beside them."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from dispatcher.tools.bench_prompts import prompt_of
+from dispatcher.tools.bench_targets import Level, Sample, summarize
+
+
+# A schema the bench's constrained stream follows; its prompt invites prose, so the
+# grammar has to reject the model's own choice now and then.
+BENCH_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"},
+    "languages": {"type": "array", "items": {"type": "string"}}},
+    "required": ["name", "age", "languages"]}
+
+
+# Neighbours of the constrained run: a plain stream (the baseline: two streams share a
+# batch), a json_schema one, and a grammar the model fights (prose, only a-c allowed: the
+# sampler's pick is rejected at almost every token).
+NEIGHBOURS = {
+    "plain": (lambda i: f"Story {i}: once upon a time", {}),
+    "json_schema": (lambda i: f"Person {i}, described as JSON:",
+                    {"json_schema": BENCH_SCHEMA}),
+    "[a-c]* grammar": (lambda i: f"The history of the Roman Empire, part {i}, is",
+                       {"grammar": "root ::= [a-c]*", "temperature": 0.8}),
+}
+
+
+def run_constrained(target, requests: int, prompt_chars: int, max_tokens: int,
+                    salt: int) -> list[Level]:
+    """A plain stream's speed alone, then with a plain, a json_schema and a fighting-
+    grammar stream running beside it the whole time: grammar sampling must not slow the
+    rest of the batch more than another plain stream does."""
+    def plain_run(name: str, offset: int) -> Level:
+        samples, started = [], time.perf_counter()
+        for i in range(requests):
+            samples.append(target.complete(prompt_of(prompt_chars, salt + offset + i),
+                                           max_tokens))
+        return summarize(name, 1, samples, time.perf_counter() - started)
+
+    levels = [plain_run("plain alone", 0)]
+    for k, (name, (prompt, extra)) in enumerate(NEIGHBOURS.items(), start=1):
+        stop = threading.Event()
+        beside: list[Sample] = []
+
+        def neighbour():
+            i = 0
+            while not stop.is_set():
+                beside.append(target.complete(prompt(salt + i), max_tokens, extra=extra))
+                i += 1
+
+        thread = threading.Thread(target=neighbour, daemon=True)
+        started = time.perf_counter()
+        thread.start()
+        time.sleep(0.5)                 # the neighbour is decoding by now
+        levels.append(plain_run(f"plain + {name}", requests * k))
+        stop.set()
+        thread.join(timeout=600)
+        levels.append(summarize(f"{name} beside", 1, beside, time.perf_counter() - started))
+    return levels
+
+
+def run_hostile(target, max_tokens: int) -> list[str]:
+    """A plain stream alone, then again while every costly class the server refuses
+    (dispatcher.tools.soak.COSTLY_BODIES) is sent one after another: the lines say how each was
+    answered and the stream's largest gap between two tokens, alone and beside them."""
+    from dispatcher.tools.soak import COSTLY_BODIES
+    prompt = "Once upon a time"
+    alone = target.complete(prompt, max_tokens, extra={"ignore_eos": True})
+    results: list[Sample] = []
+    thread = threading.Thread(target=lambda: results.append(target.complete(
+        prompt, max_tokens * 4, extra={"ignore_eos": True})))
+    thread.start()
+    time.sleep(0.5)
+    lines = []
+    heavy = [(b, None) for b in COSTLY_BODIES] + [   # and valid work beside the decoding
+        (json.dumps({"content": "word " * 180_000}).encode(), "/tokenize")]
+    for body, path in heavy:
+        started = time.perf_counter()
+        status, payload = target.post_raw(body, path=path)
+        lines.append(f"  {body[:48]!r}... ({len(body)} bytes): HTTP {status} in "
+                     f"{time.perf_counter() - started:.2f} s {payload[:60]!r}")
+    thread.join(timeout=600)
+    beside = results[0] if results else Sample()
+    lines.append(f"  a plain stream's largest gap between tokens: alone "
+                 f"{alone.max_gap * 1000:.0f} ms, beside the costly requests "
+                 f"{beside.max_gap * 1000:.0f} ms ({'ok' if beside.ok else beside.error})")
+    return lines
+
+
+def constrained_slowdowns(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per target: the plain stream's ITL beside each constrained neighbour, over its ITL
+    beside a plain one (the cost of the constraint, not of sharing the batch)."""
+    out = {}
+    for target in {r["target"] for r in rows}:
+        itl = {r["name"]: r["itl_ms"] for r in rows if r["target"] == target}
+        base = itl.get("plain + plain")
+        if base:
+            out[target] = {name: itl[f"plain + {name}"] / base for name in NEIGHBOURS
+                           if name != "plain" and itl.get(f"plain + {name}")}
+    return out
