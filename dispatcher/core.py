@@ -333,6 +333,7 @@ class DispatcherCore:
                 job = record.running.get(request_id) or record.ops.get(request_id)
                 job.cancelled = True
                 self._to_worker(record.identity, P.CANCEL, request_id)
+                self.dispatch()             # its slot is as good as free (WorkerRecord.busy)
                 return
 
     def frontend_lost(self, fe_id: bytes) -> None:
@@ -346,6 +347,7 @@ class DispatcherCore:
                 if job.frontend == fe_id:
                     job.cancelled = True
                     self._to_worker(record.identity, P.CANCEL, job.request_id)
+        self.dispatch()
         log.warning("front end %s stopped heartbeating", fe_id.decode(errors="replace"))
 
     def frontend_message(self, fe_id: bytes, msg: P.Message, now: float,

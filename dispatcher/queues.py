@@ -182,8 +182,16 @@ class WorkerRecord:
         return max(1, self.info.slots)
 
     @property
+    def busy(self) -> int:
+        """Slots its running jobs hold, a cancelled one's not: the worker frees that
+        slot when it reads the CANCEL, before any job sent after it (one socket keeps
+        their order), so a job the dispatcher sends now takes that slot at once, where
+        waiting for the worker's DONE would cost it a step of the worker's loop."""
+        return sum(1 for job in self.running.values() if not job.cancelled)
+
+    @property
     def free_slots(self) -> int:
-        return self.slots - len(self.running)
+        return self.slots - self.busy
 
     def refresh(self, now: float, expiry: float) -> None:
         self.expires_at = now + expiry

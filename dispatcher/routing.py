@@ -78,10 +78,10 @@ def choose_worker(job: P.Job, free: list, blocks: tuple[int, ...] | None = None)
     if not candidates:
         return None
     blocks = prefix_blocks(job) if blocks is None else blocks
-    least_busy = min(len(w.running) for w in candidates)
+    least_busy = min(w.busy for w in candidates)
 
     def affinity(worker) -> int:
         shared = worker.cached_prefix(blocks)
-        return shared if affinity_allowed(shared, len(worker.running), least_busy) else 0
+        return shared if affinity_allowed(shared, worker.busy, least_busy) else 0
 
     return max(candidates, key=lambda w: (affinity(w), w.free_slots, -w.last_assigned))

@@ -53,6 +53,23 @@ def test_a_job_is_accepted_then_sent_to_a_free_worker():
     assert kinds(sends) == [("FINISHED", "a"), ("REQUEST", "c")]     # its slot, at once
 
 
+def test_a_cancelled_jobs_slot_goes_to_the_next_job_with_the_cancel():
+    """An editor closes a keystroke's request and sends the next at once: the queued job
+    goes to the worker right behind the CANCEL (which frees the slot there first), not
+    after the worker's DONE comes back."""
+    core = DispatcherCore()
+    ready(core, slots=1)
+    submit(core, "a")
+    assert kinds(submit(core, "b")) == [("ACCEPTED", "b")]            # queued
+    sends = core.frontend_message(FE, P.Message(P.CANCEL, "a"), 0.0)
+    assert kinds(sends) == [("CANCEL", "a"), ("REQUEST", "b")]
+    assert [s.peer for s in sends if s.cmd != P.STATE] == [b"w0", b"w0"]   # one socket
+    assert kinds(submit(core, "c")) == [("ACCEPTED", "c")]            # b holds it now
+    sends = from_worker(core, P.DONE, "a", attempt=1, last_seq=0, cancelled=True)
+    assert kinds(sends) == [("FINISHED", "a")]                        # nothing more free
+    assert set(core.registry.workers[b"w0"].running) == {"b"} and len(core.queue) == 1
+
+
 def test_admission_refuses_what_cannot_run():
     core = DispatcherCore(max_queue=1)
     assert submit(core, "x")[0].body.code == "no_worker_ready"
