@@ -178,24 +178,28 @@ def test_chunked_prefill_never_stalls_a_running_stream_and_serves_short_prompts_
 
 
 def test_a_step_that_finishes_a_prompt_takes_no_piece_of_another(model_path):
-    """A cold burst: prompts that each fill half a batch. The step that finishes the
-    first takes none of the second (its rows would delay the first's token and give the
-    second none); a whole prompt that fits still goes along, and a prompt too long for
-    any one step is still prefilled in full batches."""
+    """A cold burst: two short prompts and three that each fill half a batch. The step
+    that finishes the short ones (together: small ones join) takes no piece of a half,
+    nor a whole half (either would delay their tokens by the half's rows); then one half
+    a step, whole, each step taking no piece of the next: one first token a step, not
+    two every other step. A prompt too long for any one step is still prefilled in full
+    batches."""
     from workers.engine.llama import LlamaEngine
-    engine = LlamaEngine(model_path, 2048, 3, THREADS, 0)
+    engine = LlamaEngine(model_path, 2048, 5, THREADS, 0)
     try:
         half = engine.tokenize("def helper(value):\n    return value\n" * 30)
         assert engine.n_batch // 2 < len(half) < engine.n_batch
-        short = engine.tokenize("Short one")
-        engine.add(0, half, GREEDY)
-        engine.add(1, list(half[:-1]) + [half[0]], GREEDY)   # (no shared cache to reuse)
-        engine.add(2, short, GREEDY)
-        produced = engine.step()
-        assert set(produced) == {0, 2}              # the short one and one whole half
-        assert len(engine.slots[1].pending) == len(half)    # not a piece of the other
-        assert 1 in engine.step()
-        for slot in range(3):
+        for slot in range(3):                  # (no shared cache to reuse)
+            engine.add(slot, list(half[:-1 - slot]) + [half[slot]] * (slot + 1), GREEDY)
+        engine.add(3, engine.tokenize("Short one"), GREEDY)
+        engine.add(4, engine.tokenize("Short two"), GREEDY)
+        started: list[set] = []
+        while len(set().union(*started)) < 5:
+            first = set(engine.step()) - set().union(*started)
+            started.append(first)
+            assert all(len(engine.slots[s].pending) in (0, len(half)) for s in range(3))
+        assert started == [{3, 4}, {0}, {1}, {2}]
+        for slot in range(5):
             engine.release(slot, keep_cache=False)
         long_prompt = engine.tokenize("def helper(value):\n    return value\n" * 100)
         engine.add(0, long_prompt, GREEDY)
@@ -224,6 +228,33 @@ def test_a_long_prompt_beside_short_ones_finishing_every_step_is_not_starved(mod
         assert left[3] == left[2]                  # passed over again
     finally:
         engine.close()
+
+
+def test_prefill_joins_small_whole_prompts_and_owes_a_piece_to_the_next_in_line():
+    """Scheduler.prefill over stand-in slots (no model): keystrokes finishing together
+    share a step; a large whole prompt does not ride along a finishing one; of the
+    prompts passed over, only the next in priority order is owed its piece."""
+    from types import SimpleNamespace
+    from workers.engine.scheduling import JOIN_ROWS, Scheduler
+
+    def waiting(seq, left):
+        return SimpleNamespace(seq=seq, pending=[1] * left, prompt_logprobs=None,
+                               passed_over=False)
+
+    keys = [waiting(i, 4) for i in range(3)]
+    assert Scheduler.prefill(keys, 504, 64, rows=8) == {0: 4, 1: 4, 2: 4}
+    a, b, c = waiting(0, 5), waiting(1, 263), waiting(2, 263)
+    assert Scheduler.prefill([a, b, c], 512, 64) == {0: 5}
+    assert b.passed_over and not c.passed_over
+    assert Scheduler.prefill([b, c], 511, 64, rows=1) == {1: 263}     # no piece of c
+    assert c.passed_over
+    small = waiting(3, JOIN_ROWS)
+    assert Scheduler.prefill([waiting(4, 3), small, waiting(5, 40)], 512, 64) == \
+        {4: 3, 3: JOIN_ROWS}
+    # beside keystrokes finishing every step, the owed piece goes in the next step
+    long_prompt = waiting(6, 2000)
+    assert Scheduler.prefill([waiting(7, 4), long_prompt], 512, 64) == {7: 4}
+    assert Scheduler.prefill([waiting(8, 4), long_prompt], 512, 64) == {8: 4, 6: 508}
 
 
 REPEATING_CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"

@@ -354,9 +354,9 @@ class LlamaEngine:
                              self.step_costs)
         # Every generating slot has its rows; prompts share at most `prefill_chunk` more,
         # so a long prompt holds the running streams back by one chunk a step at most.
-        room = min(self.n_batch - sum(1 + len(s.draft) for s in generating),
-                   self.prefill_chunk)
-        grant = self.scheduler.prefill(prefilling, room, PROMPT_LOGPROB_CHUNK)
+        rows = sum(1 + len(s.draft) for s in generating)
+        room = min(self.n_batch - rows, self.prefill_chunk)
+        grant = self.scheduler.prefill(prefilling, room, PROMPT_LOGPROB_CHUNK, rows)
         for slot in self.slots:                        # rows in slot order
             if slot in generating:
                 slot.row = add_row(slot, slot.next_token, True)

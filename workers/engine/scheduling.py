@@ -17,6 +17,7 @@ DEEP_AFTER = 16         # first line first: tokens after which a sequence past i
 ARRIVAL_QUIET = 0.5     # s after another request arrives without drafts (see draft)
 TRAFFIC_WINDOW = 2.0    # s after another request arrives that drafts are held short
 TRAFFIC_STRETCH = 1.0   # ... to a step at most this much longer than the plain one
+JOIN_ROWS = 16          # rows of whole prompts that may always join a step finishing one
 
 
 class Scheduler:
@@ -55,29 +56,44 @@ class Scheduler:
         return [s for s in generating if not s.sat_out]
 
     @staticmethod
-    def prefill(prefilling: list, room: int, logprob_chunk: int) -> dict[int, int]:
+    def prefill(prefilling: list, room: int, logprob_chunk: int, rows: int = 0
+                ) -> dict[int, int]:
         """How many prompt rows each prefilling sequence gets in `room` ({seq: rows}),
-        `prefilling` in priority order (fewest left first). A step that finishes a prompt
+        `prefilling` in priority order (fewest left first), beside `rows` already in the
+        step (the generating sequences' and their drafts'). A step that finishes a prompt
         takes no piece of another: its rows would delay that prompt's first token and
-        give none of their own (see design.md); a prompt passed over so gets its piece
-        the next step, so a stream of short prompts finishing every step halves a long
-        one's pace at worst. A prompt keeping its prompt logprobs goes `logprob_chunk`
-        rows at a time."""
+        give none of their own (see design.md). Nor a whole prompt larger than the step
+        was when the first prompt finished there (or JOIN_ROWS): it would delay that
+        token as much and gain only the next step's fixed cost. The first prompt passed
+        over so gets its piece the next step, so a stream of short prompts finishing
+        every step halves a long one's pace at worst; the others wait their turn in
+        priority order (eight equal cold prompts: one first token a step, not two every
+        other step). A prompt keeping its prompt logprobs goes `logprob_chunk` rows at a
+        time."""
         grant: dict[int, int] = {}
-        finishing = False
+        base = None                   # the step's rows when the first prompt finished
+        joined = 0                    # rows of whole prompts beside it since
+        flagged = False
         for slot in prefilling:
             if room <= 0:
                 break
             take = min(room, len(slot.pending))
             if slot.prompt_logprobs is not None:
                 take = min(take, logprob_chunk)
-            if finishing and take < len(slot.pending) and not slot.passed_over:
-                slot.passed_over = True
-                continue                # (a longer one may still fit whole)
+            whole = take == len(slot.pending)
+            if base is not None and not slot.passed_over and \
+                    not (whole and joined + take <= max(base, JOIN_ROWS)):
+                if not flagged:
+                    slot.passed_over = flagged = True
+                continue                # (a shorter one may still fit)
             slot.passed_over = False
             grant[slot.seq] = take
             room -= take
-            finishing = finishing or take == len(slot.pending)
+            rows += take
+            if base is not None:
+                joined += take
+            elif whole:
+                base = rows
         return grant
 
     def draft(self, slots: list, generating: list, prefilling: list, n_ctx: int,
