@@ -283,7 +283,8 @@ class DispatcherCore:
             self._fail(old, P.WireError(
                 status=409, code="superseded",
                 message="superseded by a newer request of the same session"))
-            if self.queue.remove(old.request_id) is None and old.worker is not None:
+            if self.queue.remove(old.request_id) is None and old.worker is not None \
+                    and not old.cancelled:        # (a cancelled one's worker has it gone)
                 old.cancelled = True
                 key, record = job.body.adopt_key, self.registry.get(old.worker)
                 if key and job.adopt_from is None and old.body.adopt_key == key \
@@ -413,6 +414,9 @@ class DispatcherCore:
         record.ops.pop(request_id, None)
         if body.unshared:          # the worker lacked the prompt it was named by
             record.shared_sent.clear()    # ... so it is sent whole from now on
+            if job.cancelled:             # (nobody waits for it any more)
+                self._forget(job)
+                return
             job.attempt -= 1              # (not a new attempt: it never ran)
             self._requeue(job)
             self.dispatch()
@@ -511,6 +515,8 @@ class DispatcherCore:
         by_key: dict[str | None, int] = {}
         for record in self.registry.workers.values():
             for job in record.running.values():
+                if job.cancelled:               # its slot is as good as free (busy)
+                    continue
                 running[job.parent] = running.get(job.parent, 0) + 1
                 by_key[job.body.key] = by_key.get(job.body.key, 0) + 1
         for job in self.queue.in_fair_order(running, by_key, self.key_served):

@@ -126,7 +126,7 @@ class Operations:
                 "tokens_per_s": tokens_per_second(record.history, now),
                 "device": record.info.device, "model": record.model,
                 "pid": record.info.pid, "n_ctx": record.info.n_ctx,
-                "slots": record.slots, "busy_slots": len(record.running),
+                "slots": record.slots, "busy_slots": record.busy,
                 "running": sorted(record.running),
                 "started": sorted(i for i, j in record.running.items() if j.started),
                 "generating": sorted(i for i, j in record.running.items() if j.first_token),
@@ -159,7 +159,7 @@ class Operations:
             else:
                 workers.append({"worker": name, "device": record.info.device,
                                 "model": record.model, "up": 1, "slots": record.slots,
-                                "busy": len(record.running),
+                                "busy": record.busy,
                                 "restarts": child.restarts if child else 0})
         depth = core.queue.depth_by_model()
         snapshot.update(workers=workers,

@@ -70,6 +70,31 @@ def test_a_cancelled_jobs_slot_goes_to_the_next_job_with_the_cancel():
     assert set(core.registry.workers[b"w0"].running) == {"b"} and len(core.queue) == 1
 
 
+def test_a_cancelled_job_is_neither_adopted_nor_sent_again():
+    """A keystroke's request the client closed is gone from its worker: the session's
+    next request queues as any other (no adoption, which would put it on that worker
+    beside the job already sent into the freed slot), and a worker that could not run
+    it (it lacked the shared prompt) does not get it back."""
+    core = DispatcherCore()
+    ready(core, slots=1)
+    submit(core, "a", session="s", parent="a", adopt_key="k")
+    submit(core, "x")
+    assert kinds(core.frontend_message(FE, P.Message(P.CANCEL, "a"), 0.0)) == \
+        [("CANCEL", "a"), ("REQUEST", "x")]
+    sends = submit(core, "b", session="s", parent="b", adopt_key="k")
+    assert ("REQUEST", "b") not in kinds(sends) and len(core.queue) == 1
+    assert core.registry.workers[b"w0"].busy == 1
+    sends = from_worker(core, P.DONE, "x", attempt=1, last_seq=0, unshared=True)
+    assert ("REQUEST", "x") in kinds(sends)          # x, not cancelled, goes again
+    core2 = DispatcherCore()
+    ready(core2, slots=1)
+    submit(core2, "c")
+    core2.frontend_message(FE, P.Message(P.CANCEL, "c"), 0.0)
+    sends = from_worker(core2, P.DONE, "c", attempt=1, last_seq=0, unshared=True)
+    assert ("REQUEST", "c") not in kinds(sends) and len(core2.queue) == 0
+    assert core2.stats["requeued"] == 0
+
+
 def test_admission_refuses_what_cannot_run():
     core = DispatcherCore(max_queue=1)
     assert submit(core, "x")[0].body.code == "no_worker_ready"

@@ -48,7 +48,8 @@ def level_rounds(target, concurrency: int, requests: int, prompt_chars: int,
         for t in threads:
             t.join()
         wall += time.perf_counter() - started
-        samples += [results[i] for i in batch]
+        samples += [results.get(i) or Sample(error="the stream's thread failed")
+                    for i in batch]
         yield
     return summarize(f"stream x{concurrency}", concurrency, samples, wall)
 
@@ -343,6 +344,8 @@ def run(args) -> int:
         path = None if args.in_process == "bundled" else args.in_process
         targets.append(InProcessTarget(str(resolve_model_path(path)), 4096, None))
     levels = list(dict.fromkeys(int(c) for c in args.concurrency.split(",") if c.strip()))
+    if any(level < 1 for level in levels):
+        raise SystemExit("--concurrency: levels of 1 or more, e.g. 1,8")
     extra_workloads = list(dict.fromkeys(w.strip() for w in args.workloads.split(",")
                                          if w.strip()))
     single = {"edit": ((EDIT_SOURCE + "def handler_12(request):\n",), 0.0),

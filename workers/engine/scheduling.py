@@ -66,9 +66,10 @@ class Scheduler:
         was when the first prompt finished there (or JOIN_ROWS): it would delay that
         token as much and gain only the next step's fixed cost. The first prompt passed
         over so gets its piece the next step, so a stream of short prompts finishing
-        every step halves a long one's pace at worst; the others wait their turn in
-        priority order (eight equal cold prompts: one first token a step, not two every
-        other step). A prompt keeping its prompt logprobs goes `logprob_chunk` rows at a
+        every step halves the pace of the long prompt first in line at worst; those
+        behind it wait their turn in priority order, fewest left first, as they would
+        for the room anyway (eight equal cold prompts: one first token a step, not two
+        every other step). A prompt keeping its prompt logprobs goes `logprob_chunk` rows at a
         time."""
         grant: dict[int, int] = {}
         base = None                   # the step's rows when the first prompt finished
