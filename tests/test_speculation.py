@@ -245,6 +245,26 @@ def test_first_line_first_sits_out_only_what_makes_the_step_cheaper():
     assert [s.seq for s in Scheduler.first_line_first(none, [], None)] == [2, 3, 4, 5, 6, 7]
 
 
+def test_step_costs_measure_every_shape_once_when_a_round_ran_past_the_budget():
+    """A slow device, or a busy machine: past the budget no further round starts, but
+    every shape was measured (a fake clock: each decode takes a second)."""
+    now = [0.0]
+    calls: dict = {}
+
+    def timed(s, d, each):
+        now[0] += 1.0
+        calls[s, d, each] = calls.get((s, d, each), 0) + 1
+        return 0.01 + 0.001 * (s + d)
+    costs = StepCosts.measure(timed, 8, budget=5.0, clock=lambda: now[0])
+    shapes = StepCosts.shapes(8)[1]
+    assert set(costs.table) == shapes and set(costs.each) == StepCosts.each_shapes(8)
+    warm_up = (8, SHAPES_EXTRA[-1], False)
+    assert all(n == 1 for key, n in calls.items() if key != warm_up)
+    calls.clear()
+    StepCosts.measure(timed, 8, budget=None, clock=lambda: now[0])
+    assert calls[1, 0, False] == 2 and calls[2, 1, True] == 3      # all the rounds
+
+
 def test_drafts_alike_on_every_sequence_where_one_batch_pays():
     """Eight sequences with one draft row each are one batch of 16 outputs (57 ms against
     46 plain on the CPU's costs): likely drafts on most of them pay, unlikely ones do not,

@@ -21,6 +21,8 @@ UNCONTENDED = 0.6       # CPU busy share of the measuring threads below which th
                         # start-up step costs are used but not kept (a busy machine)
 MAX_SLOTS = 32          # sequences measured at most (the costs past it are extrapolated)
 PREFIX = 8              # cached tokens each measured sequence decodes after
+MEASURE_BUDGET = 10.0   # s of measuring after which no further round of the shapes starts
+                        # (one thread of a 2-core CPU takes ~20 s a round, ~45 s busy)
 
 
 def device_step_costs(engine, slots: int, n_threads: int, n_gpu_layers: int,
@@ -36,7 +38,7 @@ def device_step_costs(engine, slots: int, n_threads: int, n_gpu_layers: int,
     cpu, started = time.process_time(), time.perf_counter()
     costs = StepCosts.measure(
         lambda sequences, extra, each=False: timed_shape(engine, sequences, extra, each),
-        min(slots, MAX_SLOTS))
+        min(slots, MAX_SLOTS), budget=MEASURE_BUDGET)
     usable = max(1, min(n_threads, len(os.sched_getaffinity(0))))
     share = (time.process_time() - cpu) / max(1e-9, (time.perf_counter() - started)
                                               * usable)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from workers.engine.speculation import Proposal
@@ -94,16 +95,22 @@ class StepCosts:
         return {(s, k) for s in range(2, min(slots, PLAIN_MAX) + 1) for k in EACH}
 
     @classmethod
-    def measure(cls, timed_step, slots: int, repeats: int = 2) -> "StepCosts":
+    def measure(cls, timed_step, slots: int, repeats: int = 2, budget: float | None = None,
+                clock=time.perf_counter) -> "StepCosts":
         """`timed_step(S, D, each)` decodes one batch of that shape (D draft rows on the
         first sequence, or with `each` on every one) and returns its seconds. Each shape's
         fastest run counts (a busy machine only adds to it); the repeats go round all the
-        shapes, so a slow moment does not fall on one shape twice."""
+        shapes, so a slow moment does not fall on one shape twice. Past `budget` seconds
+        no further round starts (a slow device, or a busy machine, measures every shape
+        once: the steps correct the figures, `observe`)."""
+        started = clock()
         sequences, shapes = cls.shapes(slots)
         timed_step(sequences[-1], SHAPES_EXTRA[-1], False)           # warm-up
         table: dict[tuple[int, int], float] = {}
         each: dict[tuple[int, int], float] = {}
         for round_ in range(repeats + 1):       # (one more round for the alike shapes,
+            if round_ and budget is not None and clock() - started > budget:
+                break
             for into, alike, todo in ((table, False, shapes), (each, True,   # fewer and
                                                                cls.each_shapes(slots))):
                 if round_ == repeats and not alike:                  # noisier for it)
