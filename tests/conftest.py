@@ -136,7 +136,9 @@ class ServerProcess:
             self.wait_ready()
         return self
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Until every worker is ready: a hang guard, not a speed check (a worker without
+        kept step costs measures them at start-up, a minute on a busy machine)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
