@@ -232,17 +232,39 @@ def test_first_line_first_sits_out_only_what_makes_the_step_cheaper():
     cpu = StepCosts.assumed()
     assert cpu.plain_cost(8) < cpu.plain_cost(6) and cpu.plain_cost(4) < cpu.plain_cost(8)
     two = slots(2)
-    assert Scheduler.first_line_first(two, [], cpu) == two
+    assert Scheduler().first_line_first(two, [], cpu) == two
     seven = slots(7)
-    first = Scheduler.first_line_first(seven, [], cpu)
+    first = Scheduler().first_line_first(seven, [], cpu)
     assert [s.seq for s in first] == [7]
-    assert Scheduler.first_line_first(seven, [], cpu) == seven     # never two in a row
+    assert Scheduler().first_line_first(seven, [], cpu) == seven     # never two in a row
     five = slots(5, total=6)                        # 6 rows cost more than 4 or 1
-    ran = [s.seq for s in Scheduler.first_line_first(five, [], cpu)]
+    ran = [s.seq for s in Scheduler().first_line_first(five, [], cpu)]
     assert len(ran) < 6 and cpu.plain_cost(len(ran)) < cpu.plain_cost(6)
     assert 5 in ran and all(s.sat_out for s in five if s.seq not in ran)
     none = slots(2)
-    assert [s.seq for s in Scheduler.first_line_first(none, [], None)] == [2, 3, 4, 5, 6, 7]
+    assert [s.seq for s in Scheduler().first_line_first(none, [], None)] == [2, 3, 4, 5, 6, 7]
+
+
+def test_first_line_first_counts_each_run_of_sequence_ids_as_a_decode():
+    """llama.cpp decodes each run of consecutive sequence ids on its own: deep sequences
+    sitting out between others would split the step into runs that together cost more
+    than all eight rows; deep ones at the end sit out together, leaving one run."""
+    from types import SimpleNamespace
+
+    from workers.engine.scheduling import DEEP_AFTER, Scheduler, seq_runs
+
+    def batch(deep: list[int], waiting: int):
+        return [SimpleNamespace(seq=i, line_done=i != waiting, sat_out=False,
+                                sampled=DEEP_AFTER + 10 * i if i in deep else 3)
+                for i in range(8)]
+    cpu = StepCosts.assumed()
+    spread = batch([1, 2, 5, 6], waiting=7)
+    assert Scheduler().first_line_first(spread, [], cpu) == spread      # none sits out
+    assert sum(cpu.plain_cost(r) for r in seq_runs([0, 3, 4, 7])) > cpu.plain_cost(8)
+    tail = batch([4, 5, 6, 7], waiting=0)
+    ran = Scheduler().first_line_first(tail, [], cpu)
+    assert [s.seq for s in ran] == [0, 1, 2, 3]
+    assert cpu.plain_cost(4) < cpu.plain_cost(8)
 
 
 def test_step_costs_measure_every_shape_once_when_a_round_ran_past_the_budget():
