@@ -69,14 +69,14 @@ class Scheduler:
         best, best_rank = (), None
         subsets = range(1 << len(may)) if len(may) <= SIT_OUT_EXACT else \
             [(1 << k) - 1 for k in range(len(may) + 1)]       # (the k deepest)
+        present = set(generating) | set(prefilling)
         for mask in subsets:
-            out = {q for i, q in enumerate(may) if mask >> i & 1}
-            seqs = sorted({q for q in generating if q not in out} | set(prefilling))
+            out = [(i, q) for i, q in enumerate(may) if mask >> i & 1]
+            seqs = sorted(present - {q for _, q in out})
             cost = sum(costs.plain_cost(r) for r in seq_runs(seqs))
-            rank = (round(cost, 3), len(out),
-                    sum(i for i, q in enumerate(may) if q in out))
+            rank = (round(cost, 3), len(out), sum(i for i, _ in out))
             if best_rank is None or rank < best_rank:
-                best, best_rank = tuple(q for q in may if q in out), rank
+                best, best_rank = tuple(q for _, q in out), rank
         if len(self._sit_out) > 4096:
             self._sit_out.clear()
         self._sit_out[key] = best
@@ -96,8 +96,8 @@ class Scheduler:
         every step halves the pace of the long prompt first in line at worst; those
         behind it wait their turn in priority order, fewest left first, as they would
         for the room anyway (eight equal cold prompts: one first token a step, not two
-        every other step). A prompt keeping its prompt logprobs goes `logprob_chunk` rows at a
-        time."""
+        every other step). A prompt keeping its prompt logprobs goes `logprob_chunk`
+        rows at a time."""
         grant: dict[int, int] = {}
         base = None                   # the step's rows when the first prompt finished
         joined = 0                    # rows of whole prompts beside it since
