@@ -16,7 +16,8 @@ def create_app(test_config: dict | None = None) -> Flask:
     options = configfile.effective(["dispatcher", "max_body", "max_prompt_chars",
                                     "api_key", "api_key_file", "cors_origin", "access_log",
                                     "body_timeout", "heartbeat_interval", "cache_scope",
-                                    "curve_keys", "curve_name", "insecure_transport"])
+                                    "curve_keys", "curve_name", "insecure_transport",
+                                    "any_model_name"])
     app.config.from_mapping(
         DISPATCHER=options["dispatcher"],
         MAX_BODY=options["max_body"],
@@ -31,6 +32,7 @@ def create_app(test_config: dict | None = None) -> Flask:
         CURVE_KEYS=options["curve_keys"],
         CURVE_NAME=options["curve_name"],
         INSECURE_TRANSPORT=options["insecure_transport"],
+        ANY_MODEL_NAME=options["any_model_name"],
     )
     if test_config:
         app.config.update(test_config)

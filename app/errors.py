@@ -156,6 +156,21 @@ def error_response(error: APIError):
     return response
 
 
+ROUTES = ("POST /v1/completions", "POST /v1/fim/completions", "POST /completion",
+          "POST /completions", "POST /infill", "POST /tokenize", "POST /detokenize",
+          "GET /v1/models", "GET /health", "GET /metrics", "GET /openapi.json")
+
+
+def _no_route(path: str) -> str:
+    """A 404's message: what this server is and the routes it has (never a generic page:
+    a client pointed at the wrong route should learn which one it wanted)."""
+    shown = ascii(path)[1:-1][:80]
+    what = ("This server serves raw-text completions (the prompt passed to the model "
+            "verbatim), not chat: send the prompt to POST /v1/completions." if "chat" in path
+            else f"There is no route {shown} here.")
+    return f"{what} Routes: {', '.join(ROUTES)}."
+
+
 def register_error_handlers(app: Flask) -> None:
     app.register_error_handler(APIError, error_response)
 
@@ -167,6 +182,7 @@ def register_error_handlers(app: Flask) -> None:
         error.status = exc.code or 500
         if exc.code == 404:
             error.code = "not_found"
+            error.message = _no_route(request.path)
         elif exc.code == 405:
             allowed = sorted(getattr(exc, "valid_methods", None) or [])
             error.code = "method_not_allowed"

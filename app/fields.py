@@ -1,11 +1,12 @@
 """marshmallow fields for JSON as OpenAI's API reads it: strict numbers, booleans and
 strings (no coercion), and the compound fields of the completion request (prompt forms,
-stop strings, logit bias, string lists), with the limits they enforce, including the
-sizes of grammars and JSON schemas a worker's grammar builders can take."""
+stop strings, logit bias, string lists), with the limits they enforce (JSON schemas are
+bounded by dispatcher.common.schemagrammar, grammars by dispatcher.common.grammar)."""
 from __future__ import annotations
 
 import math
 import numbers
+import re
 
 from marshmallow import ValidationError, fields
 
@@ -16,6 +17,9 @@ MAX_PROMPTS = 64
 MAX_CHOICES = 128
 MAX_LOGPROBS = 5
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+
+
+_TOKEN_ID = re.compile(r"-?[0-9]{1,10}")     # a token id written as a JSON object key
 
 
 def _is_int(value) -> bool:
@@ -30,7 +34,10 @@ class StrictFloat(fields.Field):
     def _deserialize(self, value, attr, data, **kwargs):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise self.make_error("invalid")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:            # a JSON integer of 310+ digits
+            raise self.make_error("invalid") from None
         if not math.isfinite(value):
             raise self.make_error("invalid")
         return value
@@ -201,39 +208,14 @@ class LogitBiasField(fields.Field):
             raise self.make_error("too_many")
         out: dict[str, float] = {}
         for token, bias in pairs:
-            if isinstance(token, str) and token.strip().lstrip("-").isdigit():
-                token = int(token)
+            if isinstance(token, str) and _TOKEN_ID.fullmatch(token.strip()):
+                token = int(token)       # ASCII digits only ("²" is a digit to isdigit)
             if not _is_int(token) or token < 0:
                 raise self.make_error("invalid")
             if bias is False:
                 bias = -100.0
             if isinstance(bias, bool) or not isinstance(bias, numbers.Real) \
-                    or not math.isfinite(bias) or not -100 <= bias <= 100:
+                    or not -100 <= bias <= 100:      # (NaN fails it too; never float())
                 raise self.make_error("invalid")
             out[str(token)] = float(bias)
         return out
-
-
-# What a worker's JSON schema converter takes: it repeats an item `minItems`/
-# `maxLength`... times (llama.cpp's own repetition limit is 2000). GBNF grammars are
-# bounded by dispatcher.common.grammar.
-MAX_SCHEMA_COUNT = 2000
-SCHEMA_COUNTS = ("minItems", "maxItems", "minLength", "maxLength", "minProperties",
-                 "maxProperties", "minContains", "maxContains")
-
-
-def schema_count_over(schema, limit: int) -> str | None:
-    """The first count keyword (minItems, maxLength, ...) in `schema` above `limit`."""
-    stack = [schema]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if key in SCHEMA_COUNTS and isinstance(item, (int, float)) \
-                        and not isinstance(item, bool) and item > limit:
-                    return key
-                if isinstance(item, (dict, list)):
-                    stack.append(item)
-        elif isinstance(value, list):
-            stack.extend(v for v in value if isinstance(v, (dict, list)))
-    return None

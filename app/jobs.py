@@ -35,6 +35,7 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
     ... so that n > 1 gives different texts and the same request gives the same ones.
     A prompt's jobs share its objects (the fan-out sends them once)."""
     max_tokens = req["max_tokens"]
+    client = inference_client(client, req)
     candidates = req["best_of"] or req["n"]
     scoring = candidates > req["n"]
     route = route_of(req, profile)
@@ -64,6 +65,19 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
             plans.append(JobPlan(msgspec.structs.replace(job, adopt_key=adopt_key(job)),
                                  p, c))
     return plans
+
+
+def inference_client(client: str | None, req: dict) -> str | None:
+    """Whose requests the dispatcher may infer to be one editor's keystrokes
+    (admission.InferredSessions), or None. Never a warm-up (`n_predict: 0`: llama.vim's
+    ring-buffer updates, which it never cancels), and requests of one kind only: the same
+    sender with the same generation limits, since an editor's prefetch of the
+    suggestion after the one it shows asks for other limits than a keystroke's (llama.vim:
+    t_max_predict_ms 1000 against 250) and must not replace it."""
+    if client is None or req["max_tokens"] == 0:
+        return None
+    kind = f"{client}|{req['max_tokens']}|{req.get('t_max_predict_ms')}"
+    return hashlib.sha256(kind.encode()).hexdigest()[:16]
 
 
 # What may differ between a running request and the one that adopts its generation.

@@ -19,8 +19,10 @@ from app.errors import (InvalidRequest, NotFound, PayloadTooLarge, RequestTimeou
 from app.schemas import CompletionRequestSchema, first_error, normalize
 from dispatcher.common import protocol as P
 from dispatcher.common.fit import explain_unfit, fits
+from dispatcher.common.schemagrammar import SchemaGrammars, SchemaRefused
 
 _schema = CompletionRequestSchema()
+_schema_grammars = SchemaGrammars(off_loop=lambda function, *args: off_loop(function, *args))
 PROFILE_HEADER = "X-SIE-MACHINE-PROFILE"
 TIMEOUT_HEADER = "X-Request-Timeout"  # seconds the request may wait in the queue
 SESSION_HEADER = "X-Session-Id"     # a new request of a session supersedes the older ones
@@ -76,13 +78,31 @@ def check_shape(raw: bytes) -> None:
                              "objects.", code="invalid_json")
 
 
+class _Raised:
+    """An exception caught on a pool thread, to be raised again on the loop."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _caught(function, args):
+    try:
+        return function(*args)
+    except Exception as exc:      # (gevent's hub would print it, request text and all)
+        return _Raised(exc)
+
+
 def off_loop(function, *args):
     """`function(*args)` on a thread of gevent's pool when this process runs under gevent
     (the front ends): parsing and checking a large body takes the CPU for a while, and
     the loop's heartbeats and other requests must go on meanwhile. Exceptions are
-    raised here."""
+    caught on the pool's thread and raised here: left to the pool, gevent's hub prints
+    each with its traceback to stderr, and their messages quote the request."""
     if gevent.monkey.is_module_patched("socket"):
-        return gevent.get_hub().threadpool.apply(function, args)
+        result = gevent.get_hub().threadpool.apply(_caught, (function, args))
+        if isinstance(result, _Raised):
+            raise result.exc
+        return result
     return function(*args)
 
 
@@ -155,7 +175,16 @@ def check_encodable(body: object) -> None:
 
 
 def validate(body: object, schema: Schema = _schema) -> dict:
-    return off_loop(_validate, body, schema)
+    data = off_loop(_validate, body, schema)
+    if isinstance(data, dict) and data.get("json_schema") is not None:
+        # made into a grammar here, within its budget: a worker only ever gets grammars
+        try:
+            data["grammar"] = _schema_grammars.grammar(data["json_schema"])
+        except SchemaRefused as exc:
+            raise InvalidRequest(str(exc), param="json_schema", code="invalid_value") \
+                from None
+        data["json_schema"] = None
+    return data
 
 
 def _validate(body: object, schema: Schema) -> dict:
@@ -177,8 +206,9 @@ def resolve_model(requested: str | None, state: P.State | None, any_name: bool =
 
     No `model`, or an empty one (llama.vim always sends its `model_fim` setting, "" by
     default), means the served model: the only one, or the first of the config. With
-    `any_name` (llama.cpp's native routes, where llama-server ignores `model`) a name that
-    is not served means the same when one model is served."""
+    `any_name` (llama.cpp's native routes, where llama-server ignores `model`), or on every
+    route with --any-model-name, a name that is not served means the same when one model
+    is served."""
     if state is None:
         raise ServiceUnavailable("the dispatcher is unreachable")
     models = state.models
@@ -191,7 +221,7 @@ def resolve_model(requested: str | None, state: P.State | None, any_name: bool =
         requested = default
     requested = state.aliases.get(requested, requested)    # --model-alias
     if requested not in models:
-        if any_name and len(models) == 1:
+        if (any_name or current_app.config.get("ANY_MODEL_NAME")) and len(models) == 1:
             requested = default
         else:
             raise NotFound(f"The model '{requested}' does not exist. Served: "
@@ -261,8 +291,11 @@ def session_of(req) -> str | None:
         raise InvalidRequest(f"{SESSION_HEADER} has {len(session)} characters; at most "
                              f"{MAX_SESSION_ID}", param=SESSION_HEADER,
                              code="header_too_long")
-    scope = key_scope(req)
-    return session if session is None or scope is None else f"{scope}:{session}"
+    if session is None:
+        return None
+    # (never a name the dispatcher gives an inferred session, `~client:n`: a client
+    # cannot join another address's inferred session by forging its id)
+    return f"{key_scope(req) or 'h'}:{session}"
 
 
 def client_of(req) -> str | None:

@@ -6,14 +6,13 @@ OpenAPI description (`app.openapi` builds /openapi.json from these declarations)
 """
 from __future__ import annotations
 
-from marshmallow import (RAISE, Schema, ValidationError, fields, pre_load, validate,
+from marshmallow import (EXCLUDE, RAISE, Schema, ValidationError, fields, pre_load, validate,
                          validates_schema)
 
 from app.fields import (MAX_CHOICES, MAX_LOGPROBS,  # noqa: F401
                         MAX_PROMPTS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SEED_RANGE,
                         JSONObject, LogitBiasField, PromptField, StopField, StrictBoolean,
-                        StrictFloat, StrictInteger, StrictString, StringListField,
-                        MAX_SCHEMA_COUNT, schema_count_over)
+                        StrictFloat, StrictInteger, StrictString, StringListField)
 from dispatcher.common import grammar as gbnf
 from dispatcher.common import fields as F
 from dispatcher.common.fields import INT_MAX, SAMPLER_ALIASES, SAMPLER_NAMES
@@ -268,11 +267,6 @@ class CompletionRequestSchema(Schema):
                 gbnf.check(data["grammar"])      # as llama.cpp parses it, bounded
             except gbnf.GrammarError as exc:
                 raise ValidationError(f"The grammar cannot be used: {exc}.", "grammar")
-        if data.get("json_schema") is not None:
-            too_big = schema_count_over(data["json_schema"], MAX_SCHEMA_COUNT)
-            if too_big:
-                raise ValidationError(f"{too_big} is at most {MAX_SCHEMA_COUNT} here (the "
-                                      "grammar built from it grows with it).", "json_schema")
         for alias, name in ALIASES.items():
             if data.get(alias) is not None and original.get(name) is not None \
                     and data[alias] != data[name]:
@@ -320,10 +314,11 @@ def first_error(messages) -> tuple[str | None, str]:
 
 
 class _VocabularyRequestSchema(Schema):
-    """A request about a model's vocabulary: which model, nothing unknown."""
+    """A request about a model's vocabulary (llama.cpp's native routes): which model;
+    unknown fields ignored, as llama-server does (llama.vscode sends its own)."""
 
     class Meta:
-        unknown = RAISE
+        unknown = EXCLUDE
 
     model = StrictString(load_default=None, allow_none=True,
                          metadata=_doc("Model id or alias; omitted, null or empty: the "
@@ -338,6 +333,9 @@ class TokenizeRequestSchema(_VocabularyRequestSchema):
         "Add BOS (if the model uses one).", type="boolean", default=False))
     with_pieces = StrictBoolean(load_default=False, metadata=_doc(
         "Return {id, piece} objects instead of ids.", type="boolean", default=False))
+    parse_special = StrictBoolean(load_default=True, metadata=_doc(
+        "Parse special-token text (`<start_of_turn>`) as those tokens (llama.cpp's "
+        "default); false: tokenize it as plain text.", type="boolean", default=True))
 
 
 class DetokenizeRequestSchema(_VocabularyRequestSchema):

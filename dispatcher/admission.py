@@ -14,6 +14,7 @@ who sent them and how their text before the cursor changes.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 
 from dispatcher.common import protocol as P
@@ -86,8 +87,8 @@ class Units:
 class Sessions:
     def __init__(self) -> None:
         self.open: dict[str, dict[str, Job]] = {}   # X-Session-Id -> its open jobs
-        # X-Session-Id -> (order, parent, when) of the newest request the client sent,
-        # least recently used first
+        # X-Session-Id -> (order, parent, when, whether order is X-Session-Seq) of the
+        # newest request the client sent, least recently used first
         self.newest: OrderedDict[str, tuple] = OrderedDict()
 
     def arrives(self, job: Job, now: float) -> tuple[bool, list[Job]]:
@@ -96,12 +97,15 @@ class Sessions:
         jobs of older requests, which it supersedes; they are forgotten here). Order is
         the client's (`session_order`), never the order of arrival here."""
         session, parent = job.body.session, job.body.parent
-        order = job.body.session_order
+        order, counted = job.body.session_order, job.body.session_seq
         newest = self.newest.get(session)
-        if newest is not None and newest[1] != parent and newest[0] > order \
-                and not self._new_epoch(job, newest, now):
+        # a client's counter and arrival stamps are different scales: a request of the
+        # other kind is newer by arriving later (X-Session-Seq 2**63-1 once must not
+        # lock out a client that sends none)
+        if newest is not None and newest[1] != parent and newest[3] == counted \
+                and newest[0] > order and not self._new_epoch(job, newest, now):
             return False, []
-        self.newest[session] = (order, parent, now)
+        self.newest[session] = (order, parent, now, counted)
         self.newest.move_to_end(session)
         while len(self.newest) > MAX_SESSIONS:
             self.newest.popitem(last=False)
@@ -131,7 +135,7 @@ class Sessions:
                 del self.open[session]
 
     def expire(self, now: float) -> None:
-        for session, (_, _, seen) in list(self.newest.items()):
+        for session, (_, _, seen, _) in list(self.newest.items()):
             if seen < now - SESSION_MEMORY and session not in self.open:
                 del self.newest[session]
 
@@ -139,32 +143,51 @@ class Sessions:
 # Sessions inferred for requests without X-Session-Id (InferredSessions)
 INFER_WINDOW = 3.0          # seconds since a request of the session last arrived
 CURSOR_REGION = 64          # characters before the cursor a keystroke may change
+KEYSTROKE_CHARS = 16        # ... removed and added together at most (a few keystrokes)
 MIN_SHARED = 32             # ... and at least this much (or all of the shorter) shared
 MAX_ENTRIES = 16            # sessions remembered per client and route
 MAX_CLIENTS = 4096          # clients and routes remembered, least recently seen first
 MAX_TEXT = 32 << 20         # ... and characters of text kept in all (prompts are <= 1 MiB)
 
 
-def cursor_text(body: P.SubmittedJob) -> str | None:
-    """The text before the cursor of a fill-in-the-middle request (its prompt, and for
-    /infill the current line's start, `middle`); None for any other request: only
-    editors' FIM requests are ever inferred to replace one another."""
+def cursor_text(body: P.SubmittedJob) -> tuple[str, str] | None:
+    """(where the cursor is, the text before it on its line or in its file) of a
+    fill-in-the-middle request; None for any other request: only editors' FIM requests
+    are ever inferred to replace one another. Where: a digest of the text after the
+    cursor and, for /infill, of the lines above the cursor's line (`prompt`), so that
+    only requests at one place (the same text around the one being typed) are compared;
+    a warm-up with no text at all is never one (llama.vim's ring-buffer updates)."""
     if not isinstance(body.prompt, str) or not (body.suffix is not None or body.infill):
         return None
-    return body.prompt + (body.infill.middle if body.infill else "")
+    if body.infill:
+        before, around = body.infill.middle, (body.prompt, body.suffix or "")
+    else:
+        before, around = body.prompt, ("", body.suffix or "")
+    if not before and not around[0] and not around[1]:
+        return None
+    digest = hashlib.sha256()
+    for part in around:
+        digest.update(part.encode("utf-8", "surrogatepass"))
+        digest.update(b"\x00")
+    return digest.hexdigest()[:24], before
 
 
 def same_cursor(old: str, new: str) -> bool:
-    """A keystroke's change: the texts differ, and only within the last CURSOR_REGION
-    characters of the shorter (typing, deleting, a word completed), while sharing at
-    least MIN_SHARED characters (or all of the shorter)."""
+    """A keystroke's change: the texts differ only within the last CURSOR_REGION
+    characters of the shorter, by at most KEYSTROKE_CHARS characters removed and added
+    (typing, deleting, a word completed), sharing at least MIN_SHARED characters (or all
+    of the shorter). The long common part is compared at C speed (texts run to 1 MiB)."""
     if old == new:
         return False
     n = min(len(old), len(new))
-    shared = 0
+    fixed = max(0, n - CURSOR_REGION)
+    if old[:fixed] != new[:fixed]:
+        return False
+    shared = fixed
     while shared < n and old[shared] == new[shared]:
         shared += 1
-    return shared >= n - CURSOR_REGION and shared >= min(MIN_SHARED, n)
+    changed = len(old) + len(new) - 2 * shared
+    return changed <= KEYSTROKE_CHARS and shared >= min(MIN_SHARED, n)
 
 
 class InferredSessions:
@@ -186,10 +209,11 @@ class InferredSessions:
         self.chars -= sum(len(e[0]) for e in entries)
 
     def session_for(self, body: P.SubmittedJob, now: float) -> str | None:
-        text = cursor_text(body) if body.client and body.fanout == 1 else None
-        if text is None:
+        cursor = cursor_text(body) if body.client and body.fanout == 1 else None
+        if cursor is None:
             return None
-        key = (body.client, body.model, body.route)
+        where, text = cursor
+        key = (body.client, body.model, body.route, where)
         entries = self.clients.pop(key, [])
         self._drop([e for e in entries if e[2] < now - INFER_WINDOW])
         entries = [e for e in entries if e[2] >= now - INFER_WINDOW]
@@ -205,7 +229,7 @@ class InferredSessions:
                 break
         if session is None:
             self.counter += 1
-            session = f"~{body.client}:{self.counter}"
+            session = f"~{body.client}:{self.counter}"   # (clients' ids are never ~...)
             entries.append([text, session, now, body.session_order])
             self.chars += len(text)
             self._drop(entries[:-MAX_ENTRIES])

@@ -10,7 +10,7 @@ import signal
 import socket
 import sys
 
-from dispatcher.common.addresses import Endpoints
+from dispatcher.common.addresses import Endpoints, private_directory
 from dispatcher.common import config, configfile
 from dispatcher.common.models import default_model_id, resolve_model_path
 from dispatcher.tools.ctl import default_dispatcher_address, dispatcher_answers
@@ -25,7 +25,7 @@ SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "mo
                  "stop_grace", "api_key", "api_key_file", "access_log", "step_timeout",
                  "max_connections", "header_timeout", "body_timeout", "heartbeat_interval",
                  "cache_scope", "max_queue_per_key", "log_content", "curve_keys",
-                 "insecure_transport", "infer_sessions"]
+                 "insecure_transport", "infer_sessions", "any_model_name"]
 
 
 def _setup_logging(level: str) -> None:
@@ -96,7 +96,9 @@ def _endpoints(args) -> tuple[Endpoints, str, str | None]:
     cleanup = None
     if base.startswith("ipc://"):
         cleanup = base[len("ipc://"):]
-        os.makedirs(cleanup, mode=0o700, exist_ok=True)
+        problem = private_directory(cleanup)
+        if problem:
+            raise SystemExit(problem)
         if args.dispatcher:
             cleanup = None           # a directory the operator chose is theirs to keep
     return endpoints, base, cleanup
@@ -177,7 +179,8 @@ def cmd_serve(args) -> int:
                # keys travel in the environment, never on a command line (ps shows those)
                "COMPLETIONS_API_KEY": ",".join(args.api_key),
                "COMPLETIONS_API_KEY_FILE": args.api_key_file or "",
-               "COMPLETIONS_CORS_ORIGIN": ",".join(args.cors_origin)}
+               "COMPLETIONS_CORS_ORIGIN": ",".join(args.cors_origin),
+               "COMPLETIONS_ANY_MODEL_NAME": "true" if args.any_model_name else ""}
         supervisor.add(Child("frontend", python_module_argv(
             # The dispatcher has drained in-flight requests (--stop-grace) before the
             # front ends are stopped: their worker (app/gunicorn_worker.py) closes idle

@@ -151,7 +151,7 @@ class DispatcherCore:
 
     def expire_workers(self, now: float) -> None:
         for record in self.registry.expired(now):
-            self.worker_lost(record, "stopped answering heartbeats")
+            self.worker_lost(record, "stopped answering heartbeats", silent=True)
             self._to_worker(record.identity, P.DISCONNECT)
             # a process frozen whole (its IO thread too): the launcher ends it, if its own
             self.silent.append((record.name, record.info.pid))
@@ -471,11 +471,15 @@ class DispatcherCore:
         self.stats["requeued"] += 1
         self.queue.push(job, front=True)
 
-    def worker_lost(self, record: WorkerRecord, reason: str, code: str | None = None) -> None:
+    def worker_lost(self, record: WorkerRecord, reason: str, code: str | None = None,
+                    silent: bool = False) -> None:
         """Drop a worker; requeue its jobs that had not started (they cannot be what
         killed it), fail the others: a request that was being prefilled or generated when
-        its worker died is never handed to a second worker to kill. `code` is the error
-        its failed requests get (worker_lost, or worker_stuck from the watchdog)."""
+        its worker died is never handed to a second worker to kill. A worker lost by
+        going `silent` (no heartbeats: its IO thread could not run, as when its
+        generation thread held the GIL) may not have been able to say a job started
+        either, so none of its jobs is requeued. `code` is the error its failed requests
+        get (worker_lost, or worker_stuck from the watchdog)."""
         code = code if code in ("worker_lost", "worker_stuck") else "worker_lost"
         self.registry.remove(record.identity)
         log.error("worker %s lost (%s) with %d request(s)", record.name, reason,
@@ -493,7 +497,7 @@ class DispatcherCore:
             job.worker = None
             if job.cancelled:                # nobody waits for it any more
                 self._forget(job)
-            elif not job.started and job.attempt < MAX_ATTEMPTS:
+            elif not job.started and not silent and job.attempt < MAX_ATTEMPTS:
                 self._requeue(job)
             else:
                 self.stats["failed"] += 1

@@ -149,6 +149,19 @@ def test_a_lost_worker_requeues_what_it_had_not_started_and_fails_the_rest():
     assert request.request_id == "waiting" and request.body.attempt == 2
 
 
+def test_a_worker_lost_by_going_silent_has_none_of_its_jobs_requeued():
+    """A worker whose heartbeats stopped (its generation thread held the GIL, so its IO
+    thread could neither beat nor say the job it was busy with had started): that job
+    may be what froze it, and is failed, never handed to the next worker to freeze."""
+    core = DispatcherCore()
+    ready(core, b"w0", slots=2, now=0.0)
+    submit(core, "poison")
+    sends = core.tick(HEARTBEAT_EXPIRY + 1.0)
+    failed = {s.request_id: s.body.code for s in sends if s.cmd == P.FAILED}
+    assert failed == {"poison": "worker_lost"}
+    assert len(core.queue) == 0 and core.stats["requeued"] == 0
+
+
 def test_a_stopping_worker_hands_back_what_it_had_not_started():
     core = DispatcherCore()
     ready(core, b"w0")
@@ -162,15 +175,18 @@ def test_a_stopping_worker_hands_back_what_it_had_not_started():
 
 def test_workers_and_front_ends_expire_without_heartbeats():
     core = DispatcherCore()
-    ready(core, now=0.0)
-    submit(core, "a", now=0.0)
+    ready(core, now=0.0, slots=1)
+    submit(core, "a", now=0.0)                        # sent to the worker
+    submit(core, "b", now=0.0)                        # queued
     assert kinds(core.tick(HEARTBEAT_EXPIRY - 0.1)) == [("HEARTBEAT", "")]
     from_worker(core, P.HEARTBEAT, "", now=HEARTBEAT_EXPIRY - 0.1)
     assert len(core.registry) == 1
     core.frontend_message(FE, P.Message(P.PING, "", P.Ping()), 2 * HEARTBEAT_EXPIRY - 0.1)
     sends = core.tick(2 * HEARTBEAT_EXPIRY)
     assert len(core.registry) == 0 and ("DISCONNECT", "") in kinds(sends)
-    assert [j.request_id for j in core.queue] == ["a"]  # not started: kept for later
+    # a silent worker could not say whether it had started a: failed, never requeued
+    assert ("FAILED", "a") in kinds(sends) and core.stats["requeued"] == 0
+    assert [j.request_id for j in core.queue] == ["b"]  # never sent: kept for later
     core.tick(3 * HEARTBEAT_EXPIRY)
     assert core.frontends == {} and len(core.queue) == 0   # its front end went quiet
 

@@ -45,13 +45,14 @@ class FakeEngine:
     def n_slots(self) -> int:
         return len(self._slots)
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True,
+                 parse_special: bool = True) -> list[int]:
         return ([BOS] if add_special else []) + list(text.encode("utf-8"))
 
     def bos(self) -> list[int]:
         return [BOS]
 
-    def piece(self, token: int) -> bytes:
+    def piece(self, token: int, special: bool = False) -> bytes:
         return bytes([token]) if token < 256 else b""
 
     def is_eog(self, token: int) -> bool:
@@ -60,9 +61,6 @@ class FakeEngine:
     def check_tokens(self, tokens: list[int], param: str = "prompt") -> None:
         if any(not 0 <= t < self.n_vocab for t in tokens):
             raise InvalidInput("token ids outside the vocabulary", param=param)
-
-    def grammar_from_json_schema(self, schema: dict) -> str:
-        raise InvalidInput("the fake engine has no grammar support", param="json_schema")
 
     def draft_stats(self, slot_id: int) -> tuple[int, int]:
         return (0, 0)

@@ -183,7 +183,10 @@ class GenerationLoop:
         topic = body.topic.encode()
         sampling = dict(gen.sampling)
         if sampling.get("json_schema") is not None:
-            sampling["grammar"] = self.engine.grammar_from_json_schema(sampling["json_schema"])
+            # the front end makes schemas into grammars, within their budget
+            # (dispatcher/common/schemagrammar.py): a worker never runs the converter
+            raise InvalidInput("a json_schema reaches a worker only as a grammar",
+                               param="json_schema")
         extra = list(body.infill.extra) if body.infill else []
         middle = body.infill.middle if body.infill else ""
         tokens = prompt_tokens(self.engine, body.prompt, body.suffix, self.fim_template,

@@ -52,12 +52,14 @@ def vocabulary_op(engine, body: P.WorkerJob) -> dict:
     """The answer to a /tokenize or /detokenize job, in llama.cpp's shape."""
     gen = body.generation
     if body.op == "tokenize":
-        tokens = engine.tokenize(gen.content or "", bool(gen.add_special))
-        return {"tokens": [{"id": t, "piece": token_text(engine.piece(t))} for t in tokens]
+        tokens = engine.tokenize(gen.content or "", bool(gen.add_special),
+                                 gen.parse_special is not False)
+        return {"tokens": [{"id": t, "piece": token_text(engine.piece(t, True))}
+                           for t in tokens]
                 if gen.with_pieces else tokens}
     if body.op == "detokenize":
         engine.check_tokens(gen.tokens or [], param="tokens")
-        data = b"".join(engine.piece(t) for t in gen.tokens or [])
+        data = b"".join(engine.piece(t, True) for t in gen.tokens or [])
         return {"content": data.decode("utf-8", "replace")}
     raise InvalidInput(f"unknown operation {body.op!r}")
 

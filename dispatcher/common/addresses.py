@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 
 
@@ -37,3 +38,28 @@ class Endpoints:
     def ipc_paths(self) -> list[str]:
         return [a[len("ipc://"):] for a in (getattr(self, n) for n in self.NAMES)
                 if a.startswith("ipc://")]
+
+
+def private_directory(path: str) -> str | None:
+    """Make the ipc directory `path` if it is not there (mode 0700), and check it: None,
+    or the one line saying why it cannot be used. Whoever can write into it can move a
+    socket aside and bind their own (a worker respawned then registers with them), so it
+    must be a real directory, ours, that no group or other user may write into; one that
+    another local user made first (in /tmp, say) is refused, never taken over."""
+    try:
+        os.makedirs(os.path.dirname(path.rstrip("/")) or "/", exist_ok=True)
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        return f"cannot create the ipc directory {path}: {exc.strerror}"
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        return f"refusing the ipc directory {path}: it is not a directory (a link?)"
+    if info.st_uid != os.geteuid():
+        return (f"refusing the ipc directory {path}: it belongs to uid {info.st_uid}, not "
+                f"to this user ({os.geteuid()}); remove it or choose another --dispatcher")
+    if info.st_mode & 0o022:
+        return (f"refusing the ipc directory {path}: group or others may write into it "
+                f"(mode {stat.S_IMODE(info.st_mode):04o}); chmod go-w it or remove it")
+    return None

@@ -207,6 +207,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "of another key's prompts) or shared (everyone's: for one trusted team); default: "
            "key when API keys are configured, else shared", str.lower,
            choices=("key", "shared")),
+    Option("any_model_name", False, "while one model is served, a request naming a model "
+           "that is not served gets it instead of a 404 (llama-server ignores `model`; "
+           "minuet-ai.nvim's llama.cpp recipe sends \"PLACEHOLDER\"); an empty or missing "
+           "model always gets the served one", _boolean),
     Option("cors_origin", [], "a browser origin allowed to call the API (CORS), e.g. "
            "https://editor.example.com, or * for any; repeatable; none by default",
            repeat=True),

@@ -179,6 +179,7 @@ class Generation(Body):
     content: str | None = None
     add_special: bool | None = None
     with_pieces: bool | None = None
+    parse_special: bool | None = None
     tokens: list[int] | None = None
 
 

@@ -192,23 +192,21 @@ class LlamaEngine:
             if self.draft_max else None)
 
     # -- the vocabulary (workers.engine.vocabulary), as the Engine protocol names it ----
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return self.vocabulary.tokenize(text, add_special)
+    def tokenize(self, text: str, add_special: bool = True,
+                 parse_special: bool = True) -> list[int]:
+        return self.vocabulary.tokenize(text, add_special, parse_special)
 
     def bos(self) -> list[int]:
         return self.vocabulary.bos()
 
-    def piece(self, token: int) -> bytes:
-        return self.vocabulary.piece(token)
+    def piece(self, token: int, special: bool = False) -> bytes:
+        return self.vocabulary.piece(token, special)
 
     def is_eog(self, token: int) -> bool:
         return self.vocabulary.is_eog(token)
 
     def check_tokens(self, tokens: list[int], param: str = "prompt") -> None:
         self.vocabulary.check_tokens(tokens, param)
-
-    def grammar_from_json_schema(self, schema: dict) -> str:
-        return self.vocabulary.grammar_from_json_schema(schema)
 
     # -- sequences ---------------------------------------------------------------------
     @property

@@ -4,6 +4,7 @@ is pinned), the shared candidate buffers, and the grammar check before a chain i
 from __future__ import annotations
 
 import ctypes
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -34,6 +35,9 @@ def check_grammar(grammar: str, n_vocab: int, token_of=None,
 
 
 KEPT_VERDICTS = 64
+# One token's grammar work past this ends the request (a grammar within the static
+# budgets takes milliseconds; the stacks of an ambiguous one double with each character).
+GRAMMAR_TOKEN_SECONDS = 0.5
 
 
 def one_token(lib, vocab, text: str) -> int | None:
@@ -209,6 +213,7 @@ class SamplerChain:
         if self.grammar is None:
             return self.lib.llama_sampler_sample(self.chain, ctx, row)   # accepts too
         lib, candidates = self.lib, self.candidates
+        started = time.perf_counter()
         if self.bare_greedy:          # the chain is an argmax: no candidate array needed
             token = int(logits.argmax())
         else:
@@ -221,6 +226,16 @@ class SamplerChain:
                 raise EngineError("the grammar allows no token here")
         lib.llama_sampler_accept(self.grammar, token)
         lib.llama_sampler_accept(self.chain, token)
+        spent = time.perf_counter() - started
+        if spent > GRAMMAR_TOKEN_SECONDS:
+            # parse stacks that multiply as the text goes on (an ambiguous recursive
+            # grammar: `r ::= "a" r "b" | "a" r "c"` doubles them at every "a"), which no
+            # static count bounds: end this request before the next token costs more
+            raise InvalidInput(f"the grammar took {spent:.2f} s to apply to one token "
+                               f"(at most {GRAMMAR_TOKEN_SECONDS:g} s here): its parse "
+                               "stacks multiply as the text goes on (alternatives that "
+                               "begin alike and nest)", code="grammar_too_costly",
+                               param="grammar")
         return token
 
     def _allows(self, token: int) -> bool:

@@ -10,7 +10,6 @@ import ctypes
 import threading
 from collections import OrderedDict
 
-from dispatcher.common import grammar as gbnf
 from workers.errors import EngineError, InvalidInput
 
 
@@ -29,37 +28,38 @@ class Vocabulary:
         self._kept_tokens: OrderedDict = OrderedDict()      # the last long texts' tokens
         self._kept_lock = threading.Lock()
         self._piece_local = threading.local()               # a piece buffer per thread
-        self._schema_grammars: OrderedDict = OrderedDict()
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        """Text verbatim, special-token syntax parsed; BOS added if asked and the model
-        wants one."""
+    def tokenize(self, text: str, add_special: bool = True,
+                 parse_special: bool = True) -> list[int]:
+        """Text verbatim, special-token syntax parsed (unless `parse_special` is false:
+        /tokenize's option); BOS added if asked and the model wants one."""
         if len(text) < LONG_TEXT:
-            return self._tokenize(text, add_special)
+            return self._tokenize(text, add_special, parse_special)
         kept, lock = self._kept_tokens, self._kept_lock
-        key = (text, add_special)
+        key = (text, add_special, parse_special)
         with lock:
             tokens = kept.get(key)
             if tokens is not None:
                 kept.move_to_end(key)
                 return list(tokens)
-        tokens = self._tokenize(text, add_special)
+        tokens = self._tokenize(text, add_special, parse_special)
         with lock:
             kept[key] = tokens
             while len(kept) > KEPT_TOKENIZATIONS:
                 kept.popitem(last=False)
         return list(tokens)
 
-    def _tokenize(self, text: str, add_special: bool) -> list[int]:
+    def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         data = text.encode("utf-8")
         size = len(data) + 8
         buf = (self.lib.llama_token * size)()
-        n = self.lib.llama_tokenize(self.vocab, data, len(data), buf, size, add_special, True)
+        n = self.lib.llama_tokenize(self.vocab, data, len(data), buf, size, add_special,
+                                     parse_special)
         if n < 0:
             size = -n
             buf = (self.lib.llama_token * size)()
             n = self.lib.llama_tokenize(self.vocab, data, len(data), buf, size, add_special,
-                                         True)
+                                         parse_special)
         if n < 0:
             raise EngineError("tokenization failed")
         return list(buf[:n])
@@ -67,16 +67,18 @@ class Vocabulary:
     def bos(self) -> list[int]:
         return [self.lib.llama_vocab_bos(self.vocab)] if self.add_bos else []
 
-    def piece(self, token: int) -> bytes:
-        """The exact bytes of one token (may be part of a UTF-8 character)."""
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The exact bytes of one token (may be part of a UTF-8 character); a control
+        token's text only with `special` (/tokenize's pieces, /detokenize: as
+        llama-server gives them), never in generated text."""
         local = self._piece_local
         buf = getattr(local, "buf", None)
         if buf is None:                   # one buffer a thread: /tokenize has its own
             buf = local.buf = ctypes.create_string_buffer(256)
-        n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            n = self.lib.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:max(n, 0)]
 
     def is_eog(self, token: int) -> bool:
@@ -87,26 +89,3 @@ class Vocabulary:
         if bad:
             raise InvalidInput(f"token ids {bad[:5]} are outside the vocabulary "
                                f"(0..{self.n_vocab - 1})", param=param)
-
-    def grammar_from_json_schema(self, schema: dict) -> str:
-        import json
-
-        from llama_cpp.llama_grammar import json_schema_to_gbnf   # (loaded by the engine)
-        text = json.dumps(schema, sort_keys=True)
-        kept = self._schema_grammars
-        if text not in kept:                      # n choices of one schema: built once
-            try:
-                grammar = json_schema_to_gbnf(json.dumps(schema))
-                gbnf.check(grammar, self.n_vocab)   # bounded as any grammar
-                kept[text] = (grammar, None)
-            except gbnf.GrammarError as exc:
-                kept[text] = (None, "the JSON schema makes a grammar that cannot be used: "
-                                    f"{exc}")
-            except Exception as exc:            # the converter raises many kinds
-                kept[text] = (None, f"unsupported or invalid JSON schema: {exc}")
-            while len(kept) > 16:
-                kept.popitem(last=False)
-        grammar, problem = kept[text]
-        if problem is not None:
-            raise InvalidInput(problem, param="json_schema")
-        return grammar

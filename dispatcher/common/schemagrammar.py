@@ -1,0 +1,223 @@
+"""JSON schemas made into GBNF grammars in the front end, each within a budget.
+
+llama-cpp-python's converter (`llama_cpp.llama_grammar`, a port of llama.cpp's
+json-schema-to-grammar.py) does work that grows much faster than the schema's text: its
+optional properties are joined pairwise (8,000 of them took 278 s), a `pattern`
+quantifier copies its literal that many times (`\\a{100000002}`, 90 bytes, asked for
+gigabytes), and it holds the GIL throughout. So a schema is converted in two guarded
+steps, neither of them in a worker:
+
+1. `estimate` walks the schema and adds up what the converter will do (properties and
+   their names, optional properties squared, repetition counts, `pattern` quantifiers
+   and the literals they copy, enum values, `$ref`s); a schema over `MAX_WORK`, or with
+   one count over `MAX_REPETITION`, is refused with a message naming the construct.
+2. `convert` runs the converter in a child process (`python -m
+   dispatcher.common.schemagrammar`) with an address-space and CPU limit and a wall
+   deadline, so that a shape nobody counted costs one child process, never a loop, a
+   worker or another request. The grammar it returns is then checked like any other
+   (`dispatcher.common.grammar.check`: size, parse stacks).
+
+The converter module is loaded from llama-cpp-python's files without importing the
+package (whose `__init__` loads the native library): it needs only the standard library.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections import OrderedDict
+
+from dispatcher.common import grammar as gbnf
+
+MAX_WORK = 400_000          # the converter's steps, as `estimate` counts them
+MAX_REPETITION = 2000       # one count: minItems, maxLength, a pattern's {n,m} ...
+CONVERT_SECONDS = 5.0       # the child's wall deadline (a schema that passed `estimate`
+#                             converts in well under a second)
+CONVERT_MEMORY = 1 << 30    # the child's address space
+CACHE_SIZE = 32             # converted schemas kept per process (n choices, retries)
+
+COUNTS = ("minItems", "maxItems", "minLength", "maxLength")
+_QUANTIFIER = re.compile(r"(?<!\\)\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
+
+
+class SchemaRefused(ValueError):
+    """The schema cannot be made into a grammar here: the message says why (it may quote
+    a bounded part of the schema; it is for the client, never for a log)."""
+
+
+def _short(text: str, limit: int = 48) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _count(value) -> int:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and value == value and abs(value) < 1e18 else 0
+
+
+def pattern_work(pattern: str, where: str) -> int:
+    """What the converter does for one `pattern`: every `{n,m}` quantifier repeats the
+    item before it up to max(n, m) times (a literal item is copied whole that often)."""
+    work = len(pattern)
+    for match in _QUANTIFIER.finditer(pattern):
+        low, high = match.group(1), match.group(2)
+        for digits in (low, high):
+            if digits and (len(digits) > 6 or int(digits) > MAX_REPETITION):
+                raise SchemaRefused(
+                    f"{where}: the quantifier {_short(match.group(0), 24)} repeats more "
+                    f"than {MAX_REPETITION} times (the grammar copies its item that often).")
+        times = max(int(low or 0), int(high or 0)) + 1
+        # the item before it: a literal run is copied whole, a group is named once
+        before = pattern[:match.start()]
+        literal = len(before) - len(before.rstrip("abcdefghijklmnopqrstuvwxyz"
+                                                  "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789\\"))
+        work += times * (max(literal, 1) + 8)
+    return work
+
+
+def estimate(schema: object) -> int:
+    """The converter's work for `schema`, in steps (refused past MAX_WORK or any count
+    past MAX_REPETITION). Iterative, as deep as JSON allows."""
+    work = 0
+    stack: list[tuple[object, str, int]] = [(schema, "json_schema", 4)]  # (node, path, name)
+    while stack:
+        node, path, name = stack.pop()
+        if isinstance(node, list):
+            work += len(node)
+            stack.extend((item, f"{path}[{i}]", name + 4) for i, item in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        work += name                        # each sub-schema is a rule named by its path
+        for key in COUNTS:
+            times = _count(node.get(key))
+            if times > MAX_REPETITION:
+                raise SchemaRefused(f"{path}.{key} is at most {MAX_REPETITION} here (the "
+                                    "grammar repeats its item that many times).")
+            work += times * (name + 2)
+        pattern = node.get("pattern")
+        if isinstance(pattern, str):
+            work += pattern_work(pattern, f"{path}.pattern")
+        enum = node.get("enum")
+        if isinstance(enum, list):
+            work += 4 * len(enum)
+        properties = node.get("properties")
+        if isinstance(properties, dict):
+            required = node.get("required")
+            required = set(r for r in required if isinstance(r, str)) \
+                if isinstance(required, list) else set()
+            optional = sum(1 for p in properties if p not in required) + \
+                (1 if node.get("additionalProperties") not in (None, False) else 0)
+            # the converter joins every suffix of the optional properties: n² steps
+            work += optional * optional + len(properties)
+            if optional * optional > MAX_WORK:
+                raise SchemaRefused(
+                    f"{path}.properties has {optional} optional properties; at most "
+                    f"{int(MAX_WORK ** 0.5)} here (the grammar built from them grows with "
+                    "their square).")
+            for prop, sub in properties.items():
+                label = f"{path}.properties.{_short(str(prop), 32)}"
+                work += 2 * (name + len(prop))
+                stack.append((sub, label, name + len(prop) + 1))
+        for key, sub in node.items():
+            if key != "properties" and isinstance(sub, (dict, list)):
+                stack.append((sub, f"{path}.{key}", name + len(key) + 1))
+        if work > MAX_WORK:
+            raise SchemaRefused(f"The JSON schema is too large to make into a grammar here "
+                                f"(past {path}: at most {MAX_WORK:,} conversion steps).")
+    return work
+
+
+def _converter():
+    """llama-cpp-python's json_schema_to_gbnf, loaded from its file alone."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        raise SchemaRefused("JSON schemas need llama-cpp-python, which is not installed.")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "llama_grammar.py")
+    module_spec = importlib.util.spec_from_file_location("_llama_grammar", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.json_schema_to_gbnf
+
+
+def _limit_child() -> None:
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (CONVERT_MEMORY, CONVERT_MEMORY))
+    seconds = int(CONVERT_SECONDS) + 1
+    resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds))
+
+
+def child_main() -> int:
+    """The child: a schema (JSON) on stdin, {"grammar"} or {"error"} on stdout."""
+    _limit_child()
+    text = sys.stdin.buffer.read().decode("utf-8")
+    try:
+        result = {"grammar": _converter()(text)}
+    except MemoryError:
+        result = {"error": "the JSON schema needs more memory to convert than allowed"}
+    except RecursionError:
+        result = {"error": "the JSON schema is nested too deeply to convert"}
+    except Exception as exc:             # the converter asserts and raises many kinds
+        result = {"error": f"unsupported or invalid JSON schema: {_short(str(exc), 200)}"}
+    sys.stdout.write(json.dumps(result))
+    return 0
+
+
+def _run_child(text: str) -> str:
+    try:
+        done = subprocess.run([sys.executable, "-m", "dispatcher.common.schemagrammar"],
+                              input=text.encode("utf-8"), capture_output=True,
+                              timeout=CONVERT_SECONDS, check=False)
+    except subprocess.TimeoutExpired:
+        raise SchemaRefused(f"The JSON schema took more than {CONVERT_SECONDS:g} s to make "
+                            "into a grammar.")
+    if done.returncode != 0 or not done.stdout:
+        raise SchemaRefused("The JSON schema could not be made into a grammar within this "
+                            "server's time and memory limits.")
+    result = json.loads(done.stdout)
+    if "error" in result:
+        raise SchemaRefused(result["error"][0].upper() + result["error"][1:] + ".")
+    return result["grammar"]
+
+
+class SchemaGrammars:
+    """A process's conversions, the last CACHE_SIZE kept (the same schema sent again, or
+    for several choices, is converted once)."""
+
+    def __init__(self, run=_run_child, off_loop=lambda function, *args: function(*args),
+                 at_once: int = 2) -> None:
+        self.run = run
+        self.off_loop = off_loop            # the CPU-bound steps, off a gevent loop
+        self.slots = threading.BoundedSemaphore(at_once)   # child processes at once
+        self.kept: OrderedDict[str, tuple[str | None, str | None]] = OrderedDict()
+
+    def grammar(self, schema: object, n_vocab: int | None = None) -> str:
+        """The checked grammar for `schema`, or SchemaRefused."""
+        # (the order of properties is the order of the output's keys: kept as sent)
+        text = json.dumps(schema, ensure_ascii=False)
+        if text not in self.kept:
+            try:
+                self.off_loop(estimate, schema)
+                with self.slots:
+                    grammar = self.run(text)
+                self.off_loop(gbnf.check, grammar, n_vocab)
+                self.kept[text] = (grammar, None)
+            except gbnf.GrammarError as exc:
+                self.kept[text] = (None, "The JSON schema makes a grammar that cannot be "
+                                         f"used: {exc}")
+            except SchemaRefused as exc:
+                self.kept[text] = (None, str(exc))
+            while len(self.kept) > CACHE_SIZE:
+                self.kept.popitem(last=False)
+        self.kept.move_to_end(text)
+        grammar, problem = self.kept[text]
+        if problem is not None:
+            raise SchemaRefused(problem)
+        return grammar
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())
