@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 
-from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
+from flask import Blueprint, Response, current_app, request, stream_with_context
 
 from app import access, sse
 from app.client import ClientGone, get_client, watch_disconnect
@@ -16,7 +16,7 @@ from app.errors import from_wire
 from app.fanout import Fanout
 from app.jobs import plan_jobs
 from app.requests import (PROFILE_HEADER, check_prompt_size, check_route, parse_json_body,
-                          SEQUENCE_HEADER, client_of, key_scope, queue_timeout,
+                          SEQUENCE_HEADER, client_of, json_answer, key_scope, queue_timeout,
                           resolve_model, session_of, session_order, tenant_of, validate)
 from app.responses import Result
 from dispatcher.common import protocol as P
@@ -101,7 +101,7 @@ def serve(req: dict, result_class, warm: bool = False, infill: P.Infill | None =
             if isinstance(event, P.Error):
                 raise from_wire(event)
             result.add(index, event)
-        return jsonify(result.body()), 200, headers
+        return json_answer(result.body, headers=headers)
     except ClientGone:
         record.failed("client_closed")
         return Response(status=499)

@@ -1,11 +1,11 @@
 """POST /tokenize and POST /detokenize, in llama.cpp's shapes, answered by a worker."""
 from __future__ import annotations
 
-from flask import Blueprint, current_app, jsonify
+from flask import Blueprint, current_app
 
 from app import access
 from app.client import get_client
-from app.requests import parse_json_body, resolve_model, validate
+from app.requests import json_answer, parse_json_body, resolve_model, validate
 from app.errors import PayloadTooLarge, from_wire
 from app.schemas import DetokenizeRequestSchema, TokenizeRequestSchema
 from dispatcher.common import protocol as P
@@ -39,9 +39,11 @@ def _run(op: str, req: dict) -> dict:
 
 @bp.post("/tokenize")
 def tokenize():
-    return jsonify(_run("tokenize", validate(parse_json_body(), TokenizeRequestSchema())))
+    result = _run("tokenize", validate(parse_json_body(), TokenizeRequestSchema()))
+    return json_answer(lambda: result)
 
 
 @bp.post("/detokenize")
 def detokenize():
-    return jsonify(_run("detokenize", validate(parse_json_body(), DetokenizeRequestSchema())))
+    result = _run("detokenize", validate(parse_json_body(), DetokenizeRequestSchema()))
+    return json_answer(lambda: result)

@@ -154,14 +154,15 @@ def cursor_text(body: P.SubmittedJob) -> tuple[str, str] | None:
     """(where the cursor is, the text before it on its line or in its file) of a
     fill-in-the-middle request; None for any other request: only editors' FIM requests
     are ever inferred to replace one another. Where: a digest of the text after the
-    cursor and, for /infill, of the lines above the cursor's line (`prompt`), so that
+    cursor and, for /infill with the cursor's line in `prompt` (`middle` here), of the
+    lines above it (`input_prefix`, `prompt` here), so that
     only requests at one place (the same text around the one being typed) are compared;
     a warm-up with no text at all is never one (llama.vim's ring-buffer updates)."""
     if not isinstance(body.prompt, str) or not (body.suffix is not None or body.infill):
         return None
-    if body.infill:
+    if body.infill and body.infill.middle:    # llama.vim's: the cursor's line so far
         before, around = body.infill.middle, (body.prompt, body.suffix or "")
-    else:
+    else:                                     # the whole text before the cursor
         before, around = body.prompt, ("", body.suffix or "")
     if not before and not around[0] and not around[1]:
         return None

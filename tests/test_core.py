@@ -469,7 +469,8 @@ FILE = "def handler(request):\n    value = request.get('field')\n    return resp
 
 
 def keystroke(core, rid, text, now=0.0, client="c1", order=None, **body):
-    return submit(core, rid, now=now, prompt=text, suffix="ue)\n", client=client,
+    body.setdefault("suffix", "ue)\n")
+    return submit(core, rid, now=now, prompt=text, client=client,
                   parent=rid, session_order=order if order is not None else int(now * 1e9),
                   **body)
 
@@ -508,6 +509,9 @@ def test_an_older_keystroke_arriving_late_is_superseded_itself():
     dict(text=FILE + "u", suffix=None),                  # not a FIM request
     dict(text=FILE + "u", fanout=2),                     # several jobs
     dict(text=FILE + "u", session="explicit"),           # it names its own session
+    dict(text=FILE + "u", suffix="ue)\n\nother()\n"),      # the text after the cursor differs
+    dict(text=FILE + "ue)\n    # and a comment"),         # more than a few keystrokes
+    dict(text="", suffix=""),                            # a warm-up with no text at all
 ])
 def test_what_never_joins_an_inferred_session(second):
     core = DispatcherCore(known_models={"m": {}, "other": {}})
@@ -523,6 +527,36 @@ def test_what_never_joins_an_inferred_session(second):
     else:
         sends = keystroke(core, "k2", text, now=now, **args)
     assert not failed(sends) and not failed(sends, "bad_job")
+
+
+def test_an_infill_keystroke_is_matched_on_its_line_at_one_place():
+    """llama.vim's /infill: the lines above in `prompt` (input_prefix), the cursor's line
+    in `middle`. Typing on the line joins the session; the same line under other lines
+    above (another place), or an update of its ring buffer (all empty), never does."""
+    core = DispatcherCore()
+    ready(core, slots=4)
+    above = "import math\n\ndef mul(a, b):\n"
+
+    def infill(rid, middle, prompt=above, suffix="\n\nprint(mul(2, 3))\n", now=0.0):
+        return submit(core, rid, now=now, prompt=prompt, suffix=suffix, client="c1",
+                      parent=rid, session_order=int(now * 1e9),
+                      infill=P.Infill(middle=middle))
+
+    infill("typed", "    r")
+    assert not failed(infill("ring", "", prompt="", suffix="", now=0.05))
+    assert not failed(infill("elsewhere", "    r", prompt=above + "    pass\n", now=0.1))
+    assert failed(infill("next", "    re", now=0.2)) == {"typed"}
+    assert "ring" in core.registry.workers[b"w0"].running
+
+
+def test_matching_a_keystroke_compares_long_texts_at_c_speed():
+    import time
+    from dispatcher.admission import same_cursor
+    text = "x" * (1 << 20)
+    started = time.perf_counter()
+    for _ in range(20):
+        assert same_cursor(text, text + "y") and not same_cursor(text, "y" + text)
+    assert time.perf_counter() - started < 2.0       # a Python loop took ~0.1 s each
 
 
 def test_inferring_sessions_can_be_turned_off():

@@ -432,7 +432,7 @@ def test_a_long_text_is_tokenized_once_for_its_copies(model_path, monkeypatch):
     calls = []
     real = engine.vocabulary._tokenize
     monkeypatch.setattr(engine.vocabulary, "_tokenize",
-                        lambda t, s: calls.append(len(t)) or real(t, s))
+                        lambda t, s, p: calls.append(len(t)) or real(t, s, p))
     text = "word " * 2000
     first = engine.tokenize(text)
     first.append(-1)                          # a caller's list is its own

@@ -90,6 +90,24 @@ def test_disconnect_cancels_generation_within_one_token(fake_server):
     assert status == 200
 
 
+def test_a_stray_byte_before_a_close_still_cancels_a_non_streamed_request(fake_server):
+    """A client that sends its request, one more byte (a stray newline, the start of a
+    pipelined request) and closes: the byte waits unread, and the close behind it is
+    still noticed, so the generation does not run all its tokens for nobody."""
+    import socket
+    body = json.dumps({"prompt": "[slow=0.2]", "max_tokens": 3000}).encode()
+    sock = socket.create_connection(("127.0.0.1", fake_server.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    fake_server.wait_for(lambda: fake_server.worker()["state"] == "busy", what="busy worker")
+    sock.sendall(b"\n")
+    sock.close()
+    worker = fake_server.wait_for(
+        lambda: (w := fake_server.worker()) and w["state"] == "idle" and w["last_done"]
+        and w["last_done"].get("cancelled") and w, timeout=20, what="the cancel")
+    assert worker["last_done"]["usage"]["completion_tokens"] < 100
+
+
 def test_client_leaving_while_queued_never_runs(fake_server):
     before = fake_server.status()["stats"]
     busy = SSEStream(fake_server.port, {"prompt": "[slow=0.05]", "max_tokens": 40,

@@ -2,6 +2,8 @@
 own key filled (`--cache-scope key`, the default with keys), so `cached_tokens` tells one
 key nothing of another's prompts; `--cache-scope shared` reuses across keys, as it says.
 And per-client state stays bounded: oversized session headers are 400s."""
+import json
+
 import pytest
 
 from conftest import ServerProcess, http_json
@@ -112,18 +114,46 @@ def test_a_key_over_its_share_of_the_queue_gets_429_while_another_key_is_served(
 
 
 def test_request_content_never_reaches_the_log(keyed):
+    """Every class of bad request, each carrying a marker where its error message quotes
+    the request (a grammar's text, a schema's property path, a field's name, a sampler's
+    name, a logit bias key, a lone surrogate's path): answered with a 4xx, and the marker
+    is in no log the stack writes (the dispatcher's, the workers', gunicorn's), at the
+    default level. The client may see it; a log may not."""
     marker = "Zq7-private-marker"
+    auth = {"Authorization": "Bearer key-a"}
     complete(keyed.port, "key-a", f"# {marker}\nprint(1)\n")
-    status, _, _ = http_json(keyed.port, "POST", "/v1/completions", {
-        "prompt": "x", "max_tokens": 1, "grammar": f'root ::= "{marker}" bad (('},
-        headers={"Authorization": "Bearer key-a"})
-    assert status == 400
-    status, _, _ = http_json(keyed.port, "POST", "/v1/completions", {
-        "prompt": "x", "max_tokens": 1,
-        "json_schema": {"type": "object", "properties": {marker: {"type": "nope"}}}},
-        headers={"Authorization": "Bearer key-a"})
-    assert status in (200, 400)
-    assert marker not in keyed.log_path.read_text(errors="replace")
+    bodies = [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1,
+                             "grammar": f'root ::= "a" ]{marker}'}),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1, "grammar": f'root ::= {marker}'}),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1, "json_schema": {
+            "type": "object", "properties": {marker: {"type": "nope"}}}}),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1, "json_schema": {
+            "type": "object", "properties": {marker: {"description": "\ud800"}}}}),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 1, "json_schema": {
+            "type": "string", "pattern": f"^{marker}{{99999}}$"}}),
+        ("/v1/completions", {"prompt": "x", marker: 1}),
+        ("/v1/completions", {"prompt": "x", marker * 12_000: 1}),          # a 200 KB name
+        ("/v1/completions", {"prompt": "x", "samplers": [marker]}),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {marker: 1}}),
+        ("/v1/completions", {"prompt": "x", "stop": {marker: 1}}),
+        ("/completion", {"prompt": "x", "n_predict": 1, "grammar": f'root ::= "a" ]{marker}'}),
+        ("/infill", {"input_prefix": "x", "input_extra": [{"text": 5, marker: 1}]}),
+        ("/tokenize", {"content": {marker: 1}}),
+    ]
+    for path, body in bodies:
+        status, _, answer = http_json(keyed.port, "POST", path, body, headers=auth)
+        assert 400 <= status < 500, (path, status, answer)
+        assert len(json.dumps(answer)) < 4096                      # bounded, quoting or not
+    raw = [f"{{\"prompt\": \"x\", \"{marker}\": }}".encode(),     # not JSON
+           f"{{\"prompt\": \"{marker}\\ud800\"}}".encode()]        # not text
+    for body in raw:
+        status, _, _ = http_json(keyed.port, "POST", "/v1/completions", body, headers=auth)
+        assert status == 400
+    keyed.wait_for(lambda: keyed.log_path.stat().st_size > 0, what="the log")
+    log = keyed.log_path.read_text(errors="replace")
+    assert marker not in log
+    assert "Traceback" not in log
 
 
 def test_a_dispatcher_reachable_from_other_hosts_needs_keys(tmp_path):
