@@ -13,6 +13,9 @@ from marshmallow import ValidationError, fields
 
 MAX_STOP_STRINGS = 256
 MAX_STOP_LENGTH = 512
+# ... and characters in all: each generated token's text is checked against every stop
+# string where it could begin (workers/textstream.py), about this many steps at worst
+MAX_STOP_CHARS = 16384
 MAX_PROMPTS = 64
 MAX_CHOICES = 128
 MAX_LOGPROBS = 5
@@ -172,6 +175,7 @@ class StopField(fields.Field):
         "invalid": "Must be a string or an array of strings.",
         "too_many": f"At most {MAX_STOP_STRINGS} stop strings.",
         "too_long": f"A stop string is at most {MAX_STOP_LENGTH} characters.",
+        "too_much": f"The stop strings have at most {MAX_STOP_CHARS} characters in all.",
     }
 
     def _deserialize(self, value, attr, data, **kwargs):
@@ -184,7 +188,10 @@ class StopField(fields.Field):
             raise self.make_error("too_many")
         if any(len(s) > MAX_STOP_LENGTH for s in value):
             raise self.make_error("too_long")
-        return list(dict.fromkeys(value))
+        value = list(dict.fromkeys(value))
+        if sum(map(len, value)) > MAX_STOP_CHARS:
+            raise self.make_error("too_much")
+        return value
 
 
 class LogitBiasField(fields.Field):

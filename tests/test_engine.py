@@ -257,6 +257,20 @@ def test_prefill_joins_small_whole_prompts_and_owes_a_piece_to_the_next_in_line(
     assert Scheduler.prefill([waiting(8, 4), long_prompt], 512, 64) == {8: 4, 6: 508}
 
 
+def test_prompts_keeping_their_logprobs_share_one_piece_a_step():
+    """Eight scoring choices (echo with logprobs) each keep every prompt row's logits and
+    top candidates: together they get `logprob_chunk` rows a step, not that many each
+    (512 rows a step took the step seconds and the logits half a gigabyte)."""
+    from types import SimpleNamespace
+    from workers.engine.scheduling import Scheduler
+    scoring = [SimpleNamespace(seq=i, pending=[1] * 2800, prompt_logprobs=[],
+                               passed_over=False) for i in range(8)]
+    plain = SimpleNamespace(seq=8, pending=[1] * 100, prompt_logprobs=None,
+                            passed_over=False)
+    grant = Scheduler.prefill(scoring + [plain], 512, 64)
+    assert sum(grant.get(s.seq, 0) for s in scoring) == 64 and grant[8] == 100
+
+
 REPEATING_CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
                   * 3 + "def add(a, b):\n")
 

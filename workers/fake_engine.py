@@ -52,6 +52,11 @@ class FakeEngine:
     def bos(self) -> list[int]:
         return [BOS]
 
+    def sampler_chain(self, sampling: SamplingParams):
+        if sampling.grammar is not None:
+            raise InvalidInput("the fake engine has no grammar support", param="grammar")
+        return None                      # (its sampling is scripted by the prompt)
+
     def piece(self, token: int, special: bool = False) -> bytes:
         return bytes([token]) if token < 256 else b""
 
@@ -77,7 +82,8 @@ class FakeEngine:
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
             logprobs: int | None = None, prompt_logprobs: bool = False,
             reuse: bool = True, draft_max: int | None = None,
-            history: str | None = None, budget: int | None = None) -> int:
+            history: str | None = None, budget: int | None = None,
+            chain=None) -> int:
         self.check_tokens(tokens)
         if sampling.grammar is not None:
             raise InvalidInput("the fake engine has no grammar support", param="grammar")

@@ -23,6 +23,7 @@ from workers.faults import FaultInjection
 from workers.publisher import Publisher
 from workers.interface import Engine
 from workers.active import Active, EditorLimits, LogprobLedger, probs_entry
+from workers.preparation import Preparer, sampling_of
 from workers.prompts import prompt_text, prompt_tokens, token_text, vocabulary_op
 from workers.sampling import SamplingParams
 from workers.textstream import TextAssembler
@@ -41,8 +42,8 @@ class GenerationLoop:
         self.identity = identity or {}            # {"worker", "device"}: in start events
         self.publisher = publisher
         self.notify = notify                      # -> dispatcher, through the IO thread
-        # ("job", id, body) | ("cancel", id) | ("reset",) | ("op_done", id, body, outcome)
-        # | ("invalid", id, topic, attempt, message)
+        # ("job", id, body[, Prepared]) | ("cancel", id) | ("reset",)
+        # | ("op_done", id, body, outcome) | ("invalid", id, topic, attempt, message)
         self.inbox: queue.Queue = queue.Queue()
         self.waiting: deque[tuple[str, P.WorkerJob]] = deque()
         self.active: dict[str, Active] = {}
@@ -53,6 +54,8 @@ class GenerationLoop:
         self.faults = faults or FaultInjection()    # test hooks: none unless given
         self.busy_since: float | None = None    # see stuck_for
         self.vocabulary_thread = ThreadPoolExecutor(1, thread_name_prefix="vocabulary")
+        # large jobs' tokens and sampler chains, made beside the decoding (preparation.py)
+        self.preparer = Preparer(engine, fim_template, self.inbox)
 
     # -- inbox -------------------------------------------------------------------------
     def run(self, stopping) -> None:          # a StopFlag, or a threading.Event
@@ -92,7 +95,10 @@ class GenerationLoop:
 
     def _apply(self, item: tuple) -> None:
         kind = item[0]
-        if kind == "job":
+        if kind == "job" and len(item) == 4:         # prepared on the preparing thread
+            if self.preparer.arrived(item[1], item[2].attempt, item[3]):
+                self.waiting.append((item[1], item[2]))
+        elif kind == "job":
             if not item[2].topic:
                 log.warning("job %s without a topic: dropped", item[1])
             elif item[2].op:
@@ -114,11 +120,17 @@ class GenerationLoop:
             for request_id in list(self.active):
                 self._drop(self.active[request_id])
             self.waiting.clear()
+            self.preparer.reset()
 
     def cancel(self, request_id: str) -> None:
+        attempt = self.preparer.cancel(request_id)
+        if attempt is not None:                  # still on the preparing thread
+            self.notify(P.DONE, request_id, P.Done(attempt=attempt, cancelled=True))
+            return
         for i, (waiting_id, body) in enumerate(self.waiting):
             if waiting_id == request_id:
                 del self.waiting[i]
+                self.preparer.drop(request_id)
                 self.notify(P.DONE, request_id, P.Done(attempt=body.attempt,
                                                        cancelled=True))
                 return
@@ -175,22 +187,29 @@ class GenerationLoop:
                     self._reject(request_id, body.topic.encode(), body.attempt, exc)
 
     def _start(self, request_id: str, body: P.WorkerJob) -> None:
-        # From here on the request counts as started: if this process dies now, the
-        # dispatcher fails it rather than handing a possible poison pill to another worker.
-        self.notify(P.STARTED, request_id, P.Attempt(attempt=body.attempt))
+        prepared = self.preparer.take(request_id)
+        try:
+            self._start_prepared(request_id, body, prepared)
+        finally:
+            if prepared is not None:
+                prepared.free()          # (what the engine did not take)
+
+    def _start_prepared(self, request_id: str, body: P.WorkerJob, prepared) -> None:
+        if prepared is None:
+            # From here on the request counts as started: if this process dies now, the
+            # dispatcher fails it rather than handing a possible poison pill to another
+            # worker (a prepared job was reported started when it arrived).
+            self.notify(P.STARTED, request_id, P.Attempt(attempt=body.attempt))
+        elif prepared.error is not None:
+            raise prepared.error
         self.faults.check("admit", body.prompt)
         gen = body.generation
         topic = body.topic.encode()
-        sampling = dict(gen.sampling)
-        if sampling.get("json_schema") is not None:
-            # the front end makes schemas into grammars, within their budget
-            # (dispatcher/common/schemagrammar.py): a worker never runs the converter
-            raise InvalidInput("a json_schema reaches a worker only as a grammar",
-                               param="json_schema")
+        sampling = sampling_of(gen)
         extra = list(body.infill.extra) if body.infill else []
         middle = body.infill.middle if body.infill else ""
-        tokens = prompt_tokens(self.engine, body.prompt, body.suffix, self.fim_template,
-                               extra, middle)
+        tokens = prepared.tokens if prepared is not None else prompt_tokens(
+            self.engine, body.prompt, body.suffix, self.fim_template, extra, middle)
         dropped = 0
         budget = float(gen.t_max_prompt_ms or 0)
         if budget > 0 and extra and (gen.max_tokens is None or gen.max_tokens > 1):
@@ -227,10 +246,14 @@ class GenerationLoop:
         if active.n_probs:
             want = max(want or 0, active.n_probs)
         prompt_lp = echo and logprobs is not None
+        chain = prepared.chain if prepared is not None else None
         cached = self.engine.add(slot, tokens, SamplingParams.from_job(sampling), want,
                                  prompt_logprobs=prompt_lp,
                                  reuse=reuse, draft_max=gen.draft_max,
-                                 history=body.tenant or "", budget=gen.max_tokens)
+                                 history=body.tenant or "", budget=gen.max_tokens,
+                                 chain=chain)
+        if prepared is not None:
+            prepared.chain = None            # the engine's now
         self.slot_tenant[slot] = body.tenant
         self.free_slots.remove(slot)
         self.active[request_id] = active     # from here a failure frees the slot
@@ -514,3 +537,6 @@ class GenerationLoop:
         for request_id, body in self.waiting:
             self.notify(P.DONE, request_id, P.Done(attempt=body.attempt, released=True))
         self.waiting.clear()
+        for request_id, attempt in list(self.preparer.preparing.items()):
+            self.notify(P.DONE, request_id, P.Done(attempt=attempt, released=True))
+        self.preparer.reset()

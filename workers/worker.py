@@ -176,7 +176,13 @@ class DispatcherLink(threading.Thread):
                 dealer.send_multipart(P.encode(P.DONE, msg.request_id, P.Done(
                     attempt=msg.body.attempt, unshared=True)))
                 return True
-            self.loop.inbox.put(("job", msg.request_id, body))
+            if self.loop.preparer.submit(msg.request_id, body):
+                # being worked on from now (workers/preparation.py): if that kills this
+                # process, the dispatcher fails the job, never hands it to another worker
+                dealer.send_multipart(P.encode(P.STARTED, msg.request_id,
+                                               P.Attempt(attempt=body.attempt)))
+            else:
+                self.loop.inbox.put(("job", msg.request_id, body))
         elif msg.cmd == P.CANCEL:
             self.loop.inbox.put(("cancel", msg.request_id))
         elif msg.cmd == P.DISCONNECT:

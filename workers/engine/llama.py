@@ -41,6 +41,11 @@ BANNED = -1e30           # a logit no token wins with, yet finite: a grammar sta
 COSTS_LOG_EVERY = 5000  # steps that corrected the step costs between two logs of them
 SLOT_SIMILARITY = 0.1   # the share of a prompt a slot's cache must hold to be chosen for it
 PROMPT_LOGPROB_CHUNK = 64   # prompt rows per step when every row's logits are kept (1 MiB each)
+# ... fewer where this device's measured cost of a row with logits (its output layer over
+# the whole vocabulary, draft rows measured at start-up) and the host's log-softmax and
+# top candidates of it would make a step that much longer: a neighbour's next token waits
+# for the step (64 rows took 1.4 s a step on 2 CPU cores; on a GPU they cost a few ms)
+PROMPT_LOGPROB_STEP_MS = 150.0
 
 
 # llama.cpp keeps one log callback per process; `user_data` names the LlamaLog it writes
@@ -186,6 +191,8 @@ class LlamaEngine:
         self.fingerprint = model_fingerprint(model_path, llama_cpp.__version__)
         # whether a draft pays in a step: this device's step times by batch shape,
         # measured here and kept current by the steps (given ones stay as given)
+        self.logprob_row_ms = 0.0       # the host's log-softmax and top-k of a row, measured
+        self.logprob_device_ms = 0.0    # ... and a row's share of steps that had such rows
         self.learn_costs = step_costs is None
         self.step_costs = step_costs or (device_step_costs(
             self, slots, n_threads, n_gpu_layers, mparams.use_extra_bufts)
@@ -234,18 +241,19 @@ class LlamaEngine:
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
             logprobs: int | None = None, prompt_logprobs: bool = False,
             reuse: bool = True, draft_max: int | None = None,
-            history: str | None = None, budget: int | None = None) -> int:
+            history: str | None = None, budget: int | None = None,
+            chain: SamplerChain | None = None) -> int:
         """Start a sequence in a free slot; its prompt is decoded by the coming steps.
         Returns how many prompt tokens were already in the slot's KV cache (reused).
         `history` names whose recent sequences may be drafted from (a tenant; None:
         none), and where this one's goes when it ends; `budget`, the tokens it may
-        generate, keeps drafts from running past its end."""
+        generate, keeps drafts from running past its end. `chain`: the sampler chain
+        made ahead for `sampling` (`sampler_chain`), which the slot takes."""
         slot = self.slots[slot_id]
         if slot.busy:
             raise EngineError(f"slot {slot_id} is busy")
         self.check_tokens(tokens)
-        chain = SamplerChain(llama_cpp, self.vocab, self.n_vocab, self.n_ctx, sampling,
-                             self.candidates)
+        chain = chain or self.sampler_chain(sampling)
         # At least the last prompt token is decoded again: its logits start generation.
         # Prompt logprobs need every prompt row's logits, so nothing is reused then.
         n_past = 0
@@ -271,6 +279,24 @@ class LlamaEngine:
             # a sampled answer is one draw: the next is unlikely to repeat it
             slot.policy.drafts_from_history = sampling.greedy
         return n_past
+
+    def _logprob_rows(self) -> int:
+        """Prompt rows with logprobs a step may take, all such prompts together: as many
+        as add at most PROMPT_LOGPROB_STEP_MS to it, by the measured cost of a row with
+        logits on this device and of its log-softmax here (PROMPT_LOGPROB_CHUNK at most)."""
+        costs, top = self.step_costs, PROMPT_LOGPROB_CHUNK
+        device = self.logprob_device_ms or (0.0 if costs is None else
+                                            max(0.0, costs.cost(1, top) - costs.plain_cost(1)) / top)
+        per_row = device + self.logprob_row_ms
+        if per_row <= 0:
+            return top
+        return max(1, min(top, int(PROMPT_LOGPROB_STEP_MS / per_row)))
+
+    def sampler_chain(self, sampling: SamplingParams) -> SamplerChain:
+        """A sequence's samplers for `sampling` (any thread: llama.cpp builds them from the
+        vocabulary alone, the GIL released)."""
+        return SamplerChain(llama_cpp, self.vocab, self.n_vocab, self.n_ctx, sampling,
+                            self.candidates)
 
     def clear_caches(self) -> None:
         """Forget every idle slot's cached prefix (after a failed decode, say)."""
@@ -354,7 +380,8 @@ class LlamaEngine:
         # so a long prompt holds the running streams back by one chunk a step at most.
         rows = sum(1 + len(s.draft) for s in generating)
         room = min(self.n_batch - rows, self.prefill_chunk)
-        grant = self.scheduler.prefill(prefilling, room, PROMPT_LOGPROB_CHUNK, rows)
+        grant = self.scheduler.prefill(prefilling, room, self._logprob_rows(), rows)
+        logprob_rows = 0
         for slot in self.slots:                        # rows in slot order
             if slot in generating:
                 slot.row = add_row(slot, slot.next_token, True)
@@ -362,6 +389,8 @@ class LlamaEngine:
                 slot.draft_rows = [add_row(slot, token, True) for token in slot.draft]
             elif slot.seq in grant:
                 take = grant[slot.seq]
+                if slot.prompt_logprobs is not None:
+                    logprob_rows += take
                 chunk, slot.pending = slot.pending[:take], slot.pending[take:]
                 slot.prompt_rows = []
                 for i, token in enumerate(chunk):
@@ -379,6 +408,10 @@ class LlamaEngine:
         rc = llama_cpp.llama_decode(self.ctx, batch)
         if rc != 0:
             raise EngineError(f"llama_decode returned {rc}")
+        if logprob_rows:        # (every row's share of the step: an upper bound of one's)
+            each = 1000 * (time.perf_counter() - started) / n
+            self.logprob_device_ms = 0.8 * self.logprob_device_ms + 0.2 * each \
+                if self.logprob_device_ms else each
         if self.learn_costs and self.step_costs is not None and not grant and generating \
                 and len(seq_runs(sorted(s.seq for s in generating))) == 1:
             # a step of a measured shape (no prompt rows, one run of consecutive
@@ -398,12 +431,16 @@ class LlamaEngine:
                 continue
             try:
                 if slot.prompt_rows:
+                    started = time.perf_counter()
                     for row, position in slot.prompt_rows:
                         following = slot.prompt[position + 1]
                         lse, logits = self._row(row)
                         slot.prompt_logprobs.append((following,
                                                      float(logits[following] - lse),
                                                      self._top(logits, lse, slot.logprobs or 0)))
+                    each = 1000 * (time.perf_counter() - started) / len(slot.prompt_rows)
+                    self.logprob_row_ms = 0.8 * self.logprob_row_ms + 0.2 * each \
+                        if self.logprob_row_ms else each
                     slot.prompt_rows = []
                 if slot.row >= 0 and slot.draft:
                     out[slot_id] = self._verify(slot)

@@ -1,0 +1,107 @@
+"""Work one request can make the server do before its first token (or in its answer),
+each class at the size the limits allow, sent while another client's stream decodes on
+the same worker and front end: the neighbour's largest gap between two tokens stays
+within a second of what it is alone, measured in the same test (the whole stack, the
+bundled model, one worker; every core, so `serial`).
+
+Each class used to freeze the neighbour: a JSON schema converted in the generation
+thread (15.8 s), a grammar of 4,000 parse stacks (165 s a token), a 1 Mi-character prompt
+tokenized there (5.3 s), DRY sampler chains with 16 breakers for 8 choices (~8 s), 256
+stop strings checked the slow way (28-52 ms a token), prompt logprobs of 512 rows a step
+(1.3 s a step), large answers encoded on the front end's loop (seconds), inferred
+sessions compared character by character in Python on the dispatcher's thread."""
+import json
+import os
+import pathlib
+import threading
+import time
+
+import pytest
+
+from conftest import ServerProcess, SSEStream, http_json
+
+pytestmark = [pytest.mark.integration, pytest.mark.serial]
+
+SOURCE = pathlib.Path(os.__file__).read_text()            # real code, on every machine
+MEGA = (SOURCE * (1 + (1 << 20) // len(SOURCE)))[: (1 << 20) - 64]
+CJK = [chr(0x4E00 + i) for i in range(8000)]
+
+HEAVY = {
+    "json_schema of 8,000 non-ASCII properties": ("/v1/completions", {
+        "prompt": "x", "max_tokens": 1, "json_schema": {
+            "type": "object", "properties": {f"a{c}": {} for c in CJK}}}),
+    "json_schema pattern repeated 10^8 times": ("/v1/completions", {
+        "prompt": "x", "max_tokens": 1, "json_schema": {
+            "type": "string", "pattern": "^\\a\\a\\a\\a{100000002}$"}}),
+    "grammar of 4,000 parse stacks": ("/v1/completions", {
+        "prompt": "x", "max_tokens": 1, "grammar": "root ::= x x\nx ::= " + " | ".join(
+            f'"{c}"' for c in CJK[:4000])}),
+    "a 1 Mi-character prompt": ("/v1/completions", {"prompt": MEGA, "max_tokens": 1}),
+    "the same as fill-in-the-middle, twice": ("/v1/completions", {
+        "prompt": MEGA[:-300], "suffix": MEGA[-300:], "max_tokens": 1}),
+    "DRY with 16 breakers, 8 choices": ("/v1/completions", {
+        "prompt": "def f(x):", "max_tokens": 2, "n": 8, "dry_multiplier": 0.8,
+        "dry_sequence_breakers": [f"b{i}" for i in range(16)]}),
+    "stop strings at their limit": ("/v1/completions", {
+        "prompt": "def f(x):", "max_tokens": 32, "ignore_eos": True,
+        "stop": ["ab" + "x" * 506 + str(i).zfill(4) for i in range(32)]}),
+    "n_probs 100 over 4 choices, not streamed": ("/completion", {
+        "prompt": "def f(x):", "n_predict": 48, "n_probs": 100, "n_cmpl": 4}),
+    "echo with logprobs over 700 tokens, 2 choices": ("/v1/completions", {
+        "prompt": SOURCE[:2500], "max_tokens": 0, "echo": True, "logprobs": 5, "n": 2}),
+    "/tokenize with pieces of 1 Mi characters": ("/tokenize", {
+        "content": MEGA, "with_pieces": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = ServerProcess("--slots", "4", "--max-body", str(16 << 20),
+                           "--fim-template", "<PRE> {prefix} <SUF>{suffix} <MID>",
+                           log_name="neighbours").start()
+    yield server
+    assert server.stop() == 0
+
+
+def neighbour_gap(port: int, during=None) -> float:
+    """The largest gap between two tokens of a greedy stream, with `during()` run once
+    its first tokens are out (and waited for)."""
+    stream = SSEStream(port, {"prompt": "Once upon a time", "max_tokens": 160,
+                              "ignore_eos": True, "temperature": 0, "stream": True,
+                              "speculative.n_max": 0}, timeout=600)
+    times = []
+    worker = None
+    for data in stream.events():
+        times.append(time.monotonic())
+        if len(times) == 5 and during is not None:
+            worker = threading.Thread(target=during)
+            worker.start()
+        if data == "[DONE]":
+            break
+        assert "error" not in json.loads(data), data
+    if worker is not None:
+        worker.join(timeout=600)
+    assert len(times) > 100
+    return max(b - a for a, b in zip(times[5:], times[6:]))
+
+
+def test_no_request_stalls_the_stream_beside_it(server):
+    alone = max(neighbour_gap(server.port) for _ in range(2))
+    answers, gaps = {}, {}
+    for name, (path, body) in HEAVY.items():
+        def send(path=path, body=body, name=name):
+            started = time.monotonic()
+            for _ in range(2 if "twice" in name else 1):
+                status, _, payload = http_json(server.port, "POST", path, body,
+                                               timeout=600)
+            answers[name] = (status, time.monotonic() - started,
+                             payload.get("error", {}).get("code")
+                             if isinstance(payload, dict) else None)
+        gaps[name] = neighbour_gap(server.port, send)
+    report = {name: (round(gaps[name], 2), answers[name]) for name in HEAVY}
+    print(f"\nalone {alone:.3f} s;", json.dumps(report))
+    for name in HEAVY:
+        assert answers[name][0] in (200, 400), report
+        assert gaps[name] < alone + 1.0, (alone, report)
+    assert all(answers[name][0] == 400 for name in list(HEAVY)[:5]), report
+    assert all(answers[name][0] == 200 for name in list(HEAVY)[5:]), report

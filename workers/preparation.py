@@ -1,0 +1,147 @@
+"""What a job needs before its first step (its prompt's tokens, its sampler chain), made
+on a thread of its own when that is more than a moment's work, so that every other
+stream of the worker goes on decoding meanwhile.
+
+Both are llama.cpp calls that release the GIL, and both grow with what a request sends:
+tokenizing a prompt of 1 Mi characters took 5.3 s here, a DRY sampler with 16 sequence
+breakers 1 s (it scans the vocabulary for each), a grammar sampler parses its grammar. In
+the generation thread, that time was a freeze of every stream beside it. The IO thread
+hands such a job here as it arrives and tells the dispatcher it has started (it is being
+worked on: if it kills the process, it is not handed to another worker); the prepared job
+then reaches the generation loop's inbox, which admits it like any other. Small plain
+jobs (an editor's keystroke) go straight to the loop, as before.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from dispatcher.common import protocol as P
+from workers.errors import EngineError, InvalidInput
+from workers.prompts import prompt_tokens
+from workers.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# Characters of prompt text (prefix, suffix, repository chunks) from which a job's tokens
+# are made on the preparing thread (about 25 ms of tokenizing on this machine's core).
+PREPARE_CHARS = 4096
+
+
+@dataclass
+class Prepared:
+    """A job's tokens and sampler chain, made ahead; or the error making them raised."""
+    tokens: list[int] | None = None
+    chain: Any = None               # the engine's sampler chain, handed to `Engine.add`
+    error: Exception | None = None
+
+    def free(self) -> None:
+        if self.chain is not None:
+            self.chain.free()
+            self.chain = None
+
+
+def sampling_of(gen: P.Generation) -> dict:
+    """The job's sampling settings (a copy)."""
+    sampling = dict(gen.sampling)
+    if sampling.get("json_schema") is not None:
+        # the front end makes schemas into grammars, within their budget
+        # (dispatcher/common/schemagrammar.py): a worker never runs the converter
+        raise InvalidInput("a json_schema reaches a worker only as a grammar",
+                           param="json_schema")
+    return sampling
+
+
+def text_size(body: P.WorkerJob) -> int:
+    """Characters of text the job's prompt is made of."""
+    prompt = body.prompt
+    size = len(prompt) if isinstance(prompt, str) else \
+        sum(len(p) for p in prompt or [] if isinstance(p, str))
+    size += len(body.suffix or "")
+    if body.infill:
+        size += len(body.infill.middle) + sum(len(str(c.get("text") or ""))
+                                              for c in body.infill.extra)
+    return size
+
+
+def worth_preparing(body: P.WorkerJob) -> bool:
+    """Whether the job's preparation could take long enough to stall the streams beside
+    it: much text, a DRY sampler, a grammar."""
+    if body.op or body.adopt or not body.topic:
+        return False
+    sampling = body.generation.sampling
+    return text_size(body) >= PREPARE_CHARS or bool(sampling.get("dry_multiplier")) \
+        or sampling.get("grammar") is not None
+
+
+class Preparer:
+    """The preparing thread and what it holds. `submit` runs on the IO thread; the rest on
+    the generation loop's, which owns the prepared jobs once they are in its inbox."""
+
+    def __init__(self, engine, fim_template, inbox) -> None:
+        self.engine, self.fim_template, self.inbox = engine, fim_template, inbox
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="prepare")
+        self.preparing: dict[str, int] = {}     # request id -> attempt, on the thread
+        self.cancelled: set[tuple[str, int]] = set()   # ... cancelled while there
+        self.ready: dict[str, Prepared] = {}    # prepared, waiting for a slot
+
+    def submit(self, request_id: str, body: P.WorkerJob) -> bool:
+        """Prepare the job on the thread if that pays (True; it then arrives in the inbox
+        as ("job", id, body, Prepared)), else False: the caller queues it as it is."""
+        if not worth_preparing(body):
+            return False
+        self.preparing[request_id] = body.attempt
+        self.thread.submit(self._work, request_id, body)
+        return True
+
+    def _work(self, request_id: str, body: P.WorkerJob) -> None:
+        prepared = Prepared()
+        try:
+            extra = list(body.infill.extra) if body.infill else []
+            middle = body.infill.middle if body.infill else ""
+            prepared.tokens = prompt_tokens(self.engine, body.prompt, body.suffix,
+                                            self.fim_template, extra, middle)
+            prepared.chain = self.engine.sampler_chain(
+                SamplingParams.from_job(sampling_of(body.generation)))
+        except Exception as exc:           # raised when the job is admitted
+            if not isinstance(exc, EngineError):
+                log.exception("%s: preparing failed", request_id)
+            prepared.free()
+            prepared.error = exc
+        self.inbox.put(("job", request_id, body, prepared))
+
+    def arrived(self, request_id: str, attempt: int, prepared: Prepared) -> bool:
+        """A prepared job reached the loop: kept for admission (True), or dropped if it
+        was cancelled meanwhile."""
+        if (request_id, attempt) in self.cancelled:
+            self.cancelled.discard((request_id, attempt))
+            prepared.free()
+            return False
+        if self.preparing.get(request_id) == attempt:
+            del self.preparing[request_id]
+        self.ready[request_id] = prepared
+        return True
+
+    def cancel(self, request_id: str) -> int | None:
+        """The attempt of a job still being prepared, now cancelled; None if it is not."""
+        attempt = self.preparing.pop(request_id, None)
+        if attempt is not None:
+            self.cancelled.add((request_id, attempt))
+        return attempt
+
+    def take(self, request_id: str) -> Prepared | None:
+        return self.ready.pop(request_id, None)
+
+    def drop(self, request_id: str) -> None:
+        prepared = self.ready.pop(request_id, None)
+        if prepared is not None:
+            prepared.free()
+
+    def reset(self) -> None:
+        """The dispatcher forgot us: nothing being prepared or prepared is wanted."""
+        self.cancelled |= set(self.preparing.items())
+        self.preparing.clear()
+        for request_id in list(self.ready):
+            self.drop(request_id)
