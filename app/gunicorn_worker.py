@@ -33,7 +33,13 @@ NOTIFY_EVERY = 1.0      # seconds between "still alive" notes to the gunicorn ma
 FRESH_GRACE = 1.0
 
 
-# Connections beyond worker_connections (--max-connections) that are still accepted, to
+# A new connection beyond worker_connections (--max-connections) first takes the place of
+# the quiet connection that has waited longest: one between requests, or one that has
+# sent nothing for EVICT_AFTER seconds (it is closed: idle editors and proxies reconnect,
+# as after any keep-alive timeout). So silent or idle connections never lock a fresh
+# client out; only connections whose requests are running fill the front end.
+EVICT_AFTER = 0.5
+# Connections beyond worker_connections with no quiet one to replace are still accepted, to
 # answer /health and /metrics: a load balancer must see a full front end as alive.
 RESERVE = 64
 RESERVE_PATHS = ("/health", "/metrics")
@@ -47,8 +53,9 @@ FULL_BODY = (b'{"error": {"message": "this front end has as many connections ope
 class FrontendWorker(GeventWorker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._idle: set[socket.socket] = set()           # served, awaiting the next request
+        self._idle: dict[socket.socket, float] = {}      # served, awaiting the next: since
         self._fresh: dict[socket.socket, float] = {}     # no request yet: since when
+        self._leaving: set[socket.socket] = set()        # closed to make room, not yet gone
         self._stopped_at = float("inf")
         self._noted = 0.0                                 # last "still alive" note
         self._open = 0                                    # connections being handled
@@ -81,17 +88,55 @@ class FrontendWorker(GeventWorker):
         gevent.getcurrent().completions_accepted_ns = time.time_ns()
         self._fresh[client] = time.monotonic()
         self._open += 1
-        gevent.getcurrent().completions_reserve = self._open > self.worker_connections
+        gevent.getcurrent().completions_reserve = \
+            self._open - len(self._leaving) > self.worker_connections and not self._make_room()
         try:
             super().handle(listener, client, addr)
         finally:
             self._open -= 1
             self._fresh.pop(client, None)
-            self._idle.discard(client)
+            self._idle.pop(client, None)
+            self._leaving.discard(client)
+
+    def _make_room(self) -> bool:
+        """Close the quiet connection that has waited longest, for a new one (True), or
+        find none: every connection is running a request or has only just been made."""
+        now = time.monotonic()
+        quiet = sorted([(since, id(s), s) for s, since in self._idle.items()] +
+                       [(since, id(s), s) for s, since in self._fresh.items()
+                        if now - since >= EVICT_AFTER])
+        for _, _, sock in quiet:
+            if self._end_if_quiet(sock):
+                self._idle.pop(sock, None)
+                self._fresh.pop(sock, None)
+                self._leaving.add(sock)
+                return True
+        return False
+
+    @staticmethod
+    def _end_if_quiet(sock: socket.socket) -> bool:
+        """Shut a connection down if it has nothing waiting to be read (True): its reader
+        sees end of file. One with bytes waiting (a request arriving) is left alone."""
+        try:
+            # a plain duplicate: gevent's own socket would wait for data on a peek,
+            # and its shutdown() fails the waiting reader with EBADF (logged as an error)
+            dup = _socket.socket(fileno=os.dup(sock.fileno()))
+        except OSError:
+            return False                           # closed meanwhile (or out of fds)
+        try:
+            dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            return False                           # a request is arriving (or EOF)
+        except BlockingIOError:
+            dup.shutdown(socket.SHUT_RDWR)         # nothing sent: end it
+            return True
+        except OSError:
+            return False
+        finally:
+            dup.close()
 
     def handle_request(self, listener_name, req, sock, addr):
         self._fresh.pop(sock, None)
-        self._idle.discard(sock)
+        self._idle.pop(sock, None)
         greenlet = gevent.getcurrent()
         # ... a later one on the same connection when its head has been read (this call)
         greenlet.completions_arrived_ns = time.time_ns() if getattr(
@@ -103,7 +148,7 @@ class FrontendWorker(GeventWorker):
         try:
             return super().handle_request(listener_name, req, sock, addr)
         finally:
-            self._idle.add(sock)                   # waiting for its next request
+            self._idle[sock] = time.monotonic()    # waiting for its next request
 
     def _close_idle(self) -> None:
         """End the connections that are between requests, nothing sent: their readers
@@ -111,21 +156,18 @@ class FrontendWorker(GeventWorker):
         now = time.monotonic()
         for sock in list(self._idle) + [s for s, since in list(self._fresh.items())
                                         if now - max(since, self._stopped_at) >= FRESH_GRACE]:
-            try:
-                # a plain duplicate: gevent's own socket would wait for data on a peek,
-                # and its shutdown() fails the waiting reader with EBADF (logged as an error)
-                dup = _socket.socket(fileno=os.dup(sock.fileno()))
-            except OSError:
-                continue                           # closed meanwhile (or out of fds)
-            try:
-                dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                continue                           # a request is arriving (or EOF)
-            except BlockingIOError:
-                dup.shutdown(socket.SHUT_RDWR)     # nothing sent: end it
-            except OSError:
-                pass
-            finally:
-                dup.close()
+            self._end_if_quiet(sock)
+
+    def init_process(self):
+        # every connection is a file descriptor: the soft limit (often 1024) up to the hard
+        # one, so --max-connections can be held
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = self.worker_connections + RESERVE + 256
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (
+                want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+        super().init_process()
 
     def run(self):
         ssl_args = {"ssl_context": ssl_context(self.cfg)} if self.cfg.is_ssl else {}

@@ -35,7 +35,7 @@ def test_only_quiet_connections_are_closed_and_new_ones_get_time_to_ask():
     pairs = {name: socket.socketpair() for name in ("idle", "arriving", "fresh", "old")}
     try:
         ours = {name: pair[0] for name, pair in pairs.items()}
-        w._idle |= {ours["idle"], ours["arriving"]}
+        w._idle.update({ours["idle"]: 0.0, ours["arriving"]: 0.0})
         pairs["arriving"][1].sendall(b"GET / HTTP/1.1\r\n")       # its next request
         now = time.monotonic()
         w._fresh = {ours["fresh"]: now, ours["old"]: now - 2 * FRESH_GRACE}

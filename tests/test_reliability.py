@@ -434,17 +434,32 @@ def test_idle_connections_and_trickled_bodies_are_let_go_and_health_still_answer
                            "--body-timeout", "3", log_name="slowloris").start()
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(12)]
     try:
-        # every connection the front end serves is taken: /health (the load balancer's)
-        # is still answered from the reserve, anything else gets a quick 503
-        server.wait_for(lambda: http_json(server.port, "GET", "/health")[0] == 200,
-                        what="/health from the reserve")
+        # every connection the front end serves is taken by a silent one: a new client
+        # takes the place of the one silent longest, and is served
+        time.sleep(1.0)
+        status, _, body = complete(server.port, {"prompt": "Hello", "max_tokens": 2})
+        assert status == 200, body
+        # every connection running a request (bodies still arriving): /health (the load
+        # balancer's) is answered from the reserve, anything else gets a quick 503
+        busy = []
+        for _ in range(6):
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 100\r\n\r\n{")
+            busy.append(sock)
+        time.sleep(1.0)
+        assert http_json(server.port, "GET", "/health")[0] == 200
         status, _, body = complete(server.port, {"prompt": "Hello", "max_tokens": 2})
         assert status == 503 and body["error"]["code"] == "too_many_connections"
+        for sock in busy:
+            sock.close()
         for sock in idle:                 # a connection that sends nothing is let go
             sock.settimeout(30)
             assert sock.recv(16) == b""
-        status, _, body = complete(server.port, {"prompt": "Hello", "max_tokens": 2})
-        assert status == 200
+        # the stalled bodies' requests end (their clients left) and free their places
+        server.wait_for(lambda: complete(server.port, {"prompt": "Hello",
+                                                       "max_tokens": 2})[0] == 200,
+                        timeout=15, what="a place freed")
         # a body trickled a byte at a time: 408 once --body-timeout is over, then closed
         sock = socket.create_connection(("127.0.0.1", server.port))
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
@@ -467,6 +482,50 @@ def test_idle_connections_and_trickled_bodies_are_let_go_and_health_still_answer
         sock.close()
     finally:
         for sock in idle:
+            sock.close()
+        assert server.stop() == 0
+
+
+def test_two_thousand_idle_connections_never_lock_out_a_fresh_client():
+    """1,100 connections that send nothing, 1,000 kept alive after an unauthenticated
+    GET /health and 50 stalled bodies, on the default settings: all are held, and a fresh
+    keyed client's completion is served within 5 s (it used to get 503)."""
+    import resource
+    import socket
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 3000:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    server = ServerProcess("--engine", "fake", "--api-key", "sk-fresh",
+                           log_name="many-idle").start()
+    held = []
+    try:
+        for _ in range(1100):
+            held.append(socket.create_connection(("127.0.0.1", server.port)))
+        for _ in range(1000):
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            held.append(sock)
+        for _ in range(50):
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 100\r\n\r\n{")
+            held.append(sock)
+        for sock in held[1100:2100]:
+            sock.settimeout(30)
+            assert sock.recv(12) == b"HTTP/1.1 200"      # /health answered, kept alive
+        started = time.monotonic()
+        status, _, body = complete(server.port, {"prompt": "Hello", "max_tokens": 2},
+                                   headers={"Authorization": "Bearer sk-fresh"})
+        assert status == 200, body
+        assert time.monotonic() - started < 5.0
+        for sock in held[1100:2100:50]:                  # still held open
+            sock.settimeout(0.1)
+            try:
+                assert sock.recv(1 << 16) != b""
+            except socket.timeout:
+                pass
+    finally:
+        for sock in held:
             sock.close()
         assert server.stop() == 0
 

@@ -170,8 +170,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "llama.cpp's lines whole at --log-level debug (by default every line is cut to "
            "200 characters and its errors to 20 per 10 s); a warning says so at start",
            _boolean),
-    Option("max_connections", 1000, "open connections one front-end process serves; a "
-           "reserve beyond them answers /health and /metrics only (others: 503)",
+    Option("max_connections", 4096, "open connections one front-end process serves; past "
+           "them a new connection takes the place of the quiet one that waited longest "
+           "(between requests, or silent for 0.5 s), and with none a reserve answers "
+           "/health and /metrics only (others: 503)",
            _positive_int),
     Option("header_timeout", 10.0, "seconds a new connection has to send its request "
            "line and headers (later requests on it: the keep-alive time, 75 s)",
