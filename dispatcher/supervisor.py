@@ -94,7 +94,7 @@ class Supervisor:
             elif proc is not None and child.kill_at is not None and now >= child.kill_at:
                 # asked to stop and still there (a thread stuck in C never sees SIGTERM)
                 log.warning("%s %s (pid %d) did not stop in %.0fs: killing it", child.kind,
-                            child.name, proc.pid, config.STOP_GRACE)
+                            child.name, proc.pid, config.RESTART_KILL_AFTER)
                 child.kill_at = None
                 _signal(proc, signal.SIGKILL)
             elif proc is None and child.respawn_at is not None and now >= child.respawn_at \
@@ -124,7 +124,7 @@ class Supervisor:
             self._start(child)
             return
         child.restart_now = True
-        child.kill_at = time.monotonic() + config.STOP_GRACE
+        child.kill_at = time.monotonic() + config.RESTART_KILL_AFTER
         _signal(child.process, signal.SIGTERM)
 
     def kill(self, name: str, pid: int) -> None:

@@ -256,6 +256,10 @@ SUBSCRIPTION_WAIT = 5.0
 RESPAWN_BACKOFF = (0.5, 30.0)
 # Grace given to children, once asked to stop, before they are killed.
 STOP_GRACE = 10.0
+# ... and once asked to stop for a restart, whose grace for requests is already over: a
+# worker whose generation thread is stuck in C never runs its SIGTERM handler, and every
+# second here is a second without that device (a healthy worker exits well within it)
+RESTART_KILL_AFTER = 3.0
 # A worker's exit status when its generation loop was stuck past --step-timeout
 # (EX_SOFTWARE): the supervisor respawns it as after any crash.
 EXIT_STUCK = 70
