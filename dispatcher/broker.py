@@ -50,14 +50,15 @@ class Broker:
                  known_models: dict[str, dict] | None = None, max_queue: int = 64,
                  queue_timeout: float = 0.0, heartbeat: config.Heartbeat = config.Heartbeat(),
                  max_queue_per_key: int = 0, keys: DispatcherKeys | None = None,
-                 infer_sessions: bool = True):
+                 infer_sessions: bool = True, key_slot_share: float = 1.0):
         self.endpoints = endpoints
         self.keys = keys                          # CURVE: every socket authenticated
         self.bound_keys: dict[str, str] = {}      # worker name -> the key it registered with
         self.supervisor = supervisor
         self.core = DispatcherCore(SupervisedFleet(supervisor) if supervisor else None,
                                    known_models, max_queue, queue_timeout, time.time(),
-                                   heartbeat, max_queue_per_key, infer_sessions)
+                                   heartbeat, max_queue_per_key, infer_sessions,
+                                   key_slot_share)
         self.context = zmq.Context()
         self.auth = keys.authenticator(self.context) if keys else None
         self.frontend = self._router(endpoints.frontend, "frontends")

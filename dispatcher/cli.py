@@ -136,6 +136,7 @@ def cmd_serve(args) -> int:
                     "of this server and its workers at --log-level debug")
     endpoints, base, cleanup = _endpoints(args)
     keys = _dispatcher_keys(args, base)
+    n_keys = len(config.load_keys(",".join(args.api_key), args.api_key_file))
     supervisor = Supervisor()
     broker = _make_broker(Broker, base, endpoints, supervisor,
                           known_models={m.id: {"n_ctx": m.nctx, "aliases": list(m.aliases)}
@@ -143,10 +144,9 @@ def cmd_serve(args) -> int:
                           max_queue=args.max_queue, queue_timeout=args.queue_timeout,
                           heartbeat=config.Heartbeat.of(args),
                           max_queue_per_key=config.queue_share(
-                              args.max_queue, args.max_queue_per_key,
-                              len(config.load_keys(",".join(args.api_key),
-                                                   args.api_key_file))),
-                          keys=keys, infer_sessions=args.infer_sessions)
+                              args.max_queue, args.max_queue_per_key, n_keys),
+                          keys=keys, infer_sessions=args.infer_sessions,
+                          key_slot_share=config.KEY_SLOT_SHARE if n_keys > 1 else 1.0)
     for worker in plan.workers:
         # every worker option on its command line (only the device's visibility variables,
         # which the inference library reads when it loads, go by environment)

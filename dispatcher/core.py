@@ -68,8 +68,13 @@ class DispatcherCore:
     def __init__(self, fleet: Fleet | None = None, known_models: dict | None = None,
                  max_queue: int = 64, queue_timeout: float = 0.0, started: float = 0.0,
                  heartbeat: config.Heartbeat = config.Heartbeat(),
-                 max_queue_per_key: int = 0, infer_sessions: bool = True):
+                 max_queue_per_key: int = 0, infer_sessions: bool = True,
+                 key_slot_share: float = 1.0):
         self.fleet = fleet or NoFleet()
+        # the share of a model's slots one API key may run at once (1: all): with several
+        # keys, one request of one key (n 16, no max_tokens) must not hold every slot
+        # while another key's keystroke waits for hours
+        self.key_slot_share = key_slot_share
         self.known_models = dict(known_models or {})
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
@@ -524,13 +529,23 @@ class DispatcherCore:
                 running[job.parent] = running.get(job.parent, 0) + 1
                 by_key[job.body.key] = by_key.get(job.body.key, 0) + 1
         for job in self.queue.in_fair_order(running, by_key, self.key_served):
+            key = job.body.key
+            if key is not None and self.key_slot_share < 1.0 and \
+                    by_key.get(key, 0) >= self._key_slots(job.body.model):
+                continue                        # its key runs its share: others' turn
             worker = self.registry.choose(job)
             if worker is None:
                 continue
             self.queue.take(job)
             self._assign(job, worker)
+            by_key[key] = by_key.get(key, 0) + 1
             if not self.registry.with_free_slots():
                 return
+
+    def _key_slots(self, model: str) -> int:
+        """The slots of `model` one API key may run at once (at least one)."""
+        slots = sum(r.slots for r in self.registry.workers.values() if r.model == model)
+        return max(1, int(slots * self.key_slot_share))
 
     def _assign(self, job: Job, worker: WorkerRecord, **extra) -> None:
         """Send `job` to `worker` (with `extra` fields) and count it as running there.

@@ -591,3 +591,24 @@ def test_inferred_sessions_keep_bounded_text(monkeypatch):
         inferred.session_for(body, 0.0)
     assert inferred.chars <= 10_000 and len(inferred.clients) <= 10
     assert inferred.chars == sum(len(e[0]) for v in inferred.clients.values() for e in v)
+
+
+def test_one_key_never_holds_every_slot_while_keys_share_them():
+    """One key's request of 16 choices on a 16-slot worker: it runs 12 of them (its
+    share, the rest queued in turn), so another key's request is served at once, not
+    after the first key's generations end."""
+    core = DispatcherCore(key_slot_share=0.75)
+    ready(core, slots=16)
+    for c in range(16):
+        submit(core, f"a.0.{c}", parent="a", fanout=16, key="ka")
+    running = core.registry.workers[b"w0"].running
+    assert sum(1 for j in running.values() if j.body.key == "ka") == 12
+    sends = submit(core, "b", key="kb")
+    assert ("REQUEST", "b") in kinds(sends)
+    sends = from_worker(core, P.DONE, "a.0.0", attempt=1, last_seq=3)
+    assert sum(1 for s in sends if s.cmd == P.REQUEST) == 1       # a's next, in its turn
+    alone = DispatcherCore()                                     # one key (or none): all
+    ready(alone, slots=16)
+    for c in range(16):
+        submit(alone, f"a.0.{c}", parent="a", fanout=16, key="ka")
+    assert len(alone.registry.workers[b"w0"].running) == 16

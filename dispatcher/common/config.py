@@ -330,6 +330,11 @@ def load_keys(inline: str | None, path: str | None) -> list[bytes]:
     return [k.encode() for k in keys]
 
 
+# With several API keys, the share of a model's slots one key may run at once: the rest
+# stay for the others (a key alone still gets this much, and the queue serves it in turn)
+KEY_SLOT_SHARE = 0.75
+
+
 def queue_share(max_queue: int, given: int | None, keys: int) -> int:
     """Requests one API key may have queued per model (0: no limit): as given, else a fair
     share of the queue when more than one key is configured."""
