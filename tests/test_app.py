@@ -265,3 +265,36 @@ def test_the_client_a_session_is_inferred_for_is_its_key_and_address():
     assert who(addr="127.0.0.1", **{"X-Forwarded-For": "1.2.3.4, 10.0.0.5"}) == who()
     assert who(**{"X-Forwarded-For": "10.0.0.6"}) == who()      # not from a local proxy
     assert who(**{"X-Session-Id": "mine"}) is None
+
+
+def test_any_model_name_serves_the_one_model_when_switched_on(client_of):
+    from app import create_app
+    app = create_app({"TESTING": True, "DISPATCHER": "ipc:///nonexistent",
+                      "ANY_MODEL_NAME": True})
+    fake = FakeDispatcherClient(lambda job: completion("Hi"))
+    app.extensions["dispatcher_client"] = fake
+    answer = app.test_client().post("/v1/completions", json={"model": "PLACEHOLDER",
+                                                             "prompt": "x"})
+    assert answer.status_code == 200 and answer.get_json()["model"] == MODEL
+    http, _ = client_of(lambda job: completion("Hi"))           # off: a 404 naming it
+    answer = http.post("/v1/completions", json={"model": "PLACEHOLDER", "prompt": "x"})
+    assert answer.status_code == 404 and answer.get_json()["error"]["code"] == \
+        "model_not_found"
+
+
+def test_an_unknown_route_says_what_this_server_serves(client):
+    http, _ = client
+    answer = http.post("/v1/chat/completions", json={"messages": []})
+    error = answer.get_json()["error"]
+    assert answer.status_code == 404 and error["code"] == "not_found"
+    assert "not chat" in error["message"] and "POST /v1/completions" in error["message"]
+    assert "no route /nope" in http.get("/nope").get_json()["error"]["message"]
+
+
+def test_tokenize_ignores_fields_it_does_not_know_as_llama_server_does(client_of):
+    http, fake = client_of(lambda job: [{"e": "end", "s": 0, "result": {"tokens": [7]}}])
+    answer = http.post("/tokenize", json={"content": "hi", "parse_special": False,
+                                          "with_pieces": False, "from_vscode": 1})
+    assert answer.status_code == 200 and answer.get_json() == {"tokens": [7]}
+    assert fake.jobs[0]["parse_special"] is False
+    assert http.post("/detokenize", json={"tokens": [7], "x": 1}).status_code == 200

@@ -369,3 +369,23 @@ def test_speculative_drafts_are_counted_in_the_timings(editor_server):
     none = complete_native(editor_server.port, prompt=code + "def add(a, b):\n",
                            n_predict=32, ignore_eos=True, **{"speculative.n_max": 0})
     assert none["timings"]["draft_n"] == 0
+
+
+def test_tokenize_and_detokenize_give_special_tokens_as_llama_server_does(editor_server):
+    """llama.vscode's /tokenize body (`parse_special` and its other fields), a control
+    token's piece shown by its text, and /detokenize giving that text back; with
+    `parse_special: false` the same text is plain characters."""
+    auth = {"Authorization": "Bearer sk-editor"}
+    status, _, body = http_json(editor_server.port, "POST", "/tokenize", {
+        "content": "<start_of_turn>hi", "add_special": False, "parse_special": True,
+        "with_pieces": True}, headers=auth)
+    assert status == 200, body
+    first = body["tokens"][0]
+    assert first["piece"] == "<start_of_turn>"
+    status, _, text = http_json(editor_server.port, "POST", "/detokenize",
+                                {"tokens": [first["id"]]}, headers=auth)
+    assert status == 200 and text["content"] == "<start_of_turn>"
+    status, _, plain = http_json(editor_server.port, "POST", "/tokenize", {
+        "content": "<start_of_turn>hi", "parse_special": False}, headers=auth)
+    assert status == 200 and first["id"] not in plain["tokens"]
+    assert len(plain["tokens"]) > len(body["tokens"])
