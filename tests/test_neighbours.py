@@ -105,3 +105,24 @@ def test_no_request_stalls_the_stream_beside_it(server):
         assert gaps[name] < alone + 1.0, (alone, report)
     assert all(answers[name][0] == 400 for name in list(HEAVY)[:5]), report
     assert all(answers[name][0] == 200 for name in list(HEAVY)[5:]), report
+
+
+def test_a_grammar_whose_stacks_multiply_ends_its_request_not_the_stream_beside_it(server):
+    """`r ::= "a" r "b" | "a" r "c" | "d"` doubles llama.cpp's parse stacks with every
+    "a" (no static count sees it: 3 stacks at any one place of the rules): the model is
+    pushed to write a's, and once one token's grammar work passes 0.5 s the request ends
+    with grammar_too_costly; the stream beside it goes on."""
+    _, _, tokens = http_json(server.port, "POST", "/tokenize", {"content": "a"})
+    body = {"prompt": "a a a a a a a a", "max_tokens": 64, "temperature": 0,
+            "grammar": 'root ::= r\nr ::= "a" r "b" | "a" r "c" | "d"',
+            "logit_bias": {str(tokens["tokens"][-1]): 100}}
+    answer = {}
+
+    def send():
+        answer["it"] = http_json(server.port, "POST", "/v1/completions", body, timeout=600)
+
+    alone = neighbour_gap(server.port)
+    gap = neighbour_gap(server.port, send)
+    status, _, payload = answer["it"]
+    assert status == 400 and payload["error"]["code"] == "grammar_too_costly", payload
+    assert gap < alone + 2.0, (alone, gap)

@@ -54,8 +54,10 @@ def _short(text: str, limit: int = 48) -> str:
 
 
 def _count(value) -> int:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and value == value and abs(value) < 1e18 else 0
+    """A count keyword's value as the converter takes it (huge ones stay huge)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return 0
+    return int(min(max(value, 0), 10 ** 12))
 
 
 def pattern_work(pattern: str, where: str) -> int:

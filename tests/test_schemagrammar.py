@@ -1,0 +1,110 @@
+"""JSON schemas made into grammars in the front end (dispatcher/common/schemagrammar.py)
+and the parse-stack bound on every grammar (dispatcher/common/grammar.py): the shapes
+that froze or killed a worker are refused quickly with a message naming the construct,
+ordinary schemas convert as llama-cpp-python's converter makes them, and a conversion
+nobody counted is stopped by the child process's limits."""
+import time
+
+import pytest
+
+from dispatcher.common import grammar as gbnf
+from dispatcher.common import schemagrammar as sg
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"},
+    "languages": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+    "born": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}$"},
+    "kind": {"enum": ["a", "b", "c"]}}, "required": ["name", "age"]}
+
+
+@pytest.mark.parametrize("schema, named", [
+    ({"type": "string", "pattern": "^\\a\\a\\a\\a{100000002}$"}, "quantifier"),
+    ({"type": "string", "pattern": "^(ab){2001}$"}, "quantifier"),
+    ({"type": "string", "pattern": "^a{1," + "9" * 5000 + "}$"}, "quantifier"),
+    ({"type": "object", "properties": {f"a{chr(0x4E00 + i)}": {} for i in range(8000)}},
+     "optional properties"),
+    ({"type": "string", "maxLength": 2_000_000_000}, "maxLength"),
+    ({"type": "array", "items": {}, "minItems": 10 ** 30}, "minItems"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "array", "maxItems": 2000}
+                                       for i in range(300)},
+      "required": [f"p{i}" for i in range(300)]}, "too large"),
+])
+def test_schemas_whose_conversion_explodes_are_refused_before_converting(schema, named):
+    ran = []
+    grammars = sg.SchemaGrammars(run=lambda text: ran.append(text) or "root ::= \"x\"")
+    started = time.perf_counter()
+    with pytest.raises(sg.SchemaRefused) as refused:
+        grammars.grammar(schema)
+    assert named in str(refused.value) and not ran          # no child was started
+    assert time.perf_counter() - started < 5.0
+
+
+def test_an_ordinary_schema_converts_and_its_property_order_is_kept():
+    grammar = sg.SchemaGrammars().grammar(PERSON)
+    gbnf.check(grammar)
+    root = next(line for line in grammar.splitlines() if line.startswith("root ::="))
+    assert root.index("name-kv") < root.index("age-kv")
+    reordered = {**PERSON, "properties": dict(reversed(PERSON["properties"].items()))}
+    root = next(line for line in sg.SchemaGrammars().grammar(reordered).splitlines()
+                if line.startswith("root ::="))
+    assert root.index("age-kv") < root.index("name-kv")
+
+
+def test_a_schema_is_converted_once_and_refusals_are_remembered():
+    ran = []
+    grammars = sg.SchemaGrammars(run=lambda text: ran.append(text) or 'root ::= "x"')
+    for _ in range(3):
+        assert grammars.grammar({"type": "string"}) == 'root ::= "x"'
+    assert len(ran) == 1
+
+
+def test_the_converters_own_errors_are_a_message_and_a_hang_is_cut_off(monkeypatch):
+    with pytest.raises(sg.SchemaRefused) as refused:
+        sg.SchemaGrammars().grammar({"type": "no-such-type"})
+    assert "unsupported or invalid json schema" in str(refused.value).lower()
+    with pytest.raises(sg.SchemaRefused) as refused:
+        sg.SchemaGrammars().grammar({"$ref": "https://example.com/schema.json"})
+    assert "unsupported or invalid" in str(refused.value).lower()   # never fetched
+    # a shape nobody counted: the child's deadline ends it (here, the child sleeps)
+    monkeypatch.setattr(sg, "CONVERT_SECONDS", 1.0)
+    import subprocess
+    import sys
+    real_run = subprocess.run
+    monkeypatch.setattr(sg.subprocess, "run", lambda argv, **kw: real_run(
+        [sys.executable, "-c", "import time; time.sleep(30)"], **kw))
+    started = time.perf_counter()
+    with pytest.raises(sg.SchemaRefused) as refused:
+        sg.SchemaGrammars().grammar({"type": "string"})
+    assert "took more than 1 s" in str(refused.value)
+    assert time.perf_counter() - started < 10
+
+
+@pytest.mark.parametrize("grammar, stacks", [
+    ('root ::= "a"', 1),
+    ("root ::= [a-c]*", 2),
+    ('root ::= ("x" | "y")* "z"', 3),
+    ("root ::= " + " | ".join(f'"k{i}"' for i in range(200)), 200),
+])
+def test_grammars_within_the_stack_bound_are_accepted(grammar, stacks):
+    gbnf.check(grammar)
+    parser = gbnf._Parser(grammar)
+    pos = parser.space(0, True)
+    while parser.src[pos] != "\x00":
+        pos = parser.rule(pos)
+    names = {i: n for n, i in parser.symbols.items()}
+    assert gbnf.stack_width([r or [] for r in parser.rules], parser.symbols["root"],
+                            names)[0] == stacks
+
+
+@pytest.mark.parametrize("grammar, says", [
+    ("root ::= x x\nx ::= " + " | ".join(f'"{chr(0x4E00 + i)}"' for i in range(4000)),
+     "4,000 parse stacks"),
+    ('root ::= r\nr ::= "a" r y | "d"\ny ::= "b" | ', "unboundedly many"),
+    ('root ::= n root "x" | "y"\nn ::= e\ne ::= "a" | ', "may be empty"),
+    ("root ::= [" + "".join(chr(0x4E00 + i) for i in range(1100)) + "]",
+     "character-class elements"),
+])
+def test_grammars_that_would_cost_seconds_a_token_are_refused(grammar, says):
+    with pytest.raises(gbnf.GrammarRefused) as refused:
+        gbnf.check(grammar)
+    assert says in str(refused.value)
