@@ -298,3 +298,15 @@ def test_tokenize_ignores_fields_it_does_not_know_as_llama_server_does(client_of
     assert answer.status_code == 200 and answer.get_json() == {"tokens": [7]}
     assert fake.jobs[0]["parse_special"] is False
     assert http.post("/detokenize", json={"tokens": [7], "x": 1}).status_code == 200
+
+
+def test_a_client_session_id_can_never_name_an_inferred_session(client_of):
+    """Without API keys, an X-Session-Id written like the dispatcher's name for an
+    inferred session (`~client:1`) is still the client's own: it reaches the dispatcher
+    in the clients' name space, apart from every inferred one."""
+    http, fake = client_of(lambda job: completion("Hi"))
+    answer = http.post("/v1/completions", json={"prompt": "x"},
+                       headers={"X-Session-Id": "~0123456789abcdef:1"})
+    assert answer.status_code == 200
+    assert fake.jobs[0]["session"] == "h:~0123456789abcdef:1"
+    assert not fake.jobs[0]["session"].startswith("~")

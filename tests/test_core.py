@@ -612,3 +612,18 @@ def test_one_key_never_holds_every_slot_while_keys_share_them():
     for c in range(16):
         submit(alone, f"a.0.{c}", parent="a", fanout=16, key="ka")
     assert len(alone.registry.workers[b"w0"].running) == 16
+
+
+def test_a_huge_session_seq_never_locks_out_requests_ordered_by_arrival():
+    """One request of a session with X-Session-Seq 2**63-1, then the same session's
+    requests without the header (ordered by arrival, stamps far below it): each is newer
+    by arriving later, never refused as older, at once or later."""
+    core = DispatcherCore()
+    ready(core, slots=4)
+    submit(core, "far", session="s", parent="far", session_order=2 ** 63 - 1,
+           session_seq=True)
+    for i, now in enumerate((0.0, 3.0, 13.0, 43.0)):
+        sends = submit(core, f"plain{i}", now=now, session="s", parent=f"plain{i}",
+                       session_order=int((1e9 + now) * 1e9))
+        assert not failed(sends, "superseded") - {f"plain{i - 1}", "far"}, sends
+        assert ("ACCEPTED", f"plain{i}") in kinds(sends)

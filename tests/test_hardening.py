@@ -622,3 +622,34 @@ def test_a_malformed_control_request_gets_an_error_not_a_dead_dispatcher(real_se
         reply = control_request(real_server.dispatcher, request)
         assert "error" in reply
     assert real_server.status()["workers"]
+
+
+@pytest.mark.parametrize("make", ["open to others", "another user's", "a link"])
+def test_an_ipc_directory_another_user_could_use_is_refused(tmp_path, make):
+    """The default ipc directory (/tmp/completions-PORT) made first by someone else, or
+    left writable to others: whoever can write into it can move a socket aside and bind
+    their own, so serve refuses it with one line naming it, and binds nothing there."""
+    import tempfile
+
+    from conftest import free_port
+    port = free_port()
+    path = os.path.join(tempfile.gettempdir(), f"completions-{port}")
+    if make == "a link":
+        os.symlink(tmp_path, path)
+    else:
+        os.mkdir(path)
+        os.chmod(path, 0o777 if make == "open to others" else 0o700)
+        if make == "another user's":
+            os.chown(path, 65534, 65534)
+    try:
+        out = run_cli("serve", "--engine", "fake", "--port", str(port), "--frontends", "0")
+        assert out.returncode != 0
+        line = out.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"refusing the ipc directory {path}"), out.stderr[-500:]
+        assert not os.path.islink(path) and os.listdir(path) == [] if make != "a link" \
+            else os.listdir(tmp_path) == []
+    finally:
+        if os.path.islink(path):
+            os.unlink(path)
+        else:
+            os.rmdir(path)
