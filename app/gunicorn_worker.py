@@ -21,6 +21,7 @@ import time
 from functools import partial
 
 import gevent
+import gevent.socket
 from gevent.pool import Pool
 from gevent.server import StreamServer
 from gunicorn.sock import ssl_context
@@ -84,13 +85,23 @@ class FrontendWorker(GeventWorker):
 
     def handle(self, listener, client, addr):
         # a session's order of requests is their arrival (app.requests.session_order):
-        # the first request of a connection arrives when it is accepted
-        gevent.getcurrent().completions_accepted_ns = time.time_ns()
+        # the first request of a connection arrives with its first bytes (reading its
+        # head may lag behind on a busy loop; a connection opened ahead of time and kept
+        # silent, as a client's pool does, arrives when it sends, not when it was made)
         self._fresh[client] = time.monotonic()
         self._open += 1
-        gevent.getcurrent().completions_reserve = \
+        reserve = gevent.getcurrent().completions_reserve = \
             self._open - len(self._leaving) > self.worker_connections and not self._make_room()
         try:
+            try:
+                gevent.socket.wait_read(client.fileno(), timeout=RESERVE_HEAD_TIMEOUT
+                                        if reserve else self._head_timeout or None)
+            except TimeoutError:                   # nothing sent: let go (--header-timeout)
+                client.close()
+                return
+            except OSError:
+                pass                               # (the parser meets it too)
+            gevent.getcurrent().completions_accepted_ns = time.time_ns()
             super().handle(listener, client, addr)
         finally:
             self._open -= 1

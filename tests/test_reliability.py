@@ -441,6 +441,9 @@ def test_idle_connections_and_trickled_bodies_are_let_go_and_health_still_answer
         time.sleep(1.0)
         status, _, body = complete(server.port, {"prompt": "Hello", "max_tokens": 2})
         assert status == 200, body
+        for sock in idle:                 # a connection that sends nothing is let go
+            sock.settimeout(30)
+            assert sock.recv(16) == b""
         # every connection running a request (bodies still arriving): /health (the load
         # balancer's) is answered from the reserve, anything else gets a quick 503
         busy = []
@@ -455,9 +458,6 @@ def test_idle_connections_and_trickled_bodies_are_let_go_and_health_still_answer
         assert status == 503 and body["error"]["code"] == "too_many_connections"
         for sock in busy:
             sock.close()
-        for sock in idle:                 # a connection that sends nothing is let go
-            sock.settimeout(30)
-            assert sock.recv(16) == b""
         # the stalled bodies' requests end (their clients left) and free their places
         server.wait_for(lambda: complete(server.port, {"prompt": "Hello",
                                                        "max_tokens": 2})[0] == 200,

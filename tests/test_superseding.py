@@ -134,3 +134,21 @@ def test_requests_elsewhere_in_the_file_are_both_answered(fim_server):
     new, data = keystroke(fim_server.port, "[slow=0.05] class Basket:\n    def __init__(se")
     new.sendall(data)
     assert status_of(new) == 200 and status_of(old) == 200
+
+
+def test_a_request_on_a_connection_opened_long_before_is_still_the_newest(server):
+    """A client that keeps connections open ahead of time (a pool) sends its newest
+    keystroke on one opened before the previous keystroke's: it is the newest by when it
+    was sent, so it is answered and the previous one superseded (stamped at the
+    connection's accept, it looked the older and was lost)."""
+    session = {"X-Session-Id": "pooled"}
+    spare, newer_bytes = raw_request(server.port, {"prompt": "[slow=0.05] ab",
+                                                   "max_tokens": 3}, session)
+    time.sleep(0.5)                                   # opened, left silent
+    old, old_bytes = raw_request(server.port, {"prompt": "[slow=0.05] a", "max_tokens": 40},
+                                 session)
+    old.sendall(old_bytes)
+    time.sleep(0.3)                                   # running
+    spare.sendall(newer_bytes)
+    assert status_of(spare) == 200                    # the newest: answered
+    assert status_of(old) == 409                      # the one sent before it
