@@ -486,3 +486,45 @@ def test_first_line_first_a_deep_sequence_yields_steps(model_path):
         assert all(0 in engine.step() for _ in range(4))          # no one waits: every step
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0),
+    dict(temperature=0.8, top_k=40, seed=7),
+])
+def test_a_refused_pick_sought_among_the_likeliest_tokens_is_the_whole_vocabularys(
+        model_path, monkeypatch, params):
+    """A grammar the model fights (prose with no letter e): the pick it refuses is sought
+    among the 256 likeliest tokens when the chain would keep no others (greedy, or top-k
+    first), and the text is token for token what applying the grammar to the whole
+    vocabulary gives."""
+    from workers.engine import samplers
+    sampling = SamplingParams(grammar="root ::= [^e]*", **params)
+    prompt = "The history of the Roman Empire, part one, is"
+
+    from workers.engine.llama import LlamaEngine
+    engine = LlamaEngine(model_path, 1024, 1, THREADS, 0, draft_max=0)
+
+    def run():
+        engine.add(0, engine.tokenize(prompt), sampling, reuse=False)
+        tokens = []
+        while len(tokens) < 40:
+            out = engine.step().get(0)
+            if out is not None:
+                assert out.error is None, out.error
+                tokens.append(out.token)
+        engine.release(0, keep_cache=False)
+        return tokens, b"".join(engine.piece(t) for t in tokens)
+
+    try:
+        calls = []
+        real = samplers.Candidates.top
+        monkeypatch.setattr(samplers.Candidates, "top",
+                            lambda self, logits, n: calls.append(n) or real(self, logits, n))
+        top_tokens, text = run()
+        assert calls and b"e" not in text                           # fought, and obeyed
+        monkeypatch.setattr(samplers, "TOP_CANDIDATES", 0)           # the whole vocabulary
+        whole_tokens, _ = run()
+        assert top_tokens == whole_tokens
+    finally:
+        engine.close()

@@ -125,4 +125,5 @@ def test_a_grammar_whose_stacks_multiply_ends_its_request_not_the_stream_beside_
     gap = neighbour_gap(server.port, send)
     status, _, payload = answer["it"]
     assert status == 400 and payload["error"]["code"] == "grammar_too_costly", payload
-    assert gap < alone + 2.0, (alone, gap)
+    print(f"\nalone {alone:.3f} s, beside the multiplying grammar {gap:.3f} s")
+    assert gap < alone + 1.0, (alone, gap)

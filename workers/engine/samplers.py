@@ -35,8 +35,9 @@ def check_grammar(grammar: str, n_vocab: int, token_of=None,
 
 
 KEPT_VERDICTS = 64
-# One token's grammar work past this ends the request (a grammar within the static
-# budgets takes milliseconds; the stacks of an ambiguous one double with each character).
+# One token's grammar work past this, or growing so fast that the next token's would be,
+# ends the request (a grammar within the static budgets takes milliseconds; the stacks
+# of an ambiguous one double with each character).
 GRAMMAR_TOKEN_SECONDS = 0.5
 
 
@@ -76,11 +77,48 @@ class Candidates:
             self.pointer, self.n_vocab, -1, False
         return ctypes.byref(array)
 
+    def top(self, logits, n: int):
+        """The `n` highest of `logits` (unsorted), as a candidate array."""
+        ids = np.argpartition(logits, -n)[-n:]
+        data = self.data[:n]
+        data["id"] = ids
+        data["logit"] = logits[ids]
+        data["p"] = 0.0
+        array = self.array
+        array.data, array.size, array.selected, array.sorted = self.pointer, n, -1, False
+        return ctypes.byref(array)
+
     def single(self, token: int):
         one = self.one_array
         one.data[0].id, one.data[0].logit, one.data[0].p = token, 1.0, 0.0
         one.size, one.selected, one.sorted = 1, -1, False
         return ctypes.byref(one)
+
+
+# Candidates a refused pick is first sought among (see SamplerChain._refused_pick).
+TOP_CANDIDATES = 256
+
+
+def top_first(p: SamplingParams, bare_greedy: bool) -> int:
+    """How many of the most likely tokens the chain keeps before anything else looks at
+    the distribution: 1 for a bare greedy chain, K when its first active sampler is
+    top-k (K <= TOP_CANDIDATES); 0 when the pick depends on more (penalties, biases or
+    DRY change the order first, top-p or typical-p weigh the whole distribution,
+    Mirostat estimates from it)."""
+    if bare_greedy:
+        return 1
+    if p.greedy or p.mirostat or p.penalized or p.logit_bias or p.dry_multiplier:
+        return 0
+    for name in p.order:
+        if name == "top_k" and p.top_k > 0:
+            return p.top_k if p.top_k <= TOP_CANDIDATES else 0
+        active = {"top_n_sigma": p.top_n_sigma >= 0, "typ_p": p.typical_p < 1.0,
+                  "top_p": p.top_p < 1.0, "min_p": p.min_p > 0.0,
+                  "xtc": p.xtc_probability > 0.0, "temperature": True,
+                  "infill": True}.get(name, False)
+        if active:
+            return 0
+    return 0
 
 
 class SamplerChain:
@@ -106,6 +144,8 @@ class SamplerChain:
             not p.dry_multiplier
         self.plain_greedy = bare_greedy and p.grammar is None   # argmax is the whole chain
         self.bare_greedy = bare_greedy                  # ... apart from a grammar
+        self.top_first = top_first(p, bare_greedy)      # see sample
+        self.grammar_seconds = 0.0                      # the last token's grammar work
         samplers: list = []
         self.chain = None
         try:
@@ -219,23 +259,47 @@ class SamplerChain:
         else:
             token = self._pick(candidates.whole(logits))
         if not self._allows(token):
-            array = candidates.whole(logits)
-            lib.llama_sampler_apply(self.grammar, array)
-            token = self._pick(array)
-            if not self._allows(token):
-                raise EngineError("the grammar allows no token here")
+            token = self._refused_pick(logits)
         lib.llama_sampler_accept(self.grammar, token)
         lib.llama_sampler_accept(self.chain, token)
         spent = time.perf_counter() - started
-        if spent > GRAMMAR_TOKEN_SECONDS:
+        before, self.grammar_seconds = self.grammar_seconds, spent
+        growth = spent / before if before > 0 else 1.0
+        if spent > GRAMMAR_TOKEN_SECONDS or (spent > GRAMMAR_TOKEN_SECONDS / 16 and
+                                             spent * growth > GRAMMAR_TOKEN_SECONDS):
             # parse stacks that multiply as the text goes on (an ambiguous recursive
-            # grammar: `r ::= "a" r "b" | "a" r "c"` doubles them at every "a"), which no
-            # static count bounds: end this request before the next token costs more
+            # grammar: `r ::= "a" r "b" | "a" r "c"` doubles them at every "a", and
+            # llama.cpp's work grows faster still), which no static count bounds: end
+            # this request before the next token costs more than the limit
             raise InvalidInput(f"the grammar took {spent:.2f} s to apply to one token "
                                f"(at most {GRAMMAR_TOKEN_SECONDS:g} s here): its parse "
                                "stacks multiply as the text goes on (alternatives that "
                                "begin alike and nest)", code="grammar_too_costly",
                                param="grammar")
+        return token
+
+    def _refused_pick(self, logits) -> int:
+        """The pick once the grammar refused the chain's: over the TOP_CANDIDATES most
+        likely tokens when that gives what the whole vocabulary would (the chain starts
+        by keeping the `top_first` best, and that many of them pass the grammar: every
+        token outside them was less likely than each), else over the whole vocabulary.
+        A grammar the model fights (prose with no letter e) refuses the pick at most
+        tokens, and llama.cpp tests every candidate's text against every parse stack."""
+        lib, candidates = self.lib, self.candidates
+        n = TOP_CANDIDATES if self.top_first else 0
+        if 0 < n < candidates.n_vocab:
+            array = candidates.top(logits, n)
+            lib.llama_sampler_apply(self.grammar, array)
+            kept = candidates.data["logit"][:n]
+            if int(np.isfinite(kept).sum()) >= self.top_first:
+                if self.bare_greedy:
+                    return int(candidates.data["id"][int(kept.argmax())])
+                return self._pick(array)
+        array = candidates.whole(logits)
+        lib.llama_sampler_apply(self.grammar, array)
+        token = self._pick(array)
+        if not self._allows(token):
+            raise EngineError("the grammar allows no token here")
         return token
 
     def _allows(self, token: int) -> bool:
