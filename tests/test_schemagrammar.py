@@ -108,3 +108,22 @@ def test_grammars_that_would_cost_seconds_a_token_are_refused(grammar, says):
     with pytest.raises(gbnf.GrammarRefused) as refused:
         gbnf.check(grammar)
     assert says in str(refused.value)
+
+
+def test_which_chains_may_seek_a_refused_pick_without_the_whole_vocabulary():
+    """A refused pick is drawn again only where a draw the grammar allows is a draw from
+    the allowed tokens (no cut that depends on the set), and sought among the likeliest
+    tokens only where the chain keeps those alone (greedy, top-k first)."""
+    from workers.engine.samplers import plain_draw, top_first
+    from workers.sampling import SamplingParams as S
+    assert plain_draw(S(temperature=0.8)) and plain_draw(S(temperature=0.8,
+                                                           repetition_penalty=1.1))
+    for cut in (dict(top_k=40), dict(top_p=0.9), dict(min_p=0.05), dict(typical_p=0.5),
+                dict(mirostat=2), dict(dynatemp_range=0.5)):
+        assert not plain_draw(S(temperature=0.8, **cut)), cut
+    assert not plain_draw(S(temperature=0))
+    assert top_first(S(temperature=0), True) == 1
+    assert top_first(S(temperature=0.8, top_k=40), False) == 40
+    assert top_first(S(temperature=0.8, top_k=1000), False) == 0
+    assert top_first(S(temperature=0.8, top_k=40, repetition_penalty=1.1), False) == 0
+    assert top_first(S(temperature=0.8, top_p=0.9), False) == 0

@@ -99,6 +99,27 @@ class Candidates:
 TOP_CANDIDATES = 256
 
 
+# Draws again before applying a grammar to the whole vocabulary (see plain_draw): through
+# the chain, or at once here where the chain is a temperature alone.
+REDRAWS = 3
+DRAWS = 32
+
+
+def plain_draw(p: SamplingParams) -> bool:
+    """Whether the chain draws from the whole distribution, each token's chance its own
+    (penalties, biases and DRY change a token's logit by its own history, temperature
+    scales all alike), with no cut that depends on which tokens it is given (top-k, -p,
+    min-p, typical, XTC, top-n-sigma, dynamic temperature, Mirostat): then a draw the
+    grammar allows, drawn again until one is, is exactly a draw from the allowed tokens
+    (llama.cpp's default chain with this server's OpenAI defaults is one)."""
+    if p.greedy or p.mirostat or p.dynatemp_range > 0:
+        return False
+    cuts = {"top_n_sigma": p.top_n_sigma >= 0, "top_k": p.top_k > 0,
+            "typ_p": p.typical_p < 1.0, "top_p": p.top_p < 1.0, "min_p": p.min_p > 0.0,
+            "xtc": p.xtc_probability > 0.0, "infill": True}
+    return not any(cuts.get(name, False) for name in p.order)
+
+
 def top_first(p: SamplingParams, bare_greedy: bool) -> int:
     """How many of the most likely tokens the chain keeps before anything else looks at
     the distribution: 1 for a bare greedy chain, K when its first active sampler is
@@ -145,6 +166,12 @@ class SamplerChain:
         self.plain_greedy = bare_greedy and p.grammar is None   # argmax is the whole chain
         self.bare_greedy = bare_greedy                  # ... apart from a grammar
         self.top_first = top_first(p, bare_greedy)      # see sample
+        self.redraws = REDRAWS if plain_draw(p) else 0
+        # ... and where the chain is a temperature alone, the draws are made here at once
+        self.temperature = None
+        if self.redraws and not (p.penalized or p.logit_bias or p.dry_multiplier):
+            self.temperature = p.temperature if "temperature" in p.order else 1.0
+            self.rng = np.random.default_rng(p.seed32)
         self.grammar_seconds = 0.0                      # the last token's grammar work
         samplers: list = []
         self.chain = None
@@ -286,6 +313,20 @@ class SamplerChain:
         A grammar the model fights (prose with no letter e) refuses the pick at most
         tokens, and llama.cpp tests every candidate's text against every parse stack."""
         lib, candidates = self.lib, self.candidates
+        if self.temperature is not None:
+            z = logits.astype(np.float64) / self.temperature
+            weights = np.exp(z - z.max())
+            cdf = np.cumsum(weights)
+            draws = np.searchsorted(cdf, self.rng.random(DRAWS) * cdf[-1], side="right")
+            for token in np.minimum(draws, len(cdf) - 1):
+                if self._allows(int(token)):
+                    return int(token)
+        for _ in range(self.redraws if self.temperature is None else 0):
+            # a draw from the whole distribution (no cut that depends on which tokens
+            # are in it): one the grammar allows is a draw from the allowed ones alone
+            token = self._pick(candidates.whole(logits))
+            if self._allows(token):
+                return token
         n = TOP_CANDIDATES if self.top_first else 0
         if 0 < n < candidates.n_vocab:
             array = candidates.top(logits, n)
