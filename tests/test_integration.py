@@ -186,6 +186,9 @@ def test_disconnect_during_the_prefill_stops_the_prefill(real_server):
         real_server.wait_for(lambda: (w := real_server.worker())["started"]
                              and not w["generating"], timeout=30,
                              what="the request to be prefilling")
+        # (started as it arrived: its tokens are made on the preparing thread first, tens
+        # of ms; the prefill then takes seconds here)
+        time.sleep(0.5)
         running = real_server.worker()["running"]
         conn.close()                                 # the client leaves mid-prefill
         worker = real_server.wait_for(

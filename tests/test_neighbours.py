@@ -110,7 +110,7 @@ def test_no_request_stalls_the_stream_beside_it(server):
 def test_a_grammar_whose_stacks_multiply_ends_its_request_not_the_stream_beside_it(server):
     """`r ::= "a" r "b" | "a" r "c" | "d"` doubles llama.cpp's parse stacks with every
     "a" (no static count sees it: 3 stacks at any one place of the rules): the model is
-    pushed to write a's, and once one token's grammar work passes 0.5 s the request ends
+    pushed to write a's, and once one token's stack work passes 0.1 s the request ends
     with grammar_too_costly; the stream beside it goes on."""
     _, _, tokens = http_json(server.port, "POST", "/tokenize", {"content": "a"})
     body = {"prompt": "a a a a a a a a", "max_tokens": 64, "temperature": 0,

@@ -125,7 +125,8 @@ class GenerationLoop:
     def cancel(self, request_id: str) -> None:
         attempt = self.preparer.cancel(request_id)
         if attempt is not None:                  # still on the preparing thread
-            self.notify(P.DONE, request_id, P.Done(attempt=attempt, cancelled=True))
+            self.notify(P.DONE, request_id, P.Done(attempt=attempt, cancelled=True,
+                                                   usage=P.Usage()))
             return
         for i, (waiting_id, body) in enumerate(self.waiting):
             if waiting_id == request_id:

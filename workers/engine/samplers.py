@@ -35,10 +35,10 @@ def check_grammar(grammar: str, n_vocab: int, token_of=None,
 
 
 KEPT_VERDICTS = 64
-# One token's grammar work past this, or growing so fast that the next token's would be,
-# ends the request (a grammar within the static budgets takes milliseconds; the stacks
-# of an ambiguous one double with each character).
-GRAMMAR_TOKEN_SECONDS = 0.5
+# One token's check against the grammar past this, or growing so fast that the next
+# one's would be, ends the request (within the static budgets a check takes microseconds,
+# a thousand times less; the stacks of an ambiguous grammar double with each character).
+GRAMMAR_CHECK_SECONDS = 0.1
 
 
 def one_token(lib, vocab, text: str) -> int | None:
@@ -172,7 +172,8 @@ class SamplerChain:
         if self.redraws and not (p.penalized or p.logit_bias or p.dry_multiplier):
             self.temperature = p.temperature if "temperature" in p.order else 1.0
             self.rng = np.random.default_rng(p.seed32)
-        self.grammar_seconds = 0.0                      # the last token's grammar work
+        self.check_seconds = 0.0                        # the last token's stack work
+        self.stack_seconds = 0.0                        # ... this token's, so far
         samplers: list = []
         self.chain = None
         try:
@@ -280,29 +281,17 @@ class SamplerChain:
         if self.grammar is None:
             return self.lib.llama_sampler_sample(self.chain, ctx, row)   # accepts too
         lib, candidates = self.lib, self.candidates
-        started = time.perf_counter()
         if self.bare_greedy:          # the chain is an argmax: no candidate array needed
             token = int(logits.argmax())
         else:
             token = self._pick(candidates.whole(logits))
         if not self._allows(token):
             token = self._refused_pick(logits)
+        started = time.perf_counter()
         lib.llama_sampler_accept(self.grammar, token)
+        self._check_cost(self.stack_seconds + time.perf_counter() - started)
+        self.stack_seconds = 0.0
         lib.llama_sampler_accept(self.chain, token)
-        spent = time.perf_counter() - started
-        before, self.grammar_seconds = self.grammar_seconds, spent
-        growth = spent / before if before > 0 else 1.0
-        if spent > GRAMMAR_TOKEN_SECONDS or (spent > GRAMMAR_TOKEN_SECONDS / 16 and
-                                             spent * growth > GRAMMAR_TOKEN_SECONDS):
-            # parse stacks that multiply as the text goes on (an ambiguous recursive
-            # grammar: `r ::= "a" r "b" | "a" r "c"` doubles them at every "a", and
-            # llama.cpp's work grows faster still), which no static count bounds: end
-            # this request before the next token costs more than the limit
-            raise InvalidInput(f"the grammar took {spent:.2f} s to apply to one token "
-                               f"(at most {GRAMMAR_TOKEN_SECONDS:g} s here): its parse "
-                               "stacks multiply as the text goes on (alternatives that "
-                               "begin alike and nest)", code="grammar_too_costly",
-                               param="grammar")
         return token
 
     def _refused_pick(self, logits) -> int:
@@ -345,8 +334,28 @@ class SamplerChain:
 
     def _allows(self, token: int) -> bool:
         one = self.candidates.single(token)
+        started = time.perf_counter()
         self.lib.llama_sampler_apply(self.grammar, one)
+        self.stack_seconds += time.perf_counter() - started
         return self.candidates.one[0].logit != float("-inf")
+
+    def _check_cost(self, spent: float) -> None:
+        """Checking and accepting one token (`spent`) cost llama.cpp the advance of every
+        parse stack, whatever the vocabulary: microseconds for a grammar within the
+        static budgets. Parse
+        stacks that multiply as the text goes on (an ambiguous recursive grammar: `r ::=
+        "a" r "b" | "a" r "c"` doubles them at every "a"), which no static count bounds,
+        make it grow token after token: the request ends once a check passes
+        GRAMMAR_CHECK_SECONDS, or grows so fast that the next one would."""
+        before, self.check_seconds = self.check_seconds, spent
+        growth = spent / before if before > 0 else 1.0
+        if spent > GRAMMAR_CHECK_SECONDS or (spent > GRAMMAR_CHECK_SECONDS / 8 and
+                                             spent * growth > GRAMMAR_CHECK_SECONDS):
+            raise InvalidInput(f"checking one token against the grammar took {spent:.2f} s "
+                               f"(at most {GRAMMAR_CHECK_SECONDS:g} s here): its parse "
+                               "stacks multiply as the text goes on (alternatives that "
+                               "begin alike and nest)", code="grammar_too_costly",
+                               param="grammar")
 
     def _pick(self, array_ref) -> int:
         self.lib.llama_sampler_apply(self.chain, array_ref)
