@@ -112,3 +112,23 @@ def test_a_bad_heartbeat_interval_is_refused_by_name(value):
     assert out.returncode != 0
     assert f"COMPLETIONS_HEARTBEAT_INTERVAL: seconds between 0.25 and 60, got '{value}'" \
         in out.stderr
+
+
+def test_step_timeout_is_auto_seconds_or_refused(monkeypatch):
+    assert parse([], {}, monkeypatch, names=("step_timeout",)).step_timeout == "auto"
+    assert parse(["--step-timeout", "12.5"], {}, monkeypatch,
+                 names=("step_timeout",)).step_timeout == 12.5
+    assert parse([], {"COMPLETIONS_STEP_TIMEOUT": "AUTO"}, monkeypatch,
+                 names=("step_timeout",)).step_timeout == "auto"
+    for bad in ("soon", "-1", "nan"):
+        with pytest.raises(SystemExit):
+            parse(["--step-timeout", bad], {}, monkeypatch, names=("step_timeout",))
+
+
+@pytest.mark.parametrize("full_step_s, slots, expected", [
+    (1.1, 8, 20 * 1.1 + 8 * 0.2),       # a CPU: a 512-row batch of the 270M model on 2 cores
+    (130.0, 1, 20 * 130.0 + 0.2),        # a 32B model on one core: far past 300 s
+    (0.02, 16, 10.0),                    # a GPU: milliseconds a batch, the floor
+])
+def test_the_watchdog_limit_follows_the_measured_full_batch(full_step_s, slots, expected):
+    assert config.derived_step_timeout(full_step_s, slots) == pytest.approx(expected)

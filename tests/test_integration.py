@@ -3,6 +3,7 @@ the dispatcher and real llama-cpp-python workers, driven by the `openai` client 
 raw HTTP."""
 import http.client
 import json
+import re
 import threading
 import time
 
@@ -143,6 +144,19 @@ def test_errors_use_the_openai_envelope(client, model_id, real_server):
     status, _, body = http_json(real_server.port, "POST", "/v1/completions",
                                 {"prompt": "x", "stream": True, "max_tokens": "5"})
     assert status == 400 and body["error"]["param"] == "max_tokens"
+
+
+def test_the_default_watchdog_limit_is_derived_from_the_devices_full_batch(real_server):
+    """--step-timeout auto (the default): the worker times one full-batch decode after
+    loading and sets its watchdog from it (never the old fixed 300 s, never under 10 s)."""
+    line = real_server.wait_for(lambda: next(
+        (x for x in real_server.log_path.read_text().splitlines()
+         if "watchdog: a step may take" in x), None), what="the watchdog's line")
+    limit, batch_ms = re.search(r"take ([0-9.]+)s .* took ([0-9]+) ms", line).groups()
+    slots = real_server.worker()["slots"]
+    assert float(limit) == pytest.approx(max(10.0, 20 * int(batch_ms) / 1000 + 0.2 * slots),
+                                         abs=0.2)
+    assert 0 < int(batch_ms) < 20_000
 
 
 def test_models_and_health(real_server, model_id):

@@ -123,5 +123,9 @@ class FakeEngine:
             state["n"] += 1
         return out
 
+    def full_step_seconds(self) -> float:
+        """The fake step's own delay (a step's largest batch costs it nothing more)."""
+        return self.step_delay
+
     def close(self) -> None:
         self._slots = [None] * len(self._slots)

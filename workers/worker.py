@@ -229,6 +229,18 @@ def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: i
     raise ValueError(f"unknown engine {kind!r}: use llama or fake")
 
 
+def step_timeout(given: float | str, engine) -> float:
+    """--step-timeout: the seconds given, or (auto) derived from one full-batch decode
+    timed on this device now (config.derived_step_timeout)."""
+    if given != "auto":
+        return float(given)
+    full = engine.full_step_seconds()
+    limit = config.derived_step_timeout(full, engine.n_slots)
+    log.info("watchdog: a step may take %.1fs (--step-timeout auto: a full batch took "
+             "%.0f ms on this device)", limit, 1000 * full)
+    return limit
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         file_data = configfile.read_for(argv)      # the config file, read once
@@ -331,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         fingerprint=engine.fingerprint, deterministic=args.deterministic,
         engine=engine.name, placement=placement.to_dict())
     link = DispatcherLink(context, endpoints, name.encode(), info, loop, notify_address,
-                          args.step_timeout, config.Heartbeat.of(args), keys)
+                          step_timeout(args.step_timeout, engine), config.Heartbeat.of(args),
+                          keys)
     link.start()
     try:
         loop.run(stopping)

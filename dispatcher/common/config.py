@@ -67,6 +67,29 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+# --step-timeout auto: a worker measures one decode of a full batch on its device at start;
+# a step may take STEP_TIMEOUT_FACTOR times that (a busy host, a long cache, sampling beside
+# it), plus STEP_TIMEOUT_PER_SLOT for each slot (twice the grammar guard's 0.1 s a token,
+# workers/engine/samplers.py), and never less than the floor (a GPU's full batch takes
+# milliseconds; a respawn, a load and a reconnect take seconds anyway)
+STEP_TIMEOUT_FACTOR = 20.0
+STEP_TIMEOUT_PER_SLOT = 0.2
+STEP_TIMEOUT_FLOOR = 10.0
+
+
+def derived_step_timeout(full_step_s: float, slots: int) -> float:
+    """The watchdog's limit from the worker's measured full-batch step (seconds)."""
+    return max(STEP_TIMEOUT_FLOOR,
+               STEP_TIMEOUT_FACTOR * full_step_s + slots * STEP_TIMEOUT_PER_SLOT)
+
+
+def step_timeout_value(text) -> float | str:
+    """`auto`, or seconds (see non_negative_seconds)."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    return non_negative_seconds(text)
+
+
 def non_negative_seconds(text: str) -> float:
     """A finite number ≥ 0 (NaN and infinities refused: a NaN deadline never passes)."""
     try:
@@ -156,10 +179,11 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("insecure_transport", False, "allow a tcp:// dispatcher address reachable from "
            "other hosts without --curve-keys (anyone on the network can then read the "
            "token stream and submit work)", _boolean),
-    Option("step_timeout", 300.0, "seconds one step of a worker's generation loop may take "
+    Option("step_timeout", "auto", "seconds one step of a worker's generation loop may take "
            "(a decode of at most a batch, and the sampling); past it the worker is stuck: its "
-           "requests fail with worker_stuck and it exits to be replaced (0: never)",
-           non_negative_seconds),
+           "requests fail with worker_stuck and it exits to be replaced (0: never; auto: "
+           f"{STEP_TIMEOUT_FACTOR:g} times the full-batch step the worker measures on its "
+           f"device at start, at least {STEP_TIMEOUT_FLOOR:g}s)", step_timeout_value),
     Option("heartbeat_interval", 1.0, "seconds between the heartbeats of every pair of "
            "processes (dispatcher, workers, front ends); a peer silent for 3 of them is gone; "
            "parts started separately must agree", heartbeat_seconds),

@@ -21,6 +21,7 @@ UNCONTENDED = 0.6       # CPU busy share of the measuring threads below which th
                         # start-up step costs are used but not kept (a busy machine)
 MAX_SLOTS = 32          # sequences measured at most (the costs past it are extrapolated)
 PREFIX = 8              # cached tokens each measured sequence decodes after
+FULL_STEP_ROWS = 64     # prompt rows of full_step_seconds' measured chunk (~0.4 s on 2 cores)
 MEASURE_BUDGET = 10.0   # s of measuring after which no further round of the shapes starts
                         # (one thread of a 2-core CPU takes ~20 s a round, ~45 s busy)
 
@@ -55,27 +56,43 @@ def device_step_costs(engine, slots: int, n_threads: int, n_gpu_layers: int,
     return costs
 
 
-def timed_shape(engine, sequences: int, extra: int, each: bool = False) -> float:
+def full_step_seconds(engine) -> float:
+    """Seconds of the largest step a worker makes, a prompt's chunk filling the batch
+    (its last row's logits only), the faster of two, for --step-timeout auto. Measured on
+    a chunk of FULL_STEP_ROWS and scaled to the batch by its rows: a CPU's cost grows so,
+    a GPU's less (this overstates it); other slots' rows in such a step are within the
+    factor and the per-slot allowance (config.derived_step_timeout)."""
+    rows = max(1, min(FULL_STEP_ROWS, engine.n_batch, engine.n_ctx - PREFIX - 1))
+    seconds = min(timed_shape(engine, 1, rows - 1, chunk=True) for _ in range(2))
+    return seconds * engine.n_batch / rows
+
+
+def timed_shape(engine, sequences: int, extra: int, each: bool = False,
+                chunk: bool = False) -> float:
     """Seconds of one decode of `sequences` rows (one a sequence, each after a short
-    prefix) plus `extra` draft rows on the first (`each`: on every one). Leaves the
-    slots' caches empty."""
+    prefix) plus `extra` draft rows on the first (`each`: on every one; `chunk`: rows
+    of a prompt, only the last one's logits asked). Leaves the slots' caches empty."""
     lib, batch = engine.lib, engine.batch
     token = engine.bos()[0] if engine.bos() else 0
 
-    def fill(rows):
+    def fill(rows, last=None, every=None):
         for n, (seq, pos) in enumerate(rows):
             batch.token[n], batch.pos[n] = token, pos
-            batch.n_seq_id[n], batch.seq_id[n][0], batch.logits[n] = 1, seq, True
+            batch.n_seq_id[n], batch.seq_id[n][0] = 1, seq
+            batch.logits[n] = (pos == every) if every is not None else (
+                last is None or seq != 0 or pos == last)
         batch.n_tokens = len(rows)
 
-    try:
-        fill([(s, p) for s in range(sequences) for p in range(PREFIX)])
+    try:       # (the untimed prefixes ask one row of logits each: a vocabulary's row is dear)
+        fill([(s, p) for s in range(sequences) for p in range(PREFIX)], every=PREFIX - 1)
         if lib.llama_decode(engine.ctx, batch) != 0:
             raise EngineError("llama_decode failed while measuring step costs")
         fill([(s, PREFIX + j) for s in range(sequences)
-              for j in range(1 + (extra if s == 0 or each else 0))])
+              for j in range(1 + (extra if s == 0 or each else 0))],
+             PREFIX + extra if chunk else None)
         started = time.perf_counter()
         rc = lib.llama_decode(engine.ctx, batch)
+        lib.llama_synchronize(engine.ctx)    # a GPU's decode returns before it is done
         elapsed = time.perf_counter() - started
         if rc != 0:
             raise EngineError("llama_decode failed while measuring step costs")

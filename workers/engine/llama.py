@@ -26,7 +26,7 @@ import numpy as np
 from workers.errors import EngineError
 from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.llamalog import LlamaLog
-from workers.engine.costprobe import device_step_costs
+from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.repacking import extra_buffers_work
 from workers.engine.scheduling import Scheduler, seq_runs
 from workers.engine.speculation import Drafter, Histories, common_prefix
@@ -197,6 +197,11 @@ class LlamaEngine:
         self.step_costs = step_costs or (device_step_costs(
             self, slots, n_threads, n_gpu_layers, mparams.use_extra_bufts)
             if self.draft_max else None)
+
+    def full_step_seconds(self) -> float:
+        """One decode of a full batch on this device, measured now (the watchdog's
+        --step-timeout auto)."""
+        return full_step_seconds(self)
 
     # -- the vocabulary (workers.engine.vocabulary), as the Engine protocol names it ----
     def tokenize(self, text: str, add_special: bool = True,
