@@ -528,3 +528,29 @@ def test_a_refused_pick_sought_among_the_likeliest_tokens_is_the_whole_vocabular
         assert top_tokens == whole_tokens
     finally:
         engine.close()
+
+
+def check_costs(spents):
+    """The grammar guard's verdicts on one token's stack work after another (unit)."""
+    from types import SimpleNamespace
+
+    from workers.engine import samplers
+    from workers.errors import InvalidInput
+    chain = SimpleNamespace(check_seconds=0.0)
+    for n, spent in enumerate(spents):
+        try:
+            samplers.SamplerChain._check_cost(chain, spent)
+        except InvalidInput:
+            return n
+    return None
+
+
+def test_the_grammar_guard_ends_a_growing_cost_not_one_slow_moment():
+    cheap = [5e-5] * 20
+    assert check_costs(cheap + [0.05] + cheap) is None       # a page fault, a stolen CPU
+    assert check_costs(cheap + [0.15] + cheap) is None
+    assert check_costs(cheap + [0.5]) == len(cheap)           # alone, but four times over
+    doubling = [5e-5 * 2 ** k for k in range(20)]             # stacks doubling a token
+    stopped = check_costs(doubling)
+    assert stopped is not None and doubling[stopped] <= 0.11
+    assert check_costs([0.09] * 50) is None                   # dear, but not growing

@@ -26,6 +26,7 @@ import numpy as np
 from workers.errors import EngineError
 from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.llamalog import LlamaLog
+from workers.engine.alphabet import TokenTexts
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.repacking import extra_buffers_work
 from workers.engine.scheduling import Scheduler, seq_runs
@@ -188,6 +189,9 @@ class LlamaEngine:
         self.fim_repo = repo if all(t >= 0 for t in repo) else None   # repo-level FIM
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.vocabulary = Vocabulary(llama_cpp, self.vocab, self.n_vocab, self.add_bos)
+        eog = frozenset(self.eog_tokens)
+        self.candidates.texts = TokenTexts(        # a fought grammar's tokens (alphabet.py)
+            self.n_vocab, lambda t: self.vocabulary.piece(t, special=True), eog.__contains__)
         self.fingerprint = model_fingerprint(model_path, llama_cpp.__version__)
         # whether a draft pays in a step: this device's step times by batch shape,
         # measured here and kept current by the steps (given ones stay as given)
@@ -531,6 +535,7 @@ class LlamaEngine:
         return result
 
     def close(self) -> None:
+        self.candidates.texts.close()
         for slot_id in range(len(self.slots)):
             self.release(slot_id, keep_cache=False)
         llama_cpp.llama_batch_free(self.batch)

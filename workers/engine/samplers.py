@@ -38,6 +38,8 @@ KEPT_VERDICTS = 64
 # One token's check against the grammar past this, or growing so fast that the next
 # one's would be, ends the request (within the static budgets a check takes microseconds,
 # a thousand times less; the stacks of an ambiguous grammar double with each character).
+# Timed as this thread's CPU time: a busy host, or another thread holding the GIL (the
+# vocabulary's texts being made, alphabet.py), never counts as the grammar's work.
 GRAMMAR_CHECK_SECONDS = 0.1
 
 
@@ -64,6 +66,7 @@ class Candidates:
         self.array = lib.llama_token_data_array()
         self.one = (lib.llama_token_data * 1)()
         self.grammar_verdicts: OrderedDict = OrderedDict()     # see check_grammar
+        self.texts = None          # the vocabulary's TokenTexts (alphabet.py), the engine's
         self.one_array = lib.llama_token_data_array(
             ctypes.cast(self.one, ctypes.POINTER(lib.llama_token_data)), 1, -1, False)
 
@@ -80,6 +83,17 @@ class Candidates:
     def top(self, logits, n: int):
         """The `n` highest of `logits` (unsorted), as a candidate array."""
         ids = np.argpartition(logits, -n)[-n:]
+        data = self.data[:n]
+        data["id"] = ids
+        data["logit"] = logits[ids]
+        data["p"] = 0.0
+        array = self.array
+        array.data, array.size, array.selected, array.sorted = self.pointer, n, -1, False
+        return ctypes.byref(array)
+
+    def subset(self, logits, ids):
+        """The tokens `ids` (sorted) over `logits`, as a candidate array."""
+        n = len(ids)
         data = self.data[:n]
         data["id"] = ids
         data["logit"] = logits[ids]
@@ -172,6 +186,14 @@ class SamplerChain:
         if self.redraws and not (p.penalized or p.logit_bias or p.dry_multiplier):
             self.temperature = p.temperature if "temperature" in p.order else 1.0
             self.rng = np.random.default_rng(p.seed32)
+        # the tokens the grammar could ever accept, where that is a useful cut (a grammar
+        # the model fights: alphabet.py): drawn from and checked alone, the same outcome
+        self.allowed = None
+        if p.grammar is not None and candidates.texts is not None:
+            try:
+                self.allowed = candidates.texts.allowed_ids(p.grammar)
+            except gbnf.GrammarError:
+                pass                     # (llama.cpp's parse below says so, if it does)
         self.check_seconds = 0.0                        # the last token's stack work
         self.stack_seconds = 0.0                        # ... this token's, so far
         samplers: list = []
@@ -283,13 +305,15 @@ class SamplerChain:
         lib, candidates = self.lib, self.candidates
         if self.bare_greedy:          # the chain is an argmax: no candidate array needed
             token = int(logits.argmax())
+        elif self.temperature is not None and self.allowed is not None:
+            token = -1                # drawn at once from the grammar's tokens alone
         else:
             token = self._pick(candidates.whole(logits))
-        if not self._allows(token):
+        if token < 0 or not self._allows(token):
             token = self._refused_pick(logits)
-        started = time.perf_counter()
+        started = time.thread_time()
         lib.llama_sampler_accept(self.grammar, token)
-        self._check_cost(self.stack_seconds + time.perf_counter() - started)
+        self._check_cost(self.stack_seconds + time.thread_time() - started)
         self.stack_seconds = 0.0
         lib.llama_sampler_accept(self.chain, token)
         return token
@@ -301,15 +325,16 @@ class SamplerChain:
         token outside them was less likely than each), else over the whole vocabulary.
         A grammar the model fights (prose with no letter e) refuses the pick at most
         tokens, and llama.cpp tests every candidate's text against every parse stack."""
-        lib, candidates = self.lib, self.candidates
+        lib, candidates, ids = self.lib, self.candidates, self.allowed
         if self.temperature is not None:
-            z = logits.astype(np.float64) / self.temperature
+            z = (logits if ids is None else logits[ids]).astype(np.float64) / self.temperature
             weights = np.exp(z - z.max())
             cdf = np.cumsum(weights)
             draws = np.searchsorted(cdf, self.rng.random(DRAWS) * cdf[-1], side="right")
             for token in np.minimum(draws, len(cdf) - 1):
-                if self._allows(int(token)):
-                    return int(token)
+                token = int(token if ids is None else ids[token])
+                if self._allows(token):
+                    return token
         for _ in range(self.redraws if self.temperature is None else 0):
             # a draw from the whole distribution (no cut that depends on which tokens
             # are in it): one the grammar allows is a draw from the allowed ones alone
@@ -325,7 +350,8 @@ class SamplerChain:
                 if self.bare_greedy:
                     return int(candidates.data["id"][int(kept.argmax())])
                 return self._pick(array)
-        array = candidates.whole(logits)
+        # every token outside the grammar's alphabet would be refused: left out
+        array = candidates.whole(logits) if ids is None else candidates.subset(logits, ids)
         lib.llama_sampler_apply(self.grammar, array)
         token = self._pick(array)
         if not self._allows(token):
@@ -334,9 +360,9 @@ class SamplerChain:
 
     def _allows(self, token: int) -> bool:
         one = self.candidates.single(token)
-        started = time.perf_counter()
+        started = time.thread_time()
         self.lib.llama_sampler_apply(self.grammar, one)
-        self.stack_seconds += time.perf_counter() - started
+        self.stack_seconds += time.thread_time() - started
         return self.candidates.one[0].logit != float("-inf")
 
     def _check_cost(self, spent: float) -> None:
@@ -346,11 +372,16 @@ class SamplerChain:
         stacks that multiply as the text goes on (an ambiguous recursive grammar: `r ::=
         "a" r "b" | "a" r "c"` doubles them at every "a"), which no static count bounds,
         make it grow token after token: the request ends once a check passes
-        GRAMMAR_CHECK_SECONDS, or grows so fast that the next one would."""
+        GRAMMAR_CHECK_SECONDS, or grows so fast that the next one would, with the token
+        before it dear too (a real cost repeats: one check made slow by the host, a
+        page fault or a preempted CPU, among checks a thousand times cheaper, does not
+        end a request; one past four times the limit does, alone)."""
+        limit = GRAMMAR_CHECK_SECONDS
         before, self.check_seconds = self.check_seconds, spent
         growth = spent / before if before > 0 else 1.0
-        if spent > GRAMMAR_CHECK_SECONDS or (spent > GRAMMAR_CHECK_SECONDS / 8 and
-                                             spent * growth > GRAMMAR_CHECK_SECONDS):
+        repeated = before > limit / 64
+        if spent > 4 * limit or (repeated and (spent > limit or (
+                spent > limit / 8 and spent * growth > limit))):
             raise InvalidInput(f"checking one token against the grammar took {spent:.2f} s "
                                f"(at most {GRAMMAR_CHECK_SECONDS:g} s here): its parse "
                                "stacks multiply as the text goes on (alternatives that "
