@@ -56,7 +56,8 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
                 warm=warm)
             job = P.WorkerJob(
                 id=request_id if fanout == 1 else f"{request_id}.{p}.{c}", model=model,
-                parent=request_id, fanout=fanout, route=route, session=session,
+                parent=request_id, fanout=fanout, tokens=generation.max_tokens,
+                route=route, session=session,
                 client=None if session else client,
                 session_order=session_order, session_seq=session_seq, timeout=timeout,
                 tenant=tenant, key=key,

@@ -531,21 +531,27 @@ class DispatcherCore:
         for job in self.queue.in_fair_order(running, by_key, self.key_served):
             key = job.body.key
             if key is not None and self.key_slot_share < 1.0 and \
-                    by_key.get(key, 0) >= self._key_slots(job.body.model):
+                    by_key.get(key, 0) >= self._slot_share(job.body.model,
+                                                           self.key_slot_share):
                 continue                        # its key runs its share: others' turn
+            if job.long and running.get(job.parent, 0) >= self._slot_share(
+                    job.body.model, config.REQUEST_SLOT_SHARE):
+                continue                        # its long choices run their share
             worker = self.registry.choose(job)
             if worker is None:
                 continue
             self.queue.take(job)
             self._assign(job, worker)
             by_key[key] = by_key.get(key, 0) + 1
+            running[job.parent] = running.get(job.parent, 0) + 1
             if not self.registry.with_free_slots():
                 return
 
-    def _key_slots(self, model: str) -> int:
-        """The slots of `model` one API key may run at once (at least one)."""
+    def _slot_share(self, model: str, share: float) -> int:
+        """`share` of the slots of `model` (at least one): what one API key, or one
+        request of long choices, may run at once."""
         slots = sum(r.slots for r in self.registry.workers.values() if r.model == model)
-        return max(1, int(slots * self.key_slot_share))
+        return max(1, int(slots * share))
 
     def _assign(self, job: Job, worker: WorkerRecord, **extra) -> None:
         """Send `job` to `worker` (with `extra` fields) and count it as running there.

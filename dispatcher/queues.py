@@ -39,6 +39,16 @@ class Job:
     def model(self) -> str:
         return self.body.model
 
+    @property
+    def long(self) -> bool:
+        """One of several choices of a request that may generate more than
+        config.LONG_REQUEST_TOKENS together, or has no limit: they take turns at
+        config.REQUEST_SLOT_SHARE of the model's slots."""
+        body = self.body
+        if body.fanout <= 1 or body.op is not None:
+            return False
+        return body.tokens is None or body.fanout * body.tokens > config.LONG_REQUEST_TOKENS
+
     def for_worker(self, **changes) -> P.SubmittedJob:
         """The REQUEST body: the job as submitted, with its owner's topic and attempt."""
         return msgspec.structs.replace(self.body, topic=self.frontend.decode(),

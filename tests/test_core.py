@@ -342,10 +342,11 @@ def test_a_worker_that_was_not_sent_the_prompt_gets_it_whole():
     core = DispatcherCore()
     ready(core, b"w0", slots=1)
     ready(core, b"w1", slots=1)
-    sends = submit(core, "r.0.0", prompt="shared prompt", parent="r", fanout=2)
+    sends = submit(core, "r.0.0", prompt="shared prompt", parent="r", fanout=2, tokens=16)
     first = next(s for s in sends if s.cmd == P.REQUEST)
     sends = core.frontend_message(FE, P.Message(P.SUBMIT, "r.0.1", wire_job(**{
-        "id": "r.0.1", "model": "m", "parent": "r", "fanout": 2, "same_as": "r.0.0"})), 0.0)
+        "id": "r.0.1", "model": "m", "parent": "r", "fanout": 2, "same_as": "r.0.0",
+        "tokens": 16})), 0.0)
     request = next(s for s in sends if s.cmd == P.REQUEST)
     assert request.peer != first.peer                # one slot each: the other worker
     assert request.body.prompt == "shared prompt" and request.body.share_as == "r.0.0"
@@ -610,8 +611,31 @@ def test_one_key_never_holds_every_slot_while_keys_share_them():
     alone = DispatcherCore()                                     # one key (or none): all
     ready(alone, slots=16)
     for c in range(16):
-        submit(alone, f"a.0.{c}", parent="a", fanout=16, key="ka")
+        submit(alone, f"a.0.{c}", parent="a", fanout=16, key="ka", tokens=64)
     assert len(alone.registry.workers[b"w0"].running) == 16
+
+
+@pytest.mark.parametrize("key", [None, "ka"])
+def test_a_request_of_long_choices_never_holds_every_slot(key):
+    """Without keys too: 16 choices without a token limit (or 16 x 512 tokens) on a
+    16-slot worker run 12 at a time, so a later request starts at once; 16 x 256 tokens
+    (4,096 together, slots freed soon) fill all 16; one request alone is never held."""
+    for tokens, at_once in ((None, 12), (512, 12), (256, 16)):
+        core = DispatcherCore()
+        ready(core, slots=16)
+        for c in range(16):
+            submit(core, f"a.0.{c}", parent="a", fanout=16, key=key, tokens=tokens)
+        running = core.registry.workers[b"w0"].running
+        assert len(running) == at_once, tokens
+        sends = submit(core, "b", parent="b", key=key, tokens=None)
+        assert (("REQUEST", "b") in kinds(sends)) == (at_once < 16), tokens
+        if at_once < 16:
+            sends = from_worker(core, P.DONE, "a.0.0", attempt=1, last_seq=3)
+            assert sum(1 for s in sends if s.cmd == P.REQUEST) == 1     # a's next, in turn
+    single = DispatcherCore()
+    ready(single, slots=1)
+    assert ("REQUEST", "c.0.0") in kinds(submit(single, "c.0.0", parent="c", fanout=2,
+                                                 key=key))
 
 
 def test_a_huge_session_seq_never_locks_out_requests_ordered_by_arrival():

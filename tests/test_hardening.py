@@ -206,6 +206,34 @@ def test_one_request_cannot_keep_a_single_one_behind_all_its_choices(real_server
     assert done["small"] < done["big"]
 
 
+def test_a_request_of_unlimited_choices_on_every_slot_never_keeps_another_waiting(
+        real_server):
+    """Issue 40's case without API keys: as many choices as the worker has slots, no
+    token limit, the end of text ignored (they would run to the context's end): its
+    choices take 3/4 of the slots, and a 4-token request beside them is answered at once,
+    not when a choice ends."""
+    port = real_server.port
+    slots = real_server.worker()["slots"]
+    hog = SSEStream(port, {"prompt": "List:", "n": slots, "max_tokens": None,
+                           "ignore_eos": True, "stream": True, "temperature": 1,
+                           "seed": 3}, timeout=600)
+    try:
+        assert hog.status == 200
+        share = max(1, int(slots * 0.75))
+        real_server.wait_for(lambda: len(real_server.worker()["generating"]) >= share,
+                             timeout=120, what="the long choices running")
+        assert len(real_server.worker()["running"]) == share
+        started = time.monotonic()
+        status, body = post(port, {"prompt": "Hi", "max_tokens": 4}, timeout=120)
+        assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+        print(f"\nbeside {slots} unlimited choices: answered in "
+              f"{time.monotonic() - started:.1f} s")
+    finally:
+        hog.close()
+    real_server.wait_for(lambda: not real_server.worker()["running"], timeout=60,
+                         what="the long choices cancelled")
+
+
 def test_a_fanned_out_request_takes_one_place_in_the_queue():
     server = ServerProcess("--engine", "fake", "--slots", "1", "--max-queue", "1",
                            log_name="units").start()

@@ -357,6 +357,12 @@ def load_keys(inline: str | None, path: str | None) -> list[bytes]:
 # With several API keys, the share of a model's slots one key may run at once: the rest
 # stay for the others (a key alone still gets this much, and the queue serves it in turn)
 KEY_SLOT_SHARE = 0.75
+# ... and of one request whose choices are long (more than LONG_REQUEST_TOKENS together, or
+# one without a limit): they would hold every slot for minutes, so its choices past this
+# share wait for its own, and a later request starts within a step (short ones, which
+# free their slots soon, may fill them all)
+REQUEST_SLOT_SHARE = 0.75
+LONG_REQUEST_TOKENS = 4096
 
 
 def queue_share(max_queue: int, given: int | None, keys: int) -> int:

@@ -198,6 +198,7 @@ class Job(Body, Generic[G], kw_only=True):
     model: str
     parent: str | None = None           # the HTTP request (None: the job is the request)
     fanout: int = 1                     # jobs of that request
+    tokens: int | None = None           # the most each may generate (None: its context)
     route: Route = Route()
     session: str | None = None          # X-Session-Id (scoped by key)
     client: str | None = None           # without one: its key and address, fingerprinted
