@@ -82,17 +82,10 @@ class Candidates:
 
     def top(self, logits, n: int):
         """The `n` highest of `logits` (unsorted), as a candidate array."""
-        ids = np.argpartition(logits, -n)[-n:]
-        data = self.data[:n]
-        data["id"] = ids
-        data["logit"] = logits[ids]
-        data["p"] = 0.0
-        array = self.array
-        array.data, array.size, array.selected, array.sorted = self.pointer, n, -1, False
-        return ctypes.byref(array)
+        return self.subset(logits, np.argpartition(logits, -n)[-n:])
 
     def subset(self, logits, ids):
-        """The tokens `ids` (sorted) over `logits`, as a candidate array."""
+        """The tokens `ids` over `logits`, in that order, as a candidate array."""
         n = len(ids)
         data = self.data[:n]
         data["id"] = ids
