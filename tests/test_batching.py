@@ -191,8 +191,8 @@ def test_bench_reports_every_workload(two_fake_workers):
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     rows = {row["name"]: row for row in json.loads(out.stdout)}
-    assert set(rows) == {"stream x1", "stream x2", "extend prompt", "FIM keystrokes"}
-    for name in ("stream x1", "stream x2", "extend prompt"):
+    assert set(rows) == {"stream x1", "stream x2", "extend prompt (warm)", "FIM keystrokes"}
+    for name in ("stream x1", "stream x2", "extend prompt (warm)"):
         row = rows[name]
         assert row["ok"] == row["requests"] and row["errors"] == row["truncated"] == 0
         assert row["ttft_p50_ms"] > 0 and row["aggregate_tok_s"] > 0
@@ -299,9 +299,9 @@ def test_bench_figures_of_a_part_in_rounds_are_timed_over_its_own_rounds(monkeyp
                 return done.value
             clock[0] += 100.0
 
-    level = between(bench.single_rounds(Target(), "edit", ("p", "q"), 2, 10, 0.0))
+    level = between(bench.single_rounds(Target(), "edit", ["p", "q"], 2, 10, 0.0))
     assert level.requests == 4 and level.wall_s == 4.0 and level.aggregate_tok_s == 10.0
-    level = between(bench.level_rounds(Target(), 4, 6, 100, 8, 0))
+    level = between(bench.level_rounds(Target(), 4, [f"p{i}" for i in range(6)], 8))
     assert level.requests == 6 and level.tokens == 48
     assert level.wall_s == 6.0       # rounds of 4 and 2 streams, the fake's 1 s apiece
 
@@ -337,13 +337,14 @@ def test_bench_editor_workloads(two_fake_workers):
     out = subprocess.run(
         [sys.executable, "-m", "dispatcher", "bench", "--url", two_fake_workers.url,
          "--concurrency", "1", "--requests", "1", "--max-tokens", "4", "--no-fim",
-         "--workloads", "edit,fresh,fresh1,sampled,typing", "--sessions", "2",
+         "--workloads", "edit,fresh,fresh1,sampled,repeat,typing", "--sessions", "2",
          "--bursts", "1", "--burst-len", "3", "--keystroke-gap", "0.05", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     rows = {row["name"]: row for row in json.loads(out.stdout)}
-    for name, requests in (("edit", 1), ("fresh", 6), ("fresh1", 1), ("sampled", 1)):
-        assert rows[name]["ok"] == rows[name]["requests"] == requests   # fresh: 6 prompts
+    for name, requests in (("edit", 1), ("fresh", 1), ("fresh1", 1), ("sampled", 1),
+                           ("repeat (warm)", 1)):
+        assert rows[name]["ok"] == rows[name]["requests"] == requests   # --requests 1
         assert rows[name]["errors"] == 0
     typing = rows["typing (plugin-like)"]     # stale requests closed at once, no header
     assert typing["requests"] == 2 and typing["ok"] == 2 and typing["errors"] == 0

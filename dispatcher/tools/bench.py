@@ -10,28 +10,29 @@ ceiling for any server built on it.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from dataclasses import asdict
 
 from dispatcher.common.config import non_negative_seconds
 from dispatcher.tools.bench_checks import constrained_slowdowns, run_constrained, run_hostile
-from dispatcher.tools.bench_prompts import EDIT_SOURCE, FRESH_PROMPTS, prompt_of
+from dispatcher.tools.bench_corpus import Corpus, CorpusError, edit, function_start, opening
 from dispatcher.tools.bench_targets import (Abort, HttpTarget, InProcessTarget, Level, Sample,
                                             percentile, summarize)
 
 
-def run_level(target, concurrency: int, requests: int, prompt_chars: int, max_tokens: int,
-              salt: int) -> Level:
-    """`requests` streams, `concurrency` at a time (see `level_rounds`)."""
-    return drain(level_rounds(target, concurrency, requests, prompt_chars, max_tokens, salt))
+def run_level(target, concurrency: int, prompts: list[str], max_tokens: int) -> Level:
+    """A stream for each prompt, `concurrency` at a time (see `level_rounds`)."""
+    return drain(level_rounds(target, concurrency, prompts, max_tokens))
 
 
-def level_rounds(target, concurrency: int, requests: int, prompt_chars: int,
-                 max_tokens: int, salt: int):
-    """`requests` streams in rounds of `concurrency` started at once, each round waiting
-    for its last stream: a generator that yields after each round (`run` runs the other
-    targets' rounds in between) and returns the Level, timed over its own rounds."""
+def level_rounds(target, concurrency: int, prompts: list[str], max_tokens: int):
+    """A stream for each prompt (first-seen: a file of its own), in rounds of
+    `concurrency` started at once, each round waiting for its last stream: a generator
+    that yields after each round (`run` runs the other targets' rounds in between) and
+    returns the Level, timed over its own rounds."""
+    requests = len(prompts)
     samples: list[Sample] = []
     wall = 0.0
     for first in range(0, requests, concurrency):
@@ -39,7 +40,7 @@ def level_rounds(target, concurrency: int, requests: int, prompt_chars: int,
         results: dict[int, Sample] = {}
 
         def stream(i: int) -> None:
-            results[i] = target.complete(prompt_of(prompt_chars, salt + i), max_tokens)
+            results[i] = target.complete(prompts[i], max_tokens)
 
         started = time.perf_counter()
         threads = [threading.Thread(target=stream, args=(i,)) for i in batch]
@@ -70,23 +71,23 @@ def at_once(run_part):
     return result
 
 
-def run_extension(target, prompt_chars: int, max_tokens: int, salt: int, steps: int = 5
-                  ) -> Level:
-    """TTFT of a prompt that extends the previous one by a few characters (warm cache)."""
-    base = prompt_of(prompt_chars, salt)
+def run_extension(target, base: str, max_tokens: int, steps: int = 5) -> Level:
+    """TTFT of a prompt that extends the previous one by a few characters (warm on
+    purpose: the cache holds all but the last few)."""
     target.complete(base, 1)                              # warm the cache
     started = time.perf_counter()
     samples = [target.complete(base + "x" * (3 * (i + 1)), max_tokens) for i in range(steps)]
-    return summarize("extend prompt", 1, samples, time.perf_counter() - started)
+    return summarize("extend prompt (warm)", 1, samples, time.perf_counter() - started)
 
 
 def run_fim_replay(target, keystrokes: int, max_tokens: int, salt: int,
-                   interval: float) -> Level:
-    """An editor session: the prefix grows a few characters per keystroke, a request per
-    keystroke, each one superseding the last (X-Session-Id)."""
-    text = prompt_of(2000, salt)
-    cut = len(text) // 2
-    suffix = "\n        return sum(self.items.values())\n"
+                   interval: float, text: str) -> Level:
+    """An editor session in `text` (a file): the prefix grows a few characters per
+    keystroke, a request per keystroke, each one superseding the last (X-Session-Id);
+    the text after the cursor is the suffix."""
+    text = opening(text, 2000)
+    cut = text.rfind("\n", 0, len(text) // 2) + 1 or len(text) // 2
+    suffix = text[cut:cut + 400]
     probe = target.complete(text[:cut], 1, suffix=suffix)
     if probe.error and "fim_unsupported" in probe.error or \
             probe.error and "suffix" in probe.error:
@@ -134,23 +135,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_single(target, name: str, prompts: tuple[str, ...], requests: int,
+def run_single(target, name: str, prompts: list[str], repeats: int,
                max_tokens: int, temperature: float) -> Level:
     """One stream at a time (see `single_rounds`)."""
-    return drain(single_rounds(target, name, prompts, requests, max_tokens, temperature))
+    return drain(single_rounds(target, name, prompts, repeats, max_tokens, temperature))
 
 
-def single_rounds(target, name: str, prompts: tuple[str, ...], requests: int,
+def single_rounds(target, name: str, prompts: list[str], repeats: int,
                   max_tokens: int, temperature: float):
-    """One stream at a time: `edit` (the output copies much of the prompt), `fresh`
-    (new code), `sampled` (temperature 1: drafts rarely survive); each prompt
-    `requests` times in a row. A generator that yields after each request (`run` runs
-    the other targets' requests in between, so a drift of the machine's speed over
-    seconds reaches every target's figure alike) and returns the Level, timed over its
-    own requests."""
+    """One stream at a time: `edit` (a function rewritten: the output copies much of
+    the prompt), `fresh` (a function's body to write), `sampled` (temperature 1: drafts
+    rarely survive), each prompt a file of its own, sent once; `repeat` sends one
+    prompt `repeats` times in a row (warm on purpose). A generator that yields after
+    each request (`run` runs the other targets' requests in between, so a drift of the
+    machine's speed over seconds reaches every target's figure alike) and returns the
+    Level, timed over its own requests."""
     samples, wall = [], 0.0
     for prompt in prompts:
-        for _ in range(requests):
+        for _ in range(repeats):
             started = time.perf_counter()
             samples.append(target.complete(prompt, max_tokens,
                                            extra={"temperature": temperature,
@@ -163,9 +165,10 @@ def single_rounds(target, name: str, prompts: tuple[str, ...], requests: int,
 def run_typing(target, sessions: int, bursts: int, burst_len: int, gap: float,
                max_tokens: int, salt: int, session_seq: bool = False,
                session_name: str | None = None, header: bool = False,
-               keep_stale: bool = False, fim: bool = False) -> Level:
+               keep_stale: bool = False, fim: bool = False,
+               files: list[str] | None = None) -> Level:
     """Editors typing: `sessions` users, each typing bursts of `burst_len` keystrokes
-    `gap` s apart into its own ~400-token file, one request per keystroke, a pause after
+    `gap` s apart into its own file (the first ~1,600 characters of one of `files`), one request per keystroke, a pause after
     each burst. As the plugins do (../shared/notes/editor-clients.md), each keystroke
     closes the previous keystroke's connection at once and no session header is sent;
     `keep_stale` leaves it open instead (a client that has not read anything yet), and
@@ -183,7 +186,7 @@ def run_typing(target, sessions: int, bursts: int, burst_len: int, gap: float,
 
     def user(u: int) -> None:
         nonlocal closed
-        text = prompt_of(1600, salt + u)
+        text = opening(files[u], 1600)
         cursor = len(text) // 2
         count = 0
         for b in range(bursts):
@@ -253,10 +256,19 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-fim", action="store_true",
                         help="skip the FIM replay (for servers without FIM support)")
     parser.add_argument("--workloads", default="",
-                        help="also: comma-separated editor workloads: edit, fresh (six prompts), "
-                             "fresh1 (the first of them only), sampled (one stream, "
-                             "--max-tokens each, each prompt --requests times, default "
-                             "3), typing (see --sessions)")
+                        help="also: comma-separated editor workloads, one stream at a time, "
+                             "--max-tokens each, every prompt a file of its own: edit (a "
+                             "function rewritten), fresh (a function's body to write), "
+                             "fresh1 (one such request), sampled (fresh at temperature 1; "
+                             "--requests of each, default 6), repeat (one edit prompt "
+                             "--requests times, default 3: warm on purpose), typing (see "
+                             "--sessions)")
+    parser.add_argument("--corpus", default=None, metavar="DIR",
+                        help="Python source files to make the prompts of (default: this "
+                             "interpreter's standard library); no file serves two requests")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="shuffle the corpus this way (default: a new order each run, "
+                             "printed)")
     parser.add_argument("--sessions", type=int, default=8, help="typing: users")
     parser.add_argument("--bursts", type=int, default=3, help="typing: bursts per user")
     parser.add_argument("--burst-len", type=int, default=4,
@@ -286,13 +298,15 @@ def add_arguments(parser) -> None:
 
 
 def parts(args, target, levels: list[int], workloads: list[str], single: dict,
-          salt: int) -> list[tuple[str, object]]:
+          salt: int, corpus: Corpus) -> list[tuple[str, object]]:
     """What `run` measures on one target, in order, as (part, start) pairs: the part
     names what is measured (the same part on every target that has it: an in-process
     target has fewer); `start()` returns the part's rounds (a generator that yields
     after each round and returns its Levels, or printed lines for "hostile"). The
     streams at one concurrency and the single-stream workloads come in rounds of one
-    round of streams or one request; the rest runs whole, as one round."""
+    round of streams or one request; the rest runs whole, as one round. Every prompt is
+    the corpus's (bench_corpus.py): each part's files its own, the same on every
+    target."""
     in_process = isinstance(target, InProcessTarget)
     out: list[tuple[str, object]] = []
 
@@ -306,26 +320,33 @@ def parts(args, target, levels: list[int], workloads: list[str], single: dict,
         if in_process and level > 1:
             continue                           # one Llama runs one request at a time
         count = args.requests or max(4, 2 * level)
-        out.append((f"x{level}", lambda level=level, count=count, salt=salt: listed(
-            level_rounds(target, level, count, args.prompt_chars, args.max_tokens, salt))))
-        salt += count + 1
-    out.append(("extension", whole(lambda salt=salt: [run_extension(
-        target, args.prompt_chars, args.max_tokens, salt)])))
+        prompts = corpus.prompts(f"x{level}", count,
+                                 lambda text: opening(text, args.prompt_chars))
+        out.append((f"x{level}", lambda level=level, prompts=prompts: listed(
+            level_rounds(target, level, prompts, args.max_tokens))))
+    base = corpus.prompts("extension", 1, lambda text: opening(text, args.prompt_chars))[0]
+    out.append(("extension", whole(lambda: [run_extension(target, base, args.max_tokens)])))
     if args.fim_keystrokes and not args.no_fim and not in_process:
+        text = corpus.files_for("fim", 1)[0]
         out.append(("fim", whole(lambda salt=salt: [run_fim_replay(
             target, args.fim_keystrokes, args.max_tokens, salt + 1,
-            args.keystroke_interval)])))
+            args.keystroke_interval, text)])))
     for workload in workloads:
         if workload in single:
-            prompts, temperature = single[workload]
-            out.append((workload, lambda w=workload, prompts=prompts, t=temperature: listed(
-                single_rounds(target, w, prompts, args.requests or 3, args.max_tokens,
-                              t))))
+            make, temperature, repeated = single[workload]
+            count = 1 if repeated or workload == "fresh1" else args.requests or 6
+            prompts = corpus.prompts(workload, count, make)
+            repeats = (args.requests or 3) if repeated else 1
+            name = f"{workload} (warm)" if repeated else workload
+            out.append((workload, lambda name=name, prompts=prompts, t=temperature,
+                        repeats=repeats: listed(single_rounds(
+                            target, name, prompts, repeats, args.max_tokens, t))))
         elif not in_process:                   # typing
+            files = corpus.files_for("typing", args.sessions)
             out.append(("typing", whole(lambda salt=salt: [run_typing(
                 target, args.sessions, args.bursts, args.burst_len, args.keystroke_gap,
                 args.max_tokens, salt + 3, args.session_seq, args.session_name,
-                args.session_header, args.keep_stale, args.typing_fim)])))
+                args.session_header, args.keep_stale, args.typing_fim, files)])))
     if args.hostile and not in_process:
         out.append(("hostile", whole(lambda: run_hostile(target, args.max_tokens))))
     if args.constrained and not in_process:
@@ -348,21 +369,29 @@ def run(args) -> int:
         raise SystemExit("--concurrency: levels of 1 or more, e.g. 1,8")
     extra_workloads = list(dict.fromkeys(w.strip() for w in args.workloads.split(",")
                                          if w.strip()))
-    single = {"edit": ((EDIT_SOURCE + "def handler_12(request):\n",), 0.0),
-              "fresh": (FRESH_PROMPTS, 0.0),
-              "fresh1": (FRESH_PROMPTS[:1], 0.0),
-              "sampled": (FRESH_PROMPTS[:1], 1.0)}
+    # (the prompt each file makes, the temperature, whether one prompt is repeated)
+    single = {"edit": (edit, 0.0, False), "fresh": (function_start, 0.0, False),
+              "fresh1": (function_start, 0.0, False),
+              "sampled": (function_start, 1.0, False),
+              "repeat": (edit, 0.0, True)}
     for workload in extra_workloads:
         if workload not in single and workload != "typing":
             raise SystemExit(f"unknown workload {workload!r}: edit, fresh, fresh1, "
-                             "sampled, typing")
+                             "sampled, repeat, typing")
+    try:
+        corpus = Corpus(args.corpus, args.seed)
+        corpus.files_for("x", 0)
+    except (CorpusError, OSError) as exc:
+        raise SystemExit(f"--corpus: {exc}") from None
+    print(f"first-seen prompts: files of {corpus.root}, shuffled by seed {corpus.seed} "
+          f"(--seed {corpus.seed} repeats this run's choice)", file=sys.stderr)
     # Each target's parts, in order; run part by part across the targets (the first part
     # on every target, then the second...) and within a part round by round (a request,
     # or a round of concurrent streams, on each target in turn, the first target
     # rotating), so a machine whose speed drifts (a shared host) shifts every target's
     # figure of a part alike, not one target's.
     plans = [parts(args, target, levels, extra_workloads, single,
-                   1000 * (t_index + 1) + int(time.time()) % 1000 * 10_000)
+                   1000 * (t_index + 1) + int(time.time()) % 1000 * 10_000, corpus)
              for t_index, target in enumerate(targets)]
     order: list[str] = []                 # every part, in the order the targets run them
     for plan in plans:

@@ -1,5 +1,6 @@
-"""The texts `python -m dispatcher bench` sends: code prompts of a given size, and the
-single-stream workloads' prompts."""
+"""Code prompts of a given size for `python -m dispatcher bench --constrained` (a ratio
+of two figures on the same prompts; the workloads' first-seen prompts are
+bench_corpus.py's)."""
 from __future__ import annotations
 
 
@@ -44,18 +45,3 @@ def prompt_of(chars: int, salt: int = 0) -> str:
     while len(text) < chars:
         text += CODE
     return text[:chars]
-
-
-EDIT_SOURCE = "".join(
-    f"def handler_{i}(request):\n    value = request.get('field_{i}')\n"
-    f"    if value is None:\n        return error('missing field_{i}')\n"
-    f"    return respond(value * {i})\n\n\n" for i in range(12))
-
-
-# `fresh`: new code, each prompt asked `requests` times in a row (an editor asks for
-# nearly the same completion again and again). Several prompts, because whether a
-# repeat drafts the earlier answer whole turns on near-ties in the greedy text that a
-# draft's batched rows flip one way or the other: one prompt measures one coin.
-FRESH_PROMPTS = ("def merge_sorted(left, right):\n", "class LRUCache:\n",
-                 "def parse_args(argv):\n", "import os\n\ndef walk_files(root):\n",
-                 "function debounce(fn, ms) {\n", "def fibonacci(n):\n")

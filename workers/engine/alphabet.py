@@ -133,7 +133,7 @@ class TokenTexts:
                 continue
             points.extend(map(ord, text))
             lengths[token] = len(text)
-        self.points = np.array(points, dtype=np.int64)
+        self.points = np.array(points, dtype=np.int32)
         self.starts, self.lengths, self.always = starts, lengths, always
         self._built.set()
 
@@ -167,8 +167,8 @@ class TokenTexts:
         if not ranges:
             inside = np.zeros(len(self.points), dtype=bool)
         else:
-            lows = np.array([lo for lo, _ in ranges], dtype=np.int64)
-            highs = np.array([hi for _, hi in ranges], dtype=np.int64)
+            lows = np.array([lo for lo, _ in ranges], dtype=np.int32)
+            highs = np.array([hi for _, hi in ranges], dtype=np.int32)
             at = np.searchsorted(lows, self.points, side="right") - 1
             inside = (at >= 0) & (self.points <= highs[np.maximum(at, 0)])
         # a token is in when none of its code points is outside

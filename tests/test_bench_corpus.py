@@ -1,0 +1,109 @@
+"""The bench's first-seen prompts (dispatcher/tools/bench_corpus.py): real source files, a
+different one for every request, the same on every target (unit: a recording target in
+place of a server)."""
+import argparse
+import ast
+import threading
+
+import pytest
+
+from dispatcher.tools import bench
+from dispatcher.tools.bench_corpus import (Corpus, CorpusError, edit, function_start,
+                                           opening, source_files, standard_library)
+from dispatcher.tools.bench_targets import Sample
+
+
+def test_the_corpus_is_the_standard_library_without_tests_or_codec_tables():
+    files = list(source_files(standard_library()))
+    assert len(files) > 300
+    names = {f.relative_to(standard_library()).parts[0] for f in files}
+    assert "json" in names and "test" not in names and "encodings" not in names
+    assert not any("site-packages" in f.parts for f in files)
+
+
+def test_each_part_gets_files_of_its_own_the_same_each_time_it_asks():
+    corpus = Corpus(seed=11)
+    a, b = corpus.files_for("x8", 8), corpus.files_for("edit", 6)
+    assert corpus.files_for("x8", 8) == a and corpus.files_for("x8", 3) == a[:3]
+    assert len(set(a + b)) == 14
+    assert Corpus(seed=11).files_for("x8", 8) == a              # a seed repeats a run
+    assert Corpus(seed=12).files_for("x8", 8) != a              # a new one does not
+
+
+def test_a_corpus_without_enough_files_says_so(tmp_path):
+    (tmp_path / "small.py").write_text("x = 1\n")
+    with pytest.raises(CorpusError, match="not enough"):
+        Corpus(tmp_path, seed=1).files_for("x1", 1)
+
+
+SOURCE = "import os\n\n" + "".join(f"X{i} = {i}\n" for i in range(30)) + '''
+
+def walk(root, depth=0):
+    """Every file under root."""
+    found = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if os.path.isdir(path):
+            found += walk(path, depth + 1)
+        else:
+            found.append(path)
+    return found
+'''
+
+
+def test_an_edit_prompt_is_the_function_then_its_first_line_renamed():
+    prompt = edit(SOURCE)
+    assert prompt.endswith("\ndef walk_v2(root, depth=0):\n")
+    assert "        else:\n            found.append(path)\n    return found\n" in prompt
+    ast.parse(prompt + "    pass\n")                          # real code, cut at a line
+
+
+def test_a_fresh_prompt_stops_where_the_body_begins():
+    prompt = function_start(SOURCE)
+    assert prompt.endswith('    """Every file under root."""\n')
+    assert "found = []" not in prompt
+    assert opening(SOURCE, 25) == "import os\n\nX0 = 0\nX1 = 1\n"
+
+
+class Recorder:
+    """A target that answers at once and keeps every prompt it was sent."""
+    sent: list = []
+    lock = threading.Lock()
+
+    def __init__(self, url, model=None, api_key=None):
+        self.name = url
+
+    def complete(self, prompt, max_tokens, suffix=None, session=None, timeout=600,
+                 extra=None, seq=None, abort=None):
+        with self.lock:
+            self.sent.append((self.name, prompt))
+        return Sample(ok=True, ttft=0.01, tokens=max_tokens, decode_s=0.01,
+                      finish_reason="length", first_line=0.01)
+
+
+def test_no_target_is_sent_a_first_seen_prompt_twice_and_each_gets_the_same(monkeypatch,
+                                                                              capsys):
+    monkeypatch.setattr(bench, "HttpTarget", Recorder)
+    Recorder.sent = []
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--url", "a", "--url", "b", "--concurrency", "1,4",
+                              "--no-fim", "--max-tokens", "4", "--workloads",
+                              "edit,fresh,sampled,typing", "--bursts", "1",
+                              "--burst-len", "1", "--keystroke-gap", "0",
+                              "--seed", "3"])
+    assert bench.run(args) == 0
+    assert "seed 3" in capsys.readouterr().err
+    for target in ("a", "b"):
+        prompts = [p for name, p in Recorder.sent if name == target]
+        assert len(prompts) == len(set(prompts)) > 30, "a prompt sent twice"
+    assert sorted(p for n, p in Recorder.sent if n == "a") == \
+        sorted(p for n, p in Recorder.sent if n == "b")
+    Recorder.sent = []
+    args = parser.parse_args(["--url", "a", "--concurrency", "1", "--requests", "3",
+                              "--no-fim", "--workloads", "repeat", "--json"])
+    assert bench.run(args) == 0
+    rows = {row["name"] for row in __import__("json").loads(capsys.readouterr().out)}
+    assert rows == {"stream x1", "extend prompt (warm)", "repeat (warm)"}
+    repeated = [p for _, p in Recorder.sent]
+    assert len(repeated) - len(set(repeated)) == 2            # one prompt, three times
