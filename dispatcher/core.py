@@ -167,8 +167,11 @@ class DispatcherCore:
                 self.frontend_lost(fe_id)
 
     def expire_deadlines(self, now: float) -> None:
-        """Queued requests past their deadline get a 504 before they take a slot."""
-        for job in self.queue.past_deadline(now):
+        """Queued requests past their deadline get a 504 before they take a slot (a
+        request with a choice running has started: its other choices wait their turn)."""
+        started = {job.parent for record in self.registry.workers.values()
+                   for job in record.running.values()}
+        for job in self.queue.past_deadline(now, started):
             self.stats["timed_out"] += 1
             self._forget(job)
             waited = now - job.enqueued_at

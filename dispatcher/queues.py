@@ -118,8 +118,11 @@ class RequestQueue:
         return len({job.parent for job in self._jobs
                     if job.body.key == api_key and self.key(job) == key})
 
-    def past_deadline(self, now: float) -> list[Job]:
-        late = [j for j in self._jobs if j.deadline is not None and j.deadline <= now]
+    def past_deadline(self, now: float, in_service: set[str] = frozenset()) -> list[Job]:
+        """Remove and return the jobs past their queue deadline, but those of a request
+        with a choice running (`in_service`: its own share of slots holds them back)."""
+        late = [j for j in self._jobs if j.deadline is not None and j.deadline <= now
+                and j.parent not in in_service]
         for job in late:
             self._jobs.remove(job)
         return late

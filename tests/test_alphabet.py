@@ -69,11 +69,14 @@ def test_a_mask_keeping_most_of_the_vocabulary_is_not_used():
     assert kept(texts(), "root ::= [^q]*") is None               # every one: over 90%
 
 
-def test_no_mask_until_the_texts_are_made_and_asking_starts_them():
+def test_a_grammar_asking_before_the_texts_are_made_waits_for_them():
+    """Whether a chain has its alphabet never depends on timing (one seed, one text):
+    asking starts the texts and waits; once the engine closes, none is made."""
     made = TokenTexts(len(PIECES), PIECES.__getitem__, lambda t: t == EOS)
-    assert made.allowed_ids("root ::= [0-9]+") is None          # (not made yet)
-    made.build()
     assert made.allowed_ids("root ::= [0-9]+") is not None
+    closed = TokenTexts(len(PIECES), PIECES.__getitem__, lambda t: t == EOS)
+    closed.close()
+    assert closed.allowed_ids("root ::= [0-9]+") is None
 
 
 # -- against llama.cpp's own grammar sampler (the bundled model, in-process) ---------------

@@ -34,6 +34,23 @@ def test_a_corpus_without_enough_files_says_so(tmp_path):
     (tmp_path / "small.py").write_text("x = 1\n")
     with pytest.raises(CorpusError, match="not enough"):
         Corpus(tmp_path, seed=1).files_for("x1", 1)
+    with pytest.raises(CorpusError, match="not a directory"):
+        Corpus(tmp_path / "nowhere", seed=1)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CorpusError, match="no Python source"):
+        Corpus(tmp_path / "empty", seed=1)
+
+
+def test_bench_names_a_bad_corpus_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    out = subprocess.run([sys.executable, "-m", "dispatcher", "bench", "--url",
+                          "http://127.0.0.1:9", "--corpus", str(tmp_path / "nowhere")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "--corpus" in out.stderr and "not a directory" in out.stderr
 
 
 SOURCE = "import os\n\n" + "".join(f"X{i} = {i}\n" for i in range(30)) + '''

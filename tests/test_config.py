@@ -126,9 +126,10 @@ def test_step_timeout_is_auto_seconds_or_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("full_step_s, slots, expected", [
-    (1.1, 8, 20 * 1.1 + 8 * 0.2),       # a CPU: a 512-row batch of the 270M model on 2 cores
-    (130.0, 1, 20 * 130.0 + 0.2),        # a 32B model on one core: far past 300 s
-    (0.02, 16, 10.0),                    # a GPU: milliseconds a batch, the floor
+    (3.6, 8, 20 * 3.6 + 8 * 1.0),       # a CPU: a 512-row batch of the 270M model on 2 cores
+    (130.0, 1, 20 * 130.0 + 1.0),        # a 32B model on one core: far past 300 s
+    (0.02, 4, 10.0),                     # a GPU: milliseconds a batch, the floor
+    (0.02, 32, 0.4 + 32.0),              # ... unless its slots' sampling allowance is more
 ])
 def test_the_watchdog_limit_follows_the_measured_full_batch(full_step_s, slots, expected):
     assert config.derived_step_timeout(full_step_s, slots) == pytest.approx(expected)

@@ -1,4 +1,6 @@
 """The dispatcher's core, driven by messages and a fake clock: no sockets, no processes."""
+import time
+
 import msgspec
 import pytest
 
@@ -651,3 +653,19 @@ def test_a_huge_session_seq_never_locks_out_requests_ordered_by_arrival():
                        session_order=int((1e9 + now) * 1e9))
         assert not failed(sends, "superseded") - {f"plain{i - 1}", "far"}, sends
         assert ("ACCEPTED", f"plain{i}") in kinds(sends)
+
+
+def test_choices_held_back_by_their_own_request_are_not_timed_out_in_the_queue():
+    """A queue deadline (--queue-timeout, X-Request-Timeout) is for requests that never
+    started: the choices of a long request waiting for its own share of the slots are
+    not failed 504 while one of theirs runs; a request with none running is."""
+    core = DispatcherCore()
+    ready(core, slots=4)
+    for c in range(4):
+        submit(core, f"a.0.{c}", parent="a", fanout=4, tokens=None, timeout=5.0)
+    assert len(core.registry.workers[b"w0"].running) == 3
+    submit(core, "b", parent="b", tokens=None, timeout=5.0)       # the fourth slot
+    submit(core, "c", parent="c", tokens=8, timeout=5.0)          # no slot: waits
+    core.expire_deadlines(time.monotonic() + 10.0)        # (deadlines: the real clock)
+    assert failed(core._take(), "queue_timeout") == {"c"}
+    assert [j.request_id for j in core.queue._jobs] == ["a.0.3"]

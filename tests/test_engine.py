@@ -530,16 +530,18 @@ def test_a_refused_pick_sought_among_the_likeliest_tokens_is_the_whole_vocabular
         engine.close()
 
 
-def check_costs(spents):
-    """The grammar guard's verdicts on one token's stack work after another (unit)."""
+def check_costs(spents, probes=None):
+    """The grammar guard's verdicts on one token's stack work after another, `probes`
+    the cost of one more check at each new state (default: what the token cost) (unit)."""
     from types import SimpleNamespace
 
     from workers.engine import samplers
     from workers.errors import InvalidInput
     chain = SimpleNamespace(check_seconds=0.0)
+    probes = probes or spents
     for n, spent in enumerate(spents):
         try:
-            samplers.SamplerChain._check_cost(chain, spent)
+            samplers.SamplerChain._check_cost(chain, spent, lambda n=n: probes[n])
         except InvalidInput:
             return n
     return None
@@ -547,9 +549,13 @@ def check_costs(spents):
 
 def test_the_grammar_guard_ends_a_growing_cost_not_one_slow_moment():
     cheap = [5e-5] * 20
-    assert check_costs(cheap + [0.05] + cheap) is None       # a page fault, a stolen CPU
-    assert check_costs(cheap + [0.15] + cheap) is None
-    assert check_costs(cheap + [0.5]) == len(cheap)           # alone, but four times over
+    moment = cheap + [0.05] + cheap            # a page fault, a stolen CPU: the next
+    assert check_costs(moment, cheap + [5e-5] + cheap) is None       # check is cheap
+    assert check_costs(cheap + [0.15] + cheap, [5e-5] * 41) is None
+    assert check_costs(cheap + [0.5], [5e-5] * 21) == len(cheap)     # four times over
+    # stacks that jumped within one long token ("aaaaaaaa"): the next check is dear too
+    assert check_costs(cheap + [0.08], cheap + [0.04]) == len(cheap)
+    assert check_costs(cheap + [0.3], cheap + [0.15]) == len(cheap)
     doubling = [5e-5 * 2 ** k for k in range(20)]             # stacks doubling a token
     stopped = check_costs(doubling)
     assert stopped is not None and doubling[stopped] <= 0.11

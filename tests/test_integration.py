@@ -154,7 +154,7 @@ def test_the_default_watchdog_limit_is_derived_from_the_devices_full_batch(real_
          if "watchdog: a step may take" in x), None), what="the watchdog's line")
     limit, batch_ms = re.search(r"take ([0-9.]+)s .* took ([0-9]+) ms", line).groups()
     slots = real_server.worker()["slots"]
-    assert float(limit) == pytest.approx(max(10.0, 20 * int(batch_ms) / 1000 + 0.2 * slots),
+    assert float(limit) == pytest.approx(max(10.0, 20 * int(batch_ms) / 1000 + 1.0 * slots),
                                          abs=0.2)
     assert 0 < int(batch_ms) < 20_000
 

@@ -9,9 +9,8 @@ thread (15.8 s), a grammar of 4,000 parse stacks (165 s a token), a 1 Mi-charact
 tokenized there (5.3 s), DRY sampler chains with 16 breakers for 8 choices (~8 s), 256
 stop strings checked the slow way (28-52 ms a token), prompt logprobs of 512 rows a step
 (1.3 s a step), large answers encoded on the front end's loop (seconds), inferred
-sessions compared character by character in Python on the dispatcher's thread. The
-first grammar with a useful alphabet makes the vocabulary's texts on a thread of the
-worker (workers/engine/alphabet.py): that too, beside the stream."""
+sessions compared character by character in Python on the dispatcher's thread. And a
+grammar the model fights, sampled (drawn from its alphabet: workers/engine/alphabet.py)."""
 import json
 import os
 import pathlib
@@ -53,7 +52,7 @@ HEAVY = {
         "prompt": SOURCE[:2500], "max_tokens": 0, "echo": True, "logprobs": 5, "n": 2}),
     "/tokenize with pieces of 1 Mi characters": ("/tokenize", {
         "content": MEGA, "with_pieces": True}),
-    "the first fought grammar (the vocabulary's texts made beside)": ("/v1/completions", {
+    "a fought grammar, sampled": ("/v1/completions", {
         "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0.8,
         "grammar": "root ::= [^e]*"}),
 }

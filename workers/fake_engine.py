@@ -123,6 +123,9 @@ class FakeEngine:
             state["n"] += 1
         return out
 
+    def after_load(self) -> None:
+        """Nothing to make beside serving."""
+
     def full_step_seconds(self) -> float:
         """The fake step's own delay (a step's largest batch costs it nothing more)."""
         return self.step_delay

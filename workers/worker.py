@@ -342,9 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         fim=engine.fim_tokens is not None or template is not None,
         fingerprint=engine.fingerprint, deterministic=args.deterministic,
         engine=engine.name, placement=placement.to_dict())
+    watchdog = step_timeout(args.step_timeout, engine)     # (timed before what follows)
+    engine.after_load()
     link = DispatcherLink(context, endpoints, name.encode(), info, loop, notify_address,
-                          step_timeout(args.step_timeout, engine), config.Heartbeat.of(args),
-                          keys)
+                          watchdog, config.Heartbeat.of(args), keys)
     link.start()
     try:
         loop.run(stopping)

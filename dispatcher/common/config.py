@@ -69,11 +69,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
 # --step-timeout auto: a worker measures one decode of a full batch on its device at start;
 # a step may take STEP_TIMEOUT_FACTOR times that (a busy host, a long cache, sampling beside
-# it), plus STEP_TIMEOUT_PER_SLOT for each slot (twice the grammar guard's 0.1 s a token,
-# workers/engine/samplers.py), and never less than the floor (a GPU's full batch takes
-# milliseconds; a respawn, a load and a reconnect take seconds anyway)
+# it), plus STEP_TIMEOUT_PER_SLOT for each slot (a row's sampling under a grammar: the
+# guard lets one token's stack work reach 0.4 s, and one more check, beside a pass over
+# the vocabulary; workers/engine/samplers.py), and never less than the floor (a GPU's
+# full batch takes milliseconds; a respawn, a load and a reconnect take seconds anyway)
 STEP_TIMEOUT_FACTOR = 20.0
-STEP_TIMEOUT_PER_SLOT = 0.2
+STEP_TIMEOUT_PER_SLOT = 1.0
 STEP_TIMEOUT_FLOOR = 10.0
 
 

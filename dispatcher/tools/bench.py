@@ -87,7 +87,8 @@ def run_fim_replay(target, keystrokes: int, max_tokens: int, salt: int,
     the text after the cursor is the suffix."""
     text = opening(text, 2000)
     cut = text.rfind("\n", 0, len(text) // 2) + 1 or len(text) // 2
-    suffix = text[cut:cut + 400]
+    end = cut + 3 * keystrokes                   # the suffix: after what is typed
+    suffix = text[end:end + 400]
     probe = target.complete(text[:cut], 1, suffix=suffix)
     if probe.error and "fim_unsupported" in probe.error or \
             probe.error and "suffix" in probe.error:
@@ -380,8 +381,10 @@ def run(args) -> int:
                              "sampled, repeat, typing")
     try:
         corpus = Corpus(args.corpus, args.seed)
-        corpus.files_for("x", 0)
-    except (CorpusError, OSError) as exc:
+        plans = [parts(args, target, levels, extra_workloads, single,
+                       1000 * (t_index + 1) + int(time.time()) % 1000 * 10_000, corpus)
+                 for t_index, target in enumerate(targets)]
+    except CorpusError as exc:
         raise SystemExit(f"--corpus: {exc}") from None
     print(f"first-seen prompts: files of {corpus.root}, shuffled by seed {corpus.seed} "
           f"(--seed {corpus.seed} repeats this run's choice)", file=sys.stderr)
@@ -390,9 +393,6 @@ def run(args) -> int:
     # or a round of concurrent streams, on each target in turn, the first target
     # rotating), so a machine whose speed drifts (a shared host) shifts every target's
     # figure of a part alike, not one target's.
-    plans = [parts(args, target, levels, extra_workloads, single,
-                   1000 * (t_index + 1) + int(time.time()) % 1000 * 10_000, corpus)
-             for t_index, target in enumerate(targets)]
     order: list[str] = []                 # every part, in the order the targets run them
     for plan in plans:
         for name, _ in plan:

@@ -54,7 +54,11 @@ class Corpus:
     def __init__(self, root: Path | None = None, seed: int | None = None):
         self.root = Path(root) if root is not None else standard_library()
         self.seed = seed if seed is not None else random.SystemRandom().randrange(10 ** 6)
+        if not self.root.is_dir():
+            raise CorpusError(f"{self.root} is not a directory")
         paths = sorted(source_files(self.root))
+        if not paths:
+            raise CorpusError(f"no Python source files under {self.root}")
         random.Random(self.seed).shuffle(paths)
         self._paths = iter(paths)
         self._dealt: dict[str, list[str]] = {}

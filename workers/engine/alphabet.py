@@ -87,8 +87,10 @@ def _covers(ranges: list[tuple[int, int]], span: tuple[int, int]) -> bool:
 
 class TokenTexts:
     """Every token's text as code points, made once per vocabulary on a thread of its own
-    when the first grammar asks (about 2 s for 262,144 tokens on one core of this
-    machine, through llama-cpp-python's calls): until then no grammar has a mask."""
+    (`start`: the worker starts it once it has loaded; about 2 s for 262,144 tokens on
+    one core of this machine, through llama-cpp-python's calls). A grammar that asks
+    before they are made waits for them (on the preparing thread): whether a chain has
+    a mask never depends on timing, so the same seed gives the same text."""
 
     def __init__(self, n_vocab: int, piece, is_eog):
         self.n_vocab, self._piece, self._is_eog = n_vocab, piece, is_eog
@@ -97,6 +99,7 @@ class TokenTexts:
         self._builder: threading.Thread | None = None
         self._masks: OrderedDict = OrderedDict()       # grammar text -> ids or None
         self._stop = threading.Event()
+        self.points = None                             # made: the texts
 
     def close(self) -> None:
         """Stop a build under way (before the vocabulary it reads is freed)."""
@@ -105,16 +108,27 @@ class TokenTexts:
         if builder is not None:
             builder.join()
 
-    def build(self) -> None:
-        """Make the texts now (and wait for them)."""
+    def start(self) -> None:
+        """Start making the texts (once)."""
         with self._lock:
-            if self._builder is None:
+            if self._builder is None and not self._stop.is_set():
                 self._builder = threading.Thread(target=self._build, daemon=True,
                                                  name="token-texts")
                 self._builder.start()
-        self._built.wait()
+
+    def build(self) -> None:
+        """Make the texts now (and wait for them)."""
+        self.start()
+        if self._builder is not None:
+            self._built.wait()
 
     def _build(self) -> None:
+        try:
+            self._make()
+        finally:
+            self._built.set()               # (stopped or failed: no grammar has a mask)
+
+    def _make(self) -> None:
         points: list[int] = []
         starts = np.zeros(self.n_vocab, dtype=np.int64)
         lengths = np.zeros(self.n_vocab, dtype=np.int64)
@@ -124,7 +138,8 @@ class TokenTexts:
                 return
             starts[token] = len(points)
             try:
-                text = self._piece(token).decode("utf-8")
+                # (llama.cpp's grammar reads a token's text up to a NUL)
+                text = self._piece(token).split(b"\0", 1)[0].decode("utf-8")
             except UnicodeDecodeError:
                 always[token] = True
                 continue
@@ -133,24 +148,20 @@ class TokenTexts:
                 continue
             points.extend(map(ord, text))
             lengths[token] = len(text)
-        self.points = np.array(points, dtype=np.int32)
         self.starts, self.lengths, self.always = starts, lengths, always
-        self._built.set()
+        self.points = np.array(points, dtype=np.int32)
 
     def allowed_ids(self, grammar: str) -> np.ndarray | None:
         """The sorted ids of the tokens `grammar` could ever accept, or None where that is
-        more than USEFUL_SHARE of the vocabulary (or every token), or the texts are not
-        made yet (asking starts them)."""
+        more than USEFUL_SHARE of the vocabulary (or every token); waits for the texts
+        (asking starts them)."""
+        self.build()
         with self._lock:
             if grammar in self._masks:
                 self._masks.move_to_end(grammar)
                 return self._masks[grammar]
-            if not self._built.is_set():
-                if self._builder is None:
-                    self._builder = threading.Thread(target=self._build, daemon=True,
-                                                     name="token-texts")
-                    self._builder.start()
-                return None
+            if self.points is None:
+                return None                  # the engine is closing
             ids = self._allowed(grammar)
             self._masks[grammar] = ids
             while len(self._masks) > KEPT_MASKS:

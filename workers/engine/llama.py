@@ -202,6 +202,11 @@ class LlamaEngine:
             self, slots, n_threads, n_gpu_layers, mparams.use_extra_bufts)
             if self.draft_max else None)
 
+    def after_load(self) -> None:
+        """What is made beside serving, once the worker is up: the vocabulary's texts
+        for grammars' alphabets (alphabet.py; a grammar before they are made waits)."""
+        self.candidates.texts.start()
+
     def full_step_seconds(self) -> float:
         """One decode of a full batch on this device, measured now (the watchdog's
         --step-timeout auto)."""

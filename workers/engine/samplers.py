@@ -306,7 +306,8 @@ class SamplerChain:
             token = self._refused_pick(logits)
         started = time.thread_time()
         lib.llama_sampler_accept(self.grammar, token)
-        self._check_cost(self.stack_seconds + time.thread_time() - started)
+        self._check_cost(self.stack_seconds + time.thread_time() - started,
+                         lambda: self._timed_check(token))
         self.stack_seconds = 0.0
         lib.llama_sampler_accept(self.chain, token)
         return token
@@ -358,28 +359,39 @@ class SamplerChain:
         self.stack_seconds += time.thread_time() - started
         return self.candidates.one[0].logit != float("-inf")
 
-    def _check_cost(self, spent: float) -> None:
+    def _check_cost(self, spent: float, probe) -> None:
         """Checking and accepting one token (`spent`) cost llama.cpp the advance of every
         parse stack, whatever the vocabulary: microseconds for a grammar within the
-        static budgets. Parse
-        stacks that multiply as the text goes on (an ambiguous recursive grammar: `r ::=
-        "a" r "b" | "a" r "c"` doubles them at every "a"), which no static count bounds,
-        make it grow token after token: the request ends once a check passes
-        GRAMMAR_CHECK_SECONDS, or grows so fast that the next one would, with the token
-        before it dear too (a real cost repeats: one check made slow by the host, a
-        page fault or a preempted CPU, among checks a thousand times cheaper, does not
-        end a request; one past four times the limit does, alone)."""
+        static budgets. Parse stacks that multiply as the text goes on (an ambiguous
+        recursive grammar: `r ::= "a" r "b" | "a" r "c"` doubles them at every "a"),
+        which no static count bounds, make it grow token after token: the request ends
+        once a check passes GRAMMAR_CHECK_SECONDS, or grows so fast that the next one
+        would. A dear check after a cheap one (a slow moment: a preempted CPU, a page
+        fault; or stacks that jumped within one long token) is told apart by `probe()`,
+        one more check at the new state, which costs what its stacks cost: cheap, it was
+        the moment (unless past four times the limit); dear, the rule above holds."""
         limit = GRAMMAR_CHECK_SECONDS
         before, self.check_seconds = self.check_seconds, spent
+        if spent <= limit / 8:
+            return
+        if spent <= 4 * limit and before <= limit / 64:
+            again = probe()
+            if again <= limit / 64:
+                self.check_seconds = again          # a slow moment, not the grammar
+                return
         growth = spent / before if before > 0 else 1.0
-        repeated = before > limit / 64
-        if spent > 4 * limit or (repeated and (spent > limit or (
-                spent > limit / 8 and spent * growth > limit))):
-            raise InvalidInput(f"checking one token against the grammar took {spent:.2f} s "
-                               f"(at most {GRAMMAR_CHECK_SECONDS:g} s here): its parse "
-                               "stacks multiply as the text goes on (alternatives that "
-                               "begin alike and nest)", code="grammar_too_costly",
-                               param="grammar")
+        if spent <= limit and spent * growth <= limit:
+            return                                  # dear, but not growing past it
+        raise InvalidInput(f"checking one token against the grammar took {spent:.2f} s "
+                           f"(at most {limit:g} s here): its parse stacks multiply as "
+                           "the text goes on (alternatives that begin alike and nest)",
+                           code="grammar_too_costly", param="grammar")
+
+    def _timed_check(self, token: int) -> float:
+        """Seconds (this thread's CPU) of one check of `token` at the grammar's state."""
+        started = time.thread_time()
+        self._allows(token)
+        return time.thread_time() - started
 
     def _pick(self, array_ref) -> int:
         self.lib.llama_sampler_apply(self.chain, array_ref)
