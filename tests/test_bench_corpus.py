@@ -124,3 +124,11 @@ def test_no_target_is_sent_a_first_seen_prompt_twice_and_each_gets_the_same(monk
     assert rows == {"stream x1", "extend prompt (warm)", "repeat (warm)"}
     repeated = [p for _, p in Recorder.sent]
     assert len(repeated) - len(set(repeated)) == 2            # one prompt, three times
+
+
+def test_every_prompt_fits_a_4096_token_context_byte_for_byte():
+    """(The fake engine counts a byte a token: the bench's tests run on it.)"""
+    corpus = Corpus(seed=5)
+    for text in corpus.files_for("all", 150):
+        for made in (edit(text), function_start(text), opening(text, 1600)):
+            assert 0 < len(made.encode()) <= 3700

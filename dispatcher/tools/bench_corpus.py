@@ -19,8 +19,9 @@ from pathlib import Path
 
 MIN_CHARS = 3000            # files smaller than this make short, odd prompts
 MAX_CHARS = 200_000
-CONTEXT_CHARS = 3000        # code before a function's body in `fresh` and `edit` prompts
+CONTEXT_CHARS = 2000        # code before a function's body in `fresh` and `edit` prompts
 EDIT_LINES = (6, 40)        # the lines of a function an `edit` prompt has rewritten
+EDIT_CHARS = 1500           # ... and its characters at most (a prompt stays ~1,000 tokens)
 
 
 class CorpusError(ValueError):
@@ -137,6 +138,8 @@ def edit(text: str) -> str:
         if f"def {node.name}(" not in first:
             continue
         body = "".join(lines[node.lineno - 1:node.end_lineno])
+        if len(body) > EDIT_CHARS:
+            continue
         renamed = first.replace(f"def {node.name}(", f"def {node.name}_v2(", 1)
         return _lines_before(lines, node.lineno - 1) + body + "\n" + renamed
     return function_start(text)
