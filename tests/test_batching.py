@@ -386,7 +386,8 @@ def test_a_running_stream_keeps_getting_tokens_while_a_3000_token_prompt_is_pref
     assert status == 200 and len(tokens["tokens"]) >= 3000
     sent = time.monotonic()
     cold = SSEStream(port, {"prompt": text, "max_tokens": 1, "temperature": 0,
-                            "cache_prompt": False, "stream": True})
+                            "cache_prompt": False, "stream": True},
+                     timeout=600)              # (headers come with the first token)
     assert cold.status == 200
     assert cold.next_data() is not None          # its first token: the prefill is done
     first = time.monotonic()
