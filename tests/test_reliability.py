@@ -534,7 +534,7 @@ def test_two_thousand_idle_connections_never_lock_out_a_fresh_client():
 
 # -- 8. soak -------------------------------------------------------------------------------
 def test_short_soak_loses_nothing():
-    out = subprocess.run([sys.executable, "-m", "dispatcher", "soak", "--duration", "5",
+    out = subprocess.run([sys.executable, "-m", "dispatcher", "soak", "--duration", "8",
                           "--rate", "4", "--kill-every", "2", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=400)
     report = json.loads(out.stdout)

@@ -87,7 +87,7 @@ def _covers(ranges: list[tuple[int, int]], span: tuple[int, int]) -> bool:
 
 class TokenTexts:
     """Every token's text as code points, made once per vocabulary on a thread of its own
-    (`start`: the worker starts it once it has loaded; about 2 s for 262,144 tokens on
+    (when the first grammar asks: about 2 s for 262,144 tokens on
     one core of this machine, through llama-cpp-python's calls). A grammar that asks
     before they are made waits for them (on the preparing thread): whether a chain has
     a mask never depends on timing, so the same seed gives the same text."""

@@ -203,9 +203,10 @@ class LlamaEngine:
             if self.draft_max else None)
 
     def after_load(self) -> None:
-        """What is made beside serving, once the worker is up: the vocabulary's texts
-        for grammars' alphabets (alphabet.py; a grammar before they are made waits)."""
-        self.candidates.texts.start()
+        """What is made beside serving once the worker is up: nothing yet. (The
+        vocabulary's texts for grammars' alphabets are made when the first grammar asks,
+        which waits for them on the preparing thread, alphabet.py: made here, at every
+        start, they slowed a respawned worker's first seconds for everyone.)"""
 
     def full_step_seconds(self) -> float:
         """One decode of a full batch on this device, measured now (the watchdog's
