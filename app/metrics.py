@@ -78,6 +78,7 @@ class SnapshotCollector:
             restarts.add_metric(labels[:2], w["restarts"])
         yield from gauges.values()
         yield restarts
+        yield from step_profile(snap.get("workers", []))
         queue = GaugeMetricFamily("completions_queue_depth", "Requests waiting, by model.",
                                   labels=["model"])
         for model, depth in snap.get("queue", {}).items():
@@ -92,6 +93,42 @@ class SnapshotCollector:
                                       "connected to the dispatcher.")
         frontends.add_metric([], snap.get("frontends", 0))
         yield frontends
+
+
+def step_profile(workers: list[dict]):
+    """The workers' step counters (protocol.StepTotals, as of each one's last heartbeat):
+    where a decode step's time goes (`bench --profile` reads them)."""
+    steps = CounterMetricFamily("completions_worker_steps", "Decode steps.",
+                                labels=["worker", "device"])
+    rows = CounterMetricFamily("completions_worker_step_rows", "Rows decoded, by kind: a "
+                               "generating sequence's token, a draft token verified, a "
+                               "prompt token.", labels=["worker", "device", "kind"])
+    batches = CounterMetricFamily("completions_worker_step_batches", "llama.cpp's "
+                                  "sub-batches: runs of consecutive sequence ids in a step.",
+                                  labels=["worker", "device"])
+    sat_out = CounterMetricFamily("completions_worker_step_sat_out", "Sequences that sat "
+                                  "a step out for others' first lines.",
+                                  labels=["worker", "device"])
+    accepted = CounterMetricFamily("completions_worker_draft_accepted_tokens", "Draft "
+                                   "tokens the model confirmed.", labels=["worker", "device"])
+    seconds = CounterMetricFamily("completions_worker_step_seconds", "Step time by phase: "
+                                  "plan (rows, drafts, the batch), decode (to the device's "
+                                  "end), sample (sampling and verifying).",
+                                  labels=["worker", "device", "phase"])
+    for w in workers:
+        totals = w.get("steps")
+        if not totals:
+            continue
+        labels = [w["worker"], str(w["device"])]
+        steps.add_metric(labels, totals["steps"])
+        for kind in ("token", "draft", "prompt"):
+            rows.add_metric(labels + [kind], totals[f"{kind}_rows"])
+        batches.add_metric(labels, totals["batches"])
+        sat_out.add_metric(labels, totals["sat_out"])
+        accepted.add_metric(labels, totals["accepted"])
+        for phase in ("plan", "decode", "sample"):
+            seconds.add_metric(labels + [phase], totals[f"{phase}_seconds"])
+    yield from (steps, rows, batches, sat_out, accepted, seconds)
 
 
 @bp.get("/metrics")

@@ -409,7 +409,10 @@ class DispatcherCore:
             self.job_done(record, msg.request_id, msg.body)
         elif msg.cmd == P.DISCONNECT:
             self.worker_lost(record, msg.body.reason or "disconnected", code=msg.body.code)
-        elif msg.cmd != P.HEARTBEAT:
+        elif msg.cmd == P.HEARTBEAT:
+            if msg.body is not None and msg.body.steps is not None:
+                record.steps = msg.body.steps
+        else:
             log.warning("unknown command %s from worker %s", P.command_name(msg.cmd),
                         record.name)
         return self._take()

@@ -10,6 +10,8 @@ import logging
 import time
 from pathlib import Path
 
+import msgspec
+
 log = logging.getLogger(__name__)
 RATE_WINDOW = 10.0          # seconds over which status reports tokens/s
 
@@ -160,7 +162,9 @@ class Operations:
                 workers.append({"worker": name, "device": record.info.device,
                                 "model": record.model, "up": 1, "slots": record.slots,
                                 "busy": record.busy,
-                                "restarts": child.restarts if child else 0})
+                                "restarts": child.restarts if child else 0,
+                                "steps": msgspec.structs.asdict(record.steps)
+                                if record.steps is not None else None})
         depth = core.queue.depth_by_model()
         snapshot.update(workers=workers,
                         queue={m: depth.get(m, 0) for m in set(core.models()) | set(depth)},

@@ -165,6 +165,7 @@ class WorkerRecord:
     shared_sent: OrderedDict = field(default_factory=OrderedDict)
     history: deque = field(default_factory=lambda: deque(maxlen=512))  # (t, tokens) done
     draining: bool = False       # takes no new work (ops: drain, restart, reload)
+    steps: P.StepTotals | None = None    # its step profile, as of its last heartbeat
 
     def remember(self, job: Job) -> None:
         """Note the prompt this worker now holds (or will hold) in a KV cache."""

@@ -305,6 +305,59 @@ def test_speculation_keeps_a_confident_greedy_copy_and_takes_fewer_steps(model_p
     assert steps < plain_steps / 2
 
 
+def first_seen_prompts(count: int) -> list[str]:
+    """Edits and function bodies of real standard-library files, one file each."""
+    from dispatcher.tools.bench_corpus import Corpus, edit, function_start
+    corpus = Corpus(seed=36)
+    return corpus.prompts("edit", count // 2, edit) + \
+        corpus.prompts("fresh", count - count // 2, function_start)
+
+
+def greedy_tokens(engine, prompt_tokens, n, draft_max, logprobs=None):
+    engine.add(0, prompt_tokens, GREEDY, logprobs=logprobs, draft_max=draft_max)
+    outs = []
+    while len(outs) < n:
+        produced = engine.step().get(0)
+        if produced is not None:
+            outs += produced if isinstance(produced, list) else [produced]
+    drafted = engine.draft_stats(0)
+    engine.release(0)
+    return outs[:n], drafted
+
+
+def test_greedy_text_with_drafts_is_the_text_without_them_over_many_files(model_path):
+    """Over real files never seen (edits and fresh function bodies), the greedy tokens
+    with drafts are those without them, except where the two runs part at a near-tie:
+    a draft's rows are decoded in a batch of several, whose kernels round differently
+    from a one-row step's (llama.cpp's too), so two candidates within a few hundredths
+    of a nat may swap. Any other difference is a verification fault. Both runs start
+    from the same cached prompt; the drafts are really tried (and some accepted)."""
+    from workers.engine.llama import LlamaEngine
+    from workers.engine.stepcosts import StepCosts
+    engine = LlamaEngine(model_path, 2048, 1, THREADS, 0, draft_max=16,
+                         step_costs=StepCosts.assumed())
+    same, drafted, accepted = 0, 0, 0
+    prompts = first_seen_prompts(6)
+    try:
+        for prompt in prompts:
+            tokens = engine.tokenize(prompt)
+            with_drafts, (proposed, kept) = greedy_tokens(engine, tokens, 40, 16)
+            plain, _ = greedy_tokens(engine, tokens, 40, 0, logprobs=2)
+            drafted, accepted = drafted + proposed, accepted + kept
+            a, b = [o.token for o in with_drafts], [o.token for o in plain]
+            if a == b:
+                same += 1
+                continue
+            i = next(k for k in range(len(a)) if a[k] != b[k])
+            top = plain[i].top
+            assert len(top) == 2 and top[0][1] - top[1][1] < 0.5, (prompt[:80], i, top)
+            assert a[i] == top[1][0], (prompt[:80], i, a[i], top)   # the runner-up won
+    finally:
+        engine.close()
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+    assert same >= len(prompts) // 2, same
+
+
 def test_drafts_are_held_short_while_another_sequence_shares_the_worker(model_path,
                                                                         monkeypatch):
     """Beside another running sequence, a step with drafts may take at most twice the

@@ -168,7 +168,9 @@ def test_metrics_show_the_whole_system_from_any_front_end(two):
         samples = metric_samples(two.port)
         settled = total(samples, "completions_requests_total", route="/v1/completions",
                         status="200") >= want and \
-            total(samples, "completions_requests_total", status="400") >= 1
+            total(samples, "completions_requests_total", status="400") >= 1 and \
+            total(samples, "completions_worker_step_rows_total", kind="token") >= \
+            total(before, "completions_worker_step_rows_total", kind="token") + 6 * 4
         return samples if settled else None
 
     # front ends report every second; whichever answers /metrics shows every request
@@ -190,6 +192,13 @@ def test_metrics_show_the_whole_system_from_any_front_end(two):
                                                                            "w1-cpu1"}
     assert "completions_worker_restarts_total" in samples
     assert total(samples, "completions_frontends") == 2
+    # the step profile (heartbeats): each stream's tokens after its first came from a
+    # generating row; its prompt, from prompt rows; the decodes took time
+    assert total(samples, "completions_worker_steps_total") >= 6 * 4
+    assert total(samples, "completions_worker_step_rows_total", kind="prompt") > 0
+    assert total(samples, "completions_worker_step_seconds_total", phase="decode") > 0
+    assert total(samples, "completions_worker_step_batches_total") >= \
+        total(samples, "completions_worker_steps_total")
 
 
 # -- config file --------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The drafter's sources (workers/engine/speculation.py) and the step costs and per-step
 plan (workers/engine/stepcosts.py), as units: token lists stand in for a sequence's
 context, and step costs are given tables."""
-from workers.engine.speculation import LONG_KEY, Drafter, Proposal, find_draft, matched
+from workers.engine.speculation import (CALIBRATION_MAX, LONG_KEY, Calibration, Drafter,
+                                       Proposal, find_draft, matched)
 from workers.engine.stepcosts import SHAPES_EXTRA, StepCosts, each_plan, plan
 
 # an "edit": the same block again with one token changed (a number), as a token list
@@ -64,19 +65,58 @@ def test_matched_counts_how_far_back_a_match_reaches():
     assert matched(context, 4) == 3 and matched(context, 1) == 0
 
 
-def test_misses_lower_a_source_and_fade_back():
+def test_misses_lower_a_source_stop_it_below_the_floor_and_fade_back():
     drafter = Drafter(16)
     context = [1, 2, 3, 4, 5, 6, 7, 8] * 3 + [1, 2, 3, 4]
     first = drafter.propose(context, 16)
     assert first is not None
-    for _ in range(4):
-        drafter.started(first, len(context))
-        drafter.record(len(first.tokens), 0)
-    low = drafter.propose(context, 16).rate
-    assert low < first.rate
+    drafter.started(first, len(context))
+    drafter.record(len(first.tokens), 0)
+    low = drafter.propose(context, 16)
+    assert low.rate < first.rate
+    for _ in range(3):
+        drafter.started(low, len(context))
+        drafter.record(len(low.tokens), 0)
+    assert drafter.propose(context, 16) is None      # 64 tried, none kept: below the floor
     for _ in range(200):
         drafter.propose(context, 16)
-    assert drafter.propose(context, 16).rate > low
+    again = drafter.propose(context, 16)            # the misses faded
+    assert again is not None and again.rate > low.rate
+
+
+def test_a_source_that_keeps_a_quarter_of_its_tokens_stays():
+    drafter = Drafter(16)
+    context = [1, 2, 3, 4, 5, 6, 7, 8] * 3 + [1, 2, 3, 4]
+    for _ in range(8):
+        proposal = drafter.propose(context, 16)
+        assert proposal is not None
+        drafter.started(proposal, len(context))
+        drafter.record(8, 2)                        # a quarter kept
+    assert not drafter.records[proposal.source].below_floor
+
+
+def test_calibration_scales_a_sources_gains_by_what_verification_kept():
+    """A lookup whose long match promised much and whose drafts were refused: its gains
+    shrink for every sequence of the engine (so `plan` drafts it shorter or not at all);
+    a source that kept what it promised is unchanged, and none is scaled up past the
+    cap."""
+    calibration = Calibration()
+    context = [1, 2, 3, 4, 5, 6, 7, 8] * 3 + [1, 2, 3, 4]
+    first = Drafter(16, calibration=calibration).propose(context, 16)
+    assert first.scale == 1.0
+    for _ in range(10):
+        drafter = Drafter(16, calibration=calibration)    # other sequences
+        proposal = drafter.propose(context, 16)
+        drafter.started(proposal, len(context))
+        drafter.record(len(proposal.tokens), 1)
+    later = Drafter(16, calibration=calibration).propose(context, 16)
+    assert later.source == first.source
+    assert later.gain(16) < 0.3 * first.gain(16)
+    assert later.expected(16) == first.expected(16)      # its own rate is as it was
+    calibration.add(["copy"], 10.0, 10.0)
+    assert calibration.factor("copy") == 1.0
+    calibration.add(["copy"], 0.0, 1000.0)
+    assert calibration.factor("copy") == CALIBRATION_MAX
 
 
 def sure(n: int = 16) -> Proposal:
@@ -481,3 +521,17 @@ def test_history_keeps_recent_sequences_only():
     assert history.lookup(list(range(1000 + 100 * 19, 1000 + 100 * 19 + LONG_KEY)))
     live = set(history.sequences)
     assert all(seq in live for seq, _ in history.index.values())
+
+
+def test_plan_leaves_out_drafts_within_the_margin_of_the_plain_rate():
+    """Where extra rows are nearly free (a GPU), a draft goes in when it is likely
+    enough to raise the step's rate by DRAFT_MARGIN, not for a gain within the noise."""
+    from workers.engine.stepcosts import DRAFT_MARGIN
+    flat = StepCosts((1, 2), {(s, d): 10.0 + s + 0.01 * d for s in (1, 2)
+                              for d in SHAPES_EXTRA})
+    unlikely = Proposal("short", 0, [7], 0.05)
+    assert (1 + unlikely.gain(1)) / flat.cost(1, 1) > 1 / flat.cost(1, 0)  # above plain,
+    assert (1 + unlikely.gain(1)) / flat.cost(1, 1) < (1 + DRAFT_MARGIN) / flat.cost(1, 0)
+    assert plan(flat, 1, [("a", unlikely)]) == {}                          # ... not by 10%
+    assert plan(flat, 1, [("a", Proposal("short", 0, [7, 8, 9, 10], 0.5))])
+    assert each_plan(flat, [2], [unlikely, unlikely])[0] == 0

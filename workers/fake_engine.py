@@ -16,6 +16,7 @@ import os
 import re
 import time
 
+from dispatcher.common import protocol as P
 from workers.errors import InvalidInput
 from workers.sampling import SamplingParams, TokenOut
 
@@ -40,6 +41,7 @@ class FakeEngine:
             step_delay = float(os.environ.get("COMPLETIONS_FAKE_STEP_DELAY", "0.01"))
         self.step_delay = step_delay
         self._slots: list[dict | None] = [None] * slots
+        self.totals = P.StepTotals()     # the step profile: one row per busy slot a step
 
     @property
     def n_slots(self) -> int:
@@ -105,7 +107,12 @@ class FakeEngine:
         busy = {i: s for i, s in enumerate(self._slots) if s is not None}
         if not busy:
             return {}
+        started = time.perf_counter()
         time.sleep(max(s["delay"] for s in busy.values()))
+        self.totals.steps += 1
+        self.totals.token_rows += len(busy)
+        self.totals.batches += 1
+        self.totals.decode_seconds += time.perf_counter() - started
         out = {}
         for slot_id, state in busy.items():
             if state["crash"]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from dispatcher.common.protocol import StepTotals
 from workers.sampling import SamplingParams, TokenOut
 
 
@@ -18,6 +19,7 @@ class Engine(Protocol):
     fim_repo: tuple[int, int] | None           # (REP, SEP) for repository-level FIM
     n_ctx: int                      # context per sequence, in tokens
     n_layer: int
+    totals: StepTotals              # the step profile's counters, kept by `step`
 
     @property
     def n_slots(self) -> int: ...

@@ -92,7 +92,8 @@ class DispatcherLink(threading.Thread):
                 while notify.poll(0, zmq.POLLIN):
                     dealer.send_multipart(notify.recv_multipart())
             if now >= next_beat:
-                dealer.send_multipart(P.encode(P.HEARTBEAT))
+                dealer.send_multipart(P.encode(P.HEARTBEAT, body=P.WorkerBeat(
+                    steps=self.loop.engine.totals)))
                 next_beat = now + interval
             stuck = self.loop.stuck_for(now)
             if self.step_timeout and stuck > self.step_timeout:

@@ -296,6 +296,28 @@ class Disconnect(Body):
     code: str | None = None             # worker_stuck: the watchdog gave up
 
 
+class StepTotals(msgspec.Struct, kw_only=True):
+    """A worker's decode steps since it started, for the step profile (`/metrics`,
+    `bench --profile`): where a step's time goes. Counters only; a reader takes the
+    difference over a period."""
+    steps: int = 0
+    token_rows: int = 0                 # one per generating sequence a step
+    draft_rows: int = 0                 # speculative tokens verified
+    prompt_rows: int = 0                # prompt tokens decoded
+    batches: int = 0                    # llama.cpp's sub-batches: runs of consecutive
+                                        # sequence ids (a KV stream per sequence)
+    sat_out: int = 0                    # sequences that sat a step out (first line first)
+    accepted: int = 0                   # draft tokens confirmed
+    plan_seconds: float = 0.0           # choosing rows and drafts, filling the batch
+    decode_seconds: float = 0.0         # llama_decode, to the device's end
+    sample_seconds: float = 0.0         # sampling and verifying every row
+
+
+class WorkerBeat(Body):
+    """A worker's HEARTBEAT (the dispatcher's carries no body)."""
+    steps: StepTotals | None = None
+
+
 class Ping(Body):
     open: int = 0                       # requests the front end has open
     pid: int | None = None
@@ -387,7 +409,7 @@ EV_START, EV_TEXT, EV_END, EV_ERROR, EV_BEAT = "start", "text", "end", "error", 
 BODIES: dict[bytes, Any] = {
     SUBMIT: SubmittedJob, CANCEL: None, PING: Ping, METRICS: dict,
     ACCEPTED: None, REJECTED: WireError, FAILED: WireError, FINISHED: Finished,
-    STATE: State, READY: WorkerInfo, HEARTBEAT: None, STARTED: Attempt, FIRST: Attempt,
+    STATE: State, READY: WorkerInfo, HEARTBEAT: WorkerBeat, STARTED: Attempt, FIRST: Attempt,
     DONE: Done, DISCONNECT: Disconnect, REQUEST: WorkerJob,
 }
 

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from dispatcher.common.config import non_negative_seconds
 from dispatcher.tools.bench_checks import constrained_slowdowns, run_constrained, run_hostile
 from dispatcher.tools.bench_corpus import Corpus, CorpusError, edit, function_start, opening
+from dispatcher.tools import bench_profile
 from dispatcher.tools.bench_targets import (Abort, HttpTarget, InProcessTarget, Level, Sample,
                                             percentile, summarize)
 
@@ -295,6 +296,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--hostile", action="store_true",
                         help="also: a plain stream beside every costly request class the "
                              "server refuses; prints each answer and the largest gap")
+    parser.add_argument("--profile", action="store_true",
+                        help="also: where each part's decode steps spent their time on "
+                        "targets that export step counters (this server's /metrics): "
+                        "rows by kind, sub-batches, sit-outs, drafts confirmed, ms "
+                        "planning, decoding and sampling per step")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -399,9 +405,13 @@ def run(args) -> int:
             if name not in order:
                 order.append(name)
     done: list[dict] = [{} for _ in targets]
+    profiles: list[dict] = []
+    in_process = [isinstance(t, InProcessTarget) for t in targets]
     for name in order:
         running = [(t_index, start()) for t_index, plan in enumerate(plans)
                    for part_name, start in plan if part_name == name]
+        before = {t: bench_profile.read_totals(targets[t]) for t, _ in running
+                  if args.profile and not in_process[t]}
         turn = 0
         while running:
             first = turn % len(running)
@@ -412,6 +422,13 @@ def run(args) -> int:
                     done[t_index][name] = finished.value
             running = [(t, r) for t, r in running if name not in done[t]]
             turn += 1
+        if before:
+            bench_profile.settle()
+            for t, totals in before.items():
+                row = bench_profile.profile_row(
+                    targets[t].name, name, totals, bench_profile.read_totals(targets[t]))
+                if row is not None:
+                    profiles.append(row)
     results = [[level for part_name, _ in plan if part_name != "hostile"
                 for level in done[t_index][part_name]]
                for t_index, plan in enumerate(plans)]
@@ -422,9 +439,12 @@ def run(args) -> int:
             for target, levels_done in zip(targets, results) for result in levels_done]
     slowdowns = constrained_slowdowns(rows)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps(rows + [{"profile": p} for p in profiles], indent=2))
     else:
         print(table(rows))
+        if profiles:
+            print("\nstep profile (per decode step, each part on each target):")
+            print(bench_profile.profile_table(profiles))
         for target, ratios in slowdowns.items():
             for name, ratio in ratios.items():
                 print(f"  {target}: a plain stream's time per token beside a {name} "

@@ -139,6 +139,16 @@ class HttpTarget:
         finally:
             conn.close()
 
+    def get_root(self, path: str, timeout: float = 30) -> tuple[int, bytes]:
+        """GET a path of the server's root (not under /v1), e.g. /metrics."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            conn.request("GET", self.base[:-len("/v1")] + path, headers=self._headers())
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
     def post_raw(self, body: bytes, timeout: float = 120,
                  path: str | None = None) -> tuple[int, bytes]:
         """POST these bytes to the completions route (or `path`): (status, answer)."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import llama_cpp
 import numpy as np
 
+from dispatcher.common import protocol as P
 from workers.errors import EngineError
 from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.llamalog import LlamaLog
@@ -30,7 +31,7 @@ from workers.engine.alphabet import TokenTexts
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.repacking import extra_buffers_work
 from workers.engine.scheduling import Scheduler, seq_runs
-from workers.engine.speculation import Drafter, Histories, common_prefix
+from workers.engine.speculation import Calibration, Drafter, Histories, common_prefix
 from workers.engine.stepcosts import StepCosts
 from workers.engine.vocabulary import Vocabulary
 from workers.engine.samplers import Candidates, SamplerChain
@@ -168,7 +169,9 @@ class LlamaEngine:
         # decoded beside the token's row change logprobs in their last bits (measured)
         self.draft_max = 0 if deterministic else draft_max
         self.drafted = self.draft_accepted = 0
+        self.totals = P.StepTotals()     # the step profile (bench --profile, /metrics)
         self.histories = Histories()     # recent sequences per tenant: a draft source
+        self.calibration = Calibration()  # each source's measured acceptance, all sequences
         self.scheduler = Scheduler()     # first line first, who drafts (scheduling.py)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         # KV chunk reuse (workers/engine/kvreuse.py) needs position shifts; never in deterministic
@@ -288,7 +291,8 @@ class LlamaEngine:
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
         limit = self.draft_max if draft_max is None else min(draft_max, self.draft_max)
-        slot.policy = Drafter(limit, proven_only=sampling.wide) if limit else None
+        slot.policy = Drafter(limit, proven_only=sampling.wide,
+                              calibration=self.calibration) if limit else None
         if slot.policy is not None and history is not None:
             slot.policy.history = self.histories.of(history)
             # a sampled answer is one draw: the next is unlikely to repeat it
@@ -366,6 +370,7 @@ class LlamaEngine:
         """
         batch = self.batch
         n = 0
+        planning = time.perf_counter()
 
         def add_row(slot: _Slot, token: int, logits: bool) -> int:
             nonlocal n
@@ -423,6 +428,9 @@ class LlamaEngine:
         rc = llama_cpp.llama_decode(self.ctx, batch)
         if rc != 0:
             raise EngineError(f"llama_decode returned {rc}")
+        llama_cpp.llama_synchronize(self.ctx)     # (a GPU's decode returns before its end)
+        decoded = time.perf_counter()
+        self._count_step(generating, grant, started - planning, decoded - started)
         if logprob_rows:        # (every row's share of the step: an upper bound of one's)
             each = 1000 * (time.perf_counter() - started) / n
             self.logprob_device_ms = 0.8 * self.logprob_device_ms + 0.2 * each \
@@ -436,7 +444,7 @@ class LlamaEngine:
             measured = each or sum(1 for d in drafts if d) <= 1
             if measured and self.step_costs.observe(
                     len(generating), drafts[0] if each else sum(drafts),
-                    1000 * (time.perf_counter() - started), each) and \
+                    1000 * (decoded - started), each) and \
                     self.step_costs.observed % COSTS_LOG_EVERY == 0:
                 log.info("step costs now (ms by sequences, draft rows): %s",
                          self.step_costs.summary())
@@ -464,7 +472,21 @@ class LlamaEngine:
             except Exception as exc:      # one sequence's sampling failed, not the step
                 slot.row, slot.prompt_rows = -1, []
                 out[slot_id] = TokenOut(-1, error=exc)
+        self.totals.sample_seconds += time.perf_counter() - decoded
         return out
+
+    def _count_step(self, generating: list, grant: dict[int, int], plan: float,
+                    decode: float) -> None:
+        """The step profile's counters (protocol.StepTotals)."""
+        totals = self.totals
+        totals.steps += 1
+        totals.token_rows += len(generating)
+        totals.draft_rows += sum(len(s.draft) for s in generating)
+        totals.prompt_rows += sum(grant.values())
+        totals.batches += len(seq_runs(sorted({s.seq for s in generating} | set(grant))))
+        totals.sat_out += sum(1 for s in self.slots if s.busy and s.sat_out)
+        totals.plan_seconds += plan
+        totals.decode_seconds += decode
 
     def draft_stats(self, slot_id: int) -> tuple[int, int]:
         """(drafted, accepted) tokens of the slot's current sequence."""
@@ -492,6 +514,7 @@ class LlamaEngine:
         slot.policy.record(len(draft), accepted)
         self.drafted += len(draft)
         self.draft_accepted += accepted
+        self.totals.accepted += accepted
         return outs
 
     def _row(self, row: int) -> tuple[float, np.ndarray]:

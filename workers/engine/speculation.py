@@ -171,13 +171,49 @@ def expected_accepted(rate: float, length: int) -> float:
 @dataclass
 class Record:
     """A source's acceptance in one sequence: accepted draft tokens and drafts cut short
-    (the maximum-likelihood per-token acceptance of a geometric run is acc / (acc + cut))."""
+    (the maximum-likelihood per-token acceptance of a geometric run is acc / (acc + cut)),
+    started from a prior; and, measured only, the draft tokens it had verified and how
+    many of them held (the floor: `below_floor`)."""
     accepted: float
     cut: float
+    tried: float = 0.0      # (faded as `cut` is: a source off for a while is retried)
+    kept: float = 0.0
 
     @property
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.cut)
+
+    @property
+    def below_floor(self) -> bool:
+        """Its drafts in this sequence are mostly refused: FLOOR_AFTER tokens tried and
+        fewer than FLOOR of them kept (it drafts no more in this sequence until those
+        misses have faded)."""
+        return self.tried >= FLOOR_AFTER and self.kept < FLOOR * self.tried
+
+
+class Calibration:
+    """How a source's expected accepted tokens (`Proposal.gain`, from its rate) compare
+    with what verification then kept, over this engine's recent drafts of every sequence:
+    a lookup's rate comes from how far back its match reaches, a guess that holds on some
+    text and not on another. Each source's factor, realized over expected (both faded,
+    from a prior of CALIBRATION_PRIOR tokens that agree), scales its gains, so the draft
+    lengths and whether a draft goes in at all follow the acceptance measured here."""
+
+    def __init__(self) -> None:
+        self.expected: dict[str, float] = {}
+        self.realized: dict[str, float] = {}
+
+    def factor(self, source: str) -> float:
+        expected = self.expected.get(source, 0.0) + CALIBRATION_PRIOR
+        realized = self.realized.get(source, 0.0) + CALIBRATION_PRIOR
+        return min(CALIBRATION_MAX, realized / expected)
+
+    def add(self, sources: list[str], expected: float, realized: float) -> None:
+        for source in sources:
+            self.expected[source] = CALIBRATION_FADE * self.expected.get(source, 0.0) \
+                + expected
+            self.realized[source] = CALIBRATION_FADE * self.realized.get(source, 0.0) \
+                + realized
 
 
 # Priors (pseudo-counts): a copy that ran before is likely to go on; a lookup's own
@@ -188,6 +224,11 @@ PRIOR_CUT = 1.0
 FADE = 0.98             # per step: a source's misses of ~35 steps ago count half
 MATCH_WINDOW = 64       # how far back a lookup's match is measured
 CUT_WEIGHT = 8          # a lookup's miss counts against it as much as 8 matched tokens
+FLOOR = 0.25            # a source keeping fewer of its draft tokens than this in a
+FLOOR_AFTER = 16        # sequence, once it has tried this many, drafts no more there
+CALIBRATION_PRIOR = 8.0     # tokens: a source's gains count as expected until measured
+CALIBRATION_FADE = 0.97     # per draft: a source's drafts of ~25 drafts ago count half
+CALIBRATION_MAX = 1.25      # its gains are never scaled up past this
 
 
 @dataclass
@@ -199,9 +240,15 @@ class Proposal:
     sources: list[str] = field(default_factory=list)   # all that proposed this text
     origin: list[int] | None = field(default=None, repr=False)  # the tokens it copies
     external: bool = False          # ... a recent sequence's, not the context's
+    scale: float = 1.0              # its source's calibration (Calibration.factor)
+
+    def expected(self, length: int) -> float:
+        """Draft tokens its rate expects to survive of the first `length`."""
+        return expected_accepted(self.rate, min(length, len(self.tokens)))
 
     def gain(self, length: int) -> float:
-        return expected_accepted(self.rate, min(length, len(self.tokens)))
+        """... as this engine's measured acceptance of its source corrects that."""
+        return self.scale * self.expected(length)
 
 
 @dataclass
@@ -229,6 +276,7 @@ class Drafter:
     # True (a wide draw, SamplingParams.wide): lookups rate by the sequence's own record
     # only; that the text repeats says little of whether such a draw repeats it
     proven_only: bool = False
+    calibration: Calibration | None = None  # the engine's, shared by its sequences
 
     def __post_init__(self) -> None:
         self.records = {name: Record(*prior) for name, prior in PRIORS.items()}
@@ -246,6 +294,8 @@ class Drafter:
         best, found = None, []
         for record in self.records.values():    # old misses fade: a source gets retried
             record.cut = max(PRIOR_CUT, record.cut * FADE)
+            record.tried *= FADE
+            record.kept *= FADE
         candidates = [("copy", context, self._copy_start(n)),
                       ("long", context, self._long(context)),
                       ("short", context, find_source(context, limit))]
@@ -261,6 +311,8 @@ class Drafter:
                     (tokens is context and n - start < DRAFT_MIN):
                 continue
             record = self.records[source]
+            if record.below_floor:
+                continue
             rate, length = record.rate, limit
             if source != "copy" and not (proven or self.proven_only):
                 # a longer match is a likelier continuation,
@@ -271,7 +323,9 @@ class Drafter:
                 rate = (record.accepted + m) / (record.accepted + m + 1 +
                                                 CUT_WEIGHT * (record.cut - PRIOR_CUT))
             proposal = Proposal(source, start, tokens[start:start + length], rate,
-                                origin=tokens, external=tokens is not context)
+                                origin=tokens, external=tokens is not context,
+                                scale=self.calibration.factor(source)
+                                if self.calibration is not None else 1.0)
             found.append(proposal)
             if best is None or proposal.gain(room) > best.gain(room):
                 best = proposal
@@ -335,10 +389,15 @@ class Drafter:
             self.allowance = DRAFT_START
         elif 4 * drafted >= 3 * self.allowance:  # (a short draft that held proves less;
             self.allowance = min(2 * self.allowance, self.max_len)  # plan may take 15 of 16)
-        for source in proposal.sources or [proposal.source]:
+        sources = proposal.sources or [proposal.source]
+        for source in sources:
             record = self.records[source]
             record.accepted += accepted
             record.cut += accepted < drafted
+            record.tried += drafted
+            record.kept += accepted
+        if self.calibration is not None:
+            self.calibration.add(sources, proposal.expected(drafted), accepted)
         # The context's own text after the draft's source goes on at the same distance (a
         # mismatch is a substitution); a source rejected outright twice in a row is
         # dropped. A recent sequence's text goes on only while its drafts hold: cut

@@ -30,6 +30,9 @@ OBSERVED_DOWN = 0.1     # how far (in log) one step faster than its shape's cost
 OBSERVED_UP = 0.03      # ... and one slower: the costs follow the fast steps (as the
                         # start-up's fastest runs do), not the average of noisy ones
 OBSERVED_CLAMP = 2.0    # one step counts as at most this many times off
+DRAFT_MARGIN = 0.1      # drafts go in only where they are expected to raise the step's
+                        # rate by this much: a gain within the noise of the costs and of
+                        # the acceptance measured is not worth a step that may be slower
 OBSERVED_SPREAD = 0.5   # a step with drafts moves the other draft shapes of its row this much
                         # of what it moves its own (a busy start-up slowed them all)
 
@@ -312,7 +315,7 @@ def plan(costs: StepCosts, sequences: int, proposals: list[tuple[object, Proposa
             chosen[key] = length
             tokens += gain
             rate = tokens / cost
-        if chosen and rate > best_rate:
+        if chosen and rate > best_rate and rate > (1 + DRAFT_MARGIN) * sequences / plain:
             best_rate, best = rate, chosen
     return best
 
@@ -336,6 +339,6 @@ def each_plan(costs: StepCosts, runs: list[int], proposals: list[Proposal],
         if stretch is not None and step > (1 + stretch) * plain:
             continue
         rate = (sequences + sum(p.gain(k) for p in proposals)) / step
-        if rate > best[1]:
+        if rate > best[1] and rate > (1 + DRAFT_MARGIN) * sequences / plain:
             best = (k, rate)
     return best

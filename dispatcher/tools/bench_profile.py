@@ -1,0 +1,93 @@
+"""`bench --profile`: where a target's decode steps spent a part's time.
+
+This server's workers count their steps (protocol.StepTotals: rows by kind, llama.cpp's
+sub-batches, sequences sitting a step out, draft tokens confirmed, seconds planning,
+decoding and sampling) and `/metrics` exports the counters as of each worker's last
+heartbeat. The bench reads them before a part and after it (one heartbeat later, so the
+last steps are in) and prints the difference per step. A target that does not export
+them (llama-server) has no profile row.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client.parser import text_string_to_metric_families
+
+SETTLE = 1.5            # s after a part for the workers' next heartbeat (interval 1 s)
+FIELDS = {              # metric sample name (and label) -> StepTotals field
+    ("completions_worker_steps_total", None): "steps",
+    ("completions_worker_step_rows_total", "token"): "token_rows",
+    ("completions_worker_step_rows_total", "draft"): "draft_rows",
+    ("completions_worker_step_rows_total", "prompt"): "prompt_rows",
+    ("completions_worker_step_batches_total", None): "batches",
+    ("completions_worker_step_sat_out_total", None): "sat_out",
+    ("completions_worker_draft_accepted_tokens_total", None): "accepted",
+    ("completions_worker_step_seconds_total", "plan"): "plan_seconds",
+    ("completions_worker_step_seconds_total", "decode"): "decode_seconds",
+    ("completions_worker_step_seconds_total", "sample"): "sample_seconds",
+}
+
+
+def read_totals(target) -> dict[str, float] | None:
+    """The target's step counters summed over its workers; None where it exports none."""
+    try:
+        status, body = target.get_root("/metrics")
+    except OSError:
+        return None
+    return parse_totals(body.decode("utf-8", "replace")) if status == 200 else None
+
+
+def parse_totals(text: str) -> dict[str, float] | None:
+    totals: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                field = FIELDS.get((sample.name, sample.labels.get("kind") or
+                                    sample.labels.get("phase")))
+                if field is not None:
+                    totals[field] = totals.get(field, 0.0) + sample.value
+    except ValueError:               # not Prometheus' text format
+        return None
+    return totals if "steps" in totals else None
+
+
+def profile_row(target_name: str, part: str, before: dict | None,
+                after: dict | None) -> dict | None:
+    """The part's steps, per step: rows of each kind, sub-batches, sit-outs, tokens the
+    step gave (a token per generating row plus the drafts confirmed), and milliseconds
+    planning, decoding (and per row decoded) and sampling."""
+    if before is None or after is None:
+        return None
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps = d.get("steps", 0.0)
+    if steps <= 0:
+        return None
+    rows = d["token_rows"] + d["draft_rows"] + d["prompt_rows"]
+    return {
+        "target": target_name, "part": part, "steps": int(steps),
+        "token rows/step": round(d["token_rows"] / steps, 2),
+        "draft rows/step": round(d["draft_rows"] / steps, 2),
+        "accepted %": round(100 * d["accepted"] / d["draft_rows"], 1)
+        if d["draft_rows"] else "-",
+        "prompt rows/step": round(d["prompt_rows"] / steps, 1),
+        "batches/step": round(d["batches"] / steps, 2),
+        "sat out/step": round(d["sat_out"] / steps, 2),
+        "tokens/step": round((d["token_rows"] + d["accepted"]) / steps, 2),
+        "plan ms": round(1000 * d["plan_seconds"] / steps, 2),
+        "decode ms": round(1000 * d["decode_seconds"] / steps, 1),
+        "decode ms/row": round(1000 * d["decode_seconds"] / rows, 2) if rows else "-",
+        "sample ms": round(1000 * d["sample_seconds"] / steps, 2),
+    }
+
+
+def settle() -> None:
+    time.sleep(SETTLE)
+
+
+def profile_table(rows: list[dict]) -> str:
+    """The profile rows as a Markdown table, columns in profile_row's order."""
+    cells = [list(rows[0])] + [[str(v) for v in row.values()] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)

@@ -1,0 +1,47 @@
+"""`bench --profile`: the step counters exported on /metrics, read back and turned into
+figures per step (the exporter and the parser are the real ones; the counters given)."""
+from prometheus_client import CollectorRegistry, generate_latest
+
+from app.metrics import SnapshotCollector
+from dispatcher.tools.bench_profile import parse_totals, profile_row, profile_table
+
+
+def exported(steps: dict | None) -> str:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector({"workers": [
+        {"worker": "w0-cpu", "device": "cpu", "model": "m", "up": 1, "slots": 8,
+         "busy": 0, "restarts": 0, "steps": steps},
+        {"worker": "w1-cpu", "device": "cpu", "model": "m", "up": 1, "slots": 8,
+         "busy": 0, "restarts": 0, "steps": steps}]}))
+    return generate_latest(registry).decode()
+
+
+def totals(**kw) -> dict:
+    base = dict(steps=0, token_rows=0, draft_rows=0, prompt_rows=0, batches=0, sat_out=0,
+                accepted=0, plan_seconds=0.0, decode_seconds=0.0, sample_seconds=0.0)
+    return {**base, **kw}
+
+
+def test_the_profile_is_the_difference_per_step_summed_over_workers():
+    before = parse_totals(exported(totals(steps=10, token_rows=10, decode_seconds=1.0)))
+    after = parse_totals(exported(totals(
+        steps=60, token_rows=410, draft_rows=100, prompt_rows=500, batches=75, sat_out=25,
+        accepted=40, plan_seconds=0.05, decode_seconds=5.0, sample_seconds=0.1)))
+    assert after["steps"] == 120 and after["token_rows"] == 820      # two workers
+    row = profile_row("t", "x8", before, after)
+    assert row["steps"] == 100
+    assert row["token rows/step"] == 8.0 and row["draft rows/step"] == 2.0
+    assert row["accepted %"] == 40.0 and row["prompt rows/step"] == 10.0
+    assert row["batches/step"] == 1.5 and row["sat out/step"] == 0.5
+    assert row["tokens/step"] == 8.8                    # a token per row, the drafts kept
+    assert row["plan ms"] == 1.0 and row["decode ms"] == 80.0 and row["sample ms"] == 2.0
+    assert row["decode ms/row"] == round(8000 / 2000, 2)
+    assert "| decode ms |" in profile_table([row])
+
+
+def test_a_server_without_step_counters_has_no_profile():
+    assert parse_totals(exported(None)) is None
+    assert parse_totals("not prometheus {{{") is None
+    assert profile_row("t", "x8", None, {"steps": 3}) is None
+    same = totals(steps=5)
+    assert profile_row("t", "x1", same, same) is None             # no step in the part
