@@ -111,6 +111,10 @@ def step_profile(workers: list[dict]):
                                   labels=["worker", "device"])
     accepted = CounterMetricFamily("completions_worker_draft_accepted_tokens", "Draft "
                                    "tokens the model confirmed.", labels=["worker", "device"])
+    by_source = CounterMetricFamily("completions_worker_draft_tokens", "Draft tokens by "
+                                    "source (copy, long, short, history, recycled, guess) "
+                                    "and outcome (drafted, accepted).",
+                                    labels=["worker", "device", "source", "outcome"])
     seconds = CounterMetricFamily("completions_worker_step_seconds", "Step time by phase: "
                                   "plan (rows, drafts, the batch), decode (to the device's "
                                   "end), sample (sampling and verifying).",
@@ -126,9 +130,12 @@ def step_profile(workers: list[dict]):
         batches.add_metric(labels, totals["batches"])
         sat_out.add_metric(labels, totals["sat_out"])
         accepted.add_metric(labels, totals["accepted"])
+        for source, (drafted, kept) in sorted((totals.get("sources") or {}).items()):
+            by_source.add_metric(labels + [source, "drafted"], drafted)
+            by_source.add_metric(labels + [source, "accepted"], kept)
         for phase in ("plan", "decode", "sample"):
             seconds.add_metric(labels + [phase], totals[f"{phase}_seconds"])
-    yield from (steps, rows, batches, sat_out, accepted, seconds)
+    yield from (steps, rows, batches, sat_out, accepted, by_source, seconds)
 
 
 @bp.get("/metrics")

@@ -26,7 +26,8 @@ def test_the_profile_is_the_difference_per_step_summed_over_workers():
     before = parse_totals(exported(totals(steps=10, token_rows=10, decode_seconds=1.0)))
     after = parse_totals(exported(totals(
         steps=60, token_rows=410, draft_rows=100, prompt_rows=500, batches=75, sat_out=25,
-        accepted=40, plan_seconds=0.05, decode_seconds=5.0, sample_seconds=0.1)))
+        accepted=40, plan_seconds=0.05, decode_seconds=5.0, sample_seconds=0.1,
+        sources={"copy": [80, 38], "recycled": [20, 2]})))
     assert after["steps"] == 120 and after["token_rows"] == 820      # two workers
     row = profile_row("t", "x8", before, after)
     assert row["steps"] == 100
@@ -36,6 +37,7 @@ def test_the_profile_is_the_difference_per_step_summed_over_workers():
     assert row["tokens/step"] == 8.8                    # a token per row, the drafts kept
     assert row["plan ms"] == 1.0 and row["decode ms"] == 80.0 and row["sample ms"] == 2.0
     assert row["decode ms/row"] == round(8000 / 2000, 2)
+    assert row["drafts by source (accepted/drafted)"] == "copy 76/160 recycled 4/40"
     assert "| decode ms |" in profile_table([row])
 
 

@@ -358,6 +358,33 @@ def test_greedy_text_with_drafts_is_the_text_without_them_over_many_files(model_
     assert same >= len(prompts) // 2, same
 
 
+def test_the_models_own_earlier_tokens_draft_first_seen_code_where_rows_are_cheap(
+        model_path):
+    """Function bodies of files never seen, one after another for one tenant, on a
+    GPU-like cost table (a draft row nearly free): the `recycled` source (what the
+    model wrote after the last two tokens in the tenant's earlier answers) drafts, and
+    some of its tokens hold; the source counts reach the step profile."""
+    from dispatcher.tools.bench_corpus import Corpus, function_start
+    from workers.engine.llama import LlamaEngine
+    from workers.engine.stepcosts import SHAPES_EXTRA, StepCosts
+    gpu = StepCosts((1, 2), {(s, d): 10.0 + 0.3 * s + 0.05 * d for s in (1, 2)
+                             for d in SHAPES_EXTRA})
+    engine = LlamaEngine(model_path, 2048, 1, THREADS, 0, draft_max=16, step_costs=gpu)
+    try:
+        for prompt in Corpus(seed=37).prompts("fresh", 4, function_start):
+            engine.add(0, engine.tokenize(prompt), GREEDY, history="tenant", budget=48)
+            made = 0
+            while made < 48:
+                out = engine.step().get(0)
+                made += 0 if out is None else len(out) if isinstance(out, list) else 1
+            engine.release(0)
+        drafted, accepted = engine.totals.sources.get("recycled", [0, 0])
+        assert drafted > 0 and 0 < accepted <= drafted, engine.totals.sources
+        assert sum(a for _, a in engine.totals.sources.values()) == engine.totals.accepted
+    finally:
+        engine.close()
+
+
 def test_drafts_are_held_short_while_another_sequence_shares_the_worker(model_path,
                                                                         monkeypatch):
     """Beside another running sequence, a step with drafts may take at most twice the

@@ -535,3 +535,49 @@ def test_plan_leaves_out_drafts_within_the_margin_of_the_plain_rate():
     assert plan(flat, 1, [("a", unlikely)]) == {}                          # ... not by 10%
     assert plan(flat, 1, [("a", Proposal("short", 0, [7, 8, 9, 10], 0.5))])
     assert each_plan(flat, [2], [unlikely, unlikely])[0] == 0
+
+
+def test_the_recycled_table_learns_the_models_tokens_not_the_prompt():
+    from workers.engine.speculation import Recycler
+    recycler = Recycler()
+    prompt = [1, 2, 3, 4]
+    context = prompt + [5, 6, 7, 5, 6, 8]          # the model wrote 5 6 7 5 6 8
+    recycler.learn(context, len(prompt))
+    assert 1 not in recycler.after_one and (1, 2) not in recycler.after_two   # prompt
+    assert recycler.after_one[4] == 5          # (the model's first token, after the prompt)
+    assert recycler.after_two[(5, 6)] == 8     # the newest successor wins
+    assert recycler.chain([9, 9, 5, 6], 3) == [8]              # ... and 8 had none
+    assert recycler.chain([9, 4], 4) == [5, 6, 8]               # one-token key, then pairs
+    assert recycler.chain([9], 4) == []
+
+
+def test_the_recycled_table_is_bounded():
+    from workers.engine import speculation
+    recycler = speculation.Recycler()
+    context = list(range(3 * speculation.RECYCLED_ENTRIES))
+    recycler.learn(context, 0)
+    assert len(recycler.after_one) <= speculation.RECYCLED_ENTRIES
+    assert len(recycler.after_two) <= speculation.RECYCLED_ENTRIES
+    assert recycler.after_one[context[-2]] == context[-1]       # the newest kept
+
+
+def test_a_tenants_earlier_answers_draft_first_seen_text_by_the_recycled_table():
+    """Text that appears nowhere in the context or the tenant's history as a run of
+    tokens, yet every pair of tokens in it followed the model's own pairs before: only
+    the recycled source has it. Another tenant's sequences teach it nothing."""
+    from workers.engine.speculation import Histories
+    histories = Histories()
+    written = [100, 101, 102, 103, 104, 105, 106, 107]
+    for piece in (written[:5], [60] + written[3:]):     # two answers, each a piece
+        earlier = Drafter(16)
+        earlier.history, earlier.output_from = histories.of("a"), 3
+        earlier.learn([1, 2, 3] + piece)
+    drafter = Drafter(16)
+    drafter.history, drafter.output_from = histories.of("a"), 4
+    context = [7, 8, 9, 100, 101]
+    proposal = drafter.propose(context, 16)
+    assert proposal is not None and proposal.source == "recycled"
+    assert proposal.tokens == written[2:]
+    other = Drafter(16)
+    other.history, other.output_from = histories.of("b"), 4
+    assert other.propose(context, 16) is None

@@ -308,6 +308,7 @@ class StepTotals(msgspec.Struct, kw_only=True):
                                         # sequence ids (a KV stream per sequence)
     sat_out: int = 0                    # sequences that sat a step out (first line first)
     accepted: int = 0                   # draft tokens confirmed
+    sources: dict[str, list[int]] = {}  # draft source -> [tokens drafted, confirmed]
     plan_seconds: float = 0.0           # choosing rows and drafts, filling the batch
     decode_seconds: float = 0.0         # llama_decode, to the device's end
     sample_seconds: float = 0.0         # sampling and verifying every row

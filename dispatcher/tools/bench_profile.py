@@ -42,8 +42,11 @@ def parse_totals(text: str) -> dict[str, float] | None:
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                field = FIELDS.get((sample.name, sample.labels.get("kind") or
-                                    sample.labels.get("phase")))
+                if sample.name == "completions_worker_draft_tokens_total":
+                    field = f"{sample.labels.get('source')}:{sample.labels.get('outcome')}"
+                else:
+                    field = FIELDS.get((sample.name, sample.labels.get("kind") or
+                                        sample.labels.get("phase")))
                 if field is not None:
                     totals[field] = totals.get(field, 0.0) + sample.value
     except ValueError:               # not Prometheus' text format
@@ -77,6 +80,10 @@ def profile_row(target_name: str, part: str, before: dict | None,
         "decode ms": round(1000 * d["decode_seconds"] / steps, 1),
         "decode ms/row": round(1000 * d["decode_seconds"] / rows, 2) if rows else "-",
         "sample ms": round(1000 * d["sample_seconds"] / steps, 2),
+        "drafts by source (accepted/drafted)": " ".join(
+            f"{k[:-len(':drafted')]} {int(d.get(k[:-len('drafted')] + 'accepted', 0))}"
+            f"/{int(v)}" for k, v in sorted(d.items())
+            if k.endswith(":drafted") and v > 0) or "-",
     }
 
 

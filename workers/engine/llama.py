@@ -295,6 +295,7 @@ class LlamaEngine:
                               calibration=self.calibration) if limit else None
         if slot.policy is not None and history is not None:
             slot.policy.history = self.histories.of(history)
+            slot.policy.output_from = len(tokens)
             # a sampled answer is one draw: the next is unlikely to repeat it
             slot.policy.drafts_from_history = sampling.greedy
         return n_past
@@ -351,6 +352,7 @@ class LlamaEngine:
             slot.chain.free()
         if slot.policy is not None and slot.policy.history is not None:
             slot.policy.history.add(slot.cached, len(slot.prompt))
+            slot.policy.learn(slot.cached)       # (the model's tokens since its last draft)
             slot.policy.history = None           # (once per sequence)
         if not keep_cache:
             llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
@@ -511,6 +513,10 @@ class LlamaEngine:
             llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, keep, -1)
             del slot.cached[keep:]
             slot.n_past = keep
+        tried = slot.policy.tried           # (a guess filling drafts alike: no source's)
+        counts = self.totals.sources.setdefault(tried.source if tried else "guess", [0, 0])
+        counts[0] += len(draft)
+        counts[1] += accepted
         slot.policy.record(len(draft), accepted)
         self.drafted += len(draft)
         self.draft_accepted += accepted

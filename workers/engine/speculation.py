@@ -7,7 +7,7 @@ and compared with the draft, so greedy output is what it would be without specul
 and sampled output has the same distribution; the first mismatch ends the accepted run
 and the rejected positions leave the KV cache.
 
-Four sources propose a draft for a sequence (its context: prompt and output so far):
+Five sources propose a draft for a sequence (its context: prompt and output so far):
 - `copy`: keep copying from where the last draft's source left off, at the same distance
   back. An edit rewrites a block with a changed name or number now and then; the model's
   own token at a mismatch is a substitution, so the copy goes on just after it (the
@@ -25,12 +25,18 @@ Four sources propose a draft for a sequence (its context: prompt and output so f
   drafts hold. Cut short, it is not taken up again at the same distance (the repeat
   wrote something else at a near-tie and mostly goes on differently: measured) but
   re-aligned by the last few tokens (`_resync`) or looked up again.
+- `recycled`: what the model wrote after the context's last two tokens (or last one) the
+  last time, in any of the tenant's sequences (`Recycler`): the one source that drafts
+  code whose continuation is nowhere yet, from the model's own habits.
 
 Each source keeps its own acceptance record in the sequence (accepted draft tokens
 against drafts cut short), started from a prior by how strong its evidence is; the
 source with the most expected accepted tokens is tried. A draft of length L with
-per-token acceptance a is expected to add sum(a**i, i=1..L) tokens (`Proposal.gain`);
-whether it goes into the step, and how long, is `workers.engine.stepcosts`'s to decide.
+per-token acceptance a is expected to add sum(a**i, i=1..L) tokens, scaled by how the
+engine's recent drafts from that source fared against such expectations (`Calibration`:
+the gain is `Proposal.gain`); a source that keeps fewer than a quarter of its tokens in
+a sequence stops drafting there until its misses fade (`Record.below_floor`). Whether a
+draft goes into the step, and how long, is `workers.engine.stepcosts`'s to decide.
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ HISTORY_TENANTS = 64    # tenants whose history is kept, least recently used dro
 HISTORY_REPEAT = 128    # `history`: a match this long (a request asked again, or the same
                         # text again) drafts past the allowance, rated on the match over
                         # HISTORY_PROMPT tokens: its whole answer goes in one or two steps
+RECYCLED_ENTRIES = 65536    # `recycled`: successors kept per tenant, per table
 RESYNC = 16             # `history`: how far from where a recent sequence's copy stood the
                         # context's last NGRAM tokens are looked for again after a miss
 
@@ -115,6 +122,7 @@ class History:
         self.sequences: OrderedDict[int, list[int]] = OrderedDict()
         self.index: dict[tuple, tuple[int, int]] = {}
         self.counter = 0
+        self.recycler = Recycler()      # the tenant's `recycled` source
 
     def add(self, tokens: list[int], output_from: int) -> None:
         """A finished (or cancelled) sequence: `tokens` is its prompt and output, the
@@ -144,6 +152,53 @@ class History:
             return None
         tokens = self.sequences[found[0]]
         return (tokens, found[1]) if found[1] < len(tokens) else None
+
+
+class Recycler:
+    """The `recycled` source: what the model itself wrote after a token (and after a pair
+    of tokens) the last time, in this tenant's sequences. Token Recycling's table of the
+    model's top candidates per token (Luo et al., ACL 2025), in its linear form: the top
+    candidate at a verified position is the token the model wrote there, so the table
+    costs no pass over the logits; chained from the context's last tokens it drafts code
+    the tenant never sent before, in the model's own habits (`):` then a newline and the
+    indentation, `self.` then the attribute it used last). Whether such a draft pays is
+    the step costs' to say: on a CPU, where a row costs a good part of a step, rarely;
+    where extra rows are nearly free, most steps."""
+
+    def __init__(self) -> None:
+        self.after_one: dict[int, int] = {}
+        self.after_two: dict[tuple[int, int], int] = {}
+
+    def learn(self, context: list[int], start: int) -> None:
+        """The model's tokens context[start:] (each after the tokens before it)."""
+        one, two = self.after_one, self.after_two
+        for i in range(max(start, 2), len(context)):
+            one.pop(context[i - 1], None)          # (re-inserted: the newest last)
+            one[context[i - 1]] = context[i]
+            key = (context[i - 2], context[i - 1])
+            two.pop(key, None)
+            two[key] = context[i]
+        for table in (one, two):
+            if len(table) > RECYCLED_ENTRIES:      # the oldest go, half the room left
+                for key in list(table)[:len(table) - RECYCLED_ENTRIES // 2]:
+                    del table[key]
+
+    def chain(self, context: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens, each what the model wrote after the two before it (or,
+        unseen, after the one before it)."""
+        if len(context) < 2:
+            return []
+        a, b = context[-2], context[-1]
+        out: list[int] = []
+        while len(out) < limit:
+            token = self.after_two.get((a, b))
+            if token is None:
+                token = self.after_one.get(b)
+                if token is None:
+                    break
+            out.append(token)
+            a, b = b, token
+        return out
 
 
 class Histories:
@@ -219,7 +274,7 @@ class Calibration:
 # Priors (pseudo-counts): a copy that ran before is likely to go on; a lookup's own
 # evidence is how far back its match reaches (`matched`), counted per proposal.
 PRIORS = {"copy": (9.0, 1.0), "long": (1.0, 1.0), "short": (1.0, 1.0),
-          "history": (1.0, 1.0)}
+          "history": (1.0, 1.0), "recycled": (1.0, 2.0)}
 PRIOR_CUT = 1.0
 FADE = 0.98             # per step: a source's misses of ~35 steps ago count half
 MATCH_WINDOW = 64       # how far back a lookup's match is measured
@@ -277,6 +332,8 @@ class Drafter:
     # only; that the text repeats says little of whether such a draw repeats it
     proven_only: bool = False
     calibration: Calibration | None = None  # the engine's, shared by its sequences
+    output_from: int | None = None  # `recycled`: where the model's tokens start (the
+    learned: int = 0                # prompt's length), and how far they are learned
 
     def __post_init__(self) -> None:
         self.records = {name: Record(*prior) for name, prior in PRIORS.items()}
@@ -306,6 +363,10 @@ class Drafter:
             earlier = self.history.lookup(context) or self._resync(context)
             if earlier is not None:
                 candidates.append(("history", *earlier))
+        if self.learn(context):
+            recycled = self.history.recycler.chain(context, limit)
+            if recycled:
+                candidates.append(("recycled", recycled, 0))
         for source, tokens, start in candidates:
             if start is None or len(tokens) - start < DRAFT_MIN or \
                     (tokens is context and n - start < DRAFT_MIN):
@@ -314,7 +375,7 @@ class Drafter:
             if record.below_floor:
                 continue
             rate, length = record.rate, limit
-            if source != "copy" and not (proven or self.proven_only):
+            if source not in ("copy", "recycled") and not (proven or self.proven_only):
                 # a longer match is a likelier continuation,
                 m = matched(context, start, tokens,     # but the source's misses weigh more
                             HISTORY_PROMPT if source == "history" else None)
@@ -333,6 +394,15 @@ class Drafter:
             best.sources = [p.source for p in found
                             if p.start == best.start and p.origin is best.origin]
         return best
+
+    def learn(self, context: list[int]) -> bool:
+        """The tenant's `recycled` table learns the model's tokens written since the last
+        call (False: this sequence has no such table)."""
+        if self.history is None or self.output_from is None:
+            return False
+        self.history.recycler.learn(context, max(self.output_from, self.learned))
+        self.learned = len(context)
+        return True
 
     def _resync(self, context: list[int]) -> tuple[list[int], int] | None:
         """Where the recent sequence copied last goes on, found again near where its copy
@@ -405,6 +475,8 @@ class Drafter:
         # the place again by the last few tokens if it comes back to that text. (A
         # one-token substitution then costs the two steps until the last two tokens
         # match again: measured, fewer wasted draft steps than resuming blindly.)
+        if proposal.source == "recycled":   # (no text it copies: nothing to go on from)
+            return
         self.misses = self.misses + 1 if accepted == 0 else 0
         self.distance = self.copied = None
         if proposal.external:
