@@ -200,9 +200,13 @@ def test_bench_reports_every_workload(two_fake_workers):
     assert fim["ok"] >= 1 and fim["superseded"] >= 1 and fim["errors"] == 0
     table = subprocess.run(
         [sys.executable, "-m", "dispatcher", "bench", "--url", two_fake_workers.url,
-         "--concurrency", "1", "--requests", "1", "--max-tokens", "4", "--no-fim"],
+         "--concurrency", "1", "--requests", "1", "--max-tokens", "4", "--no-fim",
+         "--runs", "2", "--profile"],
         cwd=ROOT, capture_output=True, text=True, timeout=300).stdout
     assert "TTFT p50 ms" in table and "stream x1" in table
+    assert "medians over 2 runs" in table
+    profile = table[table.index("step profile"):]       # the fake engine's steps counted
+    assert "| x1 " in profile and "| extension " in profile
 
 
 def test_bench_runs_each_part_on_every_target_round_by_round(monkeypatch):
@@ -244,7 +248,7 @@ def test_bench_runs_each_part_on_every_target_round_by_round(monkeypatch):
     monkeypatch.setattr(bench, "run_extension", whole("extension"))
     monkeypatch.setattr(bench, "single_rounds", in_rounds("single", 3))
     monkeypatch.setattr(bench, "run_typing", whole("typing"))
-    monkeypatch.setattr(bench, "table", lambda rows: "\n".join(
+    monkeypatch.setattr(bench, "table", lambda rows, runs=False: "\n".join(
         f"{row['target']} {row['name']}" for row in rows))
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
@@ -265,6 +269,25 @@ def test_bench_runs_each_part_on_every_target_round_by_round(monkeypatch):
         [("extension", t) for t in three[0]] + \
         [(f"single{i}", t) for i in range(3) for t in three[i]] * 2 + \
         [("typing", "a"), ("typing", "b")]
+    one_run = list(calls)
+    calls.clear()
+    args.runs = 2                       # everything again, after the first run
+    assert bench.run(args) == 0
+    assert calls == one_run * 2
+
+
+def test_each_run_of_the_bench_takes_files_of_its_own():
+    from dispatcher.tools.bench import RunFiles, medians
+    from dispatcher.tools.bench_corpus import Corpus
+    corpus = Corpus(seed=5)
+    first = corpus.files_for("x8", 4)
+    second = RunFiles(corpus, 1).files_for("x8", 4)
+    assert not set(first) & set(second)
+    assert RunFiles(corpus, 1).files_for("x8", 4) == second      # the same when asked again
+    rows = [{"target": "t", "name": "edit", "stream_tok_s": v, "ttft_p50_ms": None}
+            for v in (30.0, 10.0, 20.0)]
+    assert medians(rows) == [{"target": "t", "workload": "edit", "runs": 3,
+                              "stream_tok_s": "20.0 (10.0-30.0)"}]
 
 
 def test_bench_figures_of_a_part_in_rounds_are_timed_over_its_own_rounds(monkeypatch):

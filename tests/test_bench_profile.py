@@ -3,7 +3,7 @@ figures per step (the exporter and the parser are the real ones; the counters gi
 from prometheus_client import CollectorRegistry, generate_latest
 
 from app.metrics import SnapshotCollector
-from dispatcher.tools.bench_profile import parse_totals, profile_row, profile_table
+from dispatcher.tools.bench_profile import parse_totals, profile_row, markdown_table
 
 
 def exported(steps: dict | None) -> str:
@@ -38,7 +38,7 @@ def test_the_profile_is_the_difference_per_step_summed_over_workers():
     assert row["plan ms"] == 1.0 and row["decode ms"] == 80.0 and row["sample ms"] == 2.0
     assert row["decode ms/row"] == round(8000 / 2000, 2)
     assert row["drafts by source (accepted/drafted)"] == "copy 76/160 recycled 4/40"
-    assert "| decode ms |" in profile_table([row])
+    assert "| decode ms |" in markdown_table([row])
 
 
 def test_a_server_without_step_counters_has_no_profile():

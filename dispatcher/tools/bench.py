@@ -10,6 +10,7 @@ ceiling for any server built on it.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import threading
 import time
@@ -126,12 +127,14 @@ COLUMNS = [("target", "target", "{}"), ("workload", "name", "{}"),
            ("unanswered", "unanswered", "{}"), ("closed", "closed", "{}")]
 
 
-def table(rows: list[dict]) -> str:
-    cells = [[title for title, _, _ in COLUMNS]]
+def table(rows: list[dict], runs: bool = False) -> str:
+    """The rows as a Markdown table (`runs`: with each row's run)."""
+    columns = [("run", "run", "{}")] + COLUMNS if runs else COLUMNS
+    cells = [[title for title, _, _ in columns]]
     for row in rows:
         cells.append([("-" if row.get(key) is None else fmt.format(row[key]))
-                      for _, key, fmt in COLUMNS])
-    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+                      for _, key, fmt in columns])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
@@ -296,6 +299,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--hostile", action="store_true",
                         help="also: a plain stream beside every costly request class the "
                              "server refuses; prints each answer and the largest gap")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="run everything this many times, each run on files of its "
+                        "own, and print each figure's median and range (machines drift "
+                        "by tens of percent: compare medians)")
     parser.add_argument("--profile", action="store_true",
                         help="also: where each part's decode steps spent their time on "
                         "targets that export step counters (this server's /metrics): "
@@ -363,6 +370,76 @@ def parts(args, target, levels: list[int], workloads: list[str], single: dict,
     return out
 
 
+class RunFiles:
+    """A later run's view of the corpus: every part takes files no earlier run had."""
+
+    def __init__(self, corpus: Corpus, run: int):
+        self.corpus, self.run = corpus, run
+
+    def files_for(self, part: str, n: int) -> list[str]:
+        return self.corpus.files_for(f"{part}#{self.run}", n)
+
+    def prompts(self, part: str, n: int, make) -> list[str]:
+        return self.corpus.prompts(f"{part}#{self.run}", n, make)
+
+
+def run_parts(args, targets, plans, profiles: list[dict], run: int) -> list[dict]:
+    """One run: each target's parts, part by part across the targets (the first part on
+    every target, then the second...) and within a part round by round (a request, or a
+    round of concurrent streams, on each target in turn, the first target rotating), so
+    a machine whose speed drifts (a shared host) shifts every target's figure of a part
+    alike, not one target's. Returns each target's {part: result}; with --profile,
+    appends each part's step profile to `profiles`."""
+    order: list[str] = []                 # every part, in the order the targets run them
+    for plan in plans:
+        for name, _ in plan:
+            if name not in order:
+                order.append(name)
+    done: list[dict] = [{} for _ in targets]
+    in_process = [isinstance(t, InProcessTarget) for t in targets]
+    for name in order:
+        running = [(t_index, start()) for t_index, plan in enumerate(plans)
+                   for part_name, start in plan if part_name == name]
+        before = {t: bench_profile.read_totals(targets[t]) for t, _ in running
+                  if args.profile and not in_process[t]}
+        turn = 0
+        while running:
+            first = turn % len(running)
+            for t_index, rounds in running[first:] + running[:first]:
+                try:
+                    next(rounds)
+                except StopIteration as finished:
+                    done[t_index][name] = finished.value
+            running = [(t, r) for t, r in running if name not in done[t]]
+            turn += 1
+        if before:
+            bench_profile.settle()
+            for t, totals in before.items():
+                row = bench_profile.profile_row(
+                    targets[t].name, name, totals, bench_profile.read_totals(targets[t]))
+                if row is not None:
+                    profiles.append({"run": run, **row} if args.runs > 1 else row)
+    return done
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """Per target and workload over the runs: the median of each figure, and the range."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["target"], row["name"]), []).append(row)
+    out = []
+    for (target, name), group in groups.items():
+        summary = {"target": target, "workload": name, "runs": len(group)}
+        for key in ("stream_tok_s", "aggregate_tok_s", "ttft_p50_ms", "ttft_p95_ms",
+                    "first_line_p50_ms"):
+            values = sorted(r[key] for r in group if r.get(key) is not None)
+            if values:
+                summary[key] = f"{statistics.median(values):.1f} " \
+                    f"({values[0]:.1f}-{values[-1]:.1f})"
+        out.append(summary)
+    return out
+
+
 def run(args) -> int:
     targets = []
     for url in args.url or [f"http://127.0.0.1:{args.port}"]:
@@ -387,64 +464,46 @@ def run(args) -> int:
                              "sampled, repeat, typing")
     try:
         corpus = Corpus(args.corpus, args.seed)
-        plans = [parts(args, target, levels, extra_workloads, single,
-                       1000 * (t_index + 1) + int(time.time()) % 1000 * 10_000, corpus)
-                 for t_index, target in enumerate(targets)]
     except CorpusError as exc:
         raise SystemExit(f"--corpus: {exc}") from None
     print(f"first-seen prompts: files of {corpus.root}, shuffled by seed {corpus.seed} "
           f"(--seed {corpus.seed} repeats this run's choice)", file=sys.stderr)
-    # Each target's parts, in order; run part by part across the targets (the first part
-    # on every target, then the second...) and within a part round by round (a request,
-    # or a round of concurrent streams, on each target in turn, the first target
-    # rotating), so a machine whose speed drifts (a shared host) shifts every target's
-    # figure of a part alike, not one target's.
-    order: list[str] = []                 # every part, in the order the targets run them
-    for plan in plans:
-        for name, _ in plan:
-            if name not in order:
-                order.append(name)
     done: list[dict] = [{} for _ in targets]
+    results: list[list] = [[] for _ in targets]
     profiles: list[dict] = []
-    in_process = [isinstance(t, InProcessTarget) for t in targets]
-    for name in order:
-        running = [(t_index, start()) for t_index, plan in enumerate(plans)
-                   for part_name, start in plan if part_name == name]
-        before = {t: bench_profile.read_totals(targets[t]) for t, _ in running
-                  if args.profile and not in_process[t]}
-        turn = 0
-        while running:
-            first = turn % len(running)
-            for t_index, rounds in running[first:] + running[:first]:
-                try:
-                    next(rounds)
-                except StopIteration as finished:
-                    done[t_index][name] = finished.value
-            running = [(t, r) for t, r in running if name not in done[t]]
-            turn += 1
-        if before:
-            bench_profile.settle()
-            for t, totals in before.items():
-                row = bench_profile.profile_row(
-                    targets[t].name, name, totals, bench_profile.read_totals(targets[t]))
-                if row is not None:
-                    profiles.append(row)
-    results = [[level for part_name, _ in plan if part_name != "hostile"
-                for level in done[t_index][part_name]]
-               for t_index, plan in enumerate(plans)]
+    for round_ in range(max(1, args.runs)):
+        view = corpus if round_ == 0 else RunFiles(corpus, round_)
+        try:
+            plans = [parts(args, target, levels, extra_workloads, single,
+                           1000 * (t_index + 1) + int(time.time()) % 1000 * 10_000
+                           + round_, view)
+                     for t_index, target in enumerate(targets)]
+        except CorpusError as exc:
+            raise SystemExit(f"--corpus: {exc}") from None
+        done = run_parts(args, targets, plans, profiles, round_ + 1)
+        for t_index, plan in enumerate(plans):
+            for part_name, _ in plan:
+                if part_name == "hostile":
+                    continue
+                for level in done[t_index][part_name]:
+                    results[t_index].append((round_ + 1, level))
     hostile_lines = [line for t_index, target in enumerate(targets)
                      if "hostile" in done[t_index]
                      for line in [f"{target.name}:"] + done[t_index]["hostile"]]
-    rows = [{"target": target.name, **asdict(result)}
-            for target, levels_done in zip(targets, results) for result in levels_done]
+    rows = [{"target": target.name, "run": run_, **asdict(result)}
+            for target, levels_done in zip(targets, results) for run_, result in levels_done]
     slowdowns = constrained_slowdowns(rows)
     if args.json:
         print(json.dumps(rows + [{"profile": p} for p in profiles], indent=2))
     else:
-        print(table(rows))
+        print(table(rows, runs=args.runs > 1))
+        if args.runs > 1:
+            print(f"\nmedians over {args.runs} runs (lowest-highest), each run on files "
+                  "of its own:")
+            print(bench_profile.markdown_table(medians(rows)))
         if profiles:
             print("\nstep profile (per decode step, each part on each target):")
-            print(bench_profile.profile_table(profiles))
+            print(bench_profile.markdown_table(profiles))
         for target, ratios in slowdowns.items():
             for name, ratio in ratios.items():
                 print(f"  {target}: a plain stream's time per token beside a {name} "

@@ -91,9 +91,11 @@ def settle() -> None:
     time.sleep(SETTLE)
 
 
-def profile_table(rows: list[dict]) -> str:
-    """The profile rows as a Markdown table, columns in profile_row's order."""
-    cells = [list(rows[0])] + [[str(v) for v in row.values()] for row in rows]
+def markdown_table(rows: list[dict]) -> str:
+    """Rows of figures (a profile's, the medians) as a Markdown table: every key a column,
+    in the order they first come; "-" where a row has none."""
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    cells = [columns] + [[str(row.get(k, "-")) for k in columns] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
