@@ -28,7 +28,8 @@ def test_the_profile_is_the_difference_per_step_summed_over_workers():
         steps=60, token_rows=410, draft_rows=100, prompt_rows=500, batches=75, sat_out=25,
         accepted=40, plan_seconds=0.05, decode_seconds=5.0, sample_seconds=0.1,
         sources={"copy": [80, 38], "recycled": [20, 2]})))
-    assert after["steps"] == 120 and after["token_rows"] == 820      # two workers
+    assert set(after) == {("w0-cpu", "cpu"), ("w1-cpu", "cpu")}      # two workers
+    assert after["w0-cpu", "cpu"]["steps"] == 60
     row = profile_row("t", "x8", before, after)
     assert row["steps"] == 100
     assert row["token rows/step"] == 8.0 and row["draft rows/step"] == 2.0
@@ -41,9 +42,20 @@ def test_the_profile_is_the_difference_per_step_summed_over_workers():
     assert "| decode ms |" in markdown_table([row])
 
 
+def test_a_worker_restarted_during_a_part_counts_from_zero():
+    from dispatcher.tools.bench_profile import difference
+    before = {("w0", "cpu"): totals(steps=500, token_rows=4000),
+              ("w1", "cpu"): totals(steps=100, token_rows=800)}
+    after = {("w0", "cpu"): totals(steps=20, token_rows=160),        # restarted
+             ("w1", "cpu"): totals(steps=150, token_rows=1200)}
+    d = difference(before, after)
+    assert d["steps"] == 70 and d["token_rows"] == 560
+    assert difference(before, {("w1", "cpu"): after["w1", "cpu"]})["steps"] == 50  # one gone
+
+
 def test_a_server_without_step_counters_has_no_profile():
     assert parse_totals(exported(None)) is None
     assert parse_totals("not prometheus {{{") is None
     assert profile_row("t", "x8", None, {"steps": 3}) is None
-    same = totals(steps=5)
+    same = {("w0", "cpu"): totals(steps=5)}
     assert profile_row("t", "x1", same, same) is None             # no step in the part

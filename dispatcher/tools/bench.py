@@ -307,7 +307,8 @@ def add_arguments(parser) -> None:
                         help="also: where each part's decode steps spent their time on "
                         "targets that export step counters (this server's /metrics): "
                         "rows by kind, sub-batches, sit-outs, drafts confirmed, ms "
-                        "planning, decoding and sampling per step")
+                        "planning, decoding and sampling per step (with --json: "
+                        "{\"rows\": [...], \"profiles\": [...]})")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -412,11 +413,10 @@ def run_parts(args, targets, plans, profiles: list[dict], run: int) -> list[dict
                     done[t_index][name] = finished.value
             running = [(t, r) for t, r in running if name not in done[t]]
             turn += 1
-        if before:
-            bench_profile.settle()
-            for t, totals in before.items():
+        for t, totals in before.items():
+            if totals is not None:
                 row = bench_profile.profile_row(
-                    targets[t].name, name, totals, bench_profile.read_totals(targets[t]))
+                    targets[t].name, name, totals, bench_profile.settled(targets[t]))
                 if row is not None:
                     profiles.append({"run": run, **row} if args.runs > 1 else row)
     return done
@@ -494,7 +494,8 @@ def run(args) -> int:
             for target, levels_done in zip(targets, results) for run_, result in levels_done]
     slowdowns = constrained_slowdowns(rows)
     if args.json:
-        print(json.dumps(rows + [{"profile": p} for p in profiles], indent=2))
+        print(json.dumps({"rows": rows, "profiles": profiles} if args.profile else rows,
+                         indent=2))
     else:
         print(table(rows, runs=args.runs > 1))
         if args.runs > 1:

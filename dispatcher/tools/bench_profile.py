@@ -28,8 +28,8 @@ FIELDS = {              # metric sample name (and label) -> StepTotals field
 }
 
 
-def read_totals(target) -> dict[str, float] | None:
-    """The target's step counters summed over its workers; None where it exports none."""
+def read_totals(target) -> dict[tuple, dict[str, float]] | None:
+    """The target's step counters by worker; None where it exports none."""
     try:
         status, body = target.get_root("/metrics")
     except OSError:
@@ -37,8 +37,9 @@ def read_totals(target) -> dict[str, float] | None:
     return parse_totals(body.decode("utf-8", "replace")) if status == 200 else None
 
 
-def parse_totals(text: str) -> dict[str, float] | None:
-    totals: dict[str, float] = {}
+def parse_totals(text: str) -> dict[tuple, dict[str, float]] | None:
+    """{(worker, device): {StepTotals field, or "source:outcome": value}}."""
+    totals: dict[tuple, dict[str, float]] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -48,10 +49,26 @@ def parse_totals(text: str) -> dict[str, float] | None:
                     field = FIELDS.get((sample.name, sample.labels.get("kind") or
                                         sample.labels.get("phase")))
                 if field is not None:
-                    totals[field] = totals.get(field, 0.0) + sample.value
+                    worker = totals.setdefault((sample.labels.get("worker"),
+                                                sample.labels.get("device")), {})
+                    worker[field] = worker.get(field, 0.0) + sample.value
     except ValueError:               # not Prometheus' text format
         return None
-    return totals if "steps" in totals else None
+    totals = {w: t for w, t in totals.items() if "steps" in t}
+    return totals or None
+
+
+def difference(before: dict[tuple, dict], after: dict[tuple, dict]) -> dict[str, float]:
+    """The counters' increase over a part, summed over the workers: a worker restarted
+    meanwhile (its counters began again) counts from zero, one gone counts nothing."""
+    out: dict[str, float] = {}
+    for worker, now in after.items():
+        then = before.get(worker)
+        if then is None or now.get("steps", 0.0) < then.get("steps", 0.0):
+            then = {}
+        for key, value in now.items():
+            out[key] = out.get(key, 0.0) + value - then.get(key, 0.0)
+    return out
 
 
 def profile_row(target_name: str, part: str, before: dict | None,
@@ -61,7 +78,7 @@ def profile_row(target_name: str, part: str, before: dict | None,
     planning, decoding (and per row decoded) and sampling."""
     if before is None or after is None:
         return None
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    d = difference(before, after)
     steps = d.get("steps", 0.0)
     if steps <= 0:
         return None
@@ -87,8 +104,19 @@ def profile_row(target_name: str, part: str, before: dict | None,
     }
 
 
-def settle() -> None:
-    time.sleep(SETTLE)
+def settled(target, settle: float = SETTLE, tries: int = 4):
+    """The target's counters once a heartbeat has brought the part's last steps: read
+    again after `settle` s until the step count stops moving (a longer heartbeat
+    interval takes more reads), `tries` times at most."""
+    time.sleep(settle)
+    totals = read_totals(target)
+    for _ in range(tries - 1):
+        time.sleep(settle)
+        again = read_totals(target)
+        if again is None or totals is None or difference(totals, again).get("steps", 0) == 0:
+            return again if again is not None else totals
+        totals = again
+    return totals
 
 
 def markdown_table(rows: list[dict]) -> str:

@@ -396,6 +396,7 @@ class LlamaEngine:
             generating = self.scheduler.first_line_first(
                 [s for s in self.slots if s.busy and s.next_token is not None], prefilling,
                 self.step_costs)
+        self.calibration.step()
         self.scheduler.draft(self.slots, generating, prefilling, self.n_ctx, self.n_batch,
                              self.step_costs)
         # Every generating slot has its rows; prompts share at most `prefill_chunk` more,
@@ -514,9 +515,13 @@ class LlamaEngine:
             del slot.cached[keep:]
             slot.n_past = keep
         tried = slot.policy.tried           # (a guess filling drafts alike: no source's)
-        counts = self.totals.sources.setdefault(tried.source if tried else "guess", [0, 0])
-        counts[0] += len(draft)
-        counts[1] += accepted
+        own = min(len(draft), len(tried.tokens)) if tried else 0
+        for source, drafted, kept in ((tried.source if tried else "", own, min(accepted, own)),
+                                      ("guess", len(draft) - own, max(0, accepted - own))):
+            if drafted:
+                counts = self.totals.sources.setdefault(source, [0, 0])
+                counts[0] += drafted
+                counts[1] += kept
         slot.policy.record(len(draft), accepted)
         self.drafted += len(draft)
         self.draft_accepted += accepted

@@ -241,8 +241,8 @@ class Record:
     @property
     def below_floor(self) -> bool:
         """Its drafts in this sequence are mostly refused: FLOOR_AFTER tokens tried and
-        fewer than FLOOR of them kept (it drafts no more in this sequence until those
-        misses have faded)."""
+        fewer than FLOOR of them kept (it drafts no more in this sequence until the faded
+        count of tokens tried falls below FLOOR_AFTER again: a few to ~35 steps)."""
         return self.tried >= FLOOR_AFTER and self.kept < FLOOR * self.tried
 
 
@@ -252,23 +252,29 @@ class Calibration:
     a lookup's rate comes from how far back its match reaches, a guess that holds on some
     text and not on another. Each source's factor, realized over expected (both faded,
     from a prior of CALIBRATION_PRIOR tokens that agree), scales its gains, so the draft
-    lengths and whether a draft goes in at all follow the acceptance measured here."""
+    lengths and whether a draft goes in at all follow the acceptance measured here.
+    Every step fades them too (`step`), drafted or not: a source whose factor has shut
+    it out comes back toward the prior and is measured again, so one stretch of text
+    where it failed does not switch it off for the worker's life."""
 
     def __init__(self) -> None:
         self.expected: dict[str, float] = {}
         self.realized: dict[str, float] = {}
+
+    def step(self) -> None:
+        """One decode step has passed."""
+        for sums in (self.expected, self.realized):
+            for source in sums:
+                sums[source] *= CALIBRATION_STEP_FADE
 
     def factor(self, source: str) -> float:
         expected = self.expected.get(source, 0.0) + CALIBRATION_PRIOR
         realized = self.realized.get(source, 0.0) + CALIBRATION_PRIOR
         return min(CALIBRATION_MAX, realized / expected)
 
-    def add(self, sources: list[str], expected: float, realized: float) -> None:
-        for source in sources:
-            self.expected[source] = CALIBRATION_FADE * self.expected.get(source, 0.0) \
-                + expected
-            self.realized[source] = CALIBRATION_FADE * self.realized.get(source, 0.0) \
-                + realized
+    def add(self, source: str, expected: float, realized: float) -> None:
+        self.expected[source] = CALIBRATION_FADE * self.expected.get(source, 0.0) + expected
+        self.realized[source] = CALIBRATION_FADE * self.realized.get(source, 0.0) + realized
 
 
 # Priors (pseudo-counts): a copy that ran before is likely to go on; a lookup's own
@@ -283,6 +289,7 @@ FLOOR = 0.25            # a source keeping fewer of its draft tokens than this i
 FLOOR_AFTER = 16        # sequence, once it has tried this many, drafts no more there
 CALIBRATION_PRIOR = 8.0     # tokens: a source's gains count as expected until measured
 CALIBRATION_FADE = 0.97     # per draft: a source's drafts of ~25 drafts ago count half
+CALIBRATION_STEP_FADE = 0.995   # ... and per step: of ~140 steps ago, half
 CALIBRATION_MAX = 1.25      # its gains are never scaled up past this
 
 
@@ -398,7 +405,8 @@ class Drafter:
     def learn(self, context: list[int]) -> bool:
         """The tenant's `recycled` table learns the model's tokens written since the last
         call (False: this sequence has no such table)."""
-        if self.history is None or self.output_from is None:
+        if self.history is None or self.output_from is None or \
+                not self.drafts_from_history:   # (a sampled answer is one draw of many)
             return False
         self.history.recycler.learn(context, max(self.output_from, self.learned))
         self.learned = len(context)
@@ -466,8 +474,9 @@ class Drafter:
             record.cut += accepted < drafted
             record.tried += drafted
             record.kept += accepted
-        if self.calibration is not None:
-            self.calibration.add(sources, proposal.expected(drafted), accepted)
+        if self.calibration is not None:     # (its own tokens: not a guess padding them)
+            own = min(drafted, len(proposal.tokens))
+            self.calibration.add(proposal.source, proposal.expected(own), min(accepted, own))
         # The context's own text after the draft's source goes on at the same distance (a
         # mismatch is a substitution); a source rejected outright twice in a row is
         # dropped. A recent sequence's text goes on only while its drafts hold: cut
