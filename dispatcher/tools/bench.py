@@ -130,14 +130,9 @@ COLUMNS = [("target", "target", "{}"), ("workload", "name", "{}"),
 def table(rows: list[dict], runs: bool = False) -> str:
     """The rows as a Markdown table (`runs`: with each row's run)."""
     columns = [("run", "run", "{}")] + COLUMNS if runs else COLUMNS
-    cells = [[title for title, _, _ in columns]]
-    for row in rows:
-        cells.append([("-" if row.get(key) is None else fmt.format(row[key]))
-                      for _, key, fmt in columns])
-    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+    return bench_profile.markdown_table([
+        {title: "-" if row.get(key) is None else fmt.format(row[key])
+         for title, key, fmt in columns} for row in rows], [title for title, _, _ in columns])
 
 
 def run_single(target, name: str, prompts: list[str], repeats: int,

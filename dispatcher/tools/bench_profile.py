@@ -119,10 +119,10 @@ def settled(target, settle: float = SETTLE, tries: int = 4):
     return totals
 
 
-def markdown_table(rows: list[dict]) -> str:
-    """Rows of figures (a profile's, the medians) as a Markdown table: every key a column,
-    in the order they first come; "-" where a row has none."""
-    columns = list(dict.fromkeys(k for row in rows for k in row))
+def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """Rows of figures as a Markdown table: `columns`, or every key in the order they
+    first come; "-" where a row has none."""
+    columns = columns or list(dict.fromkeys(k for row in rows for k in row))
     cells = [columns] + [[str(row.get(k, "-")) for k in columns] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]

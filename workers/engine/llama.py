@@ -168,7 +168,6 @@ class LlamaEngine:
         # prompt-lookup speculation; 0: off. Never in deterministic mode: verification rows
         # decoded beside the token's row change logprobs in their last bits (measured)
         self.draft_max = 0 if deterministic else draft_max
-        self.drafted = self.draft_accepted = 0
         self.totals = P.StepTotals()     # the step profile (bench --profile, /metrics)
         self.histories = Histories()     # recent sequences per tenant: a draft source
         self.calibration = Calibration()  # each source's measured acceptance, all sequences
@@ -523,8 +522,6 @@ class LlamaEngine:
                 counts[0] += drafted
                 counts[1] += kept
         slot.policy.record(len(draft), accepted)
-        self.drafted += len(draft)
-        self.draft_accepted += accepted
         self.totals.accepted += accepted
         return outs
 
