@@ -68,7 +68,9 @@ class SnapshotCollector:
                                          labels=["worker", "device", "model"])
                   for key, doc in (("up", "1 if the worker is ready."),
                                    ("slots", "Sequences the worker decodes at once."),
-                                   ("busy", "Busy slots."))}
+                                   ("busy", "Busy slots."),
+                                   ("layers_offloaded", "Model layers on the accelerator, "
+                                    "as llama.cpp's load reported (0: all on the CPU)."))}
         restarts = CounterMetricFamily("completions_worker_restarts", "Times the worker's "
                                        "process was restarted.", labels=["worker", "device"])
         for w in snap.get("workers", []):

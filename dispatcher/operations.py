@@ -157,11 +157,13 @@ class Operations:
             if record is None:
                 workers.append({"worker": name, "device": child.extra.get("device"),
                                 "model": child.extra.get("model"), "up": 0, "slots": 0,
-                                "busy": 0, "restarts": child.restarts})
+                                "busy": 0, "layers_offloaded": 0,
+                                "restarts": child.restarts})
             else:
                 workers.append({"worker": name, "device": record.info.device,
                                 "model": record.model, "up": 1, "slots": record.slots,
-                                "busy": record.busy,
+                                "busy": record.busy, "layers_offloaded":
+                                    record.info.placement.get("layers_offloaded", 0),
                                 "restarts": child.restarts if child else 0,
                                 "steps": msgspec.structs.asdict(record.steps)
                                 if record.steps is not None else None})

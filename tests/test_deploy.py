@@ -153,6 +153,16 @@ def test_systemd_units_verify_cleanly(tmp_path):
     assert "RestartSecs" in out.stdout + out.stderr
 
 
+def test_the_worker_unit_does_not_respawn_a_worker_that_cannot_serve():
+    """The status a worker exits with when it cannot serve as configured (one line said
+    why) is the one systemd is told not to restart, as the launcher's supervisor does."""
+    from dispatcher.common.config import EXIT_CANNOT_LOAD
+    unit = (UNITS / "completions-worker@.service").read_text().splitlines()
+    (prevent,) = [line for line in unit if line.startswith("RestartPreventExitStatus=")]
+    assert prevent.partition("=")[2].split() == [str(EXIT_CANNOT_LOAD)]
+    assert "Restart=always" in unit
+
+
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory):
     """The units' commands (dispatcher, one worker, front ends on two ports) behind nginx

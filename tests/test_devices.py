@@ -18,6 +18,10 @@ from dispatcher.common.devices import DeviceSpec, parse_device
     ("npu:2", DeviceSpec("npu", index=2)),
     ("cuda:1@fast", DeviceSpec("cuda", index=1, profile="fast")),
     ("cpu:0-1@Batch_2", DeviceSpec("cpu", cores=(0, 1), profile="Batch_2")),
+    ("cuda:GPU-5f1b4b6a-0e2c-4d1f-9a3b-1c2d3e4f5a6b",
+     DeviceSpec("cuda", uuid="GPU-5f1b4b6a-0e2c-4d1f-9a3b-1c2d3e4f5a6b")),
+    ("cuda:mig-5F1B4B6A-0E2C-4D1F-9A3B-1C2D3E4F5A6B@fast",
+     DeviceSpec("cuda", uuid="MIG-5f1b4b6a-0e2c-4d1f-9a3b-1c2d3e4f5a6b", profile="fast")),
 ])
 def test_parse_device(text, spec):
     assert parse_device(text) == spec
@@ -25,7 +29,8 @@ def test_parse_device(text, spec):
 
 
 @pytest.mark.parametrize("text", ["gpu:0", "cuda", "cuda:x", "cpu:3-1", "cpu:a", "cpu:1,2", "",
-                                  "cuda:0@", "cuda:0@a b"])
+                                  "cuda:0@", "cuda:0@a b", "cuda:GPU-1234", "npu:GPU-5f1b4b6a"
+                                  "-0e2c-4d1f-9a3b-1c2d3e4f5a6b", "cuda:GPU-../../etc"])
 def test_bad_device_specs_are_rejected(text):
     with pytest.raises(ValueError):
         parse_device(text)
@@ -37,20 +42,27 @@ def test_compute_classes():
 
 PIN_SCRIPT = """
 import json, os, sys
+from pathlib import Path
 from dispatcher.common.devices import parse_device
-from workers.pinning import pin
-placement = pin(parse_device(sys.argv[1]), 999)
+from workers import pinning
+pinning.SYSFS = Path(sys.argv[2])
+placement = pinning.pin(parse_device(sys.argv[1]), int(sys.argv[3]))
 print(json.dumps({"placement": placement.to_dict(),
                   "affinity": sorted(os.sched_getaffinity(0)),
                   "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                  "order": os.environ.get("CUDA_DEVICE_ORDER"),
                   "npu": os.environ.get("ASCEND_RT_VISIBLE_DEVICES")}))
 """
 
 
-def run_pin(device: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.endswith("VISIBLE_DEVICES")}
-    out = subprocess.run([sys.executable, "-c", PIN_SCRIPT, device], env=env,
-                         capture_output=True, text=True, check=True)
+def run_pin(device: str, sysfs="/nonexistent", path=None, ngl: int = 999) -> dict:
+    """pin() in a child; without `path` no nvidia-smi is found (none is on a GPU-less
+    machine, and one that is there must not decide this machine's tests)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.endswith("VISIBLE_DEVICES") and k != "CUDA_DEVICE_ORDER"}
+    env["PATH"] = f"{path}:/usr/bin:/bin" if path else "/nonexistent"
+    out = subprocess.run([sys.executable, "-c", PIN_SCRIPT, device, str(sysfs), str(ngl)],
+                         env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
 
 
@@ -63,12 +75,52 @@ def test_cpu_core_set_sets_affinity_and_thread_count():
     assert result["cuda"] is None
 
 
-def test_cuda_device_makes_exactly_that_gpu_visible():
+def test_cuda_device_makes_exactly_that_gpu_visible_in_nvidia_smis_order():
     result = run_pin("cuda:1")
-    assert result["cuda"] == "1"
-    assert result["placement"]["visible_devices"] == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert result["cuda"] == "1" and result["order"] == "PCI_BUS_ID"
+    assert result["placement"]["visible_devices"] == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                                                      "CUDA_VISIBLE_DEVICES": "1"}
     assert result["placement"]["n_gpu_layers"] == 999
     assert result["placement"]["compute"] == "gpu"
+    uuid = "GPU-5f1b4b6a-0e2c-4d1f-9a3b-1c2d3e4f5a6b"
+    assert run_pin(f"cuda:{uuid}")["cuda"] == uuid
+
+
+def test_a_gpu_worker_takes_few_threads_on_the_cores_near_its_gpu(tmp_path):
+    """A stand-in nvidia-smi names cuda:1's PCI bus; a stand-in sysfs says which cores
+    are near it: the worker runs there, on at most ACCELERATOR_THREADS threads."""
+    allowed = sorted(os.sched_getaffinity(0))
+    near = allowed[-1:]                                # a core this process may use
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text('#!/bin/sh\ncase "$*" in *"-i 1 "*pci.bus_id*) '
+                                      'echo "00000000:3B:00.0";; *) exit 6;; esac\n')
+    (tools / "nvidia-smi").chmod(0o755)
+    device = tmp_path / "sys" / "bus/pci/devices/0000:3b:00.0"
+    device.mkdir(parents=True)
+    (device / "local_cpulist").write_text(f"{near[0]},{max(allowed) + 100}-{max(allowed) + 101}\n")
+    result = run_pin("cuda:1", sysfs=tmp_path / "sys", path=tools)
+    assert result["affinity"] == near
+    assert result["placement"]["n_threads"] == 1
+    elsewhere = run_pin("cuda:2", sysfs=tmp_path / "sys", path=tools)   # nvidia-smi fails
+    assert elsewhere["affinity"] == allowed
+    assert elsewhere["placement"]["n_threads"] == min(4, len(allowed))
+    on_cpu = run_pin("cuda:1", sysfs=tmp_path / "sys", path=tools, ngl=0)   # no offload
+    assert on_cpu["affinity"] == allowed and on_cpu["placement"]["n_threads"] == len(allowed)
+
+
+def test_a_partly_offloaded_model_runs_its_cpu_layers_on_every_core():
+    from workers.pinning import Placement
+    few = Placement("cuda:0", "gpu", cores=(0, 1, 2, 3, 4, 5), n_threads=4, n_gpu_layers=10,
+                    visible_devices={})
+    assert few.for_layers(32).n_threads == 6                  # 22 layers on the CPU
+    assert few.for_layers(9).n_threads == 4                   # 9 + output: all offloaded
+
+
+def test_the_kernels_cpulist_format():
+    from workers.pinning import parse_cpulist
+    assert parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert parse_cpulist("\n") == set()
 
 
 def test_npu_device_sets_the_cann_variable():

@@ -57,11 +57,14 @@ def test_status_shows_workers_queue_and_front_ends(two):
         for key in ("device", "model", "state", "busy_slots", "slots", "tokens_per_s",
                     "uptime_s", "restarts", "completed", "pid"):
             assert key in worker, key
+        # the offload llama.cpp reported: none on a CPU, of the 18 layers and the output
+        assert (worker["placement"]["layers_offloaded"],
+                worker["placement"]["layers_total"]) == (0, 19)
     assert len(status["frontends"]) == 2 and all(f["pid"] for f in status["frontends"])
     assert "queue" in status
     table = ops(two, "status").stdout
     for text in ("WORKER", "TOK/S", "RESTARTS", "w0-cpu0", "w1-cpu1", "cpu:0", "FRONT END",
-                 "queue:"):
+                 "queue:", "OFFLOAD", " 0/19 "):
         assert text in table
 
 
@@ -191,6 +194,7 @@ def test_metrics_show_the_whole_system_from_any_front_end(two):
     assert {lab["worker"] for lab, _ in samples["completions_worker_busy"]} == {"w0-cpu0",
                                                                            "w1-cpu1"}
     assert "completions_worker_restarts_total" in samples
+    assert [value for _, value in samples["completions_worker_layers_offloaded"]] == [0, 0]
     assert total(samples, "completions_frontends") == 2
     # the step profile (heartbeats): each stream's tokens after its first came from a
     # generating row; its prompt, from prompt rows; the decodes took time

@@ -216,9 +216,12 @@ def test_workers_are_pinned_and_report_it_on_ready():
         assert cpu["placement"]["cores"] == [core] and cpu["placement"]["n_threads"] == 1
         assert os.sched_getaffinity(cpu["pid"]) == {core}
         environ = Path(f"/proc/{gpu['pid']}/environ").read_bytes().split(b"\0")
-        assert b"CUDA_VISIBLE_DEVICES=1" in environ
-        assert gpu["placement"]["visible_devices"] == {"CUDA_VISIBLE_DEVICES": "1"}
+        assert b"CUDA_VISIBLE_DEVICES=1" in environ and b"CUDA_DEVICE_ORDER=PCI_BUS_ID" in environ
+        assert gpu["placement"]["visible_devices"] == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                                                       "CUDA_VISIBLE_DEVICES": "1"}
         assert gpu["placement"]["n_gpu_layers"] == 999
+        assert gpu["placement"]["n_threads"] == min(4, len(gpu["placement"]["cores"]))
+        assert gpu["placement"]["layers_offloaded"] == 0          # the fake has no weights
     finally:
         assert server.stop() == 0
 

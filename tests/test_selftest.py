@@ -91,6 +91,41 @@ sched_reserve:  CUDA_Host compute buffer size =    20.00 MiB
         "compute": {"CUDA0": 300.0, "CUDA_Host": 20.0}}
 
 
+def test_llama_cpps_load_line_names_the_offload_at_any_log_level():
+    from workers.engine.llamalog import LlamaLog
+    log, out = LlamaLog(verbose=False), []
+    log.stream = type("Sink", (), {"write": lambda self, text: out.append(text)})()
+    log.write(2, "load_tensors: offloaded 25/29 layers to GPU\n")     # INFO, not written
+    assert log.offloaded == (25, 29) and out == []
+
+
+# -- a worker on a device it cannot use: one line, exit 78 (never respawned) ------------
+def worker(*args: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "COMPLETIONS_PARENT_PID"}
+    return subprocess.run([sys.executable, "-m", "workers", "--dispatcher",
+                           "ipc:///nonexistent/dispatcher", *args], capture_output=True,
+                          text=True, timeout=180, cwd=ROOT, env=environ)
+
+
+def test_a_gpu_worker_that_would_run_on_the_cpu_refuses_in_one_line():
+    done = worker("--device", "cuda:0", "--nctx", "512", "--slots", "1")
+    if gpu_support():
+        pytest.skip("this llama.cpp build drives a GPU: cuda:0 may load here")
+    assert done.returncode == 78, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1
+    assert "cannot serve" in errors[0] and "on cuda:0: no CUDA in this llama-cpp-python " \
+        "build (it offloads nothing): reinstall it with CMAKE_ARGS='-DGGML_CUDA=on'" in errors[0]
+
+
+def test_a_worker_whose_context_does_not_fit_refuses_with_what_would():
+    done = worker("--device", "cpu", "--nctx", "131072", "--slots", "4096")
+    assert done.returncode == 78, done.stderr[-2000:]
+    (line,) = [line for line in done.stderr.splitlines() if "ERROR" in line]
+    assert "on cpu: out of memory at nctx 131072 × slots 4096: needs about" in line
+    assert "free on the host; nctx " in line and line.endswith("fits at 4096 slots")
+
+
 # -- the command, on the real model ----------------------------------------------------
 def test_selftest_of_a_healthy_cpu_worker():
     done = selftest("--device", "cpu", "--slots", "2", "--nctx", "512",

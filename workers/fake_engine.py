@@ -30,6 +30,7 @@ class FakeEngine:
     fim_tokens = None
     fim_repo = None
     n_layer = 1
+    layers_offloaded, layers_total = 0, 2    # nothing is offloaded: there are no weights
 
     def __init__(self, model_path: str, n_ctx: int, slots: int, n_threads: int = 1,
                  n_gpu_layers: int = 0, verbose: bool = False, deterministic: bool = False,

@@ -22,38 +22,17 @@ import time
 from dispatcher.common import config
 from dispatcher.common.devices import parse_device
 from dispatcher.common.models import resolve_model_path
-from workers.engine.backends import (MIB, RUNTIME_PREFIX, backend_devices, diagnose_device,
-                                     gpu_support, host_memory_available, memory_need,
-                                     model_shape)
-from workers.errors import EngineError
+from workers.engine.backends import check_placement
+from workers.engine.llamalog import OFFLOADED
 from workers.pinning import pin
 
 TEXT = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
         "    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n")
 BUFFER = re.compile(r"(\S+)\s+(model|KV|compute) buffer size\s*=\s*([\d.]+) MiB")
-OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 
 
 class Failed(Exception):
     """This device cannot serve; the message is the one line the table shows."""
-
-
-def check_fit(shape: dict, model_path: str, nctx: int, slots: int, free: int,
-              where: str) -> dict:
-    need = memory_need(os.path.getsize(model_path), shape["n_layer"], shape["n_head_kv"],
-                       shape["key_length"], shape["value_length"], shape["n_vocab"],
-                       nctx, slots)
-    figures = {"need_mib": need.total // MIB, "free_mib": free // MIB,
-               "kv_estimate_mib": need.kv // MIB}
-    if free and need.total > free:
-        fits = need.nctx_that_fits(free, slots)
-        advice = (f"nctx {fits} fits at {slots} slots" if fits else
-                  "not even the weights fit: use a smaller model or fewer offloaded layers")
-        raise Failed(f"out of memory at nctx {nctx} × slots {slots}: needs about "
-                     f"{need.total // MIB} MiB (weights {need.weights // MIB}, KV "
-                     f"{need.kv // MIB}, compute {need.compute // MIB}), {free // MIB} MiB "
-                     f"free on {where}; {advice}")
-    return figures
 
 
 def placement_from_log(text: str) -> dict:
@@ -124,24 +103,12 @@ def check(args, result: dict) -> None:
         raise Failed(str(exc)) from None
     result.update({"device": str(spec), "cores": len(placement.cores),
                    "visible_devices": placement.visible_devices})
-    devices = backend_devices()
-    result["backends"] = [d.to_dict() for d in devices]
-    reason = diagnose_device(spec.kind, spec.index, gpu_support(), devices,
-                             placement.visible_devices)
-    if reason:
-        raise Failed(reason)
-    try:
-        shape = model_shape(args.model)
-    except EngineError as exc:
-        raise Failed(str(exc)) from None
-    accelerators = [d for d in devices if d.type != "cpu" and d.name.startswith(
-        RUNTIME_PREFIX.get(spec.kind, "?"))]
-    on_device = spec.kind != "cpu" and placement.n_gpu_layers >= shape["n_layer"] + 1
-    if on_device:
-        free, where = accelerators[0].free, accelerators[0].name
-    else:
-        free, where = host_memory_available(), "the host"
-    result["memory"] = check_fit(shape, args.model, args.nctx, args.slots, free, where)
+    fit = check_placement(spec, placement, args.model, args.nctx, args.slots)
+    result["backends"] = [d.to_dict() for d in fit.devices]
+    if fit.memory:
+        result["memory"] = fit.memory
+    if fit.refusal:
+        raise Failed(fit.refusal)
     started = time.perf_counter()
     engine, log_text = load_with_log(args, placement)
     result["load_s"] = round(time.perf_counter() - started, 2)

@@ -28,7 +28,7 @@ from workers.faults import FaultInjection
 from workers.generation import GenerationLoop
 from workers.publisher import Publisher
 from workers.prompts import FimTemplate
-from workers.pinning import pin
+from workers.pinning import Placement, pin
 
 log = logging.getLogger("workers")
 RECONNECT_MAX = 4.0
@@ -230,6 +230,18 @@ def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: i
     raise ValueError(f"unknown engine {kind!r}: use llama or fake")
 
 
+def checked_placement(spec, placement: Placement, model_path: str, nctx: int,
+                      slots: int) -> tuple[Placement, str | None]:
+    """Before loading: whether the build drives the device, the device is visible and
+    the model fits at nctx × slots (backends.check_placement), and the threads for the
+    layers the model leaves on the CPU."""
+    from workers.engine.backends import check_placement
+    found = check_placement(spec, placement, model_path, nctx, slots)
+    if found.n_layer is not None:
+        placement = placement.for_layers(found.n_layer)
+    return placement, found.refusal
+
+
 def step_timeout(given: float | str, engine) -> float:
     """--step-timeout: the seconds given, or (auto) derived from one full-batch decode
     timed on this device now (config.derived_step_timeout)."""
@@ -294,12 +306,19 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:          # not there, not readable, not GGUF: never respawn
         log.error("worker %s cannot serve: %s", args.name or spec.slug, exc)
         return EXIT_CANNOT_LOAD
+    slots = args.slots or config.DEFAULT_SLOTS[spec.compute]
+    if args.engine == "llama":
+        placement, refusal = checked_placement(spec, placement, str(model_path), args.nctx,
+                                               slots)
+        if refusal:
+            log.error("worker %s cannot serve %s on %s: %s", args.name or spec.slug,
+                      model_path, spec, refusal)
+            return EXIT_CANNOT_LOAD
     model_id = args.model_id or default_model_id(model_path)
     # a keyed worker's name starts with its key's name (the dispatcher binds the two)
     prefix = f"{args.curve_name}-" if keys is not None and args.curve_name != "local" else ""
     name = args.name or f"{prefix}{spec.slug}-{os.getpid()}"
     started = time.monotonic()
-    slots = args.slots or config.DEFAULT_SLOTS[spec.compute]
     try:
         engine = load_engine(args.engine, str(model_path), args.nctx, slots,
                              placement.n_threads, placement.n_gpu_layers,
@@ -342,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         n_ctx=engine.n_ctx, slots=engine.n_slots,
         fim=engine.fim_tokens is not None or template is not None,
         fingerprint=engine.fingerprint, deterministic=args.deterministic,
-        engine=engine.name, placement=placement.to_dict())
+        engine=engine.name, placement={**placement.to_dict(),
+                                       "layers_offloaded": engine.layers_offloaded,
+                                       "layers_total": engine.layers_total})
     watchdog = step_timeout(args.step_timeout, engine)     # (timed before what follows)
     engine.after_load()
     link = DispatcherLink(context, endpoints, name.encode(), info, loop, notify_address,

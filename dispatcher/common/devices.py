@@ -14,6 +14,8 @@ KINDS = {"cpu": "cpu", "cuda": "gpu", "npu": "npu"}   # device kind -> compute c
 # The variable each accelerator runtime reads to choose its visible devices. npu is
 # llama.cpp's CANN backend (Ascend NPUs).
 PROFILE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# nvidia-smi -L's identifiers: GPU-<uuid>, and MIG-<uuid> for a MIG instance
+CUDA_UUID = re.compile(r"(?i:gpu|mig)-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
 VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 # Linux's largest CPU count (NR_CPUS): a spec naming a higher core is refused as it is
 # parsed, before any set of its cores is built. Cores this machine lacks are refused when
@@ -24,9 +26,10 @@ MAX_CORES = 8192
 @dataclass(frozen=True)
 class DeviceSpec:
     kind: str                       # cpu, cuda or npu
-    index: int | None = None        # accelerator index (cuda, npu)
+    index: int | None = None        # accelerator index (cuda, npu): nvidia-smi's order
     cores: tuple[int, ...] | None = None   # CPU cores (cpu); None: every allowed core
     profile: str | None = None             # machine profile name
+    uuid: str | None = None         # cuda:GPU-… or cuda:MIG-… (nvidia-smi -L), not an index
 
     @property
     def compute(self) -> str:
@@ -36,13 +39,23 @@ class DeviceSpec:
         if self.kind == "cpu":
             text = "cpu" if self.cores is None else "cpu:" + _format_cores(self.cores)
         else:
-            text = f"{self.kind}:{self.index}"
+            text = f"{self.kind}:{self.ordinal}"
         return text if self.profile is None else f"{text}@{self.profile}"
 
+    @property
+    def ordinal(self) -> str | None:
+        """Which accelerator: its index, or its UUID where one was given."""
+        return self.uuid if self.uuid is not None else \
+            None if self.index is None else str(self.index)
+
     def visible_devices(self) -> dict[str, str]:
-        """Environment that makes exactly this accelerator visible (as device 0)."""
+        """Environment that makes exactly this accelerator visible (as device 0). CUDA
+        numbers devices fastest first unless told otherwise: PCI_BUS_ID order makes
+        cuda:N the GPU nvidia-smi calls N."""
+        if self.kind == "cuda":
+            return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": self.ordinal}
         if self.kind in VISIBLE_DEVICES_ENV:
-            return {VISIBLE_DEVICES_ENV[self.kind]: str(self.index)}
+            return {VISIBLE_DEVICES_ENV[self.kind]: self.ordinal}
         return {}
 
     @property
@@ -56,16 +69,21 @@ def parse_device(text: str) -> DeviceSpec:
     if at and not PROFILE_NAME.fullmatch(profile):
         raise ValueError(f"bad profile name {profile!r}: letters, digits, '.', '_', '-'")
     profile = profile if at else None
-    text = text.lower()
-    kind, sep, rest = text.partition(":")
+    kind, sep, given = text.partition(":")
+    text, kind, rest = text.lower(), kind.lower(), given.lower()
     if kind not in KINDS:
         raise ValueError(f"unknown device kind {kind!r} in {text!r}: use cpu, cuda or npu")
     if kind == "cpu":
         if not sep:
             return DeviceSpec("cpu", profile=profile)
         return DeviceSpec("cpu", cores=_parse_cores(rest, text), profile=profile)
+    if kind == "cuda" and CUDA_UUID.fullmatch(given):
+        prefix, _, hexits = given.partition("-")
+        return DeviceSpec(kind, uuid=f"{prefix.upper()}-{hexits.lower()}", profile=profile)
     if not sep or not rest.isdigit():
-        raise ValueError(f"{kind} device needs an index, e.g. {kind}:0, got {text!r}")
+        raise ValueError(f"{kind} device needs an index, e.g. {kind}:0"
+                         + (" or a UUID, cuda:GPU-…" if kind == "cuda" else "")
+                         + f", got {text!r}")
     return DeviceSpec(kind, index=int(rest), profile=profile)
 
 

@@ -69,11 +69,14 @@ def table(rows: list[tuple]) -> str:
 
 
 def format_status(status: dict) -> str:
-    rows = [("WORKER", "STATE", "DEVICE", "MODEL", "PID", "BUSY", "TOK/S", "DONE",
+    rows = [("WORKER", "STATE", "DEVICE", "OFFLOAD", "MODEL", "PID", "BUSY", "TOK/S", "DONE",
              "CANCELLED", "TOKENS", "UPTIME", "RESTARTS")]
     for w in status["workers"]:
-        uptime = w.get("uptime_s")
-        rows.append((w["name"], w["state"], w.get("device") or "-", w.get("model") or "-",
+        uptime, where = w.get("uptime_s"), w.get("placement") or {}
+        offload = f"{where['layers_offloaded']}/{where['layers_total']}" \
+            if where.get("layers_total") else "-"
+        rows.append((w["name"], w["state"], w.get("device") or "-", offload,
+                     w.get("model") or "-",
                      w.get("pid") or "-", f"{w.get('busy_slots', 0)}/{w.get('slots', '-')}",
                      w.get("tokens_per_s", "-"), w.get("completed", 0), w.get("cancelled", 0),
                      w.get("tokens", 0), "-" if uptime is None else f"{uptime:.0f}s",

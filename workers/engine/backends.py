@@ -2,18 +2,25 @@
 
 ggml's device registry (`ggml_backend_dev_*`, not wrapped by llama-cpp-python; bound
 here through ctypes on the library it already loaded) names each backend device, its
-kind and its free memory. Used by `python -m workers.selftest` before and after loading
-a model: a device the build cannot drive, or that is not visible, or too small for
-nctx × slots, is reported in one line instead of failing inside llama.cpp.
+kind and its free memory. `check_placement` is run by every llama worker and by
+`python -m workers.selftest` before loading a model: a device the build cannot drive, or
+that is not visible, or too small for nctx × slots, is refused in one line (with the
+numbers, and the largest context that would fit) instead of failing inside llama.cpp or
+loading on the CPU while the worker says it is on a GPU.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from workers.errors import EngineError
+
+if TYPE_CHECKING:
+    from dispatcher.common.devices import DeviceSpec
+    from workers.pinning import Placement
 
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}   # enum ggml_backend_dev_type
 MIB = 1 << 20
@@ -113,7 +120,7 @@ def host_memory_available(meminfo: str = "/proc/meminfo", cgroup: str | None = N
     return available
 
 
-def diagnose_device(kind: str, index: int | None, supports_gpu: bool,
+def diagnose_device(kind: str, index: str | None, supports_gpu: bool,
                     devices: list[BackendDevice], visible_env: dict[str, str]) -> str | None:
     """Why a worker for this device cannot run, in one line; None when it can."""
     if kind == "cpu":
@@ -126,7 +133,8 @@ def diagnose_device(kind: str, index: int | None, supports_gpu: bool,
     accelerators = [d for d in devices if d.type in ("gpu", "igpu", "accel")
                     and d.name.startswith(RUNTIME_PREFIX[kind])]
     if not accelerators:
-        variables = " ".join(f"{k}={v}" for k, v in visible_env.items())
+        variables = " ".join(f"{k}={v}" for k, v in visible_env.items()
+                             if k.endswith("VISIBLE_DEVICES"))
         return (f"{kind}:{index} is not visible: with {variables} llama.cpp sees no "
                 f"{runtime} device (check the index against nvidia-smi -L / npu-smi info)")
     return None
@@ -208,3 +216,61 @@ def model_shape(model_path: str) -> dict:
     finally:
         llama_cpp.llama_model_free(model)
         del log
+
+
+@dataclass
+class PlacementCheck:
+    """What `check_placement` found: the devices llama.cpp sees, the figures of the memory
+    check, and why the worker must not load (None: it may)."""
+    devices: list[BackendDevice]
+    memory: dict = field(default_factory=dict)  # need_mib, free_mib, kv_estimate_mib
+    refusal: str | None = None
+    n_layer: int | None = None                  # the model's, where it could be read
+
+
+def check_placement(spec: "DeviceSpec", placement: "Placement", model_path: str, nctx: int,
+                    slots: int) -> PlacementCheck:
+    """Whether this pinned process can load `model_path` at nctx × slots where it is
+    asked to: the build drives the device, the device is visible, and weights + KV +
+    compute buffers fit in its free memory (the host's, for what stays on the CPU)."""
+    devices = backend_devices()
+    found = PlacementCheck(devices)
+    if placement.n_gpu_layers > 0:
+        found.refusal = diagnose_device(spec.kind, spec.ordinal, gpu_support(), devices,
+                                        placement.visible_devices)
+        if found.refusal:
+            return found
+    try:
+        shape = model_shape(model_path)
+    except EngineError as exc:
+        found.refusal = str(exc)
+        return found
+    found.n_layer = shape["n_layer"]
+    accelerators = [d for d in devices if d.type != "cpu" and d.name.startswith(
+        RUNTIME_PREFIX.get(spec.kind, "?"))]
+    if placement.n_gpu_layers >= shape["n_layer"] + 1 and accelerators:
+        free, where = accelerators[0].free, accelerators[0].name
+    else:
+        free, where = host_memory_available(), "the host"
+    need = memory_need(os.path.getsize(model_path), shape["n_layer"], shape["n_head_kv"],
+                       shape["key_length"], shape["value_length"], shape["n_vocab"],
+                       nctx, slots)
+    found.memory = {"need_mib": need.total // MIB, "free_mib": free // MIB,
+                    "kv_estimate_mib": need.kv // MIB}
+    found.refusal = memory_refusal(need, free, where, nctx, slots)
+    return found
+
+
+def memory_refusal(need: MemoryNeed, free: int, where: str, nctx: int,
+                   slots: int) -> str | None:
+    """One line with the numbers where `need` does not fit in `free` bytes (0: unknown,
+    so it fits); the largest nctx that would fit at these slots, or that none does."""
+    if not free or need.total <= free:
+        return None
+    fits = need.nctx_that_fits(free, slots)
+    advice = (f"nctx {fits} fits at {slots} slots" if fits else
+              "not even the weights fit: use a smaller model or fewer offloaded layers")
+    return (f"out of memory at nctx {nctx} × slots {slots}: needs about "
+            f"{need.total // MIB} MiB (weights {need.weights // MIB}, KV "
+            f"{need.kv // MIB}, compute {need.compute // MIB}), {free // MIB} MiB "
+            f"free on {where}; {advice}")

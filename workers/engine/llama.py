@@ -143,6 +143,15 @@ class LlamaEngine:
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_layer = llama_cpp.llama_model_n_layer(self.model)
+        # where the layers went, as llama.cpp's load said (its count has the output layer)
+        self.layers_offloaded, self.layers_total = self.log.offloaded or (0, self.n_layer + 1)
+        if n_gpu_layers > 0 and self.layers_offloaded == 0:
+            llama_cpp.llama_model_free(self.model)
+            raise EngineError(
+                "asked to offload layers, llama.cpp put none on an accelerator "
+                + ("(it sees none)" if llama_cpp.llama_supports_gpu_offload() else
+                   "(this llama-cpp-python build has no GPU backend: reinstall it with "
+                   "CMAKE_ARGS='-DGGML_CUDA=on', docs/deploying.md)"))
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx * slots
         cparams.n_seq_max = slots

@@ -9,9 +9,12 @@ written, cut the same way; only `content` (--log-content) writes lines whole.
 """
 from __future__ import annotations
 
+import re
 import sys
 import time
 
+# llama.cpp's load names where the layers went (a build without a GPU backend says nothing)
+OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 GGML_LOG_ERROR = 4         # ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
 LINE_LIMIT = 200
 BURST = 20
@@ -24,8 +27,11 @@ class LlamaLog:
         self.verbose, self.content = verbose, content
         self.stream, self.clock = stream, clock
         self.window_start, self.written, self.suppressed = 0.0, 0, 0
+        self.offloaded: tuple[int, int] | None = None   # (layers on the device, of all)
 
     def write(self, level: int, text: str) -> None:
+        if "layers to GPU" in text and (found := OFFLOADED.search(text)):
+            self.offloaded = (int(found.group(1)), int(found.group(2)))
         if level != GGML_LOG_ERROR and not self.verbose:
             return
         out = self.stream or sys.stderr
