@@ -513,6 +513,29 @@ def test_step_costs_are_measured_on_this_device_and_kept(model_path, tmp_path, m
         assert again.step_costs.table == table and again.step_costs.each
     finally:
         again.close()
+    # another context length is another table (its steps attend over more cells)
+    longer = LlamaEngine(model_path, 512, 2, THREADS, 0, draft_max=16)
+    longer.close()
+    assert len(list((tmp_path / "completions-server").glob("step-costs-*.json"))) == 2
+
+
+def test_step_costs_are_measured_after_a_cached_context_in_every_slot(model_path):
+    """The measured steps attend over an editor's context (up to CONTEXT tokens, as
+    many as fit beside the measured rows), copied into every slot, and cleared after."""
+    from workers.engine import costprobe
+    from workers.engine.llama import LlamaEngine
+    engine = LlamaEngine(model_path, 256, 3, THREADS, 0, draft_max=0)
+    try:
+        cached = costprobe.cache_context(engine, 3)
+        assert costprobe.PREFIX < cached <= 256 - 64 - 2
+        memory = engine.memory
+        assert [engine.lib.llama_memory_seq_pos_max(memory, s) for s in range(3)] == \
+            [cached - 1] * 3
+        assert costprobe.timed_shape(engine, 3, 4, cached=cached) > 0
+        assert [engine.lib.llama_memory_seq_pos_max(memory, s) for s in range(3)] == \
+            [cached - 1] * 3                     # the measured rows gone, the context kept
+    finally:
+        engine.close()
 
 
 def test_deterministic_mode_never_speculates(model_path):

@@ -331,6 +331,15 @@ def test_step_costs_measure_every_shape_once_when_a_round_ran_past_the_budget():
     assert calls[1, 0, False] == 2 and calls[2, 1, True] == 3      # all the rounds
 
 
+def test_every_configured_count_of_sequences_is_measured_not_extrapolated():
+    counts = StepCosts.counts(64)
+    assert counts[:16] == list(range(1, 17)) and counts[16:] == [32, 64]
+    assert StepCosts.counts(40)[-2:] == [32, 40] and StepCosts.counts(1) == [1]
+    sequences, shapes = StepCosts.shapes(64)
+    assert sequences == (1, 2, 8, 64) and (64, 0) in shapes and (64, 64) in shapes
+    assert (64, 2) in StepCosts.each_shapes(64)
+
+
 def test_drafts_alike_on_every_sequence_where_one_batch_pays():
     """Eight sequences with one draft row each are one batch of 16 outputs (57 ms against
     46 plain on the CPU's costs): likely drafts on most of them pay, unlikely ones do not,

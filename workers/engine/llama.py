@@ -172,6 +172,8 @@ class LlamaEngine:
         self.n_ctx = n_ctx
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)
+        self.n_ubatch = llama_cpp.llama_n_ubatch(self.ctx)
+        self.kv_type = "f16"
         # prompt tokens decoded per step, all prompts together (0: as many as fit)
         self.prefill_chunk = prefill_chunk if prefill_chunk > 0 else self.n_batch
         # prompt-lookup speculation; 0: off. Never in deterministic mode: verification rows
@@ -212,6 +214,12 @@ class LlamaEngine:
         self.step_costs = step_costs or (device_step_costs(
             self, slots, n_threads, n_gpu_layers, mparams.use_extra_bufts)
             if self.draft_max else None)
+
+    @staticmethod
+    def backend_devices() -> list:
+        """The devices llama.cpp sees in this process (workers.engine.backends)."""
+        from workers.engine.backends import backend_devices
+        return backend_devices()
 
     def after_load(self) -> None:
         """What is made beside serving once the worker is up: nothing yet. (The

@@ -88,14 +88,22 @@ class StepCosts:
     @staticmethod
     def shapes(slots: int) -> tuple[tuple[int, ...], set[tuple[int, int]]]:
         """The counts of sequences measured with drafts, and every (S, D) measured."""
-        sequences = tuple(sorted({1, min(2, slots), max(1, slots)}))
+        sequences = tuple(sorted({1, min(2, slots), min(8, slots), max(1, slots)}))
         return sequences, ({(s, d) for s in sequences for d in SHAPES_EXTRA} |
-                           {(s, 0) for s in range(1, min(slots, PLAIN_MAX) + 1)})
+                           {(s, 0) for s in StepCosts.counts(slots)})
+
+    @staticmethod
+    def counts(slots: int) -> list[int]:
+        """The sequence counts measured plainly: each up to PLAIN_MAX, then the powers of
+        two and `slots` itself, so no configured count is extrapolated."""
+        return sorted({*range(1, min(slots, PLAIN_MAX) + 1), max(1, slots),
+                       *(1 << k for k in range(5, max(slots, 1).bit_length())
+                         if 1 << k < slots)})
 
     @staticmethod
     def each_shapes(slots: int) -> set[tuple[int, int]]:
         """Every (S, k) measured with k draft rows on each of S sequences."""
-        return {(s, k) for s in range(2, min(slots, PLAIN_MAX) + 1) for k in EACH}
+        return {(s, k) for s in StepCosts.counts(slots) if s >= 2 for k in EACH}
 
     @classmethod
     def measure(cls, timed_step, slots: int, repeats: int = 2, budget: float | None = None,
