@@ -20,7 +20,8 @@ FRONTEND_STOP_GRACE = 3     # seconds gunicorn gets once the dispatcher has drai
 SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "model_alias",
                  "fim_template", "prefill_chunk", "draft_max", "cache_reuse",
                  "cors_origin", "device",
-                 "nctx", "ngl", "slots", "deterministic", "engine", "dispatcher",
+                 "nctx", "ngl", "slots", "kv_type", "batch", "ubatch", "deterministic",
+                 "engine", "dispatcher",
                  "log_level", "max_body", "max_prompt_chars", "max_queue", "queue_timeout",
                  "stop_grace", "api_key", "api_key_file", "access_log", "step_timeout",
                  "max_connections", "header_timeout", "body_timeout", "heartbeat_interval",
@@ -267,7 +268,8 @@ def cmd_check_config(args) -> int:
              "fim_template": m.fim_template} for m in plan.models]
             if plan else [], "workers": [
             {"name": w.name, "device": str(w.device), "model": w.model.id, "slots": w.slots,
-             "nctx": w.nctx} for w in plan.workers] if plan else []}, indent=2))
+             "nctx": w.nctx, "kv_type": w.kv_type, "batch": w.batch, "ubatch": w.ubatch}
+            for w in plan.workers] if plan else []}, indent=2))
     elif problems:
         print(f"{len(problems)} problem(s):")
         for problem in problems:
@@ -277,7 +279,8 @@ def cmd_check_config(args) -> int:
               f"{args.frontends} front end(s) on {args.host}:{args.port}")
         for w in plan.workers:
             print(f"  {w.name}: {w.device} serves {w.model.id} ({w.model.path}), "
-                  f"{w.slots} slots, context {w.nctx}")
+                  f"{w.slots} slots, context {w.nctx}, KV {w.kv_type}, batch "
+                  f"{w.batch}/{w.ubatch}")
     return 1 if problems else 0
 
 

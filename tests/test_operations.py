@@ -281,12 +281,21 @@ def test_check_config_reports_every_problem_with_its_place(tmp_path):
         device = "cuda:3"
         [[workers]]
         device = "cuda:3"
+        [[workers]]
+        device = "cuda:4"
+        kv_type = "q5_1"
+        [[workers]]
+        device = "cuda:5"
+        batch = 256
+        ubatch = 512
     """))
     out = check_config("--config", str(config))
     assert out.returncode == 1
     for text in ("models[0]: model file not found", "workers[0]: unknown device kind",
                  "workers[1]: model 'other'", "workers[2]: unknown keys ['speed']",
-                 "cuda:3 is used by more than one worker"):
+                 "cuda:3 is used by more than one worker",
+                 "workers[5]: kv_type must be one of f16, q8_0, q4_0, got 'q5_1'",
+                 "workers[6]: ubatch 512 is larger than batch 256"):
         assert text in out.stdout, (text, out.stdout)
     out = check_config("--config", str(tmp_path / "missing.toml"))
     assert out.returncode == 1 and "missing.toml" in out.stderr
@@ -308,6 +317,13 @@ def test_flags_and_variables_override_the_file(tmp_path):
     report = json.loads(check_config("--config", str(config), "--json", "--device",
                                      core).stdout)
     assert [w["device"] for w in report["workers"]] == [core]        # replaces the list
+    # the KV cache type and batch sizes: per worker, else the flags'
+    config.write_text("[[workers]]\ndevice = \"cpu\"\nkv_type = \"q8_0\"\nubatch = 128\n"
+                      "[[workers]]\ndevice = \"cpu\"\n")
+    report = json.loads(check_config("--config", str(config), "--json", "--kv-type", "q4_0",
+                                     "--batch", "1024").stdout)
+    assert [(w["kv_type"], w["batch"], w["ubatch"]) for w in report["workers"]] == \
+        [("q8_0", 1024, 128), ("q4_0", 1024, 512)]
 
 
 @pytest.mark.serial

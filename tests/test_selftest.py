@@ -147,6 +147,21 @@ def test_selftest_of_a_healthy_cpu_worker():
     assert device["completion"].strip()
 
 
+def test_a_quantized_kv_cache_takes_about_half_the_memory_and_still_completes():
+    def kv_mib(*args):
+        done = selftest("--device", "cpu", "--slots", "2", "--nctx", "1024",
+                        "--prompt-tokens", "32", "--tokens", "4", "--json", *args)
+        (device,) = json.loads(done.stdout)["devices"]
+        assert device["ok"], device
+        assert device["completion"].strip()
+        return sum(device["placement"]["buffers_mib"]["kv"].values()), device["memory"]
+    f16, f16_estimate = kv_mib()
+    q8, q8_estimate = kv_mib("--kv-type", "q8_0", "--ubatch", "256")
+    assert 0.45 < q8 / f16 < 0.6                      # 34 bytes per 32 cells against 64
+    assert q8_estimate["kv_estimate_mib"] < f16_estimate["kv_estimate_mib"]
+    assert q8_estimate["need_mib"] < f16_estimate["need_mib"]     # a smaller compute buffer
+
+
 def test_selftest_names_a_device_that_cannot_run_and_exits_1(tmp_path):
     """Two workers from a config file (as `serve` reads it): the CPU one passes, the
     CUDA one fails in one line, and the exit status says so."""

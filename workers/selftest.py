@@ -23,6 +23,7 @@ from dispatcher.common import config
 from dispatcher.common.devices import parse_device
 from dispatcher.common.models import resolve_model_path
 from workers.engine.backends import check_placement
+from workers.engine.contextshape import ContextShape
 from workers.engine.llamalog import OFFLOADED
 from workers.pinning import pin
 
@@ -53,7 +54,8 @@ def load_with_log(args, placement):
     sys.stderr = captured
     try:
         engine = load_engine("llama", args.model, args.nctx, args.slots, placement.n_threads,
-                             placement.n_gpu_layers, True, args.deterministic, 0, 0)
+                             placement.n_gpu_layers, True, args.deterministic, 0, 0,
+                             shape=ContextShape.of(args))
     except Exception as exc:
         tail = [line for line in captured.getvalue().splitlines() if line.strip()][-3:]
         raise Failed(f"llama.cpp could not load the model: {exc}" +
@@ -103,7 +105,8 @@ def check(args, result: dict) -> None:
         raise Failed(str(exc)) from None
     result.update({"device": str(spec), "cores": len(placement.cores),
                    "visible_devices": placement.visible_devices})
-    fit = check_placement(spec, placement, args.model, args.nctx, args.slots)
+    fit = check_placement(spec, placement, args.model, args.nctx, args.slots,
+                          ContextShape.of(args))
     result["backends"] = [d.to_dict() for d in fit.devices]
     if fit.memory:
         result["memory"] = fit.memory
@@ -139,7 +142,8 @@ def check(args, result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.selftest", description=__doc__)
-    config.add_options(parser, ["model", "nctx", "ngl", "deterministic"])
+    config.add_options(parser, ["model", "nctx", "ngl", "kv_type", "batch", "ubatch",
+                                "deterministic"])
     parser.add_argument("--device", required=True)
     parser.add_argument("--slots", type=int, required=True)
     parser.add_argument("--prompt-tokens", type=int, default=256)

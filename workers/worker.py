@@ -23,6 +23,7 @@ from dispatcher.common.curve import PartKeys
 from dispatcher.common.devices import parse_device
 from dispatcher.common.models import default_model_id, resolve_model_path
 from dispatcher.common.process import StopFlag, die_with_parent
+from workers.engine.contextshape import ContextShape
 from workers.errors import EngineError
 from workers.faults import FaultInjection
 from workers.generation import GenerationLoop
@@ -204,6 +205,7 @@ def _from_config_file(args, spec, file_data: dict):
         args.fim_template = args.fim_template or worker.model.fim_template
     args.name = args.name or worker.name
     args.nctx, args.ngl, args.slots = worker.nctx, worker.ngl, worker.slots
+    args.kv_type, args.batch, args.ubatch = worker.kv_type, worker.batch, worker.ubatch
     return worker.device, args
 
 
@@ -217,7 +219,7 @@ def compute_kind(device_compute: str, n_gpu_layers: int, n_layer: int) -> str:
 def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: int,
                 n_gpu_layers: int, verbose: bool, deterministic: bool = False,
                 prefill_chunk: int = 0, draft_max: int = 0, cache_reuse: int = 0,
-                log_content: bool = False):
+                log_content: bool = False, shape: ContextShape = ContextShape()):
     if kind == "fake":
         from workers.fake_engine import FakeEngine
         return FakeEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose,
@@ -226,17 +228,17 @@ def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: i
         from workers.engine.llama import LlamaEngine      # imported only after pinning
         return LlamaEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose,
                            deterministic, prefill_chunk, draft_max, cache_reuse,
-                           log_content)
+                           log_content, shape=shape)
     raise ValueError(f"unknown engine {kind!r}: use llama or fake")
 
 
-def checked_placement(spec, placement: Placement, model_path: str, nctx: int,
-                      slots: int) -> tuple[Placement, str | None]:
+def checked_placement(spec, placement: Placement, model_path: str, nctx: int, slots: int,
+                      shape: ContextShape) -> tuple[Placement, str | None]:
     """Before loading: whether the build drives the device, the device is visible and
     the model fits at nctx × slots (backends.check_placement), and the threads for the
     layers the model leaves on the CPU."""
     from workers.engine.backends import check_placement
-    found = check_placement(spec, placement, model_path, nctx, slots)
+    found = check_placement(spec, placement, model_path, nctx, slots, shape)
     if found.n_layer is not None:
         placement = placement.for_layers(found.n_layer)
     return placement, found.refusal
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                     "dispatcher. With --config, the file's [[workers]] entry for the device "
                     "supplies its model, profile and sizes; flags override them.")
     config.add_options(parser, ["config", "dispatcher", "device", "model", "model_id", "nctx",
-                                "ngl", "slots", "deterministic", "engine", "name",
+                                "ngl", "slots", "kv_type", "batch", "ubatch", "deterministic", "engine", "name",
                                 "fim_template", "prefill_chunk", "draft_max", "cache_reuse",
                                 "step_timeout", "heartbeat_interval", "log_level",
                                 "log_content", "curve_keys", "curve_name",
@@ -309,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     slots = args.slots or config.DEFAULT_SLOTS[spec.compute]
     if args.engine == "llama":
         placement, refusal = checked_placement(spec, placement, str(model_path), args.nctx,
-                                               slots)
+                                               slots, ContextShape.of(args))
         if refusal:
             log.error("worker %s cannot serve %s on %s: %s", args.name or spec.slug,
                       model_path, spec, refusal)
@@ -324,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                              placement.n_threads, placement.n_gpu_layers,
                              args.log_level.lower() == "debug", args.deterministic,
                              args.prefill_chunk, args.draft_max, args.cache_reuse,
-                             args.log_content)
+                             args.log_content, ContextShape.of(args))
     except EngineError as exc:
         # One line, and an exit status that tells the supervisor not to try again.
         log.error("worker %s cannot serve %s on %s: %s", name, model_path, spec, exc)

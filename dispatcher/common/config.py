@@ -131,6 +131,9 @@ def _non_negative_int(text: str) -> int:
 
 
 DEFAULT_SLOTS = {"cpu": 8, "gpu": 16, "npu": 16}
+# KV cache cell types a worker may use, with their bytes per cell (ggml's blocks of 32:
+# q8_0 34 bytes, q4_0 18), for the memory estimate before loading
+KV_TYPES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
 OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("host", "127.0.0.1", "address the HTTP front ends listen on"),
@@ -161,6 +164,14 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("nctx", 4096, "context length of each sequence, in tokens", _positive_int),
     Option("ngl", 999, "layers offloaded to the accelerator (ignored for cpu devices)",
            _non_negative_int),
+    Option("kv_type", "f16", "KV cache cell type: f16, or q8_0 / q4_0 for about half / a "
+           "quarter of the memory per token of context (slightly different numbers)",
+           str.lower, choices=KV_TYPES),
+    Option("batch", 512, "tokens one decode takes at most (llama.cpp's --batch-size): "
+           "the largest prompt piece a step prefills", _positive_int),
+    Option("ubatch", 512, "tokens the device computes at once within a decode (llama.cpp's "
+           "--ubatch-size, at most --batch): the compute buffer grows with it",
+           _positive_int),
     Option("slots", 0, "sequences one worker decodes at once (continuous batching); "
            f"0: {DEFAULT_SLOTS['cpu']} on cpu, {DEFAULT_SLOTS['gpu']} on accelerators",
            _non_negative_int),

@@ -30,7 +30,8 @@ from dispatcher.common.devices import DeviceSpec, format_cores, parse_device
 
 MODEL_KEYS = {"id", "path", "nctx", "ngl", "slots", "deterministic", "aliases",
               "fim_template"}
-WORKER_KEYS = {"device", "model", "profile", "name", "nctx", "ngl", "slots"}
+WORKER_KEYS = {"device", "model", "profile", "name", "nctx", "ngl", "slots", "kv_type",
+               "batch", "ubatch"}
 # options that describe one process or a client, not the server: not in [server]
 NOT_SERVER = {"device", "model", "model_id", "model_alias", "fim_template", "name",
               "config"}
@@ -70,11 +71,16 @@ class WorkerPlan:
     nctx: int
     ngl: int
     slots: int
+    kv_type: str = "f16"
+    batch: int = 512
+    ubatch: int = 512
 
     def argv(self, dispatcher: str, engine: str, log_level: str) -> list[str]:
         return ["--dispatcher", dispatcher, "--device", str(self.device),
                 "--model", str(self.model.path), "--model-id", self.model.id,
                 "--nctx", str(self.nctx), "--ngl", str(self.ngl), "--slots", str(self.slots),
+                "--kv-type", self.kv_type, "--batch", str(self.batch),
+                "--ubatch", str(self.ubatch),
                 "--deterministic", str(self.model.deterministic), "--engine", engine,
                 "--name", self.name, "--log-level", log_level] + (
                     ["--fim-template", self.model.fim_template]
@@ -223,6 +229,7 @@ def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
                 text = text.split("@")[0] + "@" + str(entry["profile"])
             device = parse_device(text)
             devices.append(device)
+            shape = _context_shape(entry, args)
             if device.cores is not None and not set(device.cores) <= allowed:
                 raise ValueError(f"cores {format_cores(device.cores)} are not all available "
                                  f"(this process may use {format_cores(allowed)})")
@@ -238,7 +245,8 @@ def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
             plans.append(WorkerPlan(
                 name=str(entry.get("name") or f"w{i}-{device.slug}"), device=device,
                 model=model, nctx=_int(entry, "nctx", model.nctx, 1),
-                ngl=_int(entry, "ngl", model.ngl, 0), slots=slots))
+                ngl=_int(entry, "ngl", model.ngl, 0), slots=slots,
+                **shape))
         except (ValueError, TypeError) as exc:
             problems.append(f"{where}: {exc}")
     names = [w.name for w in plans]
@@ -278,6 +286,19 @@ def worker_entry(data: dict, device: str) -> dict:
         if str(entry.get("device", "")).split("@")[0].strip().lower() == wanted:
             return {**data, "workers": [entry]}
     raise ConfigError([f"no [[workers]] entry for device {device!r} in the config file"])
+
+
+def _context_shape(entry: dict, args) -> dict:
+    """A worker's KV cache type and batch sizes: its entry's, else the flags'."""
+    kv_type = str(entry.get("kv_type", getattr(args, "kv_type", "f16"))).lower()
+    if kv_type not in config.KV_TYPES:
+        raise ValueError(f"kv_type must be one of {', '.join(config.KV_TYPES)}, got "
+                         f"{entry.get('kv_type')!r}")
+    batch = _int(entry, "batch", getattr(args, "batch", 512), 1)
+    ubatch = _int(entry, "ubatch", getattr(args, "ubatch", 512), 1)
+    if ubatch > batch:
+        raise ValueError(f"ubatch {ubatch} is larger than batch {batch}")
+    return {"kv_type": kv_type, "batch": batch, "ubatch": ubatch}
 
 
 def _int(entry: dict, key: str, default: int, minimum: int) -> int:

@@ -20,8 +20,8 @@ from dispatcher.common import configfile
 from dispatcher.common.config import non_negative_seconds
 from dispatcher.common.process import python_module_argv
 
-OPTIONS = ["config", "model", "model_id", "device", "nctx", "ngl", "slots", "deterministic",
-           "log_level"]
+OPTIONS = ["config", "model", "model_id", "device", "nctx", "ngl", "slots", "kv_type", "batch",
+           "ubatch", "deterministic", "log_level"]
 
 
 def add_arguments(parser) -> None:
@@ -38,6 +38,7 @@ def child_argv(worker, args) -> list[str]:
     return python_module_argv(
         "workers.selftest", "--device", str(worker.device), "--model", str(worker.model.path),
         "--nctx", str(worker.nctx), "--ngl", str(worker.ngl), "--slots", str(worker.slots),
+        "--kv-type", worker.kv_type, "--batch", str(worker.batch), "--ubatch", str(worker.ubatch),
         "--deterministic", str(worker.model.deterministic),
         "--prompt-tokens", str(args.prompt_tokens), "--tokens", str(args.tokens))
 

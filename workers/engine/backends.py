@@ -20,6 +20,7 @@ from workers.errors import EngineError
 
 if TYPE_CHECKING:
     from dispatcher.common.devices import DeviceSpec
+    from workers.engine.contextshape import ContextShape
     from workers.pinning import Placement
 
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}   # enum ggml_backend_dev_type
@@ -165,17 +166,17 @@ class MemoryNeed:
 
 
 def kv_bytes_per_token(n_layer: int, n_head_kv: int, key_length: int, value_length: int,
-                       cell_bytes: int = 2) -> int:
+                       cell_bytes: float = 2) -> int:
     """K and V (f16 by default) for one token of context over every layer."""
-    return n_layer * n_head_kv * (key_length + value_length) * cell_bytes
+    return int(n_layer * n_head_kv * (key_length + value_length) * cell_bytes)
 
 
 def memory_need(model_file_bytes: int, n_layer: int, n_head_kv: int, key_length: int,
                 value_length: int, n_vocab: int, nctx: int, slots: int,
-                n_ubatch: int = 512) -> MemoryNeed:
+                n_ubatch: int = 512, cell_bytes: float = 2) -> MemoryNeed:
     return MemoryNeed(weights=model_file_bytes,
                       kv_per_token=kv_bytes_per_token(n_layer, n_head_kv, key_length,
-                                                      value_length),
+                                                      value_length, cell_bytes),
                       compute=n_ubatch * n_vocab * 4, tokens=nctx * slots)
 
 
@@ -229,10 +230,12 @@ class PlacementCheck:
 
 
 def check_placement(spec: "DeviceSpec", placement: "Placement", model_path: str, nctx: int,
-                    slots: int) -> PlacementCheck:
+                    slots: int, shape: "ContextShape | None" = None) -> PlacementCheck:
     """Whether this pinned process can load `model_path` at nctx × slots where it is
     asked to: the build drives the device, the device is visible, and weights + KV +
     compute buffers fit in its free memory (the host's, for what stays on the CPU)."""
+    from workers.engine.contextshape import ContextShape
+    context = shape or ContextShape()
     devices = backend_devices()
     found = PlacementCheck(devices)
     if placement.n_gpu_layers > 0:
@@ -254,7 +257,7 @@ def check_placement(spec: "DeviceSpec", placement: "Placement", model_path: str,
         free, where = host_memory_available(), "the host"
     need = memory_need(os.path.getsize(model_path), shape["n_layer"], shape["n_head_kv"],
                        shape["key_length"], shape["value_length"], shape["n_vocab"],
-                       nctx, slots)
+                       nctx, slots, n_ubatch=context.n_ubatch, cell_bytes=context.cell_bytes)
     found.memory = {"need_mib": need.total // MIB, "free_mib": free // MIB,
                     "kv_estimate_mib": need.kv // MIB}
     found.refusal = memory_refusal(need, free, where, nctx, slots)

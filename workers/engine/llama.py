@@ -28,6 +28,7 @@ from workers.errors import EngineError
 from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.llamalog import LlamaLog
 from workers.engine.alphabet import TokenTexts
+from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.repacking import extra_buffers_work
 from workers.engine.scheduling import Scheduler, seq_runs
@@ -124,7 +125,8 @@ class LlamaEngine:
     def __init__(self, model_path: str, n_ctx: int, slots: int, n_threads: int,
                  n_gpu_layers: int, verbose: bool = False, deterministic: bool = False,
                  prefill_chunk: int = 0, draft_max: int = 0, cache_reuse: int = 0,
-                 log_content: bool = False, step_costs: StepCosts | None = None):
+                 log_content: bool = False, step_costs: StepCosts | None = None,
+                 shape: ContextShape = ContextShape()):
         self.lib = llama_cpp
         self.log = set_llama_log(LlamaLog(verbose, log_content))   # held while loaded
         llama_cpp.llama_backend_init()
@@ -155,7 +157,8 @@ class LlamaEngine:
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx * slots
         cparams.n_seq_max = slots
-        cparams.n_batch = cparams.n_ubatch = 512
+        cparams.n_batch, cparams.n_ubatch = shape.n_batch, shape.n_ubatch
+        cparams.type_k = cparams.type_v = shape.ggml_type
         cparams.n_threads = cparams.n_threads_batch = n_threads
         # One KV stream per slot: a sequence attends over its own cells only (a unified
         # pool makes every sequence scan every slot's cells, cached prefixes included).
@@ -173,7 +176,7 @@ class LlamaEngine:
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)
         self.n_ubatch = llama_cpp.llama_n_ubatch(self.ctx)
-        self.kv_type = "f16"
+        self.kv_type = shape.kv_type
         # prompt tokens decoded per step, all prompts together (0: as many as fit)
         self.prefill_chunk = prefill_chunk if prefill_chunk > 0 else self.n_batch
         # prompt-lookup speculation; 0: off. Never in deterministic mode: verification rows

@@ -1,0 +1,39 @@
+"""A llama.cpp context's shape beyond its length and slots: the KV cache's cell type and
+the batch sizes (`--kv-type`, `--batch`, `--ubatch`, per worker). Pure: read before
+llama.cpp is loaded, by the memory check, the engine and the step costs' key."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dispatcher.common.config import KV_TYPES
+
+GGML_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}    # enum ggml_type
+
+
+@dataclass(frozen=True)
+class ContextShape:
+    kv_type: str = "f16"
+    n_batch: int = 512
+    n_ubatch: int = 512
+
+    def __post_init__(self):
+        if self.kv_type not in KV_TYPES:
+            raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got "
+                             f"{self.kv_type!r}")
+        if not 1 <= self.n_ubatch <= self.n_batch:
+            raise ValueError(f"ubatch {self.n_ubatch} must be between 1 and batch "
+                             f"{self.n_batch}")
+
+    @classmethod
+    def of(cls, args) -> "ContextShape":
+        """From a worker's options (--kv-type, --batch, --ubatch)."""
+        return cls(args.kv_type, args.batch, args.ubatch)
+
+    @property
+    def cell_bytes(self) -> float:
+        """Bytes of one K or V element in the cache."""
+        return KV_TYPES[self.kv_type]
+
+    @property
+    def ggml_type(self) -> int:
+        return GGML_TYPES[self.kv_type]
