@@ -86,6 +86,30 @@ def test_a_slot_is_not_taken_for_a_few_shared_tokens(model_path):
         engine.close()
 
 
+def test_a_new_sequence_takes_a_slot_beside_the_busy_ones(model_path):
+    """llama.cpp splits a step into one sub-batch per run of consecutive busy slots:
+    among slots equally worth taking, the one next to a busy slot (or filling a gap)
+    comes first, ahead of one with less cached; a cache worth reusing still wins."""
+    engine = make(model_path, slots=6)
+    try:
+        prompt = engine.tokenize("def handler(event):\n    return event\n")
+        for slot in (1, 2):
+            engine.add(slot, engine.tokenize(f"# busy {slot}"), GREEDY)
+        engine.slots[3].cached = engine.tokenize("an idle editor's file " * 8)
+        assert engine.best_slot(prompt, [0, 3, 4, 5]) in (0, 3)      # beside 1-2, not 4/5
+        assert engine.best_slot(prompt, [0, 3, 4, 5]) == 0           # (0: nothing cached)
+        assert engine.best_slot(prompt, [3, 4, 5]) == 3              # beside, though cached
+        engine.slots[5].cached = list(prompt)
+        assert engine.best_slot(prompt, [0, 3, 4, 5]) == 5           # its own cache
+        engine.add(4, engine.tokenize("# busy 4"), GREEDY)
+        engine.step()
+        assert engine.totals.batches - engine.totals.steps >= 1     # 1-2 and 4: two runs
+    finally:
+        for slot in range(6):
+            engine.release(slot, keep_cache=False)
+        engine.close()
+
+
 def test_prefix_reuse_keeps_the_common_part_of_the_slot_cache(model_path):
     engine = make(model_path, slots=2)
     try:

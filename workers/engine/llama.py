@@ -272,8 +272,23 @@ class LlamaEngine:
         cached, so long caches survive. (Two editors' files that differ from their first
         line share a few tokens: taking the slot whose cache holds the other's file for
         those would throw away what that editor's next keystroke reuses. llama-server's
-        slot similarity rule, 0.1 too.)"""
-        return max(free, key=lambda i: (self._worth(i, tokens), -len(self.slots[i].cached)))
+        slot similarity rule, 0.1 too.)
+
+        Among slots equally worth taking, one that keeps the busy slots one run of
+        consecutive ids comes first: llama.cpp decodes a step of per-sequence KV caches as
+        one sub-batch per such run, each a pass over the weights, so scattered slots
+        split every step of the request's life (`joins_run`)."""
+        return max(free, key=lambda i: (self._worth(i, tokens), self.joins_run(i),
+                                        -len(self.slots[i].cached)))
+
+    def joins_run(self, slot_id: int) -> int:
+        """1 if taking this slot adds no run of consecutive busy slots: none is busy, or
+        a neighbour is; 0 if it starts a run of its own."""
+        busy = [s.busy for s in self.slots]
+        if not any(busy):
+            return 1
+        return int((slot_id > 0 and busy[slot_id - 1]) or
+                   (slot_id + 1 < len(busy) and busy[slot_id + 1]))
 
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
             logprobs: int | None = None, prompt_logprobs: bool = False,
