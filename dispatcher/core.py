@@ -385,6 +385,12 @@ class DispatcherCore:
         if msg.cmd == P.READY:
             if record is not None:
                 self.worker_lost(record, "re-registered")
+            refusal = self.registry.refusal(identity, msg.body)
+            if refusal:
+                log.error("worker %s refused: %s", identity.decode(errors="replace"), refusal)
+                self._to_worker(identity, P.DISCONNECT,
+                                body=P.Disconnect(reason=refusal, code=P.REFUSED))
+                return self._take()
             record = self.registry.add(identity, msg.body, now)
             log.info("worker %s ready: %s on %s, pid %s, n_ctx %s, %s slot(s)", record.name,
                      record.model, msg.body.device, msg.body.pid, msg.body.n_ctx,

@@ -233,6 +233,19 @@ class WorkerRegistry:
         self.workers[identity] = record
         return record
 
+    def refusal(self, identity: bytes, info: P.WorkerInfo) -> str | None:
+        """Why a worker must not register (None: it may): another worker serves a
+        different model file under the same model id, so one `model` would answer with
+        two models' text."""
+        for other in self.workers.values():
+            if other.identity != identity and other.info.model == info.model and \
+                    None not in (other.info.model_digest, info.model_digest) and \
+                    other.info.model_digest != info.model_digest:
+                return (f"its model file {info.model_path} differs from "
+                        f"{other.info.model_path} that worker {other.name} serves as "
+                        f"'{info.model}': give it another model id, or the same file")
+        return None
+
     def remove(self, identity: bytes) -> WorkerRecord | None:
         return self.workers.pop(identity, None)
 

@@ -7,6 +7,8 @@ are checked against the real model in test_integration.py.
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,6 +17,8 @@ import pytest
 
 from conftest import ServerProcess, SSEStream, http_json
 from workers.fake_engine import SCRIPT
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +205,32 @@ def test_a_request_its_worker_had_not_started_is_requeued_when_the_worker_dies()
         assert stats["requeued"] == 1 and stats["failed"] == 1          # the blocker
         events = list(blocker.events())
         assert json.loads(events[-2])["error"]["code"] == "worker_lost"
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_worker_with_another_model_file_under_the_same_id_is_refused(tmp_path):
+    """One model id, one model: a worker that registers another file under an id a
+    worker already serves is refused, exits 78 with the reason in one line, and the
+    serving worker goes on answering."""
+    from tiny_gguf import write_tiny_fim_model
+    served = write_tiny_fim_model(tmp_path / "a.gguf", seed=1)
+    other = write_tiny_fim_model(tmp_path / "b.gguf", seed=2)
+    server = ServerProcess("--engine", "fake", "--model", str(served), "--model-id", "code",
+                           log_name="refused").start()
+    try:
+        environ = {k: v for k, v in os.environ.items() if k != "COMPLETIONS_PARENT_PID"}
+        joined = subprocess.run(
+            [sys.executable, "-m", "workers", "--dispatcher", server.dispatcher, "--engine",
+             "fake", "--model", str(other), "--model-id", "code", "--name", "intruder"],
+            capture_output=True, text=True, timeout=60, cwd=ROOT, env=environ)
+        assert joined.returncode == 78, joined.stderr[-2000:]
+        (line,) = [line for line in joined.stderr.splitlines() if "ERROR" in line]
+        assert f"refused this worker: its model file {other} differs from {served}" in line
+        assert [w["name"] for w in server.status()["workers"]] == ["w0-cpu"]
+        status, _, body = http_json(server.port, "POST", "/v1/completions",
+                                    {"model": "code", "prompt": "hi", "max_tokens": 2})
+        assert status == 200, body
     finally:
         assert server.stop() == 0
 

@@ -175,3 +175,19 @@ def test_a_tenant_is_drawn_only_to_the_cache_of_its_own_prompts():
     b.last_assigned = -1.0                                # b first when nothing else counts
     assert r.choose(job("same", prompt=text + "!", tenant="key-1")) is a
     assert r.choose(job("other", prompt=text + "!", tenant="key-2")) is b
+
+
+def test_one_model_id_is_one_model_file():
+    """A worker registering another file under a served id is refused; the same file,
+    another id, the worker itself re-registering, or a worker that says no digest
+    (an older one) are not."""
+    r = WorkerRegistry()
+    r.add(b"a", P.WorkerInfo(model="code", model_path="/m/a.gguf", model_digest="aaaa"), 0.0)
+    refusal = r.refusal(b"b", P.WorkerInfo(model="code", model_path="/m/b.gguf",
+                                           model_digest="bbbb"))
+    assert refusal.startswith("its model file /m/b.gguf differs from /m/a.gguf that worker")
+    assert r.refusal(b"b", P.WorkerInfo(model="code", model_path="/n/a.gguf",
+                                        model_digest="aaaa")) is None
+    assert r.refusal(b"b", P.WorkerInfo(model="other", model_digest="bbbb")) is None
+    assert r.refusal(b"a", P.WorkerInfo(model="code", model_digest="bbbb")) is None
+    assert r.refusal(b"b", P.WorkerInfo(model="code")) is None

@@ -21,7 +21,7 @@ from dispatcher.common.addresses import Endpoints
 from dispatcher.common import config, configfile, curve, protocol as P
 from dispatcher.common.curve import PartKeys
 from dispatcher.common.devices import parse_device
-from dispatcher.common.models import default_model_id, resolve_model_path
+from dispatcher.common.models import default_model_id, model_file_digest, resolve_model_path
 from dispatcher.common.process import StopFlag, die_with_parent
 from workers.engine.contextshape import ContextShape
 from workers.errors import EngineError
@@ -42,8 +42,10 @@ class DispatcherLink(threading.Thread):
     def __init__(self, context: zmq.Context, endpoints: Endpoints, identity: bytes,
                  info: P.WorkerInfo, loop: GenerationLoop, notify_address: str,
                  step_timeout: float = 0.0, heartbeat: config.Heartbeat = config.Heartbeat(),
-                 keys: PartKeys | None = None):
+                 keys: PartKeys | None = None, on_refused=lambda: None):
         super().__init__(name="dispatcher-link", daemon=True)
+        self.refused: str | None = None  # why the dispatcher will not take this worker
+        self.on_refused = on_refused     # ... told to the main thread (it stops)
         self.heartbeat = heartbeat
         self.keys = keys                 # CURVE: this worker's key and the dispatcher's
         self.context = context
@@ -187,6 +189,11 @@ class DispatcherLink(threading.Thread):
                 self.loop.inbox.put(("job", msg.request_id, body))
         elif msg.cmd == P.CANCEL:
             self.loop.inbox.put(("cancel", msg.request_id))
+        elif msg.cmd == P.DISCONNECT and msg.body is not None and msg.body.code == P.REFUSED:
+            self.refused = msg.body.reason or "refused by the dispatcher"
+            log.error("the dispatcher refused this worker: %s", self.refused)
+            self.stopping.set()
+            self.on_refused()
         elif msg.cmd == P.DISCONNECT:
             log.warning("the dispatcher does not know us: registering again")
             return False
@@ -363,13 +370,14 @@ def main(argv: list[str] | None = None) -> int:
         n_ctx=engine.n_ctx, slots=engine.n_slots,
         fim=engine.fim_tokens is not None or template is not None,
         fingerprint=engine.fingerprint, deterministic=args.deterministic,
+        model_digest=model_file_digest(model_path),
         engine=engine.name, placement={**placement.to_dict(),
                                        "layers_offloaded": engine.layers_offloaded,
                                        "layers_total": engine.layers_total})
     watchdog = step_timeout(args.step_timeout, engine)     # (timed before what follows)
     engine.after_load()
     link = DispatcherLink(context, endpoints, name.encode(), info, loop, notify_address,
-                          watchdog, config.Heartbeat.of(args), keys)
+                          watchdog, config.Heartbeat.of(args), keys, on_refused=stopping.set)
     link.start()
     try:
         loop.run(stopping)
@@ -383,5 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         notify.close(0)
         engine.close()
         context.term()
+    if link.refused:                   # one line said why; never started again
+        return EXIT_CANNOT_LOAD
     log.info("worker %s stopped", name)
     return 0

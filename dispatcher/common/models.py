@@ -75,6 +75,20 @@ def check_gguf(path: Path) -> None:
         raise SystemExit(f"{path} is not a GGUF model file (it does not start with 'GGUF')")
 
 
+def model_file_digest(path) -> str:
+    """A model file's identity for comparing workers: its size and first and last MiB
+    (a whole-file hash of a 40 GB model would take minutes at every start)."""
+    import hashlib
+    digest = hashlib.sha256()
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    digest.update(str(size).encode())
+    return digest.hexdigest()[:16]
+
+
 def default_model_id(path: Path) -> str:
     """The file name without .gguf: gemma-3-270m-q4_k_m."""
     name = Path(path).name

@@ -54,6 +54,7 @@ STARTED = b"2"      # the request took a slot: prefill begins (no requeue after 
 FIRST = b"1"        # the request's first text is about to be published
 DONE = b"E"         # body: {attempt, last_seq, finish_reason, usage, cancelled}
 DISCONNECT = b"X"
+REFUSED = "refused"         # Disconnect.code to a worker that registered and must not serve
 # dispatcher -> worker
 REQUEST = b"Q"      # body: the job plus {topic, attempt}
 # (CANCEL, HEARTBEAT and DISCONNECT also go this way)
@@ -145,6 +146,7 @@ class WorkerInfo(Capabilities):
     deterministic: bool = False
     engine: str = "llama"
     placement: dict = {}
+    model_digest: str | None = None     # its model file's (models.model_file_digest)
 
     def capabilities(self) -> Capabilities:
         return Capabilities(model=self.model, n_ctx=self.n_ctx, compute=self.compute,
@@ -293,7 +295,8 @@ class Done(Body):
 
 class Disconnect(Body):
     reason: str | None = None
-    code: str | None = None             # worker_stuck: the watchdog gave up
+    code: str | None = None             # worker_stuck: the watchdog gave up; to a worker,
+                                        # REFUSED: the dispatcher will not take it
 
 
 class StepTotals(msgspec.Struct, kw_only=True):

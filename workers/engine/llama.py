@@ -15,7 +15,6 @@ import ctypes
 import hashlib
 import itertools
 import logging
-import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from workers.errors import EngineError
 from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.llamalog import LlamaLog
 from workers.engine.alphabet import TokenTexts
+from dispatcher.common.models import model_file_digest
 from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.repacking import extra_buffers_work
@@ -78,16 +78,10 @@ def quiet_llama_log() -> LlamaLog:
 
 
 def model_fingerprint(model_path: str, build: str) -> str:
-    """Model file (size, first and last MiB) and build (llama-cpp-python's version), for
+    """Model file (models.model_file_digest) and build (llama-cpp-python's version), for
     `system_fingerprint`."""
-    digest = hashlib.sha256()
-    size = os.path.getsize(model_path)
-    with open(model_path, "rb") as f:
-        digest.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        digest.update(f.read(1 << 20))
-    digest.update(f"{size}:{build}".encode())
-    return "fp_" + digest.hexdigest()[:12]
+    return "fp_" + hashlib.sha256(f"{model_file_digest(model_path)}:{build}".encode()
+                                  ).hexdigest()[:12]
 
 
 @dataclass(eq=False)
