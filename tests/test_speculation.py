@@ -594,3 +594,61 @@ def test_a_tenants_earlier_answers_draft_first_seen_text_by_the_recycled_table()
     other = Drafter(16)
     other.history, other.output_from = histories.of("b"), 4
     assert other.propose(context, 16) is None
+
+
+# -- the rules decided on measured costs: a CPU-like and a GPU-like table ----------------
+def gpu_like() -> StepCosts:
+    """A step's cost barely grows with rows (a GPU's, for a small model)."""
+    counts = (1, 2, 8)
+    return StepCosts(counts, {(s, d): 10.0 + 0.05 * s + 0.02 * d for s in counts
+                              for d in SHAPES_EXTRA} |
+                     {(s, 0): 10.0 + 0.05 * s for s in range(1, 9)})
+
+
+def test_sit_outs_only_where_the_measured_step_is_a_tenth_cheaper():
+    """Seven deep sequences beside one waiting for its first line: on the CPU's costs
+    (one row 13 ms, eight 46) they sit out; where rows are nearly free nobody does,
+    since the step would be under 10% cheaper."""
+    from types import SimpleNamespace
+
+    from workers.engine.scheduling import DEEP_AFTER, Scheduler
+
+    def seven_deep():
+        return [SimpleNamespace(seq=i, line_done=i < 7, sat_out=False,
+                                sampled=DEEP_AFTER + 100 - i if i < 7 else 1)
+                for i in range(8)]
+    assert [s.seq for s in Scheduler().first_line_first(seven_deep(), [],
+                                                        StepCosts.assumed())] == [7]
+    batch = seven_deep()
+    assert Scheduler().first_line_first(batch, [], gpu_like()) == batch
+
+
+def test_drafts_run_beside_a_waiting_user_only_where_rows_are_nearly_free():
+    """One sequence with a confident proposal, another still short of its first line:
+    on the CPU's costs (a draft row about a plain step) it drafts nothing, since the
+    waiting user's step would grow past 1 + WAIT_STRETCH; on a GPU-like table it drafts."""
+    from types import SimpleNamespace
+
+    from workers.engine.scheduling import Scheduler
+    from workers.engine.speculation import Proposal
+
+    class Confident:
+        max_len = 64
+
+        def propose(self, context, room, proven=False):
+            return Proposal("copy", 0, list(range(100, 116)), rate=0.95)
+
+        def started(self, proposal, at):
+            pass
+
+    def drafted(costs):
+        slots = [SimpleNamespace(seq=0, busy=True, line_done=True, n_past=100, budget=None,
+                                 sampled=40, policy=Confident(), cached=[1] * 100,
+                                 next_token=2, draft=None),
+                 SimpleNamespace(seq=1, busy=True, line_done=False, n_past=50, budget=None,
+                                 sampled=2, policy=None, cached=[1] * 50, next_token=3,
+                                 draft=None)]
+        Scheduler().draft(slots, slots, [], 4096, 512, costs)
+        return len(slots[0].draft)
+    assert drafted(StepCosts.assumed()) == 0
+    assert drafted(gpu_like()) > 0

@@ -18,6 +18,9 @@ ARRIVAL_QUIET = 0.5     # s after another request arrives without drafts (see dr
 TRAFFIC_WINDOW = 2.0    # s after another request arrives that drafts are held short
 TRAFFIC_STRETCH = 1.0   # ... to a step at most this much longer than the plain one
 SIT_OUT_EXACT = 10      # first line first tries every subset of at most this many
+SIT_OUT_SAVING = 0.1    # ... and has some sit out only for a step this much cheaper
+WAIT_STRETCH = 0.1      # while a user waits (a first line, a prompt, a new arrival), a step
+                        # with drafts may take at most this much longer than the plain one
 JOIN_ROWS = 16          # rows of whole prompts that may always join a step finishing one
 
 
@@ -44,7 +47,9 @@ class Scheduler:
         sequence: four rows of sequences 0, 2, 4, 6 took 88 ms here, of 0-3 37 ms, all
         eight 55 ms), the deepest first among equals, and none where nothing is cheaper:
         a deep sequence sitting out between two others splits the step it was meant to
-        shorten. Without costs, every one that may sits out. Returns the sequences that
+        shorten, and none where the step would be less than SIT_OUT_SAVING cheaper (on a
+        device where rows are nearly free, nobody sits out). Without costs, every one that
+        may sits out. Returns the sequences that
         get a row in this step."""
         waiting = bool(prefilling) or any(not s.line_done for s in generating)
         may = sorted((s for s in generating if waiting and not s.sat_out and s.line_done
@@ -70,6 +75,7 @@ class Scheduler:
         subsets = range(1 << len(may)) if len(may) <= SIT_OUT_EXACT else \
             [(1 << k) - 1 for k in range(len(may) + 1)]       # (the k deepest)
         present = set(generating) | set(prefilling)
+        everyone = sum(costs.plain_cost(r) for r in seq_runs(sorted(present)))
         for mask in subsets:
             out = [(i, q) for i, q in enumerate(may) if mask >> i & 1]
             seqs = sorted(present - {q for _, q in out})
@@ -77,6 +83,8 @@ class Scheduler:
             rank = (round(cost, 3), len(out), sum(i for i, _ in out))
             if best_rank is None or rank < best_rank:
                 best, best_rank = tuple(q for _, q in out), rank
+        if best_rank[0] > (1 - SIT_OUT_SAVING) * everyone:
+            best = ()                 # a saving this small is not worth a stream's step
         if len(self._sit_out) > 4096:
             self._sit_out.clear()
         self._sit_out[key] = best
@@ -134,11 +142,13 @@ class Scheduler:
     def draft(self, slots: list, generating: list, prefilling: list, n_ctx: int,
               n_batch: int, step_costs: StepCosts | None) -> None:
         """Sets each generating sequence's `draft` for this step: its best proposal, where
-        it pays (stepcosts.plan, on the step costs). No sequence drafts while another is
-        prefilling or short of its first newline, or within ARRIVAL_QUIET s of another
-        request's arrival (a draft lengthens the step a new keystroke waits behind; with
-        requests coming steadily, drafts cost more in its latency than they gain:
-        measured on the typing trace). Under traffic (another sequence in the worker, or
+        it pays (stepcosts.plan, on the step costs). While another sequence is prefilling
+        or short of its first newline, or within ARRIVAL_QUIET s of another request's
+        arrival, a step with drafts may take at most 1 + WAIT_STRETCH times the plain
+        step (a draft lengthens the step a new keystroke waits behind: on a CPU, where a
+        draft row costs more than half a plain step, that is no draft, as measured on the
+        typing trace; on a GPU, where rows are nearly free, drafts run beside the waiting
+        users). Under traffic (another sequence in the worker, or
         another request's arrival in the last TRAFFIC_WINDOW s) a source drafts on what
         it proved in the sequence (not on a lookup's match length) and a step with
         drafts may take at most 1 + TRAFFIC_STRETCH times the plain step: on a CPU, where
@@ -154,12 +164,12 @@ class Scheduler:
         traffic = len(busy) > 1 or any(concurrent and s not in busy
                                        for _, s, concurrent in self.arrivals)
         alike = len(generating) >= 2        # all may draft alike (each_plan)
+        someone_waits = False
         for slot in generating:
             slot.draft = []
             if any(other is not slot for other in waiting) or \
                     any(s != slot.seq and now - t < ARRIVAL_QUIET for t, s, _ in self.arrivals):
-                alike = False
-                continue
+                someone_waits = True
             room = n_ctx - slot.n_past - 2
             if slot.budget is not None:             # (a draft past the end is rows for
                 room = min(room, slot.budget - slot.sampled - 1)    # nothing; under
@@ -174,7 +184,7 @@ class Scheduler:
                 alike = False
         if not proposals or step_costs is None:
             return
-        stretch = TRAFFIC_STRETCH if traffic else None
+        stretch = WAIT_STRETCH if someone_waits else TRAFFIC_STRETCH if traffic else None
         by_seq = dict(proposals)
         chosen = plan(step_costs, len(generating), proposals, stretch=stretch)
         if alike and len(generating) * (1 + EACH[-1]) <= n_batch:
