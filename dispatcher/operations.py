@@ -137,6 +137,7 @@ class Operations:
                 "uptime_s": round(now - record.ready_at, 1),
                 "restarts": child.restarts if child else 0,
                 "placement": record.info.placement, "last_done": record.last_done,
+                "step_ms": step_ms(record.steps),
                 "last_lost": self._loss(name, now)})
         return {"workers": sorted(workers, key=lambda w: w["name"]),
                 "queue": core.queue.depth_by_model(), "stats": dict(core.stats),
@@ -172,6 +173,16 @@ class Operations:
                         queue={m: depth.get(m, 0) for m in set(core.models()) | set(depth)},
                         dispatcher=dict(core.stats), frontends=len(core.frontends))
         return snapshot
+
+
+def step_ms(steps) -> dict | None:
+    """A worker's mean step since it started, split into the host's work (planning the
+    batch, sampling and verifying) and the device's (the decode, to its end)."""
+    if steps is None or not steps.steps:
+        return None
+    return {"host": round(1000 * (steps.plan_seconds + steps.sample_seconds) / steps.steps, 2),
+            "device": round(1000 * steps.decode_seconds / steps.steps, 2),
+            "steps": steps.steps}
 
 
 def tokens_per_second(history, now: float) -> float:

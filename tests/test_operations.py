@@ -60,11 +60,18 @@ def test_status_shows_workers_queue_and_front_ends(two):
         # the offload llama.cpp reported: none on a CPU, of the 18 layers and the output
         assert (worker["placement"]["layers_offloaded"],
                 worker["placement"]["layers_total"]) == (0, 19)
+    # the host's and the device's share of a step (the heartbeat's step profile)
+    served = two.wait_for(lambda: [w for w in json.loads(ops(two, "status", "--json").stdout)
+                                   ["workers"] if w.get("step_ms")], timeout=10,
+                          what="a heartbeat with the step profile")
+    for worker in served:
+        assert worker["step_ms"]["device"] > 0 and worker["step_ms"]["host"] > 0
+        assert worker["step_ms"]["steps"] >= 4
     assert len(status["frontends"]) == 2 and all(f["pid"] for f in status["frontends"])
     assert "queue" in status
     table = ops(two, "status").stdout
     for text in ("WORKER", "TOK/S", "RESTARTS", "w0-cpu0", "w1-cpu1", "cpu:0", "FRONT END",
-                 "queue:", "OFFLOAD", " 0/19 "):
+                 "queue:", "OFFLOAD", " 0/19 ", "STEP MS HOST/DEV"):
         assert text in table
 
 

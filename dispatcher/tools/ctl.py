@@ -69,8 +69,8 @@ def table(rows: list[tuple]) -> str:
 
 
 def format_status(status: dict) -> str:
-    rows = [("WORKER", "STATE", "DEVICE", "OFFLOAD", "MODEL", "PID", "BUSY", "TOK/S", "DONE",
-             "CANCELLED", "TOKENS", "UPTIME", "RESTARTS")]
+    rows = [("WORKER", "STATE", "DEVICE", "OFFLOAD", "MODEL", "PID", "BUSY", "TOK/S",
+             "STEP MS HOST/DEV", "DONE", "CANCELLED", "TOKENS", "UPTIME", "RESTARTS")]
     for w in status["workers"]:
         uptime, where = w.get("uptime_s"), w.get("placement") or {}
         offload = f"{where['layers_offloaded']}/{where['layers_total']}" \
@@ -78,7 +78,9 @@ def format_status(status: dict) -> str:
         rows.append((w["name"], w["state"], w.get("device") or "-", offload,
                      w.get("model") or "-",
                      w.get("pid") or "-", f"{w.get('busy_slots', 0)}/{w.get('slots', '-')}",
-                     w.get("tokens_per_s", "-"), w.get("completed", 0), w.get("cancelled", 0),
+                     w.get("tokens_per_s", "-"),
+                     f"{w['step_ms']['host']}/{w['step_ms']['device']}" if w.get("step_ms")
+                     else "-", w.get("completed", 0), w.get("cancelled", 0),
                      w.get("tokens", 0), "-" if uptime is None else f"{uptime:.0f}s",
                      w.get("restarts", 0)))
     queue = ", ".join(f"{m}: {n}" for m, n in status["queue"].items()) or "empty"
