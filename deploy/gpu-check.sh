@@ -10,9 +10,11 @@
 #   carried).
 # run: a virtual environment from WHEELHOUSE alone, a random-weights model of realistic
 #   shape (GPU_CHECK_SHAPE: small, 1b, 7b; default 1b), then llama-cpp-python built with
-#   CUDA for this GPU's architecture only, `python -m dispatcher selftest` on cuda:0 and a
-#   short bench at 1 and 16 streams. Figures go to OUT (default ./gpu-check-out):
-#   summary.txt, selftest.json, bench-1.json, bench-16.json, build.log, server.log.
+#   CUDA for the architectures of this machine's GPUs, `python -m dispatcher selftest` on
+#   cuda:0 and a short bench at 1 and 16 streams, with drafts and without, with the step
+#   profile (host and device time a step). Figures go to OUT (default ./gpu-check-out):
+#   summary.txt, selftest.json, bench-{1,16}-drafts-{on,off}.json, status-{on,off}.txt,
+#   build.log, server-{on,off}.log.
 #   Without a GPU, or without nvcc, it stops before the build and says so (exit 3).
 # Options (environment): GPU_CHECK_SHAPE; GPU_CHECK_PYTHON=path to a Python whose
 #   environment already has the project and its dependencies (skips the venv: for trying
@@ -158,27 +160,39 @@ for d in report["devices"]:
 EOF
     grep -q '"ok": true' "$OUT/selftest.json" || stop 1 "selftest failed (selftest.json)"
 
-    port=18480
-    say "serving the model on $DEVICE for the bench (server.log)"
-    "$py" -m dispatcher serve --model "$model" --device "$DEVICE" --slots 16 --nctx 4096 \
-        --port $port --dispatcher "ipc://$OUT/ipc" >"$OUT/server.log" 2>&1 &
-    server=$!
-    trap 'kill $server 2>/dev/null || true' EXIT
-    i=0
-    until "$py" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
-            >/dev/null 2>&1; do
-        i=$((i + 1)); [ $i -lt 300 ] || stop 1 "the server did not become ready (server.log)"
-        kill -0 $server 2>/dev/null || stop 1 "the server exited (server.log)"
-        sleep 1
+    # the bench: 1 and 16 streams, with drafts and without (--draft-max 0), each part's
+    # step profile (host and device milliseconds a step, rows, drafts) from /metrics
+    for drafts in on off; do
+        port=$((18480 + $([ $drafts = on ] && echo 0 || echo 1)))
+        extra=$([ $drafts = on ] && echo "" || echo "--draft-max 0")
+        say "serving the model on $DEVICE, drafts $drafts, for the bench (server-$drafts.log)"
+        # shellcheck disable=SC2086
+        "$py" -m dispatcher serve --model "$model" --device "$DEVICE" --slots 16 --nctx 4096 \
+            --port $port --dispatcher "ipc://$OUT/ipc-$drafts" $extra \
+            >"$OUT/server-$drafts.log" 2>&1 &
+        server=$!
+        trap 'kill $server 2>/dev/null || true' EXIT
+        i=0
+        until "$py" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
+                >/dev/null 2>&1; do
+            i=$((i + 1)); [ $i -lt 300 ] || stop 1 "the server did not become ready (server-$drafts.log)"
+            kill -0 $server 2>/dev/null || stop 1 "the server exited (server-$drafts.log)"
+            sleep 1
+        done
+        for streams in 1 16; do
+            "$py" -m dispatcher bench --port $port --concurrency $streams \
+                --requests $((streams * 4)) --max-tokens 128 --no-fim --profile --json \
+                >"$OUT/bench-$streams-drafts-$drafts.json" 2>>"$OUT/server-$drafts.log" ||
+                stop 1 "bench failed (server-$drafts.log)"
+            say "bench, $streams stream(s), drafts $drafts: $(tr -d '\n' \
+                <"$OUT/bench-$streams-drafts-$drafts.json" | cut -c1-400)"
+        done
+        "$py" -m dispatcher status --dispatcher "ipc://$OUT/ipc-$drafts" \
+            >"$OUT/status-$drafts.txt" 2>&1 || true
+        say "status (OFFLOAD, STEP MS HOST/DEV): $(sed -n 2p "$OUT/status-$drafts.txt")"
+        kill $server 2>/dev/null || true
+        wait $server 2>/dev/null || true
     done
-    for streams in 1 16; do
-        "$py" -m dispatcher bench --port $port --concurrency $streams \
-            --requests $((streams * 4)) --max-tokens 128 --no-fim --json \
-            >"$OUT/bench-$streams.json" 2>>"$OUT/server.log" || stop 1 "bench failed"
-        say "bench, $streams stream(s): $(cat "$OUT/bench-$streams.json" | tr -d '\n' | cut -c1-400)"
-    done
-    kill $server 2>/dev/null || true
-    wait $server 2>/dev/null || true
     say "done in $(($(date +%s) - t0)) s; figures in $OUT"
 }
 
