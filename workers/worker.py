@@ -239,6 +239,21 @@ def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: i
     raise ValueError(f"unknown engine {kind!r}: use llama or fake")
 
 
+def worker_info(engine, spec, placement: Placement, model_id: str, model_path,
+                deterministic: bool, fim: bool) -> P.WorkerInfo:
+    """What the worker registers as (READY): its model, device, offload and sizes."""
+    return P.WorkerInfo(
+        model=model_id, model_path=str(model_path), device=str(spec),
+        compute=compute_kind(spec.compute, placement.n_gpu_layers, engine.n_layer),
+        n_gpu_layers=placement.n_gpu_layers, profile=spec.profile, pid=os.getpid(),
+        n_ctx=engine.n_ctx, slots=engine.n_slots, fim=fim,
+        fingerprint=engine.fingerprint, deterministic=deterministic,
+        model_digest=model_file_digest(model_path),
+        engine=engine.name, placement={**placement.to_dict(),
+                                       "layers_offloaded": engine.layers_offloaded,
+                                       "layers_total": engine.layers_total})
+
+
 def checked_placement(spec, placement: Placement, model_path: str, nctx: int, slots: int,
                       shape: ContextShape) -> tuple[Placement, str | None]:
     """Before loading: whether the build drives the device, the device is visible and
@@ -363,17 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     loop = GenerationLoop(engine, Publisher(xpub), send_notice,
                           identity={"worker": name, "device": str(spec)},
                           fim_template=template, faults=FaultInjection.from_env())
-    info = P.WorkerInfo(
-        model=model_id, model_path=str(model_path), device=str(spec),
-        compute=compute_kind(spec.compute, placement.n_gpu_layers, engine.n_layer),
-        n_gpu_layers=placement.n_gpu_layers, profile=spec.profile, pid=os.getpid(),
-        n_ctx=engine.n_ctx, slots=engine.n_slots,
-        fim=engine.fim_tokens is not None or template is not None,
-        fingerprint=engine.fingerprint, deterministic=args.deterministic,
-        model_digest=model_file_digest(model_path),
-        engine=engine.name, placement={**placement.to_dict(),
-                                       "layers_offloaded": engine.layers_offloaded,
-                                       "layers_total": engine.layers_total})
+    info = worker_info(engine, spec, placement, model_id, model_path, args.deterministic,
+                       fim=engine.fim_tokens is not None or template is not None)
     watchdog = step_timeout(args.step_timeout, engine)     # (timed before what follows)
     engine.after_load()
     link = DispatcherLink(context, endpoints, name.encode(), info, loop, notify_address,

@@ -183,7 +183,7 @@ def memory_need(model_file_bytes: int, n_layer: int, n_head_kv: int, key_length:
 def model_shape(model_path: str) -> dict:
     """Sizes from the GGUF's metadata (a vocabulary-only load: no tensors are read)."""
     import llama_cpp
-    from workers.engine.llama import quiet_llama_log
+    from workers.engine.llamalog import quiet_llama_log
     log = quiet_llama_log()            # held while the model is read
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = True

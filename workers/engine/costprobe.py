@@ -13,6 +13,7 @@ import os
 import time
 
 from dispatcher.common.models import cache_dir
+from workers.engine.backends import backend_devices
 from workers.engine.repacking import cpu_identity
 from workers.engine.stepcosts import SHAPES_EXTRA, StepCosts
 from workers.errors import EngineError
@@ -38,7 +39,7 @@ def table_key(engine, slots: int, n_threads: int, n_gpu_layers: int, repacked: b
     (fingerprint), the build's backends, the devices it sees (name and memory), the layers
     it offloaded, the engine's shape (context, slots, KV cache type, batch sizes, threads,
     repacking), the CPU, and this probe's version."""
-    devices = [(d.name, d.description, d.total) for d in engine.backend_devices()]
+    devices = [(d.name, d.description, d.total) for d in backend_devices()]
     return hashlib.sha256(repr((
         PROBE_VERSION, engine.fingerprint, engine.lib.llama_print_system_info(), devices,
         engine.layers_offloaded, n_gpu_layers, engine.n_ctx, slots, engine.kv_type,

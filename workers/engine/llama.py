@@ -11,12 +11,9 @@ token, `n_batch` is a hard assert, a grammar only accepts tokens its chain sampl
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
-import itertools
 import logging
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import llama_cpp
@@ -25,7 +22,7 @@ import numpy as np
 from dispatcher.common import protocol as P
 from workers.errors import EngineError
 from workers.engine.kvreuse import reusable, shift_into_place
-from workers.engine.llamalog import LlamaLog
+from workers.engine.llamalog import LlamaLog, set_llama_log
 from workers.engine.alphabet import TokenTexts
 from dispatcher.common.models import model_file_digest
 from workers.engine.contextshape import ContextShape
@@ -49,32 +46,6 @@ PROMPT_LOGPROB_CHUNK = 64   # prompt rows per step when every row's logits are k
 # top candidates of it would make a step that much longer: a neighbour's next token waits
 # for the step (64 rows took 1.4 s a step on 2 CPU cores; on a GPU they cost a few ms)
 PROMPT_LOGPROB_STEP_MS = 150.0
-
-
-# llama.cpp keeps one log callback per process; `user_data` names the LlamaLog it writes
-# through. Held weakly: a log whose engine is gone falls back to a bounded errors-only one
-# (a raw pointer to it would dangle).
-_LOGS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_FALLBACK = LlamaLog()
-_NEXT = itertools.count(1)
-
-
-@llama_cpp.llama_log_callback
-def _log_to_stderr(level: int, text: bytes, user_data) -> None:
-    _LOGS.get(user_data or 0, _FALLBACK).write(level, text.decode("utf-8", "replace"))
-
-
-def set_llama_log(log: LlamaLog) -> LlamaLog:
-    """Send llama.cpp's log through `log` (for as long as the caller keeps it)."""
-    key = next(_NEXT)
-    _LOGS[key] = log
-    llama_cpp.llama_log_set(_log_to_stderr, ctypes.c_void_p(key))
-    return log
-
-
-def quiet_llama_log() -> LlamaLog:
-    """llama.cpp's log to bounded errors only, before any engine exists (probes)."""
-    return set_llama_log(LlamaLog())
 
 
 def model_fingerprint(model_path: str, build: str) -> str:
@@ -211,12 +182,6 @@ class LlamaEngine:
         self.step_costs = step_costs or (device_step_costs(
             self, slots, n_threads, n_gpu_layers, mparams.use_extra_bufts)
             if self.draft_max else None)
-
-    @staticmethod
-    def backend_devices() -> list:
-        """The devices llama.cpp sees in this process (workers.engine.backends)."""
-        from workers.engine.backends import backend_devices
-        return backend_devices()
 
     def after_load(self) -> None:
         """What is made beside serving once the worker is up: nothing yet. (The

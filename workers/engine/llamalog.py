@@ -9,9 +9,12 @@ written, cut the same way; only `content` (--log-content) writes lines whole.
 """
 from __future__ import annotations
 
+import ctypes
+import itertools
 import re
 import sys
 import time
+import weakref
 
 # llama.cpp's load names where the layers went (a build without a GPU backend says nothing)
 OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
@@ -50,3 +53,32 @@ class LlamaLog:
                     return
                 self.written += 1
         out.write(text)
+
+
+# llama.cpp keeps one log callback per process; `user_data` names the LlamaLog it writes
+# through. Held weakly: a log whose engine is gone falls back to a bounded errors-only one
+# (a raw pointer to it would dangle). llama_cpp is imported on first use: this module is
+# read before a worker pins its device (llama.cpp's backends start when it is imported).
+_LOGS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_FALLBACK = LlamaLog()
+_NEXT = itertools.count(1)
+_CALLBACK = []                  # the one ctypes callback, made once and kept alive
+
+
+def set_llama_log(log: LlamaLog) -> LlamaLog:
+    """Send llama.cpp's log through `log` (for as long as the caller keeps it)."""
+    import llama_cpp
+    if not _CALLBACK:
+        @llama_cpp.llama_log_callback
+        def to_the_log(level: int, text: bytes, user_data) -> None:
+            _LOGS.get(user_data or 0, _FALLBACK).write(level, text.decode("utf-8", "replace"))
+        _CALLBACK.append(to_the_log)
+    key = next(_NEXT)
+    _LOGS[key] = log
+    llama_cpp.llama_log_set(_CALLBACK[0], ctypes.c_void_p(key))
+    return log
+
+
+def quiet_llama_log() -> LlamaLog:
+    """llama.cpp's log to bounded errors only, before any engine exists (probes)."""
+    return set_llama_log(LlamaLog())
