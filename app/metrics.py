@@ -76,7 +76,7 @@ class SnapshotCollector:
         for w in snap.get("workers", []):
             labels = [w["worker"], str(w["device"]), str(w["model"])]
             for key, family in gauges.items():
-                family.add_metric(labels, w[key])
+                family.add_metric(labels, w.get(key, 0))
             restarts.add_metric(labels[:2], w["restarts"])
         yield from gauges.values()
         yield restarts

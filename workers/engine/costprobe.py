@@ -26,7 +26,7 @@ PROBE_VERSION = 2       # part of the kept tables' key: a changed probe measures
 PREFIX = 8              # cached tokens of full_step_seconds' measured sequence
 CONTEXT = 1024          # cached tokens each measured sequence decodes after: an editor's
                         # prompt is a few hundred to several thousand tokens
-CONTEXT_BUDGET = 2.0    # s of prefilling that context at most (a GPU needs milliseconds; a
+CONTEXT_BUDGET = 1.0    # s of prefilling that context at most (a GPU needs milliseconds; a
                         # slow CPU stops short of it, and its attention matters least)
 CONTEXT_CHUNK = 128     # prompt rows a prefilling decode of the context
 FULL_STEP_ROWS = 64     # prompt rows of full_step_seconds' measured chunk (~0.4 s on 2 cores)
