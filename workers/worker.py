@@ -312,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             else None
         if args.config:
             spec, args = _from_config_file(args, spec, file_data)
+        shape = ContextShape.of(args)
     except (ValueError, configfile.ConfigError) as exc:
         parser.error(str(exc))
     if os.environ.get("COMPLETIONS_PARENT_PID"):
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     slots = args.slots or config.DEFAULT_SLOTS[spec.compute]
     if args.engine == "llama":
         placement, refusal = checked_placement(spec, placement, str(model_path), args.nctx,
-                                               slots, ContextShape.of(args))
+                                               slots, shape)
         if refusal:
             log.error("worker %s cannot serve %s on %s: %s", args.name or spec.slug,
                       model_path, spec, refusal)
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                              placement.n_threads, placement.n_gpu_layers,
                              args.log_level.lower() == "debug", args.deterministic,
                              args.prefill_chunk, args.draft_max, args.cache_reuse,
-                             args.log_content, ContextShape.of(args))
+                             args.log_content, shape)
     except EngineError as exc:
         # One line, and an exit status that tells the supervisor not to try again.
         log.error("worker %s cannot serve %s on %s: %s", name, model_path, spec, exc)

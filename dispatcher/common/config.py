@@ -135,6 +135,14 @@ DEFAULT_SLOTS = {"cpu": 8, "gpu": 16, "npu": 16}
 # q8_0 34 bytes, q4_0 18), for the memory estimate before loading
 KV_TYPES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
+
+def check_context_shape(kv_type: str, batch: int, ubatch: int) -> None:
+    """ValueError unless the KV cache type is known and ubatch is at most batch."""
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
+    if ubatch > batch:
+        raise ValueError(f"ubatch {ubatch} is larger than batch {batch}")
+
 OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("host", "127.0.0.1", "address the HTTP front ends listen on"),
     Option("port", 8080, "port the HTTP front ends listen on", _non_negative_int),

@@ -291,13 +291,9 @@ def worker_entry(data: dict, device: str) -> dict:
 def _context_shape(entry: dict, args) -> dict:
     """A worker's KV cache type and batch sizes: its entry's, else the flags'."""
     kv_type = str(entry.get("kv_type", getattr(args, "kv_type", "f16"))).lower()
-    if kv_type not in config.KV_TYPES:
-        raise ValueError(f"kv_type must be one of {', '.join(config.KV_TYPES)}, got "
-                         f"{entry.get('kv_type')!r}")
     batch = _int(entry, "batch", getattr(args, "batch", 512), 1)
     ubatch = _int(entry, "ubatch", getattr(args, "ubatch", 512), 1)
-    if ubatch > batch:
-        raise ValueError(f"ubatch {ubatch} is larger than batch {batch}")
+    config.check_context_shape(kv_type, batch, ubatch)
     return {"kv_type": kv_type, "batch": batch, "ubatch": ubatch}
 
 

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING
 
 from workers.errors import EngineError
 
+from workers.engine.contextshape import ContextShape
+
 if TYPE_CHECKING:
     from dispatcher.common.devices import DeviceSpec
-    from workers.engine.contextshape import ContextShape
     from workers.pinning import Placement
 
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}   # enum ggml_backend_dev_type
@@ -230,12 +231,10 @@ class PlacementCheck:
 
 
 def check_placement(spec: "DeviceSpec", placement: "Placement", model_path: str, nctx: int,
-                    slots: int, shape: "ContextShape | None" = None) -> PlacementCheck:
+                    slots: int, shape: ContextShape = ContextShape()) -> PlacementCheck:
     """Whether this pinned process can load `model_path` at nctx × slots where it is
     asked to: the build drives the device, the device is visible, and weights + KV +
     compute buffers fit in its free memory (the host's, for what stays on the CPU)."""
-    from workers.engine.contextshape import ContextShape
-    context = shape or ContextShape()
     devices = backend_devices()
     found = PlacementCheck(devices)
     if placement.n_gpu_layers > 0:
@@ -244,20 +243,20 @@ def check_placement(spec: "DeviceSpec", placement: "Placement", model_path: str,
         if found.refusal:
             return found
     try:
-        shape = model_shape(model_path)
+        sizes = model_shape(model_path)
     except EngineError as exc:
         found.refusal = str(exc)
         return found
-    found.n_layer = shape["n_layer"]
+    found.n_layer = sizes["n_layer"]
     accelerators = [d for d in devices if d.type != "cpu" and d.name.startswith(
         RUNTIME_PREFIX.get(spec.kind, "?"))]
-    if placement.n_gpu_layers >= shape["n_layer"] + 1 and accelerators:
+    if placement.n_gpu_layers >= sizes["n_layer"] + 1 and accelerators:
         free, where = accelerators[0].free, accelerators[0].name
     else:
         free, where = host_memory_available(), "the host"
-    need = memory_need(os.path.getsize(model_path), shape["n_layer"], shape["n_head_kv"],
-                       shape["key_length"], shape["value_length"], shape["n_vocab"],
-                       nctx, slots, n_ubatch=context.n_ubatch, cell_bytes=context.cell_bytes)
+    need = memory_need(os.path.getsize(model_path), sizes["n_layer"], sizes["n_head_kv"],
+                       sizes["key_length"], sizes["value_length"], sizes["n_vocab"],
+                       nctx, slots, n_ubatch=shape.n_ubatch, cell_bytes=shape.cell_bytes)
     found.memory = {"need_mib": need.total // MIB, "free_mib": free // MIB,
                     "kv_estimate_mib": need.kv // MIB}
     found.refusal = memory_refusal(need, free, where, nctx, slots)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dispatcher.common.config import KV_TYPES
+from dispatcher.common.config import KV_TYPES, check_context_shape
 
 GGML_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}    # enum ggml_type
 
@@ -17,12 +17,7 @@ class ContextShape:
     n_ubatch: int = 512
 
     def __post_init__(self):
-        if self.kv_type not in KV_TYPES:
-            raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got "
-                             f"{self.kv_type!r}")
-        if not 1 <= self.n_ubatch <= self.n_batch:
-            raise ValueError(f"ubatch {self.n_ubatch} must be between 1 and batch "
-                             f"{self.n_batch}")
+        check_context_shape(self.kv_type, self.n_batch, self.n_ubatch)
 
     @classmethod
     def of(cls, args) -> "ContextShape":
