@@ -119,7 +119,8 @@ def step_profile(workers: list[dict]):
                                     labels=["worker", "device", "source", "outcome"])
     seconds = CounterMetricFamily("completions_worker_step_seconds", "Step time by phase: "
                                   "plan (rows, drafts, the batch), decode (to the device's "
-                                  "end), sample (sampling and verifying).",
+                                  "end), sample (sampling and verifying), draft (the draft "
+                                  "model's decodes, --draft-model).",
                                   labels=["worker", "device", "phase"])
     for w in workers:
         totals = w.get("steps")
@@ -135,8 +136,8 @@ def step_profile(workers: list[dict]):
         for source, (drafted, kept) in sorted((totals.get("sources") or {}).items()):
             by_source.add_metric(labels + [source, "drafted"], drafted)
             by_source.add_metric(labels + [source, "accepted"], kept)
-        for phase in ("plan", "decode", "sample"):
-            seconds.add_metric(labels + [phase], totals[f"{phase}_seconds"])
+        for phase in ("plan", "decode", "sample", "draft"):
+            seconds.add_metric(labels + [phase], totals.get(f"{phase}_seconds", 0.0))
     yield from (steps, rows, batches, sat_out, accepted, by_source, seconds)
 
 

@@ -7,23 +7,35 @@
 #
 # prepare: downloads the project's dependencies, llama-cpp-python's source and its build
 #   tools into WHEELHOUSE, and a wheel of this checkout (no model: the bundled one is not
-#   carried).
+#   carried). The source is slimmed (its git history, test vocabularies, docs and web UI
+#   dropped: 76 MB to ~10 MB) so the wheelhouse fits where carrying is tight.
+#   GPU_CHECK_PYTHON_VERSION=3.12: binary wheels for that Python (the GPU box's) instead
+#   of this one's.
 # run: a virtual environment from WHEELHOUSE alone, a random-weights model of realistic
 #   shape (GPU_CHECK_SHAPE: small, 1b, 7b; default 1b), then llama-cpp-python built with
-#   CUDA for the architectures of this machine's GPUs, `python -m dispatcher selftest` on
-#   cuda:0 and a short bench at 1 and 16 streams, with drafts and without, with the step
-#   profile (host and device time a step). Figures go to OUT (default ./gpu-check-out):
-#   summary.txt, selftest.json, bench-{1,16}-drafts-{on,off}.json, status-{on,off}.txt,
-#   build.log, server-{on,off}.log.
+#   CUDA for the architectures of this machine's GPUs (unless the environment's already
+#   offloads), `python -m dispatcher selftest` on cuda:0 and a short bench at 1 and 16
+#   streams with drafts from lookups (on), without drafts (off) and with a draft model
+#   as well (model: a random-weights one of GPU_CHECK_DRAFT_SHAPE, default small, whose
+#   drafts are mostly refused: the floor must stop them), with the step profile (host,
+#   device and draft-model time a step). Figures go to OUT (default ./gpu-check-out):
+#   summary.txt, selftest.json, bench-{1,16}-drafts-{on,off,model}.json,
+#   status-{on,off,model}.txt, build.log, server-{on,off,model}.log.
 #   Without a GPU, or without nvcc, it stops before the build and says so (exit 3).
 # Options (environment): GPU_CHECK_SHAPE; GPU_CHECK_PYTHON=path to a Python whose
 #   environment already has the project and its dependencies (skips the venv: for trying
-#   the script on a development machine); GPU_CHECK_DRY_RUN=1 prints the build, selftest and
-#   bench commands instead of running them; GPU_CHECK_DEVICE (default cuda:0).
+#   the script on a development machine); GPU_CHECK_BASE_PACKAGES=1: the venv also sees
+#   the packages of the python3 that makes it (a CUDA image's numpy, cmake, ninja, even
+#   where that python3 is itself a venv's), so the wheelhouse need not carry them;
+#   GPU_CHECK_DRY_RUN=1 prints the build, selftest and bench commands instead of running
+#   them; GPU_CHECK_DEVICE (default cuda:0); GPU_CHECK_REBUILD=1 builds even where the
+#   environment's llama-cpp-python already offloads.
 set -eu
 
 LLAMA_CPP_PYTHON=llama-cpp-python==0.3.36
 CHECK_TOOLS=gguf        # the check's own: the random-weights model's writer
+LLAMA_DEPS="typing-extensions diskcache jinja2"     # llama-cpp-python's own (its source
+                                                    # is downloaded without them)
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 
 requirements() {
@@ -41,6 +53,13 @@ for line in cfg["options"]["install_requires"].split("\n"):
 EOF
 }
 
+pip_command() {
+    # the pip that installs into the environment of Python $1: its own, or python3's
+    if "$1" -m pip --version >/dev/null 2>&1; then echo "$1 -m pip"
+    else echo "python3 -m pip --python $1"; fi
+}
+pip_of() { py_=$1; shift; $(pip_command "$py_") "$@"; }
+
 say() { printf '%s gpu-check: %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$SUMMARY" >&2; }
 stop() { code=$1; shift; say "STOPPED: $*"; exit "$code"; }   # stop STATUS MESSAGE
 
@@ -49,16 +68,45 @@ usage() {
     exit 2
 }
 
+binary_for() {
+    # pip download's options for binary wheels of another Python (GPU_CHECK_PYTHON_VERSION)
+    [ -n "${GPU_CHECK_PYTHON_VERSION:-}" ] || return 0
+    printf '%s ' --only-binary=:all: --python-version "$GPU_CHECK_PYTHON_VERSION" \
+        --implementation cp
+    for p in manylinux_2_28 manylinux_2_27 manylinux_2_26 manylinux_2_24 manylinux_2_17 \
+             manylinux2014 manylinux_2_5 manylinux1; do
+        printf -- '--platform %s_x86_64 ' "$p"
+    done
+}
+
+slim_source() {
+    # llama-cpp-python's source less what its build never reads: the vendored llama.cpp's
+    # git history, test vocabularies, docs, media, benches and web UI
+    sdist=$(ls "$1"/llama_cpp_python-*.tar.gz)
+    work=$(mktemp -d)
+    tar -xzf "$sdist" -C "$work"
+    top=$(ls "$work")
+    (cd "$work/$top" && rm -rf .git vendor/llama.cpp/.git vendor/llama.cpp/models/*.gguf \
+        vendor/llama.cpp/docs vendor/llama.cpp/media vendor/llama.cpp/benches \
+        vendor/llama.cpp/tools/ui)
+    tar -czf "$sdist.slim" -C "$work" "$top" && mv "$sdist.slim" "$sdist"
+    rm -rf "$work"
+}
+
 prepare() {
     wheelhouse=$1
     mkdir -p "$wheelhouse"
     # shellcheck disable=SC2046  # one requirement per word
-    python3 -m pip download --dest "$wheelhouse" $(requirements) $CHECK_TOOLS \
-        "$LLAMA_CPP_PYTHON" --no-binary llama-cpp-python
+    python3 -m pip download --dest "$wheelhouse" $(binary_for) $(requirements) $CHECK_TOOLS \
+        $LLAMA_DEPS
+    python3 -m pip download --dest "$wheelhouse" --no-deps --no-binary llama-cpp-python \
+        "$LLAMA_CPP_PYTHON"
     # llama-cpp-python's build requirements (pip does not download those with an sdist)
-    python3 -m pip download --dest "$wheelhouse" "scikit-build-core>=0.9.2" \
+    # shellcheck disable=SC2046
+    python3 -m pip download --dest "$wheelhouse" $(binary_for) "scikit-build-core>=0.9.2" \
         cmake ninja
     python3 -m pip wheel --no-deps --wheel-dir "$wheelhouse" "$HERE"
+    slim_source "$wheelhouse"
     echo "wheelhouse ready: $wheelhouse ($(ls "$wheelhouse" | wc -l) files); carry it and" \
          "this checkout to the GPU box, then: deploy/gpu-check.sh run $wheelhouse" >&2
 }
@@ -89,15 +137,23 @@ run() {
         say "using the environment of $py (GPU_CHECK_PYTHON)"
     else
         say "creating $OUT/venv from $wheelhouse (offline)"
-        python3 -m venv "$OUT/venv"
+        # (without pip where python3's venv cannot make one: no ensurepip; python3's own
+        # pip then installs into it)
+        python3 -m venv "$OUT/venv" 2>/dev/null || python3 -m venv --clear --without-pip "$OUT/venv" ||
+            stop 2 "python3 cannot make a virtual environment"
         py=$OUT/venv/bin/python
+        if [ -n "${GPU_CHECK_BASE_PACKAGES:-}" ]; then
+            # python3's own packages behind the venv's (a .pth line each: python3 may be
+            # a venv's, which --system-site-packages would skip)
+            python3 -c 'import site; print("\n".join(site.getsitepackages()))' \
+                >"$("$py" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/gpu_check_base.pth"
+        fi
         # shellcheck disable=SC2046
-        "$py" -m pip install --quiet --no-index --find-links "$wheelhouse" \
-            $(requirements) $CHECK_TOOLS scikit-build-core cmake ninja \
-            typing-extensions diskcache jinja2 ||
+        pip_of "$py" install --quiet --no-index --find-links "$wheelhouse" \
+            $(requirements) $CHECK_TOOLS scikit-build-core cmake ninja $LLAMA_DEPS ||
             stop 2 "$wheelhouse lacks a dependency: run prepare again"
         # the project without the bundled model package (too big to carry)
-        "$py" -m pip install --quiet --no-index --no-deps --find-links "$wheelhouse" \
+        pip_of "$py" install --quiet --no-index --no-deps --find-links "$wheelhouse" \
             completions-server
     fi
     # what selftest and serve import, before the long build (llama_cpp comes with it)
@@ -120,7 +176,7 @@ run() {
 
     jobs=$(nproc)
     build="CMAKE_ARGS='-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$arch' \
-CMAKE_BUILD_PARALLEL_LEVEL=$jobs $py -m pip install --no-index --find-links $wheelhouse \
+CMAKE_BUILD_PARALLEL_LEVEL=$jobs $(pip_command "$py") install --no-index --find-links $wheelhouse \
 --no-build-isolation --force-reinstall --no-deps --no-binary llama-cpp-python $LLAMA_CPP_PYTHON"
     selftest="$py -m dispatcher selftest --model $model --device $DEVICE --slots 16 \
 --nctx 4096 --prompt-tokens 512 --tokens 128 --json"
@@ -129,13 +185,18 @@ CMAKE_BUILD_PARALLEL_LEVEL=$jobs $py -m pip install --no-index --find-links $whe
         say "dry run; would check: $selftest"
         return 0
     fi
-    # llama-cpp-python's build tools (also into a GPU_CHECK_PYTHON environment)
-    "$py" -m pip install --quiet --no-index --find-links "$wheelhouse" scikit-build-core \
-        cmake ninja || stop 2 "the build tools are not in $wheelhouse: run prepare again"
-    say "building llama-cpp-python with CUDA for architectures $arch on $jobs cores (build.log)"
-    b0=$(date +%s)
-    sh -c "$build" >"$OUT/build.log" 2>&1 || stop 1 "the CUDA build failed: tail $OUT/build.log"
-    say "CUDA build took $(($(date +%s) - b0)) s"
+    if [ -z "${GPU_CHECK_REBUILD:-}" ] && "$py" -c "import llama_cpp, sys; \
+sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 1)" 2>/dev/null; then
+        say "llama-cpp-python here already offloads: no build (GPU_CHECK_REBUILD=1 forces one)"
+    else
+        # llama-cpp-python's build tools (also into a GPU_CHECK_PYTHON environment)
+        pip_of "$py" install --quiet --no-index --find-links "$wheelhouse" scikit-build-core \
+            cmake ninja || stop 2 "the build tools are not in $wheelhouse: run prepare again"
+        say "building llama-cpp-python with CUDA for architectures $arch on $jobs cores (build.log)"
+        b0=$(date +%s)
+        sh -c "$build" >"$OUT/build.log" 2>&1 || stop 1 "the CUDA build failed: tail $OUT/build.log"
+        say "CUDA build took $(($(date +%s) - b0)) s"
+    fi
     "$py" -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 1)" ||
         stop 1 "the build has no GPU offload (see build.log)"
 
@@ -160,11 +221,24 @@ for d in report["devices"]:
 EOF
     grep -q '"ok": true' "$OUT/selftest.json" || stop 1 "selftest failed (selftest.json)"
 
-    # the bench: 1 and 16 streams, with drafts and without (--draft-max 0), each part's
-    # step profile (host and device milliseconds a step, rows, drafts) from /metrics
-    for drafts in on off; do
-        port=$((18480 + $([ $drafts = on ] && echo 0 || echo 1)))
-        extra=$([ $drafts = on ] && echo "" || echo "--draft-max 0")
+    draft=$OUT/model-$DRAFT_SHAPE.gguf
+    if [ ! -s "$draft" ]; then
+        say "writing a random-weights draft model, shape $DRAFT_SHAPE"
+        (cd "$OUT" && "$py" -m workers.synthetic_model "$draft" --shape "$DRAFT_SHAPE") \
+            2>>"$SUMMARY" || stop 1 "writing the draft model failed (see $SUMMARY)"
+    fi
+
+    # the bench: 1 and 16 streams, with drafts from lookups (on), without (--draft-max 0)
+    # and with the draft model too, each part's step profile (host, device and draft-model
+    # milliseconds a step, rows, drafts by source) from /metrics
+    port=18480
+    for drafts in on off model; do
+        port=$((port + 1))
+        case $drafts in
+            on) extra="" ;;
+            off) extra="--draft-max 0" ;;
+            model) extra="--draft-model $draft" ;;
+        esac
         say "serving the model on $DEVICE, drafts $drafts, for the bench (server-$drafts.log)"
         # shellcheck disable=SC2086
         "$py" -m dispatcher serve --model "$model" --device "$DEVICE" --slots 16 --nctx 4096 \
@@ -204,6 +278,7 @@ case $command in
         OUT=$(mkdir -p "${3:-gpu-check-out}" && cd "${3:-gpu-check-out}" && pwd)
         SUMMARY=$OUT/summary.txt
         SHAPE=${GPU_CHECK_SHAPE:-1b}
+        DRAFT_SHAPE=${GPU_CHECK_DRAFT_SHAPE:-small}
         DEVICE=${GPU_CHECK_DEVICE:-cuda:0}
         : >"$SUMMARY"
         run "$2" ;;

@@ -18,7 +18,7 @@ from dispatcher.tools.ctl import default_dispatcher_address, dispatcher_answers
 log = logging.getLogger("dispatcher")
 FRONTEND_STOP_GRACE = 3     # seconds gunicorn gets once the dispatcher has drained
 SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "model_alias",
-                 "fim_template", "prefill_chunk", "draft_max", "cache_reuse",
+                 "fim_template", "prefill_chunk", "draft_max", "draft_model", "cache_reuse",
                  "cors_origin", "device",
                  "nctx", "ngl", "slots", "kv_type", "batch", "ubatch", "deterministic",
                  "engine", "dispatcher",
@@ -128,6 +128,8 @@ def cmd_serve(args) -> int:
         raise SystemExit(exc.report())
     if args.api_key_file and not os.access(args.api_key_file, os.R_OK):
         raise SystemExit(f"--api-key-file {args.api_key_file}: not readable")
+    if args.draft_model:                # (one line now, not a worker refusing later)
+        args.draft_model = str(resolve_model_path(args.draft_model))
     if args.frontends and access_log_problem(args.access_log):
         raise SystemExit(access_log_problem(args.access_log))
     if args.frontends and not _port_free(args.host, args.port):
@@ -154,6 +156,8 @@ def cmd_serve(args) -> int:
         argv = python_module_argv("workers", *worker.argv(base, args.engine, args.log_level),
                                   "--prefill-chunk", str(args.prefill_chunk),
                                   "--draft-max", str(args.draft_max),
+                                  *(["--draft-model", args.draft_model]
+                                    if args.draft_model else []),
                                   "--cache-reuse", str(args.cache_reuse),
                                   "--step-timeout", str(args.step_timeout),
                                   "--heartbeat-interval", str(args.heartbeat_interval),

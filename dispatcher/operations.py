@@ -177,11 +177,13 @@ class Operations:
 
 def step_ms(steps) -> dict | None:
     """A worker's mean step since it started, split into the host's work (planning the
-    batch, sampling and verifying) and the device's (the decode, to its end)."""
+    batch, sampling and verifying) and the device's (the decode, to its end, and the
+    draft model's decodes)."""
     if steps is None or not steps.steps:
         return None
     return {"host": round(1000 * (steps.plan_seconds + steps.sample_seconds) / steps.steps, 2),
-            "device": round(1000 * steps.decode_seconds / steps.steps, 2),
+            "device": round(1000 * (steps.decode_seconds + steps.draft_seconds) / steps.steps,
+                            2),
             "steps": steps.steps}
 
 

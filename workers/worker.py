@@ -226,7 +226,8 @@ def compute_kind(device_compute: str, n_gpu_layers: int, n_layer: int) -> str:
 def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: int,
                 n_gpu_layers: int, verbose: bool, deterministic: bool = False,
                 prefill_chunk: int = 0, draft_max: int = 0, cache_reuse: int = 0,
-                log_content: bool = False, shape: ContextShape = ContextShape()):
+                log_content: bool = False, shape: ContextShape = ContextShape(),
+                draft_model: str | None = None):
     if kind == "fake":
         from workers.fake_engine import FakeEngine
         return FakeEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose,
@@ -235,7 +236,7 @@ def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: i
         from workers.engine.llama import LlamaEngine      # imported only after pinning
         return LlamaEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose,
                            deterministic, prefill_chunk, draft_max, cache_reuse,
-                           log_content, shape=shape)
+                           log_content, shape=shape, draft_model=draft_model)
     raise ValueError(f"unknown engine {kind!r}: use llama or fake")
 
 
@@ -290,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                     "supplies its model, profile and sizes; flags override them.")
     config.add_options(parser, ["config", "dispatcher", "device", "model", "model_id", "nctx",
                                 "ngl", "slots", "kv_type", "batch", "ubatch", "deterministic", "engine", "name",
-                                "fim_template", "prefill_chunk", "draft_max", "cache_reuse",
-                                "step_timeout", "heartbeat_interval", "log_level",
+                                "fim_template", "prefill_chunk", "draft_max", "draft_model",
+                                "cache_reuse", "step_timeout", "heartbeat_interval", "log_level",
                                 "log_content", "curve_keys", "curve_name",
                                 "insecure_transport"],
                        configfile.server_defaults(file_data))
@@ -339,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
             log.error("worker %s cannot serve %s on %s: %s", args.name or spec.slug,
                       model_path, spec, refusal)
             return EXIT_CANNOT_LOAD
+    try:
+        draft_model = str(resolve_model_path(args.draft_model)) if args.draft_model else None
+    except SystemExit as exc:
+        log.error("worker %s cannot serve: the draft model: %s", args.name or spec.slug, exc)
+        return EXIT_CANNOT_LOAD
     model_id = args.model_id or default_model_id(model_path)
     # a keyed worker's name starts with its key's name (the dispatcher binds the two)
     prefix = f"{args.curve_name}-" if keys is not None and args.curve_name != "local" else ""
@@ -349,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
                              placement.n_threads, placement.n_gpu_layers,
                              args.log_level.lower() == "debug", args.deterministic,
                              args.prefill_chunk, args.draft_max, args.cache_reuse,
-                             args.log_content, shape)
+                             args.log_content, shape, draft_model)
     except EngineError as exc:
         # One line, and an exit status that tells the supervisor not to try again.
         log.error("worker %s cannot serve %s on %s: %s", name, model_path, spec, exc)

@@ -153,6 +153,10 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "from the request's own text and its key's recent answers, verified in the same "
            "decode (0: off); each draft's length, and whether to draft at all, follows the "
            "step costs measured at start-up", _non_negative_int),
+    Option("draft_model", None, "path of a small GGUF model of the served model's "
+           "vocabulary that drafts for it on the same device, beside the lookups (llama.cpp's "
+           "-md); used where the step costs measured at start-up, its own included, say its "
+           "drafts pay; a vocabulary that differs is refused at start"),
     Option("cache_reuse", 256, "KV chunk reuse: after the prefix a slot's cache shares with "
            "a prompt, runs of at least this many cached tokens that the prompt repeats "
            "further along (the file after an edit) are shifted into place instead of "

@@ -315,6 +315,7 @@ class StepTotals(msgspec.Struct, kw_only=True):
     plan_seconds: float = 0.0           # choosing rows and drafts, filling the batch
     decode_seconds: float = 0.0         # llama_decode, to the device's end
     sample_seconds: float = 0.0         # sampling and verifying every row
+    draft_seconds: float = 0.0          # the draft model's decodes (--draft-model)
 
 
 class WorkerBeat(Body):

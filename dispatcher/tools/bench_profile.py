@@ -25,6 +25,7 @@ FIELDS = {              # metric sample name (and label) -> StepTotals field
     ("completions_worker_step_seconds_total", "plan"): "plan_seconds",
     ("completions_worker_step_seconds_total", "decode"): "decode_seconds",
     ("completions_worker_step_seconds_total", "sample"): "sample_seconds",
+    ("completions_worker_step_seconds_total", "draft"): "draft_seconds",
 }
 
 
@@ -97,6 +98,7 @@ def profile_row(target_name: str, part: str, before: dict | None,
         "decode ms": round(1000 * d["decode_seconds"] / steps, 1),
         "decode ms/row": round(1000 * d["decode_seconds"] / rows, 2) if rows else "-",
         "sample ms": round(1000 * d["sample_seconds"] / steps, 2),
+        "draft model ms": round(1000 * d.get("draft_seconds", 0.0) / steps, 2),
         "drafts by source (accepted/drafted)": " ".join(
             f"{k[:-len(':drafted')]} {int(d.get(k[:-len('drafted')] + 'accepted', 0))}"
             f"/{int(v)}" for k, v in sorted(d.items())

@@ -27,6 +27,7 @@ from workers.engine.alphabet import TokenTexts
 from dispatcher.common.models import model_file_digest
 from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
+from workers.engine.draftmodel import DraftCosts, DraftModel
 from workers.engine.repacking import extra_buffers_work
 from workers.engine.scheduling import Scheduler, seq_runs
 from workers.engine.speculation import Calibration, Drafter, Histories, common_prefix
@@ -91,7 +92,8 @@ class LlamaEngine:
                  n_gpu_layers: int, verbose: bool = False, deterministic: bool = False,
                  prefill_chunk: int = 0, draft_max: int = 0, cache_reuse: int = 0,
                  log_content: bool = False, step_costs: StepCosts | None = None,
-                 shape: ContextShape = ContextShape()):
+                 shape: ContextShape = ContextShape(), draft_model: str | None = None,
+                 draft_costs: DraftCosts | None = None):
         self.lib = llama_cpp
         self.log = set_llama_log(LlamaLog(verbose, log_content))   # held while loaded
         llama_cpp.llama_backend_init()
@@ -182,6 +184,23 @@ class LlamaEngine:
         self.step_costs = step_costs or (device_step_costs(
             self, slots, n_threads, n_gpu_layers, mparams.use_extra_bufts)
             if self.draft_max else None)
+        # a small model of this vocabulary drafting beside the lookups (draftmodel.py)
+        self.draft_model = None
+        if draft_model and self.draft_max:
+            try:
+                self.draft_model = DraftModel(llama_cpp, draft_model, self.vocab, n_ctx,
+                                              slots, n_threads, n_gpu_layers, shape,
+                                              mparams.use_extra_bufts, draft_costs)
+            except EngineError:
+                self.close()
+                raise
+            log.info("draft model %s: a decode of 1 row %.2f ms, of %d rows %.2f ms, a "
+                     "catch-up token %.3f ms", draft_model, self.draft_model.costs.step_ms(1),
+                     slots, self.draft_model.costs.step_ms(slots),
+                     self.draft_model.costs.catch_up_ms)
+        elif draft_model:
+            log.warning("--draft-model %s unused: speculation is off (--draft-max 0 or "
+                        "deterministic)", draft_model)
 
     def after_load(self) -> None:
         """What is made beside serving once the worker is up: nothing yet. (The
@@ -317,6 +336,8 @@ class LlamaEngine:
             if not slot.busy:
                 llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
                 slot.cached = []
+        if self.draft_model is not None:
+            self.draft_model.forget()
 
     def _shift_chunks(self, slot: _Slot, tokens: list[int], n_past: int) -> int:
         """Shift cached chunks that the prompt repeats further along into place
@@ -390,8 +411,13 @@ class LlamaEngine:
                 [s for s in self.slots if s.busy and s.next_token is not None], prefilling,
                 self.step_costs)
         self.calibration.step()
+        drafting = self.draft_model.seconds if self.draft_model is not None else 0.0
         self.scheduler.draft(self.slots, generating, prefilling, self.n_ctx, self.n_batch,
-                             self.step_costs)
+                             self.step_costs, self.draft_model)
+        if self.draft_model is not None:
+            drafting = self.draft_model.seconds - drafting
+            self.totals.draft_seconds += drafting
+            planning += drafting            # (the plan's time is the host's alone)
         # Every generating slot has its rows; prompts share at most `prefill_chunk` more,
         # so a long prompt holds the running streams back by one chunk a step at most.
         rows = sum(1 + len(s.draft) for s in generating)
@@ -569,6 +595,9 @@ class LlamaEngine:
         self.candidates.texts.close()
         for slot_id in range(len(self.slots)):
             self.release(slot_id, keep_cache=False)
+        if getattr(self, "draft_model", None) is not None:
+            self.draft_model.close()
+            self.draft_model = None
         llama_cpp.llama_batch_free(self.batch)
         llama_cpp.llama_free(self.ctx)
         llama_cpp.llama_model_free(self.model)

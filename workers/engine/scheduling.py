@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from workers.engine.speculation import DRAFT_MIN, find_draft
-from workers.engine.stepcosts import EACH, StepCosts, each_plan, plan
+from workers.engine.stepcosts import EACH, StepCosts, each_plan, plan, step_rate
 
 DEEP_AFTER = 16         # first line first: tokens after which a sequence past its first line
                         # may sit out a step for sequences still short of theirs
@@ -140,7 +140,7 @@ class Scheduler:
         return grant
 
     def draft(self, slots: list, generating: list, prefilling: list, n_ctx: int,
-              n_batch: int, step_costs: StepCosts | None) -> None:
+              n_batch: int, step_costs: StepCosts | None, model=None) -> None:
         """Sets each generating sequence's `draft` for this step: its best proposal, where
         it pays (stepcosts.plan, on the step costs). While another sequence is prefilling
         or short of its first newline, or within ARRIVAL_QUIET s of another request's
@@ -155,7 +155,12 @@ class Scheduler:
         a draft row costs several plain steps, that is no draft; on a GPU, where rows are
         cheap, the drafts stay. An arrival counts as traffic when it came while another
         sequence was running: one client sending requests one after another keeps its
-        drafts."""
+        drafts.
+
+        `model` (a `workers.engine.draftmodel.DraftModel`): a sequence may draft with it
+        instead of its best lookup, where the step's plan with the draft model's drafts
+        (their making counted) gives a better rate than without; its tokens are made
+        once the lengths are chosen (`_model_drafts`)."""
         proposals = []
         waiting = [s for s in generating if not s.line_done] + prefilling
         now = time.monotonic()
@@ -182,19 +187,26 @@ class Scheduler:
                     alike = False
             else:
                 alike = False
-        if not proposals or step_costs is None:
+        if step_costs is None:
             return
         stretch = WAIT_STRETCH if someone_waits else TRAFFIC_STRETCH if traffic else None
         by_seq = dict(proposals)
-        chosen = plan(step_costs, len(generating), proposals, stretch=stretch)
-        if alike and len(generating) * (1 + EACH[-1]) <= n_batch:
+        chosen = plan(step_costs, len(generating), proposals, stretch=stretch) \
+            if proposals else {}
+        if model is not None:
+            by_seq, chosen = self._with_model(model, generating, by_seq, chosen, n_ctx,
+                                              step_costs, stretch)
+        if not chosen and not proposals:
+            return
+        if alike and len(generating) * (1 + EACH[-1]) <= n_batch and \
+                not any(by_seq[q].make_ms for q in chosen):
             runs = seq_runs(sorted(s.seq for s in generating))
             plain = sum(step_costs.plain_cost(r) for r in runs)
             drafted = sum(chosen.values())
             one_rate = (len(generating) + sum(by_seq[q].gain(n) for q, n in chosen.items())) \
                 / (plain + step_costs.cost(len(generating), drafted) -
                    step_costs.cost(len(generating), 0))
-            k, rate = each_plan(step_costs, runs, list(by_seq.values()), stretch)
+            k, rate = each_plan(step_costs, runs, [p for _, p in proposals], stretch)
             if k and rate > one_rate:
                 for slot in generating:
                     proposal = by_seq.get(slot.seq)
@@ -206,13 +218,60 @@ class Scheduler:
                     slot.draft = (slot.draft + guess + [context[-1]] * k)[:k]
                 return
         rows = n_batch - len(generating)
+        made = self._model_drafts(model, slots, by_seq, chosen)
         for seq, length in chosen.items():
             slot, proposal = slots[seq], by_seq[seq]
-            length = min(length, rows)
+            length = min(length, rows, len(made.get(seq, proposal.tokens)))
             if length >= 1:
+                if seq in made:
+                    proposal.tokens = made[seq]
                 slot.draft = proposal.tokens[:length]
                 slot.policy.started(proposal, len(slot.cached) + 1)
                 rows -= length
+
+    @staticmethod
+    def _with_model(model, generating: list, by_seq: dict, chosen: dict, n_ctx: int,
+                    step_costs: StepCosts, stretch: float | None) -> tuple[dict, dict]:
+        """The proposals and the plan with the draft model's drafts where its draft is
+        likelier than the sequence's lookup, if that plan's rate (making included) beats
+        the lookups' alone; else those unchanged."""
+        able = [s for s in generating if s.policy is not None]
+        if not able:
+            return by_seq, chosen
+        token_ms = model.costs.token_ms(len(able))
+        mixed = dict(by_seq)
+        for slot in able:
+            context = slot.cached + [slot.next_token]
+            left = (n_ctx - slot.n_past - 2) if slot.budget is None else \
+                min(n_ctx - slot.n_past - 2, slot.budget - slot.sampled - 1)
+            # a long catch-up (a new prompt) is paid once: its share of each step of the
+            # sequence's drafts to come
+            steps_left = max(1.0, left / (1 + slot.policy.allowance))
+            fixed = max(0, model.behind(slot.seq, context) - 2) * \
+                model.costs.catch_up_ms / steps_left
+            proposal = slot.policy.model_proposal(left, token_ms, fixed)
+            if proposal is None:
+                continue
+            lookup = by_seq.get(slot.seq)
+            room = len(proposal.tokens)
+            if lookup is None or lookup.gain(room) < proposal.gain(room):
+                mixed[slot.seq] = proposal
+        if all(p is by_seq.get(q) for q, p in mixed.items()):
+            return by_seq, chosen
+        n = len(generating)
+        with_model = plan(step_costs, n, list(mixed.items()), stretch=stretch)
+        if step_rate(step_costs, n, mixed, with_model) > \
+                step_rate(step_costs, n, by_seq, chosen):
+            return mixed, with_model
+        return by_seq, chosen
+
+    @staticmethod
+    def _model_drafts(model, slots: list, by_seq: dict, chosen: dict) -> dict[int, list[int]]:
+        """The draft model's tokens for the chosen proposals that it makes, each as long
+        as the plan chose, made together (one decode a token for all of them)."""
+        wants = {seq: (slots[seq].cached + [slots[seq].next_token], length)
+                 for seq, length in chosen.items() if by_seq[seq].make_ms}
+        return model.draft(wants) if wants and model is not None else {}
 
 
 def seq_runs(seqs: list[int]) -> list[int]:

@@ -280,7 +280,7 @@ class Calibration:
 # Priors (pseudo-counts): a copy that ran before is likely to go on; a lookup's own
 # evidence is how far back its match reaches (`matched`), counted per proposal.
 PRIORS = {"copy": (9.0, 1.0), "long": (1.0, 1.0), "short": (1.0, 1.0),
-          "history": (1.0, 1.0), "recycled": (1.0, 2.0)}
+          "history": (1.0, 1.0), "recycled": (1.0, 2.0), "model": (3.0, 1.0)}
 PRIOR_CUT = 1.0
 FADE = 0.98             # per step: a source's misses of ~35 steps ago count half
 MATCH_WINDOW = 64       # how far back a lookup's match is measured
@@ -303,6 +303,15 @@ class Proposal:
     origin: list[int] | None = field(default=None, repr=False)  # the tokens it copies
     external: bool = False          # ... a recent sequence's, not the context's
     scale: float = 1.0              # its source's calibration (Calibration.factor)
+    # `model`: its tokens are made once the step's plan has chosen its length, each
+    # costing `make_ms` (the draft model's decodes), plus `make_fixed` once (a share of
+    # bringing the draft model's cache level with the context); others cost nothing
+    make_ms: float = 0.0
+    make_fixed: float = 0.0
+
+    def make_cost(self, length: int) -> float:
+        """Milliseconds making its first `length` tokens adds to the step."""
+        return self.make_fixed + self.make_ms * length if self.make_ms else 0.0
 
     def expected(self, length: int) -> float:
         """Draft tokens its rate expects to survive of the first `length`."""
@@ -402,6 +411,21 @@ class Drafter:
                             if p.start == best.start and p.origin is best.origin]
         return best
 
+    def model_proposal(self, limit: int, make_ms: float, make_fixed: float
+                       ) -> Proposal | None:
+        """A draft model's draft of at most `limit` tokens, yet to be made (`Proposal`'s
+        make costs): rated by the source's record in this sequence, None where it is
+        below the floor or there is no room for DRAFT_MIN tokens. Call after `propose`
+        (which fades the records) in the same step."""
+        room = min(limit, self.max_len)
+        record = self.records["model"]
+        if room < DRAFT_MIN or record.below_floor:
+            return None
+        return Proposal("model", 0, [0] * min(room, self.allowance), record.rate,
+                        scale=self.calibration.factor("model")
+                        if self.calibration is not None else 1.0,
+                        make_ms=make_ms, make_fixed=make_fixed)
+
     def learn(self, context: list[int]) -> bool:
         """The tenant's `recycled` table learns the model's tokens written since the last
         call (False: this sequence has no such table)."""
@@ -484,8 +508,8 @@ class Drafter:
         # the place again by the last few tokens if it comes back to that text. (A
         # one-token substitution then costs the two steps until the last two tokens
         # match again: measured, fewer wasted draft steps than resuming blindly.)
-        if proposal.source == "recycled":   # (no text it copies: nothing to go on from)
-            return
+        if proposal.source in ("recycled", "model"):    # (no text it copies: nothing to
+            return                                      # go on from)
         self.misses = self.misses + 1 if accepted == 0 else 0
         self.distance = self.copied = None
         if proposal.external:

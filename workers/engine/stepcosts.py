@@ -301,7 +301,9 @@ def plan(costs: StepCosts, sequences: int, proposals: list[tuple[object, Proposa
     whole), the proposals at least that long join, likeliest first, while each raises
     the rate; the best length wins. `stretch`: the step with its drafts may take at most
     (1 + stretch) times the plain step (others are waiting on the worker: a request that
-    arrives during a long step waits for it). Empty: no drafts."""
+    arrives during a long step waits for it). A draft model's proposal also costs the
+    decodes that make its tokens (`Proposal.make_cost`), counted in the step's time.
+    Empty: no drafts."""
     plain = costs.cost(sequences, 0)
     if plain <= 0:
         return {}
@@ -310,22 +312,38 @@ def plan(costs: StepCosts, sequences: int, proposals: list[tuple[object, Proposa
     candidates = {n for _, p in proposals
                   for n in [m for m in lengths if m < len(p.tokens)] + [len(p.tokens)]}
     for length in sorted(candidates):
-        able = sorted(((p.gain(length), i, key) for i, (key, p) in enumerate(proposals)
+        able = sorted(((p.gain(length), -p.make_cost(length), i, key)
+                       for i, (key, p) in enumerate(proposals)
                        if len(p.tokens) >= length), reverse=True)
         chosen: dict[object, int] = {}
-        tokens, rate = float(sequences), sequences / plain
-        for gain, _, key in able:
-            cost = costs.cost(sequences, length * (len(chosen) + 1))
+        tokens, rate, making = float(sequences), sequences / plain, 0.0
+        for gain, make, _, key in able:     # (make: minus what making the draft costs)
+            cost = costs.cost(sequences, length * (len(chosen) + 1)) + making - make
             if ceiling is not None and cost > ceiling:
-                break                       # (a longer draft may cost less: SHAPES_EXTRA)
+                continue                    # (a longer draft may cost less: SHAPES_EXTRA;
+                                            # one made for free may still fit)
             if (tokens + gain) / cost <= rate:
-                break
+                continue
             chosen[key] = length
             tokens += gain
+            making -= make
             rate = tokens / cost
         if chosen and rate > best_rate and rate > (1 + DRAFT_MARGIN) * sequences / plain:
             best_rate, best = rate, chosen
     return best
+
+
+def step_rate(costs: StepCosts, sequences: int, proposals: dict[object, Proposal],
+              chosen: dict[object, int]) -> float:
+    """Tokens a millisecond a step of `sequences` sequences is expected to give with the
+    `chosen` drafts (key -> length) of `proposals`, making them included."""
+    plain = costs.cost(sequences, 0)
+    if plain <= 0:
+        return 0.0
+    gain = sum(proposals[k].gain(n) for k, n in chosen.items())
+    step = costs.cost(sequences, sum(chosen.values())) + \
+        sum(proposals[k].make_cost(n) for k, n in chosen.items())
+    return (sequences + gain) / step
 
 
 def each_plan(costs: StepCosts, runs: list[int], proposals: list[Proposal],

@@ -1,0 +1,184 @@
+"""--draft-model: a small model of the served model's vocabulary drafting for it
+(workers/engine/draftmodel.py), chosen by the same measured costs as the lookups."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from workers.engine.draftmodel import DraftCosts, vocab_mismatch
+from workers.engine.speculation import Drafter, Proposal
+from workers.engine.stepcosts import SHAPES_EXTRA, StepCosts, plan, step_rate
+from workers.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0)
+THREADS = len(os.sched_getaffinity(0))
+
+
+def gpu_like() -> StepCosts:
+    """A step's cost barely grows with rows (a GPU's, for a small model)."""
+    counts = (1, 2, 8)
+    return StepCosts(counts, {(s, d): 10.0 + 0.05 * s + 0.02 * d for s in counts
+                              for d in SHAPES_EXTRA} |
+                     {(s, 0): 10.0 + 0.05 * s for s in range(1, 9)})
+
+
+def model_proposal(rate: float, make_ms: float, length: int = 16) -> Proposal:
+    return Proposal("model", 0, [0] * length, rate, make_ms=make_ms)
+
+
+# -- the decision, on a CPU-like and a GPU-like table -----------------------------------
+def test_a_draft_model_as_dear_as_the_served_one_never_drafts_on_the_cpus_costs():
+    """The bundled model drafting for itself on this CPU: a draft token costs a plain
+    step (12.9 ms) and verifying it costs more; no length pays, even if all held."""
+    cpu = StepCosts.assumed()
+    assert plan(cpu, 1, [(0, model_proposal(0.99, 12.9))]) == {}
+
+
+def test_a_cheap_draft_model_drafts_where_rows_are_nearly_free_and_its_making_counts():
+    """GPU-like rows, a draft model at a tenth of the served one's step: a likely draft
+    goes in; the same draft made at the served model's own cost does not; a free lookup
+    of the same likelihood is preferred to it (a better rate)."""
+    gpu = gpu_like()
+    cheap = plan(gpu, 1, [(0, model_proposal(0.9, 1.0))])
+    assert cheap and cheap[0] >= 4
+    assert plan(gpu, 1, [(0, model_proposal(0.9, 10.0))]) == {}
+    proposals = {0: model_proposal(0.9, 1.0)}
+    lookup = {0: Proposal("short", 0, [0] * 16, 0.9)}
+    assert step_rate(gpu, 1, lookup, plan(gpu, 1, list(lookup.items()))) > \
+        step_rate(gpu, 1, proposals, cheap)
+
+
+def test_a_draft_models_catch_up_is_counted_once_over_the_sequence():
+    """Making the draft includes the fixed share of catching up with a new prompt: a
+    share as large as the whole gain keeps the draft out."""
+    gpu = gpu_like()
+    assert plan(gpu, 1, [(0, model_proposal(0.9, 1.0))])
+    dear = Proposal("model", 0, [0] * 16, 0.9, make_ms=1.0, make_fixed=500.0)
+    assert plan(gpu, 1, [(0, dear)]) == {}
+
+
+def test_draft_costs_between_and_past_the_measured_counts():
+    costs = DraftCosts({1: 2.0, 4: 5.0}, 0.1)
+    assert costs.step_ms(1) == 2.0 and costs.step_ms(2) == 3.0 and costs.step_ms(8) == 10.0
+    assert costs.token_ms(4) == 1.25
+
+
+def test_a_draft_model_proposal_follows_its_record_and_floor():
+    """Rated by the `model` source's record in the sequence; none below the floor."""
+    drafter = Drafter(64)
+    first = drafter.model_proposal(64, 1.0, 0.0)
+    assert first.source == "model" and len(first.tokens) == 16 and first.rate == 0.75
+    drafter.started(first, 10)
+    drafter.record(16, 0)
+    drafter.started(first, 10)
+    drafter.record(16, 0)
+    assert drafter.model_proposal(64, 1.0, 0.0) is None        # 32 tried, none kept
+    assert Drafter(64).model_proposal(3, 1.0, 0.0) is None      # no room
+
+
+def test_a_vocabulary_that_differs_is_named():
+    def lib(texts, bos=1, eos=2, kind=1, add_bos=True):
+        return {"type": kind, "bos": bos, "eos": eos, "add_bos": add_bos, "texts": texts}
+    fake = SimpleNamespace(
+        llama_vocab_type=lambda v: v["type"], llama_vocab_bos=lambda v: v["bos"],
+        llama_vocab_eos=lambda v: v["eos"], llama_vocab_get_add_bos=lambda v: v["add_bos"],
+        llama_vocab_n_tokens=lambda v: len(v["texts"]),
+        llama_vocab_get_text=lambda v, t: v["texts"][t])
+    words = [f"w{i}".encode() for i in range(300)]
+    served = lib(words)
+    assert vocab_mismatch(fake, served, lib(words)) is None
+    assert vocab_mismatch(fake, served, lib(words + [b"pad"] * 100)) is None
+    assert "another kind" in vocab_mismatch(fake, served, lib(words, kind=2))
+    assert "eos token is 7" in vocab_mismatch(fake, served, lib(words, eos=7))
+    assert "adds a bos" in vocab_mismatch(fake, served, lib(words, add_bos=False))
+    assert "has 100 tokens" in vocab_mismatch(fake, served, lib(words[:100]))
+    other = list(words)
+    other[42] = b"x"
+    assert vocab_mismatch(fake, served, lib(other)) == \
+        "token 42 is b'x' in it and b'w42' in the served model"
+
+
+# -- on the real model -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_path():
+    from dispatcher.common.models import bundled_model_path
+    return str(bundled_model_path())
+
+
+def greedy(engine, tokens: list[int], n: int, logprobs: int | None = None) -> list[int]:
+    engine.add(0, tokens, GREEDY, budget=n, logprobs=logprobs)
+    out: list[int] = []
+    while len(out) < n:
+        produced = engine.step().get(0)
+        if produced is not None:
+            out += [o.token for o in (produced if isinstance(produced, list) else [produced])]
+    engine.release(0)
+    return out[:n]
+
+
+@pytest.mark.integration
+def test_the_model_drafting_for_itself_has_its_greedy_drafts_accepted_and_changes_nothing(
+        model_path):
+    """The bundled model as its own draft model, on a GPU-like table with drafting
+    cheap: it drafts on files never seen (where the lookups have little); each of its
+    greedy drafts holds up to the served model's own greedy choice, except where the
+    served model's best candidates lie within half a nat and the draft took another
+    of them (a one-row decode rounds differently from a batch of several); and the
+    text is the text without drafts, but for such a near-tie."""
+    from test_engine import first_seen_prompts
+    from workers.engine.llama import LlamaEngine
+    plain = LlamaEngine(model_path, 2048, 1, THREADS, 0, draft_max=0)
+    try:
+        prompts = [plain.tokenize(p) for p in first_seen_prompts(4)]
+        expected = [greedy(plain, tokens, 40) for tokens in prompts]
+    finally:
+        plain.close()
+    engine = LlamaEngine(model_path, 2048, 1, THREADS, 0, draft_max=16,
+                         step_costs=gpu_like(), draft_model=model_path,
+                         draft_costs=DraftCosts({1: 0.5}, 0.01))
+    verify, cut = engine._verify, []
+
+    def verified(slot):
+        draft = list(slot.draft)
+        model = slot.policy.tried is not None and slot.policy.tried.source == "model"
+        outs = verify(slot)
+        if model and len(outs) <= len(draft):
+            cut.append((draft[len(outs) - 1], outs[-1]))
+        return outs
+    engine._verify = verified
+    try:
+        same = sum(greedy(engine, tokens, 40, logprobs=3) == want
+                   for tokens, want in zip(prompts, expected))
+        drafted, accepted = engine.totals.sources.get("model", [0, 0])
+        assert engine.totals.draft_seconds > 0
+    finally:
+        engine.close()
+    assert drafted >= 40 and accepted >= drafted // 2, engine.totals.sources
+    assert len(cut) <= 3, cut
+    for drafted_token, out in cut:          # (a near-tie: another close candidate drafted)
+        best_lp = out.top[0][1]
+        assert out.token == out.top[0][0], out
+        assert drafted_token in [t for t, lp in out.top[1:] if best_lp - lp < 0.5], \
+            (drafted_token, out.top)
+    assert same >= 3, same
+
+
+@pytest.mark.integration
+def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line(model_path, tmp_path):
+    """A worker given a draft model whose vocabulary is not the served model's exits 78
+    (never respawned) with one line naming the difference."""
+    from tiny_gguf import write_tiny_fim_model
+    tiny = write_tiny_fim_model(tmp_path / "tiny.gguf")
+    environ = {k: v for k, v in os.environ.items() if k != "COMPLETIONS_PARENT_PID"}
+    done = subprocess.run([sys.executable, "-m", "workers", "--dispatcher",
+                           "ipc:///nonexistent/dispatcher", "--device", "cpu", "--nctx", "512",
+                           "--slots", "1", "--draft-model", str(tiny)],
+                          capture_output=True, text=True, timeout=180, env=environ)
+    assert done.returncode == 78, done.stderr[-2000:]
+    (line,) = [line for line in done.stderr.splitlines() if "ERROR" in line]
+    assert f"the draft model {tiny} cannot draft for the served model: " in line
+    assert "its vocabulary" in line or "token" in line, line
