@@ -29,7 +29,11 @@
 #   where that python3 is itself a venv's), so the wheelhouse need not carry them;
 #   GPU_CHECK_DRY_RUN=1 prints the build, selftest and bench commands instead of running
 #   them; GPU_CHECK_DEVICE (default cuda:0); GPU_CHECK_REBUILD=1 builds even where the
-#   environment's llama-cpp-python already offloads.
+#   environment's llama-cpp-python already offloads; GPU_CHECK_NO_BUILD=1 takes it as it
+#   is (with GPU_CHECK_DEVICE=cpu: every part of the script on a development machine).
+# A worker that dies at start stops the run at once, after loading it again in the
+#   foreground several ways into OUT/diagnose.txt (with a native stack where cuda-gdb or
+#   gdb is there).
 set -eu
 
 LLAMA_CPP_PYTHON=llama-cpp-python==0.3.36
@@ -64,7 +68,7 @@ say() { printf '%s gpu-check: %s\n' "$(date +%H:%M:%S)" "$*" | tee -a "$SUMMARY"
 stop() { code=$1; shift; say "STOPPED: $*"; exit "$code"; }   # stop STATUS MESSAGE
 
 usage() {
-    sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0" >&2
     exit 2
 }
 
@@ -185,7 +189,9 @@ CMAKE_BUILD_PARALLEL_LEVEL=$jobs $(pip_command "$py") install --no-index --find-
         say "dry run; would check: $selftest"
         return 0
     fi
-    if [ -z "${GPU_CHECK_REBUILD:-}" ] && "$py" -c "import llama_cpp, sys; \
+    if [ -n "${GPU_CHECK_NO_BUILD:-}" ]; then
+        say "GPU_CHECK_NO_BUILD: the environment's llama-cpp-python as it is"
+    elif [ -z "${GPU_CHECK_REBUILD:-}" ] && "$py" -c "import llama_cpp, sys; \
 sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 1)" 2>/dev/null; then
         say "llama-cpp-python here already offloads: no build (GPU_CHECK_REBUILD=1 forces one)"
     else
@@ -197,7 +203,8 @@ sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 1)" 2>/dev/null; then
         sh -c "$build" >"$OUT/build.log" 2>&1 || stop 1 "the CUDA build failed: tail $OUT/build.log"
         say "CUDA build took $(($(date +%s) - b0)) s"
     fi
-    "$py" -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 1)" ||
+    [ -n "${GPU_CHECK_NO_BUILD:-}" ] || "$py" -c "import llama_cpp, sys; \
+sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 1)" ||
         stop 1 "the build has no GPU offload (see build.log)"
 
     say "selftest on $DEVICE"
@@ -251,6 +258,12 @@ EOF
                 >/dev/null 2>&1; do
             i=$((i + 1)); [ $i -lt 300 ] || stop 1 "the server did not become ready (server-$drafts.log)"
             kill -0 $server 2>/dev/null || stop 1 "the server exited (server-$drafts.log)"
+            if grep -q "exited with SIG" "$OUT/server-$drafts.log"; then   # (respawned: it
+                kill $server 2>/dev/null || true                          # would go on dying)
+                diagnose_worker "$OUT/server-$drafts.log"
+                stop 1 "the worker died at start: $(grep -m 1 -o 'exited with SIG[A-Z]*' \
+                    "$OUT/server-$drafts.log") (server-$drafts.log, diagnose.txt)"
+            fi
             sleep 1
         done
         for streams in 1 16; do
@@ -258,8 +271,8 @@ EOF
                 --requests $((streams * 4)) --max-tokens 128 --no-fim --profile --json \
                 >"$OUT/bench-$streams-drafts-$drafts.json" 2>>"$OUT/server-$drafts.log" ||
                 stop 1 "bench failed (server-$drafts.log)"
-            say "bench, $streams stream(s), drafts $drafts: $(tr -d '\n' \
-                <"$OUT/bench-$streams-drafts-$drafts.json" | cut -c1-400)"
+            say "bench, $streams stream(s), drafts $drafts: $(bench_summary \
+                "$OUT/bench-$streams-drafts-$drafts.json")"
         done
         "$py" -m dispatcher status --dispatcher "ipc://$OUT/ipc-$drafts" \
             >"$OUT/status-$drafts.txt" 2>&1 || true
@@ -268,6 +281,48 @@ EOF
         wait $server 2>/dev/null || true
     done
     say "done in $(($(date +%s) - t0)) s; figures in $OUT"
+}
+
+bench_summary() {
+    # one line of a bench's JSON: each part's rates and TTFT, and its step profile
+    "$py" - "$1" <<'EOF'
+import json, sys
+report = json.load(open(sys.argv[1]))
+parts = [f"{r['name']}: {r['ok']}/{r['requests']} ok, {r['stream_tok_s']:.0f} tok/s a stream, "
+         f"{r['aggregate_tok_s']:.0f} in all, TTFT p50 {r['ttft_p50_ms']:.0f} ms"
+         for r in report.get("rows", []) if r.get("stream_tok_s") is not None]
+steps = [f"[{p['part']}: {p['tokens/step']} tokens/step, drafts {p['draft rows/step']}/step "
+         f"({p['accepted %']}% kept), ms plan {p['plan ms']} decode {p['decode ms']} "
+         f"sample {p['sample ms']} draft model {p.get('draft model ms', 0)}; "
+         f"{p['drafts by source (accepted/drafted)']}]" for p in report.get("profiles", [])]
+print("; ".join(parts + steps))
+EOF
+}
+
+diagnose_worker() {
+    # A worker that dies at start, loaded again in the foreground: as `python -m workers`,
+    # the same load as `workers.selftest` does it (which passed), that again after the
+    # worker's own imports (zmq first), and under cuda-gdb (or gdb) for the native stack
+    say "a worker died at start; loading it again in the foreground (diagnose.txt)"
+    binary=$("$py" -c 'import sys; print(sys.executable)')    # (not a launcher script)
+    worker="$binary -X faulthandler -m workers --dispatcher ipc://$OUT/ipc-diagnose \
+--device $DEVICE --model $model --slots 16 --nctx 4096"
+    quick="--device $DEVICE --model $model --slots 16 --nctx 4096 --tokens 4 --prompt-tokens 16"
+    debugger=$(command -v cuda-gdb || command -v gdb || true)
+    {
+        echo "== python -m workers (60 s at most: a loaded worker waits for its dispatcher)"
+        timeout 60 $worker 2>&1 | grep -v "^llama_model_loader\|^print_info\|^load_tensors: *layer" | tail -40
+        echo "== python -m workers.selftest (selftest's process)"
+        timeout 120 "$py" -X faulthandler -m workers.selftest $quick 2>&1 | tail -12
+        echo "== the same, after the worker's module is imported (zmq and the rest first)"
+        timeout 120 "$py" -X faulthandler -c "import sys, workers.worker, workers.selftest as s; \
+sys.exit(s.main(sys.argv[1:]))" $quick 2>&1 | tail -12
+        if [ -n "$debugger" ]; then
+            echo "== $debugger: the native stack where python -m workers stops"
+            timeout 180 "$debugger" -batch -ex run -ex bt -ex "info threads" --args $worker \
+                2>&1 | tail -80
+        fi
+    } >"$OUT/diagnose.txt" 2>&1
 }
 
 [ $# -ge 2 ] || usage

@@ -54,8 +54,17 @@ def test_a_worker_restarted_during_a_part_counts_from_zero():
 
 
 def test_a_server_without_step_counters_has_no_profile():
-    assert parse_totals(exported(None)) is None
+    assert parse_totals(exported(None)) == {}
     assert parse_totals("not prometheus {{{") is None
     assert profile_row("t", "x8", None, {"steps": 3}) is None
+    assert profile_row("t", "x8", {}, {}) is None
+
+
+def test_a_fresh_servers_first_part_is_profiled_from_zero():
+    """Before a fresh worker's first heartbeat its counters are not exported yet: the
+    first part of the bench counts them from zero (it was once left without a profile). Two workers, 40 steps each."""
+    after = parse_totals(exported(totals(steps=40, token_rows=40, decode_seconds=0.4)))
+    row = profile_row("t", "x1", parse_totals(exported(None)), after)
+    assert row is not None and row["steps"] == 80 and row["decode ms"] == 10.0
     same = {("w0", "cpu"): totals(steps=5)}
     assert profile_row("t", "x1", same, same) is None             # no step in the part

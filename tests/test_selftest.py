@@ -201,14 +201,15 @@ def test_selftest_reports_configuration_problems_like_serve():
 
 
 # -- deploy/gpu-check.sh ---------------------------------------------------------------
-def gpu_check(tmp_path, *args: str, path_prefix: Path | None = None, **env: str):
+def gpu_check(tmp_path, *args: str, path_prefix: Path | None = None, timeout: float = 120,
+              **env: str):
     environ = {**os.environ, "GPU_CHECK_PYTHON": sys.executable, "GPU_CHECK_SHAPE": "tiny",
                "PYTHONPATH": str(ROOT),
                **env}
     if path_prefix is not None:
         environ["PATH"] = f"{path_prefix}:{environ['PATH']}"
     return subprocess.run(["sh", str(GPU_CHECK), *args], capture_output=True, text=True,
-                          env=environ, timeout=120, cwd=tmp_path)
+                          env=environ, timeout=timeout, cwd=tmp_path)
 
 
 def wheelhouse(tmp_path) -> Path:
@@ -307,3 +308,56 @@ def test_gpu_check_without_nvcc_stops_before_the_build(tmp_path):
                      path_prefix=tools, PATH=environ_path)
     assert done.returncode == 3, done.stderr
     assert "nvcc not found" in done.stderr
+
+
+def stand_in_gpu(tmp_path) -> Path:
+    tools = tmp_path / "bin"
+    fake_tool(tools, "nvidia-smi", 'case "$*" in *compute_cap*) echo 9.0;;\n'
+                                   '*) echo "NVIDIA H200, 143771 MiB, 575.57";; esac\n')
+    fake_tool(tools, "nvcc", 'echo "Cuda compilation tools, release 12.8"\n')
+    return tools
+
+
+def test_gpu_check_runs_every_part_on_the_cpu(tmp_path):
+    """With a stand-in GPU, the environment's build as it is and the device set to the
+    CPU, every part after the build runs for real on tiny models: selftest, then a
+    server and the bench at 1 and 16 streams with drafts from lookups, without drafts and
+    with a draft model, each written as JSON with its step profile and summed up."""
+    out = tmp_path / "out"
+    done = gpu_check(tmp_path, "run", str(wheelhouse(tmp_path)), str(out),
+                     path_prefix=stand_in_gpu(tmp_path), GPU_CHECK_NO_BUILD="1",
+                     GPU_CHECK_DEVICE="cpu", GPU_CHECK_DRAFT_SHAPE="tiny", timeout=420)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert '"ok": true' in (out / "selftest.json").read_text()
+    for drafts in ("on", "off", "model"):
+        for streams in (1, 16):
+            report = json.loads((out / f"bench-{streams}-drafts-{drafts}.json").read_text())
+            (row,) = [r for r in report["rows"] if r["name"] == f"stream x{streams}"]
+            assert row["ok"] == row["requests"] == 4 * streams and row["errors"] == 0
+            assert report["profiles"] and "draft model ms" in report["profiles"][0]
+        assert "OFFLOAD" not in (out / f"status-{drafts}.txt").read_text().splitlines()[1]
+    summary = (out / "summary.txt").read_text()
+    assert "bench, 16 stream(s), drafts model: stream x16: 64/64 ok" in summary
+    assert "done in" in summary
+
+
+def test_gpu_check_stops_at_once_when_a_worker_dies_at_start_and_diagnoses_it(tmp_path):
+    """A worker that dies at start (a crash inside llama.cpp's load, as on the first GPU
+    run; here the fault hook) stops the run in seconds, not after the wait for the
+    server, with one line naming the signal, and diagnose.txt loads it again several
+    ways: the worker alone (its crash), selftest's process (which loads) and a native
+    stack where a debugger is there."""
+    out = tmp_path / "out"
+    done = gpu_check(tmp_path, "run", str(wheelhouse(tmp_path)), str(out),
+                     path_prefix=stand_in_gpu(tmp_path), GPU_CHECK_NO_BUILD="1",
+                     GPU_CHECK_DEVICE="cpu", COMPLETIONS_FAULT_CRASH_AT_LOAD="1",
+                     timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "STOPPED: the worker died at start: exited with SIGSEGV" in done.stderr
+    diagnosis = (out / "diagnose.txt").read_text()
+    assert "fault injection: the worker crashes at load" in diagnosis
+    assert "in at_load" in diagnosis                    # the Python stack (faulthandler)
+    assert diagnosis.count('"ok": true') == 2           # selftest's load, twice
+    if shutil.which("gdb") or shutil.which("cuda-gdb"):
+        assert "received signal SIGSEGV" in diagnosis and "#0 " in diagnosis
+    assert not list(out.glob("bench-*.json"))

@@ -4,6 +4,7 @@ the generation loop (which has none unless given them)."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 from dispatcher.common import protocol as P
@@ -17,15 +18,20 @@ class FaultInjection:
     in PHASE (admit, token, finish) for requests whose prompt contains MARKER (several
     PHASE:MARKER pairs separated by commas). A step that never returns, to show that the
     watchdog replaces a stuck worker: COMPLETIONS_FAULT_HANG=MARKER hangs the generation
-    loop at the first token of a request whose prompt contains MARKER."""
+    loop at the first token of a request whose prompt contains MARKER. A worker that dies
+    at start, as a crash inside the inference library would kill it, to show what the
+    launcher and `deploy/gpu-check.sh` do about it: COMPLETIONS_FAULT_CRASH_AT_LOAD=1
+    (SIGSEGV just before the model is loaded)."""
 
     PHASES = ("admit", "token", "finish")
 
     def __init__(self, drop_seq: int | None = None, drop_end: bool = False,
-                 raises: dict[str, str] | None = None, hang: str | None = None):
+                 raises: dict[str, str] | None = None, hang: str | None = None,
+                 crash_at_load: bool = False):
         self.drop_seq, self.drop_end = drop_seq, drop_end
         self.raises = raises or {}              # phase -> marker
         self.hang = hang
+        self.crash_at_load = crash_at_load
 
     @classmethod
     def from_env(cls, environ=None) -> "FaultInjection":
@@ -38,7 +44,13 @@ class FaultInjection:
                 raises[phase] = marker
         return cls(int(seq) if seq else None,
                    environ.get("COMPLETIONS_FAULT_DROP_END") == "1", raises,
-                   environ.get("COMPLETIONS_FAULT_HANG") or None)
+                   environ.get("COMPLETIONS_FAULT_HANG") or None,
+                   environ.get("COMPLETIONS_FAULT_CRASH_AT_LOAD") == "1")
+
+    def at_load(self) -> None:
+        if self.crash_at_load:
+            os.write(2, b"fault injection: the worker crashes at load\n")
+            os.kill(os.getpid(), signal.SIGSEGV)
 
     def drops(self, event: P.Event) -> bool:
         return event.seq == self.drop_seq or (self.drop_end and isinstance(event, P.End))

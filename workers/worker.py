@@ -350,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     prefix = f"{args.curve_name}-" if keys is not None and args.curve_name != "local" else ""
     name = args.name or f"{prefix}{spec.slug}-{os.getpid()}"
     started = time.monotonic()
+    faults = FaultInjection.from_env()
+    faults.at_load()
     try:
         engine = load_engine(args.engine, str(model_path), args.nctx, slots,
                              placement.n_threads, placement.n_gpu_layers,
@@ -384,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     loop = GenerationLoop(engine, Publisher(xpub), send_notice,
                           identity={"worker": name, "device": str(spec)},
-                          fim_template=template, faults=FaultInjection.from_env())
+                          fim_template=template, faults=faults)
     info = worker_info(engine, spec, placement, model_id, model_path, args.deterministic,
                        fim=engine.fim_tokens is not None or template is not None)
     watchdog = step_timeout(args.step_timeout, engine)     # (timed before what follows)

@@ -39,7 +39,8 @@ def read_totals(target) -> dict[tuple, dict[str, float]] | None:
 
 
 def parse_totals(text: str) -> dict[tuple, dict[str, float]] | None:
-    """{(worker, device): {StepTotals field, or "source:outcome": value}}."""
+    """{(worker, device): {StepTotals field, or "source:outcome": value}}; None for text
+    that is not Prometheus'."""
     totals: dict[tuple, dict[str, float]] = {}
     try:
         for family in text_string_to_metric_families(text):
@@ -55,8 +56,9 @@ def parse_totals(text: str) -> dict[tuple, dict[str, float]] | None:
                     worker[field] = worker.get(field, 0.0) + sample.value
     except ValueError:               # not Prometheus' text format
         return None
-    totals = {w: t for w, t in totals.items() if "steps" in t}
-    return totals or None
+    # {}: Prometheus text without step counters (another server, or a worker that has
+    # not yet sent its first heartbeat: counted from zero)
+    return {w: t for w, t in totals.items() if "steps" in t}
 
 
 def difference(before: dict[tuple, dict], after: dict[tuple, dict]) -> dict[str, float]:
