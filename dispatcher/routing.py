@@ -69,19 +69,51 @@ def shared_blocks(blocks: tuple[int, ...], held) -> int:
     return low
 
 
+# Speed against load: workers of one model on unlike devices (a GPU and a CPU, an older
+# card, a remote host) are told apart by the rate each sequence would get there with the
+# job added, from the step costs each measured on its device; those within RATE_MARGIN of
+# the fastest count as equally fast, and load decides among them.
+RATE_MARGIN = 0.1
+
+
+def expected_rate(info: P.WorkerInfo, busy: int) -> float | None:
+    """Tokens a second each sequence would get on the worker with one more sequence than
+    `busy` (None: it measured none). Never more than with fewer sequences: on a CPU whose
+    costs are not monotonic (8 rows cheaper than 7) a busier worker does not count as
+    faster, which would pile work onto it."""
+    rates = info.rates
+    if not rates:
+        return None
+    return min(rates[:min(busy + 1, len(rates))])
+
+
+def fastest(candidates: list) -> set:
+    """The candidates whose expected rate is within RATE_MARGIN of the best; every one
+    where some worker measured no rates (nothing to compare)."""
+    rates = {id(w): expected_rate(w.info, w.busy) for w in candidates}
+    if any(r is None for r in rates.values()):
+        return {id(w) for w in candidates}
+    best = max(rates.values())
+    return {key for key, rate in rates.items() if rate >= (1 - RATE_MARGIN) * best}
+
+
 def choose_worker(job: P.Job, free: list, blocks: tuple[int, ...] | None = None):
     """Which of the `free` workers (WorkerRecords with a free slot) should run `job`: among
     those that fit it, the one whose recent prompts share the longest prefix with it when
-    that prefix is worth the load difference (`affinity_allowed`), otherwise the least
-    loaded (most free slots, then least recently used). None if none fits."""
+    that prefix is worth the load difference (`affinity_allowed`), otherwise one of the
+    fastest for it (`fastest`: a worker on a slower device takes work only while the
+    faster ones, busier, would give a sequence no more than it does), the least loaded
+    among those (most free slots, then least recently used). None if none fits."""
     candidates = [w for w in free if fits(job.model, job.route, w.info)]
     if not candidates:
         return None
     blocks = prefix_blocks(job) if blocks is None else blocks
     least_busy = min(w.busy for w in candidates)
+    fast = fastest(candidates)
 
     def affinity(worker) -> int:
         shared = worker.cached_prefix(blocks)
         return shared if affinity_allowed(shared, worker.busy, least_busy) else 0
 
-    return max(candidates, key=lambda w: (affinity(w), w.free_slots, -w.last_assigned))
+    return max(candidates, key=lambda w: (affinity(w), id(w) in fast, w.free_slots,
+                                          -w.last_assigned))

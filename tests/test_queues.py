@@ -191,3 +191,76 @@ def test_one_model_id_is_one_model_file():
     assert r.refusal(b"b", P.WorkerInfo(model="other", model_digest="bbbb")) is None
     assert r.refusal(b"a", P.WorkerInfo(model="code", model_digest="bbbb")) is None
     assert r.refusal(b"b", P.WorkerInfo(model="code")) is None
+
+
+def assign(registry, jobs: int) -> list[str]:
+    """Route `jobs` distinct prompts one after another, none finishing: who took each."""
+    taken = []
+    for i in range(jobs):
+        j = job(f"j{i}", prompt=f"prompt {i}")
+        worker = registry.choose(j)
+        if worker is None:
+            break
+        worker.running[j.request_id] = j
+        worker.last_assigned = i + 1
+        taken.append(worker.name)
+    return taken
+
+
+def test_workers_on_unlike_devices_get_work_by_their_measured_speed():
+    """A GPU worker whose sequences run at 300 tok/s falling to 150 at 16, and a CPU
+    worker at 30 falling to 8: every job goes to the GPU until its slots are full, then
+    the CPU takes what is left, where an equal share would have sent the CPU every
+    other one. Two GPUs of one kind alternate (within 10%: load decides)."""
+    gpu_rates = [300.0 - 10 * n for n in range(16)]
+    r = WorkerRegistry()
+    r.add(b"gpu", info(slots=16, rates=gpu_rates), 0.0)
+    r.add(b"cpu", info(slots=4, rates=[30.0, 20.0, 12.0, 8.0]), 0.0)
+    assert assign(r, 20) == ["gpu"] * 16 + ["cpu"] * 4
+    twins = WorkerRegistry()
+    twins.add(b"g0", info(slots=16, rates=gpu_rates), 0.0)
+    twins.add(b"g1", info(slots=16, rates=[0.95 * x for x in gpu_rates]), 0.0)
+    assert assign(twins, 6) == ["g0", "g1"] * 3
+
+
+def test_a_cpus_uneven_costs_do_not_pile_work_onto_the_busier_worker():
+    """On this CPU 8 sequences cost less a step than 5-7, so the rate with 8 is higher
+    than with 6: counted as measured, a worker at 7 would look faster than one at 5.
+    A busier worker never counts as faster: two such workers share alike."""
+    from workers.engine.stepcosts import StepCosts
+    rates = StepCosts.assumed().rates(8)
+    assert rates[7] > rates[5]                            # the uneven costs
+    r = WorkerRegistry()
+    r.add(b"a", info(slots=8, rates=rates), 0.0)
+    r.add(b"b", info(slots=8, rates=rates), 0.0)
+    taken = assign(r, 16)
+    assert taken.count("a") == taken.count("b") == 8
+    assert all(taken[i] != taken[i + 1] for i in range(0, 16, 2))
+
+
+def test_workers_without_measured_rates_share_by_load_as_before():
+    r = WorkerRegistry()
+    r.add(b"a", info(slots=4), 0.0)
+    r.add(b"b", info(slots=4, rates=[100.0] * 4), 0.0)     # one measured, one not
+    assert sorted(assign(r, 8)) == ["a"] * 4 + ["b"] * 4
+
+
+def test_a_worker_registers_the_rates_of_the_step_costs_it_measured(tmp_path):
+    """READY carries each sequence's tokens a second at 1..slots sequences, from the
+    step costs the worker measured on its device (none measured: none sent)."""
+    from types import SimpleNamespace
+    from dispatcher.common.devices import parse_device
+    from workers.engine.stepcosts import StepCosts
+    from workers.pinning import Placement
+    from workers.worker import worker_info
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(64))
+    engine = SimpleNamespace(n_layer=4, n_ctx=1024, n_slots=8, fingerprint="fp", name="llama",
+                             layers_offloaded=0, layers_total=5,
+                             step_costs=StepCosts.assumed())
+    placement = Placement("cpu", "cpu", (0,), 1, 0, {})
+    ready = worker_info(engine, parse_device("cpu"), placement, "m", model, False, False)
+    assert ready.rates == StepCosts.assumed().rates(8) and ready.rates[0] == 77.52
+    engine.step_costs = None
+    assert worker_info(engine, parse_device("cpu"), placement, "m", model, False,
+                       False).rates == []

@@ -147,6 +147,9 @@ class WorkerInfo(Capabilities):
     engine: str = "llama"
     placement: dict = {}
     model_digest: str | None = None     # its model file's (models.model_file_digest)
+    # tokens a second each sequence gets with 1, 2, ... slots sequences running, from the
+    # step costs measured on its device at start-up (routing.expected_rate); [] unknown
+    rates: list[float] = []
 
     def capabilities(self) -> Capabilities:
         return Capabilities(model=self.model, n_ctx=self.n_ctx, compute=self.compute,

@@ -259,6 +259,12 @@ class StepCosts:
                 return (1 - t) * self.table[lo, 0] + t * self.table[hi, 0]
         return self.table[known[0], 0]
 
+    def rates(self, slots: int) -> list[float]:
+        """Tokens a second each sequence gets in plain steps of 1, 2, ... `slots`
+        sequences (what the dispatcher routes by: `dispatcher.routing.expected_rate`)."""
+        return [round(1000.0 / cost, 2) if (cost := self.plain_cost(n)) > 0 else 0.0
+                for n in range(1, slots + 1)]
+
     def cost(self, sequences: int, extra: float) -> float:
         plain = self.plain_cost(sequences)
         if extra <= 0:
