@@ -29,8 +29,9 @@
 #   where that python3 is itself a venv's), so the wheelhouse need not carry them;
 #   GPU_CHECK_DRY_RUN=1 prints the build, selftest and bench commands instead of running
 #   them; GPU_CHECK_DEVICE (default cuda:0); GPU_CHECK_REBUILD=1 builds even where the
-#   environment's llama-cpp-python already offloads; GPU_CHECK_NO_BUILD=1 takes it as it
-#   is (with GPU_CHECK_DEVICE=cpu: every part of the script on a development machine).
+#   environment's llama-cpp-python (this version) already offloads; GPU_CHECK_NO_BUILD=1
+#   takes it as it is (with GPU_CHECK_DEVICE=cpu and stand-ins for nvidia-smi and nvcc,
+#   as the tests do: every part after the build on a development machine).
 # A worker that dies at start stops the run at once, after loading it again in the
 #   foreground several ways into OUT/diagnose.txt (with a native stack where cuda-gdb or
 #   gdb is there).
@@ -192,8 +193,9 @@ CMAKE_BUILD_PARALLEL_LEVEL=$jobs $(pip_command "$py") install --no-index --find-
     if [ -n "${GPU_CHECK_NO_BUILD:-}" ]; then
         say "GPU_CHECK_NO_BUILD: the environment's llama-cpp-python as it is"
     elif [ -z "${GPU_CHECK_REBUILD:-}" ] && "$py" -c "import llama_cpp, sys; \
-sys.exit(0 if llama_cpp.llama_supports_gpu_offload() else 1)" 2>/dev/null; then
-        say "llama-cpp-python here already offloads: no build (GPU_CHECK_REBUILD=1 forces one)"
+sys.exit(0 if llama_cpp.llama_supports_gpu_offload() and \
+'llama-cpp-python==' + llama_cpp.__version__ == '$LLAMA_CPP_PYTHON' else 1)" 2>/dev/null; then
+        say "$LLAMA_CPP_PYTHON here already offloads: no build (GPU_CHECK_REBUILD=1 forces one)"
     else
         # llama-cpp-python's build tools (also into a GPU_CHECK_PYTHON environment)
         pip_of "$py" install --quiet --no-index --find-links "$wheelhouse" scikit-build-core \
@@ -252,7 +254,9 @@ EOF
             --port $port --dispatcher "ipc://$OUT/ipc-$drafts" $extra \
             >"$OUT/server-$drafts.log" 2>&1 &
         server=$!
+        # (dash runs an EXIT trap on exit only: a timeout's or ^C's signal too)
         trap 'kill $server 2>/dev/null || true' EXIT
+        trap 'kill $server 2>/dev/null; exit 130' INT TERM HUP
         i=0
         until "$py" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
                 >/dev/null 2>&1; do
@@ -260,6 +264,7 @@ EOF
             kill -0 $server 2>/dev/null || stop 1 "the server exited (server-$drafts.log)"
             if grep -q "exited with SIG" "$OUT/server-$drafts.log"; then   # (respawned: it
                 kill $server 2>/dev/null || true                          # would go on dying)
+                wait $server 2>/dev/null || true        # (its worker off the device first)
                 diagnose_worker "$OUT/server-$drafts.log"
                 stop 1 "the worker died at start: $(grep -m 1 -o 'exited with SIG[A-Z]*' \
                     "$OUT/server-$drafts.log") (server-$drafts.log, diagnose.txt)"

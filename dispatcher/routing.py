@@ -99,8 +99,9 @@ def fastest(candidates: list) -> set:
 
 def choose_worker(job: P.Job, free: list, blocks: tuple[int, ...] | None = None):
     """Which of the `free` workers (WorkerRecords with a free slot) should run `job`: among
-    those that fit it, the one whose recent prompts share the longest prefix with it when
-    that prefix is worth the load difference (`affinity_allowed`), otherwise one of the
+    those that fit it, the fastest for it whose recent prompts share the longest prefix
+    with it when that prefix is worth the load difference (`affinity_allowed`; a slower
+    worker's cache does not draw work from a faster one), otherwise one of the
     fastest for it (`fastest`: a worker on a slower device takes work only while the
     faster ones, busier, would give a sequence no more than it does), the least loaded
     among those (most free slots, then least recently used). None if none fits."""
@@ -111,7 +112,9 @@ def choose_worker(job: P.Job, free: list, blocks: tuple[int, ...] | None = None)
     least_busy = min(w.busy for w in candidates)
     fast = fastest(candidates)
 
-    def affinity(worker) -> int:
+    def affinity(worker) -> int:        # (a slower worker's cache does not draw work
+        if id(worker) not in fast:      # from a faster one)
+            return 0
         shared = worker.cached_prefix(blocks)
         return shared if affinity_allowed(shared, worker.busy, least_busy) else 0
 

@@ -264,3 +264,16 @@ def test_a_worker_registers_the_rates_of_the_step_costs_it_measured(tmp_path):
     engine.step_costs = None
     assert worker_info(engine, parse_device("cpu"), placement, "m", model, False,
                        False).rates == []
+
+
+def test_a_slower_workers_cache_does_not_draw_work_from_a_faster_one():
+    """A session's file is cached on the CPU worker; the GPU worker is idle and far
+    faster: the next keystroke goes to the GPU. Between equals the cache still wins."""
+    r = WorkerRegistry()
+    gpu = r.add(b"gpu", info(slots=16, rates=[300.0] * 16), 0.0)
+    cpu = r.add(b"cpu", info(slots=4, rates=[30.0] * 4), 0.0)
+    long = "x" * 2000
+    cpu.remember(job("old", prompt=long + " first"))
+    assert r.choose(job("next", prompt=long + " second")) is gpu
+    cpu.info.rates = [300.0] * 4
+    assert r.choose(job("next", prompt=long + " second")) is cpu

@@ -30,7 +30,8 @@ FIELDS = {              # metric sample name (and label) -> StepTotals field
 
 
 def read_totals(target) -> dict[tuple, dict[str, float]] | None:
-    """The target's step counters by worker; None where it exports none."""
+    """The target's step counters by worker ({} where none are exported yet); None
+    where it has no /metrics in Prometheus' text format."""
     try:
         status, body = target.get_root("/metrics")
     except OSError:

@@ -32,3 +32,22 @@ class ContextShape:
     @property
     def ggml_type(self) -> int:
         return GGML_TYPES[self.kv_type]
+
+    def context_params(self, lib, n_ctx: int, slots: int, n_threads: int):
+        """llama.cpp's context parameters for `slots` sequences of `n_ctx` tokens of this
+        shape (`lib`: llama-cpp-python's module, handed over by its one importer)."""
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = n_ctx * slots
+        cparams.n_seq_max = slots
+        cparams.n_batch, cparams.n_ubatch = self.n_batch, self.n_ubatch
+        cparams.type_k = cparams.type_v = self.ggml_type
+        cparams.n_threads = cparams.n_threads_batch = n_threads
+        # One KV stream per slot: a sequence attends over its own cells only (a unified
+        # pool makes every sequence scan every slot's cells, cached prefixes included).
+        cparams.kv_unified = False
+        # llama.cpp picks flash attention where the backend has it (on CPU too: ~10%
+        # faster batched decode here); it changes the numbers slightly, so reference
+        # runs of llama-cpp-python must use flash_attn=True to compare token for token.
+        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_AUTO
+        cparams.no_perf = True
+        return cparams

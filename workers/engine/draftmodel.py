@@ -22,12 +22,27 @@ from dataclasses import dataclass
 import numpy as np
 
 from workers.errors import EngineError
-from workers.engine.speculation import common_prefix
 
 VOCAB_SIZE_SLACK = 128      # token counts may differ this much (padding), as llama.cpp's
 VOCAB_CHECK_FROM = 5        # the first tokens (control ones) may differ in text
 CATCH_UP_ROWS = 512         # context tokens a draft call decodes at most, all sequences
 COST_REPEATS = 3            # each start-up shape's fastest of this many runs counts
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two sequences share from the start, compared a slice at a time
+    (at C speed: a cache of thousands of tokens, every step of every slot)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n                    # a[:low] == b[:low]; a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def vocab_mismatch(lib, target, draft) -> str | None:
@@ -95,15 +110,10 @@ class DraftModel:
             raise EngineError(f"the draft model {path} cannot draft for the served model: "
                               f"{problem}")
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
-        cparams = lib.llama_context_default_params()
-        cparams.n_ctx = n_ctx * slots
-        cparams.n_seq_max = slots
-        cparams.n_batch, cparams.n_ubatch = shape.n_batch, shape.n_ubatch
-        cparams.type_k = cparams.type_v = shape.ggml_type
-        cparams.n_threads = cparams.n_threads_batch = n_threads
-        cparams.kv_unified = False
-        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_AUTO
-        cparams.no_perf = True
+        # its greedy pick among the tokens the served model has too (it may have up to
+        # VOCAB_SIZE_SLACK more: a token the served model lacks fails its whole decode)
+        self.n_shared = min(self.n_vocab, lib.llama_vocab_n_tokens(target_vocab))
+        cparams = shape.context_params(lib, n_ctx, slots, n_threads)
         self.ctx = lib.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             lib.llama_model_free(self.model)
@@ -116,7 +126,11 @@ class DraftModel:
         self.batch = lib.llama_batch_init(self.n_batch, 0, 1)
         self.cached: list[list[int]] = [[] for _ in range(slots)]
         self.seconds = 0.0          # spent drafting, catch-up included (the step profile)
-        self.costs = costs or self.measure(slots)
+        try:
+            self.costs = costs or self.measure(slots)
+        except EngineError:
+            self.close()
+            raise
 
     # -- start-up --------------------------------------------------------------------
     def measure(self, slots: int) -> DraftCosts:
@@ -157,7 +171,7 @@ class DraftModel:
     # -- drafting ----------------------------------------------------------------------
     def behind(self, seq: int, context: list[int]) -> int:
         """Context tokens the sequence's cache lacks (a catch-up would decode them)."""
-        return len(context) - min(common_prefix(self.cached[seq], context), len(context) - 1)
+        return len(context) - min(shared_prefix(self.cached[seq], context), len(context) - 1)
 
     def draft(self, wants: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
         """{seq: (context, length)}: up to `length` greedy tokens after each context. A
@@ -170,7 +184,7 @@ class DraftModel:
             room = min(CATCH_UP_ROWS, self.n_batch)
             for seq, (context, _) in sorted(wants.items()):
                 cached = self.cached[seq]
-                keep = min(common_prefix(cached, context), len(context) - 1)
+                keep = min(shared_prefix(cached, context), len(context) - 1)
                 if keep < len(cached):
                     self.lib.llama_memory_seq_rm(self.memory, seq, keep, -1)
                     del cached[keep:]
@@ -206,7 +220,7 @@ class DraftModel:
 
     def _greedy(self, row: int) -> int:
         ptr = self.lib.llama_get_logits_ith(self.ctx, row)
-        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))[:self.n_shared]))
 
     def _decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
         batch = self.batch

@@ -121,20 +121,7 @@ class LlamaEngine:
                 + ("(it sees none)" if llama_cpp.llama_supports_gpu_offload() else
                    "(this llama-cpp-python build has no GPU backend: reinstall it with "
                    "CMAKE_ARGS='-DGGML_CUDA=on', docs/deploying.md)"))
-        cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = n_ctx * slots
-        cparams.n_seq_max = slots
-        cparams.n_batch, cparams.n_ubatch = shape.n_batch, shape.n_ubatch
-        cparams.type_k = cparams.type_v = shape.ggml_type
-        cparams.n_threads = cparams.n_threads_batch = n_threads
-        # One KV stream per slot: a sequence attends over its own cells only (a unified
-        # pool makes every sequence scan every slot's cells, cached prefixes included).
-        cparams.kv_unified = False
-        # llama.cpp picks flash attention where the backend has it (on CPU too: ~10%
-        # faster batched decode here); it changes the numbers slightly, so reference
-        # runs of llama-cpp-python must use flash_attn=True to compare token for token.
-        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO
-        cparams.no_perf = True
+        cparams = shape.context_params(llama_cpp, n_ctx, slots, n_threads)
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)

@@ -7,10 +7,14 @@ batch from what this decides (`workers.engine.llama`), the drafts come from
 `workers.engine.speculation`."""
 from __future__ import annotations
 
+import logging
 import time
 
 from workers.engine.speculation import DRAFT_MIN, find_draft
+from workers.errors import EngineError
 from workers.engine.stepcosts import EACH, StepCosts, each_plan, plan, step_rate
+
+log = logging.getLogger(__name__)
 
 DEEP_AFTER = 16         # first line first: tokens after which a sequence past its first line
                         # may sit out a step for sequences still short of theirs
@@ -199,17 +203,18 @@ class Scheduler:
         if not chosen and not proposals:
             return
         if alike and len(generating) * (1 + EACH[-1]) <= n_batch and \
-                not any(by_seq[q].make_ms for q in chosen):
+                not any(by_seq[q].source == "model" for q in chosen):
             runs = seq_runs(sorted(s.seq for s in generating))
             plain = sum(step_costs.plain_cost(r) for r in runs)
             drafted = sum(chosen.values())
             one_rate = (len(generating) + sum(by_seq[q].gain(n) for q, n in chosen.items())) \
                 / (plain + step_costs.cost(len(generating), drafted) -
                    step_costs.cost(len(generating), 0))
-            k, rate = each_plan(step_costs, runs, [p for _, p in proposals], stretch)
+            lookups = dict(proposals)       # (a draft model's proposal has no tokens yet)
+            k, rate = each_plan(step_costs, runs, list(lookups.values()), stretch)
             if k and rate > one_rate:
                 for slot in generating:
-                    proposal = by_seq.get(slot.seq)
+                    proposal = lookups.get(slot.seq)
                     context = slot.cached + [slot.next_token]
                     if proposal is not None:
                         slot.draft = proposal.tokens[:k]
@@ -238,7 +243,6 @@ class Scheduler:
         able = [s for s in generating if s.policy is not None]
         if not able:
             return by_seq, chosen
-        token_ms = model.costs.token_ms(len(able))
         mixed = dict(by_seq)
         for slot in able:
             context = slot.cached + [slot.next_token]
@@ -249,18 +253,36 @@ class Scheduler:
             steps_left = max(1.0, left / (1 + slot.policy.allowance))
             fixed = max(0, model.behind(slot.seq, context) - 2) * \
                 model.costs.catch_up_ms / steps_left
-            proposal = slot.policy.model_proposal(left, token_ms, fixed)
+            proposal = slot.policy.model_proposal(left, model.costs.token_ms(len(able)), fixed)
             if proposal is None:
                 continue
             lookup = by_seq.get(slot.seq)
             room = len(proposal.tokens)
             if lookup is None or lookup.gain(room) < proposal.gain(room):
                 mixed[slot.seq] = proposal
-        if all(p is by_seq.get(q) for q, p in mixed.items()):
+        drafting = [q for q, p in mixed.items() if p.source == "model"]
+        if not drafting:
             return by_seq, chosen
         n = len(generating)
-        with_model = plan(step_costs, n, list(mixed.items()), stretch=stretch)
-        if step_rate(step_costs, n, mixed, with_model) > \
+        # each token's making is the draft model's decode shared by those drafting with
+        # it: planned as if all did, then again at the count the plan chose (fewer
+        # sharing it: each pays more), until that count holds
+        for _ in range(3):
+            for q in drafting:
+                mixed[q].make_ms = model.costs.token_ms(len(drafting))
+            with_model = plan(step_costs, n, list(mixed.items()), stretch=stretch)
+            chosen_model = [q for q in with_model if mixed[q].source == "model"]
+            if not chosen_model or len(chosen_model) == len(drafting):
+                break
+            for q in drafting:              # the ones not chosen go back to their lookups
+                if q not in chosen_model:
+                    if q in by_seq:
+                        mixed[q] = by_seq[q]
+                    else:
+                        del mixed[q]
+            drafting = chosen_model
+        if any(mixed[q].source == "model" for q in with_model) and \
+                step_rate(step_costs, n, mixed, with_model) > \
                 step_rate(step_costs, n, by_seq, chosen):
             return mixed, with_model
         return by_seq, chosen
@@ -270,8 +292,15 @@ class Scheduler:
         """The draft model's tokens for the chosen proposals that it makes, each as long
         as the plan chose, made together (one decode a token for all of them)."""
         wants = {seq: (slots[seq].cached + [slots[seq].next_token], length)
-                 for seq, length in chosen.items() if by_seq[seq].make_ms}
-        return model.draft(wants) if wants and model is not None else {}
+                 for seq, length in chosen.items() if by_seq[seq].source == "model"}
+        if not wants or model is None:
+            return {}
+        try:
+            return model.draft(wants)
+        except EngineError as exc:          # (drafting is optional: the step goes on)
+            log.warning("the draft model failed, no drafts from it this step: %s", exc)
+            model.forget()
+            return {seq: [] for seq in wants}
 
 
 def seq_runs(seqs: list[int]) -> list[int]:
