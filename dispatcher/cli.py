@@ -129,7 +129,10 @@ def cmd_serve(args) -> int:
     if args.api_key_file and not os.access(args.api_key_file, os.R_OK):
         raise SystemExit(f"--api-key-file {args.api_key_file}: not readable")
     if args.draft_model:                # (one line now, not a worker refusing later)
-        args.draft_model = str(resolve_model_path(args.draft_model))
+        try:
+            args.draft_model = str(resolve_model_path(args.draft_model))
+        except SystemExit as exc:
+            raise SystemExit(f"--draft-model: {exc}") from None
     if args.frontends and access_log_problem(args.access_log):
         raise SystemExit(access_log_problem(args.access_log))
     if args.frontends and not _port_free(args.host, args.port):

@@ -237,3 +237,14 @@ def test_shared_prefix_is_the_common_prefix():
     assert shared_prefix([1, 2, 3, 4], [1, 2, 9]) == 2
     assert shared_prefix([1, 2], [1, 2, 3]) == 2 and shared_prefix([], [1]) == 0
     assert shared_prefix(list(range(5000)), list(range(4000)) + [-1]) == 4000
+
+
+def test_serve_refuses_a_missing_draft_model_in_one_line(tmp_path):
+    """`serve` checks the draft model's path before it starts anything."""
+    done = subprocess.run([sys.executable, "-m", "dispatcher", "serve", "--port", "0",
+                           "--frontends", "0", "--dispatcher", f"ipc://{tmp_path}/d",
+                           "--draft-model", str(tmp_path / "missing.gguf")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"--draft-model: model file not found: {tmp_path / 'missing.gguf'}"]
