@@ -227,6 +227,10 @@ for d in report["devices"]:
     if c:
         print(f"  {c['sequences']} streams: decode {c['decode_tok_s']} tok/s in all "
               f"({c['per_stream_tok_s']} each)")
+    s = d.get("scattered")
+    if s:
+        print(f"  {s['sequences']} streams in every other slot: {s['every_other_tok_s']} "
+              f"tok/s, side by side {s['side_by_side_tok_s']} ({s['ratio']}x)")
 EOF
     grep -q '"ok": true' "$OUT/selftest.json" || stop 1 "selftest failed (selftest.json)"
 

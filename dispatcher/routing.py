@@ -69,18 +69,22 @@ def shared_blocks(blocks: tuple[int, ...], held) -> int:
     return low
 
 
-# Speed against load: workers of one model on unlike devices (a GPU and a CPU, an older
-# card, a remote host) are told apart by the rate each sequence would get there with the
-# job added, from the step costs each measured on its device; those within RATE_MARGIN of
-# the fastest count as equally fast, and load decides among them.
+# Speed against load: workers of one model on unlike devices (a GPU and a CPU, a much
+# slower card) are told apart by the rate each sequence would get there with the job
+# added, from the step costs each measured on its device at start-up. Workers alike are
+# not: those of the fastest's compute kind, CPU workers always (measured on a shared,
+# busy CPU their figures differ by noise), others within SLOWER_CLASS of its speed; load
+# and cache decide among those, as for any equal workers. A worker not alike joins them
+# while it would give a sequence at least (1 - RATE_MARGIN) of what they would.
 RATE_MARGIN = 0.1
+SLOWER_CLASS = 2.0
 
 
 def expected_rate(info: P.WorkerInfo, busy: int) -> float | None:
     """Tokens a second each sequence would get on the worker with one more sequence than
     `busy` (None: it measured none). Never more than with fewer sequences: on a CPU whose
     costs are not monotonic (8 rows cheaper than 7) a busier worker does not count as
-    faster, which would pile work onto it."""
+    faster."""
     rates = info.rates
     if not rates:
         return None
@@ -88,13 +92,20 @@ def expected_rate(info: P.WorkerInfo, busy: int) -> float | None:
 
 
 def fastest(candidates: list) -> set:
-    """The candidates whose expected rate is within RATE_MARGIN of the best; every one
-    where some worker measured no rates (nothing to compare)."""
-    rates = {id(w): expected_rate(w.info, w.busy) for w in candidates}
-    if any(r is None for r in rates.values()):
+    """ids of the candidates that may take the job on speed: those alike the fastest
+    device, and any other whose expected rate comes within RATE_MARGIN of theirs;
+    every one where some worker measured no rates (nothing to compare)."""
+    if any(not w.info.rates for w in candidates):
         return {id(w) for w in candidates}
-    best = max(rates.values())
-    return {key for key, rate in rates.items() if rate >= (1 - RATE_MARGIN) * best}
+    best = max(candidates, key=lambda w: w.info.rates[0])
+
+    def alike(w) -> bool:
+        return w.info.compute == best.info.compute and (
+            w.info.compute == "cpu" or w.info.rates[0] * SLOWER_CLASS >= best.info.rates[0])
+    top = [w for w in candidates if alike(w)]
+    bar = (1 - RATE_MARGIN) * max(expected_rate(w.info, w.busy) for w in top)
+    return {id(w) for w in top} | {id(w) for w in candidates
+                                   if expected_rate(w.info, w.busy) >= bar}
 
 
 def choose_worker(job: P.Job, free: list, blocks: tuple[int, ...] | None = None):

@@ -214,25 +214,32 @@ def test_workers_on_unlike_devices_get_work_by_their_measured_speed():
     other one. Two GPUs of one kind alternate (within 10%: load decides)."""
     gpu_rates = [300.0 - 10 * n for n in range(16)]
     r = WorkerRegistry()
-    r.add(b"gpu", info(slots=16, rates=gpu_rates), 0.0)
+    r.add(b"gpu", info(slots=16, rates=gpu_rates, compute="gpu"), 0.0)
     r.add(b"cpu", info(slots=4, rates=[30.0, 20.0, 12.0, 8.0]), 0.0)
     assert assign(r, 20) == ["gpu"] * 16 + ["cpu"] * 4
     twins = WorkerRegistry()
-    twins.add(b"g0", info(slots=16, rates=gpu_rates), 0.0)
-    twins.add(b"g1", info(slots=16, rates=[0.95 * x for x in gpu_rates]), 0.0)
+    twins.add(b"g0", info(slots=16, rates=gpu_rates, compute="gpu"), 0.0)
+    twins.add(b"g1", info(slots=16, rates=[0.7 * x for x in gpu_rates], compute="gpu"), 0.0)
     assert assign(twins, 6) == ["g0", "g1"] * 3
+    older = WorkerRegistry()          # a card a third as fast: it takes work once the
+    older.add(b"new", info(slots=4, rates=[300.0, 200.0, 120.0, 90.0], compute="gpu"),
+              0.0)                    # newer one's sequences would run about as fast
+    older.add(b"old", info(slots=4, rates=[100.0, 90.0, 80.0, 70.0], compute="gpu"), 0.0)
+    assert assign(older, 8) == ["new"] * 3 + ["old", "old", "new", "old", "old"]
 
 
 def test_a_cpus_uneven_costs_do_not_pile_work_onto_the_busier_worker():
     """On this CPU 8 sequences cost less a step than 5-7, so the rate with 8 is higher
     than with 6: counted as measured, a worker at 7 would look faster than one at 5.
-    A busier worker never counts as faster: two such workers share alike."""
+    A busier worker never counts as faster, and CPU workers are alike however their
+    start-up figures differ (measured on a busy shared CPU: here one of them 3 times
+    slower): two such workers share alike, as before."""
     from workers.engine.stepcosts import StepCosts
     rates = StepCosts.assumed().rates(8)
     assert rates[7] > rates[5]                            # the uneven costs
     r = WorkerRegistry()
     r.add(b"a", info(slots=8, rates=rates), 0.0)
-    r.add(b"b", info(slots=8, rates=rates), 0.0)
+    r.add(b"b", info(slots=8, rates=[x / 3 for x in rates]), 0.0)
     taken = assign(r, 16)
     assert taken.count("a") == taken.count("b") == 8
     assert all(taken[i] != taken[i + 1] for i in range(0, 16, 2))
@@ -270,7 +277,7 @@ def test_a_slower_workers_cache_does_not_draw_work_from_a_faster_one():
     """A session's file is cached on the CPU worker; the GPU worker is idle and far
     faster: the next keystroke goes to the GPU. Between equals the cache still wins."""
     r = WorkerRegistry()
-    gpu = r.add(b"gpu", info(slots=16, rates=[300.0] * 16), 0.0)
+    gpu = r.add(b"gpu", info(slots=16, rates=[300.0] * 16, compute="gpu"), 0.0)
     cpu = r.add(b"cpu", info(slots=4, rates=[30.0] * 4), 0.0)
     long = "x" * 2000
     cpu.remember(job("old", prompt=long + " first"))

@@ -128,7 +128,7 @@ def test_a_worker_whose_context_does_not_fit_refuses_with_what_would():
 
 # -- the command, on the real model ----------------------------------------------------
 def test_selftest_of_a_healthy_cpu_worker():
-    done = selftest("--device", "cpu", "--slots", "2", "--nctx", "512",
+    done = selftest("--device", "cpu", "--slots", "4", "--nctx", "512",
                     "--prompt-tokens", "48", "--tokens", "8", "--json")
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
@@ -143,7 +143,10 @@ def test_selftest_of_a_healthy_cpu_worker():
     assert device["memory"]["need_mib"] < device["memory"]["free_mib"]
     assert device["single"]["sequences"] == 1 and device["single"]["prompt_tokens"] == 48
     assert device["single"]["prefill_tok_s"] > 0 and device["single"]["decode_tok_s"] > 0
-    assert device["concurrent"]["sequences"] == 2 and device["concurrent"]["decode_tok_s"] > 0
+    assert device["concurrent"]["sequences"] == 4 and device["concurrent"]["decode_tok_s"] > 0
+    apart = device["scattered"]                # 2 in slots 0 and 2, against 0 and 1
+    assert apart["sequences"] == 2 and apart["every_other_tok_s"] > 0 and \
+        apart["side_by_side_tok_s"] > 0 and apart["ratio"] > 0
     assert device["completion"].strip()
 
 

@@ -66,17 +66,20 @@ def load_with_log(args, placement):
     return engine, captured.getvalue()
 
 
-def run_sequences(engine, prompts: list[list[int]], tokens: int) -> dict:
-    """Prefill every prompt, then decode `tokens` greedy tokens in each; timed."""
+def run_sequences(engine, prompts: list[list[int]], tokens: int,
+                  slots: list[int] | None = None) -> dict:
+    """Prefill every prompt, then decode `tokens` greedy tokens in each; timed. `slots`:
+    where the prompts go (default the first ones, side by side)."""
     from workers.sampling import SamplingParams
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     outputs: dict[int, list[int]] = {}
+    slots = list(range(len(prompts))) if slots is None else slots
     started = time.perf_counter()
-    for slot, prompt in enumerate(prompts):
+    for slot, prompt in zip(slots, prompts):
         engine.add(slot, prompt, greedy, reuse=False, draft_max=0)
     prefilled = None
     try:
-        while any(len(outputs.get(s, [])) < tokens for s in range(len(prompts))):
+        while any(len(outputs.get(s, [])) < tokens for s in slots):
             for slot, out in engine.step().items():
                 for item in out if isinstance(out, list) else [out]:
                     if item.error is not None:
@@ -86,7 +89,7 @@ def run_sequences(engine, prompts: list[list[int]], tokens: int) -> dict:
             if prefilled is None and len(outputs) == len(prompts):
                 prefilled = time.perf_counter()
     finally:
-        for slot in range(len(prompts)):
+        for slot in slots:
             engine.release(slot, keep_cache=False)
     ended = time.perf_counter()
     decoded = len(prompts) * (tokens - 1)
@@ -94,6 +97,19 @@ def run_sequences(engine, prompts: list[list[int]], tokens: int) -> dict:
             "prefill_tok_s": round(sum(map(len, prompts)) / (prefilled - started), 1),
             "decode_tok_s": round(decoded / max(ended - prefilled, 1e-9), 1),
             "outputs": outputs}
+
+
+def scattered(engine, prompts: list[list[int]], tokens: int) -> dict:
+    """Half the slots busy, side by side and then every other one, as traffic leaves
+    them: with a KV stream per slot llama.cpp decodes each run of consecutive busy
+    slots as a sub-batch of its own, so the second costs this device more."""
+    half = engine.n_slots // 2
+    side = run_sequences(engine, prompts[:half], tokens)
+    apart = run_sequences(engine, prompts[:half], tokens,
+                          slots=list(range(0, engine.n_slots, 2))[:half])
+    return {"sequences": half, "side_by_side_tok_s": side["decode_tok_s"],
+            "every_other_tok_s": apart["decode_tok_s"],
+            "ratio": round(apart["decode_tok_s"] / max(side["decode_tok_s"], 1e-9), 2)}
 
 
 def check(args, result: dict) -> None:
@@ -136,6 +152,8 @@ def check(args, result: dict) -> None:
             many.pop("outputs")
             many["per_stream_tok_s"] = round(many["decode_tok_s"] / engine.n_slots, 1)
             result["concurrent"] = many
+        if engine.n_slots >= 4:
+            result["scattered"] = scattered(engine, prompts, tokens)
     finally:
         engine.close()
 

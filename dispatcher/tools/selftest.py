@@ -88,6 +88,10 @@ def _row(result: dict) -> str:
     if many:
         line += (f", {many['sequences']} streams {many['decode_tok_s']:.1f} tok/s "
                  f"({many['per_stream_tok_s']:.1f} each)")
+    apart = result.get("scattered")
+    if apart:
+        line += (f"; {apart['sequences']} in every other slot {apart['every_other_tok_s']:.1f} "
+                 f"tok/s ({apart['ratio']:.2f}x side by side)")
     return line
 
 
