@@ -232,11 +232,11 @@ def test_a_failing_draft_model_costs_its_drafts_not_the_step():
     assert made == {0: []} and Failing.forgotten
 
 
-def test_shared_prefix_is_the_common_prefix():
-    from workers.engine.draftmodel import shared_prefix
-    assert shared_prefix([1, 2, 3, 4], [1, 2, 9]) == 2
-    assert shared_prefix([1, 2], [1, 2, 3]) == 2 and shared_prefix([], [1]) == 0
-    assert shared_prefix(list(range(5000)), list(range(4000)) + [-1]) == 4000
+def test_the_common_prefix_compared_a_slice_at_a_time():
+    from workers.engine.speculation import common_prefix
+    assert common_prefix([1, 2, 3, 4], [1, 2, 9]) == 2
+    assert common_prefix([1, 2], [1, 2, 3]) == 2 and common_prefix([], [1]) == 0
+    assert common_prefix(list(range(5000)), list(range(4000)) + [-1]) == 4000
 
 
 def test_serve_refuses_a_missing_draft_model_in_one_line(tmp_path):

@@ -394,7 +394,7 @@ def test_find_draft_is_the_latest_occurrence():
 def test_an_earlier_sequence_of_the_tenant_is_drafted_from():
     """The same request again (an editor asking for nearly the same completion): its
     answer comes from the earlier one's output in drafts, not token by token."""
-    from workers.engine.speculation import History
+    from workers.engine.history import History
     prompt = list(range(500, 540))
     output = list(range(600, 700))
     history = History()
@@ -410,7 +410,8 @@ def test_a_long_text_asked_again_drafts_its_answer_past_the_allowance():
     over HISTORY_REPEAT tokens or more, so its first draft may run to the limit instead
     of working up from DRAFT_START; a short prompt asked again works up as before (its
     repeat flips at near-ties more often)."""
-    from workers.engine.speculation import DRAFT_START, HISTORY_REPEAT, History
+    from workers.engine.history import History
+    from workers.engine.speculation import DRAFT_START, HISTORY_REPEAT
     output = list(range(2000, 2100))
     for prompt_len, first in ((HISTORY_REPEAT + 20, 64), (40, DRAFT_START)):
         prompt = list(range(1000, 1000 + prompt_len))
@@ -431,7 +432,7 @@ def test_a_copy_of_an_earlier_answer_finds_its_place_again_after_an_inserted_tok
     "lists"): the copy finds its place by the last few tokens near where it stood and
     goes on within a step or two, instead of waiting for a LONG_KEY key to match."""
     from workers.engine import speculation
-    from workers.engine.speculation import History
+    from workers.engine.history import History
     prompt = list(range(500, 540))
     output = list(range(600, 700))
     now = output[:30] + [999] + output[30:]
@@ -448,7 +449,7 @@ def test_a_copy_of_an_earlier_answer_cut_short_is_not_taken_up_again_blindly():
     """The repeat went another way at a near-tie and goes on with new text: the earlier
     answer is not drafted again at the same distance (each such draft a wasted step);
     only the draft that was cut is lost."""
-    from workers.engine.speculation import History
+    from workers.engine.history import History
     prompt = list(range(500, 540))
     output = list(range(600, 700))
     now = output[:30] + list(range(800, 870))
@@ -463,7 +464,7 @@ def test_a_copy_of_an_earlier_answer_goes_on_after_one_substituted_token(monkeyp
     """One token of the earlier answer replaced: the cut copy is not resumed blindly, but
     found again by the last tokens a couple of steps later (not LONG_KEY tokens later)."""
     from workers.engine import speculation
-    from workers.engine.speculation import History
+    from workers.engine.history import History
     prompt = list(range(500, 540))
     output = list(range(600, 700))
     now = output[:30] + [999] + output[31:]
@@ -524,12 +525,11 @@ def test_drafts_start_short_and_double_while_wholly_accepted():
 
 
 def test_history_keeps_recent_sequences_only():
-    from workers.engine import speculation
-    from workers.engine.speculation import History
+    from workers.engine.history import HISTORY_SEQUENCES, History
     history = History()
-    for n in range(speculation.HISTORY_SEQUENCES + 4):
+    for n in range(HISTORY_SEQUENCES + 4):
         history.add([n] * 3 + list(range(1000 + 100 * n, 1040 + 100 * n)), 3)
-    assert len(history.sequences) == speculation.HISTORY_SEQUENCES
+    assert len(history.sequences) == HISTORY_SEQUENCES
     assert history.lookup(list(range(1000, 1000 + LONG_KEY))) is None      # the oldest
     assert history.lookup(list(range(1000 + 100 * 19, 1000 + 100 * 19 + LONG_KEY)))
     live = set(history.sequences)
@@ -551,7 +551,7 @@ def test_plan_leaves_out_drafts_within_the_margin_of_the_plain_rate():
 
 
 def test_the_recycled_table_learns_the_models_tokens_not_the_prompt():
-    from workers.engine.speculation import Recycler
+    from workers.engine.history import Recycler
     recycler = Recycler()
     prompt = [1, 2, 3, 4]
     context = prompt + [5, 6, 7, 5, 6, 8]          # the model wrote 5 6 7 5 6 8
@@ -565,12 +565,12 @@ def test_the_recycled_table_learns_the_models_tokens_not_the_prompt():
 
 
 def test_the_recycled_table_is_bounded():
-    from workers.engine import speculation
-    recycler = speculation.Recycler()
-    context = list(range(3 * speculation.RECYCLED_ENTRIES))
+    from workers.engine.history import RECYCLED_ENTRIES, Recycler
+    recycler = Recycler()
+    context = list(range(3 * RECYCLED_ENTRIES))
     recycler.learn(context, 0)
-    assert len(recycler.after_one) <= speculation.RECYCLED_ENTRIES
-    assert len(recycler.after_two) <= speculation.RECYCLED_ENTRIES
+    assert len(recycler.after_one) <= RECYCLED_ENTRIES
+    assert len(recycler.after_two) <= RECYCLED_ENTRIES
     assert recycler.after_one[context[-2]] == context[-1]       # the newest kept
 
 
@@ -578,7 +578,7 @@ def test_a_tenants_earlier_answers_draft_first_seen_text_by_the_recycled_table()
     """Text that appears nowhere in the context or the tenant's history as a run of
     tokens, yet every pair of tokens in it followed the model's own pairs before: only
     the recycled source has it. Another tenant's sequences teach it nothing."""
-    from workers.engine.speculation import Histories
+    from workers.engine.history import Histories
     histories = Histories()
     written = [100, 101, 102, 103, 104, 105, 106, 107]
     for piece in (written[:5], [60] + written[3:]):     # two answers, each a piece

@@ -22,27 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from workers.errors import EngineError
+from workers.engine.speculation import common_prefix
 
 VOCAB_SIZE_SLACK = 128      # token counts may differ this much (padding), as llama.cpp's
 VOCAB_CHECK_FROM = 5        # the first tokens (control ones) may differ in text
 CATCH_UP_ROWS = 512         # context tokens a draft call decodes at most, all sequences
 COST_REPEATS = 3            # each start-up shape's fastest of this many runs counts
-
-
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens two sequences share from the start, compared a slice at a time
-    (at C speed: a cache of thousands of tokens, every step of every slot)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    low, high = 0, n                    # a[:low] == b[:low]; a[:high] != b[:high]
-    while high - low > 1:
-        middle = (low + high) // 2
-        if a[:middle] == b[:middle]:
-            low = middle
-        else:
-            high = middle
-    return low
 
 
 def vocab_mismatch(lib, target, draft) -> str | None:
@@ -119,7 +104,6 @@ class DraftModel:
             lib.llama_model_free(self.model)
             raise EngineError(f"llama.cpp could not create the draft model's context of "
                               f"{n_ctx * slots} tokens")
-        self.path = str(path)
         self.n_ctx = n_ctx
         self.n_batch = lib.llama_n_batch(self.ctx)
         self.memory = lib.llama_get_memory(self.ctx)
@@ -171,7 +155,7 @@ class DraftModel:
     # -- drafting ----------------------------------------------------------------------
     def behind(self, seq: int, context: list[int]) -> int:
         """Context tokens the sequence's cache lacks (a catch-up would decode them)."""
-        return len(context) - min(shared_prefix(self.cached[seq], context), len(context) - 1)
+        return len(context) - min(common_prefix(self.cached[seq], context), len(context) - 1)
 
     def draft(self, wants: dict[int, tuple[list[int], int]]) -> dict[int, list[int]]:
         """{seq: (context, length)}: up to `length` greedy tokens after each context. A
@@ -184,7 +168,7 @@ class DraftModel:
             room = min(CATCH_UP_ROWS, self.n_batch)
             for seq, (context, _) in sorted(wants.items()):
                 cached = self.cached[seq]
-                keep = min(shared_prefix(cached, context), len(context) - 1)
+                keep = min(common_prefix(cached, context), len(context) - 1)
                 if keep < len(cached):
                     self.lib.llama_memory_seq_rm(self.memory, seq, keep, -1)
                     del cached[keep:]

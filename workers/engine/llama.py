@@ -30,7 +30,8 @@ from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.draftmodel import DraftCosts, DraftModel
 from workers.engine.repacking import extra_buffers_work
 from workers.engine.scheduling import Scheduler, seq_runs
-from workers.engine.speculation import Calibration, Drafter, Histories, common_prefix
+from workers.engine.history import Histories
+from workers.engine.speculation import Calibration, Drafter, common_prefix
 from workers.engine.stepcosts import StepCosts
 from workers.engine.vocabulary import Vocabulary
 from workers.engine.samplers import Candidates, SamplerChain

@@ -20,13 +20,13 @@ Five sources propose a draft for a sequence (its context: prompt and output so f
 - `short`: the latest earlier occurrence of the last 4, 3 or 2 tokens: what wins on
   fresh code that repeats itself locally.
 - `history`: where one of the tenant's recent sequences went on after the last LONG_KEY
-  tokens (`History`): an editor asks for nearly the same completion many times, so the
+  tokens (`history.History`): an editor asks for nearly the same completion many times, so the
   previous answer is the likeliest draft; a copy started there goes on there while its
   drafts hold. Cut short, it is not taken up again at the same distance (the repeat
   wrote something else at a near-tie and mostly goes on differently: measured) but
   re-aligned by the last few tokens (`_resync`) or looked up again.
 - `recycled`: what the model wrote after the context's last two tokens (or last one) the
-  last time, in any of the tenant's sequences (`Recycler`): the one source that drafts
+  last time, in any of the tenant's sequences (`history.Recycler`): the one source that drafts
   code whose continuation is nowhere yet, from the model's own habits.
 
 Each source keeps its own acceptance record in the sequence (accepted draft tokens
@@ -40,8 +40,11 @@ draft goes into the step, and how long, is `workers.engine.stepcosts`'s to decid
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.engine.history import History
 
 DRAFT_MIN = 4           # shorter drafts cost more than they can save on CPUs measured
 DRAFT_START = 16        # a sequence's drafts start at most this long and double while
@@ -50,26 +53,30 @@ DRAFT_START = 16        # a sequence's drafts start at most this long and double
 NGRAM = (4, 3, 2)       # the `short` suffix lengths tried, longest first
 LONG_KEY = 12           # tokens in the `long` source's key
 LOOKBACK = 8192         # tokens the `short` source searches for its suffix
-HISTORY_SEQUENCES = 16  # `history`: recent sequences kept per tenant
-HISTORY_TOKENS = 4096   # ... at most this many tokens of each
-HISTORY_PROMPT = 256    # ... of which the prompt's last ones (the output's lead-in: a
-                        # repeated request matches all of it, see HISTORY_REPEAT)
-HISTORY_TENANTS = 64    # tenants whose history is kept, least recently used dropped
+HISTORY_PROMPT = 256    # `history`: a kept sequence's prompt's last tokens (the output's
+                        # lead-in: a repeated request matches all of it, HISTORY_REPEAT)
 HISTORY_REPEAT = 128    # `history`: a match this long (a request asked again, or the same
                         # text again) drafts past the allowance, rated on the match over
                         # HISTORY_PROMPT tokens: its whole answer goes in one or two steps
-RECYCLED_ENTRIES = 65536    # `recycled`: successors kept per tenant, per table
 RESYNC = 16             # `history`: how far from where a recent sequence's copy stood the
                         # context's last NGRAM tokens are looked for again after a miss
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens two sequences share from the start (a slot's cache and a prompt)."""
+    """How many tokens two sequences share from the start (a slot's cache and a prompt,
+    a draft model's cache and a context), compared a slice at a time: at C speed, for
+    caches of thousands of tokens compared every step of every slot."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n                    # a[:low] == b[:low]; a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def find_draft(context: list[int], limit: int, minimum: int = DRAFT_MIN) -> list[int]:
@@ -109,110 +116,6 @@ def matched(context: list[int], start: int, source: list[int] | None = None,
             source[start - 1 - k] == context[n - 1 - k]:
         k += 1
     return k
-
-
-class History:
-    """Recent sequences of one tenant (an API key's, or everyone's with a shared cache),
-    for the `history` source: an editor asks for nearly the same completion again and
-    again as the user types, so the previous answer is the likeliest draft. Keeps the
-    last HISTORY_SEQUENCES sequences (each the tail of its prompt and its output, at most
-    HISTORY_TOKENS), indexed by LONG_KEY-token keys, the newest occurrence winning."""
-
-    def __init__(self) -> None:
-        self.sequences: OrderedDict[int, list[int]] = OrderedDict()
-        self.index: dict[tuple, tuple[int, int]] = {}
-        self.counter = 0
-        self.recycler = Recycler()      # the tenant's `recycled` source
-
-    def add(self, tokens: list[int], output_from: int) -> None:
-        """A finished (or cancelled) sequence: `tokens` is its prompt and output, the
-        output starting at `output_from`."""
-        if len(tokens) - output_from < DRAFT_MIN:
-            return
-        start = max(0, output_from - LONG_KEY - HISTORY_PROMPT)
-        kept = tokens[start:][-HISTORY_TOKENS:]
-        self.counter += 1
-        self.sequences[self.counter] = kept
-        for i in range(LONG_KEY, len(kept)):
-            self.index[tuple(kept[i - LONG_KEY:i])] = (self.counter, i)
-        while len(self.sequences) > HISTORY_SEQUENCES:
-            old_id, old = self.sequences.popitem(last=False)
-            for i in range(LONG_KEY, len(old)):
-                key = tuple(old[i - LONG_KEY:i])
-                if self.index.get(key, (None,))[0] == old_id:
-                    del self.index[key]
-
-    def lookup(self, context: list[int]) -> tuple[list[int], int] | None:
-        """(tokens, position) where an earlier sequence went on after the context's last
-        LONG_KEY tokens."""
-        if len(context) < LONG_KEY:
-            return None
-        found = self.index.get(tuple(context[-LONG_KEY:]))
-        if found is None or found[0] not in self.sequences:
-            return None
-        tokens = self.sequences[found[0]]
-        return (tokens, found[1]) if found[1] < len(tokens) else None
-
-
-class Recycler:
-    """The `recycled` source: what the model itself wrote after a token (and after a pair
-    of tokens) the last time, in this tenant's sequences. Token Recycling's table of the
-    model's top candidates per token (Luo et al., ACL 2025), in its linear form: the top
-    candidate at a verified position is the token the model wrote there, so the table
-    costs no pass over the logits; chained from the context's last tokens it drafts code
-    the tenant never sent before, in the model's own habits (`):` then a newline and the
-    indentation, `self.` then the attribute it used last). Whether such a draft pays is
-    the step costs' to say: on a CPU, where a row costs a good part of a step, rarely;
-    where extra rows are nearly free, most steps."""
-
-    def __init__(self) -> None:
-        self.after_one: dict[int, int] = {}
-        self.after_two: dict[tuple[int, int], int] = {}
-
-    def learn(self, context: list[int], start: int) -> None:
-        """The model's tokens context[start:] (each after the tokens before it)."""
-        one, two = self.after_one, self.after_two
-        for i in range(max(start, 2), len(context)):
-            one.pop(context[i - 1], None)          # (re-inserted: the newest last)
-            one[context[i - 1]] = context[i]
-            key = (context[i - 2], context[i - 1])
-            two.pop(key, None)
-            two[key] = context[i]
-        for table in (one, two):
-            if len(table) > RECYCLED_ENTRIES:      # the oldest go, half the room left
-                for key in list(table)[:len(table) - RECYCLED_ENTRIES // 2]:
-                    del table[key]
-
-    def chain(self, context: list[int], limit: int) -> list[int]:
-        """Up to `limit` tokens, each what the model wrote after the two before it (or,
-        unseen, after the one before it)."""
-        if len(context) < 2:
-            return []
-        a, b = context[-2], context[-1]
-        out: list[int] = []
-        while len(out) < limit:
-            token = self.after_two.get((a, b))
-            if token is None:
-                token = self.after_one.get(b)
-                if token is None:
-                    break
-            out.append(token)
-            a, b = b, token
-        return out
-
-
-class Histories:
-    """Each tenant's History, the least recently used forgotten first."""
-
-    def __init__(self) -> None:
-        self.tenants: OrderedDict[str, History] = OrderedDict()
-
-    def of(self, tenant: str) -> History:
-        history = self.tenants.pop(tenant, None) or History()
-        self.tenants[tenant] = history
-        while len(self.tenants) > HISTORY_TENANTS:
-            self.tenants.popitem(last=False)
-        return history
 
 
 def expected_accepted(rate: float, length: int) -> float:
