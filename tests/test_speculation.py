@@ -633,7 +633,7 @@ def test_drafts_run_beside_a_waiting_user_only_where_rows_are_nearly_free():
     from workers.engine.speculation import Proposal
 
     class Confident:
-        max_len = 64
+        max_len, min_len = 64, 4
 
         def propose(self, context, room, proven=False):
             return Proposal("copy", 0, list(range(100, 116)), rate=0.95)
@@ -652,3 +652,18 @@ def test_drafts_run_beside_a_waiting_user_only_where_rows_are_nearly_free():
         return len(slots[0].draft)
     assert drafted(StepCosts.assumed()) == 0
     assert drafted(gpu_like()) > 0
+
+
+def test_the_shortest_draft_offered_is_decided_on_the_measured_costs():
+    """Where a draft row costs about a plain step (the CPU table) a draft needs 2 tokens
+    kept to pay, and a lookup that can offer only one offers nothing; where rows are
+    nearly free (GPU-like) one token pays and is offered; where rows cost so much that no
+    draft pays, none is offered short of the longest measured."""
+    cpu, gpu = StepCosts.assumed(), gpu_like()
+    assert cpu.shortest_draft() == 2 and gpu.shortest_draft() == 1
+    dear = StepCosts((1,), {(1, d): 10.0 + 20.0 * d for d in SHAPES_EXTRA})
+    assert dear.shortest_draft() == SHAPES_EXTRA[-1]
+    context = [3, 1, 4, 1, 5, 7, 7, 7, 7, 7]    # the latest match leaves one token: 7
+    assert Drafter(16, min_len=cpu.shortest_draft()).propose(context, 16) is None
+    one = Drafter(16, min_len=gpu.shortest_draft()).propose(context, 16)
+    assert one is not None and one.tokens == [7]

@@ -31,7 +31,7 @@ from workers.engine.draftmodel import DraftCosts, DraftModel
 from workers.engine.repacking import extra_buffers_work
 from workers.engine.scheduling import Scheduler, seq_runs
 from workers.engine.history import Histories
-from workers.engine.speculation import Calibration, Drafter, common_prefix
+from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
 from workers.engine.stepcosts import StepCosts
 from workers.engine.vocabulary import Vocabulary
 from workers.engine.samplers import Candidates, SamplerChain
@@ -291,8 +291,9 @@ class LlamaEngine:
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
         limit = self.draft_max if draft_max is None else min(draft_max, self.draft_max)
-        slot.policy = Drafter(limit, proven_only=sampling.wide,
-                              calibration=self.calibration) if limit else None
+        slot.policy = Drafter(limit, proven_only=sampling.wide, calibration=self.calibration,
+                              min_len=self.step_costs.shortest_draft() if self.step_costs
+                              else DRAFT_MIN) if limit else None
         if slot.policy is not None and history is not None:
             slot.policy.history = self.histories.of(history)
             slot.policy.output_from = len(tokens)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from workers.engine.speculation import DRAFT_MIN, find_draft
+from workers.engine.speculation import find_draft
 from workers.errors import EngineError
 from workers.engine.stepcosts import EACH, StepCosts, each_plan, plan, step_rate
 
@@ -180,9 +180,9 @@ class Scheduler:
                     any(s != slot.seq and now - t < ARRIVAL_QUIET for t, s, _ in self.arrivals):
                 someone_waits = True
             room = n_ctx - slot.n_past - 2
-            if slot.budget is not None:             # (a draft past the end is rows for
-                room = min(room, slot.budget - slot.sampled - 1)    # nothing; under
-            if slot.policy is not None and room >= DRAFT_MIN:       # DRAFT_MIN: none)
+            if slot.budget is not None:     # a draft past the end is rows for nothing,
+                room = min(room, slot.budget - slot.sampled - 1)    # never pays
+            if slot.policy is not None and room >= slot.policy.min_len:   # a shorter one
                 proposal = slot.policy.propose(slot.cached + [slot.next_token], room,
                                                proven=traffic)
                 if proposal is not None:

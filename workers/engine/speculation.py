@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from workers.engine.history import History
 
-DRAFT_MIN = 4           # shorter drafts cost more than they can save on CPUs measured
+DRAFT_MIN = 4           # the shortest draft offered where the device's costs are unknown
+                        # (where known: StepCosts.shortest_draft, per device)
 DRAFT_START = 16        # a sequence's drafts start at most this long and double while
                         # wholly accepted (a confident source that turns out wrong
                         # costs a 16-row step, not a 64-row one)
@@ -253,6 +254,7 @@ class Drafter:
     calibration: Calibration | None = None  # the engine's, shared by its sequences
     output_from: int | None = None  # `recycled`: where the model's tokens start (the
     learned: int = 0                # prompt's length), and how far they are learned
+    min_len: int = DRAFT_MIN        # the shortest draft offered (StepCosts.shortest_draft)
 
     def __post_init__(self) -> None:
         self.records = {name: Record(*prior) for name, prior in PRIORS.items()}
@@ -264,7 +266,7 @@ class Drafter:
         back a lookup's match reaches (others share the step: a guess costs them too)."""
         room = min(limit, self.max_len)
         limit = min(room, self.allowance)
-        if room < DRAFT_MIN:
+        if room < self.min_len:
             return None
         n = len(context)
         best, found = None, []
@@ -274,7 +276,7 @@ class Drafter:
             record.kept *= FADE
         candidates = [("copy", context, self._copy_start(n)),
                       ("long", context, self._long(context)),
-                      ("short", context, find_source(context, limit))]
+                      ("short", context, find_source(context, limit, self.min_len))]
         if self.copied is not None:
             tokens, at, when = self.copied
             candidates[0] = ("copy", tokens, at + n - when)
@@ -287,8 +289,8 @@ class Drafter:
             if recycled:
                 candidates.append(("recycled", recycled, 0))
         for source, tokens, start in candidates:
-            if start is None or len(tokens) - start < DRAFT_MIN or \
-                    (tokens is context and n - start < DRAFT_MIN):
+            if start is None or len(tokens) - start < self.min_len or \
+                    (tokens is context and n - start < self.min_len):
                 continue
             record = self.records[source]
             if record.below_floor:
@@ -318,11 +320,11 @@ class Drafter:
                        ) -> Proposal | None:
         """A draft model's draft of at most `limit` tokens, yet to be made (`Proposal`'s
         make costs): rated by the source's record in this sequence, None where it is
-        below the floor or there is no room for DRAFT_MIN tokens. Call after `propose`
+        below the floor or there is no room for `min_len` tokens. Call after `propose`
         (which fades the records) in the same step."""
         room = min(limit, self.max_len)
         record = self.records["model"]
-        if room < DRAFT_MIN or record.below_floor:
+        if room < self.min_len or record.below_floor:
             return None
         return Proposal("model", 0, [0] * min(room, self.allowance), record.rate,
                         scale=self.calibration.factor("model")

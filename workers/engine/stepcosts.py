@@ -280,6 +280,18 @@ class StepCosts:
         return plain + self._at(known[0], extra) - self.table[known[0], 0]
 
 
+    def shortest_draft(self, margin: float = DRAFT_MARGIN) -> int:
+        """The fewest draft tokens that could pay on this device: the shortest draft whose
+        step, were every token kept, gives a lone sequence (1 + margin) times its plain
+        rate. Shorter ones never pay whatever their acceptance, so lookups need not offer
+        them (a CPU: 2-4 tokens; a GPU, where a row is nearly free: 1). None pays at all:
+        the longest measured draft (`plan` then chooses none)."""
+        plain = self.cost(1, 0)
+        for length in range(1, SHAPES_EXTRA[-1] + 1):
+            if (1 + length) * plain >= (1 + margin) * self.cost(1, length):
+                return length
+        return SHAPES_EXTRA[-1]
+
     def each_cost(self, sequences: int, rows: int) -> float:
         """A step of `sequences` sequences with `rows` draft rows on each (one sequence:
         its draft shape; a count not measured: the nearest measured one below, scaled by
