@@ -22,6 +22,11 @@ from dispatcher.common.devices import DeviceSpec, parse_device
      DeviceSpec("cuda", uuid="GPU-5f1b4b6a-0e2c-4d1f-9a3b-1c2d3e4f5a6b")),
     ("cuda:mig-5F1B4B6A-0E2C-4D1F-9A3B-1C2D3E4F5A6B@fast",
      DeviceSpec("cuda", uuid="MIG-5f1b4b6a-0e2c-4d1f-9a3b-1c2d3e4f5a6b", profile="fast")),
+    ("cuda:0,1", DeviceSpec("cuda", index=0, also=("1",))),
+    ("cuda:2, 03@big", DeviceSpec("cuda", index=2, also=("3",), profile="big")),
+    ("cuda:GPU-5f1b4b6a-0e2c-4d1f-9a3b-1c2d3e4f5a6b,1",
+     DeviceSpec("cuda", uuid="GPU-5f1b4b6a-0e2c-4d1f-9a3b-1c2d3e4f5a6b", also=("1",))),
+    ("npu:0,1,2", DeviceSpec("npu", index=0, also=("1", "2"))),
 ])
 def test_parse_device(text, spec):
     assert parse_device(text) == spec
@@ -30,10 +35,30 @@ def test_parse_device(text, spec):
 
 @pytest.mark.parametrize("text", ["gpu:0", "cuda", "cuda:x", "cpu:3-1", "cpu:a", "cpu:1,2", "",
                                   "cuda:0@", "cuda:0@a b", "cuda:GPU-1234", "npu:GPU-5f1b4b6a"
-                                  "-0e2c-4d1f-9a3b-1c2d3e4f5a6b", "cuda:GPU-../../etc"])
+                                  "-0e2c-4d1f-9a3b-1c2d3e4f5a6b", "cuda:GPU-../../etc", "cuda:0,0", "cuda:0,", "cuda:,1",
+                                  "cuda:0,x", "cuda:1,01"])
 def test_bad_device_specs_are_rejected(text):
     with pytest.raises(ValueError):
         parse_device(text)
+
+
+def test_a_device_list_keeps_a_split_device_whole():
+    """COMPLETIONS_DEVICE is comma-separated, and so is a split model's device: a comma
+    starts a new spec only before a device kind."""
+    from dispatcher.common import config
+    from dispatcher.common.devices import split_device_list
+    assert split_device_list("cuda:0,1, cpu:0-1,cuda:2,3@big,npu:0") == [
+        "cuda:0,1", "cpu:0-1", "cuda:2,3@big", "npu:0"]
+    env = {"COMPLETIONS_DEVICE": "cuda:0,1,cuda:2"}
+    assert [str(d) for d in config.env_value(config.OPTIONS["device"], env)] == \
+        ["cuda:0,1", "cuda:2"]
+
+
+def test_a_split_device_shows_every_gpu_to_its_worker():
+    result = run_pin("cuda:2,0")
+    assert result["cuda"] == "2,0" and result["order"] == "PCI_BUS_ID"
+    assert result["placement"]["device"] == "cuda:2,0"
+    assert parse_device("cuda:2,0").slug == "cuda2_0"
 
 
 def test_compute_classes():
@@ -107,6 +132,8 @@ def test_a_gpu_worker_takes_few_threads_on_the_cores_near_its_gpu(tmp_path):
     assert elsewhere["placement"]["n_threads"] == min(4, len(allowed))
     on_cpu = run_pin("cuda:1", sysfs=tmp_path / "sys", path=tools, ngl=0)   # no offload
     assert on_cpu["affinity"] == allowed and on_cpu["placement"]["n_threads"] == len(allowed)
+    split = run_pin("cuda:2,1", sysfs=tmp_path / "sys", path=tools)  # near one of the two
+    assert split["affinity"] == near and split["placement"]["n_threads"] == 1
 
 
 def test_a_partly_offloaded_model_runs_its_cpu_layers_on_every_core():

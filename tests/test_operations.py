@@ -303,12 +303,15 @@ def test_check_config_reports_every_problem_with_its_place(tmp_path):
         device = "cuda:5"
         batch = 256
         ubatch = 512
+        [[workers]]
+        device = "cuda:6,1"
     """))
     out = check_config("--config", str(config))
     assert out.returncode == 1
     for text in ("models[0]: model file not found", "workers[0]: unknown device kind",
                  "workers[1]: model 'other'", "workers[2]: unknown keys ['speed']",
                  "cuda:3 is used by more than one worker",
+                 "cuda:1 is used by more than one worker",      # (split over 6 and 1)
                  "workers[5]: kv_type must be one of f16, q8_0, q4_0, got 'q5_1'",
                  "workers[6]: ubatch 512 is larger than batch 256"):
         assert text in out.stdout, (text, out.stdout)

@@ -49,6 +49,34 @@ def test_a_device_cuda_cannot_see_is_named_with_its_variable():
         "npu", 0, True, [CPU, H200], {"ASCEND_RT_VISIBLE_DEVICES": "0"})
 
 
+def test_a_split_device_needs_every_gpu_it_names_and_counts_their_memory(monkeypatch):
+    """cuda:0,1: refused in one line where llama.cpp sees one of the two; where it sees
+    both, their free memory counts together (llama.cpp splits the layers by it), so a
+    model that fits neither card alone fits the pair."""
+    from dispatcher.common.devices import parse_device
+    from workers.engine import backends
+    from workers.pinning import Placement
+    visible = {"CUDA_VISIBLE_DEVICES": "0,1"}
+    reason = diagnose_device("cuda", "0,1", True, [CPU, H200], visible, wanted=2)
+    assert reason.startswith("cuda:0,1 asks for 2 devices, but with CUDA_VISIBLE_DEVICES=0,1 "
+                             "llama.cpp sees 1")
+    small = [BackendDevice(f"CUDA{i}", "a 24 GB card", "gpu", 20 << 30, 24 << 30)
+             for i in range(2)]
+    assert diagnose_device("cuda", "0,1", True, [CPU, *small], visible, wanted=2) is None
+    shape = {"n_layer": 32, "n_head_kv": 8, "key_length": 128, "value_length": 128,
+             "n_vocab": 32000}
+    monkeypatch.setattr(backends, "backend_devices", lambda: [CPU, *small])
+    monkeypatch.setattr(backends, "gpu_support", lambda: True)
+    monkeypatch.setattr(backends, "model_shape", lambda path: shape)
+    monkeypatch.setattr(backends.os.path, "getsize", lambda path: 30 << 30)   # weights
+    placement = Placement("cuda:0,1", "gpu", (0,), 1, 999, visible)
+    both = backends.check_placement(parse_device("cuda:0,1"), placement, "m.gguf", 4096, 2)
+    assert both.refusal is None and both.memory["free_mib"] == 40 << 10
+    monkeypatch.setattr(backends, "backend_devices", lambda: [CPU, small[0]])
+    alone = backends.check_placement(parse_device("cuda:0"), placement, "m.gguf", 4096, 2)
+    assert "out of memory" in alone.refusal and "20480 MiB free on CUDA0" in alone.refusal
+
+
 def test_memory_need_and_the_nctx_that_fits():
     # Llama-3-8B-like: 32 layers, 8 KV heads of 128: 128 KiB of f16 K+V per token
     need = memory_need(4 << 30, 32, 8, 128, 128, 128256, nctx=8192, slots=16)

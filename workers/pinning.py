@@ -70,11 +70,18 @@ def pin(spec: DeviceSpec, ngl: int) -> Placement:
 
 
 def gpu_local_cores(spec: DeviceSpec) -> set[int]:
-    """The cores sysfs says are near this GPU; empty where nothing says (no nvidia-smi,
-    no such device, no NUMA information)."""
+    """The cores sysfs says are near this worker's GPUs; empty where nothing says (no
+    nvidia-smi, no such device, no NUMA information)."""
+    near: set[int] = set()
+    for ordinal in spec.ordinals:       # a split model: the cores near any of its GPUs
+        near |= _local_cores(ordinal)
+    return near
+
+
+def _local_cores(ordinal: str) -> set[int]:
     try:
         done = subprocess.run(
-            ["nvidia-smi", "-i", spec.ordinal, "--query-gpu=pci.bus_id",
+            ["nvidia-smi", "-i", ordinal, "--query-gpu=pci.bus_id",
              "--format=csv,noheader"], capture_output=True, text=True, timeout=10,
             env={**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
     except (OSError, subprocess.SubprocessError):

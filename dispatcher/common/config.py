@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from dispatcher.common.devices import split_device_list
+
 ENV_PREFIX = "COMPLETIONS_"
 
 
@@ -330,7 +332,8 @@ def env_value(option: Option, environ: dict | None = None) -> Any:
     if raw is None or raw == "":
         return option.default
     if option.repeat:
-        return [option.type(part.strip()) for part in raw.split(",") if part.strip()]
+        parts = split_device_list(raw) if option.name == "device" else raw.split(",")
+        return [option.type(part.strip()) for part in parts if part.strip()]
     value = option.type(raw)
     if option.choices and value not in option.choices:
         raise ValueError(f"{value!r} is not one of {', '.join(option.choices)}")

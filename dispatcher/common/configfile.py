@@ -252,7 +252,7 @@ def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
     names = [w.name for w in plans]
     problems += [f"workers: name '{n}' is used twice" for n in set(names)
                  if names.count(n) > 1]
-    accelerators = [(d.kind, d.ordinal) for d in devices if d.ordinal is not None]
+    accelerators = [(d.kind, o) for d in devices for o in d.ordinals]
     problems += [f"workers: {k}:{i} is used by more than one worker" for k, i in
                  set(accelerators) if accelerators.count((k, i)) > 1]
     if not plans and not problems:

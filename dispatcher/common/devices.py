@@ -1,5 +1,7 @@
-"""Device specs: `cpu`, `cpu:0-3`, `cpu:0-1+4-5`, `cuda:0`, `npu:1`, each optionally
-followed by `@profile`, the worker's machine profile (SIE's X-SIE-MACHINE-PROFILE).
+"""Device specs: `cpu`, `cpu:0-3`, `cpu:0-1+4-5`, `cuda:0`, `npu:1`, `cuda:0,1` (one
+model split over several accelerators: llama.cpp spreads its layers over them in
+proportion to their free memory), each optionally followed by `@profile`, the worker's
+machine profile (SIE's X-SIE-MACHINE-PROFILE).
 
 A spec says where one worker runs. Parsing lives here so that the launcher can reject a
 bad spec before anything starts; applying it (pinning) is `workers.pinning`.
@@ -30,6 +32,7 @@ class DeviceSpec:
     cores: tuple[int, ...] | None = None   # CPU cores (cpu); None: every allowed core
     profile: str | None = None             # machine profile name
     uuid: str | None = None         # cuda:GPU-… or cuda:MIG-… (nvidia-smi -L), not an index
+    also: tuple[str, ...] = ()      # cuda:0,1: the further accelerators the model spans
 
     @property
     def compute(self) -> str:
@@ -39,7 +42,7 @@ class DeviceSpec:
         if self.kind == "cpu":
             text = "cpu" if self.cores is None else "cpu:" + _format_cores(self.cores)
         else:
-            text = f"{self.kind}:{self.ordinal}"
+            text = f"{self.kind}:{','.join(self.ordinals)}"
         return text if self.profile is None else f"{text}@{self.profile}"
 
     @property
@@ -48,20 +51,27 @@ class DeviceSpec:
         return self.uuid if self.uuid is not None else \
             None if self.index is None else str(self.index)
 
+    @property
+    def ordinals(self) -> tuple[str, ...]:
+        """Every accelerator this worker spans (one, or several for a split model)."""
+        return () if self.ordinal is None else (self.ordinal, *self.also)
+
     def visible_devices(self) -> dict[str, str]:
-        """Environment that makes exactly this accelerator visible (as device 0). CUDA
-        numbers devices fastest first unless told otherwise: PCI_BUS_ID order makes
-        cuda:N the GPU nvidia-smi calls N."""
+        """Environment that makes exactly this worker's accelerators visible (as devices
+        0, 1, ...). CUDA numbers devices fastest first unless told otherwise: PCI_BUS_ID
+        order makes cuda:N the GPU nvidia-smi calls N."""
+        listed = ",".join(self.ordinals)
         if self.kind == "cuda":
-            return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": self.ordinal}
+            return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": listed}
         if self.kind in VISIBLE_DEVICES_ENV:
-            return {VISIBLE_DEVICES_ENV[self.kind]: self.ordinal}
+            return {VISIBLE_DEVICES_ENV[self.kind]: listed}
         return {}
 
     @property
     def slug(self) -> str:
         """A name fragment safe in worker names and file names."""
-        return str(self).replace(":", "").replace("+", "_").replace("@", "-")
+        return str(self).replace(":", "").replace("+", "_").replace(",", "_") \
+            .replace("@", "-")
 
 
 def parse_device(text: str) -> DeviceSpec:
@@ -77,14 +87,41 @@ def parse_device(text: str) -> DeviceSpec:
         if not sep:
             return DeviceSpec("cpu", profile=profile)
         return DeviceSpec("cpu", cores=_parse_cores(rest, text), profile=profile)
+    ordinals = [_accelerator(kind, part.strip(), text) for part in given.split(",")] \
+        if sep else [_accelerator(kind, "", text)]
+    if len(set(ordinals)) < len(ordinals):
+        raise ValueError(f"{text!r} names one {kind} device twice")
+    first = ordinals[0]
+    return DeviceSpec(kind, index=int(first) if first.isdigit() else None,
+                      uuid=None if first.isdigit() else first, also=tuple(ordinals[1:]),
+                      profile=profile)
+
+
+def _accelerator(kind: str, given: str, text: str) -> str:
+    """One accelerator of a spec: its index, or (cuda) its UUID, as written canonically."""
     if kind == "cuda" and CUDA_UUID.fullmatch(given):
         prefix, _, hexits = given.partition("-")
-        return DeviceSpec(kind, uuid=f"{prefix.upper()}-{hexits.lower()}", profile=profile)
-    if not sep or not rest.isdigit():
+        return f"{prefix.upper()}-{hexits.lower()}"
+    if not given.isdigit():
         raise ValueError(f"{kind} device needs an index, e.g. {kind}:0"
                          + (" or a UUID, cuda:GPU-…" if kind == "cuda" else "")
-                         + f", got {text!r}")
-    return DeviceSpec(kind, index=int(rest), profile=profile)
+                         + f" (several, split: {kind}:0,1), got {text!r}")
+    return str(int(given))
+
+
+def split_device_list(text: str) -> list[str]:
+    """A comma-separated list of specs (COMPLETIONS_DEVICE), where `cuda:0,1` is one spec:
+    a comma starts a new spec only before a device kind."""
+    specs: list[str] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if specs and part.partition(":")[0].partition("@")[0].lower() not in KINDS:
+            specs[-1] += "," + part
+        else:
+            specs.append(part)
+    return specs
 
 
 def _parse_cores(rest: str, text: str) -> tuple[int, ...]:

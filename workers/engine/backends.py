@@ -123,8 +123,10 @@ def host_memory_available(meminfo: str = "/proc/meminfo", cgroup: str | None = N
 
 
 def diagnose_device(kind: str, index: str | None, supports_gpu: bool,
-                    devices: list[BackendDevice], visible_env: dict[str, str]) -> str | None:
-    """Why a worker for this device cannot run, in one line; None when it can."""
+                    devices: list[BackendDevice], visible_env: dict[str, str],
+                    wanted: int = 1) -> str | None:
+    """Why a worker for this device (`wanted` accelerators of it, for a split model)
+    cannot run, in one line; None when it can."""
     if kind == "cpu":
         return None
     runtime = {"cuda": "CUDA", "npu": "CANN"}[kind]
@@ -139,6 +141,12 @@ def diagnose_device(kind: str, index: str | None, supports_gpu: bool,
                              if k.endswith("VISIBLE_DEVICES"))
         return (f"{kind}:{index} is not visible: with {variables} llama.cpp sees no "
                 f"{runtime} device (check the index against nvidia-smi -L / npu-smi info)")
+    if len(accelerators) < wanted:
+        variables = " ".join(f"{k}={v}" for k, v in visible_env.items()
+                             if k.endswith("VISIBLE_DEVICES"))
+        return (f"{kind}:{index} asks for {wanted} devices, but with {variables} llama.cpp "
+                f"sees {len(accelerators)} (check the indexes against nvidia-smi -L / "
+                f"npu-smi info)")
     return None
 
 
@@ -238,8 +246,9 @@ def check_placement(spec: "DeviceSpec", placement: "Placement", model_path: str,
     devices = backend_devices()
     found = PlacementCheck(devices)
     if placement.n_gpu_layers > 0:
-        found.refusal = diagnose_device(spec.kind, spec.ordinal, gpu_support(), devices,
-                                        placement.visible_devices)
+        found.refusal = diagnose_device(spec.kind, ",".join(spec.ordinals), gpu_support(),
+                                        devices, placement.visible_devices,
+                                        wanted=len(spec.ordinals))
         if found.refusal:
             return found
     try:
@@ -251,7 +260,10 @@ def check_placement(spec: "DeviceSpec", placement: "Placement", model_path: str,
     accelerators = [d for d in devices if d.type != "cpu" and d.name.startswith(
         RUNTIME_PREFIX.get(spec.kind, "?"))]
     if placement.n_gpu_layers >= sizes["n_layer"] + 1 and accelerators:
-        free, where = accelerators[0].free, accelerators[0].name
+        # a model split over several (cuda:0,1) takes from each in proportion to its free
+        # memory (llama.cpp's default split), so their free memory counts together
+        free = sum(d.free for d in accelerators)
+        where = " + ".join(d.name for d in accelerators)
     else:
         free, where = host_memory_available(), "the host"
     need = memory_need(os.path.getsize(model_path), sizes["n_layer"], sizes["n_head_kv"],
