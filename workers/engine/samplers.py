@@ -10,6 +10,7 @@ from collections import OrderedDict
 import numpy as np
 
 from dispatcher.common import grammar as gbnf
+from workers.engine.draws import HostDraw, host_drawable
 from workers.errors import EngineError, InvalidInput
 from workers.sampling import SamplingParams
 
@@ -174,6 +175,8 @@ class SamplerChain:
         self.bare_greedy = bare_greedy                  # ... apart from a grammar
         self.top_first = top_first(p, bare_greedy)      # see sample
         self.redraws = REDRAWS if plain_draw(p) else 0
+        # the chain's cuts and draw made over the logits row (draws.py), where they can be
+        self.host = HostDraw(p) if host_drawable(p) else None
         # ... and where the chain is a temperature alone, the draws are made here at once
         self.temperature = None
         if self.redraws and not (p.penalized or p.logit_bias or p.dry_multiplier):
@@ -285,7 +288,7 @@ class SamplerChain:
     @property
     def wants_logits(self) -> bool:
         """Whether `sample` needs the logits row as an array (else it reads the context)."""
-        return self.plain_greedy or self.grammar is not None
+        return self.plain_greedy or self.grammar is not None or self.host is not None
 
     def sample(self, ctx, row: int, logits) -> int:
         """The next token from batch row `row` (`logits`: that row, possibly with banned
@@ -293,6 +296,8 @@ class SamplerChain:
         if self.plain_greedy:
             # argmax is all a bare greedy chain does; numpy skips copying 262k candidates
             return int(logits.argmax())
+        if self.host is not None:      # (its samplers keep no state: nothing to accept)
+            return self.host.draw(logits)
         if self.grammar is None:
             return self.lib.llama_sampler_sample(self.chain, ctx, row)   # accepts too
         lib, candidates = self.lib, self.candidates
