@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
+from typing import Any, Union
 
 import gevent
 import gevent.event
@@ -40,6 +42,34 @@ class ClientGone(Exception):
     """The HTTP client closed its connection."""
 
 
+# What a RequestStream's inbox carries, put by the socket readers and the HTTP handler
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """A token-stream event of the request (the SUB socket)."""
+    event: P.AnyEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Control:
+    """A message of the dispatcher about the request (the DEALER): ACCEPTED, REJECTED,
+    FAILED, DONE, METRICS, with its decoded body."""
+    cmd: bytes
+    body: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Left:
+    """The HTTP client closed its connection."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """The dispatcher stopped answering (or restarted)."""
+
+
+StreamItem = Union[TokenEvent, Control, Left, Lost]
+
+
 def error_event(status: int, message: str, code: str) -> P.Error:
     return P.WireError(status=status, code=code, message=message).event()
 
@@ -62,7 +92,7 @@ class RequestStream:
         self.text_seen = False
         self.finished = False
         self._complete_by: float | None = None
-        self._early: list[tuple] = []
+        self._early: list[StreamItem] = []
 
     def wait_accepted(self, timeout: float = config.SUBMIT_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
@@ -71,15 +101,15 @@ class RequestStream:
                 item = self.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
             except gevent.queue.Empty:
                 raise ServiceUnavailable("the dispatcher did not answer in time")
-            kind = item[0]
-            if kind == "ctl" and item[1] == P.ACCEPTED:
-                return
-            if kind == "ctl" and item[1] in (P.REJECTED, P.FAILED):
-                raise from_wire(item[2])
-            if kind == "lost":
-                raise ServiceUnavailable("the dispatcher is unreachable")
-            if kind == "gone":
-                raise ClientGone()
+            match item:
+                case Control(P.ACCEPTED):
+                    return
+                case Control(P.REJECTED | P.FAILED, body):
+                    raise from_wire(body)
+                case Lost():
+                    raise ServiceUnavailable("the dispatcher is unreachable")
+                case Left():
+                    raise ClientGone()
             # token events can overtake ACCEPTED (they travel another path): keep them
             self._early.append(item)
 
@@ -94,20 +124,18 @@ class RequestStream:
                 return self._end(error_event(
                     502, "the token stream lost messages: the worker finished but not all "
                     "of its output arrived", "stream_incomplete"))
-            kind = item[0]
-            if kind == "ev":
-                event = self._accept_event(item[1])
-                if event is not None:
-                    return event
-            elif kind == "ctl":
-                event = self._accept_control(item[1], item[2])
-                if event is not None:
-                    return event
-            elif kind == "lost":
-                return self._end(error_event(503, "lost the connection to the dispatcher",
-                                             "dispatcher_unavailable"))
-            elif kind == "gone":
-                raise ClientGone()
+            match item:
+                case TokenEvent(event):
+                    accepted = self._accept_event(event)
+                case Control(cmd, body):
+                    accepted = self._accept_control(cmd, body)
+                case Lost():
+                    return self._end(error_event(503, "lost the connection to the "
+                                                 "dispatcher", "dispatcher_unavailable"))
+                case Left():
+                    raise ClientGone()
+            if accepted is not None:
+                return accepted
 
     def _accept_event(self, event: P.AnyEvent) -> P.AnyEvent | None:
         attempt = event.attempt
@@ -216,7 +244,7 @@ class DispatcherClient:
     def client_gone(self, request_id: str) -> None:
         stream = self.streams.get(request_id)
         if stream is not None:
-            stream.inbox.put(("gone",))
+            stream.inbox.put(Left())
 
     # -- state -------------------------------------------------------------------------
     @property
@@ -261,7 +289,7 @@ class DispatcherClient:
                 continue
             stream = self.streams.get(msg.request_id)
             if stream is not None:
-                stream.inbox.put(("ctl", msg.cmd, msg.body))
+                stream.inbox.put(Control(msg.cmd, msg.body))
 
     def _read_sub(self) -> None:
         while True:
@@ -283,7 +311,7 @@ class DispatcherClient:
                 self.beat_at = time.monotonic()
             stream = self.streams.get(request_id)
             if stream is not None:
-                stream.inbox.put(("ev", event))
+                stream.inbox.put(TokenEvent(event))
 
     def metrics_snapshot(self, timeout: float = 3.0) -> dict | None:
         """The system's metrics, as the dispatcher adds them up; None if it is away."""
@@ -296,8 +324,8 @@ class DispatcherClient:
             deadline = time.monotonic() + timeout
             while True:
                 item = stream.inbox.get(timeout=max(0.0, deadline - time.monotonic()))
-                if item[0] == "ctl" and item[1] == P.METRICS:
-                    return item[2]
+                if isinstance(item, Control) and item.cmd == P.METRICS:
+                    return item.body
         except gevent.queue.Empty:
             return None
         finally:
@@ -328,7 +356,7 @@ class DispatcherClient:
         self._alive = False
         log.error("%s: failing %d open requests", why, len(self.streams))
         for stream in list(self.streams.values()):
-            stream.inbox.put(("lost",))
+            stream.inbox.put(Lost())
 
     def close(self) -> None:
         gevent.killall(self._greenlets)

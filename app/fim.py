@@ -20,7 +20,7 @@ from app.fields import SEED_RANGE, StrictFloat, StrictInteger, StrictString
 from dispatcher.common.fields import INT_MAX
 from app.requests import parse_json_body, validate
 from app.responses import Result
-from app.schemas import CompletionRequestSchema, _doc, _range
+from app.schemas import CompletionRequestSchema, doc, in_range
 from dispatcher.common import protocol as P
 
 bp = Blueprint("fim", __name__)
@@ -36,30 +36,30 @@ PASSED_ON = tuple(name for name in FIM_FIELDS if name not in UNUSED)
 class FimRequestSchema(CompletionRequestSchema):
     """Mistral's FIM request: `/v1/completions`' fields of the same meaning, strict."""
 
-    prompt = StrictString(required=True, metadata=_doc(
+    prompt = StrictString(required=True, metadata=doc(
         "The code before the cursor.", type="string"))
-    suffix = StrictString(load_default=None, allow_none=True, metadata=_doc(
+    suffix = StrictString(load_default=None, allow_none=True, metadata=doc(
         "The code after the cursor: the completion fills the middle. Without it, a plain "
         "completion of the prompt (Mistral's meaning).", type="string"))
-    temperature = StrictFloat(load_default=0.7, allow_none=True, validate=_range(0.0, 2.0),
-                              metadata=_doc("0 is greedy; default 0.7, the top of "
+    temperature = StrictFloat(load_default=0.7, allow_none=True, validate=in_range(0.0, 2.0),
+                              metadata=doc("0 is greedy; default 0.7, the top of "
                                             "Mistral's recommended range for code.",
                                             type="number", minimum=0, maximum=2,
                                             default=0.7))
-    metadata = fields.Dict(load_default=None, allow_none=True, metadata=_doc(
+    metadata = fields.Dict(load_default=None, allow_none=True, metadata=doc(
         "Accepted and not used.", type="object"))
-    prompt_cache_key = StrictString(load_default=None, allow_none=True, metadata=_doc(
+    prompt_cache_key = StrictString(load_default=None, allow_none=True, metadata=doc(
         "Accepted and not used: the prompt cache is automatic.", type="string"))
     max_tokens = StrictInteger(load_default=None, allow_none=True,
-                               validate=_range(0, INT_MAX), metadata=_doc(
+                               validate=in_range(0, INT_MAX), metadata=doc(
                                    "Tokens to generate; null: until the end of sequence "
                                    "or of the context.", type="integer", minimum=0))
     max_completion_tokens = StrictInteger(load_default=None, allow_none=True,
-                                          validate=_range(0, INT_MAX), metadata=_doc(
+                                          validate=in_range(0, INT_MAX), metadata=doc(
                                               "The same as max_tokens (OpenAI's newer "
                                               "name).", type="integer", minimum=0))
     seed = StrictInteger(data_key="random_seed", load_default=None, allow_none=True,
-                         validate=_range(SEED_RANGE[0], SEED_RANGE[1]), metadata=_doc(
+                         validate=in_range(SEED_RANGE[0], SEED_RANGE[1]), metadata=doc(
                              "Same seed and parameters → same text.", type="integer"))
 
     @validates_schema

@@ -21,7 +21,7 @@ from app.errors import NotSupported, PayloadTooLarge
 from app.fields import MAX_CHOICES, StrictFloat, StrictInteger, StrictString
 from dispatcher.common.fields import INT_MAX
 from app.requests import parse_json_body, resolve_model, validate
-from app.schemas import CompletionRequestSchema, _doc, _range
+from app.schemas import CompletionRequestSchema, doc, in_range
 from dispatcher.common import protocol as P
 
 bp = Blueprint("native", __name__)
@@ -37,27 +37,27 @@ class NativeCompletionSchema(CompletionRequestSchema):
         unknown = EXCLUDE
 
     max_tokens = StrictInteger(load_default=None, allow_none=True,
-                               validate=_range(-1, INT_MAX), metadata=_doc(
+                               validate=in_range(-1, INT_MAX), metadata=doc(
                                    "Tokens to generate (n_predict); -1 or null: until the "
                                    "end of sequence.", type="integer"))
-    temperature = StrictFloat(load_default=0.8, allow_none=True, validate=_range(0.0, 2.0),
-                              metadata=_doc("llama.cpp's default 0.8.", type="number"))
-    top_k = StrictInteger(load_default=40, allow_none=True, validate=_range(-1, INT_MAX),
-                          metadata=_doc("llama.cpp's default 40.", type="integer"))
-    top_p = StrictFloat(load_default=0.95, allow_none=True, validate=_range(0.0, 1.0),
-                        metadata=_doc("llama.cpp's default 0.95.", type="number"))
-    min_p = StrictFloat(load_default=0.05, allow_none=True, validate=_range(0.0, 1.0),
-                        metadata=_doc("llama.cpp's default 0.05.", type="number"))
+    temperature = StrictFloat(load_default=0.8, allow_none=True, validate=in_range(0.0, 2.0),
+                              metadata=doc("llama.cpp's default 0.8.", type="number"))
+    top_k = StrictInteger(load_default=40, allow_none=True, validate=in_range(-1, INT_MAX),
+                          metadata=doc("llama.cpp's default 40.", type="integer"))
+    top_p = StrictFloat(load_default=0.95, allow_none=True, validate=in_range(0.0, 1.0),
+                        metadata=doc("llama.cpp's default 0.95.", type="number"))
+    min_p = StrictFloat(load_default=0.05, allow_none=True, validate=in_range(0.0, 1.0),
+                        metadata=doc("llama.cpp's default 0.05.", type="number"))
     repeat_last_n = StrictInteger(load_default=64, allow_none=True,
-                                  validate=_range(-1, INT_MAX),
-                                  metadata=_doc("llama.cpp's default 64.", type="integer"))
+                                  validate=in_range(-1, INT_MAX),
+                                  metadata=doc("llama.cpp's default 64.", type="integer"))
     n_cmpl = StrictInteger(load_default=None, allow_none=True,
-                           validate=_range(1, MAX_CHOICES), metadata=_doc(
+                           validate=in_range(1, MAX_CHOICES), metadata=doc(
                                "Completions of the prompt (llama.vscode sends 3): the "
                                "answer is then a list, as llama.cpp's.", type="integer",
                                minimum=1, maximum=MAX_CHOICES))
     response_fields = fields.List(StrictString(), load_default=None, allow_none=True,
-                                  metadata=_doc("Only these fields of the answer, by path "
+                                  metadata=doc("Only these fields of the answer, by path "
                                                 "(`timings/prompt_n`), flat.", type="array",
                                                 items={"type": "string"}))
 
@@ -67,24 +67,24 @@ class ExtraChunkSchema(Schema):
         unknown = EXCLUDE
 
     filename = StrictString(load_default="tmp", allow_none=True,
-                            metadata=_doc("The chunk's file name.", type="string"))
+                            metadata=doc("The chunk's file name.", type="string"))
     text = StrictString(load_default="", allow_none=True,
-                        metadata=_doc("The chunk's text.", type="string"))
+                        metadata=doc("The chunk's text.", type="string"))
 
 
 class NativeInfillSchema(NativeCompletionSchema):
     """POST /infill: the code before and after the cursor, repository context, and the
     text already typed on the cursor's line (`prompt`, placed after FIM_MID)."""
 
-    prompt = StrictString(load_default="", allow_none=True, metadata=_doc(
+    prompt = StrictString(load_default="", allow_none=True, metadata=doc(
         "Text already typed on the cursor's line: placed after FIM_MID.", type="string"))
-    input_prefix = StrictString(load_default="", allow_none=True, metadata=_doc(
+    input_prefix = StrictString(load_default="", allow_none=True, metadata=doc(
         "The code before the cursor.", type="string"))
-    input_suffix = StrictString(load_default="", allow_none=True, metadata=_doc(
+    input_suffix = StrictString(load_default="", allow_none=True, metadata=doc(
         "The code after the cursor.", type="string"))
     input_extra = fields.List(fields.Nested(ExtraChunkSchema), load_default=list,
                               allow_none=True, validate=Length(max=MAX_EXTRA_CHUNKS),
-                              metadata=_doc(
+                              metadata=doc(
                                   "Repository context, oldest first: {filename, text} "
                                   "chunks laid out before the prefix (at most "
                                   f"{MAX_EXTRA_CHUNKS}).", type="array",

@@ -21,11 +21,13 @@ from dispatcher.common.fields import INT_MAX, SAMPLER_ALIASES, SAMPLER_NAMES
 # core; 16,000 took 150 ms a token, the whole vocabulary minutes)
 MAX_INFILL_CANDIDATES = 1000
 
-def _range(low=None, high=None, **kw):
+def in_range(low=None, high=None, **kw):
+    """A field's bounds (either may be open), as every schema of the front ends states them."""
     return validate.Range(min=low, max=high, **kw)
 
 
-def _doc(text: str, **extra) -> dict:
+def doc(text: str, **extra) -> dict:
+    """A field's description and OpenAPI extras (its `metadata`)."""
     return {"description": text, **extra}
 
 
@@ -40,29 +42,29 @@ def knob_field(name: str):
     kind = {float: StrictFloat, int: StrictInteger, bool: StrictBoolean,
             str: StrictString}[knob.kind]
     types = {float: "number", int: "integer", bool: "boolean", str: "string"}
-    doc = {"type": types[knob.kind]}
+    extra = {"type": types[knob.kind]}
     validators = []
     if knob.enum is not None:
         validators.append(validate.OneOf(list(knob.enum)))
-        doc["enum"] = list(knob.enum)
+        extra["enum"] = list(knob.enum)
     if knob.low is not None or knob.high is not None:
-        validators.append(_range(knob.low, knob.high, min_inclusive=not knob.low_open))
+        validators.append(in_range(knob.low, knob.high, min_inclusive=not knob.low_open))
         if knob.low is not None:
-            doc["exclusiveMinimum" if knob.low_open else "minimum"] = _number(knob.low)
+            extra["exclusiveMinimum" if knob.low_open else "minimum"] = _number(knob.low)
         if knob.high is not None:
-            doc["maximum"] = _number(knob.high)
+            extra["maximum"] = _number(knob.high)
     if knob.default is not None:
-        doc["default"] = _number(knob.default)
+        extra["default"] = _number(knob.default)
     # an aliased field's default is filled in after the alias is folded in (normalize)
     return kind(load_default=None if knob.alias else knob.default, allow_none=True,
-                validate=validators or None, metadata=_doc(knob.doc, **doc))
+                validate=validators or None, metadata=doc(knob.doc, **extra))
 
 
 class StreamOptionsSchema(Schema):
     class Meta:
         unknown = RAISE
 
-    include_usage = StrictBoolean(load_default=False, metadata=_doc(
+    include_usage = StrictBoolean(load_default=False, metadata=doc(
         "Send a last chunk with `usage` and empty `choices`.", type="boolean"))
 
 
@@ -73,87 +75,87 @@ class CompletionRequestSchema(Schema):
         unknown = RAISE
 
     # -- OpenAI ------------------------------------------------------------------------
-    model = StrictString(load_default=None, allow_none=True, metadata=_doc(
+    model = StrictString(load_default=None, allow_none=True, metadata=doc(
         "Model id or alias (see /v1/models); omitted, null or empty: the served model "
         "(the first of the config when several are).",
         type="string"))
-    prompt = PromptField(required=True, metadata=_doc(
+    prompt = PromptField(required=True, metadata=doc(
         "A string, an array of strings (one choice set per prompt), an array of token "
         "ids, an array of token-id arrays, or llama.cpp's mix `[12, \"text\", 34]`.",
         oneOf=[{"type": "string"}, {"type": "array", "items": {"type": "string"}},
                {"type": "array", "items": {"oneOf": [{"type": "integer"},
                                                      {"type": "string"}]}},
                {"type": "array", "items": {"type": "array"}}]))
-    suffix = StrictString(load_default=None, allow_none=True, metadata=_doc(
+    suffix = StrictString(load_default=None, allow_none=True, metadata=doc(
         "Text after the completion: a fill-in-the-middle request laid out with the "
         "model's FIM tokens (400 if the model has none).", type="string"))
     max_tokens = StrictInteger(
-        load_default=16, allow_none=True, validate=_range(-1, INT_MAX),
-        metadata=_doc("Tokens to generate; null or -1: until the end of sequence or of the "
+        load_default=16, allow_none=True, validate=in_range(-1, INT_MAX),
+        metadata=doc("Tokens to generate; null or -1: until the end of sequence or of the "
                       "context.", type="integer", minimum=-1, maximum=INT_MAX, default=16))
     temperature = knob_field("temperature")
     top_p = knob_field("top_p")
-    n = StrictInteger(load_default=1, allow_none=True, validate=_range(1, MAX_CHOICES),
-                      metadata=_doc("Choices per prompt.", type="integer", minimum=1,
+    n = StrictInteger(load_default=1, allow_none=True, validate=in_range(1, MAX_CHOICES),
+                      metadata=doc("Choices per prompt.", type="integer", minimum=1,
                                     maximum=MAX_CHOICES, default=1))
-    best_of = StrictInteger(load_default=None, allow_none=True, validate=_range(1, 20),
-                            metadata=_doc("Candidates per prompt; the n with the highest "
+    best_of = StrictInteger(load_default=None, allow_none=True, validate=in_range(1, 20),
+                            metadata=doc("Candidates per prompt; the n with the highest "
                                           "mean token logprob are returned. ≥ n; not with "
                                           "stream.", type="integer", minimum=1, maximum=20))
     stream = StrictBoolean(load_default=False, allow_none=True,
-                           metadata=_doc("Server-Sent Events.", type="boolean",
+                           metadata=doc("Server-Sent Events.", type="boolean",
                                          default=False))
     stream_options = fields.Nested(StreamOptionsSchema, load_default=None, allow_none=True,
-                                   metadata=_doc("Only with stream.", type="object"))
+                                   metadata=doc("Only with stream.", type="object"))
     logprobs = StrictInteger(load_default=None, allow_none=True,
-                             validate=_range(0, MAX_LOGPROBS), metadata=_doc(
+                             validate=in_range(0, MAX_LOGPROBS), metadata=doc(
                                  "Return the sampled tokens' logprobs and this many most "
                                  "likely alternatives.", type="integer", minimum=0,
                                  maximum=MAX_LOGPROBS))
-    echo = StrictBoolean(load_default=False, allow_none=True, metadata=_doc(
+    echo = StrictBoolean(load_default=False, allow_none=True, metadata=doc(
         "Prepend the prompt (and, with logprobs, its tokens' logprobs).", type="boolean",
         default=False))
-    stop = StopField(load_default=list, allow_none=True, metadata=_doc(
+    stop = StopField(load_default=list, allow_none=True, metadata=doc(
         "Strings that end the completion; never part of the text.",
         oneOf=[{"type": "string"}, {"type": "array", "items": {"type": "string"},
                                     "maxItems": MAX_STOP_STRINGS}]))
     presence_penalty = knob_field("presence_penalty")
     frequency_penalty = knob_field("frequency_penalty")
-    logit_bias = LogitBiasField(load_default=None, allow_none=True, metadata=_doc(
+    logit_bias = LogitBiasField(load_default=None, allow_none=True, metadata=doc(
         F.KNOBS["logit_bias"].doc,
         oneOf=[{"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
                                                            "maximum": 100}},
                {"type": "array", "items": {"type": "array"}}]))
     seed = StrictInteger(load_default=None, allow_none=True,
-                         validate=_range(SEED_RANGE[0], SEED_RANGE[1]), metadata=_doc(
+                         validate=in_range(SEED_RANGE[0], SEED_RANGE[1]), metadata=doc(
                              F.KNOBS["seed"].doc, type="integer"))
     user = StrictString(load_default=None, allow_none=True,
-                        metadata=_doc("Accepted and ignored.", type="string"))
+                        metadata=doc("Accepted and ignored.", type="string"))
     # -- llama.cpp ---------------------------------------------------------------------
     n_predict = StrictInteger(
-        load_default=None, allow_none=True, validate=_range(-1, INT_MAX),
-        metadata=_doc("llama.cpp's name for max_tokens.", type="integer", minimum=-1,
+        load_default=None, allow_none=True, validate=in_range(-1, INT_MAX),
+        metadata=doc("llama.cpp's name for max_tokens.", type="integer", minimum=-1,
                       maximum=INT_MAX))
     top_k = knob_field("top_k")
     min_p = knob_field("min_p")
     typical_p = knob_field("typical_p")
     repetition_penalty = knob_field("repetition_penalty")
     repeat_penalty = StrictFloat(load_default=None, allow_none=True,
-                                 validate=_range(0.0, 10.0, min_inclusive=False),
-                                 metadata=_doc("llama.cpp's name for repetition_penalty.",
+                                 validate=in_range(0.0, 10.0, min_inclusive=False),
+                                 metadata=doc("llama.cpp's name for repetition_penalty.",
                                                type="number", exclusiveMinimum=0,
                                                maximum=10))
     repeat_last_n = knob_field("repeat_last_n")
     mirostat = knob_field("mirostat")
     mirostat_tau = knob_field("mirostat_tau")
     mirostat_eta = knob_field("mirostat_eta")
-    grammar = StrictString(load_default=None, allow_none=True, metadata=_doc(
+    grammar = StrictString(load_default=None, allow_none=True, metadata=doc(
         F.KNOBS["grammar"].doc, type="string"))
-    json_schema = JSONObject(load_default=None, allow_none=True, metadata=_doc(
+    json_schema = JSONObject(load_default=None, allow_none=True, metadata=doc(
         F.KNOBS["json_schema"].doc, type="object"))
     min_tokens = knob_field("min_tokens")
     ignore_eos = knob_field("ignore_eos")
-    cache_prompt = StrictBoolean(load_default=True, allow_none=True, metadata=_doc(
+    cache_prompt = StrictBoolean(load_default=True, allow_none=True, metadata=doc(
         "Reuse the longest prefix of this prompt already in a worker's KV cache "
         "(usage.prompt_tokens_details.cached_tokens says how much).", type="boolean",
         default=True))
@@ -164,7 +166,7 @@ class CompletionRequestSchema(Schema):
     dry_penalty_last_n = knob_field("dry_penalty_last_n")
     dry_sequence_breakers = StringListField(
         load_default=None, allow_none=True, max_items=16, max_length=64,
-        metadata=_doc(F.KNOBS["dry_sequence_breakers"].doc,
+        metadata=doc(F.KNOBS["dry_sequence_breakers"].doc,
                       type="array", items={"type": "string"}))
     xtc_probability = knob_field("xtc_probability")
     xtc_threshold = knob_field("xtc_threshold")
@@ -174,52 +176,52 @@ class CompletionRequestSchema(Schema):
     samplers = StringListField(
         load_default=None, allow_none=True, max_items=16, max_length=32,
         choices=SAMPLER_NAMES + tuple(SAMPLER_ALIASES),
-        metadata=_doc(F.KNOBS["samplers"].doc, type="array", items={"type": "string"}))
-    n_probs = StrictInteger(load_default=0, allow_none=True, validate=_range(0, 100),
-                            metadata=_doc("llama.cpp: most likely tokens to report per "
+        metadata=doc(F.KNOBS["samplers"].doc, type="array", items={"type": "string"}))
+    n_probs = StrictInteger(load_default=0, allow_none=True, validate=in_range(0, 100),
+                            metadata=doc("llama.cpp: most likely tokens to report per "
                                           "position (native endpoints).", type="integer",
                                           minimum=0, maximum=100, default=0))
-    min_keep = StrictInteger(load_default=0, allow_none=True, validate=_range(0, INT_MAX),
-                             metadata=_doc("Accepted; the samplers always keep one token.",
+    min_keep = StrictInteger(load_default=0, allow_none=True, validate=in_range(0, INT_MAX),
+                             metadata=doc("Accepted; the samplers always keep one token.",
                                            type="integer", minimum=0, maximum=INT_MAX,
                                            default=0))
-    n_keep = StrictInteger(load_default=0, allow_none=True, validate=_range(-1, INT_MAX),
-                           metadata=_doc("Accepted; a prompt never exceeds the context here "
+    n_keep = StrictInteger(load_default=0, allow_none=True, validate=in_range(-1, INT_MAX),
+                           metadata=doc("Accepted; a prompt never exceeds the context here "
                                          "(longer is a 400), so nothing is shifted out.",
                                          type="integer", minimum=-1, maximum=INT_MAX,
                                          default=0))
-    id_slot = StrictInteger(load_default=-1, allow_none=True, validate=_range(-1, INT_MAX),
-                            metadata=_doc("Accepted; the dispatcher and the worker choose the "
+    id_slot = StrictInteger(load_default=-1, allow_none=True, validate=in_range(-1, INT_MAX),
+                            metadata=doc("Accepted; the dispatcher and the worker choose the "
                                           "slot (by cached prefix).", type="integer",
                                           minimum=-1, maximum=INT_MAX, default=-1))
-    return_tokens = StrictBoolean(load_default=False, allow_none=True, metadata=_doc(
+    return_tokens = StrictBoolean(load_default=False, allow_none=True, metadata=doc(
         "llama.cpp: also return token ids (native endpoints).", type="boolean",
         default=False))
-    timings_per_token = StrictBoolean(load_default=False, allow_none=True, metadata=_doc(
+    timings_per_token = StrictBoolean(load_default=False, allow_none=True, metadata=doc(
         "Accepted; native answers carry `timings` at the end.", type="boolean",
         default=False))
-    post_sampling_probs = StrictBoolean(load_default=False, allow_none=True, metadata=_doc(
+    post_sampling_probs = StrictBoolean(load_default=False, allow_none=True, metadata=doc(
         "Accepted; probabilities are the model's, before sampling.", type="boolean",
         default=False))
     draft_max = StrictInteger(
         data_key="speculative.n_max", load_default=None, allow_none=True,
-        validate=_range(0, 64), metadata=_doc(
+        validate=in_range(0, 64), metadata=doc(
             "llama.cpp's speculative.n_max: at most this many drafted tokens a step for "
             "this request (prompt-lookup speculation); 0: none; default: the server's "
             "--draft-max.", type="integer", minimum=0, maximum=64))
-    n_indent = StrictInteger(load_default=0, allow_none=True, validate=_range(0, INT_MAX),
-                             metadata=_doc("After the first newline, a line indented less "
+    n_indent = StrictInteger(load_default=0, allow_none=True, validate=in_range(0, INT_MAX),
+                             metadata=doc("After the first newline, a line indented less "
                                            "than this ends the completion (llama.cpp).",
                                            type="integer", minimum=0, maximum=INT_MAX,
                                            default=0))
     t_max_predict_ms = StrictFloat(
-        load_default=-1.0, allow_none=True, validate=_range(-1.0, 86_400_000.0),
-        metadata=_doc("Once a newline has been generated, stop when generating took longer "
+        load_default=-1.0, allow_none=True, validate=in_range(-1.0, 86_400_000.0),
+        metadata=doc("Once a newline has been generated, stop when generating took longer "
                       "than this (llama.cpp); ≤ 0: off.", type="number", minimum=-1,
                       maximum=86400000, default=-1))
     t_max_prompt_ms = StrictFloat(
-        load_default=-1.0, allow_none=True, validate=_range(-1.0, 86_400_000.0),
-        metadata=_doc("Keep the prefill within this by leaving out the oldest extra context "
+        load_default=-1.0, allow_none=True, validate=in_range(-1.0, 86_400_000.0),
+        metadata=doc("Keep the prefill within this by leaving out the oldest extra context "
                       "chunks (/infill), at the worker's measured rate; ≤ 0: off.",
                       type="number", minimum=-1, maximum=86400000, default=-1))
     # -- geniex ------------------------------------------------------------------------
@@ -321,19 +323,19 @@ class _VocabularyRequestSchema(Schema):
         unknown = EXCLUDE
 
     model = StrictString(load_default=None, allow_none=True,
-                         metadata=_doc("Model id or alias; omitted, null or empty: the "
+                         metadata=doc("Model id or alias; omitted, null or empty: the "
                                        "served model.", type="string"))
 
 
 class TokenizeRequestSchema(_VocabularyRequestSchema):
     """POST /tokenize (llama.cpp's shape)."""
 
-    content = StrictString(required=True, metadata=_doc("Text to tokenize.", type="string"))
-    add_special = StrictBoolean(load_default=False, metadata=_doc(
+    content = StrictString(required=True, metadata=doc("Text to tokenize.", type="string"))
+    add_special = StrictBoolean(load_default=False, metadata=doc(
         "Add BOS (if the model uses one).", type="boolean", default=False))
-    with_pieces = StrictBoolean(load_default=False, metadata=_doc(
+    with_pieces = StrictBoolean(load_default=False, metadata=doc(
         "Return {id, piece} objects instead of ids.", type="boolean", default=False))
-    parse_special = StrictBoolean(load_default=True, metadata=_doc(
+    parse_special = StrictBoolean(load_default=True, metadata=doc(
         "Parse special-token text (`<start_of_turn>`) as those tokens (llama.cpp's "
         "default); false: tokenize it as plain text.", type="boolean", default=True))
 
@@ -341,5 +343,5 @@ class TokenizeRequestSchema(_VocabularyRequestSchema):
 class DetokenizeRequestSchema(_VocabularyRequestSchema):
     """POST /detokenize (llama.cpp's shape)."""
 
-    tokens = fields.List(StrictInteger(validate=_range(0)), required=True, metadata=_doc(
+    tokens = fields.List(StrictInteger(validate=in_range(0)), required=True, metadata=doc(
         "Token ids.", type="array", items={"type": "integer", "minimum": 0}))

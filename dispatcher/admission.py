@@ -18,7 +18,7 @@ import hashlib
 from collections import OrderedDict
 
 from dispatcher.common import protocol as P
-from dispatcher.queues import Job
+from dispatcher.queues import QueuedJob
 
 # How long the rest of an admitted request's jobs may take to arrive.
 UNIT_TIMEOUT = 60.0
@@ -65,7 +65,7 @@ class Units:
             self.shared.pop(parent, None)    # every job of it is here now
         return True
 
-    def admitted(self, job: Job, now: float) -> None:
+    def admitted(self, job: QueuedJob, now: float) -> None:
         """`job` was queued: the first of a fan-out opens its unit; the first job of each
         prompt leaves its prompt fields for the jobs that will name it."""
         fanout = job.body.fanout
@@ -86,12 +86,12 @@ class Units:
 
 class Sessions:
     def __init__(self) -> None:
-        self.open: dict[str, dict[str, Job]] = {}   # X-Session-Id -> its open jobs
+        self.open: dict[str, dict[str, QueuedJob]] = {}   # X-Session-Id -> its open jobs
         # X-Session-Id -> (order, parent, when, whether order is X-Session-Seq) of the
         # newest request the client sent, least recently used first
         self.newest: OrderedDict[str, tuple] = OrderedDict()
 
-    def arrives(self, job: Job, now: float) -> tuple[bool, list[Job]]:
+    def arrives(self, job: QueuedJob, now: float) -> tuple[bool, list[QueuedJob]]:
         """A job of a session arrives: (False, []) if the client sent a newer request of
         the session before it (it is superseded itself), else (True, the session's open
         jobs of older requests, which it supersedes; they are forgotten here). Order is
@@ -116,7 +116,7 @@ class Sessions:
         jobs[job.request_id] = job
         return True, older
 
-    def _new_epoch(self, job: Job, newest: tuple, now: float) -> bool:
+    def _new_epoch(self, job: QueuedJob, newest: tuple, now: float) -> bool:
         """A lower X-Session-Seq that starts the client's count again (an editor restarted
         with the same session id) rather than a late older request: numbered 0 or 1, or
         sent after a pause once the session's requests have all ended."""
@@ -127,7 +127,7 @@ class Sessions:
             newest[0] >= job.body.session_order + RESTART_GAP
         return restarted or (idle and now - newest[2] >= EPOCH_PAUSE)
 
-    def forget(self, job: Job) -> None:
+    def forget(self, job: QueuedJob) -> None:
         session = job.body.session
         if session and session in self.open:
             self.open[session].pop(job.request_id, None)
@@ -194,7 +194,7 @@ def same_cursor(old: str, new: str) -> bool:
 class InferredSessions:
     """Sessions for clients that send no X-Session-Id (no editor plugin does): a FIM
     request joins the session of a recent one from the same client (API key and address,
-    `Job.client`), model and route whose text before the cursor it changes only near the
+    `QueuedJob.client`), model and route whose text before the cursor it changes only near the
     cursor (`same_cursor`), within INFER_WINDOW seconds of that session's last request.
     Otherwise it starts a session of its own. The session id names the client, so no
     request of another key or address ever joins it; order is the arrival stamp, as for

@@ -12,7 +12,7 @@ import sys
 
 from dispatcher.common.addresses import Endpoints, private_directory
 from dispatcher.common import config, configfile
-from dispatcher.common.models import default_model_id, resolve_model_path
+from dispatcher.common.models import resolve_model_path
 from dispatcher.tools.ctl import default_dispatcher_address, dispatcher_answers
 
 log = logging.getLogger("dispatcher")
@@ -113,17 +113,13 @@ def _make_broker(broker_class, base: str, *args, **kwargs):
         raise SystemExit(f"cannot listen at {base}: {exc}") from None
 
 
-def make_plan(args) -> configfile.Plan:
-    return configfile.plan(args.file_data, args, resolve_model_path, default_model_id)
-
-
 def cmd_serve(args) -> int:
     from dispatcher.broker import Broker
     from dispatcher.common.process import python_module_argv
     from dispatcher.supervisor import Child, Supervisor
 
     try:
-        plan = make_plan(args)
+        plan = configfile.plan_for(args)
     except configfile.ConfigError as exc:
         raise SystemExit(exc.report())
     if args.api_key_file and not os.access(args.api_key_file, os.R_OK):
@@ -248,7 +244,7 @@ def cmd_check_config(args) -> int:
     """Everything `serve` would check, without starting anything."""
     problems: list[str] = []
     try:
-        plan = make_plan(args)
+        plan = configfile.plan_for(args)
     except configfile.ConfigError as exc:
         problems, plan = exc.problems, None
     if args.api_key_file and not os.access(args.api_key_file, os.R_OK):

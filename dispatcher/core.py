@@ -24,7 +24,7 @@ from dispatcher.common import config, protocol as P
 from dispatcher.admission import InferredSessions, Sessions, Units
 from dispatcher.common.fit import explain_unfit, fits
 from dispatcher.metrics import SystemMetrics
-from dispatcher.queues import Job, RequestQueue, WorkerRecord, WorkerRegistry
+from dispatcher.queues import QueuedJob, RequestQueue, WorkerRecord, WorkerRegistry
 
 log = logging.getLogger("dispatcher.broker")
 # A queued job whose model has had no ready worker for this long is turned away.
@@ -126,7 +126,7 @@ class DispatcherCore:
         self.stats["rejected"] += 1
         self._to_frontend(fe_id, P.REJECTED, request_id, error)
 
-    def _fail(self, job: Job, error: P.WireError) -> None:
+    def _fail(self, job: QueuedJob, error: P.WireError) -> None:
         self._to_frontend(job.frontend, P.FAILED, job.request_id, error)
 
     # -- time --------------------------------------------------------------------------
@@ -239,7 +239,7 @@ class DispatcherCore:
             return self._reject(fe_id, request_id, P.WireError(
                 status=400, code=code, message=message, param=param))
         self.stats["submitted"] += 1
-        job = Job(request_id, fe_id, body, enqueued_at=self.now, share_key=share_key)
+        job = QueuedJob(request_id, fe_id, body, enqueued_at=self.now, share_key=share_key)
         if body.op:
             return self._run_op(job)
         key = self.queue.key(job)
@@ -276,7 +276,7 @@ class DispatcherCore:
         self._to_frontend(fe_id, P.ACCEPTED, request_id)
         self.dispatch()
 
-    def _supersede(self, job: Job) -> bool:
+    def _supersede(self, job: QueuedJob) -> bool:
         """A request of a session (X-Session-Id) ends the session's requests the client
         sent before it, queued or running: an editor sends one per keystroke and wants
         only the last (admission.Sessions keeps the order). False: the client sent a newer
@@ -302,7 +302,7 @@ class DispatcherCore:
                     self._to_worker(old.worker, P.CANCEL, old.request_id)
         return True
 
-    def _hand_over(self, job: Job) -> None:
+    def _hand_over(self, job: QueuedJob) -> None:
         """Type-along adoption: the new request goes straight to the worker running the
         one it supersedes, marked `adopt`. If the user typed what that generation had
         produced, the worker hands the running generation to the new request (no
@@ -312,10 +312,10 @@ class DispatcherCore:
         self._to_frontend(job.frontend, P.ACCEPTED, job.request_id)
         self._assign(job, self.registry.get(old.worker), adopt=old.request_id)
 
-    def _forget(self, job: Job) -> None:
+    def _forget(self, job: QueuedJob) -> None:
         self.sessions.forget(job)
 
-    def _run_op(self, job: Job) -> None:
+    def _run_op(self, job: QueuedJob) -> None:
         """Tokenize/detokenize: no queue, no slot; the least busy fitting worker."""
         worker = self.registry.pick(job.body, config.MAX_OPS_PER_WORKER)
         if worker is None and self.registry.pick(job.body) is not None:
@@ -482,7 +482,7 @@ class DispatcherCore:
                 self.dispatch()
         return self._take()
 
-    def _requeue(self, job: Job) -> None:
+    def _requeue(self, job: QueuedJob) -> None:
         job.worker, job.started, job.first_token = None, False, False
         job.attempt += 1
         self.stats["requeued"] += 1
@@ -565,7 +565,7 @@ class DispatcherCore:
         slots = sum(r.slots for r in self.registry.workers.values() if r.model == model)
         return max(1, int(slots * share))
 
-    def _assign(self, job: Job, worker: WorkerRecord, **extra) -> None:
+    def _assign(self, job: QueuedJob, worker: WorkerRecord, **extra) -> None:
         """Send `job` to `worker` (with `extra` fields) and count it as running there.
         A job whose prompt fields that worker was sent lately names them instead
         (protocol.SHARED_FIELDS)."""

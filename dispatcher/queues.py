@@ -13,7 +13,9 @@ from dispatcher.routing import BLOCK_CHARS, choose_worker, prefix_blocks, shared
 
 
 @dataclass
-class Job:
+class QueuedJob:
+    """The dispatcher's record of one job while it is queued or running: the front end's
+    `protocol.Job` (its `body`) and where it stands here."""
     request_id: str
     frontend: bytes              # the owning front end's id (also its token topic)
     body: P.SubmittedJob         # the job as the front end sent it (prompt filled in)
@@ -24,7 +26,7 @@ class Job:
     cancelled: bool = False      # cancelled or superseded while on a worker: never requeued
     first_token: bool = False    # the worker said its first text is going out
     deadline: float | None = None   # leave the queue with a 504 after this (monotonic)
-    adopt_from: "Job | None" = None  # the session's running job it may take over
+    adopt_from: "QueuedJob | None" = None  # the session's running job it may take over
     share_key: str | None = None     # the id its prompt fields go by (protocol.SHARED_FIELDS)
     _blocks: tuple | None = field(default=None, repr=False)
 
@@ -65,26 +67,26 @@ class RequestQueue:
     a job waits only behind jobs that could run on the same workers."""
 
     def __init__(self) -> None:
-        self._jobs: deque[Job] = deque()
+        self._jobs: deque[QueuedJob] = deque()
 
     def __len__(self) -> int:
         return len(self._jobs)
 
-    def push(self, job: Job, front: bool = False) -> None:
+    def push(self, job: QueuedJob, front: bool = False) -> None:
         (self._jobs.appendleft if front else self._jobs.append)(job)
 
-    def remove(self, request_id: str) -> Job | None:
+    def remove(self, request_id: str) -> QueuedJob | None:
         for job in self._jobs:
             if job.request_id == request_id:
                 self._jobs.remove(job)
                 return job
         return None
 
-    def take(self, job: Job) -> None:
+    def take(self, job: QueuedJob) -> None:
         self._jobs.remove(job)
 
     @staticmethod
-    def key(job: Job) -> tuple[str, str | None]:
+    def key(job: QueuedJob) -> tuple[str, str | None]:
         """Admission is bounded per model and machine profile."""
         return job.model, job.body.route.profile
 
@@ -94,7 +96,7 @@ class RequestQueue:
 
     def in_fair_order(self, running: dict[str, int],
                       by_key: dict[str | None, int] | None = None,
-                      served: dict[str, int] | None = None) -> list[Job]:
+                      served: dict[str, int] | None = None) -> list[QueuedJob]:
         """The jobs in the order they should get a slot: API keys in turn (a job's turn is
         its key's running jobs plus its key's jobs queued before it; at equal turns, the key
         served least recently, `served`), then requests with the fewest jobs running, then
@@ -118,7 +120,7 @@ class RequestQueue:
         return len({job.parent for job in self._jobs
                     if job.body.key == api_key and self.key(job) == key})
 
-    def past_deadline(self, now: float, in_service: set[str] = frozenset()) -> list[Job]:
+    def past_deadline(self, now: float, in_service: set[str] = frozenset()) -> list[QueuedJob]:
         """Remove and return the jobs past their queue deadline, but those of a request
         with a choice running (`in_service`: its own share of slots holds them back)."""
         late = [j for j in self._jobs if j.deadline is not None and j.deadline <= now
@@ -127,7 +129,7 @@ class RequestQueue:
             self._jobs.remove(job)
         return late
 
-    def expire(self, older_than: float, infos: list[P.Capabilities]) -> list[Job]:
+    def expire(self, older_than: float, infos: list[P.Capabilities]) -> list[QueuedJob]:
         """Remove and return jobs no worker in `infos` can run that have waited since
         before `older_than`."""
         old = [j for j in self._jobs if j.enqueued_at < older_than
@@ -151,8 +153,8 @@ class WorkerRecord:
     identity: bytes
     info: P.WorkerInfo           # what the worker said in READY
     expires_at: float = 0.0
-    running: dict[str, Job] = field(default_factory=dict)
-    ops: dict[str, Job] = field(default_factory=dict)        # tokenize/detokenize: no slot
+    running: dict[str, QueuedJob] = field(default_factory=dict)
+    ops: dict[str, QueuedJob] = field(default_factory=dict)        # tokenize/detokenize: no slot
     ready_at: float = field(default_factory=time.monotonic)
     completed: int = 0
     cancelled: int = 0
@@ -167,7 +169,7 @@ class WorkerRecord:
     draining: bool = False       # takes no new work (ops: drain, restart, reload)
     steps: P.StepTotals | None = None    # its step profile, as of its last heartbeat
 
-    def remember(self, job: Job) -> None:
+    def remember(self, job: QueuedJob) -> None:
         """Note the prompt this worker now holds (or will hold) in a KV cache."""
         self.recent.append(job.blocks)
         self.held.update(job.blocks)
@@ -252,7 +254,7 @@ class WorkerRegistry:
     def expired(self, now: float) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if w.expires_at < now]
 
-    def choose(self, job: Job) -> WorkerRecord | None:
+    def choose(self, job: QueuedJob) -> WorkerRecord | None:
         """Where a queued job should run now (`routing.choose_worker`), among the workers
         with a free slot that take work."""
         return choose_worker(job.body, [w for w in self.workers.values()

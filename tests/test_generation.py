@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from dispatcher.common import protocol as P
+from workers import inbox
 from workers.fake_engine import SCRIPT, FakeEngine
 from workers.generation import GenerationLoop
 from workers.faults import FaultInjection
@@ -52,7 +53,7 @@ def job(prompt="x", max_tokens=3, **extra):
 
 
 def submit(loop, request_id, body):
-    loop.inbox.put(("job", request_id, body))
+    loop.inbox.put(inbox.NewJob(request_id, body))
 
 
 def run(loop, steps=50):
@@ -87,7 +88,7 @@ def test_cancel_frees_the_slot_and_spares_the_other_request(loop):
     loop._read_inbox(block=False)
     loop._admit()
     loop._step()
-    loop.inbox.put(("cancel", "a"))
+    loop.inbox.put(inbox.Cancel("a"))
     run(loop)
     done = {rid: body for cmd, rid, body in loop.notices if cmd == "DONE"}
     assert done["a"]["cancelled"] and done["b"]["finish_reason"] == "length"
@@ -110,7 +111,7 @@ def test_a_failure_inside_one_request_ends_it_alone(loop, phase):
 
 def test_text_that_cannot_be_encoded_fails_its_request_not_the_loop(loop):
     submit(loop, "bad", job("a\ud800b"))
-    loop.inbox.put(("job", "tok", job(op="tokenize", content="\udfff")))
+    loop.inbox.put(inbox.NewJob("tok", job(op="tokenize", content="\udfff")))
     submit(loop, "ok", job())
     run(loop)
     assert events_of(loop, "bad")[-1]["code"] == "generation_failed"

@@ -3,7 +3,7 @@ import msgspec
 
 from dispatcher.common import protocol as P
 from dispatcher.common.fit import explain_unfit, fits
-from dispatcher.queues import Job, RequestQueue, WorkerRegistry
+from dispatcher.queues import QueuedJob, RequestQueue, WorkerRegistry
 
 
 def wire_job(rid="x", model="m", route=None, **extra):
@@ -12,7 +12,7 @@ def wire_job(rid="x", model="m", route=None, **extra):
 
 
 def job(rid, model="m", **extra):
-    return Job(rid, b"fe-000000000000", wire_job(rid, model, **extra))
+    return QueuedJob(rid, b"fe-000000000000", wire_job(rid, model, **extra))
 
 
 def info(model="m", **extra):

@@ -2,7 +2,7 @@
 import msgspec
 import pytest
 
-from app.client import ClientGone, RequestStream
+from app.client import ClientGone, Control, Left, Lost, RequestStream, TokenEvent
 from app.errors import APIError
 from dispatcher.common import config, protocol as P
 
@@ -24,12 +24,12 @@ class FakeClient:
 
 def ev(s, e, a=1, **fields):
     """An event as the SUB socket hands it on (decoded)."""
-    return ("ev", msgspec.convert({"s": s, "e": e, "a": a, **fields}, P.AnyEvent))
+    return TokenEvent(msgspec.convert({"s": s, "e": e, "a": a, **fields}, P.AnyEvent))
 
 
 def ctl(cmd, body):
     """A message from the dispatcher, its body decoded as the DEALER reader does."""
-    return ("ctl", cmd, P.decode_body(cmd, msgspec.json.encode(body)))
+    return Control(cmd, P.decode_body(cmd, msgspec.json.encode(body)))
 
 
 def make(*items):
@@ -103,12 +103,12 @@ def test_finished_overtaking_the_last_events_is_fine(monkeypatch):
 
 
 def test_lost_dispatcher_fails_the_request():
-    stream = make(ev(0, "start"), ("lost",))
+    stream = make(ev(0, "start"), Lost())
     assert drain(stream)[-1]["code"] == "dispatcher_unavailable"
 
 
 def test_client_gone_raises():
-    stream = make(("gone",))
+    stream = make(Left())
     with pytest.raises(ClientGone):
         stream.next_event()
 

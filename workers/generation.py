@@ -17,6 +17,7 @@ from collections import deque
 from typing import Callable
 
 from dispatcher.common import protocol as P
+from workers import inbox
 from workers.errors import EngineError, InvalidInput, Stopping, wire_error
 from workers.prefill import PrefillMeter
 from workers.faults import FaultInjection
@@ -93,34 +94,32 @@ class GenerationLoop:
             except queue.Empty:
                 return
 
-    def _apply(self, item: tuple) -> None:
-        kind = item[0]
-        if kind == "job" and len(item) == 4:         # prepared on the preparing thread
-            if self.preparer.arrived(item[1], item[2].attempt, item[3]):
-                self.waiting.append((item[1], item[2]))
-        elif kind == "job":
-            if not item[2].topic:
-                log.warning("job %s without a topic: dropped", item[1])
-            elif item[2].op:
-                self._utility(item[1], item[2])
-            elif item[2].adopt:
-                self._adopt_or_supersede(item[1], item[2])
-            else:
-                self.waiting.append((item[1], item[2]))
-        elif kind == "op_done":
-            self._op_done(*item[1:])
-        elif kind == "invalid":                  # a REQUEST that did not decode
-            _, request_id, topic, attempt, message = item
-            self._reject(request_id, topic.encode(), attempt,
-                         InvalidInput(message, code="bad_job"))
-        elif kind == "cancel":
-            self.cancel(item[1])
-        elif kind == "reset":
-            # The dispatcher forgot us: it has requeued or failed everything we hold.
-            for request_id in list(self.active):
-                self._drop(self.active[request_id])
-            self.waiting.clear()
-            self.preparer.reset()
+    def _apply(self, item: inbox.Message) -> None:
+        match item:
+            case inbox.PreparedJob(request_id, body, prepared):   # (the preparing thread)
+                if self.preparer.arrived(request_id, body.attempt, prepared):
+                    self.waiting.append((request_id, body))
+            case inbox.NewJob(request_id, body):
+                if not body.topic:
+                    log.warning("job %s without a topic: dropped", request_id)
+                elif body.op:
+                    self._utility(request_id, body)
+                elif body.adopt:
+                    self._adopt_or_supersede(request_id, body)
+                else:
+                    self.waiting.append((request_id, body))
+            case inbox.OpDone():
+                self._op_done(item)
+            case inbox.Invalid(request_id, topic, attempt, message):
+                self._reject(request_id, topic.encode(), attempt,
+                             InvalidInput(message, code="bad_job"))
+            case inbox.Cancel(request_id):
+                self.cancel(request_id)
+            case inbox.Reset():
+                for request_id in list(self.active):
+                    self._drop(self.active[request_id])
+                self.waiting.clear()
+                self.preparer.reset()
 
     def cancel(self, request_id: str) -> None:
         attempt = self.preparer.cancel(request_id)
@@ -156,21 +155,21 @@ class GenerationLoop:
         event with a result) goes out from this loop, which owns the sockets."""
         def work():
             try:
-                outcome = ("result", vocabulary_op(self.engine, body))
+                done = inbox.OpDone(request_id, body, result=vocabulary_op(self.engine, body))
             except Exception as exc:     # bad content must never end the worker
                 if not isinstance(exc, EngineError):
                     log.exception("%s: %s failed", request_id, body.op)
-                outcome = ("error", exc)
-            self.inbox.put(("op_done", request_id, body, outcome))
+                done = inbox.OpDone(request_id, body, error=exc)
+            self.inbox.put(done)
         self.vocabulary_thread.submit(work)
 
-    def _op_done(self, request_id: str, body: P.WorkerJob, outcome: tuple) -> None:
-        topic, attempt = body.topic.encode(), body.attempt
-        if outcome[0] == "error":
-            return self._reject(request_id, topic, attempt, outcome[1])
-        self.publisher.publish(topic, request_id, P.End(seq=0, attempt=attempt,
-                                                         result=outcome[1]))
-        self.notify(P.DONE, request_id, P.Done(attempt=attempt, last_seq=0))
+    def _op_done(self, done: inbox.OpDone) -> None:
+        topic, attempt = done.body.topic.encode(), done.body.attempt
+        if done.error is not None:
+            return self._reject(done.request_id, topic, attempt, done.error)
+        self.publisher.publish(topic, done.request_id, P.End(seq=0, attempt=attempt,
+                                                              result=done.result))
+        self.notify(P.DONE, done.request_id, P.Done(attempt=attempt, last_seq=0))
 
     # -- admission ---------------------------------------------------------------------
     def _admit(self) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dispatcher.common import protocol as P
+from workers import inbox
 from workers.errors import EngineError, InvalidInput
 from workers.prompts import prompt_tokens
 from workers.sampling import SamplingParams
@@ -110,7 +111,7 @@ class Preparer:
                 log.exception("%s: preparing failed", request_id)
             prepared.free()
             prepared.error = exc
-        self.inbox.put(("job", request_id, body, prepared))
+        self.inbox.put(inbox.PreparedJob(request_id, body, prepared))
 
     def arrived(self, request_id: str, attempt: int, prepared: Prepared) -> bool:
         """A prepared job reached the loop: kept for admission (True), or dropped if it

@@ -23,6 +23,7 @@ from dispatcher.common.curve import PartKeys
 from dispatcher.common.devices import parse_device
 from dispatcher.common.models import default_model_id, model_file_digest, resolve_model_path
 from dispatcher.common.process import StopFlag, die_with_parent
+from workers import inbox
 from workers.engine.contextshape import ContextShape
 from workers.errors import EngineError
 from workers.faults import FaultInjection
@@ -103,7 +104,7 @@ class DispatcherLink(threading.Thread):
                 self._give_up(dealer, stuck)
             if now > expires:
                 log.warning("dispatcher silent: reconnecting in %.1fs", reconnect_delay)
-                self.loop.inbox.put(("reset",))
+                self.loop.inbox.put(inbox.Reset())
                 poller.unregister(dealer)
                 dealer.close(0)
                 time.sleep(reconnect_delay)
@@ -144,8 +145,8 @@ class DispatcherLink(threading.Thread):
         except (msgspec.ValidationError, msgspec.DecodeError):
             return                       # not even its envelope: nobody to answer
         if envelope.topic:
-            self.loop.inbox.put(("invalid", request_id, envelope.topic, envelope.attempt,
-                                 f"the job is malformed: {exc}"))
+            self.loop.inbox.put(inbox.Invalid(request_id, envelope.topic, envelope.attempt,
+                                              f"the job is malformed: {exc}"))
 
     def _give_up(self, dealer: zmq.Socket, stuck: float) -> None:
         """The watchdog: the generation thread has been inside one step for longer than
@@ -186,9 +187,9 @@ class DispatcherLink(threading.Thread):
                 dealer.send_multipart(P.encode(P.STARTED, msg.request_id,
                                                P.Attempt(attempt=body.attempt)))
             else:
-                self.loop.inbox.put(("job", msg.request_id, body))
+                self.loop.inbox.put(inbox.NewJob(msg.request_id, body))
         elif msg.cmd == P.CANCEL:
-            self.loop.inbox.put(("cancel", msg.request_id))
+            self.loop.inbox.put(inbox.Cancel(msg.request_id))
         elif msg.cmd == P.DISCONNECT and msg.body is not None and msg.body.code == P.REFUSED:
             self.refused = msg.body.reason or "refused by the dispatcher"
             log.error("the dispatcher refused this worker: %s", self.refused)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from dispatcher.common import config
 from dispatcher.common.devices import DeviceSpec, format_cores, parse_device
+from dispatcher.common.models import default_model_id, resolve_model_path
 
 MODEL_KEYS = {"id", "path", "nctx", "ngl", "slots", "deterministic", "aliases",
               "fim_template"}
@@ -166,6 +167,12 @@ def effective(names, environ: dict | None = None) -> dict:
     return {name: config.env_value(config.OPTIONS[name], environ)
             if config.env_is_set(config.OPTIONS[name], environ)
             else file_values.get(name, config.OPTIONS[name].default) for name in names}
+
+
+def plan_for(args) -> Plan:
+    """The plan of `serve` / `selftest` / `check-config` arguments (their config file's
+    data in `args.file_data`), model paths resolved as the workers will resolve them."""
+    return plan(args.file_data, args, resolve_model_path, default_model_id)
 
 
 def plan(data: dict, args, resolve_model, model_id_of) -> Plan:

@@ -96,9 +96,8 @@ def _row(result: dict) -> str:
 
 
 def run(args) -> int:
-    from dispatcher.cli import make_plan
     try:
-        plan = make_plan(args)
+        plan = configfile.plan_for(args)
     except configfile.ConfigError as exc:
         raise SystemExit(exc.report())
     results = []
