@@ -33,7 +33,7 @@ def pytest_configure(config):
         # the controller, before any test process starts: what they would otherwise race
         # to create on a fresh machine (the assembled model, the repacking probe's answer)
         from dispatcher.common.models import bundled_model_path
-        from workers.engine.repacking import extra_buffers_work
+        from dispatcher.common.repacking import extra_buffers_work
         bundled_model_path()
         extra_buffers_work()
 
@@ -293,7 +293,7 @@ class SSEStream:
 def reference_llm():
     """llama-cpp-python in this process, with the worker's settings: the ground truth."""
     from dispatcher.common.models import bundled_model_path
-    from workers.engine.repacking import reference_llama
+    from dispatcher.tools.reference import reference_llama
     llm = reference_llama(bundled_model_path(), 512, len(os.sched_getaffinity(0)),
                           logits_all=True)
     yield FreshReference(llm)

@@ -165,7 +165,7 @@ def test_the_amx_probe_loads_the_model_it_is_given_not_the_bundled_one(tmp_path,
     """On a CPU with AMX and a build with AMX code the workers' repacking probe runs a
     child on the worker's own model: a machine without the bundled model package (the
     GPU check's venv) probes without importing it."""
-    from workers.engine import repacking
+    from dispatcher.common import repacking
     library = tmp_path / "libggml-cpu.so"
     library.write_bytes(b"... AMX is not ready ...")
     probed = []

@@ -456,7 +456,7 @@ def test_fim_prompt_uses_the_models_fim_tokens(fim_model):
         prefix, suffix = "def f(x):\n    ", "\n    return y"
         body = complete(server.port, prompt=prefix, suffix=suffix, max_tokens=8,
                         temperature=0, **{"speculative.n_max": 0})
-        from workers.engine.repacking import llama_loads_like_workers
+        from dispatcher.tools.reference import llama_loads_like_workers
         with llama_loads_like_workers():
             ref = Llama(str(fim_model), n_ctx=256, verbose=False,
                         n_threads=len(os.sched_getaffinity(0)))

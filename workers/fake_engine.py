@@ -17,11 +17,11 @@ import re
 import time
 
 from dispatcher.common import protocol as P
+from dispatcher.common.fakescript import SCRIPT
 from workers.errors import InvalidInput
 from workers.sampling import SamplingParams, TokenOut
 
 BOS, EOS = 256, 257
-SCRIPT = "The quick brown fox jumps over the lazy dog; café, naïve, 東京. ".encode()
 
 
 class FakeEngine:

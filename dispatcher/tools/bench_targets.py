@@ -245,7 +245,7 @@ class InProcessTarget:
     def __init__(self, model_path: str, n_ctx: int, n_threads: int | None):
         import os
 
-        from workers.engine.repacking import reference_llama
+        from dispatcher.tools.reference import reference_llama
         self.name = "llama-cpp-python in-process"
         self.llm = reference_llama(model_path, n_ctx,
                                    n_threads or len(os.sched_getaffinity(0)))

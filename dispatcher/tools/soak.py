@@ -247,7 +247,7 @@ class Soak:
     def expected_text_ok(self, text: str) -> bool:
         if self.args.engine != "fake":
             return True
-        from workers.fake_engine import SCRIPT
+        from dispatcher.common.fakescript import SCRIPT
         return SCRIPT.decode().startswith(text) or text in SCRIPT.decode() * 2
 
     def plain(self, body: dict, choices: int, max_tokens: int) -> Outcome:

@@ -14,7 +14,7 @@ import time
 
 from dispatcher.common.models import cache_dir
 from workers.engine.backends import backend_devices
-from workers.engine.repacking import cpu_identity
+from dispatcher.common.repacking import cpu_identity
 from workers.engine.stepcosts import SHAPES_EXTRA, StepCosts
 from workers.errors import EngineError
 

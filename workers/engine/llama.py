@@ -28,7 +28,7 @@ from dispatcher.common.models import model_file_digest
 from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.draftmodel import DraftCosts, DraftModel
-from workers.engine.repacking import extra_buffers_work
+from dispatcher.common.repacking import extra_buffers_work
 from workers.engine.scheduling import Scheduler, seq_runs
 from workers.engine.history import Histories
 from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
@@ -101,7 +101,7 @@ class LlamaEngine:
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
         # CPU weight repacking makes matmul results depend on how many rows a batch has;
-        # where llama.cpp's AMX path crashes, it is off too (workers.engine.repacking)
+        # where llama.cpp's AMX path crashes, it is off too (dispatcher.common.repacking)
         mparams.use_extra_bufts = not deterministic and extra_buffers_work(model_path)
         if not deterministic and not mparams.use_extra_bufts:
             log.warning("CPU weight repacking is off: llama.cpp's AMX code crashed on this "

@@ -13,7 +13,6 @@ CPU kernels: slower, never crashing) and say so in their log.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -106,36 +105,3 @@ def extra_buffers_work(model_path: str | os.PathLike | None = None) -> bool:
     except OSError:
         pass
     return works
-
-
-@contextlib.contextmanager
-def llama_loads_like_workers(model_path: str | os.PathLike | None = None):
-    """For llama-cpp-python's own `Llama` in this process (the tests' reference, the
-    bench's in-process target): load weights as workers do on this machine, without
-    extra buffer types where they crash (`Llama` has no option for it)."""
-    if extra_buffers_work(model_path):
-        yield
-        return
-    import llama_cpp.llama_cpp as bindings        # the module `Llama` calls into
-    original = bindings.llama_model_default_params
-
-    def without_extra_buffers():
-        params = original()
-        params.use_extra_bufts = False
-        return params
-
-    bindings.llama_model_default_params = without_extra_buffers
-    try:
-        yield
-    finally:
-        bindings.llama_model_default_params = original
-
-
-def reference_llama(model_path: str, n_ctx: int, n_threads: int, **kwargs):
-    """llama-cpp-python's own `Llama`, loaded with the workers' settings (flash attention,
-    a batch of 512, repacking as workers do here): the bench's in-process target and the
-    tests' reference."""
-    from llama_cpp import Llama
-    with llama_loads_like_workers(model_path):
-        return Llama(str(model_path), n_ctx=n_ctx, n_batch=512, flash_attn=True,
-                     n_threads=n_threads, verbose=False, **kwargs)
