@@ -168,6 +168,17 @@ class ServerProcess:
             time.sleep(0.05)
         raise AssertionError(f"timed out waiting for {what}")
 
+    def wait_generating(self, count: int = 1, timeout: float = 30.0) -> dict:
+        """The first worker, once `count` of its requests have their first token (the
+        dispatcher's status: a request running, not only sent)."""
+        return self.wait_for(lambda: len((w := self.worker())["generating"]) >= count and w,
+                             timeout=timeout, what=f"{count} request(s) generating")
+
+    def wait_idle(self, timeout: float = 30.0) -> dict:
+        """The first worker, once nothing runs on it."""
+        return self.wait_for(lambda: (w := self.worker())["state"] == "idle" and w,
+                             timeout=timeout, what="the worker to go idle")
+
     def wait_cancelled(self, timeout: float = 15.0) -> dict:
         """The first worker, once idle with a cancelled request as its last."""
         return self.wait_for(
@@ -211,6 +222,25 @@ class ServerProcess:
         self.log.close()
         assert not orphans, "processes of the server outlived it"
         return code
+
+
+def wait_read_by_server(sock: socket.socket, server_port: int, timeout: float = 10.0) -> None:
+    """Until the server has accepted `sock`'s connection and read everything sent on it
+    so far, as the kernel tells (/proc/net/tcp: the server's side of the connection has
+    an inode once accepted, and nothing left in its receive queue once read), so what
+    happens next happens after it."""
+    client = sock.getsockname()[1]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, remote, queues = fields[1], fields[2], fields[4]
+            if int(local.split(":")[1], 16) == server_port and \
+                    int(remote.split(":")[1], 16) == client and \
+                    int(queues.split(":")[1], 16) == 0 and fields[9] != "0":
+                return
+        time.sleep(0.01)
+    raise AssertionError("the server did not accept the connection and read what was sent")
 
 
 @pytest.fixture(scope="session")

@@ -50,18 +50,41 @@ def test_batched_equals_unbatched_in_the_deterministic_configuration(model_path)
 
 def test_batched_greedy_text_is_close_in_the_default_configuration(model_path):
     """Not bit-identical (batch composition changes the kernels' arithmetic, and which
-    kernels run depends on the CPU: a near-tie can flip even a first token), but every
-    sequence is served and most first tokens agree."""
+    kernels run depends on the CPU), but every sequence is served, and every token of
+    each agrees with the sequence run alone up to where the two part at a near-tie: the
+    batch's token among the alone run's best candidates, within 0.5 nats of its pick.
+    Any other difference is a batching fault (a row read from the wrong sequence)."""
     engine = make(model_path)
     try:
-        alone = [generate(engine, [(0, p)], n=4)[0] for p in PROMPTS]
+        alone = [results(engine, [(0, p)], n=8)[0] for p in PROMPTS]
         engine.clear_caches()
-        together = generate(engine, list(enumerate(PROMPTS)), n=4)
-        assert all(len(together[i]) == 4 for i in range(len(PROMPTS)))
-        agree = sum(together[i][0][0] == alone[i][0][0] for i in range(len(PROMPTS)))
-        assert agree * 2 >= len(PROMPTS)
+        together = results(engine, list(enumerate(PROMPTS)), n=8)
+        assert all(len(together[i]) == 8 for i in range(len(PROMPTS)))
+        for i in range(len(PROMPTS)):
+            ours, theirs = [o.token for o in together[i]], [o.token for o in alone[i]]
+            k = next((k for k in range(8) if ours[k] != theirs[k]), None)
+            if k is None:
+                continue
+            top = dict(alone[i][k].top)
+            assert ours[k] in top and top[theirs[k]] - top[ours[k]] < 0.5, \
+                (PROMPTS[i], k, ours[k], top)
     finally:
         engine.close()
+
+
+def results(engine, jobs, n):
+    """jobs: [(slot, prompt)] started together, greedy with the five best candidates each
+    step; returns {slot: [TokenOut]}."""
+    out = {slot: [] for slot, _ in jobs}
+    for slot, prompt in jobs:
+        engine.add(slot, engine.tokenize(prompt), GREEDY, logprobs=5)
+    while any(len(v) < n for v in out.values()):
+        for slot, result in engine.step().items():
+            if len(out[slot]) < n:
+                out[slot].append(result)
+    for slot, _ in jobs:
+        engine.release(slot)
+    return out
 
 
 def test_a_slot_is_not_taken_for_a_few_shared_tokens(model_path):

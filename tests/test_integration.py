@@ -248,3 +248,27 @@ def test_two_workers_serve_two_streams_in_parallel(all_cores):
         assert texts[0] == texts[1] and texts[0]
     finally:
         assert server.stop() == 0
+
+
+def test_the_bench_measures_the_real_stack(real_server):
+    """`python -m dispatcher bench` against the whole stack on the bundled model: a figure
+    for every part asked for (a stream, the editor workloads, the typing trace), every
+    request answered."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    out = subprocess.run(
+        [sys.executable, "-m", "dispatcher", "bench", "--url", real_server.url,
+         "--concurrency", "1", "--requests", "1", "--max-tokens", "8", "--no-fim",
+         "--fim-keystrokes", "0", "--workloads", "edit,fresh,typing", "--sessions", "2",
+         "--bursts", "1", "--burst-len", "2", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {row["name"]: row for row in json.loads(out.stdout)}
+    assert {"stream x1", "edit", "fresh"} <= set(rows), sorted(rows)
+    typing = [row for name, row in rows.items() if name.startswith("typing")]
+    assert typing, sorted(rows)
+    for row in [rows["stream x1"], rows["edit"], rows["fresh"]]:
+        assert row["ok"] == row["requests"] >= 1 and row["errors"] == row["truncated"] == 0
+        assert row["ttft_p50_ms"] > 0 and row["aggregate_tok_s"] > 0, row
+    assert typing[0]["errors"] == 0 and typing[0]["unanswered"] == 0, typing[0]

@@ -3,11 +3,10 @@ close to the client as the server sees it (the connection's acceptance), and a c
 whose X-Session-Seq starts again is a new epoch, not locked out."""
 import json
 import socket
-import time
 
 import pytest
 
-from conftest import ServerProcess, http_json
+from conftest import ServerProcess, http_json, wait_read_by_server
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +45,7 @@ def test_the_order_is_the_connections_not_when_its_request_was_read(server):
     old, old_bytes = raw_request(server.port, {"prompt": "[slow=0.05] a", "max_tokens": 20},
                                  session)
     old.sendall(old_bytes[:30])                       # its request line, part of its head
-    time.sleep(0.3)
+    wait_read_by_server(old, server.port)
     status, _, body = http_json(server.port, "POST", "/v1/completions",
                                 {"prompt": "[slow=0.05] ab", "max_tokens": 3},
                                 headers=session)
@@ -111,7 +110,7 @@ def test_a_keystroke_without_a_header_supersedes_the_open_one_before_it(fim_serv
     address replaces it, so the older one is answered 409 and the newer one 200."""
     old, data = keystroke(fim_server.port, CODE, path=path)
     old.sendall(data)
-    time.sleep(0.4)                                    # it is running
+    fim_server.wait_generating()                       # it is running
     new, data = keystroke(fim_server.port, CODE + "a", path=path)
     new.sendall(data)
     assert status_of(new) == 200
@@ -121,7 +120,7 @@ def test_a_keystroke_without_a_header_supersedes_the_open_one_before_it(fim_serv
 def test_another_keys_keystroke_never_supersedes(fim_server):
     old, data = keystroke(fim_server.port, CODE, key=KEYS[0])
     old.sendall(data)
-    time.sleep(0.4)
+    fim_server.wait_generating()
     new, data = keystroke(fim_server.port, CODE + "a", key=KEYS[1])
     new.sendall(data)
     assert status_of(new) == 200 and status_of(old) == 200
@@ -130,7 +129,7 @@ def test_another_keys_keystroke_never_supersedes(fim_server):
 def test_requests_elsewhere_in_the_file_are_both_answered(fim_server):
     old, data = keystroke(fim_server.port, CODE)
     old.sendall(data)
-    time.sleep(0.4)
+    fim_server.wait_generating()
     new, data = keystroke(fim_server.port, "[slow=0.05] class Basket:\n    def __init__(se")
     new.sendall(data)
     assert status_of(new) == 200 and status_of(old) == 200
@@ -144,11 +143,11 @@ def test_a_request_on_a_connection_opened_long_before_is_still_the_newest(server
     session = {"X-Session-Id": "pooled"}
     spare, newer_bytes = raw_request(server.port, {"prompt": "[slow=0.05] ab",
                                                    "max_tokens": 3}, session)
-    time.sleep(0.5)                                   # opened, left silent
+    wait_read_by_server(spare, server.port)           # accepted, left silent
     old, old_bytes = raw_request(server.port, {"prompt": "[slow=0.05] a", "max_tokens": 40},
                                  session)
     old.sendall(old_bytes)
-    time.sleep(0.3)                                   # running
+    server.wait_generating()                          # running
     spare.sendall(newer_bytes)
     assert status_of(spare) == 200                    # the newest: answered
     assert status_of(old) == 409                      # the one sent before it

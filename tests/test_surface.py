@@ -3,6 +3,7 @@ real stack on the bundled model; FIM against a tiny generated GGUF model."""
 import json
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -323,12 +324,17 @@ SPECULATED = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return 
               * 3 + "def add(a, b):\n")
 
 
-def test_speculation_keeps_a_confident_copy_and_is_off_in_deterministic_mode(port,
-                                                                            det_port):
-    body = dict(prompt=SPECULATED, max_tokens=24, temperature=0, cache_prompt=False)
-    with_drafts = complete(port, **body)["choices"][0]["text"]
-    without = complete(port, **body, **{"speculative.n_max": 0})["choices"][0]["text"]
-    assert with_drafts == without
+def test_speculation_keeps_a_confident_copy_and_is_off_in_deterministic_mode(
+        real_server, port, det_port):
+    from workers.engine.scheduling import TRAFFIC_WINDOW
+    real_server.wait_idle()             # nothing runs, and then no request for the length of
+    time.sleep(TRAFFIC_WINDOW)          # the scheduler's traffic window: the worker is quiet
+    body = {"prompt": SPECULATED, "n_predict": 24, "temperature": 0, "cache_prompt": False}
+    _, _, with_drafts = http_json(port, "POST", "/completion", body)
+    _, _, without = http_json(port, "POST", "/completion", {**body, "speculative.n_max": 0})
+    assert with_drafts["timings"]["draft_n"] > 0, with_drafts["timings"]   # drafts were made
+    assert without["timings"]["draft_n"] == 0
+    assert with_drafts["content"] == without["content"]
     status, _, native = http_json(det_port, "POST", "/completion",
                                   {"prompt": SPECULATED, "n_predict": 16, "temperature": 0})
     assert status == 200 and native["timings"]["draft_n"] == 0
