@@ -1,4 +1,6 @@
 """One exception hierarchy, each class one HTTP status, all rendered in OpenAI's envelope.
+Each error's `type` follows from its status by the one table every layer uses
+(`protocol.error_type`): no class states it.
 
 `{"error": {"message", "type", "param", "code"}}` as a JSON body before a response has
 started, or as the next SSE event once a stream has (see `app.sse`).
@@ -8,13 +10,13 @@ from __future__ import annotations
 from flask import Flask, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from dispatcher.common import protocol as P
 from dispatcher.common.config import RETRY_AFTER_SECONDS
 
 
 class APIError(Exception):
     """An error a client can act on; the base of every error the API returns."""
     status = 500
-    type = "server_error"
     code: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
@@ -26,6 +28,11 @@ class APIError(Exception):
             self.code = code
         self.headers = headers or {}
 
+    @property
+    def type(self) -> str:
+        """OpenAI's error type, from the status (protocol.ERROR_TYPES)."""
+        return P.error_type(self.status)
+
     def to_dict(self) -> dict:
         return {"error": {"message": self.message, "type": self.type,
                           "param": self.param, "code": self.code}}
@@ -34,67 +41,57 @@ class APIError(Exception):
 class InvalidRequest(APIError):
     """The request is malformed or a field is invalid (400)."""
     status = 400
-    type = "invalid_request_error"
 
 
 class Unauthorized(APIError):
     """No valid API key (401)."""
     status = 401
-    type = "invalid_request_error"
     code = "invalid_api_key"
 
 
 class NotFound(APIError):
     """No such model or route (404)."""
     status = 404
-    type = "invalid_request_error"
 
 
 class MethodNotAllowed(APIError):
     """The route exists but not for this method (405)."""
     status = 405
-    type = "invalid_request_error"
 
 
 class Conflict(APIError):
     """Superseded by a newer request of the same session (409)."""
     status = 409
-    type = "invalid_request_error"
     code = "superseded"
 
 
 class RequestTimeout(APIError):
     """The client did not send its body within --body-timeout (408)."""
     status = 408
-    type = "invalid_request_error"
     code = "body_timeout"
 
 
 class PayloadTooLarge(APIError):
     """The body or prompt is over the configured limit (413)."""
     status = 413
-    type = "invalid_request_error"
     code = "request_too_large"
 
 
 class UnsupportedMediaType(APIError):
     """The body is not JSON (415)."""
     status = 415
-    type = "invalid_request_error"
     code = "unsupported_media_type"
 
 
 class Overloaded(APIError):
     """The queue is full (429)."""
     status = 429
-    type = "rate_limit_error"
     code = "queue_full"
 
 
 class BadGateway(APIError):
     """The token stream from the worker lost messages (502): never silently missing text."""
     status = 502
-    type = "server_error"
     code = "stream_gap"
 
 
@@ -102,7 +99,6 @@ class ServiceUnavailable(APIError):
     """No worker can take the request now: none ready, dispatcher gone, worker lost (503).
     Always says when to try again."""
     status = 503
-    type = "server_error"
     code = "service_unavailable"
 
     def __init__(self, message: str, **kwargs):
@@ -113,7 +109,6 @@ class ServiceUnavailable(APIError):
 class GatewayTimeout(APIError):
     """The request's deadline passed before it could run (504)."""
     status = 504
-    type = "server_error"
     code = "timeout"
 
 
@@ -125,7 +120,6 @@ class NotSupported(APIError):
     """The model cannot do what the request asks (501, llama.cpp's answer to /infill on a
     model without fill-in-the-middle)."""
     status = 501
-    type = "not_supported_error"
     code = "not_supported"
 
 

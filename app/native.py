@@ -22,7 +22,7 @@ from app.fields import MAX_CHOICES, StrictFloat, StrictInteger, StrictString
 from dispatcher.common.fields import INT_MAX
 from app.requests import parse_json_body, resolve_model, validate
 from app.schemas import CompletionRequestSchema, doc, in_range
-from dispatcher.common import protocol as P
+from dispatcher.common import fields as F, protocol as P
 
 bp = Blueprint("native", __name__)
 MAX_EXTRA_CHUNKS = 256          # llama.vim's ring holds 16 by default
@@ -174,7 +174,10 @@ class NativeResult:
     def settings(self) -> dict:
         req = self.req
         out = {name: req.get(name) for name in SETTINGS}
-        out["repeat_penalty"] = out.pop("repetition_penalty")
+        for name in list(out):          # llama.cpp names a few fields its own way
+            knob = F.KNOBS.get(name)
+            if knob is not None and knob.alias:
+                out[knob.alias] = out.pop(name)
         out["n_predict"] = -1 if req.get("max_tokens") is None else req["max_tokens"]
         out["model"] = self.model
         return out

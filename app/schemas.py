@@ -35,7 +35,7 @@ def _number(value):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def knob_field(name: str):
+def knob_field(name: str, *, alias: bool = False):
     """The schema field of a request field declared in dispatcher.common.fields: its type,
     range, default and description as declared there."""
     knob = F.KNOBS[name]
@@ -55,9 +55,19 @@ def knob_field(name: str):
             extra["maximum"] = _number(knob.high)
     if knob.default is not None:
         extra["default"] = _number(knob.default)
+    if alias:                   # the same field under its alias: no default of its own
+        extra.pop("default", None)
+        return kind(load_default=None, allow_none=True, validate=validators or None,
+                    metadata=doc(f"Another name of {name} (llama.cpp's).", **extra))
     # an aliased field's default is filled in after the alias is folded in (normalize)
     return kind(load_default=None if knob.alias else knob.default, allow_none=True,
                 validate=validators or None, metadata=doc(knob.doc, **extra))
+
+
+def alias_field(name: str):
+    """The field of a declared request field under its alias (`Knob.alias`): the same
+    type and range."""
+    return knob_field(name, alias=True)
 
 
 class StreamOptionsSchema(Schema):
@@ -140,11 +150,7 @@ class CompletionRequestSchema(Schema):
     min_p = knob_field("min_p")
     typical_p = knob_field("typical_p")
     repetition_penalty = knob_field("repetition_penalty")
-    repeat_penalty = StrictFloat(load_default=None, allow_none=True,
-                                 validate=in_range(0.0, 10.0, min_inclusive=False),
-                                 metadata=doc("llama.cpp's name for repetition_penalty.",
-                                               type="number", exclusiveMinimum=0,
-                                               maximum=10))
+    repeat_penalty = alias_field("repetition_penalty")
     repeat_last_n = knob_field("repeat_last_n")
     mirostat = knob_field("mirostat")
     mirostat_tau = knob_field("mirostat_tau")
@@ -276,8 +282,10 @@ class CompletionRequestSchema(Schema):
                                       "differ here.", alias)
 
 
-ALIASES = {"n_predict": "max_tokens", "repeat_penalty": "repetition_penalty",
-           "n_cmpl": "n"}
+# another name a field is sent under -> the field: llama.cpp's names for OpenAI's, and the
+# aliases the field declarations name (dispatcher.common.fields)
+ALIASES = {"n_predict": "max_tokens", "n_cmpl": "n",
+           **{knob.alias: knob.name for knob in F.KNOBS.values() if knob.alias}}
 KEEP_NULL = {"max_tokens", "seed", "model", "stream_options", "user", "suffix", "logprobs",
              "draft_max",
              "best_of", "logit_bias", "grammar", "json_schema", "nctx", "ngl", "compute"}

@@ -171,3 +171,38 @@ def test_grammar_and_schema_sizes_that_would_hurt_a_worker_are_refused():
             "s": {"type": "string", "maxLength": 2_000_000_000}}}})
     assert info.value.param == "json_schema"
     validate({"prompt": "p", "json_schema": {"type": "array", "maxItems": 2000}})
+
+
+def test_each_request_field_is_declared_once_and_every_layer_follows_it():
+    """dispatcher.common.fields declares every sampling and routing field: the schema
+    has each (and each alias, folded into it), with the declared default and range; the
+    worker's SamplingParams has each sampling field with the declared default; each
+    routing field names a capability of protocol.Route. Fails when one layer drifts."""
+    from dataclasses import MISSING, fields as dataclass_fields
+
+    from dispatcher.common import fields as F, protocol as P
+    from workers.sampling import SamplingParams
+    from app.schemas import ALIASES, CompletionRequestSchema
+    schema = CompletionRequestSchema().fields
+    params = {f.name: f for f in dataclass_fields(SamplingParams)}
+    for knob in F.KNOBS.values():
+        assert knob.name in schema, knob.name
+        if knob.alias:
+            assert ALIASES[knob.alias] == knob.name and knob.alias in schema
+        if knob.built:
+            field = schema[knob.name]
+            assert field.load_default == (None if knob.alias else knob.default), knob.name
+            ranges = [v for v in field.validators if hasattr(v, "min")]
+            if knob.low is not None or knob.high is not None:
+                assert (ranges[0].min, ranges[0].max) == (knob.low, knob.high), knob.name
+                if knob.alias:
+                    alias = [v for v in schema[knob.alias].validators if hasattr(v, "min")]
+                    assert (alias[0].min, alias[0].max) == (knob.low, knob.high)
+        if knob in F.SAMPLING and knob.name != "json_schema":     # (-> grammar)
+            field = params[knob.name]
+            value = field.default_factory() if field.default is MISSING else field.default
+            # (logit_bias: none is an empty table to the worker)
+            assert value == knob.default or (knob.default is None and value == {}), \
+                (knob.name, value, knob.default)
+        if knob.route:
+            assert knob.route in P.Route.__struct_fields__, knob.name

@@ -363,7 +363,7 @@ class Event(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="e"):
     attempt: int = msgspec.field(default=1, name="a")
 
 
-class Start(Event, tag="start"):
+class Start(Event, tag=EV_START):
     """Prompt tokenized and admitted into a slot (or its generation adopted)."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -373,14 +373,14 @@ class Start(Event, tag="start"):
     adopted: bool = False
 
 
-class Text(Event, tag="text", kw_only=True):
+class Text(Event, tag=EV_TEXT, kw_only=True):
     text: str
     logprobs: dict | None = None        # OpenAI's legacy shape, for this text
     ids: list[int] | None = None        # llama.cpp's `tokens`
     probs: list | None = None           # llama.cpp's completion_probabilities
 
 
-class End(Event, tag="end"):
+class End(Event, tag=EV_END):
     finish_reason: str | None = None
     usage: Usage | None = None
     stop_type: str | None = None        # llama.cpp's: eos, word, limit
@@ -393,7 +393,7 @@ class End(Event, tag="end"):
     result: Any = None                  # an op's answer
 
 
-class Error(Event, tag="error", kw_only=True):
+class Error(Event, tag=EV_ERROR, kw_only=True):
     status: int
     type: str
     code: str
@@ -402,7 +402,7 @@ class Error(Event, tag="error", kw_only=True):
     retry_after: int | None = None
 
 
-class Beat(Event, tag="beat"):
+class Beat(Event, tag=EV_BEAT):
     """The dispatcher's answer to a PING over the token stream (request id "")."""
     seq: int = msgspec.field(default=0, name="s")
     epoch: str | None = None
@@ -410,8 +410,6 @@ class Beat(Event, tag="beat"):
 
 AnyEvent = Union[Start, Text, End, Error, Beat]
 ENDS = (End, Error)                     # the last event of a stream
-
-EV_START, EV_TEXT, EV_END, EV_ERROR, EV_BEAT = "start", "text", "end", "error", "beat"
 
 # Which struct each command's body is (None: no body). A command is read on one side.
 BODIES: dict[bytes, Any] = {
