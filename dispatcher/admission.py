@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from dispatcher.common import protocol as P
 from dispatcher.queues import QueuedJob
@@ -34,12 +35,34 @@ EPOCH_PAUSE = 2.0
 MAX_SESSIONS = 10_000
 
 
+@dataclass
+class Pending:
+    """A request being admitted job by job."""
+    left: int                   # its jobs still to come
+    since: float
+
+
+@dataclass
+class SharedPrompts:
+    """A request's prompt fields, by the job that first carried them, while its jobs
+    arrive (the later ones name that job: `same_as`)."""
+    since: float
+    fields: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Newest:
+    """The newest request a session's client sent."""
+    order: int                  # the client's order (X-Session-Seq or arrival stamp)
+    parent: str                 # the request (all its jobs share it)
+    when: float                 # when it arrived here
+    counted: bool               # whether `order` is X-Session-Seq
+
+
 class Units:
     def __init__(self) -> None:
-        # requests being admitted job by job: parent id -> [jobs still to come, since]
-        self.pending: dict[str, list] = {}
-        # parent id -> [since, {job id: its prompt fields}] while its jobs arrive
-        self.shared: dict[str, list] = {}
+        self.pending: dict[str, Pending] = {}           # by parent id
+        self.shared: dict[str, SharedPrompts] = {}      # by parent id
 
     def fill(self, request_id: str, body: P.SubmittedJob) -> P.SubmittedJob | None:
         """The job whole: an earlier job's prompt fields filled in for `same_as` (the same
@@ -48,7 +71,7 @@ class Units:
         if same is None:
             return body
         entry = self.shared.get(body.parent or request_id)
-        fields = entry[1].get(same) if entry else None
+        fields = entry.fields.get(same) if entry else None
         if fields is None:
             return None
         return P.with_prompt(body, fields)
@@ -59,8 +82,8 @@ class Units:
         unit = self.pending.get(parent)
         if unit is None:
             return False
-        unit[0] -= 1
-        if unit[0] <= 0:
+        unit.left -= 1
+        if unit.left <= 0:
             del self.pending[parent]
             self.shared.pop(parent, None)    # every job of it is here now
         return True
@@ -70,26 +93,25 @@ class Units:
         prompt leaves its prompt fields for the jobs that will name it."""
         fanout = job.body.fanout
         if fanout > 1 and job.parent not in self.pending:
-            self.pending[job.parent] = [fanout - 1, now]
+            self.pending[job.parent] = Pending(fanout - 1, now)
         if job.share_key == job.request_id and job.parent in self.pending:
-            entry = self.shared.setdefault(job.parent, [now, {}])
-            entry[1][job.request_id] = P.prompt_fields(job.body)
+            entry = self.shared.setdefault(job.parent, SharedPrompts(now))
+            entry.fields[job.request_id] = P.prompt_fields(job.body)
 
     def expire(self, now: float) -> None:
-        for parent, (_, since) in list(self.pending.items()):
-            if since < now - UNIT_TIMEOUT:         # its front end never sent the rest
+        for parent, unit in list(self.pending.items()):
+            if unit.since < now - UNIT_TIMEOUT:     # its front end never sent the rest
                 del self.pending[parent]
-        for parent, (since, _) in list(self.shared.items()):
-            if since < now - UNIT_TIMEOUT and parent not in self.pending:
+        for parent, entry in list(self.shared.items()):
+            if entry.since < now - UNIT_TIMEOUT and parent not in self.pending:
                 del self.shared[parent]
 
 
 class Sessions:
     def __init__(self) -> None:
         self.open: dict[str, dict[str, QueuedJob]] = {}   # X-Session-Id -> its open jobs
-        # X-Session-Id -> (order, parent, when, whether order is X-Session-Seq) of the
-        # newest request the client sent, least recently used first
-        self.newest: OrderedDict[str, tuple] = OrderedDict()
+        # X-Session-Id -> the newest request the client sent, least recently used first
+        self.newest: OrderedDict[str, Newest] = OrderedDict()
 
     def arrives(self, job: QueuedJob, now: float) -> tuple[bool, list[QueuedJob]]:
         """A job of a session arrives: (False, []) if the client sent a newer request of
@@ -102,10 +124,10 @@ class Sessions:
         # a client's counter and arrival stamps are different scales: a request of the
         # other kind is newer by arriving later (X-Session-Seq 2**63-1 once must not
         # lock out a client that sends none)
-        if newest is not None and newest[1] != parent and newest[3] == counted \
-                and newest[0] > order and not self._new_epoch(job, newest, now):
+        if newest is not None and newest.parent != parent and newest.counted == counted \
+                and newest.order > order and not self._new_epoch(job, newest, now):
             return False, []
-        self.newest[session] = (order, parent, now, counted)
+        self.newest[session] = Newest(order, parent, now, counted)
         self.newest.move_to_end(session)
         while len(self.newest) > MAX_SESSIONS:
             self.newest.popitem(last=False)
@@ -116,7 +138,7 @@ class Sessions:
         jobs[job.request_id] = job
         return True, older
 
-    def _new_epoch(self, job: QueuedJob, newest: tuple, now: float) -> bool:
+    def _new_epoch(self, job: QueuedJob, newest: Newest, now: float) -> bool:
         """A lower X-Session-Seq that starts the client's count again (an editor restarted
         with the same session id) rather than a late older request: numbered 0 or 1, or
         sent after a pause once the session's requests have all ended."""
@@ -124,8 +146,8 @@ class Sessions:
             return False                 # arrival stamps never go back
         idle = not self.open.get(job.body.session)
         restarted = job.body.session_order <= RESTARTED_SEQ and \
-            newest[0] >= job.body.session_order + RESTART_GAP
-        return restarted or (idle and now - newest[2] >= EPOCH_PAUSE)
+            newest.order >= job.body.session_order + RESTART_GAP
+        return restarted or (idle and now - newest.when >= EPOCH_PAUSE)
 
     def forget(self, job: QueuedJob) -> None:
         session = job.body.session
@@ -135,8 +157,8 @@ class Sessions:
                 del self.open[session]
 
     def expire(self, now: float) -> None:
-        for session, (_, _, seen, _) in list(self.newest.items()):
-            if seen < now - SESSION_MEMORY and session not in self.open:
+        for session, newest in list(self.newest.items()):
+            if newest.when < now - SESSION_MEMORY and session not in self.open:
                 del self.newest[session]
 
 
@@ -191,6 +213,16 @@ def same_cursor(old: str, new: str) -> bool:
     return changed <= KEYSTROKE_CHARS and shared >= min(MIN_SHARED, n)
 
 
+@dataclass
+class Cursor:
+    """A session inferred for one place in a file: the text before the cursor of its
+    newest request, and when a request of it last came."""
+    text: str
+    session: str
+    seen: float
+    order: int                  # the arrival stamp of the request `text` is from
+
+
 class InferredSessions:
     """Sessions for clients that send no X-Session-Id (no editor plugin does): a FIM
     request joins the session of a recent one from the same client (API key and address,
@@ -201,13 +233,13 @@ class InferredSessions:
     a header without X-Session-Seq."""
 
     def __init__(self) -> None:
-        # (client, model, route) -> [[text, session, last seen, order of the text]]
-        self.clients: OrderedDict[tuple, list[list]] = OrderedDict()
+        # (client, model, route, where) -> the sessions at that place
+        self.clients: OrderedDict[tuple, list[Cursor]] = OrderedDict()
         self.counter = 0
         self.chars = 0                  # the texts' characters, all clients together
 
-    def _drop(self, entries: list[list]) -> None:
-        self.chars -= sum(len(e[0]) for e in entries)
+    def _drop(self, entries: list[Cursor]) -> None:
+        self.chars -= sum(len(e.text) for e in entries)
 
     def session_for(self, body: P.SubmittedJob, now: float) -> str | None:
         cursor = cursor_text(body) if body.client and body.fanout == 1 else None
@@ -216,22 +248,22 @@ class InferredSessions:
         where, text = cursor
         key = (body.client, body.model, body.route, where)
         entries = self.clients.pop(key, [])
-        self._drop([e for e in entries if e[2] < now - INFER_WINDOW])
-        entries = [e for e in entries if e[2] >= now - INFER_WINDOW]
+        self._drop([e for e in entries if e.seen < now - INFER_WINDOW])
+        entries = [e for e in entries if e.seen >= now - INFER_WINDOW]
         self.clients[key] = entries
         session = None
         for entry in reversed(entries):
-            if same_cursor(entry[0], text):
-                if body.session_order >= entry[3]:      # the newest text goes on matching
-                    self.chars += len(text) - len(entry[0])
-                    entry[0], entry[3] = text, body.session_order
-                entry[2] = now
-                session = entry[1]
+            if same_cursor(entry.text, text):
+                if body.session_order >= entry.order:   # the newest text goes on matching
+                    self.chars += len(text) - len(entry.text)
+                    entry.text, entry.order = text, body.session_order
+                entry.seen = now
+                session = entry.session
                 break
         if session is None:
             self.counter += 1
             session = f"~{body.client}:{self.counter}"   # (clients' ids are never ~...)
-            entries.append([text, session, now, body.session_order])
+            entries.append(Cursor(text, session, now, body.session_order))
             self.chars += len(text)
             self._drop(entries[:-MAX_ENTRIES])
             del entries[:-MAX_ENTRIES]

@@ -593,7 +593,7 @@ def test_inferred_sessions_keep_bounded_text(monkeypatch):
                         client=f"c{i}", session_order=i)
         inferred.session_for(body, 0.0)
     assert inferred.chars <= 10_000 and len(inferred.clients) <= 10
-    assert inferred.chars == sum(len(e[0]) for v in inferred.clients.values() for e in v)
+    assert inferred.chars == sum(len(e.text) for v in inferred.clients.values() for e in v)
 
 
 def test_one_key_never_holds_every_slot_while_keys_share_them():

@@ -469,7 +469,7 @@ class GenerationLoop:
     def _send_text(self, active: Active, text: str, logprobs: dict | None = None) -> None:
         if not active.text_sent:
             active.text_sent = True
-            self.notify(P.FIRST, active.request_id, {"attempt": active.attempt})
+            self.notify(P.FIRST, active.request_id, P.Attempt(attempt=active.attempt))
         active.chars_out += len(text)
         if logprobs is None and active.ledger is not None:
             logprobs = active.ledger.release(active.chars_out)
