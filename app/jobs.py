@@ -49,7 +49,8 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
             generation = P.Generation(
                 max_tokens=None if max_tokens is None or max_tokens < 0 else max_tokens,
                 stop=req["stop"], echo=req["echo"], logprobs=req.get("logprobs"),
-                score=scoring, sampling=sampling, cache_prompt=req["cache_prompt"],
+                score=scoring, sampling=P.Sampling(**sampling),
+                cache_prompt=req["cache_prompt"],
                 n_indent=req.get("n_indent"), t_max_predict_ms=req.get("t_max_predict_ms"),
                 t_max_prompt_ms=req.get("t_max_prompt_ms"), n_probs=req.get("n_probs"),
                 return_tokens=req.get("return_tokens"), draft_max=req.get("draft_max"),
@@ -96,7 +97,7 @@ def adopt_key(job: P.WorkerJob) -> str | None:
     if not (job.session or job.client) or job.fanout != 1 or not isinstance(job.prompt, str) \
             or gen.echo or gen.logprobs is not None or gen.score \
             or gen.n_probs or gen.return_tokens \
-            or gen.sampling.get("grammar") or gen.sampling.get("json_schema") \
+            or gen.sampling.grammar or gen.sampling.json_schema \
             or (job.infill is not None and job.infill.middle):
         # (a grammar's output minus the typed text no longer matches it; infill's
         # `middle` lies between the prompt and the generation)

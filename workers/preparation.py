@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from dispatcher.common import protocol as P
 from workers import inbox
 from workers.errors import EngineError, InvalidInput
@@ -46,7 +48,7 @@ class Prepared:
 
 def sampling_of(gen: P.Generation) -> dict:
     """The job's sampling settings (a copy)."""
-    sampling = dict(gen.sampling)
+    sampling = msgspec.structs.asdict(gen.sampling)
     if sampling.get("json_schema") is not None:
         # the front end makes schemas into grammars, within their budget
         # (dispatcher/common/schemagrammar.py): a worker never runs the converter
@@ -73,8 +75,8 @@ def worth_preparing(body: P.WorkerJob) -> bool:
     if body.op or body.adopt or not body.topic:
         return False
     sampling = body.generation.sampling
-    return text_size(body) >= PREPARE_CHARS or bool(sampling.get("dry_multiplier")) \
-        or sampling.get("grammar") is not None
+    return text_size(body) >= PREPARE_CHARS or bool(sampling.dry_multiplier) \
+        or sampling.grammar is not None
 
 
 class Preparer:

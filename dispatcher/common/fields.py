@@ -2,7 +2,8 @@
 the llama.cpp sampler it configures and the worker capability it routes by.
 
 From this table come the request schema's fields (app.schemas: marshmallow fields with
-their OpenAPI descriptions), the job's `sampling` (`sampling_of`), the worker's
+their OpenAPI descriptions), the job's `sampling` (`sampling_of`, carried as
+`protocol.Sampling`, a field per declaration), the worker's
 `SamplingParams` (workers.sampling: its fields and defaults) and the job's `Route`
 (`ROUTE`: request name -> capability name). A new sampling knob is one line here (and
 its use in workers/engine/samplers.py); a new routing rule is one line here and one in

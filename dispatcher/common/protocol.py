@@ -34,6 +34,8 @@ from typing import Any, Generic, TypeVar, Union
 
 import msgspec
 
+from dispatcher.common import fields as F
+
 PROTO = b"CMPL1"
 
 # front end -> dispatcher
@@ -164,6 +166,19 @@ class Infill(Body, frozen=True):
     middle: str = ""
 
 
+# A job's sampling settings: one field per declared sampling field (dispatcher.common.
+# fields.SAMPLING), None where the request left it to the default
+_SAMPLING_TYPES = {float: float, int: int, bool: bool, str: str, "seed": int,
+                   "logit_bias": Any, "grammar": str, "json_schema": Any,
+                   "strings": list[str], "samplers": list[str]}
+Sampling = msgspec.defstruct(
+    "Sampling", [(knob.name, _SAMPLING_TYPES[knob.kind] | None if
+                  _SAMPLING_TYPES[knob.kind] is not Any else Any, None)
+                 for knob in F.SAMPLING],
+    bases=(Body,), kw_only=True, frozen=True, module=__name__)
+NO_SAMPLING = Sampling()                # every field at its default
+
+
 class Generation(Body):
     """What only a worker reads of a job: the dispatcher forwards it unparsed."""
     max_tokens: int | None = None       # None: until the context is full
@@ -171,7 +186,7 @@ class Generation(Body):
     echo: bool = False
     logprobs: int | None = None
     score: bool = False                 # sum the logprobs (best_of)
-    sampling: dict = {}                 # dispatcher.common.fields.SAMPLING, by name
+    sampling: Sampling = NO_SAMPLING
     cache_prompt: bool = True
     n_indent: int | None = None
     t_max_predict_ms: float | None = None
