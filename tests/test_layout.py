@@ -59,3 +59,23 @@ def test_the_shared_part_stands_alone():
     assert offenders("dispatcher/common", lambda path, name: not any(
         within(name, p) for p in ("app", "workers", "dispatcher"))
         or within(name, "dispatcher.common")) == []
+
+
+def test_both_engines_implement_the_engine_protocol_the_loop_relies_on():
+    """workers/interface.py's Engine names what the loop uses of an engine; the fake and
+    the llama engine each have every member (the llama engine's read from its source:
+    loading it needs a model): its methods, class attributes and attributes it sets."""
+    import re
+
+    from workers.fake_engine import FakeEngine
+    from workers.interface import Engine
+    members = {n for n in vars(Engine) if not n.startswith("_")} | set(Engine.__annotations__)
+    fake = FakeEngine("none", 64, 2)
+    assert [m for m in sorted(members) if not hasattr(fake, m)] == []
+    source = (ROOT / "workers" / "engine" / "llama.py").read_text()
+    defined = set(re.findall(r"def ([a-z_]+)\(self", source)) | \
+        set(re.findall(r"^    ([a-z_]+) = ", source, re.M))
+    for targets in re.findall(r"^\s+((?:self\.[a-z_]+(?:, )?)+)(?:\s*:[^=\n]*)?\s*=", source,
+                              re.M):
+        defined |= set(re.findall(r"self\.([a-z_]+)", targets))
+    assert [m for m in sorted(members) if m not in defined] == []

@@ -31,11 +31,13 @@ class FakeEngine:
     fim_repo = None
     n_layer = 1
     layers_offloaded, layers_total = 0, 2    # nothing is offloaded: there are no weights
+    step_costs = None                        # nothing measured: no drafts to weigh
 
     def __init__(self, model_path: str, n_ctx: int, slots: int, n_threads: int = 1,
                  n_gpu_layers: int = 0, verbose: bool = False, deterministic: bool = False,
                  step_delay: float | None = None):
         self.n_ctx = n_ctx
+        self.deterministic = deterministic
         self.n_ctx_train = n_ctx
         self.n_vocab = 258
         if step_delay is None:

@@ -333,7 +333,7 @@ class GenerationLoop:
         """What the user typed since `old`'s prompt, if it is a prefix of what `old` has
         generated, and how many generated tokens it covers (None: not adoptable)."""
         if old is None or not isinstance(old.prompt, str) or old.assembler.stopped \
-                or getattr(self.engine, "deterministic", False):
+                or self.engine.deterministic:
             return None             # (deterministic: a result never depends on another one)
         prompt = body.prompt
         if not isinstance(prompt, str) or not prompt.startswith(old.prompt):

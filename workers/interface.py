@@ -6,10 +6,13 @@
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from dispatcher.common.protocol import StepTotals
 from workers.sampling import SamplingParams, TokenOut
+
+if TYPE_CHECKING:
+    from workers.engine.stepcosts import StepCosts
 
 
 class Engine(Protocol):
@@ -19,6 +22,10 @@ class Engine(Protocol):
     fim_repo: tuple[int, int] | None           # (REP, SEP) for repository-level FIM
     n_ctx: int                      # context per sequence, in tokens
     n_layer: int
+    layers_offloaded: int           # layers on an accelerator, as the load reported
+    layers_total: int               # ... of these (llama.cpp counts the output layer)
+    deterministic: bool             # batch-invariant output (no drafts, no repacking)
+    step_costs: StepCosts | None    # the device's measured step costs (None: unmeasured)
     totals: StepTotals              # the step profile's counters, kept by `step`
 
     @property

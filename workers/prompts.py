@@ -90,7 +90,7 @@ def infill_tokens(engine, prefix, suffix: str, template: FimTemplate | None,
                            "fim_mid in its GGUF metadata) and no --fim-template, so "
                            "'suffix' cannot be used", code="fim_unsupported", param="suffix")
     text = lambda t: engine.tokenize(t, add_special=False)   # noqa: E731
-    repo = getattr(engine, "fim_repo", None) if template is None else None
+    repo = engine.fim_repo if template is None else None
     chunks: list[int] = []
     if extra:
         if repo is not None:

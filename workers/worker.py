@@ -251,8 +251,7 @@ def worker_info(engine, spec, placement: Placement, model_id: str, model_path,
         n_ctx=engine.n_ctx, slots=engine.n_slots, fim=fim,
         fingerprint=engine.fingerprint, deterministic=deterministic,
         model_digest=model_file_digest(model_path),
-        rates=costs.rates(engine.n_slots) if (costs := getattr(engine, "step_costs", None))
-        else [],
+        rates=engine.step_costs.rates(engine.n_slots) if engine.step_costs else [],
         engine=engine.name, placement={**placement.to_dict(),
                                        "layers_offloaded": engine.layers_offloaded,
                                        "layers_total": engine.layers_total})

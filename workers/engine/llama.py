@@ -1,13 +1,18 @@
-"""The inference engine: the only module that imports llama_cpp (its vocabulary half is
-`workers.engine.vocabulary`, its sampler chains `workers.sampling`, both handed the module).
+"""`LlamaEngine`: one model served to many sequences through llama-cpp-python's low-level
+C API (not `Llama`), the engine the generation loop (`workers.generation`) drives.
 
-llama-cpp-python's low-level C API, not `Llama`: one context holding `slots` sequences
-(one KV stream each), one `llama_batch` per step: a token for every generating slot
-(plus its speculative draft, `workers.engine.speculation`) and prompt chunks of the admitted
-ones in a single `llama_decode`, then each slot sampled from its own rows. llama.cpp
+One context holds `slots` sequences (one KV stream each). Each `step` builds one
+`llama_batch`: a token for every generating slot (plus its speculative draft, chosen by
+`workers.engine.scheduling` from `workers.engine.speculation`'s proposals on the measured
+`workers.engine.stepcosts`) and prompt pieces of the admitted ones, decodes it in a single
+`llama_decode`, times it after `llama_synchronize`, then samples each slot from its own
+rows (`workers.engine.samplers`, `workers.engine.draws`) and verifies its draft. The
+vocabulary is `workers.engine.vocabulary`, KV reuse across requests
+`workers.engine.kvreuse`, the optional draft model `workers.engine.draftmodel`. llama.cpp
 releases the GIL, so the worker's IO thread heartbeats during a long decode. API facts
 relied on (shared notes): exact-size piece buffers, `llama_sampler_sample` accepts the
 token, `n_batch` is a hard assert, a grammar only accepts tokens its chain sampled.
+Imported only after the worker has pinned itself (llama.cpp's backends start on import).
 """
 from __future__ import annotations
 
