@@ -96,6 +96,79 @@ FIM_COMPLETION = {"type": "object", "required": ["id", "object", "created", "mod
 
 
 def build_openapi() -> dict:
+    """The OpenAPI 3.1 document of every route, its request schemas built from the
+    marshmallow schemas that validate them."""
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "completions-server", "version": VERSION,
+                 "description": "OpenAI-compatible raw-text completions (with llama.cpp's, "
+                                "geniex's and SIE's extensions)."},
+        "paths": _paths(),
+        "components": {"schemas": _schemas()},
+    }
+
+
+def _post(summary: str, request: str, answer: str, description: str, errors: tuple,
+          streamed: bool = True, **extra) -> dict:
+    """A POST route: its JSON request schema, its answer (or, `streamed`, its answer's
+    chunks as Server-Sent Events) and its errors."""
+    content = _json(answer)
+    if streamed:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": True, "content": _json(request)},
+                     "responses": {"200": {"description": description, "content": content},
+                                   **_error_responses(*errors)}, **extra}}
+
+
+def _paths() -> dict:
+    sse = "as Server-Sent Events ending in `data: [DONE]`"
+    native = _post("llama.cpp's native completion (its defaults and answer shape; unknown "
+                   "fields ignored; SSE without [DONE] with stream: true)",
+                   "NativeCompletionRequest", "NativeCompletion", "llama.cpp's answer",
+                   (400, 404, 413, 429, 503))
+    infill = _post("llama.cpp's code infill: prefix, suffix, repository context",
+                   "NativeInfillRequest", "NativeCompletion", "llama.cpp's answer",
+                   (400, 404, 413, 429, 503), streamed=False)
+    infill["post"]["responses"]["501"] = {
+        "description": "The model has no fill-in-the-middle tokens and no --fim-template",
+        "content": _json("Error")}
+    return {
+        "/v1/completions": _post(
+            "Create a completion (JSON, or SSE with stream: true)", "CompletionRequest",
+            "Completion", f"A completion, or its chunks {sse}", (400, 404, 413, 415, 429, 503),
+            parameters=[{"name": "X-SIE-MACHINE-PROFILE", "in": "header", "required": False,
+                         "schema": {"type": "string"},
+                         "description": "Only workers of this machine profile."}]),
+        "/v1/fim/completions": _post(
+            "Mistral's fill-in-the-middle completion (JSON, or SSE with stream: true)",
+            "FimRequest", "FimCompletion", f"A chat-completion-shaped answer, or its chunks "
+            f"{sse}", (400, 404, 413, 415, 429, 503)),
+        "/v1/models": {"get": {"summary": "Models served", "responses": {
+            "200": {"description": "Model list", "content": _json("ModelList")},
+            **_error_responses(503)}}},
+        "/health": {"get": {"summary": "200 when at least one worker is ready",
+                            "responses": {"200": {"description": "Ready"},
+                                          "503": {"description": "No worker ready"}}}},
+        "/tokenize": _post("Text to token ids (llama.cpp's shape)", "TokenizeRequest",
+                           "TokenizeResponse", "Tokens", (400, 404, 503), streamed=False),
+        "/detokenize": _post("Token ids to text (llama.cpp's shape)", "DetokenizeRequest",
+                             "DetokenizeResponse", "Text", (400, 404, 503), streamed=False),
+        "/v1/models/{model}": {"get": {
+            "summary": "One model, by id or alias",
+            "parameters": [{"name": "model", "in": "path", "required": True,
+                            "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "The model"},
+                          **_error_responses(404, 503)}}},
+        "/completion": native,
+        "/completions": native,
+        "/infill": infill,
+        "/openapi.json": {"get": {"summary": "This document",
+                                  "responses": {"200": {"description": "OpenAPI 3.1"}}}},
+    }
+
+
+def _schemas() -> dict:
     completion = {"type": "object", "required": ["id", "object", "created", "model",
                                                  "choices"], "properties": {
         "id": {"type": "string"}, "object": {"const": "text_completion"},
@@ -107,110 +180,35 @@ def build_openapi() -> dict:
             "finish_reason": {"enum": ["stop", "length", None]}}}},
         "usage": {"oneOf": [USAGE, {"type": "null"}]}}}
     return {
-        "openapi": "3.1.0",
-        "info": {"title": "completions-server", "version": VERSION,
-                 "description": "OpenAI-compatible raw-text completions (with llama.cpp's, "
-                                "geniex's and SIE's extensions)."},
-        "paths": {
-            "/v1/completions": {"post": {
-                "summary": "Create a completion (JSON, or SSE with stream: true)",
-                "parameters": [{"name": "X-SIE-MACHINE-PROFILE", "in": "header",
-                                "required": False, "schema": {"type": "string"},
-                                "description": "Only workers of this machine profile."}],
-                "requestBody": {"required": True, "content": _json("CompletionRequest")},
-                "responses": {"200": {"description": "A completion, or its chunks as "
-                                                     "Server-Sent Events ending in "
-                                                     "`data: [DONE]`",
-                                      "content": {**_json("Completion"),
-                                                  "text/event-stream": {"schema": {
-                                                      "type": "string"}}}},
-                              **_error_responses(400, 404, 413, 415, 429, 503)}}},
-            "/v1/fim/completions": {"post": {
-                "summary": "Mistral's fill-in-the-middle completion (JSON, or SSE with "
-                           "stream: true)",
-                "requestBody": {"required": True, "content": _json("FimRequest")},
-                "responses": {"200": {"description": "A chat-completion-shaped answer, or "
-                                                     "its chunks as Server-Sent Events "
-                                                     "ending in `data: [DONE]`",
-                                      "content": {**_json("FimCompletion"),
-                                                  "text/event-stream": {"schema": {
-                                                      "type": "string"}}}},
-                              **_error_responses(400, 404, 413, 415, 429, 503)}}},
-            "/v1/models": {"get": {"summary": "Models served", "responses": {
-                "200": {"description": "Model list", "content": _json("ModelList")},
-                **_error_responses(503)}}},
-            "/health": {"get": {"summary": "200 when at least one worker is ready",
-                                "responses": {"200": {"description": "Ready"},
-                                              "503": {"description": "No worker ready"}}}},
-            "/tokenize": {"post": {
-                "summary": "Text to token ids (llama.cpp's shape)",
-                "requestBody": {"required": True, "content": _json("TokenizeRequest")},
-                "responses": {"200": {"description": "Tokens", "content": _json(
-                    "TokenizeResponse")}, **_error_responses(400, 404, 503)}}},
-            "/detokenize": {"post": {
-                "summary": "Token ids to text (llama.cpp's shape)",
-                "requestBody": {"required": True, "content": _json("DetokenizeRequest")},
-                "responses": {"200": {"description": "Text", "content": _json(
-                    "DetokenizeResponse")}, **_error_responses(400, 404, 503)}}},
-            "/v1/models/{model}": {"get": {
-                "summary": "One model, by id or alias",
-                "parameters": [{"name": "model", "in": "path", "required": True,
-                                "schema": {"type": "string"}}],
-                "responses": {"200": {"description": "The model"},
-                              **_error_responses(404, 503)}}},
-            **{path: {"post": {
-                "summary": "llama.cpp's native completion (its defaults and answer shape; "
-                           "unknown fields ignored; SSE without [DONE] with stream: true)",
-                "requestBody": {"required": True, "content": _json("NativeCompletionRequest")},
-                "responses": {"200": {"description": "llama.cpp's answer",
-                                      "content": {**_json("NativeCompletion"),
-                                                  "text/event-stream": {"schema": {
-                                                      "type": "string"}}}},
-                              **_error_responses(400, 404, 413, 429, 503)}}}
-               for path in ("/completion", "/completions")},
-            "/infill": {"post": {
-                "summary": "llama.cpp's code infill: prefix, suffix, repository context",
-                "requestBody": {"required": True, "content": _json("NativeInfillRequest")},
-                "responses": {"200": {"description": "llama.cpp's answer",
-                                      "content": _json("NativeCompletion")},
-                              "501": {"description": "The model has no fill-in-the-middle "
-                                                     "tokens and no --fim-template",
-                                      "content": _json("Error")},
-                              **_error_responses(400, 404, 413, 429, 503)}}},
-            "/openapi.json": {"get": {"summary": "This document",
-                                      "responses": {"200": {"description": "OpenAPI 3.1"}}}},
-        },
-        "components": {"schemas": {
-            "CompletionRequest": object_schema(CompletionRequestSchema()),
-            "NativeCompletionRequest": {**object_schema(NativeCompletionSchema()),
-                                        "additionalProperties": True},
-            "NativeInfillRequest": {**object_schema(NativeInfillSchema()),
+        "CompletionRequest": object_schema(CompletionRequestSchema()),
+        "NativeCompletionRequest": {**object_schema(NativeCompletionSchema()),
                                     "additionalProperties": True},
-            "NativeCompletion": NATIVE_COMPLETION,
-            "TokenizeRequest": object_schema(TokenizeRequestSchema()),
-            "DetokenizeRequest": object_schema(DetokenizeRequestSchema()),
-            "Completion": completion,
-            "FimRequest": object_schema(FIM_SCHEMA),
-            "FimCompletion": FIM_COMPLETION,
-            "Error": {"type": "object", "required": ["error"], "properties": {"error": {
-                "type": "object", "required": ["message", "type", "param", "code"],
-                "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                               "param": {"type": ["string", "null"]},
-                               "code": {"type": ["string", "null"]}}}}},
-            "ModelList": {"type": "object", "properties": {
-                "object": {"const": "list"}, "data": {"type": "array", "items": {
-                    "type": "object", "properties": {"id": {"type": "string"},
-                                                     "object": {"const": "model"},
-                                                     "created": {"type": "integer"},
-                                                     "owned_by": {"type": "string"}}}}}},
-            "TokenizeResponse": {"type": "object", "properties": {"tokens": {
-                "type": "array", "items": {"oneOf": [
-                    {"type": "integer"},
-                    {"type": "object", "properties": {"id": {"type": "integer"},
-                                                      "piece": {"type": "string"}}}]}}}},
-            "DetokenizeResponse": {"type": "object", "properties": {
-                "content": {"type": "string"}}},
-        }},
+        "NativeInfillRequest": {**object_schema(NativeInfillSchema()),
+                                "additionalProperties": True},
+        "NativeCompletion": NATIVE_COMPLETION,
+        "TokenizeRequest": object_schema(TokenizeRequestSchema()),
+        "DetokenizeRequest": object_schema(DetokenizeRequestSchema()),
+        "Completion": completion,
+        "FimRequest": object_schema(FIM_SCHEMA),
+        "FimCompletion": FIM_COMPLETION,
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"],
+            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                           "param": {"type": ["string", "null"]},
+                           "code": {"type": ["string", "null"]}}}}},
+        "ModelList": {"type": "object", "properties": {
+            "object": {"const": "list"}, "data": {"type": "array", "items": {
+                "type": "object", "properties": {"id": {"type": "string"},
+                                                 "object": {"const": "model"},
+                                                 "created": {"type": "integer"},
+                                                 "owned_by": {"type": "string"}}}}}},
+        "TokenizeResponse": {"type": "object", "properties": {"tokens": {
+            "type": "array", "items": {"oneOf": [
+                {"type": "integer"},
+                {"type": "object", "properties": {"id": {"type": "integer"},
+                                                  "piece": {"type": "string"}}}]}}}},
+        "DetokenizeResponse": {"type": "object", "properties": {
+            "content": {"type": "string"}}},
     }
 
 

@@ -115,7 +115,6 @@ def _make_broker(broker_class, base: str, *args, **kwargs):
 
 def cmd_serve(args) -> int:
     from dispatcher.broker import Broker
-    from dispatcher.common.process import python_module_argv
     from dispatcher.supervisor import Child, Supervisor
 
     try:
@@ -150,53 +149,63 @@ def cmd_serve(args) -> int:
                           keys=keys, infer_sessions=args.infer_sessions,
                           key_slot_share=config.KEY_SLOT_SHARE if n_keys > 1 else 1.0)
     for worker in plan.workers:
-        # every worker option on its command line (only the device's visibility variables,
-        # which the inference library reads when it loads, go by environment)
-        argv = python_module_argv("workers", *worker.argv(base, args.engine, args.log_level),
-                                  "--prefill-chunk", str(args.prefill_chunk),
-                                  "--draft-max", str(args.draft_max),
-                                  *(["--draft-model", args.draft_model]
-                                    if args.draft_model else []),
-                                  "--cache-reuse", str(args.cache_reuse),
-                                  "--step-timeout", str(args.step_timeout),
-                                  "--heartbeat-interval", str(args.heartbeat_interval),
-                                  "--log-content", str(args.log_content),
-                                  *(["--curve-keys", args.curve_keys, "--curve-name", "local"]
-                                    if keys else []))
-        env = worker.device.visible_devices()
-        supervisor.add(Child(worker.name, argv, env=env,
-                             extra={"device": str(worker.device), "model": worker.model.id}))
+        supervisor.add(_worker_child(Child, worker, args, base, keys is not None))
     if args.frontends:
-        env = {"COMPLETIONS_DISPATCHER": base, "COMPLETIONS_HOST": args.host,
-               "COMPLETIONS_PORT": str(args.port), "COMPLETIONS_FRONTENDS": str(args.frontends),
-               "COMPLETIONS_MAX_BODY": str(args.max_body),
-               "COMPLETIONS_MAX_PROMPT_CHARS": str(args.max_prompt_chars),
-               "COMPLETIONS_LOG_LEVEL": args.log_level,
-               "COMPLETIONS_ACCESS_LOG": args.access_log,
-               "COMPLETIONS_MAX_CONNECTIONS": str(args.max_connections),
-               "COMPLETIONS_HEADER_TIMEOUT": str(args.header_timeout),
-               "COMPLETIONS_BODY_TIMEOUT": str(args.body_timeout),
-               "COMPLETIONS_HEARTBEAT_INTERVAL": str(args.heartbeat_interval),
-               "COMPLETIONS_CACHE_SCOPE": args.cache_scope or "",
-               "COMPLETIONS_CURVE_KEYS": args.curve_keys if keys else "",
-               "COMPLETIONS_CURVE_NAME": "local",
-               # keys travel in the environment, never on a command line (ps shows those)
-               "COMPLETIONS_API_KEY": ",".join(args.api_key),
-               "COMPLETIONS_API_KEY_FILE": args.api_key_file or "",
-               "COMPLETIONS_CORS_ORIGIN": ",".join(args.cors_origin),
-               "COMPLETIONS_ANY_MODEL_NAME": "true" if args.any_model_name else ""}
-        supervisor.add(Child("frontend", python_module_argv(
-            # The dispatcher has drained in-flight requests (--stop-grace) before the
-            # front ends are stopped: their worker (app/gunicorn_worker.py) closes idle
-            # keep-alive connections at once; this bounds whatever else is left.
-            "gunicorn", "-c", "python:app.gunicorn_conf", "--graceful-timeout",
-            str(FRONTEND_STOP_GRACE)), env, kind="frontend"))
+        supervisor.add(_frontend_child(Child, args, base, keys is not None))
     models = ", ".join(f"{m.id} ({m.path})" for m in plan.models)
     print(f"serving {models} on http://{args.host}:{args.port} with {args.frontends} front "
           f"end(s) and {len(plan.workers)} worker(s): "
           f"{', '.join(str(w.device) for w in plan.workers)}; dispatcher at {base}",
           file=sys.stderr, flush=True)
     return _run_broker(broker, cleanup, args.stop_grace)
+
+
+def _worker_child(Child, worker: configfile.WorkerPlan, args, base: str, keyed: bool):
+    """A worker's process: every option on its command line (only the device's visibility
+    variables, which the inference library reads when it loads, go by environment)."""
+    from dispatcher.common.process import python_module_argv
+    argv = python_module_argv("workers", *worker.argv(base, args.engine, args.log_level),
+                              "--prefill-chunk", str(args.prefill_chunk),
+                              "--draft-max", str(args.draft_max),
+                              *(["--draft-model", args.draft_model]
+                                if args.draft_model else []),
+                              "--cache-reuse", str(args.cache_reuse),
+                              "--step-timeout", str(args.step_timeout),
+                              "--heartbeat-interval", str(args.heartbeat_interval),
+                              "--log-content", str(args.log_content),
+                              *(["--curve-keys", args.curve_keys, "--curve-name", "local"]
+                                if keyed else []))
+    return Child(worker.name, argv, env=worker.device.visible_devices(),
+                 extra={"device": str(worker.device), "model": worker.model.id})
+
+
+def _frontend_child(Child, args, base: str, keyed: bool):
+    """The front ends' process: gunicorn, configured by environment (keys too: ps shows
+    command lines)."""
+    from dispatcher.common.process import python_module_argv
+    env = {"COMPLETIONS_DISPATCHER": base, "COMPLETIONS_HOST": args.host,
+           "COMPLETIONS_PORT": str(args.port), "COMPLETIONS_FRONTENDS": str(args.frontends),
+           "COMPLETIONS_MAX_BODY": str(args.max_body),
+           "COMPLETIONS_MAX_PROMPT_CHARS": str(args.max_prompt_chars),
+           "COMPLETIONS_LOG_LEVEL": args.log_level,
+           "COMPLETIONS_ACCESS_LOG": args.access_log,
+           "COMPLETIONS_MAX_CONNECTIONS": str(args.max_connections),
+           "COMPLETIONS_HEADER_TIMEOUT": str(args.header_timeout),
+           "COMPLETIONS_BODY_TIMEOUT": str(args.body_timeout),
+           "COMPLETIONS_HEARTBEAT_INTERVAL": str(args.heartbeat_interval),
+           "COMPLETIONS_CACHE_SCOPE": args.cache_scope or "",
+           "COMPLETIONS_CURVE_KEYS": args.curve_keys if keyed else "",
+           "COMPLETIONS_CURVE_NAME": "local",
+           "COMPLETIONS_API_KEY": ",".join(args.api_key),
+           "COMPLETIONS_API_KEY_FILE": args.api_key_file or "",
+           "COMPLETIONS_CORS_ORIGIN": ",".join(args.cors_origin),
+           "COMPLETIONS_ANY_MODEL_NAME": "true" if args.any_model_name else ""}
+    return Child("frontend", python_module_argv(
+        # The dispatcher has drained in-flight requests (--stop-grace) before the front
+        # ends are stopped: their worker (app/gunicorn_worker.py) closes idle keep-alive
+        # connections at once; this bounds whatever else is left.
+        "gunicorn", "-c", "python:app.gunicorn_conf", "--graceful-timeout",
+        str(FRONTEND_STOP_GRACE)), env, kind="frontend")
 
 
 def _dispatcher_keys(args, base: str):

@@ -7,9 +7,12 @@ and owns the engine and the XPUB socket that streams tokens to the front ends.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, NoReturn
 import signal
 import threading
 import time
@@ -20,7 +23,7 @@ import zmq
 from dispatcher.common.addresses import Endpoints
 from dispatcher.common import config, configfile, curve, protocol as P
 from dispatcher.common.curve import PartKeys
-from dispatcher.common.devices import parse_device
+from dispatcher.common.devices import DeviceSpec, parse_device
 from dispatcher.common.models import default_model_id, model_file_digest, resolve_model_path
 from dispatcher.common.process import StopFlag, die_with_parent
 from workers import inbox
@@ -281,7 +284,37 @@ def step_timeout(given: float | str, engine) -> float:
     return limit
 
 
-def main(argv: list[str] | None = None) -> int:
+class CannotServe(Exception):
+    """This worker cannot serve (its model, its device, its memory): one line, and an exit
+    status that tells the supervisor not to try again (EXIT_CANNOT_LOAD)."""
+
+
+@dataclass
+class Launch:
+    """A worker's settings, parsed and checked before anything is pinned or loaded."""
+    args: argparse.Namespace
+    spec: DeviceSpec
+    endpoints: Endpoints
+    keys: PartKeys | None
+    shape: ContextShape
+    template: FimTemplate | None
+    usage_error: Callable[[str], NoReturn]      # argparse's: the usage line, status 2
+
+
+@dataclass
+class Loaded:
+    """The engine, loaded where it was pinned, and what the worker registers with."""
+    engine: object
+    placement: Placement
+    model_path: object
+    model_id: str
+    name: str
+    faults: FaultInjection
+
+
+def parse_launch(argv: list[str] | None) -> Launch:
+    """Flags, variables and the config file's [[workers]] entry (argparse's usage error,
+    status 2, for anything wrong)."""
     try:
         file_data = configfile.read_for(argv)      # the config file, read once
     except configfile.ConfigError as exc:
@@ -292,11 +325,11 @@ def main(argv: list[str] | None = None) -> int:
                     "dispatcher. With --config, the file's [[workers]] entry for the device "
                     "supplies its model, profile and sizes; flags override them.")
     config.add_options(parser, ["config", "dispatcher", "device", "model", "model_id", "nctx",
-                                "ngl", "slots", "kv_type", "batch", "ubatch", "deterministic", "engine", "name",
-                                "fim_template", "prefill_chunk", "draft_max", "draft_model",
-                                "cache_reuse", "step_timeout", "heartbeat_interval", "log_level",
-                                "log_content", "curve_keys", "curve_name",
-                                "insecure_transport"],
+                                "ngl", "slots", "kv_type", "batch", "ubatch", "deterministic",
+                                "engine", "name", "fim_template", "prefill_chunk", "draft_max",
+                                "draft_model", "cache_reuse", "step_timeout",
+                                "heartbeat_interval", "log_level", "log_content", "curve_keys",
+                                "curve_name", "insecure_transport"],
                        configfile.server_defaults(file_data))
     args = config.resolve(parser.parse_args(argv), file_data)
     logging.basicConfig(level=args.log_level.upper(), format=config.LOG_FORMAT)
@@ -315,41 +348,36 @@ def main(argv: list[str] | None = None) -> int:
             else None
         if args.config:
             spec, args = _from_config_file(args, spec, file_data)
-        shape = ContextShape.of(args)
+        template = FimTemplate.parse(args.fim_template) if args.fim_template else None
+        return Launch(args, spec, endpoints, keys, ContextShape.of(args), template,
+                      parser.error)
     except (ValueError, configfile.ConfigError) as exc:
         parser.error(str(exc))
-    if os.environ.get("COMPLETIONS_PARENT_PID"):
-        die_with_parent(int(os.environ["COMPLETIONS_PARENT_PID"]))
 
-    stopping = StopFlag()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    signal.signal(signal.SIGINT, lambda *_: stopping.set())
 
-    try:
-        placement = pin(spec, args.ngl)      # before the inference library is imported
-    except ValueError as exc:
-        parser.error(str(exc))
+def load(launch: Launch, placement: Placement) -> Loaded:
+    """The model (and draft model) found, checked against the pinned device and loaded;
+    CannotServe where it cannot be."""
+    args, spec = launch.args, launch.spec
+    name = args.name or spec.slug
     try:
         model_path = resolve_model_path(args.model)
     except SystemExit as exc:          # not there, not readable, not GGUF: never respawn
-        log.error("worker %s cannot serve: %s", args.name or spec.slug, exc)
-        return EXIT_CANNOT_LOAD
+        raise CannotServe(f"worker {name} cannot serve: {exc}") from None
     slots = args.slots or config.DEFAULT_SLOTS[spec.compute]
     if args.engine == "llama":
         placement, refusal = checked_placement(spec, placement, str(model_path), args.nctx,
-                                               slots, shape)
+                                               slots, launch.shape)
         if refusal:
-            log.error("worker %s cannot serve %s on %s: %s", args.name or spec.slug,
-                      model_path, spec, refusal)
-            return EXIT_CANNOT_LOAD
+            raise CannotServe(f"worker {name} cannot serve {model_path} on {spec}: {refusal}")
     try:
         draft_model = str(resolve_model_path(args.draft_model)) if args.draft_model else None
     except SystemExit as exc:
-        log.error("worker %s cannot serve: the draft model: %s", args.name or spec.slug, exc)
-        return EXIT_CANNOT_LOAD
+        raise CannotServe(f"worker {name} cannot serve: the draft model: {exc}") from None
     model_id = args.model_id or default_model_id(model_path)
     # a keyed worker's name starts with its key's name (the dispatcher binds the two)
-    prefix = f"{args.curve_name}-" if keys is not None and args.curve_name != "local" else ""
+    prefix = f"{args.curve_name}-" if launch.keys is not None and \
+        args.curve_name != "local" else ""
     name = args.name or f"{prefix}{spec.slug}-{os.getpid()}"
     started = time.monotonic()
     faults = FaultInjection.from_env()
@@ -359,22 +387,26 @@ def main(argv: list[str] | None = None) -> int:
                              placement.n_threads, placement.n_gpu_layers,
                              args.log_level.lower() == "debug", args.deterministic,
                              args.prefill_chunk, args.draft_max, args.cache_reuse,
-                             args.log_content, shape, draft_model)
+                             args.log_content, launch.shape, draft_model)
     except EngineError as exc:
-        # One line, and an exit status that tells the supervisor not to try again.
-        log.error("worker %s cannot serve %s on %s: %s", name, model_path, spec, exc)
-        return EXIT_CANNOT_LOAD
+        raise CannotServe(f"worker {name} cannot serve {model_path} on {spec}: {exc}") \
+            from None
     log.info("worker %s: %s loaded on %s in %.1fs (%d threads, cores %s, %s)", name,
              model_id, spec, time.monotonic() - started, placement.n_threads,
              list(placement.cores), placement.visible_devices or "no accelerator variables")
+    return Loaded(engine, placement, model_path, model_id, name, faults)
 
+
+def serve(launch: Launch, loaded: Loaded, stopping: StopFlag) -> int:
+    """Connect to the dispatcher and run the generation loop until told to stop."""
+    args, engine, name = launch.args, loaded.engine, loaded.name
     context = zmq.Context()
     xpub = context.socket(zmq.XPUB)
     xpub.setsockopt(zmq.SNDHWM, config.TOKEN_HWM)
     xpub.setsockopt(zmq.LINGER, 2000)
-    if keys is not None:
-        keys.apply(xpub)
-    xpub.connect(endpoints.tokens_in)
+    if launch.keys is not None:
+        launch.keys.apply(xpub)
+    xpub.connect(launch.endpoints.tokens_in)
     notify_address = f"inproc://notify-{os.getpid()}"
     notify = context.socket(zmq.PAIR)
     notify.bind(notify_address)
@@ -382,19 +414,17 @@ def main(argv: list[str] | None = None) -> int:
     def send_notice(cmd: bytes, request_id: str, body=None) -> None:
         notify.send_multipart(P.encode(cmd, request_id, body))
 
-    try:
-        template = FimTemplate.parse(args.fim_template) if args.fim_template else None
-    except ValueError as exc:
-        parser.error(str(exc))
     loop = GenerationLoop(engine, Publisher(xpub), send_notice,
-                          identity={"worker": name, "device": str(spec)},
-                          fim_template=template, faults=faults)
-    info = worker_info(engine, spec, placement, model_id, model_path, args.deterministic,
-                       fim=engine.fim_tokens is not None or template is not None)
+                          identity={"worker": name, "device": str(launch.spec)},
+                          fim_template=launch.template, faults=loaded.faults)
+    info = worker_info(engine, launch.spec, loaded.placement, loaded.model_id,
+                       loaded.model_path, args.deterministic,
+                       fim=engine.fim_tokens is not None or launch.template is not None)
     watchdog = step_timeout(args.step_timeout, engine)     # (timed before what follows)
     engine.after_load()
-    link = DispatcherLink(context, endpoints, name.encode(), info, loop, notify_address,
-                          watchdog, config.Heartbeat.of(args), keys, on_refused=stopping.set)
+    link = DispatcherLink(context, launch.endpoints, name.encode(), info, loop,
+                          notify_address, watchdog, config.Heartbeat.of(args), launch.keys,
+                          on_refused=stopping.set)
     link.start()
     try:
         loop.run(stopping)
@@ -412,3 +442,22 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CANNOT_LOAD
     log.info("worker %s stopped", name)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    launch = parse_launch(argv)
+    if os.environ.get("COMPLETIONS_PARENT_PID"):
+        die_with_parent(int(os.environ["COMPLETIONS_PARENT_PID"]))
+    stopping = StopFlag()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    try:
+        placement = pin(launch.spec, launch.args.ngl)   # before the inference library
+    except ValueError as exc:                          # is imported
+        launch.usage_error(str(exc))
+    try:
+        loaded = load(launch, placement)
+    except CannotServe as exc:
+        log.error("%s", exc)
+        return EXIT_CANNOT_LOAD
+    return serve(launch, loaded, stopping)

@@ -176,11 +176,23 @@ def plan_for(args) -> Plan:
 
 
 def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
-    """Models and workers from the file, unless flags or variables name them."""
+    """Models and workers from the file, unless flags or variables name them; every
+    problem found, each with its place, in one ConfigError."""
     problems: list[str] = []
-    flag_models = _given(args, "model") or _given(args, "model_id")
-    flag_devices = _given(args, "device")
-    if flag_models or not data.get("models"):
+    models, broken = _plan_models(data, args, resolve_model, model_id_of, problems)
+    plans = _plan_workers(data, args, models, broken, problems)
+    if not plans and not problems:
+        problems.append("no workers")
+    if problems:
+        raise ConfigError(problems)
+    return Plan(models, plans)
+
+
+def _plan_models(data: dict, args, resolve_model, model_id_of,
+                 problems: list[str]) -> tuple[list[ModelPlan], set[str]]:
+    """The models (from flags, or the file's [[models]]) and the ids of those with a
+    problem, which is added to `problems`."""
+    if _given(args, "model") or _given(args, "model_id") or not data.get("models"):
         entries = [{k: v for k, v in (("id", args.model_id), ("path", args.model)) if v}]
     else:
         entries = [dict(e) for e in data["models"]]
@@ -214,8 +226,16 @@ def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
     names = ids + [a for m in models for a in m.aliases]
     problems += [f"models: alias '{a}' names more than one model, or a model id" for a in
                  sorted({a for m in models for a in m.aliases}) if names.count(a) > 1]
+    return models, broken
+
+
+def _plan_workers(data: dict, args, models: list[ModelPlan], broken: set[str],
+                  problems: list[str]) -> list[WorkerPlan]:
+    """The workers (from --device, or the file's [[workers]]), each on a model of
+    `models`; their problems are added to `problems` (a worker of a broken model is left
+    out without another line)."""
     by_id = {m.id: m for m in models}
-    if flag_devices or not data.get("workers"):
+    if _given(args, "device") or not data.get("workers"):
         workers = [{"device": d} for d in args.device]
     else:
         workers = data["workers"]
@@ -262,11 +282,7 @@ def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
     accelerators = [(d.kind, o) for d in devices for o in d.ordinals]
     problems += [f"workers: {k}:{i} is used by more than one worker" for k, i in
                  set(accelerators) if accelerators.count((k, i)) > 1]
-    if not plans and not problems:
-        problems.append("no workers")
-    if problems:
-        raise ConfigError(problems)
-    return Plan(models, plans)
+    return plans
 
 
 def _fim_template(value) -> str | None:

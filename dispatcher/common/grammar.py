@@ -202,145 +202,165 @@ class _Parser:
         return pos
 
     def sequence(self, pos: int, rule_name: str, rule: list, nested: bool) -> int:
+        """One alternative: its items appended to `rule` (a repetition operator repeats
+        the item before it), as llama.cpp's parse_sequence."""
         src = self.src
-        last_start = len(rule)
-        prev_rules = 1
-
-        def repeat(low: int, high: int) -> None:
-            nonlocal prev_rules
-            if last_start == len(rule):
-                raise self.fail("expecting preceding item to */+/?/{", pos)
-            prev = rule[last_start:]
-            total = high if high != UNBOUNDED and high > 0 else low if low > 0 else 1
-            if prev_rules * total > MAX_REPETITION:
-                raise self.fail("repetitions of repetitions exceed llama.cpp's limit of "
-                                f"{MAX_REPETITION} rules", pos)
-            if low == 0:
-                del rule[last_start:]
-            else:
-                self.charge(len(prev) * (low - 1))
-                for _ in range(low - 1):
-                    rule.extend(prev)
-            last_rec = 0
-            n_opt = 1 if high == UNBOUNDED else high - low
-            for i in range(n_opt):
-                rec_id = self.generate_id(rule_name)
-                rec = list(prev)
-                if i > 0 or high == UNBOUNDED:
-                    rec.append((RULE_REF, rec_id if high == UNBOUNDED else last_rec))
-                rec += [(ALT, 0), (END, 0)]
-                self.charge(len(rec))
-                self.add_rule(rec_id, rec)
-                last_rec = rec_id
-            if n_opt > 0:
-                rule.append((RULE_REF, last_rec))
-            prev_rules *= total
-
+        last_start = len(rule)      # where the last item starts in `rule`
+        prev_rules = 1              # the rules that item made (a repetition multiplies them)
         while True:
             c = src[pos]
-            if c == '"':
-                pos += 1
+            if c in '"[<!.(' or _is_word(c):
                 last_start, prev_rules = len(rule), 1
-                while src[pos] != '"':
-                    if src[pos] == "\x00":
-                        raise self.fail("unexpected end of input", pos)
-                    value, pos = self.char(pos)
-                    rule.append((CHAR, value))
-                pos = self.space(pos + 1, nested)
-            elif c == "[":
-                pos += 1
-                start_type = CHAR
-                if src[pos] == "^":
-                    pos += 1
-                    start_type = CHAR_NOT
-                last_start, prev_rules = len(rule), 1
-                while src[pos] != "]":
-                    if src[pos] == "\x00":
-                        raise self.fail("unexpected end of input", pos)
-                    at = pos
-                    value, pos = self.char(pos)
-                    rule.append((CHAR_ALT if last_start < len(rule) else start_type, value))
-                    if src[pos] == "-" and src[pos + 1] != "]":
-                        if src[pos + 1] == "\x00":
-                            raise self.fail("unexpected end of input", pos + 1)
-                        upper, pos = self.char(pos + 1)
-                        if upper < value:
-                            raise self.fail("an empty character range (its end comes "
-                                            "before its start)", at, GrammarRefused)
-                        rule.append((CHAR_RNG_UPPER, upper))
-                pos = self.space(pos + 1, nested)
-            elif c in "<!":
-                kind = TOKEN
-                if c == "!":
-                    kind, pos = TOKEN_NOT, pos + 1
-                value, pos = self.token(pos)
-                last_start, prev_rules = len(rule), 1
-                rule.append((kind, value))
-                pos = self.space(pos, nested)
-            elif _is_word(c):
-                end = self.name(pos)
-                ref = self.symbol_id(src[pos:end])
-                pos = self.space(end, nested)
-                last_start, prev_rules = len(rule), 1
-                rule.append((RULE_REF, ref))
-            elif c == "(":
-                self.nesting += 1
-                if self.nesting > MAX_NESTING:
-                    raise GrammarTooLarge(f"the grammar nests groups more than {MAX_NESTING} "
-                                          "deep")
-                pos = self.space(pos + 1, True)
-                before = len(self.symbols)
-                sub_id = self.generate_id(rule_name)
-                pos = self.alternates(pos, rule_name, sub_id, True)
-                self.nesting -= 1
-                prev_rules = max(1, len(self.symbols) - before)
-                last_start = len(rule)
-                rule.append((RULE_REF, sub_id))
-                if src[pos] != ")":
-                    raise self.fail("expecting ')'", pos)
-                pos = self.space(pos + 1, nested)
-            elif c == ".":
-                last_start, prev_rules = len(rule), 1
-                rule.append((CHAR_ANY, 0))
-                pos = self.space(pos + 1, nested)
+                if c == '"':
+                    pos = self._literal(pos, rule, nested)
+                elif c == "[":
+                    pos = self._char_class(pos, rule, nested)
+                elif c in "<!":
+                    kind, at = (TOKEN_NOT, pos + 1) if c == "!" else (TOKEN, pos)
+                    value, pos = self.token(at)
+                    rule.append((kind, value))
+                    pos = self.space(pos, nested)
+                elif c == ".":
+                    rule.append((CHAR_ANY, 0))
+                    pos = self.space(pos + 1, nested)
+                elif c == "(":
+                    pos, prev_rules = self._group(pos, rule_name, rule, nested)
+                else:
+                    end = self.name(pos)
+                    rule.append((RULE_REF, self.symbol_id(src[pos:end])))
+                    pos = self.space(end, nested)
             elif c in "*+?":
                 pos = self.space(pos + 1, nested)
-                repeat(*{"*": (0, UNBOUNDED), "+": (1, UNBOUNDED), "?": (0, 1)}[c])
+                low, high = {"*": (0, UNBOUNDED), "+": (1, UNBOUNDED), "?": (0, 1)}[c]
+                prev_rules = self._repeat(rule, last_start, prev_rules, rule_name, low, high,
+                                          pos)
             elif c == "{":
-                pos = self.space(pos + 1, nested)
-                if not "0" <= src[pos] <= "9":
-                    raise self.fail("expecting an int", pos)
-                end = self.integer(pos)
-                low = int(src[pos:end])
-                pos = self.space(end, nested)
-                high = UNBOUNDED
-                if src[pos] == "}":
-                    high = low
-                    pos = self.space(pos + 1, nested)
-                elif src[pos] == ",":
-                    pos = self.space(pos + 1, nested)
-                    if "0" <= src[pos] <= "9":
-                        end = self.integer(pos)
-                        high = int(src[pos:end])
-                        pos = self.space(end, nested)
-                    if src[pos] != "}":
-                        raise self.fail("expecting '}'", pos)
-                    pos = self.space(pos + 1, nested)
-                else:
-                    raise self.fail("expecting ','", pos)
-                if low >= 2 ** 64 or (high != UNBOUNDED and high >= 2 ** 64):
-                    raise self.fail("a repetition count too big", pos)
-                if low > MAX_REPETITION:
-                    raise self.fail(f"more than {MAX_REPETITION} repetitions", pos)
-                if high != UNBOUNDED and high > MAX_REPETITION:
-                    high = UNBOUNDED            # as llama.cpp: {m,n} with n > 2000 is {m,}
-                if high != UNBOUNDED and high < low:
-                    # llama.cpp's unsigned count of optional copies would wrap around
-                    raise self.fail("a repetition whose maximum is below its minimum", pos,
-                                    GrammarRefused)
-                repeat(low, high)
+                pos, low, high = self._braces(pos, nested)
+                prev_rules = self._repeat(rule, last_start, prev_rules, rule_name, low, high,
+                                          pos)
             else:
                 return pos
+
+    def _literal(self, pos: int, rule: list, nested: bool) -> int:
+        """A "string": a CHAR element per character."""
+        src = self.src
+        pos += 1
+        while src[pos] != '"':
+            if src[pos] == "\x00":
+                raise self.fail("unexpected end of input", pos)
+            value, pos = self.char(pos)
+            rule.append((CHAR, value))
+        return self.space(pos + 1, nested)
+
+    def _char_class(self, pos: int, rule: list, nested: bool) -> int:
+        """A [character class] (or [^negated] one), its ranges checked."""
+        src = self.src
+        pos += 1
+        start_type = CHAR
+        if src[pos] == "^":
+            pos += 1
+            start_type = CHAR_NOT
+        first = len(rule)
+        while src[pos] != "]":
+            if src[pos] == "\x00":
+                raise self.fail("unexpected end of input", pos)
+            at = pos
+            value, pos = self.char(pos)
+            rule.append((CHAR_ALT if first < len(rule) else start_type, value))
+            if src[pos] == "-" and src[pos + 1] != "]":
+                if src[pos + 1] == "\x00":
+                    raise self.fail("unexpected end of input", pos + 1)
+                upper, pos = self.char(pos + 1)
+                if upper < value:
+                    raise self.fail("an empty character range (its end comes "
+                                    "before its start)", at, GrammarRefused)
+                rule.append((CHAR_RNG_UPPER, upper))
+        return self.space(pos + 1, nested)
+
+    def _group(self, pos: int, rule_name: str, rule: list, nested: bool) -> tuple[int, int]:
+        """A (group): a rule of its own, referred to; returns the position after it and
+        the rules it made."""
+        self.nesting += 1
+        if self.nesting > MAX_NESTING:
+            raise GrammarTooLarge(f"the grammar nests groups more than {MAX_NESTING} deep")
+        pos = self.space(pos + 1, True)
+        before = len(self.symbols)
+        sub_id = self.generate_id(rule_name)
+        pos = self.alternates(pos, rule_name, sub_id, True)
+        self.nesting -= 1
+        rule.append((RULE_REF, sub_id))
+        if self.src[pos] != ")":
+            raise self.fail("expecting ')'", pos)
+        return self.space(pos + 1, nested), max(1, len(self.symbols) - before)
+
+    def _braces(self, pos: int, nested: bool) -> tuple[int, int, int]:
+        """A {m}, {m,} or {m,n} repetition: (position after it, m, n or UNBOUNDED), its
+        counts bounded as llama.cpp bounds them."""
+        src = self.src
+        pos = self.space(pos + 1, nested)
+        if not "0" <= src[pos] <= "9":
+            raise self.fail("expecting an int", pos)
+        end = self.integer(pos)
+        low = int(src[pos:end])
+        pos = self.space(end, nested)
+        high = UNBOUNDED
+        if src[pos] == "}":
+            high = low
+            pos = self.space(pos + 1, nested)
+        elif src[pos] == ",":
+            pos = self.space(pos + 1, nested)
+            if "0" <= src[pos] <= "9":
+                end = self.integer(pos)
+                high = int(src[pos:end])
+                pos = self.space(end, nested)
+            if src[pos] != "}":
+                raise self.fail("expecting '}'", pos)
+            pos = self.space(pos + 1, nested)
+        else:
+            raise self.fail("expecting ','", pos)
+        if low >= 2 ** 64 or (high != UNBOUNDED and high >= 2 ** 64):
+            raise self.fail("a repetition count too big", pos)
+        if low > MAX_REPETITION:
+            raise self.fail(f"more than {MAX_REPETITION} repetitions", pos)
+        if high != UNBOUNDED and high > MAX_REPETITION:
+            high = UNBOUNDED            # as llama.cpp: {m,n} with n > 2000 is {m,}
+        if high != UNBOUNDED and high < low:
+            # llama.cpp's unsigned count of optional copies would wrap around
+            raise self.fail("a repetition whose maximum is below its minimum", pos,
+                            GrammarRefused)
+        return pos, low, high
+
+    def _repeat(self, rule: list, last_start: int, prev_rules: int, rule_name: str,
+                low: int, high: int, pos: int) -> int:
+        """The last item repeated low..high times (llama.cpp's handle_repetitions: low
+        copies, then rules for the optional ones); returns the rules it now stands for."""
+        if last_start == len(rule):
+            raise self.fail("expecting preceding item to */+/?/{", pos)
+        prev = rule[last_start:]
+        total = high if high != UNBOUNDED and high > 0 else low if low > 0 else 1
+        if prev_rules * total > MAX_REPETITION:
+            raise self.fail("repetitions of repetitions exceed llama.cpp's limit of "
+                            f"{MAX_REPETITION} rules", pos)
+        if low == 0:
+            del rule[last_start:]
+        else:
+            self.charge(len(prev) * (low - 1))
+            for _ in range(low - 1):
+                rule.extend(prev)
+        last_rec = 0
+        n_opt = 1 if high == UNBOUNDED else high - low
+        for i in range(n_opt):
+            rec_id = self.generate_id(rule_name)
+            rec = list(prev)
+            if i > 0 or high == UNBOUNDED:
+                rec.append((RULE_REF, rec_id if high == UNBOUNDED else last_rec))
+            rec += [(ALT, 0), (END, 0)]
+            self.charge(len(rec))
+            self.add_rule(rec_id, rec)
+            last_rec = rec_id
+        if n_opt > 0:
+            rule.append((RULE_REF, last_rec))
+        return prev_rules * total
 
     def rule(self, pos: int) -> int:
         end = self.name(pos)

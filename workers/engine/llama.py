@@ -102,16 +102,48 @@ class LlamaEngine:
                  draft_costs: DraftCosts | None = None):
         self.lib = llama_cpp
         self.log = set_llama_log(LlamaLog(verbose, log_content))   # held while loaded
+        self.deterministic = deterministic
+        repacking = self._load_model(model_path, n_gpu_layers)
+        self._make_context(n_ctx, slots, n_threads, shape)
+        # prompt tokens decoded per step, all prompts together (0: as many as fit)
+        self.prefill_chunk = prefill_chunk if prefill_chunk > 0 else self.n_batch
+        # prompt-lookup speculation; 0: off. Never in deterministic mode: verification rows
+        # decoded beside the token's row change logprobs in their last bits (measured)
+        self.draft_max = 0 if deterministic else draft_max
+        self.totals = P.StepTotals()     # the step profile (bench --profile, /metrics)
+        self.histories = Histories()     # recent sequences per tenant: a draft source
+        self.calibration = Calibration()  # each source's measured acceptance, all sequences
+        self.scheduler = Scheduler()     # first line first, who drafts (scheduling.py)
+        # KV chunk reuse (workers/engine/kvreuse.py) needs position shifts; never in
+        # deterministic mode (shifted keys differ from prefilled ones in their last bits)
+        self.cache_reuse = cache_reuse if (
+            not deterministic and llama_cpp.llama_memory_can_shift(self.memory)) else 0
+        self.tokens_shifted = 0
+        self.slots = [_Slot(seq) for seq in range(slots)]
+        self._read_vocabulary()
+        self.fingerprint = model_fingerprint(model_path, llama_cpp.__version__)
+        self.logprob_row_ms = 0.0       # the host's log-softmax and top-k of a row, measured
+        self.logprob_device_ms = 0.0    # ... and a row's share of steps that had such rows
+        # whether a draft pays in a step: this device's step times by batch shape,
+        # measured here and kept current by the steps (given ones stay as given)
+        self.learn_costs = step_costs is None
+        self.step_costs = step_costs or (device_step_costs(
+            self, slots, n_threads, n_gpu_layers, repacking) if self.draft_max else None)
+        self.draft_model = self._draft_model(draft_model, n_ctx, slots, n_threads,
+                                             n_gpu_layers, shape, repacking, draft_costs)
+
+    def _load_model(self, model_path: str, n_gpu_layers: int) -> bool:
+        """The weights, on the device as asked (EngineError where llama.cpp put none of the
+        layers asked for there); returns whether CPU weight repacking is on."""
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = n_gpu_layers
         # CPU weight repacking makes matmul results depend on how many rows a batch has;
         # where llama.cpp's AMX path crashes, it is off too (dispatcher.common.repacking)
-        mparams.use_extra_bufts = not deterministic and extra_buffers_work(model_path)
-        if not deterministic and not mparams.use_extra_bufts:
+        mparams.use_extra_bufts = not self.deterministic and extra_buffers_work(model_path)
+        if not self.deterministic and not mparams.use_extra_bufts:
             log.warning("CPU weight repacking is off: llama.cpp's AMX code crashed on this "
                         "machine in a probe (COMPLETIONS_EXTRA_BUFFERS=on forces it)")
-        self.deterministic = deterministic
         self.model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mparams)
         if not self.model:
             raise EngineError(f"llama.cpp could not load {model_path}")
@@ -127,6 +159,11 @@ class LlamaEngine:
                 + ("(it sees none)" if llama_cpp.llama_supports_gpu_offload() else
                    "(this llama-cpp-python build has no GPU backend: reinstall it with "
                    "CMAKE_ARGS='-DGGML_CUDA=on', docs/deploying.md)"))
+        return bool(mparams.use_extra_bufts)
+
+    def _make_context(self, n_ctx: int, slots: int, n_threads: int,
+                      shape: ContextShape) -> None:
+        """One context of `slots` sequences of `n_ctx` tokens, and the batch of a step."""
         cparams = shape.context_params(llama_cpp, n_ctx, slots, n_threads)
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
@@ -137,24 +174,13 @@ class LlamaEngine:
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)
         self.n_ubatch = llama_cpp.llama_n_ubatch(self.ctx)
         self.kv_type = shape.kv_type
-        # prompt tokens decoded per step, all prompts together (0: as many as fit)
-        self.prefill_chunk = prefill_chunk if prefill_chunk > 0 else self.n_batch
-        # prompt-lookup speculation; 0: off. Never in deterministic mode: verification rows
-        # decoded beside the token's row change logprobs in their last bits (measured)
-        self.draft_max = 0 if deterministic else draft_max
-        self.totals = P.StepTotals()     # the step profile (bench --profile, /metrics)
-        self.histories = Histories()     # recent sequences per tenant: a draft source
-        self.calibration = Calibration()  # each source's measured acceptance, all sequences
-        self.scheduler = Scheduler()     # first line first, who drafts (scheduling.py)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
-        # KV chunk reuse (workers/engine/kvreuse.py) needs position shifts; never in deterministic
-        # mode (shifted keys differ from prefilled ones in their last bits)
-        self.cache_reuse = cache_reuse if (
-            not deterministic and llama_cpp.llama_memory_can_shift(self.memory)) else 0
-        self.tokens_shifted = 0
         self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        self.slots = [_Slot(seq) for seq in range(slots)]
-        self.candidates = Candidates(llama_cpp, self.n_vocab)   # shared by every slot
+
+    def _read_vocabulary(self) -> None:
+        """The vocabulary's special tokens (end of generation, FIM, BOS), the tokenizer,
+        and the candidate buffers every slot's sampling shares."""
+        self.candidates = Candidates(llama_cpp, self.n_vocab)
         self.eog_tokens = [t for t in range(self.n_vocab)
                            if llama_cpp.llama_vocab_is_eog(self.vocab, t)]
         fim = (llama_cpp.llama_vocab_fim_pre(self.vocab), llama_cpp.llama_vocab_fim_suf(self.vocab),
@@ -168,32 +194,29 @@ class LlamaEngine:
         eog = frozenset(self.eog_tokens)
         self.candidates.texts = TokenTexts(        # a fought grammar's tokens (alphabet.py)
             self.n_vocab, lambda t: self.vocabulary.piece(t, special=True), eog.__contains__)
-        self.fingerprint = model_fingerprint(model_path, llama_cpp.__version__)
-        # whether a draft pays in a step: this device's step times by batch shape,
-        # measured here and kept current by the steps (given ones stay as given)
-        self.logprob_row_ms = 0.0       # the host's log-softmax and top-k of a row, measured
-        self.logprob_device_ms = 0.0    # ... and a row's share of steps that had such rows
-        self.learn_costs = step_costs is None
-        self.step_costs = step_costs or (device_step_costs(
-            self, slots, n_threads, n_gpu_layers, mparams.use_extra_bufts)
-            if self.draft_max else None)
-        # a small model of this vocabulary drafting beside the lookups (draftmodel.py)
-        self.draft_model = None
-        if draft_model and self.draft_max:
-            try:
-                self.draft_model = DraftModel(llama_cpp, draft_model, self.vocab, n_ctx,
-                                              slots, n_threads, n_gpu_layers, shape,
-                                              mparams.use_extra_bufts, draft_costs)
-            except EngineError:
-                self.close()
-                raise
-            log.info("draft model %s: a decode of 1 row %.2f ms, of %d rows %.2f ms, a "
-                     "catch-up token %.3f ms", draft_model, self.draft_model.costs.step_ms(1),
-                     slots, self.draft_model.costs.step_ms(slots),
-                     self.draft_model.costs.catch_up_ms)
-        elif draft_model:
+
+    def _draft_model(self, path: str | None, n_ctx: int, slots: int, n_threads: int,
+                     n_gpu_layers: int, shape: ContextShape, repacking: bool,
+                     costs: DraftCosts | None) -> DraftModel | None:
+        """A small model of this vocabulary drafting beside the lookups (draftmodel.py),
+        where one is given and speculation is on."""
+        if not path:
+            return None
+        if not self.draft_max:
             log.warning("--draft-model %s unused: speculation is off (--draft-max 0 or "
-                        "deterministic)", draft_model)
+                        "deterministic)", path)
+            return None
+        try:
+            model = DraftModel(llama_cpp, path, self.vocab, n_ctx, slots, n_threads,
+                               n_gpu_layers, shape, repacking, costs)
+        except EngineError:
+            self.draft_model = None
+            self.close()
+            raise
+        log.info("draft model %s: a decode of 1 row %.2f ms, of %d rows %.2f ms, a "
+                 "catch-up token %.3f ms", path, model.costs.step_ms(1), slots,
+                 model.costs.step_ms(slots), model.costs.catch_up_ms)
+        return model
 
     def after_load(self) -> None:
         """What is made beside serving once the worker is up: nothing yet. (The
@@ -378,22 +401,32 @@ class LlamaEngine:
         chunks share the room left in `n_batch`. In deterministic mode a prompt chunk is
         decoded in a batch of its own, so batch composition never changes the numbers.
         """
-        batch = self.batch
-        n = 0
         planning = time.perf_counter()
+        generating, grant, planning = self._plan(planning)
+        n, logprob_rows = self._fill_batch(generating, grant)
+        if n == 0:
+            return {}
+        self.batch.n_tokens = n
+        started = time.perf_counter()
+        rc = llama_cpp.llama_decode(self.ctx, self.batch)
+        if rc != 0:
+            raise EngineError(f"llama_decode returned {rc}")
+        llama_cpp.llama_synchronize(self.ctx)     # (a GPU's decode returns before its end)
+        decoded = time.perf_counter()
+        self._count_step(generating, grant, started - planning, decoded - started)
+        if logprob_rows:        # (every row's share of the step: an upper bound of one's)
+            each = 1000 * (time.perf_counter() - started) / n
+            self.logprob_device_ms = 0.8 * self.logprob_device_ms + 0.2 * each \
+                if self.logprob_device_ms else each
+        self._observe_costs(generating, grant, 1000 * (decoded - started))
+        out = self._sample_all()
+        self.totals.sample_seconds += time.perf_counter() - decoded
+        return out
 
-        def add_row(slot: _Slot, token: int, logits: bool) -> int:
-            nonlocal n
-            batch.token[n] = token
-            batch.pos[n] = slot.n_past
-            batch.n_seq_id[n] = 1
-            batch.seq_id[n][0] = slot.seq
-            batch.logits[n] = logits
-            slot.n_past += 1
-            slot.cached.append(token)
-            n += 1
-            return n - 1
-
+    def _plan(self, planning: float) -> tuple[list, dict[int, int], float]:
+        """Who gets rows in this step (`workers.engine.scheduling`): the generating slots
+        (each with its draft) and the prompt rows granted by slot; and when planning
+        began, moved on by the draft model's time (the plan's time is the host's alone)."""
         # Prefill priority: the prompts with the least left to decode first (the next
         # keystroke of a session, mostly cached) take the room before cold ones.
         prefilling = sorted((s for s in self.slots if s.busy and s.pending),
@@ -411,14 +444,32 @@ class LlamaEngine:
         if self.draft_model is not None:
             drafting = self.draft_model.seconds - drafting
             self.totals.draft_seconds += drafting
-            planning += drafting            # (the plan's time is the host's alone)
+            planning += drafting
         # Every generating slot has its rows; prompts share at most `prefill_chunk` more,
         # so a long prompt holds the running streams back by one chunk a step at most.
         rows = sum(1 + len(s.draft) for s in generating)
         room = min(self.n_batch - rows, self.prefill_chunk)
-        grant = self.scheduler.prefill(prefilling, room, self._logprob_rows(), rows)
-        logprob_rows = 0
-        for slot in self.slots:                        # rows in slot order
+        return generating, self.scheduler.prefill(prefilling, room, self._logprob_rows(),
+                                                  rows), planning
+
+    def _fill_batch(self, generating: list, grant: dict[int, int]) -> tuple[int, int]:
+        """The batch's rows, in slot order: each generating slot's token and draft, each
+        granted prompt piece. Returns (rows, prompt rows with logprobs)."""
+        batch, n, logprob_rows = self.batch, 0, 0
+
+        def add_row(slot: _Slot, token: int, logits: bool) -> int:
+            nonlocal n
+            batch.token[n] = token
+            batch.pos[n] = slot.n_past
+            batch.n_seq_id[n] = 1
+            batch.seq_id[n][0] = slot.seq
+            batch.logits[n] = logits
+            slot.n_past += 1
+            slot.cached.append(token)
+            n += 1
+            return n - 1
+
+        for slot in self.slots:
             if slot in generating:
                 slot.row = add_row(slot, slot.next_token, True)
                 slot.next_token = None
@@ -437,50 +488,33 @@ class LlamaEngine:
                         slot.prompt_rows.append((row, position))
                     if last:
                         slot.row = row
-        if n == 0:
-            return {}
-        batch.n_tokens = n
-        started = time.perf_counter()
-        rc = llama_cpp.llama_decode(self.ctx, batch)
-        if rc != 0:
-            raise EngineError(f"llama_decode returned {rc}")
-        llama_cpp.llama_synchronize(self.ctx)     # (a GPU's decode returns before its end)
-        decoded = time.perf_counter()
-        self._count_step(generating, grant, started - planning, decoded - started)
-        if logprob_rows:        # (every row's share of the step: an upper bound of one's)
-            each = 1000 * (time.perf_counter() - started) / n
-            self.logprob_device_ms = 0.8 * self.logprob_device_ms + 0.2 * each \
-                if self.logprob_device_ms else each
-        if self.learn_costs and self.step_costs is not None and not grant and generating \
-                and len(seq_runs(sorted(s.seq for s in generating))) == 1:
-            # a step of a measured shape (no prompt rows, one run of consecutive
-            # sequences, drafts on one of them or alike on all): it keeps the costs current
-            drafts = [len(s.draft) for s in generating]
-            each = len(generating) > 1 and min(drafts) > 0 and len(set(drafts)) == 1
-            measured = each or sum(1 for d in drafts if d) <= 1
-            if measured and self.step_costs.observe(
-                    len(generating), drafts[0] if each else sum(drafts),
-                    1000 * (decoded - started), each) and \
-                    self.step_costs.observed % COSTS_LOG_EVERY == 0:
-                log.info("step costs now (ms by sequences, draft rows): %s",
-                         self.step_costs.summary())
+        return n, logprob_rows
+
+    def _observe_costs(self, generating: list, grant: dict[int, int], ms: float) -> None:
+        """A step of a measured shape (no prompt rows, one run of consecutive sequences,
+        drafts on one of them or alike on all) keeps the step costs current."""
+        if not (self.learn_costs and self.step_costs is not None and not grant and
+                generating and len(seq_runs(sorted(s.seq for s in generating))) == 1):
+            return
+        drafts = [len(s.draft) for s in generating]
+        each = len(generating) > 1 and min(drafts) > 0 and len(set(drafts)) == 1
+        measured = each or sum(1 for d in drafts if d) <= 1
+        if measured and self.step_costs.observe(
+                len(generating), drafts[0] if each else sum(drafts), ms, each) and \
+                self.step_costs.observed % COSTS_LOG_EVERY == 0:
+            log.info("step costs now (ms by sequences, draft rows): %s",
+                     self.step_costs.summary())
+
+    def _sample_all(self) -> dict[int, TokenOut]:
+        """Each busy slot's rows read: its prompt logprobs, then its token sampled (and its
+        draft verified). One sequence's failure is its own (an error TokenOut)."""
         out: dict[int, TokenOut] = {}
         for slot_id, slot in enumerate(self.slots):
             if not slot.busy:
                 continue
             try:
                 if slot.prompt_rows:
-                    started = time.perf_counter()
-                    for row, position in slot.prompt_rows:
-                        following = slot.prompt[position + 1]
-                        lse, logits = self._row(row)
-                        slot.prompt_logprobs.append((following,
-                                                     float(logits[following] - lse),
-                                                     self._top(logits, lse, slot.logprobs or 0)))
-                    each = 1000 * (time.perf_counter() - started) / len(slot.prompt_rows)
-                    self.logprob_row_ms = 0.8 * self.logprob_row_ms + 0.2 * each \
-                        if self.logprob_row_ms else each
-                    slot.prompt_rows = []
+                    self._prompt_logprobs(slot)
                 if slot.row >= 0 and slot.draft:
                     out[slot_id] = self._verify(slot)
                 elif slot.row >= 0:
@@ -488,8 +522,19 @@ class LlamaEngine:
             except Exception as exc:      # one sequence's sampling failed, not the step
                 slot.row, slot.prompt_rows = -1, []
                 out[slot_id] = TokenOut(-1, error=exc)
-        self.totals.sample_seconds += time.perf_counter() - decoded
         return out
+
+    def _prompt_logprobs(self, slot: _Slot) -> None:
+        started = time.perf_counter()
+        for row, position in slot.prompt_rows:
+            following = slot.prompt[position + 1]
+            lse, logits = self._row(row)
+            slot.prompt_logprobs.append((following, float(logits[following] - lse),
+                                         self._top(logits, lse, slot.logprobs or 0)))
+        each = 1000 * (time.perf_counter() - started) / len(slot.prompt_rows)
+        self.logprob_row_ms = 0.8 * self.logprob_row_ms + 0.2 * each \
+            if self.logprob_row_ms else each
+        slot.prompt_rows = []
 
     def _count_step(self, generating: list, grant: dict[int, int], plan: float,
                     decode: float) -> None:

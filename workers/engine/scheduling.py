@@ -165,6 +165,39 @@ class Scheduler:
         instead of its best lookup, where the step's plan with the draft model's drafts
         (their making counted) gives a better rate than without; its tokens are made
         once the lengths are chosen (`_model_drafts`)."""
+        proposals, alike, stretch = self._proposals(slots, generating, prefilling, n_ctx)
+        if step_costs is None:
+            return
+        by_seq = dict(proposals)
+        chosen = plan(step_costs, len(generating), proposals, stretch=stretch) \
+            if proposals else {}
+        if model is not None:
+            by_seq, chosen = self._with_model(model, generating, by_seq, chosen, n_ctx,
+                                              step_costs, stretch)
+        if not chosen and not proposals:
+            return
+        if alike and len(generating) * (1 + EACH[-1]) <= n_batch and \
+                not any(by_seq[q].source == "model" for q in chosen) and \
+                self._drafts_alike(generating, proposals, by_seq, chosen, step_costs,
+                                   stretch):
+            return
+        rows = n_batch - len(generating)
+        made = self._model_drafts(model, slots, by_seq, chosen)
+        for seq, length in chosen.items():
+            slot, proposal = slots[seq], by_seq[seq]
+            length = min(length, rows, len(made.get(seq, proposal.tokens)))
+            if length >= 1:
+                if seq in made:
+                    proposal.tokens = made[seq]
+                slot.draft = proposal.tokens[:length]
+                slot.policy.started(proposal, len(slot.cached) + 1)
+                rows -= length
+
+    def _proposals(self, slots: list, generating: list, prefilling: list,
+                   n_ctx: int) -> tuple[list, bool, float | None]:
+        """Each generating sequence's best proposal (its `draft` cleared), whether all may
+        draft alike, and how much longer than the plain step a step with drafts may be
+        (None: no limit; see `draft`)."""
         proposals = []
         waiting = [s for s in generating if not s.line_done] + prefilling
         now = time.monotonic()
@@ -191,48 +224,33 @@ class Scheduler:
                     alike = False
             else:
                 alike = False
-        if step_costs is None:
-            return
         stretch = WAIT_STRETCH if someone_waits else TRAFFIC_STRETCH if traffic else None
-        by_seq = dict(proposals)
-        chosen = plan(step_costs, len(generating), proposals, stretch=stretch) \
-            if proposals else {}
-        if model is not None:
-            by_seq, chosen = self._with_model(model, generating, by_seq, chosen, n_ctx,
-                                              step_costs, stretch)
-        if not chosen and not proposals:
-            return
-        if alike and len(generating) * (1 + EACH[-1]) <= n_batch and \
-                not any(by_seq[q].source == "model" for q in chosen):
-            runs = seq_runs(sorted(s.seq for s in generating))
-            plain = sum(step_costs.plain_cost(r) for r in runs)
-            drafted = sum(chosen.values())
-            one_rate = (len(generating) + sum(by_seq[q].gain(n) for q, n in chosen.items())) \
-                / (plain + step_costs.cost(len(generating), drafted) -
-                   step_costs.cost(len(generating), 0))
-            lookups = dict(proposals)       # (a draft model's proposal has no tokens yet)
-            k, rate = each_plan(step_costs, runs, list(lookups.values()), stretch)
-            if k and rate > one_rate:
-                for slot in generating:
-                    proposal = lookups.get(slot.seq)
-                    context = slot.cached + [slot.next_token]
-                    if proposal is not None:
-                        slot.draft = proposal.tokens[:k]
-                        slot.policy.started(proposal, len(context))
-                    guess = find_draft(context, k - len(slot.draft), 1)
-                    slot.draft = (slot.draft + guess + [context[-1]] * k)[:k]
-                return
-        rows = n_batch - len(generating)
-        made = self._model_drafts(model, slots, by_seq, chosen)
-        for seq, length in chosen.items():
-            slot, proposal = slots[seq], by_seq[seq]
-            length = min(length, rows, len(made.get(seq, proposal.tokens)))
-            if length >= 1:
-                if seq in made:
-                    proposal.tokens = made[seq]
-                slot.draft = proposal.tokens[:length]
-                slot.policy.started(proposal, len(slot.cached) + 1)
-                rows -= length
+        return proposals, alike, stretch
+
+    @staticmethod
+    def _drafts_alike(generating: list, proposals: list, by_seq: dict, chosen: dict,
+                      step_costs: StepCosts, stretch: float | None) -> bool:
+        """Drafts of one length on every sequence (each_plan: one batch, not one per
+        count of rows), where that beats the plan's drafts; True if they were set."""
+        runs = seq_runs(sorted(s.seq for s in generating))
+        plain = sum(step_costs.plain_cost(r) for r in runs)
+        drafted = sum(chosen.values())
+        one_rate = (len(generating) + sum(by_seq[q].gain(n) for q, n in chosen.items())) \
+            / (plain + step_costs.cost(len(generating), drafted) -
+               step_costs.cost(len(generating), 0))
+        lookups = dict(proposals)       # (a draft model's proposal has no tokens yet)
+        k, rate = each_plan(step_costs, runs, list(lookups.values()), stretch)
+        if not k or rate <= one_rate:
+            return False
+        for slot in generating:
+            proposal = lookups.get(slot.seq)
+            context = slot.cached + [slot.next_token]
+            if proposal is not None:
+                slot.draft = proposal.tokens[:k]
+                slot.policy.started(proposal, len(context))
+            guess = find_draft(context, k - len(slot.draft), 1)
+            slot.draft = (slot.draft + guess + [context[-1]] * k)[:k]
+        return True
 
     @staticmethod
     def _with_model(model, generating: list, by_seq: dict, chosen: dict, n_ctx: int,
