@@ -28,16 +28,21 @@ class RecordingPublisher:
         pass
 
 
-@pytest.fixture
-def loop():
+def make_loop(faults: FaultInjection | None = None) -> GenerationLoop:
     engine = FakeEngine("fake.gguf", 256, 2, step_delay=0.0)
     notices: list[tuple[str, str, dict | None]] = []
     loop = GenerationLoop(engine, RecordingPublisher(),
                           lambda cmd, rid, body: notices.append((
                               P.command_name(cmd), rid,
-                              None if body is None else msgspec.to_builtins(body))))
+                              None if body is None else msgspec.to_builtins(body))),
+                          faults=faults)
     loop.notices = notices
     return loop
+
+
+@pytest.fixture
+def loop():
+    return make_loop()
 
 
 GENERATION = set(P.Generation.__struct_fields__)
@@ -97,8 +102,8 @@ def test_cancel_frees_the_slot_and_spares_the_other_request(loop):
 
 
 @pytest.mark.parametrize("phase", ["admit", "token", "finish"])
-def test_a_failure_inside_one_request_ends_it_alone(loop, phase):
-    loop.faults = FaultInjection(raises={phase: "[boom]"})
+def test_a_failure_inside_one_request_ends_it_alone(phase):
+    loop = make_loop(FaultInjection(raises={phase: "[boom]"}))
     submit(loop, "ok", job(max_tokens=6))
     submit(loop, "bad", job("[boom]", max_tokens=3))
     run(loop)

@@ -1,10 +1,12 @@
-"""The worker's generation loop: admit jobs into engine slots, step, publish events.
+"""The worker's generation loop: admit jobs into engine slots, step, hand each token to
+the request's output (`workers.output`: its events and notices).
 
 Runs in one thread that owns the engine and the XPUB socket. Jobs and cancels arrive
-from the IO thread through a queue and take effect between steps, so a cancel frees its
-slot within one token. Tokenize/detokenize jobs take no slot: a thread of their own
-computes them beside the decoding, and their answer comes back through the same queue
-(`op_done`) to go out between steps.
+from the IO thread through a queue of typed messages (`workers.inbox`) and take effect
+between steps, so a cancel frees its slot within one token. Tokenize/detokenize jobs
+take no slot: a thread of their own computes them beside the decoding, and their answer
+comes back through the same queue (`OpDone`) to go out between steps. A session's new
+request may take over its running generation (type-along adoption, below).
 """
 from __future__ import annotations
 
@@ -18,14 +20,15 @@ from typing import Callable
 
 from dispatcher.common import protocol as P
 from workers import inbox
-from workers.errors import EngineError, InvalidInput, Stopping, wire_error
+from workers.errors import EngineError, InvalidInput, Stopping
 from workers.prefill import PrefillMeter
 from workers.faults import FaultInjection
+from workers.output import Output
 from workers.publisher import Publisher
 from workers.interface import Engine
-from workers.active import Active, EditorLimits, LogprobLedger, probs_entry
+from workers.active import Active, EditorLimits, LogprobLedger
 from workers.preparation import Preparer, sampling_of
-from workers.prompts import prompt_text, prompt_tokens, token_text, vocabulary_op
+from workers.prompts import prompt_text, prompt_tokens, vocabulary_op
 from workers.sampling import SamplingParams
 from workers.textstream import TextAssembler
 
@@ -43,9 +46,7 @@ class GenerationLoop:
         self.identity = identity or {}            # {"worker", "device"}: in start events
         self.publisher = publisher
         self.notify = notify                      # -> dispatcher, through the IO thread
-        # ("job", id, body[, Prepared]) | ("cancel", id) | ("reset",)
-        # | ("op_done", id, body, outcome) | ("invalid", id, topic, attempt, message)
-        self.inbox: queue.Queue = queue.Queue()
+        self.inbox: queue.Queue[inbox.Message] = queue.Queue()    # (workers/inbox.py)
         self.waiting: deque[tuple[str, P.WorkerJob]] = deque()
         self.active: dict[str, Active] = {}
         self.free_slots = list(range(engine.n_slots))
@@ -57,6 +58,7 @@ class GenerationLoop:
         self.vocabulary_thread = ThreadPoolExecutor(1, thread_name_prefix="vocabulary")
         # large jobs' tokens and sampler chains, made beside the decoding (preparation.py)
         self.preparer = Preparer(engine, fim_template, self.inbox)
+        self.output = Output(engine, publisher, notify, self.faults, self.prefill, self._drop)
 
     # -- inbox -------------------------------------------------------------------------
     def run(self, stopping) -> None:          # a StopFlag, or a threading.Event
@@ -111,7 +113,7 @@ class GenerationLoop:
             case inbox.OpDone():
                 self._op_done(item)
             case inbox.Invalid(request_id, topic, attempt, message):
-                self._reject(request_id, topic.encode(), attempt,
+                self.output.reject(request_id, topic.encode(), attempt,
                              InvalidInput(message, code="bad_job"))
             case inbox.Cancel(request_id):
                 self.cancel(request_id)
@@ -166,7 +168,7 @@ class GenerationLoop:
     def _op_done(self, done: inbox.OpDone) -> None:
         topic, attempt = done.body.topic.encode(), done.body.attempt
         if done.error is not None:
-            return self._reject(done.request_id, topic, attempt, done.error)
+            return self.output.reject(done.request_id, topic, attempt, done.error)
         self.publisher.publish(topic, done.request_id, P.End(seq=0, attempt=attempt,
                                                               result=done.result))
         self.notify(P.DONE, done.request_id, P.Done(attempt=attempt, last_seq=0))
@@ -182,9 +184,9 @@ class GenerationLoop:
                     log.exception("%s: admission failed", request_id)
                 active = self.active.get(request_id)
                 if active is not None:
-                    self._fail(active, exc)
+                    self.output.fail(active, exc)
                 else:
-                    self._reject(request_id, body.topic.encode(), body.attempt, exc)
+                    self.output.reject(request_id, body.topic.encode(), body.attempt, exc)
 
     def _start(self, request_id: str, body: P.WorkerJob) -> None:
         prepared = self.preparer.take(request_id)
@@ -258,16 +260,16 @@ class GenerationLoop:
         self.free_slots.remove(slot)
         self.active[request_id] = active     # from here a failure frees the slot
         active.cached = cached
-        self._publish(active, P.Start(prompt_tokens=len(tokens), cached_tokens=cached,
+        self.output.publish(active, P.Start(prompt_tokens=len(tokens), cached_tokens=cached,
                                       fingerprint=self.engine.fingerprint, **self.identity))
         if echo:
             active.echo_text = prompt_text(self.engine, body.prompt, tokens)
             active.echo_pending = prompt_lp        # then it waits for the prompt logprobs
             active.prompt_ids = tokens if prompt_lp else None
             if not prompt_lp:
-                self._send_echo(active, None, tokens)
+                self.output.echo(active, None, tokens)
         if active.max_tokens == 0 and not prompt_lp and not gen.warm:
-            self._finish(active, "length")          # (warm-up: after the prefill)
+            self.output.finish(active, "length")          # (warm-up: after the prefill)
 
     def _own_slots(self, tenant: str | None) -> list[int]:
         """Free slots whose cache this tenant may reuse: its own, and empty ones."""
@@ -282,26 +284,6 @@ class GenerationLoop:
         if own:
             return self.engine.best_slot(tokens, own), reuse
         return self.engine.best_slot([], self.free_slots), False
-
-    def _send_echo(self, active: Active, prompt_lp: list | None, tokens: list[int]) -> None:
-        active.echo_pending = False
-        logprobs = None
-        if active.ledger is not None:
-            offset, ledger = 0, LogprobLedger(active.ledger.k)
-            entries = [(tokens[0], None, None)] + (prompt_lp or [])
-            for token, lp, top in entries:
-                piece = self.engine.piece(token)
-                ledger.add(offset, token_text(piece), lp, None if top is None else
-                           self._top_dict(top))
-                offset += len(piece.decode("utf-8", "replace"))
-            logprobs = ledger.release(None)
-        self._send_text(active, active.echo_text, logprobs)
-
-    def _reject(self, request_id: str, topic: bytes, attempt: int, exc: EngineError) -> None:
-        error = wire_error(exc)
-        self.publisher.publish(topic, request_id, error.event(0, attempt))
-        self.notify(P.DONE, request_id, P.Done(attempt=attempt, last_seq=0,
-                                               error=error.code))
 
     # -- type-along adoption ------------------------------------------------------------
     # Type-along adoption: a session's new request takes over its running generation.
@@ -367,7 +349,7 @@ class GenerationLoop:
         # its output is what the user typed; the rest is counted with the new request
         self.notify(P.DONE, old.request_id, old.done(cancelled=True, adopted_by=request_id,
                                                      usage=old.usage(covered)))
-        self._publish(new, P.Start(prompt_tokens=new.prompt_tokens, cached_tokens=new.cached,
+        self.output.publish(new, P.Start(prompt_tokens=new.prompt_tokens, cached_tokens=new.cached,
                                    adopted=True, fingerprint=self.engine.fingerprint,
                                    **self.identity))
         log.info("%s adopted the generation of %s (%d characters typed along, %d generated "
@@ -377,14 +359,14 @@ class GenerationLoop:
         if new.limits is not None:
             text, ended = new.limits.cut(text)
         if text:
-            self._send_text(new, text)
+            self.output.text(new, text)
         if ended:                                   # n_indent: the text held so far ends it
             new.assembler.stopped = True
-            self._finish(new, "length", "limit")
+            self.output.finish(new, "length", "limit")
         elif new.assembler.stopped:                 # one of the new request's stop strings
-            self._finish(new, "stop", "word")
+            self.output.finish(new, "stop", "word")
         elif new.max_tokens is not None and new.generated >= new.max_tokens:
-            self._finish(new, "length", "limit")
+            self.output.finish(new, "length", "limit")
 
     # -- generation --------------------------------------------------------------------
     def _step(self) -> None:
@@ -393,7 +375,7 @@ class GenerationLoop:
         except Exception as exc:          # the decode itself failed: every sequence in it
             log.error("engine step failed: %r", exc)
             for active in list(self.active.values()):
-                self._fail(active, exc, keep_cache=False)
+                self.output.fail(active, exc, keep_cache=False)
             self.engine.clear_caches()
             return
         by_slot = {a.slot: a for a in self.active.values()}
@@ -406,131 +388,19 @@ class GenerationLoop:
                 try:
                     if out.error is not None:
                         raise out.error
-                    self._on_token(active, out)
+                    self.output.token(active, out)
                 except Exception as exc:  # sampling or finishing this one request failed
                     if not isinstance(exc, EngineError):
                         log.exception("%s: generation failed", active.request_id)
                     if active.request_id in self.active:
-                        self._fail(active, exc, keep_cache=False)
-
-    def _on_token(self, active: Active, out) -> None:
-        self.faults.check("token", active.prompt)
-        if active.echo_pending:
-            self._send_echo(active, out.prompt, active.prompt_ids)
-            if active.max_tokens == 0:
-                self._finish(active, "length")
-                return
-        if active.first_at is None:
-            active.first_at = time.monotonic()
-            self.prefill.measure(active.prompt_tokens - active.cached,
-                                 (active.first_at - active.started) * 1000)
-        if active.max_tokens == 0:                   # a warm-up: the prompt is cached now
-            self._finish(active, "length", "limit")
-            return
-        if self.engine.is_eog(out.token):
-            self._finish(active, "stop", "eos")
-            return
-        active.generated += 1
-        piece = self.engine.piece(out.token)
-        if out.logprob is not None:
-            active.logprob_sum += out.logprob
-        if active.ledger is not None:
-            top = self._top_dict(out.top or [])
-            top.setdefault(token_text(piece), out.logprob)
-            active.ledger.add(len(active.echo_text or '') + active.assembler.decoded,
-                              token_text(piece), out.logprob, top)
-        if active.return_tokens:
-            active.pending_ids.append(out.token)
-        if active.n_probs:
-            active.pending_probs.append(probs_entry(self.engine, out.token, piece,
-                                                   out.logprob,
-                                                   (out.top or [])[:active.n_probs]))
-        text = active.assembler.feed(piece)
-        active.offsets.append(active.assembler.decoded)
-        ended = False
-        if active.limits is not None:
-            text, ended = active.limits.cut(text)
-            ended = ended or active.limits.out_of_time(active.first_at, time.monotonic())
-        if text:
-            self._send_text(active, text)
-        if ended:
-            active.assembler.stopped = True       # what it still holds is not sent
-            self._finish(active, "length", "limit")
-        elif active.assembler.stopped:
-            self._finish(active, "stop", "word")
-        elif active.max_tokens is not None and active.generated >= active.max_tokens:
-            self._finish(active, "length", "limit")
-        elif active.prompt_tokens + active.generated >= active.n_ctx:
-            self._finish(active, "length", "limit")
-
-    def _top_dict(self, top: list[tuple[int, float]]) -> dict:
-        return {token_text(self.engine.piece(t)): lp for t, lp in top}
-
-    def _send_text(self, active: Active, text: str, logprobs: dict | None = None) -> None:
-        if not active.text_sent:
-            active.text_sent = True
-            self.notify(P.FIRST, active.request_id, P.Attempt(attempt=active.attempt))
-        active.chars_out += len(text)
-        if logprobs is None and active.ledger is not None:
-            logprobs = active.ledger.release(active.chars_out)
-        event = P.Text(text=text, logprobs=logprobs, ids=active.pending_ids or None,
-                       probs=active.pending_probs or None)
-        active.pending_ids, active.pending_probs = [], []
-        self._publish(active, event)
-
-    def _finish(self, active: Active, reason: str, stop_type: str = "limit") -> None:
-        """End the request: `reason` is OpenAI's finish_reason, `stop_type` llama.cpp's
-        (eos, word, limit)."""
-        self.faults.check("finish", active.prompt)
-        tail = active.assembler.finish()
-        if tail:
-            self._send_text(active, tail)
-        usage = active.usage()
-        now = time.monotonic()
-        first = active.first_at or now
-        event = P.End(finish_reason=reason, usage=usage, stop_type=stop_type,
-                      timings={"prompt_ms": round((first - active.started) * 1000, 3),
-                               "predicted_ms": round((now - first) * 1000, 3)},
-                      dropped_chunks=active.dropped_chunks)
-        if stop_type == "word":
-            event.stopping_word = active.assembler.stop_word
-        drafted, accepted = self.engine.draft_stats(active.slot)
-        if drafted:
-            event.draft = {"proposed": drafted, "accepted": accepted}
-        if active.ledger is not None:
-            event.logprobs = active.ledger.release(
-                None if reason == "length" or not active.assembler.stopped
-                else active.chars_out)
-        if active.score:
-            event.score = active.logprob_sum / max(1, active.generated)
-        self._publish(active, event)
-        self._drop(active)
-        self.notify(P.DONE, active.request_id, active.done(
-            finish_reason=reason, usage=usage, cached_tokens=active.cached,
-            seconds=round(time.monotonic() - active.started, 3)))
-
-    def _fail(self, active: Active, exc: Exception, keep_cache: bool = True) -> None:
-        error = wire_error(exc)
-        self._drop(active, keep_cache)
-        self._publish(active, error.event())
-        self.notify(P.DONE, active.request_id, active.done(error=error.code))
-
-    def _publish(self, active: Active, event: P.Event) -> None:
-        event.seq = active.seq
-        event.attempt = active.attempt
-        active.seq += 1
-        if self.faults.drops(event):
-            log.warning("fault injection: dropping event %d of %s", event.seq,
-                        active.request_id)
-            return
-        self.publisher.publish(active.topic, active.request_id, event)
+                        self.output.fail(active, exc, keep_cache=False)
 
     def abort_all(self, reason: str) -> None:
         """On shutdown: fail requests that already sent text; hand the others back to the
         dispatcher (released), which queues them again for another worker."""
         for active in list(self.active.values()):
             if active.text_sent:
-                self._fail(active, Stopping(reason))
+                self.output.fail(active, Stopping(reason))
             else:
                 self._drop(active)
                 self.notify(P.DONE, active.request_id, active.done(released=True))

@@ -1,0 +1,163 @@
+"""What a running request sends: its events on the token stream (start, text, end, error,
+numbered per attempt, in order) and its notices to the dispatcher (FIRST, DONE), made
+from each sampled token (stop strings, editors' limits, logprobs, llama.cpp's extra
+fields). The generation loop (`workers.generation`) decides when a request starts, steps
+and ends; this says what goes out, and frees the request's slot through `release`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from dispatcher.common import protocol as P
+from workers.active import Active, LogprobLedger, probs_entry
+from workers.errors import EngineError, wire_error
+from workers.faults import FaultInjection
+from workers.interface import Engine
+from workers.prefill import PrefillMeter
+from workers.prompts import token_text
+from workers.publisher import Publisher
+
+log = logging.getLogger(__name__)
+
+
+class Output:
+    def __init__(self, engine: Engine, publisher: Publisher,
+                 notify: Callable[[bytes, str, object], None], faults: FaultInjection,
+                 prefill: PrefillMeter, release: Callable[..., None]):
+        self.engine, self.publisher, self.notify = engine, publisher, notify
+        self.faults, self.prefill = faults, prefill
+        self.release = release          # (active, keep_cache=True): its slot freed
+
+    def echo(self, active: Active, prompt_lp: list | None, tokens: list[int]) -> None:
+        active.echo_pending = False
+        logprobs = None
+        if active.ledger is not None:
+            offset, ledger = 0, LogprobLedger(active.ledger.k)
+            entries = [(tokens[0], None, None)] + (prompt_lp or [])
+            for token, lp, top in entries:
+                piece = self.engine.piece(token)
+                ledger.add(offset, token_text(piece), lp, None if top is None else
+                           self._top_dict(top))
+                offset += len(piece.decode("utf-8", "replace"))
+            logprobs = ledger.release(None)
+        self.text(active, active.echo_text, logprobs)
+
+    def reject(self, request_id: str, topic: bytes, attempt: int, exc: EngineError) -> None:
+        error = wire_error(exc)
+        self.publisher.publish(topic, request_id, error.event(0, attempt))
+        self.notify(P.DONE, request_id, P.Done(attempt=attempt, last_seq=0,
+                                               error=error.code))
+
+    def token(self, active: Active, out) -> None:
+        self.faults.check("token", active.prompt)
+        if active.echo_pending:
+            self.echo(active, out.prompt, active.prompt_ids)
+            if active.max_tokens == 0:
+                self.finish(active, "length")
+                return
+        if active.first_at is None:
+            active.first_at = time.monotonic()
+            self.prefill.measure(active.prompt_tokens - active.cached,
+                                 (active.first_at - active.started) * 1000)
+        if active.max_tokens == 0:                   # a warm-up: the prompt is cached now
+            self.finish(active, "length", "limit")
+            return
+        if self.engine.is_eog(out.token):
+            self.finish(active, "stop", "eos")
+            return
+        active.generated += 1
+        piece = self.engine.piece(out.token)
+        if out.logprob is not None:
+            active.logprob_sum += out.logprob
+        if active.ledger is not None:
+            top = self._top_dict(out.top or [])
+            top.setdefault(token_text(piece), out.logprob)
+            active.ledger.add(len(active.echo_text or '') + active.assembler.decoded,
+                              token_text(piece), out.logprob, top)
+        if active.return_tokens:
+            active.pending_ids.append(out.token)
+        if active.n_probs:
+            active.pending_probs.append(probs_entry(self.engine, out.token, piece,
+                                                   out.logprob,
+                                                   (out.top or [])[:active.n_probs]))
+        text = active.assembler.feed(piece)
+        active.offsets.append(active.assembler.decoded)
+        ended = False
+        if active.limits is not None:
+            text, ended = active.limits.cut(text)
+            ended = ended or active.limits.out_of_time(active.first_at, time.monotonic())
+        if text:
+            self.text(active, text)
+        if ended:
+            active.assembler.stopped = True       # what it still holds is not sent
+            self.finish(active, "length", "limit")
+        elif active.assembler.stopped:
+            self.finish(active, "stop", "word")
+        elif active.max_tokens is not None and active.generated >= active.max_tokens:
+            self.finish(active, "length", "limit")
+        elif active.prompt_tokens + active.generated >= active.n_ctx:
+            self.finish(active, "length", "limit")
+
+    def _top_dict(self, top: list[tuple[int, float]]) -> dict:
+        return {token_text(self.engine.piece(t)): lp for t, lp in top}
+
+    def text(self, active: Active, text: str, logprobs: dict | None = None) -> None:
+        if not active.text_sent:
+            active.text_sent = True
+            self.notify(P.FIRST, active.request_id, P.Attempt(attempt=active.attempt))
+        active.chars_out += len(text)
+        if logprobs is None and active.ledger is not None:
+            logprobs = active.ledger.release(active.chars_out)
+        event = P.Text(text=text, logprobs=logprobs, ids=active.pending_ids or None,
+                       probs=active.pending_probs or None)
+        active.pending_ids, active.pending_probs = [], []
+        self.publish(active, event)
+
+    def finish(self, active: Active, reason: str, stop_type: str = "limit") -> None:
+        """End the request: `reason` is OpenAI's finish_reason, `stop_type` llama.cpp's
+        (eos, word, limit)."""
+        self.faults.check("finish", active.prompt)
+        tail = active.assembler.finish()
+        if tail:
+            self.text(active, tail)
+        usage = active.usage()
+        now = time.monotonic()
+        first = active.first_at or now
+        event = P.End(finish_reason=reason, usage=usage, stop_type=stop_type,
+                      timings={"prompt_ms": round((first - active.started) * 1000, 3),
+                               "predicted_ms": round((now - first) * 1000, 3)},
+                      dropped_chunks=active.dropped_chunks)
+        if stop_type == "word":
+            event.stopping_word = active.assembler.stop_word
+        drafted, accepted = self.engine.draft_stats(active.slot)
+        if drafted:
+            event.draft = {"proposed": drafted, "accepted": accepted}
+        if active.ledger is not None:
+            event.logprobs = active.ledger.release(
+                None if reason == "length" or not active.assembler.stopped
+                else active.chars_out)
+        if active.score:
+            event.score = active.logprob_sum / max(1, active.generated)
+        self.publish(active, event)
+        self.release(active)
+        self.notify(P.DONE, active.request_id, active.done(
+            finish_reason=reason, usage=usage, cached_tokens=active.cached,
+            seconds=round(time.monotonic() - active.started, 3)))
+
+    def fail(self, active: Active, exc: Exception, keep_cache: bool = True) -> None:
+        error = wire_error(exc)
+        self.release(active, keep_cache)
+        self.publish(active, error.event())
+        self.notify(P.DONE, active.request_id, active.done(error=error.code))
+
+    def publish(self, active: Active, event: P.Event) -> None:
+        event.seq = active.seq
+        event.attempt = active.attempt
+        active.seq += 1
+        if self.faults.drops(event):
+            log.warning("fault injection: dropping event %d of %s", event.seq,
+                        active.request_id)
+            return
+        self.publisher.publish(active.topic, active.request_id, event)
