@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +24,7 @@ from dispatcher.admission import InferredSessions, Sessions, Units
 from dispatcher.common.fit import explain_unfit, fits
 from dispatcher.metrics import SystemMetrics
 from dispatcher.queues import QueuedJob, RequestQueue, WorkerRecord, WorkerRegistry
+from dispatcher.shares import Shares
 
 log = logging.getLogger("dispatcher.broker")
 # A queued job whose model has had no ready worker for this long is turned away.
@@ -71,17 +71,11 @@ class DispatcherCore:
                  max_queue_per_key: int = 0, infer_sessions: bool = True,
                  key_slot_share: float = 1.0):
         self.fleet = fleet or NoFleet()
-        # the share of a model's slots one API key may run at once (1: all): with several
-        # keys, one request of one key (n 16, no max_tokens) must not hold every slot
-        # while another key's keystroke waits for hours
-        self.key_slot_share = key_slot_share
+        # each key's and each request's share of the slots and the queue (shares.py)
+        self.shares = Shares(key_slot_share, max_queue_per_key)
         self.known_models = dict(known_models or {})
         self.max_queue = max_queue
         self.queue_timeout = queue_timeout
-        self.max_queue_per_key = max_queue_per_key     # 0: no share per API key
-        # API key fingerprint -> the number of the dispatch that last served it (turns)
-        self.key_served: OrderedDict[str, int] = OrderedDict()
-        self._dispatched = 0
         self.started = started                     # wall clock, for `created`
         self.epoch = secrets.token_hex(6)          # this run: front ends see a restart
         self.queue = RequestQueue()
@@ -244,13 +238,13 @@ class DispatcherCore:
             return self._run_op(job)
         key = self.queue.key(job)
         later = self.units.later_job(job.parent)
-        if not later and body.key is not None and self.max_queue_per_key \
-                and self.queue.depth_of_key(key, body.key) >= self.max_queue_per_key:
+        if not later and body.key is not None and \
+                self.shares.key_queue_full(self.queue.depth_of_key(key, body.key)):
             self.stats["queue_full"] += 1           # this key's share; others still admitted
             return self._reject(fe_id, request_id, P.WireError(
                 status=429, code="key_queue_full", message=f"this API key already has "
-                f"{self.max_queue_per_key} requests waiting for '{key[0]}' (its share of "
-                f"the queue of {self.max_queue})", retry_after=1))
+                f"{self.shares.max_queue_per_key} requests waiting for '{key[0]}' (its "
+                f"share of the queue of {self.max_queue})", retry_after=1))
         if not later and self.queue.depth(key) >= self.max_queue:
             self.stats["queue_full"] += 1           # (refused before it supersedes anything)
             return self._reject(fe_id, request_id, P.WireError(
@@ -532,38 +526,21 @@ class DispatcherCore:
         first; a job no free worker fits waits without blocking the jobs behind it."""
         if not len(self.queue) or not self.registry.with_free_slots():
             return
-        running: dict[str, int] = {}
-        by_key: dict[str | None, int] = {}
+        running, by_key = self.shares.running(self.registry.workers.values())
+        slots: dict[str, int] = {}
         for record in self.registry.workers.values():
-            for job in record.running.values():
-                if job.cancelled:               # its slot is as good as free (busy)
-                    continue
-                running[job.parent] = running.get(job.parent, 0) + 1
-                by_key[job.body.key] = by_key.get(job.body.key, 0) + 1
-        for job in self.queue.in_fair_order(running, by_key, self.key_served):
-            key = job.body.key
-            if key is not None and self.key_slot_share < 1.0 and \
-                    by_key.get(key, 0) >= self._slot_share(job.body.model,
-                                                           self.key_slot_share):
-                continue                        # its key runs its share: others' turn
-            if job.long and running.get(job.parent, 0) >= self._slot_share(
-                    job.body.model, config.REQUEST_SLOT_SHARE):
-                continue                        # its long choices run their share
+            slots[record.model] = slots.get(record.model, 0) + record.slots
+        for job in self.queue.in_fair_order(running, by_key, self.shares.served):
+            if not self.shares.may_run(job, running, by_key, slots.get(job.body.model, 0)):
+                continue
             worker = self.registry.choose(job)
             if worker is None:
                 continue
             self.queue.take(job)
             self._assign(job, worker)
-            by_key[key] = by_key.get(key, 0) + 1
-            running[job.parent] = running.get(job.parent, 0) + 1
+            self.shares.took(job, running, by_key)
             if not self.registry.with_free_slots():
                 return
-
-    def _slot_share(self, model: str, share: float) -> int:
-        """`share` of the slots of `model` (at least one): what one API key, or one
-        request of long choices, may run at once."""
-        slots = sum(r.slots for r in self.registry.workers.values() if r.model == model)
-        return max(1, int(slots * share))
 
     def _assign(self, job: QueuedJob, worker: WorkerRecord, **extra) -> None:
         """Send `job` to `worker` (with `extra` fields) and count it as running there.
@@ -580,12 +557,7 @@ class DispatcherCore:
                 while len(worker.shared_sent) > P.DISPATCHER_SHARED:
                     worker.shared_sent.popitem(last=False)
         self._to_worker(worker.identity, P.REQUEST, job.request_id, body)
-        if job.body.key is not None:
-            self._dispatched += 1
-            self.key_served[job.body.key] = self._dispatched
-            self.key_served.move_to_end(job.body.key)
-            while len(self.key_served) > 4096:
-                self.key_served.popitem(last=False)
+        self.shares.served_now(job.body.key)
         job.worker = worker.identity
         worker.running[job.request_id] = job
         worker.last_assigned = self.now

@@ -1,0 +1,76 @@
+"""Who may take a slot, or a place in the queue, next: each API key's share of a model's
+slots and of its queue, the share of a request of long choices, and whose turn it is.
+
+With several keys (tenants), one key's request of 16 choices without max_tokens must not
+hold every slot while another key's keystroke waits: a key runs at most
+`key_slot_share` of a model's slots at once and queues at most `max_queue_per_key`
+requests; a request whose choices are long runs at most REQUEST_SLOT_SHARE of them
+(short fan-outs fill every slot); among the keys whose jobs wait, the one served longest
+ago goes first (`served`, read by `RequestQueue.in_fair_order`).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from dispatcher.common import config
+
+SERVED_KEYS = 4096          # keys whose last turn is remembered, least recent forgotten
+
+
+class Shares:
+    def __init__(self, key_slot_share: float = 1.0, max_queue_per_key: int = 0):
+        self.key_slot_share = key_slot_share          # 1: a key may run every slot
+        self.max_queue_per_key = max_queue_per_key    # 0: no share of the queue per key
+        # API key fingerprint -> the number of the dispatch that last served it (turns)
+        self.served: OrderedDict[str, int] = OrderedDict()
+        self._dispatched = 0
+
+    def key_queue_full(self, depth_of_key: int) -> bool:
+        """Whether a key with `depth_of_key` jobs waiting for a model has its share."""
+        return bool(self.max_queue_per_key) and depth_of_key >= self.max_queue_per_key
+
+    @staticmethod
+    def running(workers) -> tuple[dict[str, int], dict[str | None, int]]:
+        """Jobs running now, by request (parent id) and by key; a cancelled job's slot is
+        as good as free."""
+        by_request: dict[str, int] = {}
+        by_key: dict[str | None, int] = {}
+        for record in workers:
+            for job in record.running.values():
+                if job.cancelled:
+                    continue
+                by_request[job.parent] = by_request.get(job.parent, 0) + 1
+                by_key[job.body.key] = by_key.get(job.body.key, 0) + 1
+        return by_request, by_key
+
+    def may_run(self, job, by_request: dict, by_key: dict, slots: int) -> bool:
+        """Whether `job` may take a slot of its model's `slots` now: its key and its
+        request below their shares."""
+        key = job.body.key
+        if key is not None and self.key_slot_share < 1.0 and \
+                by_key.get(key, 0) >= share_of(slots, self.key_slot_share):
+            return False                        # its key runs its share: others' turn
+        if job.long and by_request.get(job.parent, 0) >= share_of(
+                slots, config.REQUEST_SLOT_SHARE):
+            return False                        # its long choices run their share
+        return True
+
+    def took(self, job, by_request: dict, by_key: dict) -> None:
+        """`job` took a slot: counted, and its key's turn is now."""
+        key = job.body.key
+        by_key[key] = by_key.get(key, 0) + 1
+        by_request[job.parent] = by_request.get(job.parent, 0) + 1
+
+    def served_now(self, key: str | None) -> None:
+        if key is None:
+            return
+        self._dispatched += 1
+        self.served[key] = self._dispatched
+        self.served.move_to_end(key)
+        while len(self.served) > SERVED_KEYS:
+            self.served.popitem(last=False)
+
+
+def share_of(slots: int, share: float) -> int:
+    """`share` of `slots`, at least one."""
+    return max(1, int(slots * share))
