@@ -116,8 +116,9 @@ def test_llama_vscode_body_with_its_default_model_and_three_completions(server, 
     assert isinstance(answer, list) and len(answer) == 3      # llama.cpp's n_cmpl answer
     for one in answer:
         assert isinstance(one["content"], str) and one["model"] == model_id
-        assert 1 <= one["tokens_predicted"] <= 12
-        assert one["timings"]["predicted_n"] == one["tokens_predicted"]
+        assert one["tokens_predicted"] <= 12 and \
+            one["timings"]["predicted_n"] == one["tokens_predicted"]
+        assert one["tokens_predicted"] >= 1 or not one["content"]     # (an EOS at once)
     status, _, answer = post(server.port, "/infill", {**body, "n_cmpl": 0})
     assert status == 400 and answer["error"]["param"] == "n_cmpl"
 

@@ -355,8 +355,9 @@ def test_llama_vscode_infill_payload(editor_server):
     status, raw = post_raw(editor_server.port, "/infill", body)
     answer = json.loads(raw)
     assert status == 200 and isinstance(answer["content"], str)
-    assert 1 <= answer["tokens_predicted"] <= 12
-    assert answer["timings"]["predicted_n"] == answer["tokens_predicted"]
+    assert answer["tokens_predicted"] <= 12 and \
+        answer["timings"]["predicted_n"] == answer["tokens_predicted"]
+    assert answer["tokens_predicted"] >= 1 or not answer["content"]   # (an EOS at once)
 
 
 def test_speculative_drafts_are_counted_in_the_timings(editor_server):
