@@ -8,10 +8,14 @@ grammar or generated text, no query string, and the API key only as a short fing
 
 `--access-log` (COMPLETIONS_ACCESS_LOG): `-` the server's stderr (the default), `off`,
 or a file path (reopened when logrotate moves it).
+
+The same record gives the usage per API key (`--usage-by-key`, on by default): each
+answered request adds its prompt and completion tokens, and whether it failed, to its
+key's name (app.auth) in the counts the front end sends the dispatcher with its
+heartbeat (`dispatcher.common.latency`), which /metrics and `dispatcher usage` show.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import logging.handlers
@@ -20,6 +24,9 @@ import time
 from datetime import datetime, timezone
 
 from flask import Flask, request
+
+from app.auth import TENANT
+from dispatcher.common.config import key_fingerprint as fingerprint
 
 ENVIRON_KEY = "completions.access"
 FIELDS = ("time", "request_id", "method", "route", "status", "duration_ms", "ttft_ms",
@@ -34,7 +41,7 @@ def key_fingerprint(authorization: str) -> str:
     token = token.strip()
     if scheme.lower() != "bearer" or not token:
         return "-"
-    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()[:8]
+    return fingerprint(token)
 
 
 def logfmt_value(value) -> str:
@@ -77,6 +84,11 @@ class RequestRecord(dict):
     def failed(self, code: str | None) -> None:
         self.setdefault("error", code or "error")
 
+    def tokens(self) -> tuple[int, int]:
+        """(prompt tokens, completion tokens) of the request so far."""
+        prompts = self.get("_prompts") or {}
+        return sum(p for p, _ in prompts.values()), self.get("_completion", 0)
+
     def line(self, status: int) -> str:
         prompts = self.get("_prompts") or {}
         out = {**self, "status": status,
@@ -115,7 +127,8 @@ def _logger(destination: str) -> logging.Logger | None:
 
 def init_app(app: Flask) -> None:
     logger = _logger(str(app.config.get("ACCESS_LOG") or "-"))
-    if logger is None:
+    usage = bool(app.config.get("USAGE_BY_KEY", True))
+    if logger is None and not usage:
         return
 
     @app.before_request
@@ -137,7 +150,16 @@ def init_app(app: Flask) -> None:
             code = _error_code(response) if status >= 400 else None
             if code:
                 record.failed(code)
-            response.call_on_close(lambda: logger.info(record.line(status)))
+            tenant = request.environ.get(TENANT) if usage else None
+            client = app.extensions.get("dispatcher_client")
+
+            def done():                 # the answer's last byte is out (or the client left)
+                if logger is not None:
+                    logger.info(record.line(status))
+                if tenant is not None and client is not None:
+                    client.recorder.used(tenant, *record.tokens(),
+                                         error=status >= 400 or "error" in record)
+            response.call_on_close(done)
         return response
 
 

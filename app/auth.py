@@ -1,8 +1,10 @@
 """API keys: `Authorization: Bearer KEY` on every route but /health and /metrics.
 
 Keys come from COMPLETIONS_API_KEY (comma-separated) and COMPLETIONS_API_KEY_FILE (one
-per line, `#` comments). Comparison is constant-time and checks every key, so timing
-tells nothing about how much of a key matched. Keys are never logged.
+per line, `#` comments, each optionally followed by its name). Comparison is
+constant-time and checks every key, so timing tells nothing about how much of a key
+matched. Keys are never logged; a request's key is known further on only by its name
+(`TENANT`: usage per key, app.access).
 """
 from __future__ import annotations
 
@@ -11,20 +13,25 @@ import hmac
 from flask import Flask, request
 
 from app.errors import Unauthorized
-from dispatcher.common.config import load_keys
+from dispatcher.common.config import load_named_keys
 
 OPEN_PATHS = {"/health", "/metrics"}     # for load balancers and Prometheus
+TENANT = "completions.tenant"            # the environ key of the request's key's name
 
 
-def key_matches(candidate: bytes, keys: list[bytes]) -> bool:
-    found = False
-    for key in keys:                       # no early exit: every key is compared
-        found |= hmac.compare_digest(candidate, key)
+def matching_key(candidate: bytes, keys: list[bytes]) -> int | None:
+    """The index of the key `candidate` is (None: none), every key compared."""
+    found = None
+    for i, key in enumerate(keys):         # no early exit: every key is compared
+        if hmac.compare_digest(candidate, key):
+            found = i
     return found
 
 
 def init_app(app: Flask) -> None:
-    keys = load_keys(str(app.config.get("API_KEY") or ""), app.config.get("API_KEY_FILE"))
+    named = load_named_keys(str(app.config.get("API_KEY") or ""),
+                            app.config.get("API_KEY_FILE"))
+    keys, names = [key for key, _ in named], [name for _, name in named]
     app.config["API_KEYS_ENABLED"] = bool(keys)
     # keys are tenants: each reuses only the prompt cache it filled, unless told otherwise
     app.config["CACHE_SCOPE"] = app.config.get("CACHE_SCOPE") or ("key" if keys else "shared")
@@ -36,7 +43,10 @@ def init_app(app: Flask) -> None:
         if request.path in OPEN_PATHS:
             return None
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not key_matches(token.strip().encode(), keys):
+        found = matching_key(token.strip().encode(), keys) \
+            if scheme.lower() == "bearer" else None
+        if found is None:
             raise Unauthorized("Missing or invalid API key: send 'Authorization: Bearer "
                                "<key>'.", headers={"WWW-Authenticate": "Bearer"})
+        request.environ[TENANT] = names[found]
         return None

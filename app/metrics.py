@@ -95,6 +95,21 @@ class SnapshotCollector:
                                       "connected to the dispatcher.")
         frontends.add_metric([], snap.get("frontends", 0))
         yield frontends
+        yield from usage_by_key(snap.get("usage", []))
+
+
+def usage_by_key(rows: list) -> list:
+    """Requests, prompt and completion tokens and failed requests per API key, labelled
+    by the key's name (its fingerprint where it has none), never the key."""
+    families = [CounterMetricFamily(f"completions_key_{kind}", doc, labels=["key"])
+                for kind, doc in (("requests", "Requests answered, by API key."),
+                                  ("prompt_tokens", "Prompt tokens, by API key."),
+                                  ("completion_tokens", "Completion tokens, by API key."),
+                                  ("errors", "Requests answered with an error, by API key."))]
+    for key, *counts in rows:
+        for family, n in zip(families, counts):
+            family.add_metric([key], n)
+    return families
 
 
 def step_profile(workers: list[dict]):

@@ -1,5 +1,6 @@
 """`python -m dispatcher`: the launcher (`serve`, `broker`), the ops tool (`status`,
-`drain`, `resume`, `restart`, `reload`, `check-config`), `selftest`, `bench` and `soak`."""
+`drain`, `resume`, `restart`, `reload`, `usage`, `check-config`), `selftest`, `bench` and
+`soak`."""
 from __future__ import annotations
 
 import json
@@ -26,7 +27,7 @@ SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "mo
                  "stop_grace", "api_key", "api_key_file", "access_log", "step_timeout",
                  "max_connections", "header_timeout", "body_timeout", "heartbeat_interval",
                  "cache_scope", "max_queue_per_key", "log_content", "curve_keys",
-                 "insecure_transport", "infer_sessions", "any_model_name"]
+                 "insecure_transport", "infer_sessions", "any_model_name", "usage_by_key"]
 
 
 def _setup_logging(level: str) -> None:
@@ -199,7 +200,8 @@ def _frontend_child(Child, args, base: str, keyed: bool):
            "COMPLETIONS_API_KEY": ",".join(args.api_key),
            "COMPLETIONS_API_KEY_FILE": args.api_key_file or "",
            "COMPLETIONS_CORS_ORIGIN": ",".join(args.cors_origin),
-           "COMPLETIONS_ANY_MODEL_NAME": "true" if args.any_model_name else ""}
+           "COMPLETIONS_ANY_MODEL_NAME": "true" if args.any_model_name else "",
+           "COMPLETIONS_USAGE_BY_KEY": "true" if args.usage_by_key else "false"}
     return Child("frontend", python_module_argv(
         # The dispatcher has drained in-flight requests (--stop-grace) before the front
         # ends are stopped: their worker (app/gunicorn_worker.py) closes idle keep-alive
@@ -338,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     config.add_options(status, ["dispatcher", "port", "curve_keys", "curve_name"], file_values)
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
     status.set_defaults(func=ctl.cmd_status, log_level="warning")
+    usage = sub.add_parser("usage", help="show requests, tokens and errors per API key")
+    config.add_options(usage, ["dispatcher", "port", "curve_keys", "curve_name"], file_values)
+    usage.add_argument("--json", action="store_true", help="print JSON for scripts")
+    usage.set_defaults(func=ctl.cmd_usage, log_level="warning")
     ctl.add_worker_commands(sub, config, file_values)
     bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server (this one "
                                          "by default) and print latency and throughput")

@@ -22,6 +22,8 @@ class SystemMetrics:
         self.histograms: dict[tuple[str, str, str], Histogram] = {}
         self.tokens: Counter = Counter()                      # (kind, worker, device)
         self.outcomes: Counter = Counter()                    # (outcome, worker, device)
+        # API key name -> [requests, prompt tokens, completion tokens, errors]
+        self.usage: dict[str, list[int]] = {}
 
     def absorb(self, delta: dict) -> None:
         """Add a front end's increments (a malformed one is ignored, not fatal)."""
@@ -36,6 +38,12 @@ class SystemMetrics:
                     self.histograms[key] = Histogram(HISTOGRAMS[kind])
                 self.histograms[key].merge([int(c) for c in wire["counts"]],
                                            float(wire["sum"]))
+            for key, *counts in delta.get("usage", []):
+                if len(counts) != 4:
+                    continue
+                totals = self.usage.setdefault(str(key), [0, 0, 0, 0])
+                for i, n in enumerate(counts):
+                    totals[i] += int(n)
         except (TypeError, ValueError, KeyError):
             pass
 
@@ -60,4 +68,5 @@ class SystemMetrics:
                            for (k, w, d), h in sorted(self.histograms.items())],
             "tokens": [[k, w, d, n] for (k, w, d), n in sorted(self.tokens.items())],
             "outcomes": [[o, w, d, n] for (o, w, d), n in sorted(self.outcomes.items())],
+            "usage": [[key, *counts] for key, counts in sorted(self.usage.items())],
         }

@@ -30,13 +30,20 @@ class Operations:
         command = request.get("cmd")
         handlers = {"status": self.status, "drain": self.drain,
                     "resume": self.resume, "restart": self.restart, "reload": self.reload,
-                    "metrics": lambda: self.metrics_snapshot()}
+                    "metrics": lambda: self.metrics_snapshot(), "usage": self.usage}
         if command not in handlers:
             return {"error": f"unknown command {command!r}: use "
                              + ", ".join(sorted(handlers))}
-        if command in ("status", "metrics"):
+        if command in ("status", "metrics", "usage"):
             return handlers[command]()
         return handlers[command](request)
+
+    def usage(self) -> dict:
+        """Requests, tokens and errors per API key name since the dispatcher started."""
+        return {"keys": [{"key": key, "requests": requests, "prompt_tokens": prompt,
+                          "completion_tokens": completion, "errors": errors}
+                         for key, (requests, prompt, completion, errors)
+                         in sorted(self.core.metrics.usage.items())]}
 
     def _record(self, name: str):
         return self.core.registry.get(str(name).encode())

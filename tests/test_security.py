@@ -191,3 +191,67 @@ def test_serve_keyed_over_tcp_hands_its_own_parts_their_keys(tmp_path):
         assert status == 200 and body["usage"]["completion_tokens"] == 2
     finally:
         assert server.stop() == 0
+
+
+def test_usage_is_counted_per_key_by_its_name_never_the_key(tmp_path):
+    """Two keys from a key file (one named, one not) and one inline: /metrics and
+    `dispatcher usage` count each one's requests, tokens and errors under its name (a
+    fingerprint for an unnamed key), and no key appears anywhere in them; with
+    --usage-by-key off nothing is counted per key."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from dispatcher.common.config import key_fingerprint
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nsk-alice-0001 alice\nsk-anon-0002\n")
+    server = ServerProcess("--engine", "fake", "--api-key", "sk-inline-0003",
+                           "--api-key-file", str(keys), log_name="usage").start()
+    try:
+        def send(key, body):
+            return http_json(server.port, "POST", "/v1/completions", body,
+                             headers={"Authorization": f"Bearer {key}"})[0]
+        assert send("sk-alice-0001", {"prompt": "a", "max_tokens": 3}) == 200
+        assert send("sk-alice-0001", {"prompt": "a", "max_tokens": 2}) == 200
+        assert send("sk-alice-0001", {"prompt": "a", "max_tokens": -7}) == 400
+        assert send("sk-anon-0002", {"prompt": "bc", "max_tokens": 4}) == 200
+        assert send("sk-nobody", {"prompt": "a"}) == 401           # no key: not counted
+
+        def usage():
+            out = subprocess.run([sys.executable, "-m", "dispatcher", "usage", "--json",
+                                  "--dispatcher", server.dispatcher], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=30)
+            return {k["key"]: k for k in json.loads(out.stdout)["keys"]}
+        rows = server.wait_for(lambda: (u := usage()).get("alice", {}).get("requests") == 3
+                               and f"key-{key_fingerprint('sk-anon-0002')}" in u and u,
+                               what="usage of both keys")
+        alice = rows["alice"]
+        assert (alice["errors"], alice["completion_tokens"]) == (1, 5)
+        assert alice["prompt_tokens"] > 0
+        anon = rows[f"key-{key_fingerprint('sk-anon-0002')}"]
+        assert (anon["requests"], anon["errors"], anon["completion_tokens"]) == (1, 0, 4)
+        _, _, metrics = http_json(server.port, "GET", "/metrics")
+        text = metrics.decode() if isinstance(metrics, bytes) else str(metrics)
+        assert 'completions_key_requests_total{key="alice"} 3.0' in text
+        assert 'completions_key_errors_total{key="alice"} 1.0' in text
+        table = subprocess.run([sys.executable, "-m", "dispatcher", "usage", "--dispatcher",
+                                server.dispatcher], cwd=ROOT, capture_output=True,
+                               text=True, timeout=30).stdout
+        assert "alice" in table and "COMPLETION TOKENS" in table
+        for secret in ("sk-alice-0001", "sk-anon-0002", "sk-inline-0003"):
+            assert secret not in text and secret not in table and secret not in str(rows)
+    finally:
+        assert server.stop() == 0
+    quiet = ServerProcess("--engine", "fake", "--api-key", "sk-inline-0003",
+                          "--usage-by-key", "off", log_name="usage-off").start()
+    try:
+        status, _, _ = http_json(quiet.port, "POST", "/v1/completions",
+                                 {"prompt": "a", "max_tokens": 2},
+                                 headers={"Authorization": "Bearer sk-inline-0003"})
+        assert status == 200
+        quiet.wait_for(lambda: b"completions_requests_total" in
+                       http_json(quiet.port, "GET", "/metrics")[2], what="the request counted")
+        assert b"completions_key_requests_total{" not in http_json(quiet.port, "GET",
+                                                                  "/metrics")[2]
+    finally:
+        assert quiet.stop() == 0

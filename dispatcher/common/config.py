@@ -7,6 +7,7 @@ comma-separated list in their variable (`COMPLETIONS_DEVICE=cuda:0,cuda:1`).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -244,7 +245,11 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            non_negative_seconds),
     Option("api_key", [], "API key clients must send as 'Authorization: Bearer KEY'; "
            "repeatable", repeat=True),
-    Option("api_key_file", None, "file of API keys, one per line"),
+    Option("api_key_file", None, "file of API keys, one per line, each optionally followed "
+           "by its name (`KEY NAME`: usage is counted under the name)"),
+    Option("usage_by_key", True, "count requests, tokens and errors per API key (by its "
+           "name, or its fingerprint) in /metrics and `usage`; off for one-tenant setups",
+           _boolean),
     Option("max_queue_per_key", None, "queued requests one API key may have per model and "
            "profile (429 with Retry-After above, while other keys are still admitted); 0: no "
            "limit; default: max-queue divided by the number of keys when there are several",
@@ -372,13 +377,26 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
 
 def load_keys(inline: str | None, path: str | None) -> list[bytes]:
     """The API keys: comma-separated inline ones, then the file's, one per line."""
-    keys = [k.strip() for k in (inline or "").split(",") if k.strip()]
+    return [key for key, _ in load_named_keys(inline, path)]
+
+
+def load_named_keys(inline: str | None, path: str | None) -> list[tuple[bytes, str]]:
+    """The API keys with the name each is counted under: the file's `KEY NAME` lines name
+    theirs; any other key goes by `key-` and its fingerprint (never the key itself)."""
+    named = [(k.strip(), "") for k in (inline or "").split(",") if k.strip()]
     if path:
         for line in open(path, encoding="utf-8").read().splitlines():
             line = line.strip()
             if line and not line.startswith("#"):
-                keys.append(line)
-    return [k.encode() for k in keys]
+                key, _, name = line.partition(" ")
+                named.append((key, name.strip()))
+    return [(key.encode(), name or f"key-{key_fingerprint(key)}") for key, name in named]
+
+
+def key_fingerprint(key: str) -> str:
+    """A key's short fingerprint (the first 8 hex digits of its SHA-256): the same on
+    every part, and it tells nothing of the key."""
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:8]
 
 
 # With several API keys, the share of a model's slots one key may run at once: the rest

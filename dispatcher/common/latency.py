@@ -1,5 +1,6 @@
-"""Latency histograms: what a front end measures between two heartbeats, in the shape the
-dispatcher adds up (dispatcher.metrics)."""
+"""What a front end measures between two heartbeats, in the shape the dispatcher adds up
+(dispatcher.metrics): latency histograms, answers by route and status, and usage per API
+key (by its name)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -45,6 +46,13 @@ class LatencyRecorder:
     def reset(self) -> None:
         self.requests: Counter = Counter()            # (route, status) -> n
         self.histograms: dict[tuple[str, str, str], Histogram] = {}
+        # key name -> [requests, prompt tokens, completion tokens, errors]
+        self.usage: dict[str, list[int]] = {}
+
+    def used(self, key: str, prompt: int, completion: int, error: bool) -> None:
+        counts = self.usage.setdefault(key, [0, 0, 0, 0])
+        for i, n in enumerate((1, prompt, completion, int(error))):
+            counts[i] += n
 
     def observe(self, kind: str, worker: str, device: str, seconds: float) -> None:
         key = (kind, worker, device)
@@ -54,11 +62,12 @@ class LatencyRecorder:
 
     def take(self) -> dict | None:
         """The increments since the last call, for the heartbeat; None if nothing."""
-        if not self.requests and not self.histograms:
+        if not self.requests and not self.histograms and not self.usage:
             return None
         delta = {"requests": [[r, s, n] for (r, s), n in self.requests.items()],
                  "histograms": [[k, w, d, h.to_wire()] for (k, w, d), h in
-                                self.histograms.items()]}
+                                self.histograms.items()],
+                 "usage": [[key, *counts] for key, counts in self.usage.items()]}
         self.reset()
         return delta
 
@@ -66,6 +75,10 @@ class LatencyRecorder:
         """Put back increments that could not be sent."""
         for route, status, n in delta["requests"]:
             self.requests[(route, status)] += n
+        for key, requests, prompt, completion, errors in delta.get("usage", []):
+            counts = self.usage.setdefault(key, [0, 0, 0, 0])
+            for i, n in enumerate((requests, prompt, completion, errors)):
+                counts[i] += n
         for kind, worker, device, wire in delta["histograms"]:
             key = (kind, worker, device)
             if key not in self.histograms:

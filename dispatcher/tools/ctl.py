@@ -99,6 +99,21 @@ def cmd_status(args) -> int:
     return 0
 
 
+def format_usage(usage: dict) -> str:
+    rows = [("KEY", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS", "ERRORS")] + [
+        (k["key"], k["requests"], k["prompt_tokens"], k["completion_tokens"], k["errors"])
+        for k in usage["keys"]]
+    if len(rows) == 1:
+        return "no usage counted yet (no API keys, --usage-by-key off, or no requests)"
+    return table(rows)
+
+
+def cmd_usage(args) -> int:
+    usage = control_request(_base(args), {"cmd": "usage"}, keys=_keys(args))
+    print(json.dumps(usage, indent=2) if args.json else format_usage(usage))
+    return 0
+
+
 def cmd_worker_action(args) -> int:
     request = {"cmd": args.command, "worker": args.worker}
     if args.command in ("restart", "reload"):
