@@ -15,7 +15,10 @@ from flask import Flask, request
 from app.errors import Unauthorized
 from dispatcher.common.config import load_named_keys
 
-OPEN_PATHS = {"/health", "/metrics"}     # for load balancers and Prometheus
+# for load balancers and Prometheus; the status page and its JSON (no request content:
+# the same rule as /metrics); the page's playground sends the key a user types into it
+OPEN_PATHS = {"/health", "/metrics", "/", "/ui/", "/ui/status.js", "/ui/status.css",
+              "/v1/status"}
 TENANT = "completions.tenant"            # the environ key of the request's key's name
 
 

@@ -152,7 +152,8 @@ def error_response(error: APIError):
 
 ROUTES = ("POST /v1/completions", "POST /v1/fim/completions", "POST /completion",
           "POST /completions", "POST /infill", "POST /tokenize", "POST /detokenize",
-          "GET /v1/models", "GET /health", "GET /metrics", "GET /openapi.json")
+          "GET /v1/models", "GET /v1/status", "GET /health", "GET /metrics",
+          "GET /openapi.json", "GET / (the status page)")
 
 
 def _no_route(path: str) -> str:

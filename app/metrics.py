@@ -166,13 +166,17 @@ def metrics():
     return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
 
 
+# read by machines every second or so (probes, scrapers, the status page): not counted
+QUIET_PATHS = ("/metrics", "/health", "/v1/status")
+
+
 def init_app(app) -> None:
     """Count every answered request (by route pattern, so ids do not explode labels)."""
 
     @app.after_request
     def count(response):
         client = app.extensions.get("dispatcher_client")   # made at worker start
-        if client is not None and request.path not in ("/metrics", "/health"):
+        if client is not None and request.path not in QUIET_PATHS:
             route = request.url_rule.rule if request.url_rule else "unmatched"
             client.recorder.requests[(route, str(response.status_code))] += 1
             client.served += 1

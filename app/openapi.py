@@ -147,6 +147,14 @@ def _paths() -> dict:
         "/v1/models": {"get": {"summary": "Models served", "responses": {
             "200": {"description": "Model list", "content": _json("ModelList")},
             **_error_responses(503)}}},
+        "/v1/status": {"get": {
+            "summary": "Every worker's state, slots, counters and time-to-first-token "
+                       "histogram, and the queue (the status page's data; no request content)",
+            "responses": {"200": {"description": "Status", "content": _json("Status")},
+                          **_error_responses(503)}}},
+        "/": {"get": {"summary": "The status page, with a fill-in-the-middle playground "
+                                 "(also /ui/)",
+                      "responses": {"200": {"description": "HTML"}}}},
         "/health": {"get": {"summary": "200 when at least one worker is ready",
                             "responses": {"200": {"description": "Ready"},
                                           "503": {"description": "No worker ready"}}}},
@@ -209,6 +217,26 @@ def _schemas() -> dict:
                                                   "piece": {"type": "string"}}}]}}}},
         "DetokenizeResponse": {"type": "object", "properties": {
             "content": {"type": "string"}}},
+        "Status": {"type": "object", "required": ["object", "time", "workers"], "properties": {
+            "object": {"const": "status"}, "time": {"type": "number"},
+            "models": {"type": "object", "additionalProperties": {
+                "type": "object", "properties": {"ready": {"type": "integer"},
+                                                 "fim": {"type": "boolean"}}}},
+            "queue": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "frontends": {"type": "integer"},
+            "workers": {"type": "array", "items": {"type": "object", "properties": {
+                "name": {"type": "string"}, "device": {"type": ["string", "null"]},
+                "model": {"type": ["string", "null"]},
+                "state": {"enum": ["idle", "busy", "draining", "drained", "starting",
+                                   "restarting", "failed"]},
+                "slots": {"type": "integer"}, "busy": {"type": "integer"},
+                "restarts": {"type": "integer"},
+                "last_lost": {"type": ["object", "null"]},
+                "generated_tokens": {"type": "integer"}, "prompt_tokens": {"type": "integer"},
+                "drafted_tokens": {"type": "integer"}, "accepted_tokens": {"type": "integer"},
+                "ttft": {"type": ["object", "null"], "properties": {
+                    "buckets": {"type": "array", "items": {"type": "number"}},
+                    "counts": {"type": "array", "items": {"type": "integer"}}}}}}}}},
     }
 
 

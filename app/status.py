@@ -1,7 +1,13 @@
-"""GET /health and GET /v1/models, answered from the dispatcher's last heartbeat."""
+"""GET /health and GET /v1/models, answered from the dispatcher's last heartbeat; the
+status page (`/`, `/ui/`) and its JSON (`GET /v1/status`), from the dispatcher's metrics
+snapshot: every worker's state, slots, counters and latency histogram, and never any
+request content."""
 from __future__ import annotations
 
-from flask import Blueprint, current_app, jsonify
+import time
+from pathlib import Path
+
+from flask import Blueprint, current_app, jsonify, send_from_directory
 
 from app.client import get_client
 from app.errors import NotFound, ServiceUnavailable
@@ -63,3 +69,57 @@ def retrieve_model(model: str):
         raise NotFound(f"The model '{model}' does not exist. Served: "
                        + ", ".join(sorted(models)), param="model", code="model_not_found")
     return jsonify(_model_object(model_id, models[model_id], aliases))
+
+
+STATIC = Path(__file__).resolve().parent / "static"
+PAGE_FILES = {"status.js", "status.css"}
+
+
+@bp.get("/")
+@bp.get("/ui/")
+def status_page():
+    """The live status page with its FIM playground (plain HTML, CSS and a script)."""
+    return send_from_directory(STATIC, "status.html", max_age=0)
+
+
+@bp.get("/ui/<name>")
+def status_page_file(name: str):
+    if name not in PAGE_FILES:
+        raise NotFound(f"There is no file {name[:80]!r} here.")
+    return send_from_directory(STATIC, name, max_age=0)
+
+
+@bp.get("/v1/status")
+def status_json():
+    """Every worker: its device, model, state, slots, restarts and last loss, and the
+    counters a reader turns into rates over a window (generated tokens, drafts, the time
+    to first token's histogram); the queue by model. Cumulative since the dispatcher
+    started: the page takes differences between two reads."""
+    snapshot = get_client(current_app).metrics_snapshot()
+    if snapshot is None:
+        raise ServiceUnavailable("the dispatcher is unreachable")
+    tokens: dict[str, dict[str, int]] = {}
+    for kind, worker, _, n in snapshot.get("tokens", []):
+        tokens.setdefault(worker, {})[kind] = tokens.get(worker, {}).get(kind, 0) + n
+    ttft: dict[str, dict] = {}
+    for kind, worker, _, histogram in snapshot.get("histograms", []):
+        if kind == "ttft":
+            ttft[worker] = {"buckets": histogram["buckets"], "counts": histogram["counts"]}
+    workers = []
+    for w in snapshot.get("workers", []):
+        steps = w.get("steps") or {}
+        drafted = sum(d for d, _ in (steps.get("sources") or {}).values())
+        workers.append({
+            "name": w["worker"], "device": w.get("device"), "model": w.get("model"),
+            "state": w.get("state"), "slots": w.get("slots", 0), "busy": w.get("busy", 0),
+            "restarts": w.get("restarts", 0), "last_lost": w.get("last_lost"),
+            "generated_tokens": tokens.get(w["worker"], {}).get("generated", 0),
+            "prompt_tokens": tokens.get(w["worker"], {}).get("prompt", 0),
+            "drafted_tokens": drafted, "accepted_tokens": steps.get("accepted", 0),
+            "ttft": ttft.get(w["worker"])})
+    state = get_client(current_app).wait_state()
+    models = {} if state is None else {
+        model: {"ready": info.ready, "fim": info.fim} for model, info in state.models.items()}
+    return jsonify({"object": "status", "time": round(time.time(), 3), "models": models,
+                    "queue": snapshot.get("queue", {}),
+                    "frontends": snapshot.get("frontends", 0), "workers": workers})

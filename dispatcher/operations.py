@@ -120,16 +120,13 @@ class Operations:
         core, now = self.core, time.monotonic()
         workers = []
         for name, record, child in self._fleet():
+            state = worker_state(record, child)
             if record is None:
-                state = "failed" if child.gave_up else \
-                    "starting" if child.process else "restarting"
                 workers.append({"name": name, "state": state, "restarts": child.restarts,
                                 "pid": child.pid, "device": child.extra.get("device"),
                                 "model": child.extra.get("model"),
                                 "last_lost": self._loss(name, now)})
                 continue
-            state = ("draining" if record.running else "drained") if record.draining \
-                else "busy" if record.running else "idle"
             workers.append({
                 "name": name, "state": state,
                 "tokens_per_s": tokens_per_second(record.history, now),
@@ -160,15 +157,18 @@ class Operations:
     def metrics_snapshot(self) -> dict:
         core = self.core
         snapshot = core.metrics.snapshot()
-        workers = []
+        workers, now = [], time.monotonic()
         for name, record, child in self._fleet():
+            # (state and last loss: for the status page, /v1/status; no request content)
+            common = {"worker": name, "state": worker_state(record, child),
+                      "last_lost": self._loss(name, now)}
             if record is None:
-                workers.append({"worker": name, "device": child.extra.get("device"),
+                workers.append({**common, "device": child.extra.get("device"),
                                 "model": child.extra.get("model"), "up": 0, "slots": 0,
                                 "busy": 0, "layers_offloaded": 0,
                                 "restarts": child.restarts})
             else:
-                workers.append({"worker": name, "device": record.info.device,
+                workers.append({**common, "device": record.info.device,
                                 "model": record.model, "up": 1, "slots": record.slots,
                                 "busy": record.busy, "layers_offloaded":
                                     record.info.placement.get("layers_offloaded", 0),
@@ -180,6 +180,16 @@ class Operations:
                         queue={m: depth.get(m, 0) for m in set(core.models()) | set(depth)},
                         dispatcher=dict(core.stats), frontends=len(core.frontends))
         return snapshot
+
+
+def worker_state(record, child) -> str:
+    """A worker's state as the ops tool and the status page name it: idle, busy,
+    draining, drained (ready); starting, restarting, failed (not ready: its process)."""
+    if record is None:
+        return "failed" if child.gave_up else "starting" if child.process else "restarting"
+    if record.draining:
+        return "draining" if record.running else "drained"
+    return "busy" if record.running else "idle"
 
 
 def step_ms(steps) -> dict | None:
