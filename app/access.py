@@ -101,6 +101,26 @@ class RequestRecord(dict):
             out["completion_tokens"] = self["_completion"]
         return format_line(out)
 
+    def json_line(self, status: int) -> str:
+        """The same fields as one JSON object (--log-format json), with `level` and
+        `part`; a field with no value left out."""
+        prompt, completion = self.tokens()
+        prompts = self.get("_prompts") or {}
+        fields = {"time": self.get("time"), "level": "info", "part": "access",
+                  "request_id": self.get("request_id"), "method": self.get("method"),
+                  "route": (self.get("route") or "")[:MAX_VALUE], "status": status,
+                  "duration_ms": round((time.perf_counter() - self["_started"]) * 1000, 1),
+                  "ttft_ms": round(self["ttft_ms"], 1) if "ttft_ms" in self else None,
+                  "prompt_tokens": prompt if prompts else None,
+                  "cached_tokens": sum(c for _, c in prompts.values()) if prompts else None,
+                  "completion_tokens": completion if "_completion" in self else None,
+                  "model": self.get("model"), "worker": ",".join(self.get("_workers") or [])
+                  or None, "key": self.get("key"), "client": self.get("client"),
+                  "user_agent": (self.get("user_agent") or "")[:MAX_VALUE] or None,
+                  "error": self.get("error")}
+        return json.dumps({k: v for k, v in fields.items() if v is not None},
+                          ensure_ascii=False)
+
 
 def current() -> RequestRecord:
     """This request's record (a detached one outside a request or before init_app)."""
@@ -128,6 +148,7 @@ def _logger(destination: str) -> logging.Logger | None:
 def init_app(app: Flask) -> None:
     logger = _logger(str(app.config.get("ACCESS_LOG") or "-"))
     usage = bool(app.config.get("USAGE_BY_KEY", True))
+    as_json = app.config.get("LOG_FORMAT") == "json"
     if logger is None and not usage:
         return
 
@@ -157,7 +178,7 @@ def init_app(app: Flask) -> None:
 
             def done():                 # the answer's last byte is out (or the client left)
                 if logger is not None:
-                    logger.info(record.line(status))
+                    logger.info(record.json_line(status) if as_json else record.line(status))
                 if tenant is not None and client is not None:
                     client.recorder.used(tenant, *record.tokens(),
                                          error=status >= 400 or "error" in record)

@@ -7,10 +7,11 @@ Used by `python -m dispatcher serve` (as `-c python:app.gunicorn_conf`) and by
 import logging
 import os
 
-from dispatcher.common.config import LOG_FORMAT as _LOG_FORMAT
+from dispatcher.common import logs as _logs
 from dispatcher.common.configfile import effective as _effective
 
-_options = _effective(["host", "port", "frontends", "log_level", "max_connections"])
+_options = _effective(["host", "port", "frontends", "log_level", "log_format",
+                       "max_connections"])
 _host, _port = _options["host"], _options["port"]
 
 wsgi_app = "app:create_app()"
@@ -27,7 +28,18 @@ control_socket_disable = True   # gunicorn 27's control socket: one fixed path p
 loglevel = _options["log_level"]
 # the app's own loggers (`app.*`: the debug line for ignored native fields, errors) at the
 # same level, in the format of the dispatcher's and workers' lines
-logging.basicConfig(level=loglevel.upper(), format=_LOG_FORMAT)
+_logs.setup(loglevel, _options["log_format"], "frontend")
+if _options["log_format"] == "json":
+    # gunicorn's own error log (its access log stays off: app/access.py is the access log)
+    logconfig_dict = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"json": {"()": "dispatcher.common.logs.JsonFormatter",
+                                "part": "frontend"}},
+        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json",
+                                "stream": "ext://sys.stderr"}},
+        "loggers": {"gunicorn.error": {"handlers": ["stderr"], "level": loglevel.upper(),
+                                       "propagate": False}},
+        "root": {"handlers": ["stderr"], "level": loglevel.upper()}}
 
 
 def on_starting(server):

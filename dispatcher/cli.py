@@ -12,7 +12,7 @@ import socket
 import sys
 
 from dispatcher.common.addresses import Endpoints, private_directory
-from dispatcher.common import config, configfile
+from dispatcher.common import config, configfile, logs
 from dispatcher.common.models import resolve_model_path
 from dispatcher.tools.ctl import default_dispatcher_address, dispatcher_answers
 
@@ -23,15 +23,16 @@ SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "mo
                  "cors_origin", "device",
                  "nctx", "ngl", "slots", "kv_type", "batch", "ubatch", "deterministic",
                  "engine", "dispatcher",
-                 "log_level", "max_body", "max_prompt_chars", "max_queue", "queue_timeout",
+                 "log_level", "log_format", "max_body", "max_prompt_chars", "max_queue",
+                 "queue_timeout",
                  "stop_grace", "api_key", "api_key_file", "access_log", "step_timeout",
                  "max_connections", "header_timeout", "body_timeout", "heartbeat_interval",
                  "cache_scope", "max_queue_per_key", "log_content", "curve_keys",
                  "insecure_transport", "infer_sessions", "any_model_name", "usage_by_key"]
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=config.LOG_FORMAT)
+def _setup_logging(level: str, log_format: str = "text") -> None:
+    logs.setup(level, log_format, "dispatcher")
 
 
 def access_log_problem(destination: str) -> str | None:
@@ -154,10 +155,13 @@ def cmd_serve(args) -> int:
     if args.frontends:
         supervisor.add(_frontend_child(Child, args, base, keys is not None))
     models = ", ".join(f"{m.id} ({m.path})" for m in plan.models)
-    print(f"serving {models} on http://{args.host}:{args.port} with {args.frontends} front "
-          f"end(s) and {len(plan.workers)} worker(s): "
-          f"{', '.join(str(w.device) for w in plan.workers)}; dispatcher at {base}",
-          file=sys.stderr, flush=True)
+    banner = (f"serving {models} on http://{args.host}:{args.port} with {args.frontends} "
+              f"front end(s) and {len(plan.workers)} worker(s): "
+              f"{', '.join(str(w.device) for w in plan.workers)}; dispatcher at {base}")
+    if args.log_format == "json":
+        log.info("%s", banner)
+    else:
+        print(banner, file=sys.stderr, flush=True)
     return _run_broker(broker, cleanup, args.stop_grace)
 
 
@@ -174,6 +178,7 @@ def _worker_child(Child, worker: configfile.WorkerPlan, args, base: str, keyed: 
                               "--step-timeout", str(args.step_timeout),
                               "--heartbeat-interval", str(args.heartbeat_interval),
                               "--log-content", str(args.log_content),
+                              "--log-format", args.log_format,
                               *(["--curve-keys", args.curve_keys, "--curve-name", "local"]
                                 if keyed else []))
     return Child(worker.name, argv, env=worker.device.visible_devices(),
@@ -189,6 +194,7 @@ def _frontend_child(Child, args, base: str, keyed: bool):
            "COMPLETIONS_MAX_BODY": str(args.max_body),
            "COMPLETIONS_MAX_PROMPT_CHARS": str(args.max_prompt_chars),
            "COMPLETIONS_LOG_LEVEL": args.log_level,
+           "COMPLETIONS_LOG_FORMAT": args.log_format,
            "COMPLETIONS_ACCESS_LOG": args.access_log,
            "COMPLETIONS_MAX_CONNECTIONS": str(args.max_connections),
            "COMPLETIONS_HEADER_TIMEOUT": str(args.header_timeout),
@@ -321,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     check.set_defaults(func=cmd_check_config, log_level="warning")
     broker = sub.add_parser("broker", help="run the dispatcher alone; workers and front ends "
                                            "connect to it by address")
-    config.add_options(broker, ["config", "dispatcher", "port", "log_level", "max_queue",
+    config.add_options(broker, ["config", "dispatcher", "port", "log_level", "log_format",
+                                "max_queue",
                                 "queue_timeout", "stop_grace", "heartbeat_interval",
                                 "max_queue_per_key", "curve_keys", "insecure_transport",
                                 "infer_sessions"],
@@ -362,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     soak_module.add_arguments(soak)
     soak.set_defaults(func=soak_module.run, log_level="warning")
     args = config.resolve(parser.parse_args(argv), data)
-    _setup_logging(args.log_level)
+    _setup_logging(args.log_level, getattr(args, "log_format", "text"))
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -21,7 +21,7 @@ import msgspec
 import zmq
 
 from dispatcher.common.addresses import Endpoints
-from dispatcher.common import config, configfile, curve, protocol as P
+from dispatcher.common import config, configfile, curve, logs, protocol as P
 from dispatcher.common.curve import PartKeys
 from dispatcher.common.devices import DeviceSpec, parse_device
 from dispatcher.common.models import default_model_id, model_file_digest, resolve_model_path
@@ -312,6 +312,17 @@ class Loaded:
     faults: FaultInjection
 
 
+def json_llama_line(level: int, text: str) -> str:
+    """One line of llama.cpp's log in the json format, with this worker's name."""
+    worker = next((h.formatter.worker for h in logging.getLogger().handlers
+                   if isinstance(h.formatter, logs.JsonFormatter)), None)
+    return logs.json_line("llama.cpp", LLAMA_LEVELS.get(level, "info"), text.rstrip("\n"),
+                          worker)
+
+
+LLAMA_LEVELS = {1: "debug", 2: "info", 3: "warning", 4: "error"}   # ggml_log_level
+
+
 def parse_launch(argv: list[str] | None) -> Launch:
     """Flags, variables and the config file's [[workers]] entry (argparse's usage error,
     status 2, for anything wrong)."""
@@ -328,11 +339,14 @@ def parse_launch(argv: list[str] | None) -> Launch:
                                 "ngl", "slots", "kv_type", "batch", "ubatch", "deterministic",
                                 "engine", "name", "fim_template", "prefill_chunk", "draft_max",
                                 "draft_model", "cache_reuse", "step_timeout",
-                                "heartbeat_interval", "log_level", "log_content", "curve_keys",
-                                "curve_name", "insecure_transport"],
+                                "heartbeat_interval", "log_level", "log_format", "log_content",
+                                "curve_keys", "curve_name", "insecure_transport"],
                        configfile.server_defaults(file_data))
     args = config.resolve(parser.parse_args(argv), file_data)
-    logging.basicConfig(level=args.log_level.upper(), format=config.LOG_FORMAT)
+    logs.setup(args.log_level, args.log_format, "worker", args.name)
+    if args.log_format == "json":           # llama.cpp's own lines too (engine/llamalog.py)
+        from workers.engine import llamalog
+        llamalog.LINE = json_llama_line
     if not args.dispatcher:
         parser.error(f"--dispatcher (or {config.OPTIONS['dispatcher'].env}) is required")
     if len(args.device) != 1:
@@ -391,6 +405,7 @@ def load(launch: Launch, placement: Placement) -> Loaded:
     except EngineError as exc:
         raise CannotServe(f"worker {name} cannot serve {model_path} on {spec}: {exc}") \
             from None
+    logs.name_worker(name)
     log.info("worker %s: %s loaded on %s in %.1fs (%d threads, cores %s, %s)", name,
              model_id, spec, time.monotonic() - started, placement.n_threads,
              list(placement.cores), placement.visible_devices or "no accelerator variables")

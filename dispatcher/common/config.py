@@ -217,6 +217,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("config", None, "TOML config file (see deploy/workstation-4gpu.toml)"),
     Option("log_level", "info", "log level", str.lower,
            choices=("debug", "info", "warning", "error")),
+    Option("log_format", "text", "every part's log lines (the access log's too): text, or "
+           "json (one object per line: time, level, part, worker, request_id, message)",
+           str.lower, choices=("text", "json")),
     Option("log_content", False, "let request content (prompts, grammars) reach the logs: "
            "llama.cpp's lines whole at --log-level debug (by default every line is cut to "
            "200 characters and its errors to 20 per 10 s); a warning says so at start",

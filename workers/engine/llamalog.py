@@ -20,6 +20,9 @@ import weakref
 OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers to GPU")
 GGML_LOG_ERROR = 4         # ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
 LINE_LIMIT = 200
+# how a line is written (None: as llama.cpp gave it); the worker sets a json one with
+# --log-format json: (ggml level, text) -> the line
+LINE = None
 BURST = 20
 WINDOW = 10.0
 
@@ -45,14 +48,16 @@ class LlamaLog:
                 now = self.clock()
                 if now - self.window_start >= WINDOW:
                     if self.suppressed:
-                        out.write(f"llama.cpp: {self.suppressed} more error lines in "
-                                  f"{WINDOW:.0f}s not logged\n")
+                        note = (f"llama.cpp: {self.suppressed} more error lines in "
+                                f"{WINDOW:.0f}s not logged\n")
+                        out.write(note if LINE is None or self.stream is not None
+                                  else LINE(GGML_LOG_ERROR, note))
                     self.window_start, self.written, self.suppressed = now, 0, 0
                 if self.written >= BURST:
                     self.suppressed += 1
                     return
                 self.written += 1
-        out.write(text)
+        out.write(text if LINE is None or self.stream is not None else LINE(level, text))
 
 
 # llama.cpp keeps one log callback per process; `user_data` names the LlamaLog it writes
