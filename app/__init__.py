@@ -17,7 +17,8 @@ def create_app(test_config: dict | None = None) -> Flask:
                                     "api_key", "api_key_file", "cors_origin", "access_log",
                                     "body_timeout", "heartbeat_interval", "cache_scope",
                                     "curve_keys", "curve_name", "insecure_transport",
-                                    "any_model_name", "usage_by_key", "log_format"])
+                                    "any_model_name", "usage_by_key", "log_format",
+                                    "status_access"])
     app.config.from_mapping(
         DISPATCHER=options["dispatcher"],
         MAX_BODY=options["max_body"],
@@ -35,6 +36,7 @@ def create_app(test_config: dict | None = None) -> Flask:
         ANY_MODEL_NAME=options["any_model_name"],
         USAGE_BY_KEY=options["usage_by_key"],
         LOG_FORMAT=options["log_format"],
+        STATUS_ACCESS=options["status_access"],
     )
     if test_config:
         app.config.update(test_config)

@@ -15,10 +15,25 @@ from flask import Flask, request
 from app.errors import Unauthorized
 from dispatcher.common.config import load_named_keys
 
-# for load balancers and Prometheus; the status page and its JSON (no request content:
-# the same rule as /metrics); the page's playground sends the key a user types into it
-OPEN_PATHS = {"/health", "/metrics", "/", "/ui/", "/ui/status.js", "/ui/status.css",
-              "/v1/status"}
+# for load balancers; the status page's files (no data: the page sends the key typed into
+# it, for its JSON and its playground)
+OPEN_PATHS = {"/health", "/", "/ui/", "/ui/status.js", "/ui/status.css"}
+# what operators read, no request content: /metrics (Prometheus) and the page's JSON, as
+# --status-access says: open (the default), loopback (open to a client on this host that
+# came straight, not through a proxy; keyed otherwise) or key
+OPERATOR_PATHS = {"/metrics", "/v1/status"}
+LOOPBACK = {"127.0.0.1", "::1"}
+PROXY_HEADERS = ("X-Forwarded-For", "X-Real-IP", "Forwarded")
+
+
+def operator_open(access: str) -> bool:
+    """Whether this request to an operator path needs no key under `access`."""
+    if access == "open":
+        return True
+    if access == "loopback":
+        return request.remote_addr in LOOPBACK and \
+            not any(request.headers.get(h) for h in PROXY_HEADERS)
+    return False
 TENANT = "completions.tenant"            # the environ key of the request's key's name
 
 
@@ -40,10 +55,12 @@ def init_app(app: Flask) -> None:
     app.config["CACHE_SCOPE"] = app.config.get("CACHE_SCOPE") or ("key" if keys else "shared")
     if not keys:
         return
+    access = str(app.config.get("STATUS_ACCESS") or "open")
 
     @app.before_request
     def require_key():
-        if request.path in OPEN_PATHS:
+        if request.path in OPEN_PATHS or (request.path in OPERATOR_PATHS
+                                          and operator_open(access)):
             return None
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         found = matching_key(token.strip().encode(), keys) \

@@ -28,7 +28,8 @@ SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "mo
                  "stop_grace", "api_key", "api_key_file", "access_log", "step_timeout",
                  "max_connections", "header_timeout", "body_timeout", "heartbeat_interval",
                  "cache_scope", "max_queue_per_key", "log_content", "curve_keys",
-                 "insecure_transport", "infer_sessions", "any_model_name", "usage_by_key"]
+                 "insecure_transport", "infer_sessions", "any_model_name", "usage_by_key",
+                 "status_access"]
 
 
 def _setup_logging(level: str, log_format: str = "text") -> None:
@@ -207,7 +208,8 @@ def _frontend_child(Child, args, base: str, keyed: bool):
            "COMPLETIONS_API_KEY_FILE": args.api_key_file or "",
            "COMPLETIONS_CORS_ORIGIN": ",".join(args.cors_origin),
            "COMPLETIONS_ANY_MODEL_NAME": "true" if args.any_model_name else "",
-           "COMPLETIONS_USAGE_BY_KEY": "true" if args.usage_by_key else "false"}
+           "COMPLETIONS_USAGE_BY_KEY": "true" if args.usage_by_key else "false",
+           "COMPLETIONS_STATUS_ACCESS": args.status_access}
     return Child("frontend", python_module_argv(
         # The dispatcher has drained in-flight requests (--stop-grace) before the front
         # ends are stopped: their worker (app/gunicorn_worker.py) closes idle keep-alive

@@ -19,7 +19,7 @@ function keyHeaders() {
 // -- status ---------------------------------------------------------------------------
 async function poll() {
   try {
-    const response = await fetch("/v1/status", { cache: "no-store" });
+    const response = await fetch("/v1/status", { cache: "no-store", headers: keyHeaders() });
     const status = await response.json();
     if (!response.ok) throw new Error(status.error ? status.error.message : response.status);
     record(status);
