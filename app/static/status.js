@@ -75,6 +75,15 @@ function spark(series, cls) {
   return `<polyline class="${cls}" points="${points.join(" ")}"/>`;
 }
 
+// A worker being started again says why it was lost (stuck: the watchdog; lost: it died
+// or stopped answering), from its last loss
+function stateOf(w) {
+  if ((w.state === "restarting" || w.state === "starting") && w.last_lost) {
+    return `${w.state} (${w.last_lost.code === "worker_stuck" ? "stuck" : "lost"})`;
+  }
+  return w.state;
+}
+
 function text(value, digits, unit) {
   return value === null || value === undefined ? "–" : value.toFixed(digits) + unit;
 }
@@ -98,7 +107,7 @@ function render(status) {
     row.dataset.worker = w.name;
     row.innerHTML = `
       <td class="name"></td><td class="device"></td><td class="model"></td>
-      <td class="state ${w.state}">${w.state}</td>
+      <td class="state ${w.state}">${stateOf(w)}</td>
       <td class="slots">${w.busy} / ${w.slots}</td>
       <td class="queue">${(status.queue || {})[w.model] || 0}</td>
       <td><span class="figure tokens">${text(perSecond, 1, "")}</span>
