@@ -15,9 +15,10 @@ from app.client import ClientGone, get_client, watch_disconnect
 from app.errors import from_wire
 from app.fanout import Fanout
 from app.jobs import plan_jobs
-from app.requests import (PROFILE_HEADER, check_prompt_size, check_route, parse_json_body,
-                          SEQUENCE_HEADER, client_of, json_answer, key_scope, queue_timeout,
-                          resolve_model, session_of, session_order, tenant_of, validate)
+from app.requests import (PROFILE_HEADER, SEQUENCE_HEADER, api_key_fingerprint,
+                          check_prompt_size, check_route, client_of, json_answer,
+                          parse_json_body, queue_timeout, resolve_model, session_of,
+                          session_order, tenant_of, validate)
 from app.responses import Result
 from dispatcher.common import protocol as P
 
@@ -68,7 +69,7 @@ def serve(req: dict, result_class, warm: bool = False, infill: P.Infill | None =
     request_id = P.new_request_id()
     plans = plan_jobs(request_id, model, req, request.headers.get(PROFILE_HEADER),
                       session_of(request), timeout, warm, infill, session_order(arrived),
-                      tenant_of(request), key_scope(request),
+                      tenant_of(request), api_key_fingerprint(request),
                       SEQUENCE_HEADER in request.headers, client_of(request))
     check_route(plans[0].job, state)
     record = access.current()

@@ -29,7 +29,7 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
               session: str | None = None, timeout: float | None = None,
               warm: bool = False, infill: P.Infill | None = None,
               session_order: int = 0, tenant: str | None = None,
-              key: str | None = None, session_seq: bool = False,
+              api_key: str | None = None, session_seq: bool = False,
               client: str | None = None) -> list[JobPlan]:
     """One job per prompt and candidate. Candidates of one prompt get seeds seed, seed+1,
     ... so that n > 1 gives different texts and the same request gives the same ones.
@@ -61,7 +61,7 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
                 route=route, session=session,
                 client=None if session else client,
                 session_order=session_order, session_seq=session_seq, timeout=timeout,
-                tenant=tenant, key=key,
+                tenant=tenant, api_key=api_key,
                 prompt=prompt,
                 suffix=req.get("suffix"), infill=infill, generation=generation)
             plans.append(JobPlan(msgspec.structs.replace(job, adopt_key=adopt_key(job)),

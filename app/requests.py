@@ -281,7 +281,7 @@ def queue_timeout() -> float | None:
 MAX_SESSION_ID = 128               # characters of an X-Session-Id (400 above)
 
 
-def key_scope(req) -> str | None:
+def api_key_fingerprint(req) -> str | None:
     """The API key the request was admitted with, as a fingerprint (None: no keys are
     configured): what sessions and, with --cache-scope key, the prompt cache are
     partitioned by."""
@@ -294,7 +294,7 @@ def key_scope(req) -> str | None:
 def tenant_of(req) -> str | None:
     """Whose prompt cache the request may reuse and fill: its key's (--cache-scope key,
     the default when keys are configured), or everyone's (None: shared)."""
-    return key_scope(req) if current_app.config.get("CACHE_SCOPE") == "key" else None
+    return api_key_fingerprint(req) if current_app.config.get("CACHE_SCOPE") == "key" else None
 
 
 def session_of(req) -> str | None:
@@ -310,7 +310,7 @@ def session_of(req) -> str | None:
         return None
     # (never a name the dispatcher gives an inferred session, `~client:n`: a client
     # cannot join another address's inferred session by forging its id)
-    return f"{key_scope(req) or 'h'}:{session}"
+    return f"{api_key_fingerprint(req) or 'h'}:{session}"
 
 
 def client_of(req) -> str | None:
@@ -324,7 +324,7 @@ def client_of(req) -> str | None:
     forwarded = req.headers.get("X-Forwarded-For")
     if forwarded and address in ("127.0.0.1", "::1"):
         address = forwarded.rsplit(",", 1)[-1].strip()[:64]
-    return hashlib.sha256(f"{key_scope(req) or ''}|{address}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{api_key_fingerprint(req) or ''}|{address}".encode()).hexdigest()[:16]
 
 
 SEQUENCE_HEADER = "X-Session-Seq"   # the client's own order of its session's requests

@@ -236,20 +236,20 @@ class DispatcherCore:
         job = QueuedJob(request_id, fe_id, body, enqueued_at=self.now, share_key=share_key)
         if body.op:
             return self._run_op(job)
-        key = self.queue.key(job)
+        lane = self.queue.lane(job)
         later = self.units.later_job(job.parent)
-        if not later and body.key is not None and \
-                self.shares.key_queue_full(self.queue.depth_of_key(key, body.key)):
+        if not later and body.api_key is not None and \
+                self.shares.key_queue_full(self.queue.depth_of_api_key(lane, body.api_key)):
             self.stats["queue_full"] += 1           # this key's share; others still admitted
             return self._reject(fe_id, request_id, P.WireError(
                 status=429, code="key_queue_full", message=f"this API key already has "
-                f"{self.shares.max_queue_per_key} requests waiting for '{key[0]}' (its "
+                f"{self.shares.max_queue_per_key} requests waiting for '{lane[0]}' (its "
                 f"share of the queue of {self.max_queue})", retry_after=1))
-        if not later and self.queue.depth(key) >= self.max_queue:
+        if not later and self.queue.depth(lane) >= self.max_queue:
             self.stats["queue_full"] += 1           # (refused before it supersedes anything)
             return self._reject(fe_id, request_id, P.WireError(
                 status=429, code="queue_full", message=f"{self.max_queue} requests are "
-                f"already waiting for '{key[0]}'" + (f" (profile '{key[1]}')" if key[1]
+                f"already waiting for '{lane[0]}'" + (f" (profile '{lane[1]}')" if lane[1]
                                                      else ""),
                 retry_after=1))
         if body.session is None and self.inferred is not None:
@@ -526,19 +526,20 @@ class DispatcherCore:
         first; a job no free worker fits waits without blocking the jobs behind it."""
         if not len(self.queue) or not self.registry.with_free_slots():
             return
-        running, by_key = self.shares.running(self.registry.workers.values())
+        running, by_api_key = self.shares.running(self.registry.workers.values())
         slots: dict[str, int] = {}
         for record in self.registry.workers.values():
             slots[record.model] = slots.get(record.model, 0) + record.slots
-        for job in self.queue.in_fair_order(running, by_key, self.shares.served):
-            if not self.shares.may_run(job, running, by_key, slots.get(job.body.model, 0)):
+        for job in self.queue.in_fair_order(running, by_api_key, self.shares.served):
+            if not self.shares.may_run(job, running, by_api_key,
+                                       slots.get(job.body.model, 0)):
                 continue
             worker = self.registry.choose(job)
             if worker is None:
                 continue
             self.queue.take(job)
             self._assign(job, worker)
-            self.shares.took(job, running, by_key)
+            self.shares.took(job, running, by_api_key)
             if not self.registry.with_free_slots():
                 return
 
@@ -557,7 +558,7 @@ class DispatcherCore:
                 while len(worker.shared_sent) > P.DISPATCHER_SHARED:
                     worker.shared_sent.popitem(last=False)
         self._to_worker(worker.identity, P.REQUEST, job.request_id, body)
-        self.shares.served_now(job.body.key)
+        self.shares.served_now(job.body.api_key)
         job.worker = worker.identity
         worker.running[job.request_id] = job
         worker.last_assigned = self.now

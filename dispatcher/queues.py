@@ -86,39 +86,40 @@ class RequestQueue:
         self._jobs.remove(job)
 
     @staticmethod
-    def key(job: QueuedJob) -> tuple[str, str | None]:
-        """Admission is bounded per model and machine profile."""
+    def lane(job: QueuedJob) -> tuple[str, str | None]:
+        """The queue's lane of a job, (model, machine profile): admission is bounded per
+        lane."""
         return job.model, job.body.route.profile
 
-    def depth(self, key: tuple[str, str | None]) -> int:
-        """Queued requests (not jobs: a request's n × prompts jobs count once)."""
-        return len({job.parent for job in self._jobs if self.key(job) == key})
+    def depth(self, lane: tuple[str, str | None]) -> int:
+        """Queued requests of a lane (not jobs: a request's n × prompts jobs count once)."""
+        return len({job.parent for job in self._jobs if self.lane(job) == lane})
 
     def in_fair_order(self, running: dict[str, int],
-                      by_key: dict[str | None, int] | None = None,
+                      by_api_key: dict[str | None, int] | None = None,
                       served: dict[str, int] | None = None) -> list[QueuedJob]:
         """The jobs in the order they should get a slot: API keys in turn (a job's turn is
         its key's running jobs plus its key's jobs queued before it; at equal turns, the key
         served least recently, `served`), then requests with the fewest jobs running, then
         oldest first. One key's 80 requests cannot keep another
         key's behind them, nor a request of 128 choices a single-choice one."""
-        jobs, by_key, served = list(self._jobs), by_key or {}, served or {}
+        jobs, by_api_key, served = list(self._jobs), by_api_key or {}, served or {}
         turn, seen = [], {}
         for job in jobs:
-            key = job.body.key
-            if key is None:
+            api_key = job.body.api_key
+            if api_key is None:
                 turn.append(0)
                 continue
-            turn.append(by_key.get(key, 0) + seen.get(key, 0))
-            seen[key] = seen.get(key, 0) + 1
+            turn.append(by_api_key.get(api_key, 0) + seen.get(api_key, 0))
+            seen[api_key] = seen.get(api_key, 0) + 1
         order = sorted(range(len(jobs)), key=lambda i: (
-            turn[i], served.get(jobs[i].body.key, 0), running.get(jobs[i].parent, 0), i))
+            turn[i], served.get(jobs[i].body.api_key, 0), running.get(jobs[i].parent, 0), i))
         return [jobs[i] for i in order]
 
-    def depth_of_key(self, key: tuple[str, str | None], api_key: str) -> int:
-        """Queued requests of one API key for `key` (model, profile)."""
+    def depth_of_api_key(self, lane: tuple[str, str | None], api_key: str) -> int:
+        """Queued requests of one API key in a lane (model, profile)."""
         return len({job.parent for job in self._jobs
-                    if job.body.key == api_key and self.key(job) == key})
+                    if job.body.api_key == api_key and self.lane(job) == lane})
 
     def past_deadline(self, now: float, in_service: set[str] = frozenset()) -> list[QueuedJob]:
         """Remove and return the jobs past their queue deadline, but those of a request

@@ -23,17 +23,17 @@ def affinity_allowed(shared: int, busy: int, least_busy: int) -> bool:
         busy - least_busy <= shared // AFFINITY_CHARS_PER_SLOT
 
 
-def prompt_key(job: P.Job) -> str:
+def routed_text(job: P.Job) -> str:
     """The job's prompt as text laid out the way its tokens will be (FIM: prefix, then
     suffix), so that a common text prefix means a common token prefix, roughly; under its
     tenant's name, so that a key is drawn only to the cache of its own prompts."""
     prompt = job.prompt
-    key = prompt if isinstance(prompt, str) else json.dumps(prompt)
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt)
     if job.suffix is not None:
-        key = "\x00fim\x00" + key + "\x00suffix\x00" + job.suffix
+        text = "\x00fim\x00" + text + "\x00suffix\x00" + job.suffix
     if job.tenant is not None:
-        key = "\x00tenant\x00" + job.tenant + "\x00" + key
-    return key
+        text = "\x00tenant\x00" + job.tenant + "\x00" + text
+    return text
 
 
 # Prompts are compared by chained hashes of fixed blocks of their key (as paged prefix
@@ -45,12 +45,12 @@ MAX_PREFIX_BLOCKS = 1024
 
 
 def prefix_blocks(job: P.Job) -> tuple[int, ...]:
-    """The chained hashes of the job's prompt key, block by block: block i's hash
+    """The chained hashes of the job's routed text, block by block: block i's hash
     stands for the whole prefix up to and including it."""
-    key = prompt_key(job)
+    text = routed_text(job)
     blocks, chained = [], 0
-    for start in range(0, min(len(key), BLOCK_CHARS * MAX_PREFIX_BLOCKS), BLOCK_CHARS):
-        chained = hash((chained, key[start:start + BLOCK_CHARS]))
+    for start in range(0, min(len(text), BLOCK_CHARS * MAX_PREFIX_BLOCKS), BLOCK_CHARS):
+        chained = hash((chained, text[start:start + BLOCK_CHARS]))
         blocks.append(chained)
     return tuple(blocks)
 

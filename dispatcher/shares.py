@@ -25,48 +25,48 @@ class Shares:
         self.served: OrderedDict[str, int] = OrderedDict()
         self._dispatched = 0
 
-    def key_queue_full(self, depth_of_key: int) -> bool:
-        """Whether a key with `depth_of_key` jobs waiting for a model has its share."""
-        return bool(self.max_queue_per_key) and depth_of_key >= self.max_queue_per_key
+    def key_queue_full(self, queued: int) -> bool:
+        """Whether an API key with `queued` requests waiting in a lane has its share."""
+        return bool(self.max_queue_per_key) and queued >= self.max_queue_per_key
 
     @staticmethod
     def running(workers) -> tuple[dict[str, int], dict[str | None, int]]:
         """Jobs running now, by request (parent id) and by key; a cancelled job's slot is
         as good as free."""
         by_request: dict[str, int] = {}
-        by_key: dict[str | None, int] = {}
+        by_api_key: dict[str | None, int] = {}
         for record in workers:
             for job in record.running.values():
                 if job.cancelled:
                     continue
                 by_request[job.parent] = by_request.get(job.parent, 0) + 1
-                by_key[job.body.key] = by_key.get(job.body.key, 0) + 1
-        return by_request, by_key
+                by_api_key[job.body.api_key] = by_api_key.get(job.body.api_key, 0) + 1
+        return by_request, by_api_key
 
-    def may_run(self, job, by_request: dict, by_key: dict, slots: int) -> bool:
+    def may_run(self, job, by_request: dict, by_api_key: dict, slots: int) -> bool:
         """Whether `job` may take a slot of its model's `slots` now: its key and its
         request below their shares."""
-        key = job.body.key
-        if key is not None and self.key_slot_share < 1.0 and \
-                by_key.get(key, 0) >= share_of(slots, self.key_slot_share):
+        api_key = job.body.api_key
+        if api_key is not None and self.key_slot_share < 1.0 and \
+                by_api_key.get(api_key, 0) >= share_of(slots, self.key_slot_share):
             return False                        # its key runs its share: others' turn
         if job.long and by_request.get(job.parent, 0) >= share_of(
                 slots, config.REQUEST_SLOT_SHARE):
             return False                        # its long choices run their share
         return True
 
-    def took(self, job, by_request: dict, by_key: dict) -> None:
+    def took(self, job, by_request: dict, by_api_key: dict) -> None:
         """`job` took a slot: counted, and its key's turn is now."""
-        key = job.body.key
-        by_key[key] = by_key.get(key, 0) + 1
+        api_key = job.body.api_key
+        by_api_key[api_key] = by_api_key.get(api_key, 0) + 1
         by_request[job.parent] = by_request.get(job.parent, 0) + 1
 
-    def served_now(self, key: str | None) -> None:
-        if key is None:
+    def served_now(self, api_key: str | None) -> None:
+        if api_key is None:
             return
         self._dispatched += 1
-        self.served[key] = self._dispatched
-        self.served.move_to_end(key)
+        self.served[api_key] = self._dispatched
+        self.served.move_to_end(api_key)
         while len(self.served) > SERVED_KEYS:
             self.served.popitem(last=False)
 

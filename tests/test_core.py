@@ -400,13 +400,13 @@ def test_the_session_table_is_bounded_least_recently_used_first(monkeypatch):
 def test_a_key_over_its_share_of_the_queue_is_refused_while_others_are_admitted():
     core = DispatcherCore(max_queue=4, max_queue_per_key=2)
     ready(core, slots=1)
-    submit(core, "a0", key="k1", parent="a0")                   # runs
-    submit(core, "a1", key="k1", parent="a1")                   # queued
-    submit(core, "a2", key="k1", parent="a2")                   # queued: its share
-    refused = submit(core, "a3", key="k1", parent="a3")[0]
+    submit(core, "a0", api_key="k1", parent="a0")                   # runs
+    submit(core, "a1", api_key="k1", parent="a1")                   # queued
+    submit(core, "a2", api_key="k1", parent="a2")                   # queued: its share
+    refused = submit(core, "a3", api_key="k1", parent="a3")[0]
     assert refused.cmd == P.REJECTED and refused.body.code == "key_queue_full"
     assert refused.body.status == 429 and refused.body.retry_after == 1
-    assert kinds(submit(core, "b0", key="k2", parent="b0")) == [("ACCEPTED", "b0")]
+    assert kinds(submit(core, "b0", api_key="k2", parent="b0")) == [("ACCEPTED", "b0")]
     sends = from_worker(core, P.DONE, "a0", attempt=1, last_seq=1)
     assert ("REQUEST", "b0") in kinds(sends)        # keys take turns: k1 just had one
     sends = from_worker(core, P.DONE, "b0", attempt=1, last_seq=1)
@@ -603,17 +603,17 @@ def test_one_key_never_holds_every_slot_while_keys_share_them():
     core = DispatcherCore(key_slot_share=0.75)
     ready(core, slots=16)
     for c in range(16):
-        submit(core, f"a.0.{c}", parent="a", fanout=16, key="ka")
+        submit(core, f"a.0.{c}", parent="a", fanout=16, api_key="ka")
     running = core.registry.workers[b"w0"].running
-    assert sum(1 for j in running.values() if j.body.key == "ka") == 12
-    sends = submit(core, "b", key="kb")
+    assert sum(1 for j in running.values() if j.body.api_key == "ka") == 12
+    sends = submit(core, "b", api_key="kb")
     assert ("REQUEST", "b") in kinds(sends)
     sends = from_worker(core, P.DONE, "a.0.0", attempt=1, last_seq=3)
     assert sum(1 for s in sends if s.cmd == P.REQUEST) == 1       # a's next, in its turn
     alone = DispatcherCore()                                     # one key (or none): all
     ready(alone, slots=16)
     for c in range(16):
-        submit(alone, f"a.0.{c}", parent="a", fanout=16, key="ka", tokens=64)
+        submit(alone, f"a.0.{c}", parent="a", fanout=16, api_key="ka", tokens=64)
     assert len(alone.registry.workers[b"w0"].running) == 16
 
 
@@ -626,10 +626,10 @@ def test_a_request_of_long_choices_never_holds_every_slot(key):
         core = DispatcherCore()
         ready(core, slots=16)
         for c in range(16):
-            submit(core, f"a.0.{c}", parent="a", fanout=16, key=key, tokens=tokens)
+            submit(core, f"a.0.{c}", parent="a", fanout=16, api_key=key, tokens=tokens)
         running = core.registry.workers[b"w0"].running
         assert len(running) == at_once, tokens
-        sends = submit(core, "b", parent="b", key=key, tokens=None)
+        sends = submit(core, "b", parent="b", api_key=key, tokens=None)
         assert (("REQUEST", "b") in kinds(sends)) == (at_once < 16), tokens
         if at_once < 16:
             sends = from_worker(core, P.DONE, "a.0.0", attempt=1, last_seq=3)
@@ -637,7 +637,7 @@ def test_a_request_of_long_choices_never_holds_every_slot(key):
     single = DispatcherCore()
     ready(single, slots=1)
     assert ("REQUEST", "c.0.0") in kinds(submit(single, "c.0.0", parent="c", fanout=2,
-                                                 key=key))
+                                                 api_key=key))
 
 
 def test_a_huge_session_seq_never_locks_out_requests_ordered_by_arrival():
