@@ -109,7 +109,9 @@ def test_a_stray_byte_before_a_close_still_cancels_a_non_streamed_request(fake_s
     worker = fake_server.wait_for(
         lambda: (w := fake_server.worker()) and w["state"] == "idle" and w["last_done"]
         and w["last_done"].get("cancelled") and w, timeout=20, what="the cancel")
-    assert worker["last_done"]["usage"]["completion_tokens"] < 100
+    # (a cancel that reached the worker with the job itself, before it was admitted: a
+    # busy machine, ends it with no usage at all, zero tokens)
+    assert worker["last_done"].get("usage", {}).get("completion_tokens", 0) < 100
 
 
 def test_client_leaving_while_queued_never_runs(fake_server):
