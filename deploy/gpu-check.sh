@@ -310,8 +310,10 @@ EOF
 
 diagnose_worker() {
     # A worker that dies at start, loaded again in the foreground: as `python -m workers`,
-    # the same load as `workers.selftest` does it (which passed), that again after the
-    # worker's own imports (zmq first), and under cuda-gdb (or gdb) for the native stack
+    # again with llama.cpp's whole log (its last line before the crash; selftest, which
+    # loaded, logs that way), the same load as `workers.selftest` does it (which passed),
+    # that again after the worker's own imports (zmq first), and under cuda-gdb (or gdb)
+    # for the native stack
     say "a worker died at start; loading it again in the foreground (diagnose.txt)"
     binary=$("$py" -c 'import sys; print(sys.executable)')    # (not a launcher script)
     worker="$binary -X faulthandler -m workers --dispatcher ipc://$OUT/ipc-diagnose \
@@ -321,6 +323,8 @@ diagnose_worker() {
     {
         echo "== python -m workers (60 s at most: a loaded worker waits for its dispatcher)"
         timeout 60 $worker 2>&1 | grep -v "^llama_model_loader\|^print_info\|^load_tensors: *layer" | tail -40
+        echo "== python -m workers --log-level debug (llama.cpp's whole log, as selftest loads with it)"
+        timeout 60 $worker --log-level debug 2>&1 | grep -v "^llama_model_loader\|^print_info\|^load_tensors: *layer" | tail -40
         echo "== python -m workers.selftest (selftest's process)"
         timeout 120 "$py" -X faulthandler -m workers.selftest $quick 2>&1 | tail -12
         echo "== the same, after the worker's module is imported (zmq and the rest first)"

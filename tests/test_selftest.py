@@ -389,6 +389,8 @@ def test_gpu_check_stops_at_once_when_a_worker_dies_at_start_and_diagnoses_it(tm
     assert "fault injection: the worker crashes at load" in diagnosis
     assert "in at_load" in diagnosis                    # the Python stack (faulthandler)
     assert diagnosis.count('"ok": true') == 2           # selftest's load, twice
+    debug = diagnosis.split("--log-level debug")[1].split("== python -m workers.selftest")[0]
+    assert "fault injection: the worker crashes at load" in debug
     if shutil.which("gdb") or shutil.which("cuda-gdb"):
         assert "received signal SIGSEGV" in diagnosis and "#0 " in diagnosis
     assert not list(out.glob("bench-*.json"))
