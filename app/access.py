@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from flask import Flask, request
 
 from app.auth import TENANT
+from app.metrics import QUIET_PATHS
 from dispatcher.common.config import key_fingerprint as fingerprint
 
 ENVIRON_KEY = "completions.access"
@@ -173,7 +174,9 @@ def init_app(app: Flask) -> None:
             code = _error_code(response) if status >= 400 else None
             if code:
                 record.failed(code)
-            tenant = request.environ.get(TENANT) if usage else None
+            # (what machines read every second or so is no one's usage: app.metrics)
+            tenant = request.environ.get(TENANT) \
+                if usage and request.path not in QUIET_PATHS else None
             client = app.extensions.get("dispatcher_client")
 
             def done():                 # the answer's last byte is out (or the client left)

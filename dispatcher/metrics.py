@@ -38,12 +38,15 @@ class SystemMetrics:
                     self.histograms[key] = Histogram(HISTOGRAMS[kind])
                 self.histograms[key].merge([int(c) for c in wire["counts"]],
                                            float(wire["sum"]))
-            for key, *counts in delta.get("usage", []):
-                if len(counts) != 4:
+            for row in delta.get("usage", []):
+                if not isinstance(row, list) or len(row) != 5 or not isinstance(row[0], str):
                     continue
-                totals = self.usage.setdefault(str(key), [0, 0, 0, 0])
+                counts = [int(n) for n in row[1:]]
+                if min(counts) < 0:             # (counters never go down)
+                    continue
+                totals = self.usage.setdefault(row[0], [0, 0, 0, 0])
                 for i, n in enumerate(counts):
-                    totals[i] += int(n)
+                    totals[i] += n
         except (TypeError, ValueError, KeyError):
             pass
 

@@ -118,3 +118,20 @@ def test_which_chains_are_drawn_here():
     assert not host_drawable(params(grammar='root ::= "a"'))
     assert not host_drawable(params(samplers=["top_p", "infill"], top_p=0.9))
     assert not host_drawable(params(mirostat=2))
+
+
+def test_a_request_without_a_seed_draws_its_own_and_odd_chains_and_rows_hold():
+    """No seed: each request its own random stream (llama.cpp's 'random' seed value is not
+    a fixed numpy seed), so n choices differ; a temperature named twice applies twice, as
+    llama.cpp's chain does; a NaN logit is a token never drawn, not a failure."""
+    logits = np.zeros(5000, dtype=np.float32)             # flat: every draw a coin
+    unseeded = SamplingParams.from_job({"temperature": 1.0})
+    first = [HostDraw(unseeded).draw(logits) for _ in range(20)]
+    second = [HostDraw(unseeded).draw(logits) for _ in range(20)]
+    assert first != second
+    twice = params(temperature=0.5, samplers=["temperature", "temperature"])
+    assert HostDraw(twice).kept(logits)[1] == pytest.approx(4.0)
+    odd = np.arange(10, dtype=np.float32)
+    odd[3] = np.nan
+    draw = HostDraw(params(temperature=0.7, top_p=0.9))
+    assert all(draw.draw(odd) != 3 for _ in range(50))

@@ -204,7 +204,7 @@ def test_usage_is_counted_per_key_by_its_name_never_the_key(tmp_path):
     from conftest import ROOT
     from dispatcher.common.config import key_fingerprint
     keys = tmp_path / "keys"
-    keys.write_text("# team keys\nsk-alice-0001 alice\nsk-anon-0002\n")
+    keys.write_text("# team keys\nsk-alice-0001 alice\nsk-anon-0002\nsk-bob-0004\tbob\n")
     server = ServerProcess("--engine", "fake", "--api-key", "sk-inline-0003",
                            "--api-key-file", str(keys), log_name="usage").start()
     try:
@@ -215,6 +215,7 @@ def test_usage_is_counted_per_key_by_its_name_never_the_key(tmp_path):
         assert send("sk-alice-0001", {"prompt": "a", "max_tokens": 2}) == 200
         assert send("sk-alice-0001", {"prompt": "a", "max_tokens": -7}) == 400
         assert send("sk-anon-0002", {"prompt": "bc", "max_tokens": 4}) == 200
+        assert send("sk-bob-0004", {"prompt": "b", "max_tokens": 1}) == 200      # (a tab)
         assert send("sk-nobody", {"prompt": "a"}) == 401           # no key: not counted
 
         def usage():
@@ -223,8 +224,8 @@ def test_usage_is_counted_per_key_by_its_name_never_the_key(tmp_path):
                                  capture_output=True, text=True, timeout=30)
             return {k["key"]: k for k in json.loads(out.stdout)["keys"]}
         rows = server.wait_for(lambda: (u := usage()).get("alice", {}).get("requests") == 3
-                               and f"key-{key_fingerprint('sk-anon-0002')}" in u and u,
-                               what="usage of both keys")
+                               and f"key-{key_fingerprint('sk-anon-0002')}" in u
+                               and "bob" in u and u, what="usage of the keys")
         alice = rows["alice"]
         assert (alice["errors"], alice["completion_tokens"]) == (1, 5)
         assert alice["prompt_tokens"] > 0
@@ -238,7 +239,7 @@ def test_usage_is_counted_per_key_by_its_name_never_the_key(tmp_path):
                                 server.dispatcher], cwd=ROOT, capture_output=True,
                                text=True, timeout=30).stdout
         assert "alice" in table and "COMPLETION TOKENS" in table
-        for secret in ("sk-alice-0001", "sk-anon-0002", "sk-inline-0003"):
+        for secret in ("sk-alice-0001", "sk-anon-0002", "sk-inline-0003", "sk-bob-0004"):
             assert secret not in text and secret not in table and secret not in str(rows)
     finally:
         assert server.stop() == 0
@@ -279,3 +280,16 @@ def test_status_access_decides_who_reads_metrics_and_status_without_a_key(access
             assert http_json(server.port, "GET", path)[0] == 200, path
     finally:
         assert server.stop() == 0
+
+
+def test_usage_counts_from_a_front_end_are_checked_before_they_are_added():
+    """A malformed or negative usage row in a heartbeat is left out whole (a counter never
+    goes down, no junk label appears); the ops tool says the dispatcher's error."""
+    from dispatcher.metrics import SystemMetrics
+    from dispatcher.tools.ctl import format_usage
+    metrics = SystemMetrics()
+    metrics.absorb({"usage": [["alice", 1, 10, 5, 0], "abcde", ["eve", 1, -5, 0, 0],
+                              ["x", 1, 2], [7, 1, 1, 1, 1], ["bob", "2", 3, 4, 1]]})
+    assert metrics.usage == {"alice": [1, 10, 5, 0], "bob": [2, 3, 4, 1]}
+    assert format_usage({"error": "unknown command 'usage'"}).startswith("error:")
+    assert "no usage" in format_usage({"keys": []})

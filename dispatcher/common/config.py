@@ -395,8 +395,8 @@ def load_named_keys(inline: str | None, path: str | None) -> list[tuple[bytes, s
         for line in open(path, encoding="utf-8").read().splitlines():
             line = line.strip()
             if line and not line.startswith("#"):
-                key, _, name = line.partition(" ")
-                named.append((key, name.strip()))
+                key, *name = line.split(None, 1)          # (a space or a tab between)
+                named.append((key, name[0].strip() if name else ""))
     return [(key.encode(), name or f"key-{key_fingerprint(key)}") for key, name in named]
 
 

@@ -100,9 +100,11 @@ def cmd_status(args) -> int:
 
 
 def format_usage(usage: dict) -> str:
+    if "error" in usage:
+        return f"error: {usage['error']}"
     rows = [("KEY", "REQUESTS", "PROMPT TOKENS", "COMPLETION TOKENS", "ERRORS")] + [
         (k["key"], k["requests"], k["prompt_tokens"], k["completion_tokens"], k["errors"])
-        for k in usage["keys"]]
+        for k in usage.get("keys", [])]
     if len(rows) == 1:
         return "no usage counted yet (no API keys, --usage-by-key off, or no requests)"
     return table(rows)
@@ -111,7 +113,7 @@ def format_usage(usage: dict) -> str:
 def cmd_usage(args) -> int:
     usage = control_request(_base(args), {"cmd": "usage"}, keys=_keys(args))
     print(json.dumps(usage, indent=2) if args.json else format_usage(usage))
-    return 0
+    return 1 if "error" in usage else 0
 
 
 def cmd_worker_action(args) -> int:

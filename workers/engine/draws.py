@@ -63,20 +63,24 @@ class HostDraw:
         self.order = p.order
         self.top_k, self.top_p, self.min_p = p.top_k, p.top_p, p.min_p
         self.temperature = p.temperature
-        self.rng = np.random.default_rng(p.seed32)
+        # a request's seed repeats its text; without one, a draw of its own (llama.cpp's
+        # LLAMA_DEFAULT_SEED means "random": numpy's fixed seed of that value would not)
+        self.rng = np.random.default_rng(None if p.seed is None else p.seed32)
         # the smallest scale a token's weight is taken at (top-p before the temperature
         # weighs at 1), so that FLOOR holds at each
         scales, scale = [], 1.0
         for name in self.order:
             if name == "top_p" and self.top_p < 1.0:
                 scales.append(scale)
-            elif name == "temperature":
-                scale = 1.0 / self.temperature
+            elif name == "temperature":         # (named twice: applied twice, as llama.cpp)
+                scale /= self.temperature
         self.floor = FLOOR / min(scales + [scale])
 
     def kept(self, logits: np.ndarray) -> tuple[np.ndarray, float]:
         """The tokens the chain's cuts leave and the scale on their logits (1 /
         temperature) when the draw is made."""
+        if not np.isfinite(logits.max()):      # a NaN (or +inf) logit: as a -inf one
+            logits = np.nan_to_num(logits, nan=-np.inf, posinf=np.finfo(np.float32).max)
         ids, scale = np.flatnonzero(logits >= logits.max() - self.floor), 1.0
         for name in self.order:
             if name == "top_k" and 0 < self.top_k < len(ids):
@@ -87,10 +91,12 @@ class HostDraw:
                 values = logits[ids]
                 ids = ids[(values - values.max()) * scale >= math.log(self.min_p)]
             elif name == "temperature":
-                scale = 1.0 / self.temperature
+                scale /= self.temperature
         return ids, scale
 
     def draw(self, logits: np.ndarray) -> int:
+        if not np.isfinite(logits.max()):
+            logits = np.nan_to_num(logits, nan=-np.inf, posinf=np.finfo(np.float32).max)
         ids, scale = self.kept(logits)
         values = logits[ids]
         weights = np.exp((values - values.max()) * np.float32(scale))

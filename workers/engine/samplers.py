@@ -181,7 +181,7 @@ class SamplerChain:
         self.temperature = None
         if self.redraws and not (p.penalized or p.logit_bias or p.dry_multiplier):
             self.temperature = p.temperature if "temperature" in p.order else 1.0
-            self.rng = np.random.default_rng(p.seed32)
+            self.rng = np.random.default_rng(None if p.seed is None else p.seed32)
         # the tokens the grammar could ever accept, where that is a useful cut (a grammar
         # the model fights: alphabet.py): drawn from and checked alone, the same outcome
         self.allowed = None
