@@ -137,11 +137,16 @@ def step_profile(workers: list[dict]):
                                   "end), sample (sampling and verifying), draft (the draft "
                                   "model's decodes, --draft-model).",
                                   labels=["worker", "device", "phase"])
+    beats = CounterMetricFamily("completions_worker_heartbeats", "Heartbeats the dispatcher "
+                                "received from the worker (the step counters above are as "
+                                "of its last one).", labels=["worker", "device"])
     for w in workers:
+        labels = [w["worker"], str(w["device"])]
+        if w.get("heartbeats") is not None:
+            beats.add_metric(labels, w["heartbeats"])
         totals = w.get("steps")
         if not totals:
             continue
-        labels = [w["worker"], str(w["device"])]
         steps.add_metric(labels, totals["steps"])
         for kind in ("token", "draft", "prompt"):
             rows.add_metric(labels + [kind], totals[f"{kind}_rows"])
@@ -153,7 +158,7 @@ def step_profile(workers: list[dict]):
             by_source.add_metric(labels + [source, "accepted"], kept)
         for phase in ("plan", "decode", "sample", "draft"):
             seconds.add_metric(labels + [phase], totals.get(f"{phase}_seconds", 0.0))
-    yield from (steps, rows, batches, sat_out, accepted, by_source, seconds)
+    yield from (steps, rows, batches, sat_out, accepted, by_source, seconds, beats)
 
 
 @bp.get("/metrics")

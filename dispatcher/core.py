@@ -8,7 +8,8 @@ messages; the tests drive the core directly with messages and a fake clock.
 What it decides: admission (the queue's bound, counted per request; draining; unknown
 models; routes no worker can meet), superseding by session, dispatch (fair order,
 routing), heartbeats by expiry (workers and front ends), worker loss (requeue what had
-not started, fail the rest), deadlines, and when a graceful stop is complete.
+not started, fail the rest), deadlines, and when a graceful stop is complete. What a
+refused or failed request is told (status, code, message) is `dispatcher.refusals`.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from typing import Protocol
 import msgspec
 
 from dispatcher.common import config, protocol as P
+from dispatcher import refusals
 from dispatcher.admission import InferredSessions, Sessions, Units
-from dispatcher.common.fit import explain_unfit, fits
 from dispatcher.metrics import SystemMetrics
 from dispatcher.queues import QueuedJob, RequestQueue, WorkerRecord, WorkerRegistry
 from dispatcher.shares import Shares
@@ -169,18 +170,13 @@ class DispatcherCore:
             self.stats["timed_out"] += 1
             self._forget(job)
             waited = now - job.enqueued_at
-            self._reject(job.frontend, job.request_id, P.WireError(
-                status=504, code="queue_timeout",
-                message=f"waited {waited:.1f}s in the queue, past the request's deadline"))
+            self._reject(job.frontend, job.request_id, refusals.queue_timeout(waited))
 
     def expire_unservable(self, now: float) -> None:
         for job in self.queue.expire(now - NO_WORKER_TIMEOUT, self.registry.infos()):
             self._forget(job)
-            self._reject(job.frontend, job.request_id, P.WireError(
-                status=503, code="no_worker_ready",
-                message=f"no worker for '{job.model}' became ready in "
-                        f"{NO_WORKER_TIMEOUT:.0f}s",
-                retry_after=config.RETRY_AFTER_SECONDS))
+            self._reject(job.frontend, job.request_id,
+                         refusals.no_worker_became_ready(job.model, NO_WORKER_TIMEOUT))
 
     def drain(self, grace: float, now: float) -> list[Send]:
         """Stop admitting work (503) and stop once in-flight work is done or `grace`
@@ -200,38 +196,12 @@ class DispatcherCore:
         # the id its prompt fields go by: the first job of its prompt (fan-outs only)
         share_key = body.same_as or (request_id if body.fanout > 1 else None)
         body = self.units.fill(request_id, body)
-        if body is None:
-            return self._reject(fe_id, request_id, P.WireError(
-                status=400, code="bad_job",
-                message="the job's same_as names no earlier job of its request"))
-        model = body.model
-        models = self.models()
-        if not request_id:
-            return self._reject(fe_id, request_id, P.WireError(
-                status=400, code="bad_job", message="the job lacks an id"))
-        if self.draining_until is not None:
-            return self._reject(fe_id, request_id, P.WireError(
-                status=503, code="shutting_down", message="the server is shutting down",
-                retry_after=config.RETRY_AFTER_SECONDS))
-        if not models:
-            return self._reject(fe_id, request_id, P.WireError(
-                status=503, code="no_worker_ready", message="no worker is ready",
-                retry_after=config.RETRY_AFTER_SECONDS))
-        if model not in models:
-            return self._reject(fe_id, request_id, P.WireError(
-                status=404, code="model_not_found",
-                message=f"The model '{model}' does not exist"))
-        infos = self.registry.infos()
-        if not any(fits(model, body.route, info) for info in infos):
-            if not models[model]["ready"] or \
-                    len(self.registry) < self.fleet.expected_workers():
-                return self._reject(fe_id, request_id, P.WireError(
-                    status=503, code="no_worker_ready",
-                    message=f"no worker for '{model}' that can run this is ready",
-                    retry_after=config.RETRY_AFTER_SECONDS))
-            param, code, message = explain_unfit(model, body.route, infos)
-            return self._reject(fe_id, request_id, P.WireError(
-                status=400, code=code, message=message, param=param))
+        refusal = refusals.admission(
+            request_id, body, self.models(), self.registry.infos(),
+            draining=self.draining_until is not None,
+            short_of_workers=len(self.registry) < self.fleet.expected_workers())
+        if refusal is not None:
+            return self._reject(fe_id, request_id, refusal)
         self.stats["submitted"] += 1
         job = QueuedJob(request_id, fe_id, body, enqueued_at=self.now, share_key=share_key)
         if body.op:
@@ -241,25 +211,17 @@ class DispatcherCore:
         if not later and body.api_key is not None and \
                 self.shares.key_queue_full(self.queue.depth_of_api_key(lane, body.api_key)):
             self.stats["queue_full"] += 1           # this key's share; others still admitted
-            return self._reject(fe_id, request_id, P.WireError(
-                status=429, code="key_queue_full", message=f"this API key already has "
-                f"{self.shares.max_queue_per_key} requests waiting for '{lane[0]}' (its "
-                f"share of the queue of {self.max_queue})", retry_after=1))
+            return self._reject(fe_id, request_id, refusals.key_queue_full(
+                self.shares.max_queue_per_key, self.max_queue, lane))
         if not later and self.queue.depth(lane) >= self.max_queue:
             self.stats["queue_full"] += 1           # (refused before it supersedes anything)
-            return self._reject(fe_id, request_id, P.WireError(
-                status=429, code="queue_full", message=f"{self.max_queue} requests are "
-                f"already waiting for '{lane[0]}'" + (f" (profile '{lane[1]}')" if lane[1]
-                                                     else ""),
-                retry_after=1))
+            return self._reject(fe_id, request_id, refusals.queue_full(self.max_queue, lane))
         if body.session is None and self.inferred is not None:
             session = self.inferred.session_for(body, self.now)   # an editor's keystroke
             if session is not None:
                 body = job.body = msgspec.structs.replace(body, session=session)
         if body.session and not self._supersede(job):
-            return self._reject(fe_id, request_id, P.WireError(
-                status=409, code="superseded",
-                message="superseded: the session sent a newer request first"))
+            return self._reject(fe_id, request_id, refusals.superseded(by_newer_first=True))
         if job.adopt_from is not None:
             return self._hand_over(job)
         timeout = body.timeout or self.queue_timeout
@@ -282,9 +244,7 @@ class DispatcherCore:
             return False
         for old in older:
             self.stats["superseded"] += 1
-            self._fail(old, P.WireError(
-                status=409, code="superseded",
-                message="superseded by a newer request of the same session"))
+            self._fail(old, refusals.superseded(by_newer_first=False))
             if self.queue.remove(old.request_id) is None and old.worker is not None \
                     and not old.cancelled:        # (a cancelled one's worker has it gone)
                 old.cancelled = True
@@ -313,14 +273,10 @@ class DispatcherCore:
         """Tokenize/detokenize: no queue, no slot; the least busy fitting worker."""
         worker = self.registry.pick(job.body, config.MAX_OPS_PER_WORKER)
         if worker is None and self.registry.pick(job.body) is not None:
-            return self._reject(job.frontend, job.request_id, P.WireError(
-                status=429, code="tokenizer_busy", message=f"every worker already has "
-                f"{config.MAX_OPS_PER_WORKER} tokenize/detokenize requests running",
-                retry_after=1))
+            return self._reject(job.frontend, job.request_id, refusals.tokenizer_busy())
         self._to_frontend(job.frontend, P.ACCEPTED, job.request_id)
         if worker is None:
-            return self._fail(job, P.WireError(status=503, code="no_worker_ready",
-                                               message="no worker could take the request"))
+            return self._fail(job, refusals.no_worker_took())
         self._to_worker(worker.identity, P.REQUEST, job.request_id, job.for_worker())
         job.worker = worker.identity
         worker.ops[job.request_id] = job
@@ -410,6 +366,7 @@ class DispatcherCore:
         elif msg.cmd == P.DISCONNECT:
             self.worker_lost(record, msg.body.reason or "disconnected", code=msg.body.code)
         elif msg.cmd == P.HEARTBEAT:
+            record.heartbeats += 1
             if msg.body is not None and msg.body.steps is not None:
                 record.steps = msg.body.steps
         else:
@@ -491,19 +448,17 @@ class DispatcherCore:
         generation thread held the GIL) may not have been able to say a job started
         either, so none of its jobs is requeued. `code` is the error its failed requests
         get (worker_lost, or worker_stuck from the watchdog)."""
-        code = code if code in ("worker_lost", "worker_stuck") else "worker_lost"
+        lost = refusals.worker_lost(code, reason)
         self.registry.remove(record.identity)
         log.error("worker %s lost (%s) with %d request(s)", record.name, reason,
                   len(record.running))
         self.losses.pop(record.name, None)
-        self.losses[record.name] = {"reason": reason, "code": code, "at": self.now}
+        self.losses[record.name] = {"reason": reason, "code": lost.code, "at": self.now}
         while len(self.losses) > 256:             # (names with a pid in them come and go)
             del self.losses[next(iter(self.losses))]
         self.metrics.worker_lost(record.name, record.info.device,
                                  len(record.running) + len(record.ops),
-                                 "stuck" if code == "worker_stuck" else "lost")
-        lost = P.WireError(status=503, code=code,
-                           message=f"the worker serving this request was lost ({reason})")
+                                 "stuck" if lost.code == "worker_stuck" else "lost")
         for job in record.running.values():
             job.worker = None
             if job.cancelled:                # nobody waits for it any more

@@ -174,7 +174,8 @@ class Operations:
                                     record.info.placement.get("layers_offloaded", 0),
                                 "restarts": child.restarts if child else 0,
                                 "steps": msgspec.structs.asdict(record.steps)
-                                if record.steps is not None else None})
+                                if record.steps is not None else None,
+                                "heartbeats": record.heartbeats})
         depth = core.queue.depth_by_model()
         snapshot.update(workers=workers,
                         queue={m: depth.get(m, 0) for m in set(core.models()) | set(depth)},

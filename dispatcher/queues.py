@@ -169,6 +169,7 @@ class WorkerRecord:
     history: deque = field(default_factory=lambda: deque(maxlen=512))  # (t, tokens) done
     draining: bool = False       # takes no new work (ops: drain, restart, reload)
     steps: P.StepTotals | None = None    # its step profile, as of its last heartbeat
+    heartbeats: int = 0          # heartbeats received (`bench --profile` waits for them)
 
     def remember(self, job: QueuedJob) -> None:
         """Note the prompt this worker now holds (or will hold) in a KV cache."""

@@ -68,3 +68,46 @@ def test_a_fresh_servers_first_part_is_profiled_from_zero():
     assert row is not None and row["steps"] == 80 and row["decode ms"] == 10.0
     same = {("w0", "cpu"): totals(steps=5)}
     assert profile_row("t", "x1", same, same) is None             # no step in the part
+
+
+class MetricsTarget:
+    """A target whose /metrics is the exporter's text of the next snapshot each read."""
+
+    def __init__(self, snapshots):
+        self.snapshots, self.reads = list(snapshots), 0
+
+    def get_root(self, path):
+        self.reads += 1
+        workers = self.snapshots[min(self.reads, len(self.snapshots)) - 1]
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(SnapshotCollector({"workers": workers}))
+        return 200, generate_latest(registry)
+
+
+def worker(beats, steps, name="w0-cpu"):
+    return {"worker": name, "device": "cpu", "model": "m", "up": 1, "slots": 8, "busy": 0,
+            "restarts": 0, "steps": totals(steps=steps), "heartbeats": beats}
+
+
+def test_the_profile_is_read_once_every_worker_has_sent_two_heartbeats_since():
+    from dispatcher.tools.bench_profile import settled
+    # w0 beats every read and w1 every other one; the last steps arrive with w0's first
+    target = MetricsTarget([[worker(10, 50), worker(4, 7, "w1-cpu")],
+                            [worker(11, 60), worker(4, 7, "w1-cpu")],
+                            [worker(12, 60), worker(5, 7, "w1-cpu")],
+                            [worker(13, 60), worker(5, 7, "w1-cpu")],
+                            [worker(14, 60), worker(6, 9, "w1-cpu")],
+                            [worker(15, 60), worker(6, 9, "w1-cpu")]])
+    found = settled(target, settle=60.0, poll=0.0)
+    assert target.reads == 5
+    assert found["w0-cpu", "cpu"]["steps"] == 60 and found["w1-cpu", "cpu"]["steps"] == 9
+
+
+def test_without_heartbeat_counts_the_profile_waits_for_the_steps_to_stop():
+    from dispatcher.tools.bench_profile import settled
+    plain = [dict(worker(0, n), heartbeats=None) for n in (50, 55, 60, 60, 60)]
+    target = MetricsTarget([[w] for w in plain])
+    assert "heartbeats" not in parse_totals(target.get_root("/metrics")[1].decode())[
+        "w0-cpu", "cpu"]
+    found = settled(target, settle=0.0)
+    assert found["w0-cpu", "cpu"]["steps"] == 60 and target.reads == 4

@@ -111,6 +111,28 @@ def test_admission_refuses_what_cannot_run():
     assert sends[0].body.code == "context_length_unavailable"
 
 
+def test_refusals_come_in_the_order_a_client_should_hear_them():
+    """A stopping server says so before it says a model is unknown; an unknown model
+    before a route no worker meets; a route no worker meets is 503 (retry) while the
+    fleet is still short of its workers, 400 once all are there (dispatcher/refusals.py)."""
+    from dispatcher import refusals
+    infos = [P.WorkerInfo(model="m", slots=1, n_ctx=4096, compute="cpu", pid=1)]
+    models = {"m": {"ready": 1}}
+    job = wire_job(id="a", model="other", prompt="p", route={"n_ctx": 100000})
+    assert refusals.admission("a", job, models, infos, True, False).code == "shutting_down"
+    assert refusals.admission("", job, models, infos, True, False).code == "bad_job"
+    assert refusals.admission("a", job, {}, infos, False, False).code == "no_worker_ready"
+    assert refusals.admission("a", job, models, infos, False, False).code == \
+        "model_not_found"
+    job = msgspec.structs.replace(job, model="m")
+    short = refusals.admission("a", job, models, infos, False, True)
+    assert (short.status, short.code) == (503, "no_worker_ready") and short.retry_after
+    whole = refusals.admission("a", job, models, infos, False, False)
+    assert (whole.status, whole.code) == (400, "context_length_unavailable")
+    fits = msgspec.structs.replace(job, route=P.Route(n_ctx=100))
+    assert refusals.admission("a", fits, models, infos, False, False) is None
+
+
 def test_a_request_is_admitted_as_one_unit():
     core = DispatcherCore(max_queue=1)
     ready(core, slots=1)

@@ -501,8 +501,16 @@ def test_sequences_that_repeat_draft_alike_on_the_cpu(model_path, monkeypatch):
         engine.close()
 
 
+@pytest.fixture
+def one_round_probe(monkeypatch):
+    """The start-up probe measures each shape once (as a slow device's budget allows):
+    these tests are about what is measured and kept, not how finely."""
+    from workers.engine import costprobe
+    monkeypatch.setattr(costprobe, "MEASURE_BUDGET", 0.0)
+
+
 def test_step_costs_measured_on_a_busy_machine_are_used_but_not_kept(model_path, tmp_path,
-                                                                    monkeypatch):
+                                                                    monkeypatch, one_round_probe):
     from workers.engine import costprobe
     from workers.engine.llama import LlamaEngine
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -515,7 +523,8 @@ def test_step_costs_measured_on_a_busy_machine_are_used_but_not_kept(model_path,
     assert not list(tmp_path.glob("**/step-costs-*.json"))
 
 
-def test_steps_keep_measured_costs_current(model_path, tmp_path, monkeypatch):
+def test_steps_keep_measured_costs_current(model_path, tmp_path, monkeypatch,
+                                          one_round_probe):
     """Measured costs (not given ones) move toward the steps' real times."""
     from workers.engine.llama import LlamaEngine
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -532,7 +541,8 @@ def test_steps_keep_measured_costs_current(model_path, tmp_path, monkeypatch):
         engine.close()
 
 
-def test_step_costs_are_measured_on_this_device_and_kept(model_path, tmp_path, monkeypatch):
+def test_step_costs_are_measured_on_this_device_and_kept(model_path, tmp_path, monkeypatch,
+                                                        one_round_probe):
     """At start-up with drafts on: a decode per batch shape (none cheaper than the plain
     step, more rows dearer overall);
     the next engine of the same shape reads them from the cache directory. (Kept however

@@ -67,25 +67,36 @@ def server():
     assert server.stop() == 0
 
 
+AFTER = 10          # tokens the neighbour still reads once the heavy request is answered
+ALONE = 60          # tokens of a stream alone
+
+
 def neighbour_gap(port: int, during=None) -> float:
     """The largest gap between two tokens of a greedy stream, with `during()` run once
-    its first tokens are out (and waited for)."""
-    stream = SSEStream(port, {"prompt": "Once upon a time", "max_tokens": 160,
+    its first tokens are out; the stream is read until `during` has returned and AFTER
+    more tokens came (then the client leaves), or for ALONE tokens without one."""
+    stream = SSEStream(port, {"prompt": "Once upon a time", "max_tokens": 2000,
                               "ignore_eos": True, "temperature": 0, "stream": True,
                               "speculative.n_max": 0}, timeout=600)
     times = []
-    worker = None
+    worker, answered_at = None, None
     for data in stream.events():
         times.append(time.monotonic())
+        assert data != "[DONE]", "the stream ended before the request beside it was answered"
+        assert "error" not in json.loads(data), data
         if len(times) == 5 and during is not None:
             worker = threading.Thread(target=during)
             worker.start()
-        if data == "[DONE]":
+        if answered_at is None and (worker is None and during is None and
+                                    len(times) >= ALONE or
+                                    worker is not None and not worker.is_alive()):
+            answered_at = len(times)
+        if answered_at is not None and len(times) >= answered_at + AFTER:
             break
-        assert "error" not in json.loads(data), data
+    stream.close()
     if worker is not None:
         worker.join(timeout=600)
-    assert len(times) > 100
+    assert answered_at is not None and len(times) >= answered_at + AFTER
     return max(b - a for a, b in zip(times[5:], times[6:]))
 
 

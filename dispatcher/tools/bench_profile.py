@@ -3,8 +3,9 @@
 This server's workers count their steps (protocol.StepTotals: rows by kind, llama.cpp's
 sub-batches, sequences sitting a step out, draft tokens confirmed, seconds planning,
 decoding and sampling) and `/metrics` exports the counters as of each worker's last
-heartbeat. The bench reads them before a part and after it (one heartbeat later, so the
-last steps are in) and prints the difference per step. A target that does not export
+heartbeat, and counts the heartbeats. The bench reads them before a part and after it
+(once every worker has sent two heartbeats since the part ended, so its last steps are
+in) and prints the difference per step. A target that does not export
 them (llama-server) has no profile row.
 """
 from __future__ import annotations
@@ -13,7 +14,10 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-SETTLE = 1.5            # s after a part for the workers' next heartbeat (interval 1 s)
+SETTLE = 1.5            # s after a part for the workers' next heartbeat (interval 1 s),
+                        # where the target does not count heartbeats
+POLL = 0.1              # s between reads while waiting for the heartbeats
+HEARTBEATS = 2          # heartbeats after a part: the first may have left during its last step
 FIELDS = {              # metric sample name (and label) -> StepTotals field
     ("completions_worker_steps_total", None): "steps",
     ("completions_worker_step_rows_total", "token"): "token_rows",
@@ -26,6 +30,7 @@ FIELDS = {              # metric sample name (and label) -> StepTotals field
     ("completions_worker_step_seconds_total", "decode"): "decode_seconds",
     ("completions_worker_step_seconds_total", "sample"): "sample_seconds",
     ("completions_worker_step_seconds_total", "draft"): "draft_seconds",
+    ("completions_worker_heartbeats_total", None): "heartbeats",
 }
 
 
@@ -109,10 +114,24 @@ def profile_row(target_name: str, part: str, before: dict | None,
     }
 
 
-def settled(target, settle: float = SETTLE, tries: int = 4):
-    """The target's counters once a heartbeat has brought the part's last steps: read
-    again after `settle` s until the step count stops moving (a longer heartbeat
-    interval takes more reads), `tries` times at most."""
+def settled(target, settle: float = SETTLE, tries: int = 4, poll: float = POLL):
+    """The target's counters once heartbeats have brought the part's last steps. Where
+    it counts its workers' heartbeats (this server), read every `poll` s until each
+    worker has sent HEARTBEATS since now; otherwise, or where that takes longer than
+    `tries` × `settle` s (a worker restarted), read again after `settle` s until the
+    step count stops moving (a longer heartbeat interval takes more reads), `tries`
+    times at most."""
+    start = read_totals(target)
+    if start and all("heartbeats" in t for t in start.values()):
+        deadline = time.monotonic() + tries * settle
+        while time.monotonic() < deadline:
+            time.sleep(poll)
+            now = read_totals(target)
+            if now is None:
+                break
+            if all(now.get(w, {}).get("heartbeats", 0.0) - t["heartbeats"] >= HEARTBEATS
+                   for w, t in start.items()):
+                return now
     time.sleep(settle)
     totals = read_totals(target)
     for _ in range(tries - 1):
