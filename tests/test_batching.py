@@ -276,6 +276,43 @@ def test_bench_runs_each_part_on_every_target_round_by_round(monkeypatch):
     assert calls == one_run * 2
 
 
+def test_constrained_and_hostile_parts_report_every_run(monkeypatch, capsys):
+    """With --runs 2, the constrained neighbours' slowdowns are the median of the runs
+    with their range, and the hostile part's lines are printed for each run (once only
+    the last run's were)."""
+    from dispatcher.tools import bench
+    from dispatcher.tools.bench_targets import Level
+    runs = iter(range(1, 10))
+
+    class Target:
+        def __init__(self, url, model, api_key=None):
+            self.name = url
+
+    def constrained(target, *args):
+        itl = {"plain + plain": 10.0, "plain + json_schema": 10.0 * (1 + next(runs))}
+        return [Level(name, 2, itl_ms=ms) for name, ms in itl.items()]
+
+    hostile = iter(["first", "second"])
+    monkeypatch.setattr(bench, "HttpTarget", Target)
+    def level(*args, **kwargs):
+        return Level("stream x1", 1)
+        yield                                         # (a part run in rounds)
+
+    monkeypatch.setattr(bench, "level_rounds", level)
+    monkeypatch.setattr(bench, "run_extension", lambda *a, **k: Level("extension", 1))
+    monkeypatch.setattr(bench, "run_constrained", constrained)
+    monkeypatch.setattr(bench, "run_hostile", lambda *a: [f"  the {next(hostile)} run"])
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--url", "a", "--concurrency", "1", "--no-fim", "--runs", "2",
+                              "--constrained", "--hostile"])
+    assert bench.run(args) == 0
+    out = capsys.readouterr().out
+    assert "beside a json_schema stream = 2.50x beside a plain one (2.00-3.00 over 2 runs)" \
+        in out, out
+    assert "a (run 1):\n  the first run" in out and "a (run 2):\n  the second run" in out
+
+
 def test_each_run_of_the_bench_takes_files_of_its_own():
     from dispatcher.tools.bench import RunFiles, medians
     from dispatcher.tools.bench_corpus import Corpus

@@ -463,8 +463,8 @@ def run(args) -> int:
         raise SystemExit(f"--corpus: {exc}") from None
     print(f"first-seen prompts: files of {corpus.root}, shuffled by seed {corpus.seed} "
           f"(--seed {corpus.seed} repeats this run's choice)", file=sys.stderr)
-    done: list[dict] = [{} for _ in targets]
     results: list[list] = [[] for _ in targets]
+    hostile_lines: list[str] = []
     profiles: list[dict] = []
     for round_ in range(max(1, args.runs)):
         view = corpus if round_ == 0 else RunFiles(corpus, round_)
@@ -479,12 +479,12 @@ def run(args) -> int:
         for t_index, plan in enumerate(plans):
             for part_name, _ in plan:
                 if part_name == "hostile":
+                    label = f" (run {round_ + 1})" if args.runs > 1 else ""
+                    hostile_lines += [f"{targets[t_index].name}{label}:",
+                                      *done[t_index]["hostile"]]
                     continue
                 for level in done[t_index][part_name]:
                     results[t_index].append((round_ + 1, level))
-    hostile_lines = [line for t_index, target in enumerate(targets)
-                     if "hostile" in done[t_index]
-                     for line in [f"{target.name}:"] + done[t_index]["hostile"]]
     rows = [{"target": target.name, "run": run_, **asdict(result)}
             for target, levels_done in zip(targets, results) for run_, result in levels_done]
     slowdowns = constrained_slowdowns(rows)
@@ -501,9 +501,11 @@ def run(args) -> int:
             print("\nstep profile (per decode step, each part on each target):")
             print(bench_profile.markdown_table(profiles))
         for target, ratios in slowdowns.items():
-            for name, ratio in ratios.items():
+            for name, runs in ratios.items():
+                spread = f" ({min(runs):.2f}-{max(runs):.2f} over {len(runs)} runs)" \
+                    if len(runs) > 1 else ""
                 print(f"  {target}: a plain stream's time per token beside a {name} "
-                      f"stream = {ratio:.2f}x beside a plain one")
+                      f"stream = {statistics.median(runs):.2f}x beside a plain one{spread}")
         for row in rows:
             for message in row["error_samples"]:
                 print(f"  {row['target']} / {row['name']}: {message}")

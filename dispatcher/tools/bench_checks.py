@@ -94,14 +94,19 @@ def run_hostile(target, max_tokens: int) -> list[str]:
     return lines
 
 
-def constrained_slowdowns(rows: list[dict]) -> dict[str, dict[str, float]]:
+def constrained_slowdowns(rows: list[dict]) -> dict[str, dict[str, list[float]]]:
     """Per target: the plain stream's ITL beside each constrained neighbour, over its ITL
-    beside a plain one (the cost of the constraint, not of sharing the batch)."""
-    out = {}
-    for target in {r["target"] for r in rows}:
-        itl = {r["name"]: r["itl_ms"] for r in rows if r["target"] == target}
+    beside a plain one (the cost of the constraint, not of sharing the batch), one ratio
+    for each run (rows carry their `run`; without one, a single run)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for target, run in sorted({(r["target"], r.get("run", 1)) for r in rows}):
+        itl = {r["name"]: r["itl_ms"] for r in rows
+               if r["target"] == target and r.get("run", 1) == run}
         base = itl.get("plain + plain")
-        if base:
-            out[target] = {name: itl[f"plain + {name}"] / base for name in NEIGHBOURS
-                           if name != "plain" and itl.get(f"plain + {name}")}
+        if not base:
+            continue
+        for name in NEIGHBOURS:
+            if name != "plain" and itl.get(f"plain + {name}"):
+                out.setdefault(target, {}).setdefault(name, []).append(
+                    itl[f"plain + {name}"] / base)
     return out
