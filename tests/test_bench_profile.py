@@ -111,3 +111,18 @@ def test_without_heartbeat_counts_the_profile_waits_for_the_steps_to_stop():
         "w0-cpu", "cpu"]
     found = settled(target, settle=0.0)
     assert found["w0-cpu", "cpu"]["steps"] == 60 and target.reads == 4
+
+
+def test_a_restarted_worker_or_one_gone_is_not_waited_for_in_vain():
+    from dispatcher.tools.bench_profile import heartbeats_since
+    start = {("w0", "cpu"): totals(steps=500, heartbeats=40),
+             ("w1", "cpu"): totals(steps=80, heartbeats=30)}
+    # w0 restarted (its counts began again), w1 gone, w2 came up during the part
+    assert not heartbeats_since(start, {("w0", "cpu"): totals(steps=3, heartbeats=1)})
+    assert heartbeats_since(start, {("w0", "cpu"): totals(steps=3, heartbeats=2)})
+    assert not heartbeats_since(start, {("w0", "cpu"): totals(steps=510, heartbeats=41),
+                                        ("w2", "cpu"): totals(steps=9, heartbeats=5)})
+    assert heartbeats_since(start, {("w0", "cpu"): totals(steps=510, heartbeats=42),
+                                    ("w2", "cpu"): totals(steps=9, heartbeats=2)})
+    assert not heartbeats_since(start, {("w0", "cpu"): totals(steps=510, heartbeats=42),
+                                        ("w2", "cpu"): totals(steps=9, heartbeats=1)})

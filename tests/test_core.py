@@ -131,6 +131,26 @@ def test_refusals_come_in_the_order_a_client_should_hear_them():
     assert (whole.status, whole.code) == (400, "context_length_unavailable")
     fits = msgspec.structs.replace(job, route=P.Route(n_ctx=100))
     assert refusals.admission("a", fits, models, infos, False, False) is None
+    assert refusals.admission("a", None, models, infos, True, False).code == "bad_job"
+
+
+def test_a_route_no_registered_worker_meets_waits_for_the_fleet_to_be_whole():
+    """While fewer workers are registered than the fleet runs, one still starting may meet
+    the route: 503 (retry); once every worker is there and none meets it: 400."""
+    class Fleet:
+        def expected_workers(self):
+            return 2
+
+        def configured_models(self):
+            return None
+
+    core = DispatcherCore(fleet=Fleet())
+    ready(core, b"w0")
+    short = submit(core, "a", route={"n_ctx": 100000})[0].body
+    assert (short.status, short.code) == (503, "no_worker_ready") and short.retry_after
+    ready(core, b"w1")
+    whole = submit(core, "b", route={"n_ctx": 100000})[0].body
+    assert (whole.status, whole.code) == (400, "context_length_unavailable")
 
 
 def test_a_request_is_admitted_as_one_unit():
@@ -205,6 +225,7 @@ def test_workers_and_front_ends_expire_without_heartbeats():
     assert kinds(core.tick(HEARTBEAT_EXPIRY - 0.1)) == [("HEARTBEAT", "")]
     from_worker(core, P.HEARTBEAT, "", now=HEARTBEAT_EXPIRY - 0.1)
     assert len(core.registry) == 1
+    assert core.registry.workers[b"w0"].heartbeats == 1      # (bench --profile waits on it)
     core.frontend_message(FE, P.Message(P.PING, "", P.Ping()), 2 * HEARTBEAT_EXPIRY - 0.1)
     sends = core.tick(2 * HEARTBEAT_EXPIRY)
     assert len(core.registry) == 0 and ("DISCONNECT", "") in kinds(sends)

@@ -67,7 +67,7 @@ def server():
     assert server.stop() == 0
 
 
-AFTER = 10          # tokens the neighbour still reads once the heavy request is answered
+AFTER = 20          # tokens the neighbour still reads once the heavy request is answered
 ALONE = 60          # tokens of a stream alone
 
 

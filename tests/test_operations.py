@@ -218,6 +218,8 @@ def test_metrics_show_the_whole_system_from_any_front_end(two):
     assert total(samples, "completions_worker_step_seconds_total", phase="decode") > 0
     assert total(samples, "completions_worker_step_batches_total") >= \
         total(samples, "completions_worker_steps_total")
+    assert {lab["worker"] for lab, value in samples["completions_worker_heartbeats_total"]
+            if value >= 1} == {"w0-cpu0", "w1-cpu1"}
 
 
 # -- config file --------------------------------------------------------------------------

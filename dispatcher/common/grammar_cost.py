@@ -343,9 +343,11 @@ def check_left_recursion(rules: list, names: dict) -> None:
 
 
 def check_costs(rules: list, root: int, names: dict) -> None:
-    """GrammarError for left recursion (llama.cpp does not support it), GrammarTooLarge
-    where its left-recursion check would go too deep or too often, or where more parse
-    stacks (or character-class elements) than this server allows could be held at once."""
+    """GrammarError for left recursion (llama.cpp does not support it), GrammarRefused
+    for one through rules that may be empty (llama.cpp's own check misses it and would
+    loop), GrammarTooLarge where its left-recursion check would go too deep or too
+    often, or where more parse stacks (or character-class elements) than this server
+    allows could be held at once."""
     check_left_recursion(rules, names)
     stacks, elements = stack_width(rules, root, names)
     if stacks > MAX_STACKS or elements > MAX_STACK_ELEMENTS:

@@ -114,13 +114,27 @@ def profile_row(target_name: str, part: str, before: dict | None,
     }
 
 
+def heartbeats_since(start: dict, now: dict) -> bool:
+    """Whether each worker has sent HEARTBEATS since `start`: one restarted since (its
+    count began again) counts from zero, one that came up since from zero, one gone is
+    not waited for."""
+    for worker, totals in now.items():
+        then = start.get(worker, {}).get("heartbeats", 0.0)
+        beats = totals.get("heartbeats", 0.0)
+        if beats < then or totals.get("steps", 0.0) < start.get(worker, {}).get("steps", 0.0):
+            then = 0.0
+        if beats - then < HEARTBEATS:
+            return False
+    return True
+
+
 def settled(target, settle: float = SETTLE, tries: int = 4, poll: float = POLL):
     """The target's counters once heartbeats have brought the part's last steps. Where
     it counts its workers' heartbeats (this server), read every `poll` s until each
-    worker has sent HEARTBEATS since now; otherwise, or where that takes longer than
-    `tries` × `settle` s (a worker restarted), read again after `settle` s until the
-    step count stops moving (a longer heartbeat interval takes more reads), `tries`
-    times at most."""
+    worker has sent HEARTBEATS since now (`heartbeats_since`); otherwise, or where that
+    takes longer than `tries` × `settle` s, read again after `settle` s until the step
+    count stops moving (a longer heartbeat interval takes more reads), `tries` times at
+    most."""
     start = read_totals(target)
     if start and all("heartbeats" in t for t in start.values()):
         deadline = time.monotonic() + tries * settle
@@ -129,8 +143,7 @@ def settled(target, settle: float = SETTLE, tries: int = 4, poll: float = POLL):
             now = read_totals(target)
             if now is None:
                 break
-            if all(now.get(w, {}).get("heartbeats", 0.0) - t["heartbeats"] >= HEARTBEATS
-                   for w, t in start.items()):
+            if heartbeats_since(start, now):
                 return now
     time.sleep(settle)
     totals = read_totals(target)
