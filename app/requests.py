@@ -40,6 +40,10 @@ def parse_json_body(any_content_type: bool = False) -> object:
     if mimetype and mimetype != "application/json" and not mimetype.endswith("+json") \
             and not any_content_type:
         raise UnsupportedMediaType(f"Content-Type must be application/json, not {mimetype}")
+    encoding = (request.headers.get("Content-Encoding") or "identity").strip().lower()
+    if encoding != "identity":
+        raise UnsupportedMediaType(f"Content-Encoding {encoding[:40]!r} is not accepted: "
+                                   "send the body uncompressed")
     raw = read_body()
     check_shape(raw)
     return off_loop(decode_json_body, raw)
@@ -269,7 +273,7 @@ def header_number(name: str, parse, valid, must: str):
     except ValueError:
         value = None
     if value is None or value != value or not valid(value):
-        raise InvalidRequest(f"{name} must be {must}", param=name)
+        raise InvalidRequest(f"{name} must be {must}", param=name, code="invalid_value")
     return value
 
 

@@ -66,6 +66,7 @@ def assert_clean_4xx(status: int, raw: bytes) -> None:
     assert 400 <= status < 500, (status, raw[:300])
     error = json.loads(raw)["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["code"], error            # every refusal here names its cause by code
 
 
 # -- strategies: every example is invalid by construction -----------------------------------
@@ -161,6 +162,11 @@ BAD_HEADERS = st.one_of(
         lambda v: {"Content-Type": "application/json", "X-Request-Timeout": v}),
     st.text(alphabet="abcdefgh", min_size=1, max_size=8).map(
         lambda v: {"Content-Type": "application/json", "X-SIE-MACHINE-PROFILE": "no-" + v}),
+    st.sampled_from(["-1", "1.5", "x", "", " ", "9" * 19 + "0"]).map(
+        lambda v: {"Content-Type": "application/json", "X-Session-Id": "s",
+                   "X-Session-Seq": v}),
+    st.sampled_from(["gzip", "deflate", "br", "gzip, identity"]).map(
+        lambda v: {"Content-Type": "application/json", "Content-Encoding": v}),
 )
 
 
