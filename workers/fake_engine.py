@@ -68,6 +68,9 @@ class FakeEngine:
     def is_eog(self, token: int) -> bool:
         return token == EOS
 
+    def longest_piece(self) -> int:
+        return 1                         # (a token a byte)
+
     def check_tokens(self, tokens: list[int], param: str = "prompt") -> None:
         if any(not 0 <= t < self.n_vocab for t in tokens):
             raise InvalidInput("token ids outside the vocabulary", param=param)

@@ -28,7 +28,8 @@ from workers.publisher import Publisher
 from workers.interface import Engine
 from workers.active import Active, EditorLimits, LogprobLedger
 from workers.preparation import Preparer, sampling_of
-from workers.prompts import prompt_text, prompt_tokens, vocabulary_op
+from workers.prompts import (check_fits, context_limit, prompt_text, prompt_tokens,
+                             vocabulary_op)
 from workers.sampling import SamplingParams
 from workers.textstream import TextAssembler
 
@@ -210,6 +211,8 @@ class GenerationLoop:
         sampling = sampling_of(gen)
         extra = list(body.infill.extra) if body.infill else []
         middle = body.infill.middle if body.infill else ""
+        if prepared is None:
+            check_fits(self.engine, body)
         tokens = prepared.tokens if prepared is not None else prompt_tokens(
             self.engine, body.prompt, body.suffix, self.fim_template, extra, middle)
         dropped = 0
@@ -225,7 +228,7 @@ class GenerationLoop:
                 extra = extra[dropped:]
                 tokens = prompt_tokens(self.engine, body.prompt, body.suffix,
                                        self.fim_template, extra, middle)
-        n_ctx = min(self.engine.n_ctx, body.route.n_ctx or self.engine.n_ctx)
+        n_ctx = context_limit(self.engine, body)
         if len(tokens) >= n_ctx:
             raise InvalidInput(f"This model's maximum context length is {n_ctx} tokens, but "
                                f"the prompt has {len(tokens)} tokens.",

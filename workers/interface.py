@@ -43,6 +43,8 @@ class Engine(Protocol):
 
     def check_tokens(self, tokens: list[int], param: str = "prompt") -> None: ...
 
+    def longest_piece(self) -> int: ...  # the most bytes one token stands for
+
     # sequences
     def cached_prefix(self, tokens: list[int], free: list[int]) -> int: ...
 

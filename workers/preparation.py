@@ -23,7 +23,7 @@ import msgspec
 from dispatcher.common import protocol as P
 from workers import inbox
 from workers.errors import EngineError, InvalidInput
-from workers.prompts import prompt_tokens
+from workers.prompts import check_fits, prompt_tokens
 from workers.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ class Preparer:
         try:
             extra = list(body.infill.extra) if body.infill else []
             middle = body.infill.middle if body.infill else ""
+            check_fits(self.engine, body)
             prepared.tokens = prompt_tokens(self.engine, body.prompt, body.suffix,
                                             self.fim_template, extra, middle)
             prepared.chain = self.engine.sampler_chain(

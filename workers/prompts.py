@@ -64,6 +64,44 @@ def vocabulary_op(engine, body: P.WorkerJob) -> dict:
     raise InvalidInput(f"unknown operation {body.op!r}")
 
 
+# A prompt is refused unread once even tokens SAFETY times as long as the vocabulary's
+# longest could not fit it (a tokenizer that drops or merges more than its pieces say
+# stays inside the margin)
+SAFETY = 2
+
+
+def context_limit(engine, body: P.WorkerJob) -> int:
+    """The tokens a job's prompt and answer may take: the worker's context, or less where
+    the request's route asks for less."""
+    return min(engine.n_ctx, body.route.n_ctx or engine.n_ctx)
+
+
+def fewest_tokens(engine, prompt, suffix: str | None, middle: str, limit: int) -> int:
+    """At least how many tokens the prompt, its suffix and its middle make (the extra
+    chunks, which t_max_prompt_ms may leave out, not counted): its token ids, and its
+    characters (each at least a byte) over SAFETY × the longest piece. Counted only
+    where it could reach `limit` (the longest piece is read on first use)."""
+    parts = [prompt] if isinstance(prompt, str) else list(prompt)
+    texts = [p for p in parts if isinstance(p, str)] + [t for t in (suffix, middle) if t]
+    ids = len(parts) - sum(isinstance(p, str) for p in parts)
+    chars = sum(len(t) for t in texts)
+    if ids + chars // SAFETY < limit:
+        return ids                       # (it could fit: tokenizing tells)
+    return ids + chars // (SAFETY * engine.longest_piece())
+
+
+def check_fits(engine, body: P.WorkerJob) -> None:
+    """context_length_exceeded for a prompt that cannot fit, before it is tokenized: a
+    megabyte of text takes seconds of the worker's CPU to tokenize, beside the streams."""
+    limit = context_limit(engine, body)
+    middle = body.infill.middle if body.infill else ""
+    least = fewest_tokens(engine, body.prompt, body.suffix, middle, limit)
+    if least >= limit:
+        raise InvalidInput(f"This model's maximum context length is {limit} tokens, but "
+                           f"the prompt has at least {least} tokens.",
+                           code="context_length_exceeded", param="prompt")
+
+
 def prompt_tokens(engine, prompt, suffix: str | None,
                   template: FimTemplate | None = None, extra: list | None = None,
                   middle: str = "") -> list[int]:

@@ -243,6 +243,9 @@ class LlamaEngine:
     def is_eog(self, token: int) -> bool:
         return self.vocabulary.is_eog(token)
 
+    def longest_piece(self) -> int:
+        return self.vocabulary.longest_piece()
+
     def check_tokens(self, tokens: list[int], param: str = "prompt") -> None:
         self.vocabulary.check_tokens(tokens, param)
 

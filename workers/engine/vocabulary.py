@@ -28,6 +28,7 @@ class Vocabulary:
         self._kept_tokens: OrderedDict = OrderedDict()      # the last long texts' tokens
         self._kept_lock = threading.Lock()
         self._piece_local = threading.local()               # a piece buffer per thread
+        self._longest: int | None = None                    # longest_piece, once read
 
     def tokenize(self, text: str, add_special: bool = True,
                  parse_special: bool = True) -> list[int]:
@@ -83,6 +84,15 @@ class Vocabulary:
 
     def is_eog(self, token: int) -> bool:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
+
+    def longest_piece(self) -> int:
+        """The most bytes one token stands for, a control token's text included: a text
+        of B bytes makes at least B / this many tokens. Read from every token the first
+        time it is asked (a fraction of a second), then kept."""
+        if self._longest is None:           # (two threads asking at once read it twice)
+            self._longest = max((len(self.piece(t, True)) for t in range(self.n_vocab)),
+                                default=1) or 1
+        return self._longest
 
     def check_tokens(self, tokens: list[int], param: str = "prompt") -> None:
         bad = [t for t in tokens if not 0 <= t < self.n_vocab]
