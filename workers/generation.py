@@ -28,8 +28,7 @@ from workers.publisher import Publisher
 from workers.interface import Engine
 from workers.active import Active, EditorLimits, LogprobLedger
 from workers.preparation import Preparer, sampling_of
-from workers.prompts import (check_fits, context_limit, prompt_text, prompt_tokens,
-                             vocabulary_op)
+from workers.prompts import context_limit, prompt_text, prompt_tokens, vocabulary_op
 from workers.sampling import SamplingParams
 from workers.textstream import TextAssembler
 
@@ -211,8 +210,6 @@ class GenerationLoop:
         sampling = sampling_of(gen)
         extra = list(body.infill.extra) if body.infill else []
         middle = body.infill.middle if body.infill else ""
-        if prepared is None:
-            check_fits(self.engine, body)
         tokens = prepared.tokens if prepared is not None else prompt_tokens(
             self.engine, body.prompt, body.suffix, self.fim_template, extra, middle)
         dropped = 0

@@ -85,14 +85,16 @@ def fewest_tokens(engine, prompt, suffix: str | None, middle: str, limit: int) -
     texts = [p for p in parts if isinstance(p, str)] + [t for t in (suffix, middle) if t]
     ids = len(parts) - sum(isinstance(p, str) for p in parts)
     chars = sum(len(t) for t in texts)
-    if ids + chars // SAFETY < limit:
-        return ids                       # (it could fit: tokenizing tells)
+    if ids >= limit or ids + chars // SAFETY < limit:
+        return ids                       # (past it already, or it could fit: tokenizing tells)
     return ids + chars // (SAFETY * engine.longest_piece())
 
 
 def check_fits(engine, body: P.WorkerJob) -> None:
     """context_length_exceeded for a prompt that cannot fit, before it is tokenized: a
-    megabyte of text takes seconds of the worker's CPU to tokenize, beside the streams."""
+    megabyte of text takes seconds of the worker's CPU to tokenize, beside the streams.
+    The preparing thread asks, where long texts are tokenized (workers.preparation; a
+    short one is tokenized on the loop in milliseconds and measured)."""
     limit = context_limit(engine, body)
     middle = body.infill.middle if body.infill else ""
     least = fewest_tokens(engine, body.prompt, body.suffix, middle, limit)
