@@ -40,7 +40,7 @@ def parse_json_body(any_content_type: bool = False) -> object:
     if mimetype and mimetype != "application/json" and not mimetype.endswith("+json") \
             and not any_content_type:
         raise UnsupportedMediaType(f"Content-Type must be application/json, not {mimetype}")
-    encoding = (request.headers.get("Content-Encoding") or "identity").strip().lower()
+    encoding = (request.headers.get("Content-Encoding") or "").strip().lower() or "identity"
     if encoding != "identity":
         raise UnsupportedMediaType(f"Content-Encoding {encoding[:40]!r} is not accepted: "
                                    "send the body uncompressed")

@@ -310,3 +310,16 @@ def test_a_client_session_id_can_never_name_an_inferred_session(client_of):
     assert answer.status_code == 200
     assert fake.jobs[0]["session"] == "h:~0123456789abcdef:1"
     assert not fake.jobs[0]["session"].startswith("~")
+
+
+@pytest.mark.parametrize("encoding, status", [("gzip", 415), ("br", 415), ("identity", 200),
+                                              ("Identity ", 200), ("", 200)])
+def test_a_compressed_body_is_refused_saying_so(client, encoding, status):
+    http, fake = client
+    response = http.post("/v1/completions", json={"prompt": "Say hi", "max_tokens": 5},
+                         headers={"Content-Encoding": encoding} if encoding else {})
+    assert response.status_code == status, response.get_json()
+    if status == 415:
+        error = response.get_json()["error"]
+        assert error["code"] == "unsupported_media_type" and "uncompressed" in \
+            error["message"] and not fake.jobs

@@ -722,23 +722,26 @@ def test_the_grammar_guard_ends_a_growing_cost_not_one_slow_moment():
     assert check_costs([0.09] * 50) is None                   # dear, but not growing
 
 
-def test_no_text_makes_fewer_tokens_than_its_bytes_over_the_longest_piece(model_path):
+def test_no_text_makes_fewer_tokens_than_its_characters_over_the_longest_piece(model_path):
     """The bound a prompt is refused by before it is tokenized (workers/prompts.py
     `fewest_tokens`) holds on the real vocabulary: real code, runs of the characters its
-    longest tokens are made of, whitespace, special-token syntax, other scripts."""
+    longest tokens are made of, whitespace, SPM's own space mark, special-token syntax
+    (one followed by whitespace), other scripts."""
     import pathlib
     from workers.engine.llama import LlamaEngine
     engine = LlamaEngine(model_path, 256, 1, THREADS, 0)
     try:
         longest = engine.longest_piece()
-        assert longest == max(len(engine.piece(t, True)) for t in range(engine.n_vocab))
+        pieces = max(len(engine.piece(t, True)) for t in range(engine.n_vocab))
+        assert longest >= pieces > 1                  # (the bundled model has a bound)
         texts = [pathlib.Path(os.__file__).read_text()[:20_000], "\u2014" * 3000,
                  "\u2500" * 3000, "\u2026" * 3000, " " * 5000, "\n" * 5000, "\t" * 5000,
+                 "\u2581" * 3000, "\r\n" * 3000, "<start_of_turn>" + " " * 3000,
                  "<start_of_turn>user\n" * 300, "<end_of_turn>" * 300,
                  "\u0935\u093f\u0926\u094d\u092f\u093e\u0930\u094d\u0925" * 500,
                  "=" * 5000, "#" * 5000, "0" * 5000]
         for text in texts:
             tokens = engine.tokenize(text)
-            assert len(tokens) * longest >= len(text.encode()), (text[:20], len(tokens))
+            assert len(tokens) * longest >= len(text), (text[:20], len(tokens))
     finally:
         engine.close()

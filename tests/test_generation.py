@@ -9,6 +9,7 @@ from dispatcher.common import protocol as P
 from workers import inbox
 from workers.fake_engine import SCRIPT, FakeEngine
 from workers.generation import GenerationLoop
+from workers.preparation import PREPARE_CHARS, worth_preparing
 from workers.faults import FaultInjection
 
 
@@ -144,6 +145,30 @@ def test_a_prompt_that_cannot_fit_is_refused_without_being_tokenized(loop, monke
     assert "at least 260 tokens" in events_of(loop, "ids")[-1]["message"]
     assert "has 301 tokens" in events_of(loop, "fits")[-1]["message"]
     assert tokenized == [300]
+    assert worth_preparing(job("x" * PREPARE_CHARS))     # (long texts go to that thread)
+
+
+def test_fill_in_the_middle_extra_chunks_count_unless_they_may_be_left_out(monkeypatch):
+    """/infill's repository chunks count toward the bound where t_max_prompt_ms may not
+    leave them out; a model that cannot lay FIM out is told so, not that it is long."""
+    from workers.preparation import Preparer
+    from workers.prompts import FimTemplate
+    loop = make_loop()
+    tokenized = []
+    real = loop.engine.tokenize
+    monkeypatch.setattr(loop.engine, "tokenize",
+                        lambda text, *a, **k: tokenized.append(len(text)) or real(text, *a, **k))
+    chunks = [{"filename": "a.py", "text": "y" * 600}]
+    infill = {"extra": chunks, "middle": ""}
+    template = Preparer(loop.engine, FimTemplate.parse("<P>{prefix}<S>{suffix}<M>"), loop.inbox)
+    template._work("kept", job("p", suffix="s", infill=infill))
+    template._work("droppable", job("p", suffix="s", infill=infill, t_max_prompt_ms=500))
+    loop.preparer._work("no-fim", job("x" * 600, suffix="s"))     # (no template, no tokens)
+    first = [loop.inbox.get_nowait().prepared for _ in range(3)]
+    assert first[0].error.code == "context_length_exceeded"
+    assert "at least 303 tokens" in str(first[0].error)   # (p, s, a.py, 600 y's) / 2
+    assert first[1].error is None and 600 in tokenized     # tokenized: chunks may go
+    assert first[2].error.code == "fim_unsupported"
 
 
 def test_shutdown_hands_back_what_sent_no_text_and_fails_the_rest(loop):

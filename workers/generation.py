@@ -28,7 +28,8 @@ from workers.publisher import Publisher
 from workers.interface import Engine
 from workers.active import Active, EditorLimits, LogprobLedger
 from workers.preparation import Preparer, sampling_of
-from workers.prompts import context_limit, prompt_text, prompt_tokens, vocabulary_op
+from workers.prompts import (context_limit, may_drop_extra, prompt_text, prompt_tokens,
+                             vocabulary_op)
 from workers.sampling import SamplingParams
 from workers.textstream import TextAssembler
 
@@ -213,12 +214,11 @@ class GenerationLoop:
         tokens = prepared.tokens if prepared is not None else prompt_tokens(
             self.engine, body.prompt, body.suffix, self.fim_template, extra, middle)
         dropped = 0
-        budget = float(gen.t_max_prompt_ms or 0)
-        if budget > 0 and extra and (gen.max_tokens is None or gen.max_tokens > 1):
+        if extra and may_drop_extra(gen):
             # llama.cpp declares t_max_prompt_ms and never implemented it: drop the
             # oldest extra chunks until the prefill fits, at this worker's measured rate
-            # (warm-ups, n_predict 0 or 1, always fill the cache in full)
-            dropped = self.prefill.chunks_over_budget(tokens, extra, budget,
+            dropped = self.prefill.chunks_over_budget(tokens, extra,
+                                                      float(gen.t_max_prompt_ms),
                                                       self._own_slots(body.tenant),
                                                       gen.cache_prompt)
             if dropped:

@@ -43,7 +43,7 @@ class Engine(Protocol):
 
     def check_tokens(self, tokens: list[int], param: str = "prompt") -> None: ...
 
-    def longest_piece(self) -> int: ...  # the most bytes one token stands for
+    def longest_piece(self) -> int: ...  # the most bytes one token's text has (0: no bound)
 
     # sequences
     def cached_prefix(self, tokens: list[int], free: list[int]) -> int: ...

@@ -104,7 +104,7 @@ class Preparer:
         try:
             extra = list(body.infill.extra) if body.infill else []
             middle = body.infill.middle if body.infill else ""
-            check_fits(self.engine, body)
+            check_fits(self.engine, body, self.fim_template)
             prepared.tokens = prompt_tokens(self.engine, body.prompt, body.suffix,
                                             self.fim_template, extra, middle)
             prepared.chain = self.engine.sampler_chain(

@@ -65,8 +65,8 @@ def vocabulary_op(engine, body: P.WorkerJob) -> dict:
 
 
 # A prompt is refused unread once even tokens SAFETY times as long as the vocabulary's
-# longest could not fit it (a tokenizer that drops or merges more than its pieces say
-# stays inside the margin)
+# longest could not fit it (a margin over the bound, which is exact only for runs of the
+# longest token)
 SAFETY = 2
 
 
@@ -76,28 +76,47 @@ def context_limit(engine, body: P.WorkerJob) -> int:
     return min(engine.n_ctx, body.route.n_ctx or engine.n_ctx)
 
 
-def fewest_tokens(engine, prompt, suffix: str | None, middle: str, limit: int) -> int:
-    """At least how many tokens the prompt, its suffix and its middle make (the extra
-    chunks, which t_max_prompt_ms may leave out, not counted): its token ids, and its
-    characters (each at least a byte) over SAFETY × the longest piece. Counted only
-    where it could reach `limit` (the longest piece is read on first use)."""
+def may_drop_extra(gen: P.Generation) -> bool:
+    """Whether t_max_prompt_ms may leave the oldest extra chunks out of the prompt
+    (warm-ups, n_predict 0 or 1, always fill the cache in full)."""
+    return float(gen.t_max_prompt_ms or 0) > 0 and (gen.max_tokens is None or
+                                                   gen.max_tokens > 1)
+
+
+def fewest_tokens(engine, body: P.WorkerJob, limit: int) -> int:
+    """At least how many tokens the job's prompt makes: its token ids, and the characters
+    of its text (with a suffix, the suffix and the middle too; the extra chunks where
+    they may not be left out) over SAFETY × the vocabulary's longest piece. Only the ids
+    where its text could not reach `limit` anyway (the longest piece is read on first
+    use) or the vocabulary gives no bound (Engine.longest_piece 0)."""
+    prompt = body.prompt
     parts = [prompt] if isinstance(prompt, str) else list(prompt)
-    texts = [p for p in parts if isinstance(p, str)] + [t for t in (suffix, middle) if t]
-    ids = len(parts) - sum(isinstance(p, str) for p in parts)
+    texts = [p for p in parts if isinstance(p, str)]
+    ids = len(parts) - len(texts)
+    if body.suffix is not None:
+        texts.append(body.suffix)
+        if body.infill:
+            texts.append(body.infill.middle)
+            if not may_drop_extra(body.generation):
+                texts += [str(c.get(key) or "") for c in body.infill.extra
+                          for key in ("filename", "text")]
     chars = sum(len(t) for t in texts)
     if ids >= limit or ids + chars // SAFETY < limit:
         return ids                       # (past it already, or it could fit: tokenizing tells)
-    return ids + chars // (SAFETY * engine.longest_piece())
+    longest = engine.longest_piece()
+    return ids + chars // (SAFETY * longest) if longest else ids
 
 
-def check_fits(engine, body: P.WorkerJob) -> None:
+def check_fits(engine, body: P.WorkerJob, template: "FimTemplate | None" = None) -> None:
     """context_length_exceeded for a prompt that cannot fit, before it is tokenized: a
     megabyte of text takes seconds of the worker's CPU to tokenize, beside the streams.
     The preparing thread asks, where long texts are tokenized (workers.preparation; a
-    short one is tokenized on the loop in milliseconds and measured)."""
+    short one is tokenized on the loop in milliseconds and measured). A FIM job the
+    model cannot lay out is left to `infill_tokens` (its own error)."""
+    if body.suffix is not None and template is None and engine.fim_tokens is None:
+        return
     limit = context_limit(engine, body)
-    middle = body.infill.middle if body.infill else ""
-    least = fewest_tokens(engine, body.prompt, body.suffix, middle, limit)
+    least = fewest_tokens(engine, body, limit)
     if least >= limit:
         raise InvalidInput(f"This model's maximum context length is {limit} tokens, but "
                            f"the prompt has at least {least} tokens.",

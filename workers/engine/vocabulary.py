@@ -86,12 +86,25 @@ class Vocabulary:
         return bool(self.lib.llama_vocab_is_eog(self.vocab, token))
 
     def longest_piece(self) -> int:
-        """The most bytes one token stands for, a control token's text included: a text
-        of B bytes makes at least B / this many tokens. Read from every token the first
-        time it is asked (a fraction of a second), then kept."""
+        """At least the most bytes one token's text has (a control token's included): a
+        text of C characters makes at least C / this many tokens, each character of the
+        input being at least one byte of the pieces it becomes. Read as the longest of
+        the tokens' stored texts, which are never shorter than their pieces (SPM's `▁`
+        for a space, byte tokens' `<0x0A>`, byte-level BPE's mapped bytes). 0 where the
+        vocabulary gives no such bound: its kind normalizes text away (WPM and UGM drop
+        whitespace and join unknown words) or a token strips the whitespace beside it
+        (LSTRIP, RSTRIP). Read the first time it is asked (~0.3 s), then kept."""
         if self._longest is None:           # (two threads asking at once read it twice)
-            self._longest = max((len(self.piece(t, True)) for t in range(self.n_vocab)),
-                                default=1) or 1
+            lib, vocab, tokens = self.lib, self.vocab, range(self.n_vocab)
+            strips = lib.LLAMA_TOKEN_ATTR_LSTRIP | lib.LLAMA_TOKEN_ATTR_RSTRIP
+            bounded = lib.llama_vocab_type(vocab) in (
+                lib.LLAMA_VOCAB_TYPE_SPM, lib.LLAMA_VOCAB_TYPE_BPE, lib.LLAMA_VOCAB_TYPE_RWKV)
+            if bounded and not any(lib.llama_vocab_get_attr(vocab, t) & strips
+                                   for t in tokens):
+                self._longest = max(len(lib.llama_vocab_get_text(vocab, t) or b"")
+                                    for t in tokens) or 1
+            else:
+                self._longest = 0
         return self._longest
 
     def check_tokens(self, tokens: list[int], param: str = "prompt") -> None:
