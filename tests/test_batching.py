@@ -397,7 +397,7 @@ def test_bench_editor_workloads(two_fake_workers):
     out = subprocess.run(
         [sys.executable, "-m", "dispatcher", "bench", "--url", two_fake_workers.url,
          "--concurrency", "1", "--requests", "1", "--max-tokens", "4", "--no-fim",
-         "--workloads", "edit,fresh,fresh1,sampled,repeat,typing", "--sessions", "2",
+         "--workloads", "edit,fresh,fresh1,sampled,repeat,typing,cold", "--sessions", "2",
          "--bursts", "1", "--burst-len", "3", "--keystroke-gap", "0.05", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -406,6 +406,10 @@ def test_bench_editor_workloads(two_fake_workers):
                            ("repeat (warm)", 1)):
         assert rows[name]["ok"] == rows[name]["requests"] == requests   # --requests 1
         assert rows[name]["errors"] == 0
+    # cold: a file's first 12,000 characters, past the fake engine's context (a token
+    # a byte, 4,096): sent whole, refused
+    assert rows["cold"]["requests"] == 1 and rows["cold"]["errors"] == 1
+    assert "context length" in rows["cold"]["error_samples"][0]
     typing = rows["typing (plugin-like)"]     # stale requests closed at once, no header
     assert typing["requests"] == 2 and typing["ok"] == 2 and typing["errors"] == 0
     assert typing["unanswered"] == 0 and 0 <= typing["closed"] <= 4

@@ -132,3 +132,13 @@ def test_every_prompt_fits_a_4096_token_context_byte_for_byte():
     for text in corpus.files_for("all", 150):
         for made in (edit(text), function_start(text), opening(text, 1600)):
             assert 0 < len(made.encode()) <= 3700
+
+
+def test_a_part_may_ask_for_files_of_a_least_size():
+    from dispatcher.tools.bench import COLD_CHARS, RunFiles
+    corpus = Corpus(seed=9)
+    cold = corpus.files_for("cold", 6, COLD_CHARS)
+    assert len(cold) == 6 and all(len(text) >= COLD_CHARS for text in cold)
+    assert not set(cold) & set(corpus.files_for("fresh", 6))          # no file twice
+    later = RunFiles(corpus, 1).files_for("cold", 6, COLD_CHARS)
+    assert all(len(text) >= COLD_CHARS for text in later) and not set(later) & set(cold)

@@ -23,6 +23,8 @@ from dispatcher.tools import bench_profile
 from dispatcher.tools.bench_targets import (Abort, HttpTarget, InProcessTarget, Level, Sample,
                                             percentile, summarize)
 
+COLD_CHARS = 12_000     # `cold`: a file's first characters, about 3,000 tokens of code
+
 
 def run_level(target, concurrency: int, prompts: list[str], max_tokens: int) -> Level:
     """A stream for each prompt, `concurrency` at a time (see `level_rounds`)."""
@@ -259,8 +261,9 @@ def add_arguments(parser) -> None:
                         help="also: comma-separated editor workloads, one stream at a time, "
                              "--max-tokens each, every prompt a file of its own: edit (a "
                              "function rewritten), fresh (a function's body to write), "
-                             "fresh1 (one such request), sampled (fresh at temperature 1; "
-                             "--requests of each, default 6), repeat (one edit prompt "
+                             "fresh1 (one such request), sampled (fresh at temperature 1), "
+                             "cold (a file's first 12,000 characters, about 3,000 tokens: "
+                             "a cold prefill's TTFT; --requests of each, default 6), repeat (one edit prompt "
                              "--requests times, default 3: warm on purpose), typing (see "
                              "--sessions)")
     parser.add_argument("--corpus", default=None, metavar="DIR",
@@ -345,7 +348,8 @@ def parts(args, target, levels: list[int], workloads: list[str], single: dict,
         if workload in single:
             make, temperature, repeated = single[workload]
             count = 1 if repeated or workload == "fresh1" else args.requests or 6
-            prompts = corpus.prompts(workload, count, make)
+            prompts = corpus.prompts(workload, count, make,
+                                     COLD_CHARS if workload == "cold" else 0)
             repeats = (args.requests or 3) if repeated else 1
             name = f"{workload} (warm)" if repeated else workload
             out.append((workload, lambda name=name, prompts=prompts, t=temperature,
@@ -372,11 +376,11 @@ class RunFiles:
     def __init__(self, corpus: Corpus, run: int):
         self.corpus, self.run = corpus, run
 
-    def files_for(self, part: str, n: int) -> list[str]:
-        return self.corpus.files_for(f"{part}#{self.run}", n)
+    def files_for(self, part: str, n: int, min_chars: int = 0) -> list[str]:
+        return self.corpus.files_for(f"{part}#{self.run}", n, min_chars)
 
-    def prompts(self, part: str, n: int, make) -> list[str]:
-        return self.corpus.prompts(f"{part}#{self.run}", n, make)
+    def prompts(self, part: str, n: int, make, min_chars: int = 0) -> list[str]:
+        return self.corpus.prompts(f"{part}#{self.run}", n, make, min_chars)
 
 
 def run_parts(args, targets, plans, profiles: list[dict], run: int) -> list[dict]:
@@ -452,11 +456,12 @@ def run(args) -> int:
     single = {"edit": (edit, 0.0, False), "fresh": (function_start, 0.0, False),
               "fresh1": (function_start, 0.0, False),
               "sampled": (function_start, 1.0, False),
+              "cold": (lambda text: opening(text, COLD_CHARS), 0.0, False),
               "repeat": (edit, 0.0, True)}
     for workload in extra_workloads:
         if workload not in single and workload != "typing":
             raise SystemExit(f"unknown workload {workload!r}: edit, fresh, fresh1, "
-                             "sampled, repeat, typing")
+                             "sampled, cold, repeat, typing")
     try:
         corpus = Corpus(args.corpus, args.seed)
     except CorpusError as exc:

@@ -75,15 +75,19 @@ class Corpus:
         raise CorpusError(f"not enough Python source files of {MIN_CHARS}-{MAX_CHARS} "
                           f"characters under {self.root} for this run")
 
-    def files_for(self, part: str, n: int) -> list[str]:
+    def files_for(self, part: str, n: int, min_chars: int = 0) -> list[str]:
+        """The part's n files (of at least `min_chars` characters: shorter ones are
+        passed over, to no part)."""
         dealt = self._dealt.setdefault(part, [])
         while len(dealt) < n:
-            dealt.append(self._next_text())
+            text = self._next_text()
+            if len(text) >= min_chars:
+                dealt.append(text)
         return dealt[:n]
 
-    def prompts(self, part: str, n: int, make) -> list[str]:
+    def prompts(self, part: str, n: int, make, min_chars: int = 0) -> list[str]:
         """`make(text)` of each of the part's n files."""
-        return [make(text) for text in self.files_for(part, n)]
+        return [make(text) for text in self.files_for(part, n, min_chars)]
 
 
 def opening(text: str, chars: int) -> str:
