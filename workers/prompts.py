@@ -107,7 +107,7 @@ def fewest_tokens(engine, body: P.WorkerJob, limit: int) -> int:
     return ids + chars // (SAFETY * longest) if longest else ids
 
 
-def check_fits(engine, body: P.WorkerJob, template: "FimTemplate | None" = None) -> None:
+def check_fits(engine, body: P.WorkerJob, template: FimTemplate | None = None) -> None:
     """context_length_exceeded for a prompt that cannot fit, before it is tokenized: a
     megabyte of text takes seconds of the worker's CPU to tokenize, beside the streams.
     The preparing thread asks, where long texts are tokenized (workers.preparation; a
