@@ -623,6 +623,30 @@ def test_sit_outs_only_where_the_measured_step_is_a_tenth_cheaper():
     assert Scheduler().first_line_first(batch, [], gpu_like()) == batch
 
 
+def test_sit_outs_count_the_prompt_piece_the_step_takes():
+    """Seven deep sequences beside a prompt being prefilled: beside a keystroke's few new
+    rows they sit out (the step is several times cheaper for it), beside a cold prompt's
+    512-row piece nobody does, since the step would be barely cheaper and seven streams
+    would each lose a step of half a second; where rows are nearly free, nobody either."""
+    from types import SimpleNamespace
+
+    from workers.engine.scheduling import DEEP_AFTER, Scheduler
+
+    def seven_deep():
+        return [SimpleNamespace(seq=i, line_done=True, sat_out=False,
+                                sampled=DEEP_AFTER + 100 - i) for i in range(7)]
+    prompt = [SimpleNamespace(seq=7)]
+    cpu = StepCosts.assumed()
+    assert Scheduler().first_line_first(seven_deep(), prompt, cpu, prompt_rows=8) == []
+    batch = seven_deep()
+    assert Scheduler().first_line_first(batch, prompt, cpu, prompt_rows=512) == batch
+    assert not any(s.sat_out for s in batch)
+    saving = 1 - (cpu.cost(1, 511)) / (cpu.plain_cost(8) + cpu.cost(1, 511) - cpu.plain_cost(1))
+    assert 0 < saving < 0.1
+    batch = seven_deep()
+    assert Scheduler().first_line_first(batch, prompt, gpu_like(), prompt_rows=8) == batch
+
+
 def test_drafts_run_beside_a_waiting_user_only_where_rows_are_nearly_free():
     """One sequence with a confident proposal, another still short of its first line:
     on the CPU's costs (a draft row about a plain step) it drafts nothing, since the

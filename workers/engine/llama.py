@@ -437,9 +437,10 @@ class LlamaEngine:
         if self.deterministic and prefilling:
             generating, prefilling = [], prefilling[:1]
         else:
+            running = [s for s in self.slots if s.busy and s.next_token is not None]
             generating = self.scheduler.first_line_first(
-                [s for s in self.slots if s.busy and s.next_token is not None], prefilling,
-                self.step_costs)
+                running, prefilling, self.step_costs, self._prompt_rows_at_least(
+                    prefilling, min(self.n_batch - len(running), self.prefill_chunk)))
         self.calibration.step()
         drafting = self.draft_model.seconds if self.draft_model is not None else 0.0
         self.scheduler.draft(self.slots, generating, prefilling, self.n_ctx, self.n_batch,
@@ -454,6 +455,15 @@ class LlamaEngine:
         room = min(self.n_batch - rows, self.prefill_chunk)
         return generating, self.scheduler.prefill(prefilling, room, self._logprob_rows(),
                                                   rows), planning
+
+    def _prompt_rows_at_least(self, prefilling: list, room: int) -> int:
+        """The prompt rows this step will take at least: the first prompt's piece (it
+        is never passed over, `Scheduler.prefill`), before drafts take any room."""
+        if not prefilling or room <= 0:
+            return 0
+        first = prefilling[0]
+        take = min(room, len(first.pending))
+        return min(take, self._logprob_rows()) if first.prompt_logprobs is not None else take
 
     def _fill_batch(self, generating: list, grant: dict[int, int]) -> tuple[int, int]:
         """The batch's rows, in slot order: each generating slot's token and draft, each

@@ -41,7 +41,7 @@ class Scheduler:
         self.arrivals.append((time.monotonic(), slot, others_running))
 
     def first_line_first(self, generating: list, prefilling: list,
-                         costs: StepCosts | None = None) -> list:
+                         costs: StepCosts | None = None, prompt_rows: int = 0) -> list:
         """A user waits for a suggestion's first line: while some sequence is still short
         of its first newline (or still prefilling), sequences deep in a long completion
         (past their first line and DEEP_AFTER tokens) sit out a step, so that it is
@@ -52,9 +52,11 @@ class Scheduler:
         eight 55 ms), the deepest first among equals, and none where nothing is cheaper:
         a deep sequence sitting out between two others splits the step it was meant to
         shorten, and none where the step would be less than SIT_OUT_SAVING cheaper (on a
-        device where rows are nearly free, nobody sits out). Without costs, every one that
-        may sits out. Returns the sequences that
-        get a row in this step."""
+        device where rows are nearly free, nobody sits out). The step's cost counts the
+        `prompt_rows` it takes at least (a prompt piece is a sub-batch of its own): beside
+        a piece of a hundred rows or more, the few rows sitting out would save the
+        waiting prompt too little of its step to cost each of them a token. Without costs,
+        every one that may sits out. Returns the sequences that get a row in this step."""
         waiting = bool(prefilling) or any(not s.line_done for s in generating)
         may = sorted((s for s in generating if waiting and not s.sat_out and s.line_done
                       and s.sampled >= DEEP_AFTER), key=lambda s: -s.sampled)
@@ -62,28 +64,32 @@ class Scheduler:
         if costs is not None and may:
             sitting = set(self._cheapest_out(
                 tuple(s.seq for s in generating), tuple(s.seq for s in may),
-                tuple(s.seq for s in prefilling), costs))
+                tuple(s.seq for s in prefilling), costs, prompt_rows))
         for slot in generating:
             slot.sat_out = slot.seq in sitting
         return [s for s in generating if not s.sat_out]
 
     def _cheapest_out(self, generating: tuple, may: tuple, prefilling: tuple,
-                      costs: StepCosts) -> tuple:
+                      costs: StepCosts, prompt_rows: int = 0) -> tuple:
         """The sequences of `may` (deepest first) whose sitting out makes the step's
-        plain rows cheapest, runs counted; fewest, then deepest, among equals. Every
-        subset is tried (eight sequences: 256), once per shape of the batch."""
-        key = (generating, may, prefilling, id(costs))
+        plain rows cheapest, runs counted; fewest, then deepest, among equals; none where
+        the step, its `prompt_rows` included, would be less than SIT_OUT_SAVING cheaper.
+        Every subset is tried (eight sequences: 256), once per shape of the batch."""
+        key = (generating, may, prefilling, prompt_rows, id(costs))
         if key in self._sit_out:
             return self._sit_out[key]
         best, best_rank = (), None
         subsets = range(1 << len(may)) if len(may) <= SIT_OUT_EXACT else \
             [(1 << k) - 1 for k in range(len(may) + 1)]       # (the k deepest)
         present = set(generating) | set(prefilling)
-        everyone = sum(costs.plain_cost(r) for r in seq_runs(sorted(present)))
+        # (the prompt's first row is in its run: its other rows are what they add)
+        piece = costs.cost(1, prompt_rows - 1) - costs.plain_cost(1) if prompt_rows > 1 \
+            else 0.0
+        everyone = sum(costs.plain_cost(r) for r in seq_runs(sorted(present))) + piece
         for mask in subsets:
             out = [(i, q) for i, q in enumerate(may) if mask >> i & 1]
             seqs = sorted(present - {q for _, q in out})
-            cost = sum(costs.plain_cost(r) for r in seq_runs(seqs))
+            cost = sum(costs.plain_cost(r) for r in seq_runs(seqs)) + piece
             rank = (round(cost, 3), len(out), sum(i for i, _ in out))
             if best_rank is None or rank < best_rank:
                 best, best_rank = tuple(q for _, q in out), rank
