@@ -1,8 +1,10 @@
 """Work one request can make the server do before its first token (or in its answer),
-each class at the size the limits allow, sent while another client's stream decodes on
-the same worker and front end: the neighbour's largest gap between two tokens stays
-within a second of what it is alone, measured in the same test (the whole stack, the
-bundled model, one worker; every core, so `serial`).
+each class at the size the limits allow or at one that once took seconds of a worker's
+or a front end's time (a tokenization, sampler chains or logprobs over several
+choices), sent while another client's stream decodes on the same worker and front end:
+the neighbour's largest gap between two tokens stays within a second of what it is
+alone, measured in the same test (the whole stack, the bundled model, one worker; every
+core, so `serial`).
 
 Each class used to freeze the neighbour: a JSON schema converted in the generation
 thread (15.8 s), a grammar of 4,000 parse stacks (165 s a token), a 1 Mi-character prompt
@@ -40,18 +42,18 @@ HEAVY = {
     "a 1 Mi-character prompt": ("/v1/completions", {"prompt": MEGA, "max_tokens": 1}),
     "the same as fill-in-the-middle, twice": ("/v1/completions", {
         "prompt": MEGA[:-300], "suffix": MEGA[-300:], "max_tokens": 1}),
-    "DRY with 16 breakers, 8 choices": ("/v1/completions", {
-        "prompt": "def f(x):", "max_tokens": 2, "n": 8, "dry_multiplier": 0.8,
+    "DRY with 16 breakers, 4 choices": ("/v1/completions", {
+        "prompt": "def f(x):", "max_tokens": 2, "n": 4, "dry_multiplier": 0.8,
         "dry_sequence_breakers": [f"b{i}" for i in range(16)]}),
     "stop strings at their limit": ("/v1/completions", {
         "prompt": "def f(x):", "max_tokens": 32, "ignore_eos": True,
         "stop": ["ab" + "x" * 506 + str(i).zfill(4) for i in range(32)]}),
     "n_probs 100 over 4 choices, not streamed": ("/completion", {
-        "prompt": "def f(x):", "n_predict": 48, "n_probs": 100, "n_cmpl": 4}),
-    "echo with logprobs over 700 tokens, 2 choices": ("/v1/completions", {
-        "prompt": SOURCE[:2500], "max_tokens": 0, "echo": True, "logprobs": 5, "n": 2}),
-    "/tokenize with pieces of 1 Mi characters": ("/tokenize", {
-        "content": MEGA, "with_pieces": True}),
+        "prompt": "def f(x):", "n_predict": 24, "n_probs": 100, "n_cmpl": 4}),
+    "echo with logprobs over 300 tokens, 2 choices": ("/v1/completions", {
+        "prompt": SOURCE[:1100], "max_tokens": 0, "echo": True, "logprobs": 5, "n": 2}),
+    "/tokenize with pieces of 256 Ki characters": ("/tokenize", {
+        "content": MEGA[:1 << 18], "with_pieces": True}),
     "a fought grammar, sampled": ("/v1/completions", {
         "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0.8,
         "grammar": "root ::= [^e]*"}),
