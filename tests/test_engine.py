@@ -648,6 +648,30 @@ def test_first_line_first_a_deep_sequence_yields_steps(model_path):
         engine.close()
 
 
+def test_a_first_line_without_a_newline_ends_after_first_line_max_tokens(model_path):
+    """A sequence that writes no newline (a grammar forbids it) counts as short of its
+    first line for FIRST_LINE_MAX tokens and then as past it: the deep streams beside
+    it stop sitting out for it, instead of yielding every other step of its life."""
+    from workers.engine.scheduling import FIRST_LINE_MAX
+    from workers.sampling import SamplingParams
+    engine = make(model_path, slots=1)
+    one_line = SamplingParams(temperature=0.0, ignore_eos=True, grammar="root ::= [^\\n]*")
+    try:
+        engine.add(0, engine.tokenize("The history of the Roman Empire, part one, is"),
+                   one_line)
+        done = []
+        while engine.slots[0].sampled < FIRST_LINE_MAX + 2:
+            out = engine.step().get(0)
+            if out is not None:
+                assert out.error is None, out.error
+                assert b"\n" not in engine.piece(out.token)
+                done.append(engine.slots[0].line_done)
+        assert done[:FIRST_LINE_MAX - 1] == [False] * (FIRST_LINE_MAX - 1)
+        assert done[FIRST_LINE_MAX - 1:] == [True] * (len(done) - FIRST_LINE_MAX + 1)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("params", [
     dict(temperature=0),
     dict(temperature=0.8, top_k=40, seed=7),

@@ -34,7 +34,7 @@ from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.draftmodel import DraftCosts, DraftModel
 from dispatcher.common.repacking import extra_buffers_work
-from workers.engine.scheduling import Scheduler, seq_runs
+from workers.engine.scheduling import FIRST_LINE_MAX, Scheduler, seq_runs
 from workers.engine.history import Histories
 from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
 from workers.engine.stepcosts import StepCosts
@@ -81,7 +81,7 @@ class _Slot:
     draft: list[int] = field(default_factory=list)      # speculative tokens in this step
     draft_rows: list[int] = field(default_factory=list)
     policy: Drafter | None = None                       # None: no speculation
-    line_done: bool = False                             # its output has a newline
+    line_done: bool = False             # its output has a newline, or FIRST_LINE_MAX tokens
     sat_out: bool = False                               # first line first: last step
     passed_over: bool = False                           # its prompt got no piece: last step
     budget: int | None = None                           # tokens it may generate
@@ -634,8 +634,9 @@ class LlamaEngine:
         slot.row = -1
         slot.next_token = token
         slot.sampled += 1
-        if not slot.line_done and b"\n" in self.piece(token):
-            slot.line_done = True
+        if not slot.line_done and (slot.sampled >= FIRST_LINE_MAX or
+                                   b"\n" in self.piece(token)):
+            slot.line_done = True           # (first line first: a line that long is out)
         result = TokenOut(token)
         if lse is not None:
             result.logprob, result.top = float(logits[token] - lse), top
