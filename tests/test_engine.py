@@ -623,7 +623,7 @@ def test_a_long_text_is_tokenized_once_for_its_copies(model_path, monkeypatch):
 
 def test_first_line_first_a_deep_sequence_yields_steps(model_path):
     """A sequence past its first line and DEEP_AFTER tokens sits out every other step
-    while another is short of its first newline (no step costs here: every one that may
+    while another is short of its first line (no step costs here: every one that may
     sits out), never two in a row; once that one has its line, both get a row every
     step again."""
     from workers.engine.scheduling import DEEP_AFTER
@@ -637,9 +637,8 @@ def test_first_line_first_a_deep_sequence_yields_steps(model_path):
         engine.add(1, engine.tokenize("x = [1, 2, 3]\nprint(len(x))  # a comment that goes on"),
                    keep_going)
         pattern = []
-        while not engine.slots[1].line_done and len(pattern) < 200:
+        while not engine.slots[1].line_done:        # (a newline, or FIRST_LINE_MAX tokens)
             pattern.append(0 in engine.step())
-        assert engine.slots[1].line_done, "the second sequence never wrote a newline"
         assert len(pattern) >= 3
         assert "FF" not in "".join("T" if p else "F" for p in pattern)
         assert pattern.count(False) >= len(pattern) // 2 - 1

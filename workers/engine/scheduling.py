@@ -55,7 +55,9 @@ class Scheduler:
         a deep sequence sitting out between two others splits the step it was meant to
         shorten, and none where the step would be less than SIT_OUT_SAVING cheaper (on a
         device where rows are nearly free, nobody sits out). The step's cost counts the
-        `prompt_rows` it takes at least (a prompt piece is a sub-batch of its own): beside
+        `prompt_rows` it takes at least (a prompt piece's rows beyond its first are a
+        sub-batch of their own; the engine's estimate is made before drafts take room,
+        which while a prompt waits they seldom do): beside
         a piece of a hundred rows or more, the few rows sitting out would save the
         waiting prompt too little of its step to cost each of them a token. Without costs,
         every one that may sits out. A first line ends at its newline or after
@@ -82,31 +84,39 @@ class Scheduler:
         """The sequences of `may` (deepest first) whose sitting out makes the step's
         plain rows cheapest, runs counted; fewest, then deepest, among equals; none where
         the step, its `prompt_rows` included, would be less than SIT_OUT_SAVING cheaper.
-        Every subset is tried (eight sequences: 256), once per shape of the batch."""
-        key = (generating, may, prefilling, prompt_rows, id(costs))
-        if key in self._sit_out:
-            return self._sit_out[key]
+        Every subset is tried (eight sequences: 256), once per shape of the batch (the
+        prompt piece adds the same to every subset: it only moves the threshold)."""
+        key = (generating, may, prefilling, id(costs))
+        if key not in self._sit_out:
+            if len(self._sit_out) > 4096:
+                self._sit_out.clear()
+            self._sit_out[key] = self._cheapest_subset(generating, may, prefilling, costs)
+        best, cost, everyone = self._sit_out[key]
+        # (the prompt's first row is in its run: its other rows are what they add)
+        piece = costs.cost(1, prompt_rows - 1) - costs.plain_cost(1) if prompt_rows > 1 \
+            else 0.0
+        if cost + piece > (1 - SIT_OUT_SAVING) * (everyone + piece):
+            return ()                 # a saving this small is not worth a stream's step
+        return best
+
+    @staticmethod
+    def _cheapest_subset(generating: tuple, may: tuple, prefilling: tuple,
+                         costs: StepCosts) -> tuple[tuple, float, float]:
+        """The subset of `may` whose sitting out makes the plain rows cheapest (see
+        `_cheapest_out`), what they then cost, and what they cost with everyone in."""
         best, best_rank = (), None
         subsets = range(1 << len(may)) if len(may) <= SIT_OUT_EXACT else \
             [(1 << k) - 1 for k in range(len(may) + 1)]       # (the k deepest)
         present = set(generating) | set(prefilling)
-        # (the prompt's first row is in its run: its other rows are what they add)
-        piece = costs.cost(1, prompt_rows - 1) - costs.plain_cost(1) if prompt_rows > 1 \
-            else 0.0
-        everyone = sum(costs.plain_cost(r) for r in seq_runs(sorted(present))) + piece
+        everyone = sum(costs.plain_cost(r) for r in seq_runs(sorted(present)))
         for mask in subsets:
             out = [(i, q) for i, q in enumerate(may) if mask >> i & 1]
             seqs = sorted(present - {q for _, q in out})
-            cost = sum(costs.plain_cost(r) for r in seq_runs(seqs)) + piece
+            cost = sum(costs.plain_cost(r) for r in seq_runs(seqs))
             rank = (round(cost, 3), len(out), sum(i for i, _ in out))
             if best_rank is None or rank < best_rank:
                 best, best_rank = tuple(q for _, q in out), rank
-        if best_rank[0] > (1 - SIT_OUT_SAVING) * everyone:
-            best = ()                 # a saving this small is not worth a stream's step
-        if len(self._sit_out) > 4096:
-            self._sit_out.clear()
-        self._sit_out[key] = best
-        return best
+        return best, best_rank[0], everyone
 
     @staticmethod
     def prefill(prefilling: list, room: int, logprob_chunk: int, rows: int = 0
@@ -161,8 +171,8 @@ class Scheduler:
               n_batch: int, step_costs: StepCosts | None, model=None) -> None:
         """Sets each generating sequence's `draft` for this step: its best proposal, where
         it pays (stepcosts.plan, on the step costs). While another sequence is prefilling
-        or short of its first newline, or within ARRIVAL_QUIET s of another request's
-        arrival, a step with drafts may take at most 1 + WAIT_STRETCH times the plain
+        or short of its first line (`line_done`), or within ARRIVAL_QUIET s of another
+        request's arrival, a step with drafts may take at most 1 + WAIT_STRETCH times the plain
         step (a draft lengthens the step a new keystroke waits behind: on a CPU, where a
         draft row costs more than half a plain step, that is no draft, as measured on the
         typing trace; on a GPU, where rows are nearly free, drafts run beside the waiting
