@@ -3,8 +3,8 @@ one: each refusal and failure with its status, code and message, stated once.
 
 The core (`dispatcher.core`) decides when; this module says what. `admission` is the
 ladder of checks a job meets before it is queued (a job naming no earlier job of its
-request, a job without an id, a stopping server, no worker, an unknown model, a route no worker can meet), in the order a client
-should hear them; the other functions are the errors of one situation each.
+request, a job without an id, a stopping server, no worker, an unknown model, a route no
+worker can meet), in the order a client should hear them; the other functions are the errors of one situation each.
 """
 from __future__ import annotations
 

@@ -263,8 +263,8 @@ def add_arguments(parser) -> None:
                              "function rewritten), fresh (a function's body to write), "
                              "fresh1 (one such request), sampled (fresh at temperature 1), "
                              "cold (a file's first 12,000 characters, about 3,000 tokens: "
-                             "a cold prefill's TTFT; --requests of each, default 6), repeat (one edit prompt "
-                             "--requests times, default 3: warm on purpose), typing (see "
+                             "a cold prefill's TTFT; --requests of each, default 6), "
+                             "repeat (one edit prompt --requests times, default 3: warm on purpose), typing (see "
                              "--sessions)")
     parser.add_argument("--corpus", default=None, metavar="DIR",
                         help="Python source files to make the prompts of (default: this "

@@ -463,7 +463,9 @@ class LlamaEngine:
             return 0
         first = prefilling[0]
         take = min(room, len(first.pending))
-        return min(take, self._logprob_rows()) if first.prompt_logprobs is not None else take
+        if first.prompt_logprobs is not None:
+            take = min(take, self._logprob_rows())
+        return take
 
     def _fill_batch(self, generating: list, grant: dict[int, int]) -> tuple[int, int]:
         """The batch's rows, in slot order: each generating slot's token and draft, each

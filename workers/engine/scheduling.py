@@ -45,7 +45,7 @@ class Scheduler:
     def first_line_first(self, generating: list, prefilling: list,
                          costs: StepCosts | None = None, prompt_rows: int = 0) -> list:
         """A user waits for a suggestion's first line: while some sequence is still short
-        of its first newline (or still prefilling), sequences deep in a long completion
+        of its first line (or still prefilling), sequences deep in a long completion
         (past their first line and DEEP_AFTER tokens) sit out a step, so that it is
         shorter for those waiting; none waits two steps in a row. Which sit out is what
         makes the step cheapest on the measured costs, counting each run of consecutive
@@ -57,9 +57,9 @@ class Scheduler:
         device where rows are nearly free, nobody sits out). The step's cost counts the
         `prompt_rows` it takes at least (a prompt piece's rows beyond its first are a
         sub-batch of their own; the engine's estimate is made before drafts take room,
-        which while a prompt waits they seldom do): beside
-        a piece of a hundred rows or more, the few rows sitting out would save the
-        waiting prompt too little of its step to cost each of them a token. Without costs,
+        which while a prompt waits they seldom do): beside a piece of a hundred rows or
+        more, the few rows sitting out would save the waiting prompt too little of its
+        step to cost each of them a token. Without costs,
         every one that may sits out. A first line ends at its newline or after
         FIRST_LINE_MAX tokens (the engine's `line_done`): 32 tokens are 100-130
         characters of code, past what style guides allow a line (79-120); a longer one
@@ -172,11 +172,11 @@ class Scheduler:
         """Sets each generating sequence's `draft` for this step: its best proposal, where
         it pays (stepcosts.plan, on the step costs). While another sequence is prefilling
         or short of its first line (`line_done`), or within ARRIVAL_QUIET s of another
-        request's arrival, a step with drafts may take at most 1 + WAIT_STRETCH times the plain
-        step (a draft lengthens the step a new keystroke waits behind: on a CPU, where a
-        draft row costs more than half a plain step, that is no draft, as measured on the
-        typing trace; on a GPU, where rows are nearly free, drafts run beside the waiting
-        users). Under traffic (another sequence in the worker, or
+        request's arrival, a step with drafts may take at most 1 + WAIT_STRETCH times the
+        plain step (a draft lengthens the step a new keystroke waits behind: on a CPU,
+        where a draft row costs more than half a plain step, that is no draft, as
+        measured on the typing trace; on a GPU, where rows are nearly free, drafts run
+        beside the waiting users). Under traffic (another sequence in the worker, or
         another request's arrival in the last TRAFFIC_WINDOW s) a source drafts on what
         it proved in the sequence (not on a lookup's match length) and a step with
         drafts may take at most 1 + TRAFFIC_STRETCH times the plain step: on a CPU, where
