@@ -544,36 +544,42 @@ def test_steps_keep_measured_costs_current(model_path, tmp_path, monkeypatch,
 def test_step_costs_are_measured_on_this_device_and_kept(model_path, tmp_path, monkeypatch,
                                                         one_round_probe):
     """At start-up with drafts on: a decode per batch shape (none cheaper than the plain
-    step, more rows dearer overall);
-    the next engine of the same shape reads them from the cache directory. (Kept however
+    step, more rows dearer overall) and the full batch's step (the watchdog's);
+    the next engine of the same shape reads them from the cache directory, and another
+    context length keys another table (its steps attend over more cells). (Kept however
     busy this machine is: the busy-machine rule has a test of its own.)"""
-    from workers.engine import costprobe
+    from workers.engine import costprobe, llama
     from workers.engine.llama import LlamaEngine
     from workers.engine.stepcosts import EACH, SHAPES_EXTRA
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(costprobe, "UNCONTENDED", 0.0)
     engine = LlamaEngine(model_path, 256, 2, THREADS, 0, draft_max=16)
     try:
-        table = engine.step_costs.table
+        table, full = engine.step_costs.table, engine.step_costs.full_step_s
         assert set(table) == {(s, d) for s in (1, 2) for d in SHAPES_EXTRA}
         assert all(table[s, 0] > 0 for s in (1, 2))
         assert all(table[s, 0] <= table[s, d] for s in (1, 2) for d in SHAPES_EXTRA)
         assert set(engine.step_costs.each) == {(2, k) for k in EACH}
         assert table[1, 0] < table[1, SHAPES_EXTRA[-1]]
+        assert full > table[1, 0] / 1000 and engine.full_step_seconds() == full
         assert engine.cached_prefix([1, 2, 3], [0, 1]) == 0     # the slots are empty again
     finally:
         engine.close()
     kept = list((tmp_path / "completions-server").glob("step-costs-*.json"))
     assert len(kept) == 1
+    monkeypatch.setattr(llama, "full_step_seconds", lambda engine: pytest.fail("measured"))
     again = LlamaEngine(model_path, 256, 2, THREADS, 0, draft_max=16)
     try:
         assert again.step_costs.table == table and again.step_costs.each
+        assert again.full_step_seconds() == full
+        keys = {costprobe.table_key(again, 2, THREADS, 0, repacked)   # (as this CPU
+                for repacked in (True, False)}                       # allows repacking)
+        assert kept[0].name in {f"step-costs-{key}.json" for key in keys}
+        again.n_ctx = 512
+        assert not keys & {costprobe.table_key(again, 2, THREADS, 0, repacked)
+                           for repacked in (True, False)}
     finally:
         again.close()
-    # another context length is another table (its steps attend over more cells)
-    longer = LlamaEngine(model_path, 512, 2, THREADS, 0, draft_max=16)
-    longer.close()
-    assert len(list((tmp_path / "completions-server").glob("step-costs-*.json"))) == 2
 
 
 def test_step_costs_are_measured_after_a_cached_context_in_every_slot(model_path):

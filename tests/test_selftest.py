@@ -92,6 +92,59 @@ def test_memory_need_and_the_nctx_that_fits():
     assert need.nctx_that_fits(2 << 30, 16) == 0          # not even the weights
 
 
+def test_the_header_gives_the_sizes_llama_cpp_reads(tmp_path):
+    """The sizes of the memory check, read from the GGUF header, are what llama.cpp's
+    vocabulary-only load reads: the bundled model, the tests' tiny one and a model whose
+    KV heads are a per-layer array (the largest counts)."""
+    import gguf
+    from dispatcher.common.models import bundled_model_path
+    from tiny_gguf import write_tiny_fim_model
+    from workers.engine import backends
+    from workers.engine.ggufheader import read_metadata
+    per_layer = tmp_path / "per-layer.gguf"
+    writer = gguf.GGUFWriter(str(per_layer), "llama")
+    writer.add_block_count(3)
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_array("llama.attention.head_count_kv", [1, 4, 2])
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"t{i}".encode() for i in range(300)])
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                  writer.write_tensors_to_file):
+        write()
+    writer.close()
+    assert backends.shape_from_metadata(read_metadata(str(per_layer)))["n_head_kv"] == 4
+    for path in (str(bundled_model_path()), str(write_tiny_fim_model(tmp_path / "t.gguf"))):
+        header = backends.shape_from_metadata(read_metadata(path))
+        assert header == backends.shape_from_llama(path) == backends.model_shape(path)
+        assert header["n_vocab"] > 0 and header["n_layer"] > 0
+
+
+def test_a_header_the_reader_does_not_know_is_read_by_llama_cpp(tmp_path, monkeypatch):
+    """Another GGUF version, a truncated header or a nonsense size: the reader says so
+    and model_shape asks llama.cpp, which reads the file or refuses it."""
+    from dispatcher.common.models import bundled_model_path
+    from workers.engine import backends
+    from workers.engine.ggufheader import GGUFHeaderError, read_metadata
+    from workers.errors import EngineError
+    real = bundled_model_path().read_bytes()[:1 << 16]
+    for name, data in (("v1", b"GGUF" + (1).to_bytes(4, "little") + real[8:]),
+                       ("cut", real[:200]),
+                       ("huge", real[:24] + (1 << 62).to_bytes(8, "little") + real[32:]),
+                       ("none", b"not a model at all")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(GGUFHeaderError):
+            read_metadata(str(tmp_path / name))
+        with pytest.raises(EngineError, match="llama.cpp cannot read"):
+            backends.model_shape(str(tmp_path / name))
+    asked = []
+    monkeypatch.setattr(backends, "read_metadata", lambda path: (_ for _ in ()).throw(
+        GGUFHeaderError("as if unknown")))
+    monkeypatch.setattr(backends, "shape_from_llama", lambda path: asked.append(path) or {})
+    backends.model_shape("m.gguf")
+    assert asked == ["m.gguf"]
+
+
 def test_host_memory_reads_meminfo_and_a_cgroup_cap(tmp_path):
     (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nMemAvailable:   2048 kB\n")
     assert host_memory_available(str(tmp_path / "meminfo"), str(tmp_path / "none")) == 2 << 20

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from workers.errors import EngineError
 
 from workers.engine.contextshape import ContextShape
+from workers.engine.ggufheader import Array, GGUFHeaderError, read_metadata
 
 if TYPE_CHECKING:
     from dispatcher.common.devices import DeviceSpec
@@ -190,7 +191,47 @@ def memory_need(model_file_bytes: int, n_layer: int, n_head_kv: int, key_length:
 
 
 def model_shape(model_path: str) -> dict:
-    """Sizes from the GGUF's metadata (a vocabulary-only load: no tensors are read)."""
+    """Sizes from the GGUF's metadata: read from its header (`ggufheader`), or where that
+    reader does not know the header, from llama.cpp's vocabulary-only load (no tensors
+    are read, but the whole tokenizer is built)."""
+    try:
+        return shape_from_metadata(read_metadata(model_path))
+    except GGUFHeaderError:
+        return shape_from_llama(model_path)
+
+
+def shape_from_metadata(meta: dict) -> dict:
+    """The sizes `memory_need` takes, from the header's key-value pairs; GGUFHeaderError
+    where the vocabulary's size is not there."""
+    arch = meta.get("general.architecture")
+    arch = arch if isinstance(arch, str) and arch else "llama"
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, Array):
+        raise GGUFHeaderError("no tokenizer.ggml.tokens")
+
+    def number(key: str, fallback: int) -> int:
+        value = meta.get(f"{arch}.{key}")
+        if isinstance(value, Array):              # a per-layer array: the largest element
+            return int(max(value.values)) if value.values else fallback
+        return int(value) if isinstance(value, (int, float)) else fallback
+    return sizes(arch, number, tokens.count)
+
+
+def sizes(arch: str, number, n_vocab: int) -> dict:
+    """`model_shape`'s sizes, `number(key, fallback)` reading the architecture's keys."""
+    n_embd = number("embedding_length", 0)
+    n_head = number("attention.head_count", 1) or 1
+    head_dim = n_embd // n_head
+    return {"arch": arch, "n_layer": number("block_count", 0),
+            "n_head_kv": number("attention.head_count_kv", n_head),
+            "key_length": number("attention.key_length", head_dim),
+            "value_length": number("attention.value_length", head_dim),
+            "sliding_window": number("attention.sliding_window", 0),
+            "n_vocab": n_vocab}
+
+
+def shape_from_llama(model_path: str) -> dict:
+    """The same sizes as llama.cpp reads them (a vocabulary-only load)."""
     import llama_cpp
     from workers.engine.llamalog import quiet_llama_log
     log = quiet_llama_log()            # held while the model is read
@@ -206,7 +247,7 @@ def model_shape(model_path: str) -> dict:
         return buf.value.decode(errors="replace") if n >= 0 else None
 
     def number(key: str, fallback: int) -> int:
-        value = meta(key)
+        value = meta(f"{arch}.{key}")
         try:
             return int(float(value)) if value is not None else fallback
         except ValueError:            # a per-layer array: the largest element
@@ -214,15 +255,8 @@ def model_shape(model_path: str) -> dict:
             return max(found) if found else fallback
     try:
         arch = meta("general.architecture") or "llama"
-        n_embd = number(f"{arch}.embedding_length", 0)
-        n_head = number(f"{arch}.attention.head_count", 1) or 1
-        head_dim = n_embd // n_head
-        return {"arch": arch, "n_layer": number(f"{arch}.block_count", 0),
-                "n_head_kv": number(f"{arch}.attention.head_count_kv", n_head),
-                "key_length": number(f"{arch}.attention.key_length", head_dim),
-                "value_length": number(f"{arch}.attention.value_length", head_dim),
-                "sliding_window": number(f"{arch}.attention.sliding_window", 0),
-                "n_vocab": llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))}
+        return sizes(arch, number, llama_cpp.llama_vocab_n_tokens(
+            llama_cpp.llama_model_get_vocab(model)))
     finally:
         llama_cpp.llama_model_free(model)
         del log

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 UNCONTENDED = 0.6       # CPU busy share of the measuring threads below which the
                         # start-up step costs are used but not kept (a busy machine)
-PROBE_VERSION = 2       # part of the kept tables' key: a changed probe measures again
+PROBE_VERSION = 3       # part of the kept tables' key: a changed probe measures again
+                        # (3: the full step is measured and kept with the table)
 PREFIX = 8              # cached tokens of full_step_seconds' measured sequence
 CONTEXT = 1024          # cached tokens each measured sequence decodes after: an editor's
                         # prompt is a few hundred to several thousand tokens
@@ -66,6 +67,7 @@ def device_step_costs(engine, slots: int, n_threads: int, n_gpu_layers: int,
     finally:
         for s in range(slots):
             engine.lib.llama_memory_seq_rm(engine.memory, s, -1, -1)
+    costs.full_step_s = full_step_seconds(engine)     # (kept with the table: the watchdog's)
     usable = max(1, min(n_threads, len(os.sched_getaffinity(0))))
     share = (time.process_time() - cpu) / max(1e-9, (time.perf_counter() - started)
                                               * usable)

@@ -225,9 +225,12 @@ class LlamaEngine:
         start, they slowed a respawned worker's first seconds for everyone.)"""
 
     def full_step_seconds(self) -> float:
-        """One decode of a full batch on this device, measured now (the watchdog's
-        --step-timeout auto)."""
-        return full_step_seconds(self)
+        """One decode of a full batch on this device (the watchdog's --step-timeout
+        auto): measured with the step costs where they were measured on this device (now,
+        or at an earlier start and kept), otherwise now."""
+        measured = self.step_costs.full_step_s if self.learn_costs and self.step_costs \
+            else None
+        return measured if measured is not None else full_step_seconds(self)
 
     # -- the vocabulary (workers.engine.vocabulary), as the Engine protocol names it ----
     def tokenize(self, text: str, add_special: bool = True,

@@ -78,12 +78,16 @@ class StepCosts:
     being chosen."""
 
     def __init__(self, sequences: tuple[int, ...], table: dict[tuple[int, int], float],
-                 each: dict[tuple[int, int], float] | None = None):
+                 each: dict[tuple[int, int], float] | None = None,
+                 full_step_s: float | None = None):
         self.sequences = sequences      # the counts of sequences measured with drafts
         self.table = table
         self.plain = sorted(s for s, d in table if d == 0)
         self.each = each or {}          # (S, k): S sequences with k draft rows each
         self.observed = 0               # steps that corrected the table
+        # seconds of a full batch's prompt chunk, measured with the table (the watchdog's
+        # --step-timeout auto, costprobe.full_step_seconds); None: not measured
+        self.full_step_s = full_step_s
 
     @staticmethod
     def shapes(slots: int) -> tuple[tuple[int, ...], set[tuple[int, int]]]:
@@ -209,7 +213,8 @@ class StepCosts:
             data = json.loads(path.read_text())
             kept = cls(tuple(data["sequences"]),
                        {(s, d): float(ms) for s, d, ms in data["table"]},
-                       {(s, k): float(ms) for s, k, ms in data["each"]})
+                       {(s, k): float(ms) for s, k, ms in data["each"]},
+                       float(data["full_step_s"]) if data.get("full_step_s") else None)
             sequences, shapes = cls.shapes(kept.sequences[-1])
         except (OSError, ValueError, KeyError, TypeError, IndexError):
             return None
@@ -224,7 +229,8 @@ class StepCosts:
             partial.write_text(json.dumps({
                 "sequences": self.sequences,
                 "table": [[s, d, ms] for (s, d), ms in self.table.items()],
-                "each": [[s, k, ms] for (s, k), ms in self.each.items()]}))
+                "each": [[s, k, ms] for (s, k), ms in self.each.items()],
+                "full_step_s": self.full_step_s}))
             os.replace(partial, path)
         except OSError:
             pass
