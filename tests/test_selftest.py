@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -94,26 +95,35 @@ def test_memory_need_and_the_nctx_that_fits():
 
 def test_the_header_gives_the_sizes_llama_cpp_reads(tmp_path):
     """The sizes of the memory check, read from the GGUF header, are what llama.cpp's
-    vocabulary-only load reads: the bundled model, the tests' tiny one and a model whose
-    KV heads are a per-layer array (the largest counts)."""
+    vocabulary-only load reads, for the bundled model and the tests' tiny one; KV heads
+    given per layer count their largest (llama.cpp's metadata leaves arrays out: there
+    they would count as all the heads); a size that is not a finite number counts as
+    missing."""
     import gguf
     from dispatcher.common.models import bundled_model_path
     from tiny_gguf import write_tiny_fim_model
     from workers.engine import backends
     from workers.engine.ggufheader import read_metadata
-    per_layer = tmp_path / "per-layer.gguf"
-    writer = gguf.GGUFWriter(str(per_layer), "llama")
-    writer.add_block_count(3)
-    writer.add_embedding_length(64)
-    writer.add_head_count(4)
-    writer.add_array("llama.attention.head_count_kv", [1, 4, 2])
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([f"t{i}".encode() for i in range(300)])
-    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
-                  writer.write_tensors_to_file):
-        write()
-    writer.close()
-    assert backends.shape_from_metadata(read_metadata(str(per_layer)))["n_head_kv"] == 4
+
+    def header_only(name, heads_kv):
+        path = tmp_path / name
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_block_count(3)
+        writer.add_embedding_length(64)
+        writer.add_head_count(8)
+        heads_kv(writer)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list([f"t{i}".encode() for i in range(300)])
+        for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                      writer.write_tensors_to_file):
+            write()
+        writer.close()
+        return backends.shape_from_metadata(read_metadata(str(path)))
+    per_layer = header_only("per-layer.gguf", lambda w: w.add_array(
+        "llama.attention.head_count_kv", [1, 4, 2]))
+    assert (per_layer["n_head_kv"], per_layer["n_vocab"], per_layer["n_layer"]) == (4, 300, 3)
+    assert header_only("nan.gguf", lambda w: w.add_float32(
+        "llama.attention.head_count_kv", float("nan")))["n_head_kv"] == 8
     for path in (str(bundled_model_path()), str(write_tiny_fim_model(tmp_path / "t.gguf"))):
         header = backends.shape_from_metadata(read_metadata(path))
         assert header == backends.shape_from_llama(path) == backends.model_shape(path)
@@ -131,6 +141,8 @@ def test_a_header_the_reader_does_not_know_is_read_by_llama_cpp(tmp_path, monkey
     for name, data in (("v1", b"GGUF" + (1).to_bytes(4, "little") + real[8:]),
                        ("cut", real[:200]),
                        ("huge", real[:24] + (1 << 62).to_bytes(8, "little") + real[32:]),
+                       ("strings", b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 1) + b"k" +
+                        struct.pack("<IIQQ", 9, 8, 2, (1 << 64) - 9) + bytes(64)),
                        ("none", b"not a model at all")):
         (tmp_path / name).write_bytes(data)
         with pytest.raises(GGUFHeaderError):

@@ -11,8 +11,8 @@ loading on the CPU while the worker says it is on a GPU.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -202,7 +202,11 @@ def model_shape(model_path: str) -> dict:
 
 def shape_from_metadata(meta: dict) -> dict:
     """The sizes `memory_need` takes, from the header's key-value pairs; GGUFHeaderError
-    where the vocabulary's size is not there."""
+    where the vocabulary's size is not there. As llama.cpp reads them, except that a
+    per-layer array (KV heads that differ by layer) counts its largest element, where
+    llama.cpp's metadata leaves arrays out and the fallback (all heads) would count
+    more. (A file llama.cpp refuses for what lies past these keys is refused by its
+    load, after this check.)"""
     arch = meta.get("general.architecture")
     arch = arch if isinstance(arch, str) and arch else "llama"
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -212,8 +216,11 @@ def shape_from_metadata(meta: dict) -> dict:
     def number(key: str, fallback: int) -> int:
         value = meta.get(f"{arch}.{key}")
         if isinstance(value, Array):              # a per-layer array: the largest element
-            return int(max(value.values)) if value.values else fallback
-        return int(value) if isinstance(value, (int, float)) else fallback
+            value = max(value.values) if value.values else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not math.isfinite(value):
+            return fallback
+        return int(value)
     return sizes(arch, number, tokens.count)
 
 
@@ -231,7 +238,8 @@ def sizes(arch: str, number, n_vocab: int) -> dict:
 
 
 def shape_from_llama(model_path: str) -> dict:
-    """The same sizes as llama.cpp reads them (a vocabulary-only load)."""
+    """The same sizes as llama.cpp reads them (a vocabulary-only load; a size that is not
+    a finite number, or is an array, gives its fallback)."""
     import llama_cpp
     from workers.engine.llamalog import quiet_llama_log
     log = quiet_llama_log()            # held while the model is read
@@ -247,12 +255,11 @@ def shape_from_llama(model_path: str) -> dict:
         return buf.value.decode(errors="replace") if n >= 0 else None
 
     def number(key: str, fallback: int) -> int:
-        value = meta(f"{arch}.{key}")
+        value = meta(f"{arch}.{key}")        # (a per-layer array is not among them)
         try:
             return int(float(value)) if value is not None else fallback
-        except ValueError:            # a per-layer array: the largest element
-            found = [int(x) for x in re.findall(r"\d+", value or "")]
-            return max(found) if found else fallback
+        except (ValueError, OverflowError):
+            return fallback
     try:
         arch = meta("general.architecture") or "llama"
         return sizes(arch, number, llama_cpp.llama_vocab_n_tokens(

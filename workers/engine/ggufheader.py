@@ -22,6 +22,8 @@ FIXED = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q"
 STRING, ARRAY = 8, 9
 MAX_PAIRS = 1 << 16         # key-value pairs: a real model has a few dozen
 MAX_STRING = 1 << 24        # bytes of one string (a chat template is a few KiB)
+MAX_STRINGS = 1 << 23       # strings in the header's arrays, all together (a vocabulary
+                            # is up to ~10^6: past this, walking them would take seconds)
 KEEP_VALUES = 4096          # an array's numbers are kept up to this many (per-layer sizes);
                             # a longer one (a vocabulary's scores) is counted and skipped
 
@@ -44,7 +46,7 @@ def read_metadata(path: str) -> dict[str, object]:
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return _Reader(data).pairs()
-    except (OSError, ValueError, struct.error, UnicodeDecodeError) as exc:
+    except (OSError, ValueError, OverflowError, struct.error) as exc:
         if isinstance(exc, GGUFHeaderError):
             raise
         raise GGUFHeaderError(f"cannot read the GGUF header of {path}: {exc}") from None
@@ -53,6 +55,7 @@ def read_metadata(path: str) -> dict[str, object]:
 class _Reader:
     def __init__(self, data) -> None:
         self.data, self.at = data, 0
+        self.strings = 0            # array elements that were strings, so far
 
     def pairs(self) -> dict[str, object]:
         if self.data[:4] != MAGIC:
@@ -94,11 +97,17 @@ class _Reader:
     def array(self) -> Array:
         kind, count = self.unpack("<IQ")
         if kind == STRING:
+            end = len(self.data)
+            if count > (end - self.at) // 8:        # (each at least its length's 8 bytes)
+                raise GGUFHeaderError(f"an array of {count} strings past the end of the file")
+            self.strings += count
+            if self.strings > MAX_STRINGS:
+                raise GGUFHeaderError(f"more than {MAX_STRINGS} strings in arrays")
             for _ in range(count):                  # (each string's length, then its bytes)
                 (size,) = struct.unpack_from("<Q", self.data, self.at)
+                if size > end - self.at - 8:
+                    raise GGUFHeaderError("an array of strings past the end of the file")
                 self.at += 8 + size
-            if self.at > len(self.data):
-                raise GGUFHeaderError("an array of strings past the end of the file")
             return Array(count)
         if kind not in FIXED:
             raise GGUFHeaderError(f"an array of type {kind}")
