@@ -31,7 +31,8 @@
 #   them; GPU_CHECK_DEVICE (default cuda:0); GPU_CHECK_REBUILD=1 builds even where the
 #   environment's llama-cpp-python (this version) already offloads; GPU_CHECK_NO_BUILD=1
 #   takes it as it is (with GPU_CHECK_DEVICE=cpu and stand-ins for nvidia-smi and nvcc,
-#   as the tests do: every part after the build on a development machine).
+#   as the tests do: every part after the build on a development machine);
+#   GPU_CHECK_MAX_TOKENS: tokens a bench request asks for (default 128).
 # A worker that dies at start stops the run at once, after loading it again in the
 #   foreground several ways into OUT/diagnose.txt (with a native stack where cuda-gdb or
 #   gdb is there).
@@ -264,7 +265,7 @@ EOF
         i=0
         until "$py" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health')" \
                 >/dev/null 2>&1; do
-            i=$((i + 1)); [ $i -lt 300 ] || stop 1 "the server did not become ready (server-$drafts.log)"
+            i=$((i + 1)); [ $i -lt 1500 ] || stop 1 "the server did not become ready (server-$drafts.log)"
             kill -0 $server 2>/dev/null || stop 1 "the server exited (server-$drafts.log)"
             if grep -q "exited with SIG" "$OUT/server-$drafts.log"; then   # (respawned: it
                 kill $server 2>/dev/null || true                          # would go on dying)
@@ -273,11 +274,12 @@ EOF
                 stop 1 "the worker died at start: $(grep -m 1 -o 'exited with SIG[A-Z]*' \
                     "$OUT/server-$drafts.log") (server-$drafts.log, diagnose.txt)"
             fi
-            sleep 1
+            sleep 0.2
         done
         for streams in 1 16; do
             "$py" -m dispatcher bench --port $port --concurrency $streams \
-                --requests $((streams * 4)) --max-tokens 128 --no-fim --profile --json \
+                --requests $((streams * 4)) --max-tokens "${GPU_CHECK_MAX_TOKENS:-128}" \
+                --no-fim --profile --json \
                 >"$OUT/bench-$streams-drafts-$drafts.json" 2>>"$OUT/server-$drafts.log" ||
                 stop 1 "bench failed (server-$drafts.log)"
             say "bench, $streams stream(s), drafts $drafts: $(bench_summary \

@@ -352,12 +352,16 @@ def test_speculation_keeps_a_confident_greedy_copy_and_takes_fewer_steps(model_p
     assert steps < plain_steps / 2
 
 
-def first_seen_prompts(count: int) -> list[str]:
-    """Edits and function bodies of real standard-library files, one file each."""
+def first_seen_prompts(count: int, context_chars: int = 600) -> list[str]:
+    """Edits and function bodies of real standard-library files, one file each, with
+    less of the code before them than the bench gives (600 characters, not 2,000: each
+    prompt is prefilled on one core, up to three times)."""
+    from functools import partial
     from dispatcher.tools.bench_corpus import Corpus, edit, function_start
     corpus = Corpus(seed=36)
-    return corpus.prompts("edit", count // 2, edit) + \
-        corpus.prompts("fresh", count - count // 2, function_start)
+    return corpus.prompts("edit", count // 2, partial(edit, context_chars=context_chars)) + \
+        corpus.prompts("fresh", count - count // 2,
+                       partial(function_start, context_chars=context_chars))
 
 
 def greedy_tokens(engine, prompt_tokens, n, draft_max, logprobs=None):
@@ -425,6 +429,8 @@ def test_the_models_own_earlier_tokens_draft_first_seen_code_where_rows_are_chea
                 out = engine.step().get(0)
                 made += 0 if out is None else len(out) if isinstance(out, list) else 1
             engine.release(0)
+            if engine.totals.sources.get("recycled", [0, 0])[1]:
+                break                               # (one of its tokens held)
         drafted, accepted = engine.totals.sources.get("recycled", [0, 0])
         assert drafted > 0 and 0 < accepted <= drafted, engine.totals.sources
         assert sum(a for _, a in engine.totals.sources.values()) == engine.totals.accepted
@@ -455,14 +461,18 @@ def test_drafts_are_held_short_while_another_sequence_shares_the_worker(model_pa
             while not engine.slots[1].line_done:
                 engine.step()
             engine.add(0, engine.tokenize(REPEATING_CODE), GREEDY)
-            for _ in range(24):
+            for _ in range(24):         # (on the GPU's costs, until a draft is accepted)
                 engine.step()
+                if name == "gpu" and engine.draft_stats(0)[1] > 0:
+                    break
             beside = engine.draft_stats(0)
             assert (beside[0] > 0) == (name == "gpu"), (name, beside)    # drafted
             assert (beside[1] > 0) == (name == "gpu"), (name, beside)    # accepted
             engine.release(1)
-            for _ in range(24):
+            for _ in range(24):         # until a draft is accepted alone
                 engine.step()
+                if engine.draft_stats(0)[1] > beside[1]:
+                    break
             assert engine.draft_stats(0)[1] > beside[1], name
         finally:
             engine.close()
@@ -502,20 +512,21 @@ def test_sequences_that_repeat_draft_alike_on_the_cpu(model_path, monkeypatch):
 
 
 @pytest.fixture
-def one_round_probe(monkeypatch):
-    """The start-up probe measures each shape once (as a slow device's budget allows):
-    these tests are about what is measured and kept, not how finely."""
-    from workers.engine import costprobe
-    monkeypatch.setattr(costprobe, "MEASURE_BUDGET", 0.0)
+def tiny_model(tmp_path):
+    """The tests' tiny random-weights model: the start-up probe measures every shape of
+    it, in all its rounds, in a tenth of a second (the bundled model's one round takes
+    ~10 s of a core); these tests are about what is measured and kept, on this device."""
+    from tiny_gguf import write_tiny_fim_model
+    return str(write_tiny_fim_model(tmp_path / "tiny.gguf"))
 
 
-def test_step_costs_measured_on_a_busy_machine_are_used_but_not_kept(model_path, tmp_path,
-                                                                    monkeypatch, one_round_probe):
+def test_step_costs_measured_on_a_busy_machine_are_used_but_not_kept(tiny_model, tmp_path,
+                                                                    monkeypatch):
     from workers.engine import costprobe
     from workers.engine.llama import LlamaEngine
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(costprobe, "UNCONTENDED", 1e9)      # no share of the cores is enough
-    engine = LlamaEngine(model_path, 256, 2, THREADS, 0, draft_max=16)
+    engine = LlamaEngine(tiny_model, 256, 2, THREADS, 0, draft_max=16)
     try:
         assert engine.step_costs.table[1, 0] > 0
     finally:
@@ -523,12 +534,11 @@ def test_step_costs_measured_on_a_busy_machine_are_used_but_not_kept(model_path,
     assert not list(tmp_path.glob("**/step-costs-*.json"))
 
 
-def test_steps_keep_measured_costs_current(model_path, tmp_path, monkeypatch,
-                                          one_round_probe):
+def test_steps_keep_measured_costs_current(tiny_model, tmp_path, monkeypatch):
     """Measured costs (not given ones) move toward the steps' real times."""
     from workers.engine.llama import LlamaEngine
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    engine = LlamaEngine(model_path, 1024, 2, THREADS, 0, draft_max=16)
+    engine = LlamaEngine(tiny_model, 1024, 2, THREADS, 0, draft_max=16)
     try:
         engine.step_costs.table[1, 0] *= 50            # a start-up taken on a busy machine
         wrong = engine.step_costs.table[1, 0]
@@ -541,8 +551,7 @@ def test_steps_keep_measured_costs_current(model_path, tmp_path, monkeypatch,
         engine.close()
 
 
-def test_step_costs_are_measured_on_this_device_and_kept(model_path, tmp_path, monkeypatch,
-                                                        one_round_probe):
+def test_step_costs_are_measured_on_this_device_and_kept(tiny_model, tmp_path, monkeypatch):
     """At start-up with drafts on: a decode per batch shape (none cheaper than the plain
     step, more rows dearer overall) and the full batch's step (the watchdog's);
     the next engine of the same shape reads them from the cache directory, and another
@@ -553,7 +562,7 @@ def test_step_costs_are_measured_on_this_device_and_kept(model_path, tmp_path, m
     from workers.engine.stepcosts import EACH, SHAPES_EXTRA
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(costprobe, "UNCONTENDED", 0.0)
-    engine = LlamaEngine(model_path, 256, 2, THREADS, 0, draft_max=16)
+    engine = LlamaEngine(tiny_model, 256, 2, THREADS, 0, draft_max=16)
     try:
         table, full = engine.step_costs.table, engine.step_costs.full_step_s
         assert set(table) == {(s, d) for s in (1, 2) for d in SHAPES_EXTRA}
@@ -568,7 +577,7 @@ def test_step_costs_are_measured_on_this_device_and_kept(model_path, tmp_path, m
     kept = list((tmp_path / "completions-server").glob("step-costs-*.json"))
     assert len(kept) == 1
     monkeypatch.setattr(llama, "full_step_seconds", lambda engine: pytest.fail("measured"))
-    again = LlamaEngine(model_path, 256, 2, THREADS, 0, draft_max=16)
+    again = LlamaEngine(tiny_model, 256, 2, THREADS, 0, draft_max=16)
     try:
         assert again.step_costs.table == table and again.step_costs.each
         assert again.full_step_seconds() == full

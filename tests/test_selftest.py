@@ -424,7 +424,7 @@ def test_gpu_check_runs_every_part_on_the_cpu(tmp_path):
     done = gpu_check(tmp_path, "run", str(wheelhouse(tmp_path)), str(out),
                      path_prefix=stand_in_gpu(tmp_path), GPU_CHECK_NO_BUILD="1",
                      GPU_CHECK_DEVICE="cpu", GPU_CHECK_DRAFT_SHAPE="tiny", timeout=420,
-                     COMPLETIONS_HEARTBEAT_INTERVAL="0.5")
+                     GPU_CHECK_MAX_TOKENS="32", COMPLETIONS_HEARTBEAT_INTERVAL="0.5")
     assert done.returncode == 0, done.stderr[-3000:]
     assert '"ok": true' in (out / "selftest.json").read_text()
     for drafts in ("on", "off", "model"):

@@ -105,19 +105,19 @@ def _functions(text: str) -> list[ast.FunctionDef]:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.body]
 
 
-def _lines_before(lines: list[str], end: int) -> str:
-    """The lines before line `end` (0-based), at most CONTEXT_CHARS of them."""
+def _lines_before(lines: list[str], end: int, chars: int = CONTEXT_CHARS) -> str:
+    """The lines before line `end` (0-based), at most `chars` of them."""
     head, size, start = lines[:end], 0, end
-    while start > 0 and size + len(head[start - 1]) <= CONTEXT_CHARS:
+    while start > 0 and size + len(head[start - 1]) <= chars:
         start -= 1
         size += len(head[start])
     return "".join(head[start:])
 
 
-def function_start(text: str) -> str:
+def function_start(text: str, context_chars: int = CONTEXT_CHARS) -> str:
     """New code to write: the file up to a function's first statement past its opening
-    (its signature and docstring given, its body not), with the code before it; the
-    file's opening where it has no such function."""
+    (its signature and docstring given, its body not), with the code before it (up to
+    `context_chars`); the file's opening where it has no such function."""
     lines = text.splitlines(keepends=True)
     for node in _functions(text):
         first = node.body[0]
@@ -125,14 +125,14 @@ def function_start(text: str) -> str:
                                                       ast.Constant) and len(node.body) > 1:
             first = node.body[1]                      # (the docstring is given)
         if first.lineno - 1 > 20 and first.lineno - node.lineno < 30:
-            return _lines_before(lines, first.lineno - 1)
-    return opening(text, CONTEXT_CHARS)
+            return _lines_before(lines, first.lineno - 1, context_chars)
+    return opening(text, context_chars)
 
 
-def edit(text: str) -> str:
-    """A function rewritten with one change: the code before it and the function, then
-    its first line again under a new name; the rest of the rewrite is the model's (a
-    copy of the body that drafts from the prompt can find)."""
+def edit(text: str, context_chars: int = CONTEXT_CHARS) -> str:
+    """A function rewritten with one change: the code before it (up to `context_chars`)
+    and the function, then its first line again under a new name; the rest of the
+    rewrite is the model's (a copy of the body that drafts from the prompt can find)."""
     lines = text.splitlines(keepends=True)
     for node in _functions(text):
         span = node.end_lineno - node.lineno + 1
@@ -145,5 +145,5 @@ def edit(text: str) -> str:
         if len(body) > EDIT_CHARS:
             continue
         renamed = first.replace(f"def {node.name}(", f"def {node.name}_v2(", 1)
-        return _lines_before(lines, node.lineno - 1) + body + "\n" + renamed
-    return function_start(text)
+        return _lines_before(lines, node.lineno - 1, context_chars) + body + "\n" + renamed
+    return function_start(text, context_chars)
