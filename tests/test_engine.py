@@ -376,6 +376,57 @@ def greedy_tokens(engine, prompt_tokens, n, draft_max, logprobs=None):
     return outs[:n], drafted
 
 
+def test_a_dry_sampler_is_made_once_for_its_settings_and_cloned(model_path, monkeypatch):
+    """llama.cpp's DRY init scans the whole vocabulary for every sequence breaker (0.9 s
+    of a core for sixteen on this model's 262k tokens): the sequences of several
+    requests with the same DRY settings get clones of one made once, and draw what a
+    sampler made afresh draws (here unlike without DRY); other settings make another."""
+    import ctypes
+    import dataclasses
+
+    import llama_cpp
+
+    from workers.engine.llama import LlamaEngine
+    from workers.engine.samplers import DryTemplates
+    made = []
+    init = llama_cpp.llama_sampler_init_dry
+    monkeypatch.setattr(llama_cpp, "llama_sampler_init_dry",
+                        lambda *args: made.append(args[-1]) or init(*args))
+    dry = SamplingParams(temperature=0, dry_multiplier=3.0, dry_allowed_length=1,
+                         dry_penalty_last_n=-1, ignore_eos=True,
+                         dry_sequence_breakers=tuple(f"b{i}" for i in range(16)))
+    engine = LlamaEngine(model_path, 512, 2, THREADS, 0, draft_max=0)
+
+    def tokens(sampling):
+        engine.add(0, engine.tokenize("red green blue red green blue red green blue red green"),
+                   sampling, draft_max=0)
+        out = []
+        while len(out) < 16:
+            produced = engine.step().get(0)
+            if produced is not None:
+                out += produced if isinstance(produced, list) else [produced]
+        engine.release(0, keep_cache=False)
+        return [o.token for o in out[:16]]
+    try:
+        cloned = [tokens(dry) for _ in range(2)]
+        assert made == [16]                             # one scan of 16 breakers
+        tokens(dataclasses.replace(dry, dry_sequence_breakers=("\n",)))
+        assert made == [16, 1]
+        plain = tokens(SamplingParams(temperature=0, ignore_eos=True))
+
+        def afresh_sampler(self, multiplier, base, allowed_length, window, breakers):
+            encoded = [b.encode() for b in breakers]         # (each chain its own scan)
+            return llama_cpp.llama_sampler_init_dry(
+                self.vocab, multiplier, base, allowed_length, window,
+                (ctypes.c_char_p * len(encoded))(*encoded), len(encoded))
+        monkeypatch.setattr(DryTemplates, "sampler", afresh_sampler)
+        afresh = tokens(dry)
+        assert made == [16, 1, 16]
+    finally:
+        engine.close()
+    assert cloned == [afresh] * 2 and afresh != plain, (cloned, afresh, plain)
+
+
 def test_greedy_text_with_drafts_is_the_text_without_them_over_many_files(model_path):
     """Over real files never seen (edits and fresh function bodies), the greedy tokens
     with drafts are those without them, except where the two runs part at a near-tie:

@@ -39,7 +39,7 @@ from workers.engine.history import Histories
 from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
 from workers.engine.stepcosts import StepCosts
 from workers.engine.vocabulary import Vocabulary
-from workers.engine.samplers import Candidates, SamplerChain
+from workers.engine.samplers import Candidates, DryTemplates, SamplerChain
 from workers.sampling import SamplingParams, TokenOut
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,7 @@ class LlamaEngine:
         """The vocabulary's special tokens (end of generation, FIM, BOS), the tokenizer,
         and the candidate buffers every slot's sampling shares."""
         self.candidates = Candidates(llama_cpp, self.n_vocab)
+        self.candidates.dry = DryTemplates(llama_cpp, self.vocab)
         self.eog_tokens = [t for t in range(self.n_vocab)
                            if llama_cpp.llama_vocab_is_eog(self.vocab, t)]
         fim = (llama_cpp.llama_vocab_fim_pre(self.vocab), llama_cpp.llama_vocab_fim_suf(self.vocab),
@@ -653,6 +654,7 @@ class LlamaEngine:
         self.candidates.texts.close()
         for slot_id in range(len(self.slots)):
             self.release(slot_id, keep_cache=False)
+        self.candidates.dry.close()
         if getattr(self, "draft_model", None) is not None:
             self.draft_model.close()
             self.draft_model = None

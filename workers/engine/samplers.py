@@ -4,6 +4,7 @@ is pinned), the shared candidate buffers, and the grammar check before a chain i
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from collections import OrderedDict
 
@@ -55,7 +56,8 @@ def one_token(lib, vocab, text: str) -> int | None:
 
 class Candidates:
     """Buffers for a whole-vocabulary `llama_token_data_array` (id, logit, p), reused by
-    every slot of an engine, and a one-token array for grammar checks."""
+    every slot of an engine, a one-token array for grammar checks, and what the engine's
+    chains share (grammar verdicts, the vocabulary's texts, DRY samplers to clone)."""
 
     def __init__(self, lib, n_vocab: int):
         self.lib, self.n_vocab = lib, n_vocab
@@ -68,6 +70,7 @@ class Candidates:
         self.one = (lib.llama_token_data * 1)()
         self.grammar_verdicts: OrderedDict = OrderedDict()     # see check_grammar
         self.texts = None          # the vocabulary's TokenTexts (alphabet.py), the engine's
+        self.dry = None            # its DryTemplates, the engine's
         self.one_array = lib.llama_token_data_array(
             ctypes.cast(self.one, ctypes.POINTER(lib.llama_token_data)), 1, -1, False)
 
@@ -101,6 +104,56 @@ class Candidates:
         one.data[0].id, one.data[0].logit, one.data[0].p = token, 1.0, 0.0
         one.size, one.selected, one.sorted = 1, -1, False
         return ctypes.byref(one)
+
+
+KEPT_DRY = 8    # DRY samplers kept to clone from, by their settings
+
+
+class DryTemplates:
+    """DRY samplers kept by their settings, each sequence's a clone of one. llama.cpp's
+    DRY init scans the whole vocabulary for every sequence breaker (Gemma 3's 262k
+    tokens: 0.1 s of a core for llama.cpp's four default breakers, 0.9 s for sixteen),
+    and a request's n choices, or an editor's requests with the same settings, would pay
+    it each time; a clone copies the scanned table (milliseconds). Any thread; the
+    scan runs outside the lock (the GIL released), so one settings' scan holds up no
+    other chain."""
+
+    def __init__(self, lib, vocab):
+        self.lib, self.vocab = lib, vocab
+        self.kept: OrderedDict = OrderedDict()
+        self.lock = threading.Lock()
+
+    def sampler(self, multiplier: float, base: float, allowed_length: int, window: int,
+                breakers: tuple[str, ...]):
+        """A new DRY sampler of these settings (None where llama.cpp could not make one);
+        the caller owns it."""
+        key = (multiplier, base, allowed_length, window, breakers)
+        with self.lock:
+            template = self.kept.get(key)
+            if template is not None:
+                self.kept.move_to_end(key)
+                return self.lib.llama_sampler_clone(template)
+        encoded = [b.encode() for b in breakers]
+        array = (ctypes.c_char_p * max(1, len(encoded)))(*encoded)
+        made = self.lib.llama_sampler_init_dry(self.vocab, multiplier, base, allowed_length,
+                                               window, array, len(encoded))
+        if not made:
+            return None
+        with self.lock:
+            if key in self.kept:                     # another thread made it meanwhile
+                self.lib.llama_sampler_free(made)
+                made = self.kept[key]
+            else:
+                self.kept[key] = made
+                while len(self.kept) > KEPT_DRY:
+                    self.lib.llama_sampler_free(self.kept.popitem(last=False)[1])
+            return self.lib.llama_sampler_clone(made)
+
+    def close(self) -> None:
+        with self.lock:
+            for template in self.kept.values():
+                self.lib.llama_sampler_free(template)
+            self.kept.clear()
 
 
 # Candidates a refused pick is first sought among (see SamplerChain._refused_pick).
@@ -242,11 +295,9 @@ class SamplerChain:
                     n_vocab, window(p.repeat_last_n), p.repetition_penalty,
                     p.frequency_penalty, p.presence_penalty))
             elif name == "dry" and p.dry_multiplier > 0:
-                breakers = [b.encode() for b in p.dry_sequence_breakers]
-                array = (ctypes.c_char_p * max(1, len(breakers)))(*breakers)
-                samplers.append(lib.llama_sampler_init_dry(
-                    vocab, p.dry_multiplier, p.dry_base, p.dry_allowed_length,
-                    window(p.dry_penalty_last_n), array, len(breakers)))
+                samplers.append(self.candidates.dry.sampler(
+                    p.dry_multiplier, p.dry_base, p.dry_allowed_length,
+                    window(p.dry_penalty_last_n), tuple(p.dry_sequence_breakers)))
             elif p.greedy or p.mirostat:
                 continue                          # truncation: none before these
             elif name == "top_n_sigma" and p.top_n_sigma >= 0:
