@@ -20,6 +20,13 @@ from dispatcher.tools.ctl import control_request, default_dispatcher_address
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# The suite starts Python a few hundred times (servers, workers, the CLI): where the
+# environment says not to write bytecode (PYTHONDONTWRITEBYTECODE), each start would
+# compile this project's modules again (~0.25 s of a core a server), and each pass
+# rewrite every test module's asserts again. Write it, as Python does by default.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one test process per core, at most 4 (each starts its own servers)."""
