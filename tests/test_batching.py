@@ -93,7 +93,8 @@ def test_chunks_further_along_in_the_cache_are_shifted_into_place_and_counted(re
 @pytest.fixture(scope="module")
 def two_fake_workers():
     server = ServerProcess("--engine", "fake", "--device", "cpu", "--device", "cpu",
-                           "--slots", "3", workers=2, log_name="routing").start()
+                           "--slots", "3", workers=2, log_name="routing",
+                           env={"COMPLETIONS_HEARTBEAT_INTERVAL": "0.5"}).start()
     yield server
     assert server.stop() == 0
 

@@ -109,9 +109,10 @@ def model_path():
     return str(bundled_model_path())
 
 
-def greedy(engine, tokens: list[int], n: int, logprobs: int | None = None) -> list:
+def greedy(engine, tokens: list[int], n: int, logprobs: int | None = None,
+           draft_max: int | None = None) -> list:
     """The first `n` TokenOuts of a greedy sequence."""
-    engine.add(0, tokens, GREEDY, budget=n, logprobs=logprobs)
+    engine.add(0, tokens, GREEDY, budget=n, logprobs=logprobs, draft_max=draft_max)
     out: list = []
     while len(out) < n:
         produced = engine.step().get(0)
@@ -136,15 +137,10 @@ def test_the_model_drafting_for_itself_has_its_greedy_drafts_accepted_and_change
     served model's best candidates lie within half a nat and the draft took another
     of them (a one-row decode rounds differently from a batch of several); and the
     text is the text without drafts up to its first such near-tie, if any (where the
-    two go their own ways)."""
+    two go their own ways). Each prompt is run without drafts first, then with them
+    from its cached prefix."""
     from test_engine import first_seen_prompts
     from workers.engine.llama import LlamaEngine
-    plain = LlamaEngine(model_path, 2048, 1, THREADS, 0, draft_max=0)
-    try:
-        prompts = [plain.tokenize(p) for p in first_seen_prompts(4)]
-        expected = [greedy(plain, tokens, 40, logprobs=3) for tokens in prompts]
-    finally:
-        plain.close()
     engine = LlamaEngine(model_path, 2048, 1, THREADS, 0, draft_max=16,
                          step_costs=gpu_like(), draft_model=model_path,
                          draft_costs=DraftCosts({1: 0.5}, 0.01))
@@ -159,8 +155,11 @@ def test_the_model_drafting_for_itself_has_its_greedy_drafts_accepted_and_change
         return outs
     engine._verify = verified
     try:
-        texts = [[o.token for o in greedy(engine, tokens, 40, logprobs=3)]
-                 for tokens in prompts]
+        prompts = [engine.tokenize(p) for p in first_seen_prompts(4)]
+        expected, texts = [], []
+        for tokens in prompts:
+            expected.append(greedy(engine, tokens, 40, logprobs=3, draft_max=0))
+            texts.append([o.token for o in greedy(engine, tokens, 40, logprobs=3)])
         drafted, accepted = engine.totals.sources.get("model", [0, 0])
         assert engine.totals.draft_seconds > 0
     finally:

@@ -267,7 +267,7 @@ def test_t_max_prompt_ms_leaves_out_the_oldest_extra_chunks(editor_server):
     port = editor_server.port
     for _ in range(2):              # the worker's first prefill is left out: it is cold
         complete_native(port, n_predict=2, prompt="warm up the measured prefill rate " * 8)
-    extra = [{"filename": f"f{i}.py", "text": f"def helper_{i}(v):\n    return v * {i}\n" * 12}
+    extra = [{"filename": f"f{i}.py", "text": f"def helper_{i}(v):\n    return v * {i}\n" * 6}
              for i in range(8)]
     base = {"input_prefix": "def main():\n    ", "input_suffix": "\n", "input_extra": extra,
             "n_predict": 4, "temperature": 0}

@@ -69,8 +69,8 @@ def server():
     assert server.stop() == 0
 
 
-AFTER = 20          # tokens the neighbour still reads once the heavy request is answered
-ALONE = 60          # tokens of a stream alone
+AFTER = 12          # tokens the neighbour still reads once the heavy request is answered
+ALONE = 40          # tokens of a stream alone
 
 
 def neighbour_gap(port: int, during=None) -> float:

@@ -9,7 +9,7 @@ import threading
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ROOT, ServerProcess, SSEStream, http_json
+from conftest import ROOT, ServerProcess, SSEStream, http_json, two_single_cores
 
 pytestmark = pytest.mark.integration
 
@@ -34,25 +34,22 @@ def complete(port, body, timeout=120):
 
 
 @pytest.fixture(scope="module")
-def ops_server():
-    # only serial tests use it: started with every core, to pin its workers to 0 and 1
-    server = ServerProcess("--device", "cpu:0", "--device", "cpu:1", "--frontends", "2",
-                           workers=2, log_name="ops").start()
+def two():
+    """Two one-thread workers, on this test process's cores (its one core twice in the
+    parallel pass: they take turns), and two front ends."""
+    first, second = two_single_cores()
+    server = ServerProcess("--device", f"cpu:{first}", "--device", f"cpu:{second}",
+                           "--frontends", "2", workers=2, log_name="ops").start()
+    server.names = (f"w0-cpu{first}", f"w1-cpu{second}")
+    server.first_core = first
     yield server
     assert server.stop() == 0
 
 
-@pytest.fixture
-def two(ops_server, all_cores):
-    """The two-worker server, for a test that runs alone (its workers use both cores)."""
-    return ops_server
-
-
-@pytest.mark.serial
 def test_status_shows_workers_queue_and_front_ends(two):
     made = complete(two.port, {"prompt": "Hello", "max_tokens": 4})["usage"]["completion_tokens"]
     status = json.loads(ops(two, "status", "--json").stdout)
-    assert {w["name"] for w in status["workers"]} == {"w0-cpu0", "w1-cpu1"}
+    assert {w["name"] for w in status["workers"]} == set(two.names)
     for worker in status["workers"]:
         for key in ("device", "model", "state", "busy_slots", "slots", "tokens_per_s",
                     "uptime_s", "restarts", "completed", "pid"):
@@ -71,18 +68,17 @@ def test_status_shows_workers_queue_and_front_ends(two):
     assert len(status["frontends"]) == 2 and all(f["pid"] for f in status["frontends"])
     assert "queue" in status
     table = ops(two, "status").stdout
-    for text in ("WORKER", "TOK/S", "RESTARTS", "w0-cpu0", "w1-cpu1", "cpu:0", "FRONT END",
+    for text in ("WORKER", "TOK/S", "RESTARTS", *two.names, f"cpu:{two.first_core}", "FRONT END",
                  "queue:", "OFFLOAD", " 0/19 ", "STEP MS HOST/DEV"):
         assert text in table
 
 
-@pytest.mark.serial
 def test_drain_moves_new_work_elsewhere_then_resume(two):
     stream = SSEStream(two.port, {"prompt": "Once upon a time", "max_tokens": 60,
                                   "ignore_eos": True, "stream": True})
     stream.next_data()
     busy = next(n for n, w in workers_by_name(two).items() if w["running"])
-    other = ({"w0-cpu0", "w1-cpu1"} - {busy}).pop()
+    other = (set(two.names) - {busy}).pop()
     assert "drain" in ops(two, "drain", busy).stdout
     assert workers_by_name(two)[busy]["state"] == "draining"
     done = {n: w["completed"] for n, w in workers_by_name(two).items()}
@@ -102,12 +98,11 @@ def test_drain_moves_new_work_elsewhere_then_resume(two):
     assert out.returncode == 1 and "no ready worker" in out.stdout
 
 
-@pytest.mark.serial
 def test_restart_and_reload_keep_other_workers_serving(two, tmp_path):
     from tiny_gguf import write_tiny_fim_model
     tiny = write_tiny_fim_model(tmp_path / "tiny-fim.gguf")
     before = workers_by_name(two)
-    target, other = "w0-cpu0", "w1-cpu1"
+    target, other = two.names
     results = []
 
     def keep_asking():
@@ -172,7 +167,6 @@ def generated_after_first(samples) -> float:
         total(samples, "completions_worker_draft_accepted_tokens_total")
 
 
-@pytest.mark.serial
 def test_metrics_show_the_whole_system_from_any_front_end(two):
     before = metric_samples(two.port)
     for i in range(6):
@@ -202,12 +196,11 @@ def test_metrics_show_the_whole_system_from_any_front_end(two):
     assert total(samples, "completions_worker_requests_total", outcome="completed") >= 6
     workers = {lab["worker"] for lab, _ in
                samples["completions_time_to_first_token_seconds_count"]}
-    assert workers <= {"w0-cpu0", "w1-cpu1"} and workers
+    assert workers <= set(two.names) and workers
     assert total(samples, "completions_inter_token_latency_seconds_count") >= 6 * 3
     assert total(samples, "completions_generated_tokens_total") >= 30
     assert total(samples, "completions_prompt_tokens_total") > 0
-    assert {lab["worker"] for lab, _ in samples["completions_worker_busy"]} == {"w0-cpu0",
-                                                                           "w1-cpu1"}
+    assert {lab["worker"] for lab, _ in samples["completions_worker_busy"]} == set(two.names)
     assert "completions_worker_restarts_total" in samples
     assert [value for _, value in samples["completions_worker_layers_offloaded"]] == [0, 0]
     assert total(samples, "completions_frontends") == 2
@@ -219,7 +212,7 @@ def test_metrics_show_the_whole_system_from_any_front_end(two):
     assert total(samples, "completions_worker_step_batches_total") >= \
         total(samples, "completions_worker_steps_total")
     assert {lab["worker"] for lab, value in samples["completions_worker_heartbeats_total"]
-            if value >= 1} == {"w0-cpu0", "w1-cpu1"}
+            if value >= 1} == set(two.names)
 
 
 # -- config file --------------------------------------------------------------------------
@@ -346,11 +339,11 @@ def test_flags_and_variables_override_the_file(tmp_path):
         [("q8_0", 1024, 128), ("q4_0", 1024, 512)]
 
 
-@pytest.mark.serial
-def test_serve_from_a_config_file_with_two_models(tmp_path, all_cores):
+def test_serve_from_a_config_file_with_two_models(tmp_path):
     from dispatcher.common.models import bundled_model_path
     from tiny_gguf import write_tiny_fim_model
     tiny = write_tiny_fim_model(tmp_path / "tiny.gguf")
+    first, second = two_single_cores()
     config = tmp_path / "two-models.toml"
     config.write_text(textwrap.dedent(f"""
         [server]
@@ -364,11 +357,11 @@ def test_serve_from_a_config_file_with_two_models(tmp_path, all_cores):
         path = "{tiny}"
         nctx = 256
         [[workers]]
-        device = "cpu:0"
+        device = "cpu:{first}"
         model = "gemma"
         profile = "interactive"
         [[workers]]
-        device = "cpu:1"
+        device = "cpu:{second}"
         model = "tiny"
     """))
     server = ServerProcess("--config", str(config), workers=2, log_name="config").start()
@@ -392,7 +385,7 @@ def test_serve_from_a_config_file_with_two_models(tmp_path, all_cores):
                                       {"model": "other", "prompt": "Hi", "n_predict": 1})
         assert status == 404 and answer["error"]["code"] == "model_not_found"
         workers = workers_by_name(server)
-        assert workers["w0-cpu0-interactive"]["slots"] == 2
-        assert workers["w1-cpu1"]["model"] == "tiny"
+        assert workers[f"w0-cpu{first}-interactive"]["slots"] == 2
+        assert workers[f"w1-cpu{second}"]["model"] == "tiny"
     finally:
         assert server.stop() == 0

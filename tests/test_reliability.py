@@ -178,7 +178,9 @@ def test_a_stuck_worker_is_found_its_requests_fail_clearly_and_it_is_replaced():
 
 
 def test_a_frozen_worker_is_dropped_killed_and_replaced():
-    server = ServerProcess(log_name="frozen").start()
+    # (every part beats twice as often as by default: the freeze is noticed in 1.5 s)
+    server = ServerProcess(log_name="frozen",
+                           env={"COMPLETIONS_HEARTBEAT_INTERVAL": "0.5"}).start()
     try:
         worker = server.worker()
         os.kill(worker["pid"], signal.SIGSTOP)          # the whole process, IO thread too
@@ -534,9 +536,11 @@ def test_two_thousand_idle_connections_never_lock_out_a_fresh_client():
 
 # -- 8. soak -------------------------------------------------------------------------------
 def test_short_soak_loses_nothing():
+    # (every part beats twice as often as by default: each kill is noticed in 1.5 s)
     out = subprocess.run([sys.executable, "-m", "dispatcher", "soak", "--duration", "8",
                           "--rate", "4", "--kill-every", "2", "--json"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=400)
+                         cwd=ROOT, capture_output=True, text=True, timeout=400,
+                         env={**os.environ, "COMPLETIONS_HEARTBEAT_INTERVAL": "0.5"})
     report = json.loads(out.stdout)
     assert out.returncode == 0, report
     assert report["lost"] == 0 and report["garbled"] == 0
