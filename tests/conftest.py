@@ -47,19 +47,13 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """In the parallel pass (an xdist worker), `serial` tests are left out: they need every
-    core, and run in the second pass, `pytest -m serial -n 0` (see tests/cores.py). The
-    modules with tests of the whole stack go first (xdist hands out modules in this order,
-    `--no-loadscope-reorder`): the long ones start early, and the many short ones even out
-    the two processes' ends."""
+    core, and run in the second pass, `pytest -m serial -n 0` (see tests/cores.py)."""
     if not cores.WORKER:
         return
     serial = [item for item in items if item.get_closest_marker("serial")]
     if serial:
         config.hook.pytest_deselected(items=serial)
         items[:] = [item for item in items if not item.get_closest_marker("serial")]
-    whole_stack = {item.nodeid.split("::")[0] for item in items
-                   if item.get_closest_marker("integration")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in whole_stack)   # (stable)
 
 
 def two_single_cores() -> tuple[int, int]:
