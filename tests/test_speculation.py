@@ -50,6 +50,33 @@ def test_a_copy_goes_on_past_a_changed_number():
     assert accepted >= len(truth) - 4 and steps <= 5
 
 
+def test_a_copy_past_a_mismatch_is_rated_on_its_own_and_pays_only_where_rows_are_cheap():
+    """The model writes block 4 where the lookups guess block 3's number: past that
+    mismatch the copy goes on at the same distance as `resume`, rated by its own record
+    (a prior of 1 kept in 3: on first-seen edits the model had mostly left the copy),
+    not by the copy's that held (9 in 10). On a CPU-like table such a guess does not
+    pay; on a GPU-like one it does, and once it holds the copy is `copy` again."""
+    context = block(1) + block(2) + block(3) + [1, 2, 3]
+    drafter = Drafter(16)
+    first = drafter.propose(context, 16)
+    assert first.tokens[0] == 103                       # block 3's number
+    drafter.started(first, len(context))
+    drafter.record(len(first.tokens), 0)                # the model wrote 104
+    context.append(104)
+    resumed = drafter.propose(context, 16)
+    assert resumed.source == "resume" and resumed.tokens[:4] == BLOCK[:4]
+    assert resumed.rate < 0.5
+    cpu = StepCosts((1, 2, 8), StepCosts.assumed().table)
+    gpu = StepCosts((1, 2), {(s, d): 10.0 + s + 0.05 * d for s in (1, 2)
+                             for d in SHAPES_EXTRA})
+    assert plan(cpu, 1, [(0, resumed)]) == {}
+    assert plan(gpu, 1, [(0, resumed)]).get(0, 0) >= 1
+    drafter.started(resumed, len(context))
+    drafter.record(8, 8)                                # it held
+    context += resumed.tokens[:8] + [BLOCK[8]]
+    assert drafter.propose(context, 16).source != "resume"
+
+
 def test_the_long_key_finds_the_newest_occurrence():
     old = list(range(200, 200 + LONG_KEY)) + [1, 1, 1, 1, 1, 1]
     new = list(range(200, 200 + LONG_KEY)) + [2, 2, 2, 2, 2, 2]
