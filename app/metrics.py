@@ -129,7 +129,8 @@ def step_profile(workers: list[dict]):
     accepted = CounterMetricFamily("completions_worker_draft_accepted_tokens", "Draft "
                                    "tokens the model confirmed.", labels=["worker", "device"])
     by_source = CounterMetricFamily("completions_worker_draft_tokens", "Draft tokens by "
-                                    "source (copy, long, short, history, recycled, guess) "
+                                    "source (copy, resume, long, short, history, recycled, model, "
+                                    "guess) "
                                     "and outcome (drafted, accepted).",
                                     labels=["worker", "device", "source", "outcome"])
     seconds = CounterMetricFamily("completions_worker_step_seconds", "Step time by phase: "

@@ -74,7 +74,7 @@ def test_a_copy_past_a_mismatch_is_rated_on_its_own_and_pays_only_where_rows_are
     drafter.started(resumed, len(context))
     drafter.record(8, 8)                                # it held
     context += resumed.tokens[:8] + [BLOCK[8]]
-    assert drafter.propose(context, 16).source != "resume"
+    assert drafter.propose(context, 16).source == "copy"
 
 
 def test_the_long_key_finds_the_newest_occurrence():

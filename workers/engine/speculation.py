@@ -430,6 +430,7 @@ class Drafter:
             return
         if not proposal.external:
             self.distance = self.tried_at - proposal.start
-            self.resumed = accepted < drafted
+            # (a mismatch in its own text: a guess padding drafts alike is not the copy)
+            self.resumed = accepted < min(drafted, len(proposal.tokens))
         elif accepted == drafted:
             self.copied = (proposal.origin, proposal.start, self.tried_at)
