@@ -122,10 +122,21 @@ def greedy(engine, tokens: list[int], n: int, logprobs: int | None = None,
     return out[:n]
 
 
+# How far apart two candidates may be and still swap between the draft model's pick and
+# the served model's. The same tokens decoded one row at a time and in batches of 16 on
+# this CPU (llama-cpp-python, the bundled model, 8 first-seen files, 320 positions) give
+# logprobs 0.19 nats apart at the median and up to 0.79 (the repacked weights' one-row
+# and many-row kernels round differently), and swap the best two candidates at 8
+# positions, up to 0.35 nats apart. The draft model's cache is made one row at a time
+# while the served model's came in batches, so the two differ more: 0.54 and 0.93 have
+# been seen. A drafted token a verification fault let through is, by contrast, anywhere.
+NEAR_TIE = 1.0
+
+
 def near_tie(out, token: int) -> bool:
-    """`token` is one of the served model's candidates within half a nat of its best."""
+    """`token` is one of the served model's candidates within NEAR_TIE of its best."""
     best = out.top[0][1]
-    return token in [t for t, lp in out.top if best - lp < 0.5]
+    return token in [t for t, lp in out.top if best - lp < NEAR_TIE]
 
 
 @pytest.mark.integration
@@ -134,7 +145,7 @@ def test_the_model_drafting_for_itself_has_its_greedy_drafts_accepted_and_change
     """The bundled model as its own draft model, on a GPU-like table with drafting
     cheap: it drafts on files never seen (where the lookups have little); each of its
     greedy drafts holds up to the served model's own greedy choice, except where the
-    served model's best candidates lie within half a nat and the draft took another
+    served model's best candidates lie within NEAR_TIE and the draft took another
     of them (a one-row decode rounds differently from a batch of several); and the
     text is the text without drafts up to its first such near-tie, if any (where the
     two go their own ways). Each prompt is run without drafts first, then with them
