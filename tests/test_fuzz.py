@@ -25,7 +25,7 @@ def server():
     stream = {}
 
     def alongside():
-        s = SSEStream(server.port, {"prompt": "Once upon a time", "max_tokens": 200,
+        s = SSEStream(server.port, {"prompt": "Once upon a time", "max_tokens": 120,
                                     "ignore_eos": True, "temperature": 0, "stream": True,
                                     "speculative.n_max": 0},
                       timeout=600)
