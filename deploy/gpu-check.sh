@@ -102,15 +102,13 @@ slim_source() {
 prepare() {
     wheelhouse=$1
     mkdir -p "$wheelhouse"
+    # the dependencies and llama-cpp-python's build requirements (pip does not download
+    # those with an sdist); the build tools go into the venv only where a build runs
     # shellcheck disable=SC2046  # one requirement per word
     python3 -m pip download --dest "$wheelhouse" $(binary_for) $(requirements) $CHECK_TOOLS \
-        $LLAMA_DEPS
+        $LLAMA_DEPS "scikit-build-core>=0.9.2" cmake ninja
     python3 -m pip download --dest "$wheelhouse" --no-deps --no-binary llama-cpp-python \
         "$LLAMA_CPP_PYTHON"
-    # llama-cpp-python's build requirements (pip does not download those with an sdist)
-    # shellcheck disable=SC2046
-    python3 -m pip download --dest "$wheelhouse" $(binary_for) "scikit-build-core>=0.9.2" \
-        cmake ninja
     python3 -m pip wheel --no-deps --wheel-dir "$wheelhouse" "$HERE"
     slim_source "$wheelhouse"
     echo "wheelhouse ready: $wheelhouse ($(ls "$wheelhouse" | wc -l) files); carry it and" \
@@ -156,7 +154,7 @@ run() {
         fi
         # shellcheck disable=SC2046
         pip_of "$py" install --quiet --no-index --find-links "$wheelhouse" \
-            $(requirements) $CHECK_TOOLS scikit-build-core cmake ninja $LLAMA_DEPS ||
+            $(requirements) $CHECK_TOOLS $LLAMA_DEPS ||
             stop 2 "$wheelhouse lacks a dependency: run prepare again"
         # the project without the bundled model package (too big to carry)
         pip_of "$py" install --quiet --no-index --no-deps --find-links "$wheelhouse" \
