@@ -10,6 +10,8 @@ import re
 
 from marshmallow import ValidationError, fields
 
+from dispatcher.common.fields import INT_MAX
+
 
 MAX_STOP_STRINGS = 256
 MAX_STOP_LENGTH = 512
@@ -109,6 +111,10 @@ class PromptField(fields.Field):
     }
 
     def _deserialize(self, value, attr, data, **kwargs):
+        # an empty prompt is the code before a cursor at the start of a file where a
+        # suffix follows it (Mistral's FIM, /v1/completions' `suffix`); alone, nothing
+        suffix = data.get("suffix") if isinstance(data, dict) else None
+        fim = isinstance(suffix, str) and suffix != ""
         if isinstance(value, str):
             prompts = [value]
         elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
@@ -124,11 +130,11 @@ class PromptField(fields.Field):
             raise self.make_error("invalid")
         if len(prompts) > MAX_PROMPTS:
             raise self.make_error("too_many")
-        return [self._one(p) for p in prompts]
+        return [self._one(p, fim) for p in prompts]
 
-    def _one(self, prompt):
+    def _one(self, prompt, fim: bool = False):
         if isinstance(prompt, str):
-            if prompt == "":
+            if prompt == "" and not fim:
                 raise self.make_error("empty")
             return prompt
         if not prompt or all(isinstance(p, str) and p == "" for p in prompt):
@@ -140,6 +146,34 @@ class PromptField(fields.Field):
             elif not isinstance(part, str):
                 raise self.make_error("invalid")
         return [int(p) if _is_int(p) else p for p in prompt]
+
+
+class BoundedList(fields.List):
+    """A JSON array of at most `max_items` items, its length checked before any item is
+    (an 8 MB body holds millions: each validated item costs microseconds)."""
+
+    def __init__(self, cls_or_instance, max_items: int, **kwargs):
+        super().__init__(cls_or_instance, **kwargs)
+        self.max_items = max_items
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, list) and len(value) > self.max_items:
+            raise ValidationError(f"At most {self.max_items} items.")
+        return super()._deserialize(value, attr, data, **kwargs)
+
+
+class TokenIdsField(fields.Field):
+    """An array of token ids (non-negative integers), checked in one pass: an 8 MB body
+    holds four million of them (whether each is in the vocabulary is the worker's)."""
+
+    default_error_messages = {"invalid": "Must be an array of token ids (integers from 0 "
+                                         f"to {INT_MAX})."}
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if not isinstance(value, list) or not all(type(t) is int for t in value) or \
+                (value and (min(value) < 0 or max(value) > INT_MAX)):
+            raise self.make_error("invalid")
+        return list(value)
 
 
 class StringListField(fields.Field):

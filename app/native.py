@@ -18,7 +18,7 @@ from app import sse
 from app.client import get_client
 from app.completions import serve
 from app.errors import NotSupported, PayloadTooLarge
-from app.fields import MAX_CHOICES, StrictFloat, StrictInteger, StrictString
+from app.fields import MAX_CHOICES, BoundedList, StrictFloat, StrictInteger, StrictString
 from dispatcher.common.fields import INT_MAX
 from app.requests import parse_json_body, resolve_model, validate
 from app.schemas import CompletionRequestSchema, doc, in_range
@@ -26,6 +26,8 @@ from dispatcher.common import fields as F, protocol as P
 
 bp = Blueprint("native", __name__)
 MAX_EXTRA_CHUNKS = 256          # llama.vim's ring holds 16 by default
+MAX_RESPONSE_FIELDS = 64        # paths in `response_fields` (llama.vim asks for 13) ...
+MAX_FIELD_PATH = 256            # ... of at most this many characters each
 log = logging.getLogger(__name__)
 
 
@@ -56,7 +58,9 @@ class NativeCompletionSchema(CompletionRequestSchema):
                                "Completions of the prompt (llama.vscode sends 3): the "
                                "answer is then a list, as llama.cpp's.", type="integer",
                                minimum=1, maximum=MAX_CHOICES))
-    response_fields = fields.List(StrictString(), load_default=None, allow_none=True,
+    response_fields = BoundedList(StrictString(validate=Length(max=MAX_FIELD_PATH)),
+                                  max_items=MAX_RESPONSE_FIELDS, load_default=None,
+                                  allow_none=True,
                                   metadata=doc("Only these fields of the answer, by path "
                                                 "(`timings/prompt_n`), flat.", type="array",
                                                 items={"type": "string"}))
@@ -82,8 +86,8 @@ class NativeInfillSchema(NativeCompletionSchema):
         "The code before the cursor.", type="string"))
     input_suffix = StrictString(load_default="", allow_none=True, metadata=doc(
         "The code after the cursor.", type="string"))
-    input_extra = fields.List(fields.Nested(ExtraChunkSchema), load_default=list,
-                              allow_none=True, validate=Length(max=MAX_EXTRA_CHUNKS),
+    input_extra = BoundedList(fields.Nested(ExtraChunkSchema), max_items=MAX_EXTRA_CHUNKS,
+                              load_default=list, allow_none=True,
                               metadata=doc(
                                   "Repository context, oldest first: {filename, text} "
                                   "chunks laid out before the prefix (at most "

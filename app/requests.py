@@ -243,7 +243,8 @@ def resolve_model(requested: str | None, state: P.State | None, any_name: bool =
         if (any_name or current_app.config.get("ANY_MODEL_NAME")) and len(models) == 1:
             requested = default
         else:
-            raise NotFound(f"The model '{requested}' does not exist. Served: "
+            name = requested if len(requested) <= MAX_PARAM else requested[:MAX_PARAM] + "…"
+            raise NotFound(f"The model '{name}' does not exist. Served: "
                            + ", ".join(sorted(models)), param="model",
                            code="model_not_found")
     if not models[requested].ready:

@@ -12,7 +12,8 @@ from marshmallow import (EXCLUDE, RAISE, Schema, ValidationError, fields, pre_lo
 from app.fields import (MAX_CHOICES, MAX_LOGPROBS,  # noqa: F401
                         MAX_PROMPTS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SEED_RANGE,
                         JSONObject, LogitBiasField, PromptField, StopField, StrictBoolean,
-                        StrictFloat, StrictInteger, StrictString, StringListField)
+                        StrictFloat, StrictInteger, StrictString, StringListField,
+                        TokenIdsField)
 from dispatcher.common import grammar as gbnf
 from dispatcher.common import fields as F
 from dispatcher.common.fields import INT_MAX, SAMPLER_ALIASES, SAMPLER_NAMES
@@ -351,5 +352,5 @@ class TokenizeRequestSchema(_VocabularyRequestSchema):
 class DetokenizeRequestSchema(_VocabularyRequestSchema):
     """POST /detokenize (llama.cpp's shape)."""
 
-    tokens = fields.List(StrictInteger(validate=in_range(0)), required=True, metadata=doc(
+    tokens = TokenIdsField(required=True, metadata=doc(
         "Token ids.", type="array", items={"type": "integer", "minimum": 0}))

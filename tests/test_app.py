@@ -300,6 +300,35 @@ def test_tokenize_ignores_fields_it_does_not_know_as_llama_server_does(client_of
     assert http.post("/detokenize", json={"tokens": [7], "x": 1}).status_code == 200
 
 
+def test_long_lists_are_refused_by_their_length_before_their_items_are_read(client_of):
+    """An 8 MB body holds millions of list items, each costing microseconds to validate:
+    a list's length is checked first (a refusal names the bound, not four million bad
+    items), and token ids are checked in one pass; a long model name is not echoed
+    whole."""
+    http, fake = client_of(lambda job: completion("Hi"))
+    cases = [("/completion", {"prompt": "x", "response_fields": ["a"] * 65},
+              "response_fields", "At most 64 items."),
+             ("/completion", {"prompt": "x", "response_fields": ["a" * 257]},
+              "response_fields", "256"),
+             ("/infill", {"input_extra": [None] * 257}, "input_extra",
+              "At most 256 items."),
+             ("/detokenize", {"tokens": [1, True]}, "tokens", "token ids"),
+             ("/detokenize", {"tokens": [1, -1]}, "tokens", "token ids"),
+             ("/detokenize", {"tokens": [2 ** 31]}, "tokens", "token ids")]
+    for path, body, param, says in cases:
+        answer = http.post(path, json=body)
+        error = answer.get_json()["error"]
+        assert answer.status_code == 400 and error["param"].startswith(param), (path, body)
+        assert says in error["message"] and len(error["message"]) < 300, error
+    answer = http.post("/v1/completions", json={"model": "m" * 100_000, "prompt": "x"})
+    assert answer.status_code == 404 and len(answer.get_json()["error"]["message"]) < 400
+    assert not fake.jobs
+    http, fake = client_of(lambda job: [{"e": "end", "s": 0, "result": {"content": "x"}}])
+    ids = list(range(100_000))
+    answer = http.post("/detokenize", json={"tokens": ids})
+    assert answer.status_code == 200 and fake.jobs[0]["tokens"] == ids
+
+
 def test_a_client_session_id_can_never_name_an_inferred_session(client_of):
     """Without API keys, an X-Session-Id written like the dispatcher's name for an
     inferred session (`~client:1`) is still the client's own: it reaches the dispatcher

@@ -235,6 +235,10 @@ def test_fim_lays_out_the_suffix_with_the_template(server):
                                 {"prompt": body["prompt"], "max_tokens": 1})
     assert status == 200     # Mistral's meaning: without a suffix, a plain completion
     assert no_suffix["usage"]["prompt_tokens"] < fim["usage"]["prompt_tokens"]
+    status, _, at_start = post(server.port, "/v1/fim/completions",   # the file's start
+                               {"prompt": "", "suffix": body["suffix"], "max_tokens": 1})
+    assert status == 200 and at_start["choices"][0]["message"]["role"] == "assistant"
+    assert at_start["usage"]["prompt_tokens"] < fim["usage"]["prompt_tokens"]
 
 
 @pytest.mark.parametrize("body, headers, status, param", [

@@ -842,3 +842,45 @@ def test_no_text_makes_fewer_tokens_than_its_characters_over_the_longest_piece(m
             assert len(tokens) * longest >= len(text), (text[:20], len(tokens))
     finally:
         engine.close()
+
+
+def test_a_released_slot_keeps_no_draft_for_its_next_request(tiny_model, tmp_path,
+                                                             monkeypatch):
+    """A step whose decode fails leaves the drafts it had planned on their slots; the
+    slots' requests fail and are released. The next request in such a slot must start
+    from its whole prompt: a draft left behind was taken as this prompt's tail and cut
+    that many tokens from its cache."""
+    from workers.engine.llama import LlamaEngine
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    engine = LlamaEngine(tiny_model, 256, 1, THREADS, 0, draft_max=16)
+    try:
+        engine.add(0, engine.tokenize("Once upon a time"), GREEDY, draft_max=0)
+        engine.step()
+        slot = engine.slots[0]
+        slot.draft, slot.draft_rows = [5, 6, 7, 8], [1, 2, 3, 4]   # the failed step's
+        engine.release(0, keep_cache=False)
+        prompt = engine.tokenize("There was a lighthouse keeper who counted ships")
+        engine.add(0, prompt, GREEDY)
+        while not engine.step():
+            pass
+        assert slot.cached[:len(prompt)] == prompt and slot.n_past >= len(prompt)
+    finally:
+        engine.close()
+
+
+def test_a_model_whose_memory_cannot_drop_positions_serves_without_drafts(
+        tiny_model, tmp_path, monkeypatch):
+    """A recurrent or hybrid model (Mamba, RWKV, Granite-H, LFM2): llama.cpp's memory
+    for it cannot drop a rejected draft's positions, so drafts are off from the load
+    (no step costs are measured: the probe's own rollbacks would fail) and it
+    generates as without them."""
+    import llama_cpp
+    from workers.engine.llama import LlamaEngine
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(llama_cpp, "llama_model_is_hybrid", lambda model: True)
+    engine = LlamaEngine(tiny_model, 256, 1, THREADS, 0, draft_max=16)
+    try:
+        assert engine.draft_max == 0 and engine.step_costs is None
+        assert len(generate(engine, [(0, "Once upon a time")], n=8)[0]) == 8
+    finally:
+        engine.close()

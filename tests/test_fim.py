@@ -50,6 +50,20 @@ def test_defaults_no_limit_and_no_suffix_is_a_plain_completion():
     assert fake.jobs[0].get("max_tokens") is None and fake.jobs[0].get("suffix") is None
 
 
+def test_a_cursor_at_the_start_of_a_file_is_an_empty_prompt_before_a_suffix():
+    """The code before the cursor is empty at a file's start: with a suffix that is a
+    fill-in-the-middle request (on both routes); with none, there is nothing to
+    complete."""
+    http, fake = fim_client()
+    for path in ("/v1/fim/completions", "/v1/completions"):
+        response = http.post(path, json={"prompt": "", "suffix": "import os\n"})
+        assert response.status_code == 200, response.get_json()
+        assert (fake.jobs[-1]["prompt"], fake.jobs[-1]["suffix"]) == ("", "import os\n")
+        for body in ({"prompt": ""}, {"prompt": "", "suffix": ""}):
+            error = http.post(path, json=body).get_json()["error"]
+            assert error["param"] == "prompt" and "empty" in error["message"]
+
+
 def test_the_answer_is_chat_completion_shaped():
     http, _ = fim_client()
     body = http.post("/v1/fim/completions", json={"prompt": "x", "suffix": "y"}).get_json()

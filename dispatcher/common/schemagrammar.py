@@ -22,6 +22,7 @@ package (whose `__init__` loads the native library): it needs only the standard 
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -40,8 +41,12 @@ CONVERT_SECONDS = 5.0       # the child's wall deadline (a schema that passed `e
 CONVERT_MEMORY = 1 << 30    # the child's address space
 CACHE_SIZE = 32             # converted schemas kept per process (n choices, retries)
 
+MAX_PATTERN = 4096          # characters of one `pattern` (real ones are tens to hundreds)
+
 COUNTS = ("minItems", "maxItems", "minLength", "maxLength")
-_QUANTIFIER = re.compile(r"(?<!\\)\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
+# (possessive: no backtracking between the spaces and the digits, linear in the pattern)
+_QUANTIFIER = re.compile(r"(?<!\\)\{\s*+(\d*+)\s*+(?:,\s*+(\d*+)\s*+)?\}")
+_LITERAL = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789\\")
 
 
 class SchemaRefused(ValueError):
@@ -62,7 +67,11 @@ def _count(value) -> int:
 
 def pattern_work(pattern: str, where: str) -> int:
     """What the converter does for one `pattern`: every `{n,m}` quantifier repeats the
-    item before it up to max(n, m) times (a literal item is copied whole that often)."""
+    item before it up to max(n, m) times (a literal item is copied whole that often).
+    A pattern over MAX_PATTERN characters is refused before it is read."""
+    if len(pattern) > MAX_PATTERN:
+        raise SchemaRefused(f"{where} has {len(pattern):,} characters; at most "
+                            f"{MAX_PATTERN:,} here.")
     work = len(pattern)
     for match in _QUANTIFIER.finditer(pattern):
         low, high = match.group(1), match.group(2)
@@ -73,10 +82,10 @@ def pattern_work(pattern: str, where: str) -> int:
                     f"than {MAX_REPETITION} times (the grammar copies its item that often).")
         times = max(int(low or 0), int(high or 0)) + 1
         # the item before it: a literal run is copied whole, a group is named once
-        before = pattern[:match.start()]
-        literal = len(before) - len(before.rstrip("abcdefghijklmnopqrstuvwxyz"
-                                                  "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789\\"))
-        work += times * (max(literal, 1) + 8)
+        start = end = match.start()
+        while start > 0 and pattern[start - 1] in _LITERAL:
+            start -= 1
+        work += times * (max(end - start, 1) + 8)
     return work
 
 
@@ -89,6 +98,8 @@ def estimate(schema: object) -> int:
         node, path, name = stack.pop()
         if isinstance(node, list):
             work += len(node)
+            if work > MAX_WORK:
+                raise _too_large(path)
             stack.extend((item, f"{path}[{i}]", name + 4) for i, item in enumerate(node))
             continue
         if not isinstance(node, dict):
@@ -128,9 +139,13 @@ def estimate(schema: object) -> int:
             if key != "properties" and isinstance(sub, (dict, list)):
                 stack.append((sub, f"{path}.{key}", name + len(key) + 1))
         if work > MAX_WORK:
-            raise SchemaRefused(f"The JSON schema is too large to make into a grammar here "
-                                f"(past {path}: at most {MAX_WORK:,} conversion steps).")
+            raise _too_large(path)
     return work
+
+
+def _too_large(path: str) -> SchemaRefused:
+    return SchemaRefused(f"The JSON schema is too large to make into a grammar here (past "
+                         f"{path}: at most {MAX_WORK:,} conversion steps).")
 
 
 def _converter():
@@ -185,6 +200,11 @@ def _run_child(text: str) -> str:
     return result["grammar"]
 
 
+def _text_and_digest(schema: object) -> tuple[str, bytes]:
+    text = json.dumps(schema, ensure_ascii=False)
+    return text, hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
 class SchemaGrammars:
     """A process's conversions, the last CACHE_SIZE kept (the same schema sent again, or
     for several choices, is converted once)."""
@@ -194,28 +214,29 @@ class SchemaGrammars:
         self.run = run
         self.off_loop = off_loop            # the CPU-bound steps, off a gevent loop
         self.slots = threading.BoundedSemaphore(at_once)   # child processes at once
-        self.kept: OrderedDict[str, tuple[str | None, str | None]] = OrderedDict()
+        self.kept: OrderedDict[bytes, tuple[str | None, str | None]] = OrderedDict()
 
     def grammar(self, schema: object, n_vocab: int | None = None) -> str:
         """The checked grammar for `schema`, or SchemaRefused."""
-        # (the order of properties is the order of the output's keys: kept as sent)
-        text = json.dumps(schema, ensure_ascii=False)
-        if text not in self.kept:
+        # (the order of properties is the order of the output's keys: kept as sent;
+        # kept by digest: a schema's text may be megabytes)
+        text, key = self.off_loop(_text_and_digest, schema)
+        if key not in self.kept:
             try:
                 self.off_loop(estimate, schema)
                 with self.slots:
                     grammar = self.run(text)
                 self.off_loop(gbnf.check, grammar, n_vocab)
-                self.kept[text] = (grammar, None)
+                self.kept[key] = (grammar, None)
             except gbnf.GrammarError as exc:
-                self.kept[text] = (None, "The JSON schema makes a grammar that cannot be "
-                                         f"used: {exc}")
+                self.kept[key] = (None, "The JSON schema makes a grammar that cannot be "
+                                        f"used: {exc}")
             except SchemaRefused as exc:
-                self.kept[text] = (None, str(exc))
+                self.kept[key] = (None, str(exc))
             while len(self.kept) > CACHE_SIZE:
                 self.kept.popitem(last=False)
-        self.kept.move_to_end(text)
-        grammar, problem = self.kept[text]
+        self.kept.move_to_end(key)
+        grammar, problem = self.kept[key]
         if problem is not None:
             raise SchemaRefused(problem)
         return grammar

@@ -109,7 +109,7 @@ class LlamaEngine:
         self.prefill_chunk = prefill_chunk if prefill_chunk > 0 else self.n_batch
         # prompt-lookup speculation; 0: off. Never in deterministic mode: verification rows
         # decoded beside the token's row change logprobs in their last bits (measured)
-        self.draft_max = 0 if deterministic else draft_max
+        self.draft_max = 0 if deterministic or not self._drops_positions() else draft_max
         self.totals = P.StepTotals()     # the step profile (bench --profile, /metrics)
         self.histories = Histories()     # recent sequences per tenant: a draft source
         self.calibration = Calibration()  # each source's measured acceptance, all sequences
@@ -131,6 +131,17 @@ class LlamaEngine:
             self, slots, n_threads, n_gpu_layers, repacking) if self.draft_max else None)
         self.draft_model = self._draft_model(draft_model, n_ctx, slots, n_threads,
                                              n_gpu_layers, shape, repacking, draft_costs)
+
+    def _drops_positions(self) -> bool:
+        """Whether the model's memory can drop its last positions, as a rejected draft
+        needs: a recurrent or hybrid model's (Mamba, RWKV, Granite-H, LFM2) cannot, with
+        llama.cpp's default context, so such a model serves without drafts."""
+        if llama_cpp.llama_model_is_recurrent(self.model) or \
+                llama_cpp.llama_model_is_hybrid(self.model):
+            log.warning("a recurrent or hybrid model: no speculative drafts (its memory "
+                        "cannot drop rejected draft tokens)")
+            return False
+        return True
 
     def _load_model(self, model_path: str, n_gpu_layers: int) -> bool:
         """The weights, on the device as asked (EngineError where llama.cpp put none of the
@@ -397,6 +408,7 @@ class LlamaEngine:
             slot.cached = []
         slot.chain, slot.pending, slot.n_past, slot.next_token, slot.row = None, [], 0, None, -1
         slot.prompt_rows, slot.prompt_logprobs = [], None
+        slot.draft, slot.draft_rows = [], []     # (a step that failed leaves its drafts)
 
     # -- decoding ----------------------------------------------------------------------
     def step(self) -> dict[int, TokenOut]:
@@ -588,7 +600,8 @@ class LlamaEngine:
         accepted = len(outs) - 1                  # draft tokens confirmed by a sample
         keep = start + accepted
         if keep < slot.n_past:
-            llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, keep, -1)
+            if not llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, keep, -1):
+                raise EngineError("the KV cache could not drop a rejected draft")
             del slot.cached[keep:]
             slot.n_past = keep
         tried = slot.policy.tried           # (a guess filling drafts alike: no source's)
