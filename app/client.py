@@ -91,6 +91,7 @@ class RequestStream:
         self.next_seq = 0
         self.text_seen = False
         self.finished = False
+        self._still_running = False     # ended here while its worker runs on (_end)
         self._complete_by: float | None = None
         self._early: list[StreamItem] = []
 
@@ -145,12 +146,12 @@ class RequestStream:
             if self.text_seen:
                 return self._end(error_event(
                     503, "the worker serving this request was lost after output had started",
-                    "worker_lost"))
+                    "worker_lost"), running=True)
             self.attempt, self.next_seq, self._complete_by = attempt, 0, None
         if event.seq != self.next_seq:
             return self._end(error_event(
                 502, f"the token stream skipped messages {self.next_seq}..{event.seq - 1}",
-                "stream_gap"))
+                "stream_gap"), running=True)
         self.next_seq += 1
         if isinstance(event, P.Text):
             self.text_seen = True
@@ -166,15 +167,20 @@ class RequestStream:
             self._complete_by = time.monotonic() + config.DONE_GRACE
         return None
 
-    def _end(self, event: P.AnyEvent) -> P.AnyEvent:
+    def _end(self, event: P.AnyEvent, running: bool = False) -> P.AnyEvent:
+        """The request's last event; `running`: one this front end concluded while a
+        worker still runs the job (a gap in its stream, a retry after text was sent),
+        which closing then cancels."""
         self.finished = True
+        self._still_running = running
         return event
 
     def close(self) -> None:
-        """Forget the request; cancel it if it has not finished (idempotent)."""
+        """Forget the request; cancel it if it has not finished, or if it ended here
+        while its worker runs on (idempotent)."""
         self.client.forget(self.request_id)
-        if not self.finished:
-            self.finished = True
+        if not self.finished or self._still_running:
+            self.finished, self._still_running = True, False
             self.client.send(P.CANCEL, self.request_id)
 
 

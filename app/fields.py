@@ -170,8 +170,14 @@ class TokenIdsField(fields.Field):
                                          f"to {INT_MAX})."}
 
     def _deserialize(self, value, attr, data, **kwargs):
-        if not isinstance(value, list) or not all(type(t) is int for t in value) or \
-                (value and (min(value) < 0 or max(value) > INT_MAX)):
+        if not isinstance(value, list):
+            raise self.make_error("invalid")
+        if not all(type(t) is int for t in value):      # (a whole float: as StrictInteger)
+            if not all(type(t) is int or (type(t) is float and t.is_integer())
+                       for t in value):
+                raise self.make_error("invalid")
+            value = [int(t) for t in value]
+        if value and (min(value) < 0 or max(value) > INT_MAX):
             raise self.make_error("invalid")
         return list(value)
 

@@ -63,7 +63,9 @@ class NativeCompletionSchema(CompletionRequestSchema):
                                   allow_none=True,
                                   metadata=doc("Only these fields of the answer, by path "
                                                 "(`timings/prompt_n`), flat.", type="array",
-                                                items={"type": "string"}))
+                                                maxItems=MAX_RESPONSE_FIELDS,
+                                                items={"type": "string",
+                                                       "maxLength": MAX_FIELD_PATH}))
 
 
 class ExtraChunkSchema(Schema):
@@ -92,6 +94,7 @@ class NativeInfillSchema(NativeCompletionSchema):
                                   "Repository context, oldest first: {filename, text} "
                                   "chunks laid out before the prefix (at most "
                                   f"{MAX_EXTRA_CHUNKS}).", type="array",
+                                  maxItems=MAX_EXTRA_CHUNKS,
                                   items={"type": "object", "properties": {
                                       "filename": {"type": "string"},
                                       "text": {"type": "string"}}}))

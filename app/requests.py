@@ -179,7 +179,12 @@ def check_encodable(body: object) -> None:
                              code="invalid_unicode")
 
 
-MAX_PARAM = 128          # characters of a field's path quoted back to the client
+MAX_PARAM = 128          # characters of a name the client chose quoted back to it
+
+
+def clipped(name: str) -> str:
+    """A name the client chose (a field's path, a model), as an error quotes it."""
+    return name if len(name) <= MAX_PARAM else name[:MAX_PARAM] + "…"
 
 
 def json_answer(build, *args, headers: dict | None = None) -> Response:
@@ -209,8 +214,8 @@ def _validate(body: object, schema: Schema) -> dict:
         data = schema.load(body)
     except ValidationError as exc:
         param, message = first_error(exc.messages)
-        if param is not None and len(param) > MAX_PARAM:     # a name the client chose
-            param = param[:MAX_PARAM] + "…"
+        if param is not None:
+            param = clipped(param)
         if message == "Unknown field.":
             text = f"Unrecognized request argument supplied: {param}"
         else:
@@ -243,8 +248,7 @@ def resolve_model(requested: str | None, state: P.State | None, any_name: bool =
         if (any_name or current_app.config.get("ANY_MODEL_NAME")) and len(models) == 1:
             requested = default
         else:
-            name = requested if len(requested) <= MAX_PARAM else requested[:MAX_PARAM] + "…"
-            raise NotFound(f"The model '{name}' does not exist. Served: "
+            raise NotFound(f"The model '{clipped(requested)}' does not exist. Served: "
                            + ", ".join(sorted(models)), param="model",
                            code="model_not_found")
     if not models[requested].ready:
@@ -347,9 +351,17 @@ def session_order(arrived_ns: int) -> int:
     return arrived_ns if value is None else value
 
 
+def _prompt_chars(prompts: list) -> int:
+    return sum(len(p) if isinstance(p, str) else sum(
+        len(x) if isinstance(x, str) else 1 for x in p) for p in prompts)
+
+
 def check_prompt_size(req: dict) -> None:
-    size = sum(len(p) if isinstance(p, str) else sum(
-        len(x) if isinstance(x, str) else 1 for x in p) for p in req["prompt"])
+    """The prompts' characters, a token id counting one, against --max-prompt-chars
+    (an 8 MB body holds four million ids: they are counted off the loop)."""
+    prompts = req["prompt"]
+    size = off_loop(_prompt_chars, prompts) if any(isinstance(p, list) for p in prompts) \
+        else sum(map(len, prompts))
     size += len(req.get("suffix") or "")
     limit = int(current_app.config["MAX_PROMPT_CHARS"])
     if size > limit:

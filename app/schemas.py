@@ -353,4 +353,5 @@ class DetokenizeRequestSchema(_VocabularyRequestSchema):
     """POST /detokenize (llama.cpp's shape)."""
 
     tokens = TokenIdsField(required=True, metadata=doc(
-        "Token ids.", type="array", items={"type": "integer", "minimum": 0}))
+        "Token ids.", type="array", items={"type": "integer", "minimum": 0,
+                                           "maximum": INT_MAX}))

@@ -11,6 +11,7 @@ from flask import Blueprint, current_app, jsonify, send_from_directory
 
 from app.client import get_client
 from app.errors import NotFound, ServiceUnavailable
+from app.requests import clipped
 from dispatcher.common import config
 
 bp = Blueprint("status", __name__)
@@ -66,7 +67,7 @@ def retrieve_model(model: str):
     models, aliases = state.models, state.aliases
     model_id = aliases.get(model, model)
     if model_id not in models:
-        raise NotFound(f"The model '{model}' does not exist. Served: "
+        raise NotFound(f"The model '{clipped(model)}' does not exist. Served: "
                        + ", ".join(sorted(models)), param="model", code="model_not_found")
     return jsonify(_model_object(model_id, models[model_id], aliases))
 

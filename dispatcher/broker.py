@@ -54,6 +54,8 @@ class Broker:
         self.endpoints = endpoints
         self.keys = keys                          # CURVE: every socket authenticated
         self.bound_keys: dict[str, str] = {}      # worker name -> the key it registered with
+        # messages of peers that are no front end (_stranger), and when last logged
+        self.strangers, self._stranger_logged = 0, -60.0
         self.supervisor = supervisor
         self.core = DispatcherCore(SupervisedFleet(supervisor) if supervisor else None,
                                    known_models, max_queue, queue_timeout, time.time(),
@@ -273,6 +275,11 @@ class Broker:
 
     def process_frontend(self, frames: list[bytes]) -> None:
         fe_id, frames = frames[0], frames[1:]
+        if not P.is_frontend_id(fe_id):
+            # (its jobs' tokens would go to a topic nobody reads, and naming it as
+            # text failed: the dispatcher stopped)
+            self._stranger(fe_id)
+            return
         try:
             msg = P.decode(frames)
         except P.ProtocolError as exc:
@@ -290,6 +297,17 @@ class Broker:
         if msg.cmd == P.METRICS:
             self.deliver([Send("frontend", fe_id, P.METRICS, msg.request_id,
                                self.ops.metrics_snapshot())])
+
+    def _stranger(self, identity: bytes) -> None:
+        """A message on the front ends' socket from a peer that is not one: dropped,
+        logged once a minute at most (a peer may try many identities)."""
+        self.strangers += 1
+        now = time.monotonic()
+        if now - self._stranger_logged >= 60:
+            self._stranger_logged = now
+            log.warning("%d message(s) dropped so far from peers on the front ends' "
+                        "socket without a front end's identity (the last: %r)",
+                        self.strangers, identity[:32])
 
     def process_worker(self, frames: list[bytes]) -> None:
         identity, frames = frames[0], frames[1:]

@@ -327,6 +327,8 @@ def test_long_lists_are_refused_by_their_length_before_their_items_are_read(clie
     ids = list(range(100_000))
     answer = http.post("/detokenize", json={"tokens": ids})
     assert answer.status_code == 200 and fake.jobs[0]["tokens"] == ids
+    answer = http.post("/detokenize", json={"tokens": [5.0, 7]})     # whole numbers, as
+    assert answer.status_code == 200 and fake.jobs[1]["tokens"] == [5, 7]   # elsewhere
 
 
 def test_a_client_session_id_can_never_name_an_inferred_session(client_of):

@@ -208,3 +208,38 @@ def test_the_dispatcher_answers_a_ping_with_a_beat_over_the_token_stream(endpoin
         loop.join(timeout=10)
         broker.close()
     assert not loop.is_alive()
+
+
+def test_a_peer_without_a_front_ends_identity_is_dropped_and_the_dispatcher_serves_on(
+        endpoints):
+    """A socket that sets no identity (libzmq gives it five random bytes, not text) on
+    the front ends' address: its job would have stopped the dispatcher when handed to a
+    worker (its topic is named from the identity). It is dropped; front ends are served."""
+    broker = Broker(endpoints)
+    loop = threading.Thread(target=broker.run)
+    loop.start()
+    context = zmq.Context()
+    stranger, dealer = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, P.new_frontend_id())
+    try:
+        stranger.connect(endpoints.frontend)
+        job = P.WorkerJob(id=P.new_request_id(), model="m", prompt="x",
+                          generation=P.Generation(max_tokens=3))
+        stranger.send_multipart(P.encode(P.SUBMIT, job.id, job))
+        deadline = time.monotonic() + 20
+        while broker.strangers == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert broker.strangers == 1 and len(broker.core.queue) == 0
+        dealer.connect(endpoints.frontend)
+        dealer.send_multipart(P.encode(P.PING, body=P.Ping(open=0)))
+        assert dealer.poll(10_000)
+        assert P.decode(dealer.recv_multipart()).cmd == P.STATE
+        assert loop.is_alive()
+    finally:
+        stranger.close(0)
+        dealer.close(0)
+        context.term()
+        broker.stop()
+        loop.join(timeout=10)
+        broker.close()
+    assert not loop.is_alive()

@@ -884,3 +884,30 @@ def test_a_model_whose_memory_cannot_drop_positions_serves_without_drafts(
         assert len(generate(engine, [(0, "Once upon a time")], n=8)[0]) == 8
     finally:
         engine.close()
+
+
+def test_a_recurrent_or_hybrid_draft_model_is_refused(tiny_model, tmp_path, monkeypatch):
+    """A draft model's cache drops the drafts the served model refuses: one whose
+    memory cannot (recurrent, hybrid) is refused at load with the reason."""
+    import llama_cpp
+    from workers.engine.draftmodel import DraftModel
+    from workers.engine.contextshape import ContextShape
+    from workers.engine.llama import LlamaEngine
+    from workers.errors import EngineError
+
+    class HybridLib:                     # llama.cpp, the model read as a hybrid one
+        def __getattr__(self, name):
+            return getattr(llama_cpp, name)
+
+        @staticmethod
+        def llama_model_is_hybrid(model):
+            return True
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    engine = LlamaEngine(tiny_model, 256, 1, THREADS, 0, draft_max=0)
+    try:
+        with pytest.raises(EngineError, match="recurrent or hybrid"):
+            DraftModel(HybridLib(), tiny_model, engine.vocab, 256, 1, THREADS, 0,
+                       ContextShape(), False)
+    finally:
+        engine.close()

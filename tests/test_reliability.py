@@ -311,6 +311,13 @@ def test_lost_stream_messages_become_errors_not_missing_text(fault, code, status
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == code
         got, _, body = complete(server.port, {"prompt": "Once upon a time", "max_tokens": 8})
         assert got == status and body["error"]["code"] == code
+        if code == "stream_gap":
+            # the front end ends the request, its worker would run on: it is cancelled
+            events = read_all(SSEStream(server.port, {
+                "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True,
+                "stream": True}))
+            assert events[-2]["error"]["code"] == code
+            assert server.wait_cancelled()["last_done"]["usage"]["completion_tokens"] < 2000
     finally:
         assert server.stop() == 0
 

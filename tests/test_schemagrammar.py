@@ -33,6 +33,8 @@ PERSON = {"type": "object", "properties": {
     ({"type": "string", "pattern": "{" + " " * 16_000 + "x"}, "characters"),
     # the items of a list count towards the bound as they are met
     ({"type": "object", "x": [0] * 500_000}, "too large"),
+    # ... and a value's (enum, const, default, examples) with its text
+    ({"type": "string", "enum": ["x" * 500_000]}, "too large"),
 ])
 def test_schemas_whose_conversion_explodes_are_refused_before_converting(schema, named):
     ran = []
@@ -63,6 +65,17 @@ def test_a_patterns_work_counts_the_literal_each_quantifier_copies():
     assert sg.pattern_work("(ab){2}c", "p") == 8 + 3 * (1 + 8)      # a group: named once
     spaces = "{" + " " * (sg.MAX_PATTERN - 2) + "x"                  # no quantifier in it
     assert sg.pattern_work(spaces, "p") == sg.MAX_PATTERN
+
+
+def test_values_are_not_read_as_schemas():
+    """`enum`, `const`, `default` and `examples` hold JSON values: a long string under a
+    key named `pattern` there is text, not a regular expression to bound."""
+    long = {"pattern": "x" * (sg.MAX_PATTERN + 1)}
+    for key in sg.VALUES:
+        assert sg.estimate({"type": "object", key: [long] if key != "const" else long}) \
+            < sg.MAX_WORK
+    with pytest.raises(sg.SchemaRefused):
+        sg.estimate({"type": "object", "properties": {"a": long}})
 
 
 def test_a_schema_is_converted_once_and_refusals_are_remembered():

@@ -28,6 +28,7 @@ subscriptions it saw before the restart, so it cannot tell the difference.)
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, Union
@@ -449,6 +450,15 @@ class Message:
 
 def new_frontend_id() -> bytes:
     return b"fe-" + secrets.token_hex(6).encode()
+
+
+_FRONTEND_ID = re.compile(rb"fe-[0-9a-f]{12}")
+
+
+def is_frontend_id(identity: bytes) -> bool:
+    """Whether a peer's identity is a front end's (`new_frontend_id`): a socket that set
+    none has libzmq's five random bytes, which name no topic and are not text."""
+    return _FRONTEND_ID.fullmatch(identity) is not None
 
 
 def new_request_id() -> str:

@@ -44,6 +44,7 @@ CACHE_SIZE = 32             # converted schemas kept per process (n choices, ret
 MAX_PATTERN = 4096          # characters of one `pattern` (real ones are tens to hundreds)
 
 COUNTS = ("minItems", "maxItems", "minLength", "maxLength")
+VALUES = ("enum", "const", "default", "examples")   # JSON values, not schemas
 # (possessive: no backtracking between the spaces and the digits, linear in the pattern)
 _QUANTIFIER = re.compile(r"(?<!\\)\{\s*+(\d*+)\s*+(?:,\s*+(\d*+)\s*+)?\}")
 _LITERAL = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789\\")
@@ -93,14 +94,19 @@ def estimate(schema: object) -> int:
     """The converter's work for `schema`, in steps (refused past MAX_WORK or any count
     past MAX_REPETITION). Iterative, as deep as JSON allows."""
     work = 0
-    stack: list[tuple[object, str, int]] = [(schema, "json_schema", 4)]  # (node, path, name)
+    # (node, path, name, whether it is a value, not a schema: under `enum`, `const`,
+    # `default`, `examples`, whose keys mean nothing to the converter)
+    stack: list[tuple[object, str, int, bool]] = [(schema, "json_schema", 4, False)]
     while stack:
-        node, path, name = stack.pop()
-        if isinstance(node, list):
-            work += len(node)
+        node, path, name, value = stack.pop()
+        if isinstance(node, (list, dict)) and (value or isinstance(node, list)):
+            items = list(node.items() if isinstance(node, dict) else enumerate(node))
+            work += len(items) + (sum(len(v) for _, v in items if isinstance(v, str))
+                                  if value else 0)     # (a value's text becomes a literal)
             if work > MAX_WORK:
                 raise _too_large(path)
-            stack.extend((item, f"{path}[{i}]", name + 4) for i, item in enumerate(node))
+            stack.extend((item, f"{path}[{_short(str(i), 32)}]", name + 4, value)
+                         for i, item in items)
             continue
         if not isinstance(node, dict):
             continue
@@ -134,10 +140,11 @@ def estimate(schema: object) -> int:
             for prop, sub in properties.items():
                 label = f"{path}.properties.{_short(str(prop), 32)}"
                 work += 2 * (name + len(prop))
-                stack.append((sub, label, name + len(prop) + 1))
+                stack.append((sub, label, name + len(prop) + 1, False))
         for key, sub in node.items():
             if key != "properties" and isinstance(sub, (dict, list)):
-                stack.append((sub, f"{path}.{key}", name + len(key) + 1))
+                stack.append((sub, f"{path}.{_short(str(key), 32)}", name + len(key) + 1,
+                               key in VALUES))
         if work > MAX_WORK:
             raise _too_large(path)
     return work

@@ -90,6 +90,9 @@ class DraftModel:
             raise EngineError(f"llama.cpp could not load the draft model {path}")
         self.vocab = lib.llama_model_get_vocab(self.model)
         problem = vocab_mismatch(lib, target_vocab, self.vocab)
+        if lib.llama_model_is_recurrent(self.model) or lib.llama_model_is_hybrid(self.model):
+            problem = ("it is a recurrent or hybrid model, whose memory cannot drop the "
+                       "draft tokens the served model refuses")
         if problem:
             lib.llama_model_free(self.model)
             raise EngineError(f"the draft model {path} cannot draft for the served model: "

@@ -215,8 +215,8 @@ class LlamaEngine:
         if not path:
             return None
         if not self.draft_max:
-            log.warning("--draft-model %s unused: speculation is off (--draft-max 0 or "
-                        "deterministic)", path)
+            log.warning("--draft-model %s unused: speculation is off (--draft-max 0, "
+                        "deterministic, or a recurrent or hybrid served model)", path)
             return None
         try:
             model = DraftModel(llama_cpp, path, self.vocab, n_ctx, slots, n_threads,
