@@ -481,20 +481,20 @@ class DispatcherCore:
         first; a job no free worker fits waits without blocking the jobs behind it."""
         if not len(self.queue) or not self.registry.with_free_slots():
             return
-        running, by_api_key = self.shares.running(self.registry.workers.values())
+        running = self.shares.running(self.registry.workers.values())
         slots: dict[str, int] = {}
         for record in self.registry.workers.values():
             slots[record.model] = slots.get(record.model, 0) + record.slots
-        for job in self.queue.in_fair_order(running, by_api_key, self.shares.served):
-            if not self.shares.may_run(job, running, by_api_key,
-                                       slots.get(job.body.model, 0)):
+        for job in self.queue.in_fair_order(running.by_request, running.by_api_key,
+                                            self.shares.served):
+            if not self.shares.may_run(job, running, slots.get(job.body.model, 0)):
                 continue
             worker = self.registry.choose(job)
             if worker is None:
                 continue
             self.queue.take(job)
             self._assign(job, worker)
-            self.shares.took(job, running, by_api_key)
+            running.add(job)
             if not self.registry.with_free_slots():
                 return
 

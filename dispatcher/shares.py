@@ -11,6 +11,7 @@ ago goes first (`served`, read by `RequestQueue.in_fair_order`).
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 from dispatcher.common import config
 
@@ -30,36 +31,29 @@ class Shares:
         return bool(self.max_queue_per_key) and queued >= self.max_queue_per_key
 
     @staticmethod
-    def running(workers) -> tuple[dict[str, int], dict[str | None, int]]:
-        """Jobs running now, by request (parent id) and by key; a cancelled job's slot is
-        as good as free."""
-        by_request: dict[str, int] = {}
-        by_api_key: dict[str | None, int] = {}
+    def running(workers) -> "Running":
+        """Jobs running now, by request (parent id), by key, and by key and model; a
+        cancelled job's slot is as good as free."""
+        now = Running()
         for record in workers:
             for job in record.running.values():
-                if job.cancelled:
-                    continue
-                by_request[job.parent] = by_request.get(job.parent, 0) + 1
-                by_api_key[job.body.api_key] = by_api_key.get(job.body.api_key, 0) + 1
-        return by_request, by_api_key
+                if not job.cancelled:
+                    now.add(job)
+        return now
 
-    def may_run(self, job, by_request: dict, by_api_key: dict, slots: int) -> bool:
-        """Whether `job` may take a slot of its model's `slots` now: its key and its
-        request below their shares."""
+    def may_run(self, job, running: "Running", slots: int) -> bool:
+        """Whether `job` may take a slot of its model's `slots` now: its key (on this
+        model: a key's chat on one model takes nothing from its completions on another)
+        and its request below their shares."""
         api_key = job.body.api_key
         if api_key is not None and self.key_slot_share < 1.0 and \
-                by_api_key.get(api_key, 0) >= share_of(slots, self.key_slot_share):
+                running.by_key_model.get((api_key, job.body.model), 0) >= \
+                share_of(slots, self.key_slot_share):
             return False                        # its key runs its share: others' turn
-        if job.long and by_request.get(job.parent, 0) >= share_of(
+        if job.long and running.by_request.get(job.parent, 0) >= share_of(
                 slots, config.REQUEST_SLOT_SHARE):
             return False                        # its long choices run their share
         return True
-
-    def took(self, job, by_request: dict, by_api_key: dict) -> None:
-        """`job` took a slot: counted, and its key's turn is now."""
-        api_key = job.body.api_key
-        by_api_key[api_key] = by_api_key.get(api_key, 0) + 1
-        by_request[job.parent] = by_request.get(job.parent, 0) + 1
 
     def served_now(self, api_key: str | None) -> None:
         if api_key is None:
@@ -69,6 +63,21 @@ class Shares:
         self.served.move_to_end(api_key)
         while len(self.served) > SERVED_KEYS:
             self.served.popitem(last=False)
+
+
+@dataclass
+class Running:
+    """Jobs running, counted three ways (`Shares.running`); `add` counts one more."""
+    by_request: dict[str, int] = field(default_factory=dict)
+    by_api_key: dict[str | None, int] = field(default_factory=dict)
+    by_key_model: dict[tuple[str | None, str], int] = field(default_factory=dict)
+
+    def add(self, job) -> None:
+        api_key = job.body.api_key
+        self.by_request[job.parent] = self.by_request.get(job.parent, 0) + 1
+        self.by_api_key[api_key] = self.by_api_key.get(api_key, 0) + 1
+        pair = (api_key, job.body.model)
+        self.by_key_model[pair] = self.by_key_model.get(pair, 0) + 1
 
 
 def share_of(slots: int, share: float) -> int:

@@ -712,3 +712,17 @@ def test_choices_held_back_by_their_own_request_are_not_timed_out_in_the_queue()
     core.expire_deadlines(time.monotonic() + 10.0)        # (deadlines: the real clock)
     assert failed(core._take(), "queue_timeout") == {"c"}
     assert [j.request_id for j in core.queue._jobs] == ["a.0.3"]
+
+
+def test_a_keys_share_of_one_models_slots_is_counted_on_that_model_alone():
+    """With keys as tenants each key runs at most its share of a model's slots: a key's
+    request running on one model (a chat) takes nothing from its share of another (its
+    editor's completions), which it may fill at once; on the same model it waits."""
+    core = DispatcherCore(key_slot_share=0.75)
+    ready(core, name=b"w0", model="chat", slots=1)
+    ready(core, name=b"w1", model="fim", slots=2)
+    assert ("REQUEST", "a") in kinds(submit(core, "a", model="chat", api_key="k1"))
+    assert ("REQUEST", "b") in kinds(submit(core, "b", model="fim", api_key="k1"))
+    # its share of fim's two slots is one: the next waits, another key's goes
+    assert kinds(submit(core, "c", model="fim", api_key="k1")) == [("ACCEPTED", "c")]
+    assert ("REQUEST", "d") in kinds(submit(core, "d", model="fim", api_key="k2"))

@@ -218,3 +218,19 @@ def test_the_worker_fills_in_a_prompt_sent_once():
     for i in range(P.WORKER_SHARED):
         link._with_shared(job(str(i), id=f"s{i}", share_as=f"s{i}"))
     assert link._with_shared(job(None, id="r.0.2", same_as="r.0.0")) is None   # pushed out
+
+
+def test_a_job_handed_over_after_a_reset_is_kept_while_the_reset_waits(loop):
+    """The IO thread reconnects (Reset into the inbox), and the new connection hands over
+    a job worth preparing before the generation loop reads the Reset (one long step):
+    that job is the new connection's, held as started by the dispatcher, and must run;
+    what was being prepared when the dispatcher forgot the worker is dropped."""
+    dry = {"dry_multiplier": 0.8}                          # (prepared: a DRY sampler)
+    assert loop.preparer.submit("old", job(id="old", sampling=dry))
+    loop.inbox.put(inbox.Reset(loop.preparer.being_prepared()))
+    assert loop.preparer.submit("new", job(id="new", sampling=dry))
+    loop.preparer.thread.submit(lambda: None).result()       # both prepared by now
+    run(loop)
+    assert events_of(loop, "old") == []
+    assert events_of(loop, "new")[-1]["e"] == "end"
+    assert not loop.preparer.preparing and not loop.preparer.cancelled

@@ -118,11 +118,11 @@ class GenerationLoop:
                              InvalidInput(message, code="bad_job"))
             case inbox.Cancel(request_id):
                 self.cancel(request_id)
-            case inbox.Reset():
+            case inbox.Reset(preparing):
                 for request_id in list(self.active):
                     self._drop(self.active[request_id])
                 self.waiting.clear()
-                self.preparer.reset()
+                self.preparer.reset(preparing)
 
     def cancel(self, request_id: str) -> None:
         attempt = self.preparer.cancel(request_id)
@@ -407,6 +407,7 @@ class GenerationLoop:
         for request_id, body in self.waiting:
             self.notify(P.DONE, request_id, P.Done(attempt=body.attempt, released=True))
         self.waiting.clear()
-        for request_id, attempt in list(self.preparer.preparing.items()):
+        preparing = self.preparer.being_prepared()
+        for request_id, attempt in preparing:
             self.notify(P.DONE, request_id, P.Done(attempt=attempt, released=True))
-        self.preparer.reset()
+        self.preparer.reset(preparing)

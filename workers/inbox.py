@@ -54,7 +54,11 @@ class Cancel:
 
 @dataclass(frozen=True, slots=True)
 class Reset:
-    """The dispatcher forgot this worker: it has requeued or failed everything it held."""
+    """The dispatcher forgot this worker: it has requeued or failed everything it held.
+    `preparing`: the jobs on the preparing thread when it did ((id, attempt)); a job the
+    new connection hands over goes there before the generation loop reads this, and
+    stays wanted."""
+    preparing: frozenset[tuple[str, int]] = frozenset()
 
 
 Message = Union[NewJob, PreparedJob, OpDone, Invalid, Cancel, Reset]

@@ -144,9 +144,18 @@ class Preparer:
         if prepared is not None:
             prepared.free()
 
-    def reset(self) -> None:
-        """The dispatcher forgot us: nothing being prepared or prepared is wanted."""
-        self.cancelled |= set(self.preparing.items())
-        self.preparing.clear()
+    def being_prepared(self) -> frozenset[tuple[str, int]]:
+        """The jobs on the preparing thread now ((id, attempt)), for a Reset (IO thread)."""
+        return frozenset(self.preparing.copy().items())
+
+    def reset(self, preparing: frozenset[tuple[str, int]]) -> None:
+        """The dispatcher forgot us: nothing it had handed over is wanted, the jobs being
+        prepared then (`preparing`) and those prepared since (they were handed over
+        before: the inbox keeps the order). Jobs the new connection handed over while this
+        waited in the inbox are kept: the dispatcher holds them as started."""
+        for request_id, attempt in preparing:
+            if self.preparing.get(request_id) == attempt:
+                del self.preparing[request_id]
+                self.cancelled.add((request_id, attempt))
         for request_id in list(self.ready):
             self.drop(request_id)

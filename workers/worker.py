@@ -107,7 +107,7 @@ class DispatcherLink(threading.Thread):
                 self._give_up(dealer, stuck)
             if now > expires:
                 log.warning("dispatcher silent: reconnecting in %.1fs", reconnect_delay)
-                self.loop.inbox.put(inbox.Reset())
+                self.loop.inbox.put(inbox.Reset(self.loop.preparer.being_prepared()))
                 poller.unregister(dealer)
                 dealer.close(0)
                 time.sleep(reconnect_delay)
