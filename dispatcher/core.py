@@ -173,7 +173,7 @@ class DispatcherCore:
             self._reject(job.frontend, job.request_id, refusals.queue_timeout(waited))
 
     def expire_unservable(self, now: float) -> None:
-        for job in self.queue.expire(now - NO_WORKER_TIMEOUT, self.registry.infos()):
+        for job in self.queue.expire(now, NO_WORKER_TIMEOUT, self.registry.infos()):
             self._forget(job)
             self._reject(job.frontend, job.request_id,
                          refusals.no_worker_became_ready(job.model, NO_WORKER_TIMEOUT))

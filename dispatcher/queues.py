@@ -27,6 +27,7 @@ class QueuedJob:
     first_token: bool = False    # the worker said its first text is going out
     deadline: float | None = None   # leave the queue with a 504 after this (monotonic)
     adopt_from: "QueuedJob | None" = None  # the session's running job it may take over
+    unservable_since: float | None = None  # since when no worker can run it (expire)
     share_key: str | None = None     # the id its prompt fields go by (protocol.SHARED_FIELDS)
     _blocks: tuple | None = field(default=None, repr=False)
 
@@ -130,11 +131,20 @@ class RequestQueue:
             self._jobs.remove(job)
         return late
 
-    def expire(self, older_than: float, infos: list[P.Capabilities]) -> list[QueuedJob]:
-        """Remove and return jobs no worker in `infos` can run that have waited since
-        before `older_than`."""
-        old = [j for j in self._jobs if j.enqueued_at < older_than
-               and not any(fits(j.model, j.body.route, info) for info in infos)]
+    def expire(self, now: float, timeout: float,
+               infos: list[P.Capabilities]) -> list[QueuedJob]:
+        """Remove and return the jobs no worker in `infos` has been able to run for
+        `timeout` s, counted from when none could (called every tick): a job requeued
+        when its model's last worker went waits its while from then, however long it
+        was queued before."""
+        old = []
+        for job in self._jobs:
+            if any(fits(job.model, job.body.route, info) for info in infos):
+                job.unservable_since = None
+            elif job.unservable_since is None:
+                job.unservable_since = now
+            elif now - job.unservable_since >= timeout:
+                old.append(job)
         for job in old:
             self._jobs.remove(job)
         return old

@@ -95,14 +95,25 @@ def test_remove_is_idempotent():
     assert q.remove("a") is None
 
 
-def test_expire_only_old_jobs_that_no_worker_fits():
+def test_expire_jobs_no_worker_has_fitted_for_the_timeout():
+    """Counted from when no worker could run the job, not from when it was queued: a job
+    requeued when its model's last worker went (queued long before) waits its while."""
     q = RequestQueue()
-    old, new, served = job("old", "gone"), job("new", "gone"), job("served")
-    old.enqueued_at, served.enqueued_at = 0.0, 0.0
-    for j in (old, new, served):
+    first, later, served = job("first", "gone"), job("later", "gone"), job("served")
+    for j in (first, served):
+        j.enqueued_at = 0.0
         q.push(j)
-    assert [j.request_id for j in q.expire(10.0, [info()])] == ["old"]
-    assert len(q) == 2
+    assert q.expire(100.0, 10.0, [info()]) == []          # no worker for "gone" from now
+    q.push(later)
+    assert q.expire(109.0, 10.0, [info()]) == []
+    assert [j.request_id for j in q.expire(110.0, 10.0, [info()])] == ["first"]
+    assert [j.request_id for j in q.expire(120.0, 10.0, [info()])] == ["later"]
+    assert [j.request_id for j in q] == ["served"]
+    back = job("back", "gone")
+    q.push(back)
+    q.expire(200.0, 10.0, [info()])
+    q.expire(205.0, 10.0, [info(), info(model="gone")])   # a worker of its model came
+    assert q.expire(211.0, 10.0, [info()]) == []          # ... and went: counted afresh
 
 
 def test_registry_orders_by_free_slots_then_least_recently_used():
