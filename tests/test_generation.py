@@ -198,9 +198,9 @@ def test_n_indent_ends_at_the_first_dedented_line_after_a_newline():
 def test_t_max_predict_ms_waits_for_a_newline():
     from workers.active import EditorLimits
     limits = EditorLimits(t_max_predict_ms=100)
-    limits.cut("no newline yet")
+    limits.generated(b"no newline yet")
     assert not limits.out_of_time(first_at=0.0, now=1.0)
-    limits.cut("a\n")
+    limits.generated(b"a\n")
     assert limits.out_of_time(first_at=0.0, now=1.0)
     assert not limits.out_of_time(first_at=0.0, now=0.05)
 

@@ -1,4 +1,6 @@
-"""TextAssembler: UTF-8 safety and stop-string hold-back (unit)."""
+"""TextAssembler: UTF-8 safety and stop-string hold-back; and the worker's Output, which
+sends a request's text, logprobs and editors' limits from its tokens (unit, a scripted
+engine)."""
 from workers.textstream import TextAssembler
 
 
@@ -75,3 +77,98 @@ def test_stop_strings_are_tried_only_where_they_could_begin():
     assert assembler.feed(b"Z") == "" and assembler.stopped
     assert assembler.stop_word == "a" * 511 + "Z"
     assert elapsed < 5.0                              # (17 s trying every length)
+
+
+# -- the worker's Output: text events, logprobs and editors' limits from tokens ---------
+class ScriptedEngine:
+    """A test double: token ids are indexes into `pieces` (bytes); none is end of text."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def piece(self, token):
+        return self.pieces[token]
+
+    def is_eog(self, token):
+        return False
+
+    def draft_stats(self, slot):
+        return 0, 0
+
+
+class Recorder:
+    def __init__(self):
+        self.events = []
+
+    def publish(self, topic, request_id, event):
+        self.events.append(event)
+
+
+def run_tokens(pieces, tokens, stops=(), logprobs=None, echo=None, limits=None,
+               first_at=None, max_tokens=50):
+    """The events a request sends for `tokens` (sampled in turn, logprob -0.5 each)."""
+    from types import SimpleNamespace
+
+    from workers.active import Active, LogprobLedger
+    from workers.faults import FaultInjection
+    from workers.output import Output
+    engine, recorder = ScriptedEngine(pieces), Recorder()
+    output = Output(engine, recorder, lambda *a: None, FaultInjection(),
+                    SimpleNamespace(measure=lambda tokens, ms: None),
+                    lambda active, keep_cache=True: None)
+    active = Active("r", b"fe-000000000001", 1, 0, max_tokens, 4096, 10,
+                    TextAssembler(list(stops)),
+                    ledger=LogprobLedger(logprobs) if logprobs is not None else None,
+                    limits=limits, first_at=first_at)
+    if echo is not None:                  # (the prompt's ids, its text)
+        active.prompt_ids, active.echo_text, active.echo_pending = echo[0], echo[1], True
+    for i, token in enumerate(tokens):
+        if active.seq and recorder.events[-1].__class__.__name__ == "End":
+            break
+        prompt = [(t, -1.0, []) for t in echo[0][1:]] if echo and i == 0 else None
+        output.token(active, SimpleNamespace(token=token, logprob=-0.5, top=[],
+                                             prompt=prompt))
+    texts = [e for e in recorder.events if e.__class__.__name__ == "Text"]
+    return texts, recorder.events[-1]
+
+
+def test_echoed_offsets_count_a_split_character_once():
+    """Each token's text_offset is where its text starts in what the client gets: a
+    character split over two prompt tokens counts once (it used to count as two
+    replacement characters per piece, and the offsets ran past the completion's)."""
+    pieces = [b"\xf0\x9f", b"\x99\x82", b" hi", b"!"]
+    texts, end = run_tokens(pieces, [3], logprobs=0, echo=([0, 1, 2], "\U0001F642 hi"),
+                            max_tokens=1)
+    offsets = [o for t in texts + [end] if t.logprobs for o in t.logprobs["text_offset"]]
+    assert end.finish_reason == "length"
+    assert "".join(t.text for t in texts) == "\U0001F642 hi!"
+    assert offsets == [0, 0, 1, 4]
+
+
+def test_a_line_cut_by_n_indent_reports_no_logprobs_for_it():
+    from workers.active import EditorLimits
+    pieces = [b"def f():", b"\n", b"x = 1"]
+    texts, end = run_tokens(pieces, [0, 1, 2], logprobs=0,
+                            limits=EditorLimits(n_indent=4))
+    sent = "".join(t.text for t in texts)
+    tokens = [tok for t in texts + [end] if t.logprobs for tok in t.logprobs["tokens"]]
+    assert sent == "def f():\n" and end.finish_reason == "length"
+    assert tokens == ["def f():", "\n"]                    # not the cut line's
+
+
+def test_out_of_time_ends_at_the_token_after_the_newline_and_sends_what_was_held():
+    """t_max_predict_ms, as llama.cpp: once a newline has been generated and the time is
+    up, the next token is the last (sent whole: the newline token itself was the last
+    before); text held for a possible stop string is sent too, as at max_tokens (the
+    limit is not a stop string: a trailing newline was lost)."""
+    from workers.active import EditorLimits
+    pieces = [b"def f():", b"\n", b"x = 1", b"x\n", b"more"]
+
+    def sent(tokens, stops=()):
+        texts, end = run_tokens(pieces, tokens, stops=stops, first_at=0.0,  # (long past)
+                                limits=EditorLimits(t_max_predict_ms=10))
+        assert end.finish_reason == "length"
+        return "".join(t.text for t in texts)
+
+    assert sent([0, 1, 2, 4]) == "def f():\nx = 1"
+    assert sent([0, 1, 3, 4], stops=["\n\n"]) == "def f():\nx\n"

@@ -97,7 +97,7 @@ class EditorLimits:
     """
     n_indent: int = 0
     t_max_predict_ms: float = 0.0
-    seen_newline: bool = False
+    seen_newline: bool = False      # a generated token had a newline (`generated`)
     at_line_start: bool = False
     indent: int = 0
 
@@ -108,15 +108,20 @@ class EditorLimits:
             return None
         return cls(int(gen.n_indent or 0), float(gen.t_max_predict_ms or 0))
 
+    def generated(self, piece: bytes) -> None:
+        """A generated token's bytes (a newline byte is never part of another
+        character): as llama.cpp, the time limit counts from the newline the model
+        wrote, whether or not a stop string holds it back yet."""
+        if b"\n" in piece:
+            self.seen_newline = True
+
     def cut(self, text: str) -> tuple[str, bool]:
         """(the part of `text` to send, whether the completion ends here)."""
         if self.n_indent <= 0:
-            if "\n" in text:
-                self.seen_newline = True
             return text, False
         for i, ch in enumerate(text):
             if ch == "\n":
-                self.seen_newline, self.at_line_start, self.indent = True, True, 0
+                self.at_line_start, self.indent = True, 0
             elif self.at_line_start and ch in " \t":
                 self.indent += 1
             elif self.at_line_start:

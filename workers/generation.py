@@ -357,6 +357,7 @@ class GenerationLoop:
         text = new.assembler.take_over(old.assembler, len(typed))
         ended = False
         if new.limits is not None:
+            new.limits.generated(text.encode())    # (what it takes over was generated)
             text, ended = new.limits.cut(text)
         if text:
             self.output.text(new, text)

@@ -6,6 +6,7 @@ and ends; this says what goes out, and frees the request's slot through `release
 """
 from __future__ import annotations
 
+import codecs
 import logging
 import time
 from typing import Callable
@@ -34,13 +35,16 @@ class Output:
         active.echo_pending = False
         logprobs = None
         if active.ledger is not None:
+            # offsets in the text as one decoder makes it: a character split over
+            # tokens counts once, at the token that completes it
             offset, ledger = 0, LogprobLedger(active.ledger.k)
+            decoder = codecs.getincrementaldecoder("utf-8")("replace")
             entries = [(tokens[0], None, None)] + (prompt_lp or [])
             for token, lp, top in entries:
                 piece = self.engine.piece(token)
                 ledger.add(offset, token_text(piece), lp, None if top is None else
                            self._top_dict(top))
-                offset += len(piece.decode("utf-8", "replace"))
+                offset += len(decoder.decode(piece))
             logprobs = ledger.release(None)
         self.text(active, active.echo_text, logprobs)
 
@@ -84,15 +88,20 @@ class Output:
                                                    (out.top or [])[:active.n_probs]))
         text = active.assembler.feed(piece)
         active.offsets.append(active.assembler.decoded)
-        ended = False
+        cut = timed = False
         if active.limits is not None:
-            text, ended = active.limits.cut(text)
-            ended = ended or active.limits.out_of_time(active.first_at, time.monotonic())
+            # (out of time: this token is the last, as llama.cpp's, even where it is
+            # the first newline; the newline counts from the next token)
+            timed = active.limits.out_of_time(active.first_at, time.monotonic())
+            active.limits.generated(piece)
+            text, cut = active.limits.cut(text)
         if text:
             self.text(active, text)
-        if ended:
-            active.assembler.stopped = True       # what it still holds is not sent
+        if cut:
+            active.assembler.stopped = True       # the cut line's text is never sent
             self.finish(active, "length", "limit")
+        elif timed:
+            self.finish(active, "length", "limit")   # (what the stops held goes out)
         elif active.assembler.stopped:
             self.finish(active, "stop", "word")
         elif active.max_tokens is not None and active.generated >= active.max_tokens:
@@ -134,10 +143,9 @@ class Output:
         drafted, accepted = self.engine.draft_stats(active.slot)
         if drafted:
             event.draft = {"proposed": drafted, "accepted": accepted}
-        if active.ledger is not None:
+        if active.ledger is not None:   # (stopped: a stop string or a cut line, unsent)
             event.logprobs = active.ledger.release(
-                None if reason == "length" or not active.assembler.stopped
-                else active.chars_out)
+                active.chars_out if active.assembler.stopped else None)
         if active.score:
             event.score = active.logprob_sum / max(1, active.generated)
         self.publish(active, event)
