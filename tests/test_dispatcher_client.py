@@ -176,10 +176,20 @@ def test_a_silent_dispatcher_gets_a_few_quick_pings_then_one_per_interval(monkey
     assert 3 <= len(pings) <= 5, pings
 
 
-def test_the_dispatcher_answers_a_ping_with_a_beat_over_the_token_stream(endpoints):
+@pytest.fixture
+def broker(endpoints):
+    """The real broker, its loop on a thread; stopped, and its loop seen to end, after."""
     broker = Broker(endpoints)
     loop = threading.Thread(target=broker.run)
     loop.start()
+    yield broker
+    broker.stop()
+    loop.join(timeout=10)
+    broker.close()
+    assert not loop.is_alive()
+
+
+def test_the_dispatcher_answers_a_ping_with_a_beat_over_the_token_stream(endpoints, broker):
     context = zmq.Context()
     fe_id = P.new_frontend_id()
     sub = context.socket(zmq.SUB)
@@ -204,20 +214,13 @@ def test_the_dispatcher_answers_a_ping_with_a_beat_over_the_token_stream(endpoin
         sub.close(0)
         dealer.close(0)
         context.term()
-        broker.stop()
-        loop.join(timeout=10)
-        broker.close()
-    assert not loop.is_alive()
 
 
 def test_a_peer_without_a_front_ends_identity_is_dropped_and_the_dispatcher_serves_on(
-        endpoints):
+        endpoints, broker):
     """A socket that sets no identity (libzmq gives it five random bytes, not text) on
     the front ends' address: its job would have stopped the dispatcher when handed to a
     worker (its topic is named from the identity). It is dropped; front ends are served."""
-    broker = Broker(endpoints)
-    loop = threading.Thread(target=broker.run)
-    loop.start()
     context = zmq.Context()
     stranger, dealer = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.IDENTITY, P.new_frontend_id())
@@ -233,13 +236,8 @@ def test_a_peer_without_a_front_ends_identity_is_dropped_and_the_dispatcher_serv
         dealer.connect(endpoints.frontend)
         dealer.send_multipart(P.encode(P.PING, body=P.Ping(open=0)))
         assert dealer.poll(10_000)
-        assert P.decode(dealer.recv_multipart()).cmd == P.STATE
-        assert loop.is_alive()
+        assert P.decode(dealer.recv_multipart()).cmd == P.STATE     # (its loop runs)
     finally:
         stranger.close(0)
         dealer.close(0)
         context.term()
-        broker.stop()
-        loop.join(timeout=10)
-        broker.close()
-    assert not loop.is_alive()
