@@ -6,6 +6,7 @@ Used by `python -m dispatcher serve` (as `-c python:app.gunicorn_conf`) and by
 """
 import logging
 import os
+import signal
 
 from dispatcher.common import logs as _logs
 from dispatcher.common.configfile import effective as _effective
@@ -48,7 +49,20 @@ def on_starting(server):
         die_with_parent(int(os.environ["COMPLETIONS_PARENT_PID"]))
 
 
+def _leave_ctrl_c_to_the_launcher():
+    # Ctrl-C in a terminal signals `serve`'s whole process group; gunicorn's answer is a
+    # quick shutdown that cuts open streams. The launcher drains the dispatcher first,
+    # then stops the front ends (SIGTERM, a graceful stop).
+    if os.environ.get("COMPLETIONS_PARENT_PID"):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def when_ready(server):
+    _leave_ctrl_c_to_the_launcher()          # (the arbiter's handlers are set by now)
+
+
 def post_worker_init(worker):
+    _leave_ctrl_c_to_the_launcher()
     # Connect and subscribe at start-up, not on the first request.
     from app.client import get_client
     get_client(worker.wsgi)

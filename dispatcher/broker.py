@@ -251,7 +251,7 @@ class Broker:
     def reap_children(self) -> None:
         if self.supervisor is None:
             return
-        for child, pid in self.supervisor.poll():
+        for child, pid in self.supervisor.poll(respawn=self.core.draining_until is None):
             stuck = child.last_exit == config.EXIT_STUCK
             reason = "stuck: its step ran past --step-timeout" if stuck \
                 else f"process exited ({child.last_exit})"

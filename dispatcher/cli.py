@@ -181,7 +181,8 @@ def _worker_child(Child, worker: configfile.WorkerPlan, args, base: str, keyed: 
                               "--log-content", str(args.log_content),
                               "--log-format", args.log_format,
                               *(["--curve-keys", args.curve_keys, "--curve-name", "local"]
-                                if keyed else []))
+                                if keyed else []),
+                              *(["--insecure-transport"] if args.insecure_transport else []))
     return Child(worker.name, argv, env=worker.device.visible_devices(),
                  extra={"device": str(worker.device), "model": worker.model.id})
 
@@ -204,6 +205,7 @@ def _frontend_child(Child, args, base: str, keyed: bool):
            "COMPLETIONS_CACHE_SCOPE": args.cache_scope or "",
            "COMPLETIONS_CURVE_KEYS": args.curve_keys if keyed else "",
            "COMPLETIONS_CURVE_NAME": "local",
+           "COMPLETIONS_INSECURE_TRANSPORT": "true" if args.insecure_transport else "",
            "COMPLETIONS_API_KEY": ",".join(args.api_key),
            "COMPLETIONS_API_KEY_FILE": args.api_key_file or "",
            "COMPLETIONS_CORS_ORIGIN": ",".join(args.cors_origin),

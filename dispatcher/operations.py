@@ -70,25 +70,27 @@ class Operations:
         if child is None or child.kind != "worker":
             return {"error": f"{name!r} is not a worker this dispatcher started (a remote "
                              "worker is restarted on its own host)"}
-        argv = list(child.argv)
-        if request.get("model"):
-            path = Path(request["model"]).expanduser()
-            if not path.is_file():
-                return {"error": f"model file not found: {path}"}
-            model_id = request.get("model_id") or _model_id(path)
-            argv = _replace(argv, "--model", str(path.resolve()))
-            argv = _replace(argv, "--model-id", model_id)
-            self.core.known_models.setdefault(model_id, {"n_ctx": 0})
-            child.extra["model"] = model_id
-        record = self._record(name)
-        if record is not None:
-            record.draining = True
-        try:
+        try:                                       # (checked before anything changes)
             grace = float(request.get("grace", 30.0))
         except (TypeError, ValueError):
             grace = -1.0
         if not 0 <= grace < float("inf"):          # NaN would never expire
             return {"error": "grace must be a finite number of seconds, at least 0"}
+        argv = list(child.argv)
+        model_id = request.get("model_id") or None
+        if request.get("model"):
+            path = Path(request["model"]).expanduser()
+            if not path.is_file():
+                return {"error": f"model file not found: {path}"}
+            model_id = model_id or _model_id(path)
+            argv = _replace(argv, "--model", str(path.resolve()))
+        if model_id:                               # (a new id alone renames the model)
+            argv = _replace(argv, "--model-id", str(model_id))
+            self.core.known_models.setdefault(str(model_id), {"n_ctx": 0})
+            child.extra["model"] = str(model_id)
+        record = self._record(name)
+        if record is not None:
+            record.draining = True
         self.pending[name] = {"deadline": time.monotonic() + grace, "argv": argv}
         log.info("restarting %s once its %d request(s) finish (at most %.0fs)", name,
                  len(record.running) if record else 0, grace)

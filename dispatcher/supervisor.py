@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from dispatcher.common import config
 
 log = logging.getLogger(__name__)
+
+STABLE_AFTER = 60.0     # s a child (a worker: since READY) stays up to be no crash loop
 @dataclass
 class Child:
     name: str
@@ -34,6 +36,7 @@ class Child:
     kill_at: float | None = None         # SIGTERMed for a restart: SIGKILL after this
     gave_up: bool = False                # it cannot load its model: not respawned
     ever_ready: bool = False             # it has served (so a later failure is not startup)
+    ready_at: float | None = None        # when its process last said READY (a worker)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -54,13 +57,18 @@ class Supervisor:
 
     def _start(self, child: Child) -> None:
         env = {**os.environ, **child.env, "COMPLETIONS_PARENT_PID": str(os.getpid())}
+        # a child's settings are all on its command line or in `child.env`: a config file
+        # named in the launcher's environment would be read again by each, as its own
+        # (a worker looks for its device's [[workers]] entry there)
+        env.pop("COMPLETIONS_CONFIG", None)
         child.process = subprocess.Popen(child.argv, env=env, stdin=subprocess.DEVNULL)
         child.started_at = time.monotonic()
-        child.respawn_at = None
+        child.respawn_at, child.ready_at = None, None
         log.info("started %s %s (pid %d)", child.kind, child.name, child.process.pid)
 
-    def poll(self) -> list[tuple[Child, int]]:
-        """Reap exited children and schedule their respawn; start those whose time came."""
+    def poll(self, respawn: bool = True) -> list[tuple[Child, int]]:
+        """Reap exited children and schedule their respawn; start those whose time came.
+        Without `respawn` (the server is draining to stop) none is started again."""
         now = time.monotonic()
         exited = []
         for child in self.children.values():
@@ -70,7 +78,7 @@ class Supervisor:
                 child.last_exit = proc.returncode
                 child.kill_at = None
                 child.process = None
-                if self.stopping or child.stopping:
+                if self.stopping or child.stopping or not respawn:
                     continue
                 if child.kind == "worker" and proc.returncode == config.EXIT_CANNOT_LOAD \
                         and not child.restart_now:
@@ -85,8 +93,12 @@ class Supervisor:
                              proc.pid)
                     self._start(child)
                     continue
-                if child.kind != "worker" and now - child.started_at > 60:
-                    child.backoff = config.RESPAWN_BACKOFF[0]   # (workers: on READY)
+                # up for a while (a worker: since its READY) before it died: not a crash
+                # loop, so the shortest backoff again; one that dies soon after, each
+                # time (the OOM killer at its first requests), waits longer each time
+                up_since = child.ready_at if child.kind == "worker" else child.started_at
+                if up_since is not None and now - up_since > STABLE_AFTER:
+                    child.backoff = config.RESPAWN_BACKOFF[0]
                 child.respawn_at = now + child.backoff
                 log.error("%s %s (pid %d) exited with %s; respawning in %.1fs", child.kind,
                           child.name, proc.pid, _describe_exit(proc.returncode), child.backoff)
@@ -98,19 +110,20 @@ class Supervisor:
                 child.kill_at = None
                 _signal(proc, signal.SIGKILL)
             elif proc is None and child.respawn_at is not None and now >= child.respawn_at \
-                    and not self.stopping:
+                    and not self.stopping and respawn:
                 child.restarts += 1
                 self._start(child)
         return exited
 
     def mark_healthy(self, name: str) -> None:
-        """The child proved itself (a worker said READY): its next crash is respawned
-        after the shortest backoff again. Only a child that dies before becoming healthy
-        waits longer each time (a crash loop: a bad model, a missing GPU)."""
+        """The worker said READY: it has served (`ever_ready`), and a crash STABLE_AFTER s
+        from now or later is respawned after the shortest backoff again. One that dies
+        before, or soon after READY each time, waits longer each time (a crash loop: a
+        bad model, a missing GPU, a worker killed at its first requests)."""
         child = self.children.get(name)
         if child is not None:
-            child.backoff = config.RESPAWN_BACKOFF[0]
             child.ever_ready = True
+            child.ready_at = time.monotonic()
 
     def restart(self, name: str, argv: list[str] | None = None) -> None:
         """Replace a child's process now (SIGTERM, then start again at once), with a new

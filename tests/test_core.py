@@ -726,3 +726,25 @@ def test_a_keys_share_of_one_models_slots_is_counted_on_that_model_alone():
     # its share of fim's two slots is one: the next waits, another key's goes
     assert kinds(submit(core, "c", model="fim", api_key="k1")) == [("ACCEPTED", "c")]
     assert ("REQUEST", "d") in kinds(submit(core, "d", model="fim", api_key="k2"))
+
+
+def test_a_restart_refused_for_its_grace_changes_nothing_and_a_new_id_alone_is_applied():
+    """`restart`/`reload` over the control socket: a bad grace is refused before the
+    worker is drained or its model renamed; `--model-id` without `--model` is applied
+    (it was dropped, and the command said it was done)."""
+    from dispatcher.operations import Operations
+    from dispatcher.supervisor import Child, Supervisor
+    core = DispatcherCore()
+    ready(core, name=b"w0")
+    supervisor = Supervisor()
+    supervisor.children["w0"] = Child("w0", ["python", "-m", "workers", "--model-id", "m"],
+                                      {}, extra={"model": "m"})
+    ops = Operations(core, supervisor)
+    for grace in ("soon", -1, float("nan")):
+        assert "grace" in ops.handle({"cmd": "restart", "worker": "w0", "grace": grace})["error"]
+        assert not core.registry.workers[b"w0"].draining
+        assert supervisor.children["w0"].extra["model"] == "m" and not ops.pending
+    answer = ops.handle({"cmd": "reload", "worker": "w0", "model_id": "renamed", "grace": 5})
+    assert answer["ok"] and answer["model"] == "renamed"
+    argv = ops.pending["w0"]["argv"]
+    assert argv[argv.index("--model-id") + 1] == "renamed"

@@ -171,6 +171,28 @@ def test_a_dispatcher_reachable_from_other_hosts_needs_keys(tmp_path):
     assert check.returncode != 0 and "--insecure-transport" in check.stdout
 
 
+def test_insecure_transport_reaches_the_parts_serve_starts(monkeypatch):
+    """--insecure-transport (flag, variable or the file's [server]) allows the launcher a
+    dispatcher other hosts can reach; the workers and front ends it starts must be told
+    too (they once were not: each refused the address, exited 2 and was respawned for
+    ever). Checked on what `serve` would start, without binding anything."""
+    from dispatcher import cli
+    from dispatcher.common import config, configfile
+    from dispatcher.supervisor import Child
+    from workers.worker import parse_launch
+    monkeypatch.delenv("COMPLETIONS_INSECURE_TRANSPORT", raising=False)
+    parser = config.ArgumentParser(prog="serve")
+    config.add_options(parser, cli.SERVE_OPTIONS, {})
+    args = config.resolve(parser.parse_args([
+        "--engine", "fake", "--dispatcher", "tcp://0.0.0.0:5590", "--insecure-transport"]))
+    plan = configfile.plan_for(args)
+    worker = cli._worker_child(Child, plan.workers[0], args, "tcp://0.0.0.0:5590", False)
+    launch = parse_launch(worker.argv[3:])              # (after python -m workers)
+    assert launch.args.insecure_transport is True
+    frontend = cli._frontend_child(Child, args, "tcp://0.0.0.0:5590", False)
+    assert config._boolean(frontend.env["COMPLETIONS_INSECURE_TRANSPORT"]) is True
+
+
 def test_serve_keyed_over_tcp_hands_its_own_parts_their_keys(tmp_path):
     import subprocess
     import sys

@@ -466,7 +466,10 @@ def main(argv: list[str] | None = None) -> int:
         die_with_parent(int(os.environ["COMPLETIONS_PARENT_PID"]))
     stopping = StopFlag()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    # Ctrl-C in a terminal signals `serve`'s whole process group: a supervised worker
+    # leaves it to the launcher, which drains first and then stops it (SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_IGN if os.environ.get("COMPLETIONS_PARENT_PID")
+                  else lambda *_: stopping.set())
     try:
         placement = pin(launch.spec, launch.args.ngl)   # before the inference library
     except ValueError as exc:                          # is imported

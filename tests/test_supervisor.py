@@ -1,0 +1,68 @@
+"""The launcher's supervisor (dispatcher/supervisor.py) on tiny real child processes:
+respawn backoff, no respawn while the server drains to stop, the environment children get.
+"""
+import sys
+import time
+
+from dispatcher.common import config
+from dispatcher.supervisor import STABLE_AFTER, Child, Supervisor
+
+
+def exited(supervisor, child, timeout=20.0):
+    """Poll until `child`'s process has exited and been reaped."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(c is child for c, _ in supervisor.poll()):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{child.name} did not exit")
+
+
+def dies_at_once(name="w0", code=3, script=None):
+    return Child(name, [sys.executable, "-c", script or f"raise SystemExit({code})"], {})
+
+
+def test_a_worker_dying_soon_after_ready_each_time_backs_off_longer_each_time():
+    """A worker killed at its first requests (the OOM killer) says READY and dies: that is
+    a crash loop too (READY once reset the backoff, so it was reloaded every 0.5 s for
+    ever). One that served for STABLE_AFTER s before it died starts from the shortest."""
+    supervisor, child = Supervisor(), dies_at_once()
+    supervisor.add(child)
+    waits = []
+    for _ in range(3):
+        supervisor.mark_healthy("w0")                 # READY, then it dies
+        exited(supervisor, child)
+        waits.append(child.respawn_at - time.monotonic())
+        child.respawn_at = time.monotonic()           # (respawn now, not after the wait)
+        supervisor.poll()
+    assert waits[0] < waits[1] < waits[2] and waits[2] > 1.5, waits
+    supervisor.mark_healthy("w0")
+    child.ready_at -= STABLE_AFTER + 1                # ... it served a while this time
+    exited(supervisor, child)
+    assert child.respawn_at - time.monotonic() <= config.RESPAWN_BACKOFF[0]
+    supervisor.stop_all(grace=1)
+
+
+def test_nothing_is_respawned_while_the_server_drains_to_stop():
+    supervisor, child = Supervisor(), dies_at_once()
+    supervisor.add(child)
+    deadline = time.monotonic() + 20
+    while child.process is not None and time.monotonic() < deadline:
+        supervisor.poll(respawn=False)
+        time.sleep(0.02)
+    assert child.process is None and child.respawn_at is None
+    supervisor.stop_all(grace=1)
+
+
+def test_children_do_not_read_the_launchers_config_file_again(monkeypatch):
+    """Each child gets its settings on its command line: a config file named by
+    COMPLETIONS_CONFIG in the launcher's environment made every worker read it as its
+    own and exit 2 where it had no [[workers]] entry for the worker's device."""
+    monkeypatch.setenv("COMPLETIONS_CONFIG", "/nonexistent/config.toml")
+    supervisor = Supervisor()
+    child = dies_at_once(script="import os; raise SystemExit(5 if 'COMPLETIONS_CONFIG' in "
+                                "os.environ else 0)")
+    supervisor.add(child)
+    exited(supervisor, child)
+    assert child.last_exit == 0
+    supervisor.stop_all(grace=1)
