@@ -322,6 +322,8 @@ def test_long_lists_are_refused_by_their_length_before_their_items_are_read(clie
         assert says in error["message"] and len(error["message"]) < 300, error
     answer = http.post("/v1/completions", json={"model": "m" * 100_000, "prompt": "x"})
     assert answer.status_code == 404 and len(answer.get_json()["error"]["message"]) < 400
+    answer = http.get("/v1/models/" + "m" * 10_000)
+    assert answer.status_code == 404 and len(answer.get_json()["error"]["message"]) < 400
     assert not fake.jobs
     http, fake = client_of(lambda job: [{"e": "end", "s": 0, "result": {"content": "x"}}])
     ids = list(range(100_000))

@@ -88,3 +88,18 @@ def test_native_endpoints_are_documented():
     assert {"input_prefix", "input_suffix", "input_extra", "prompt", "n_indent",
             "t_max_prompt_ms", "t_max_predict_ms", "samplers"} <= set(infill)
     assert "501" in DOC["paths"]["/infill"]["post"]["responses"]
+
+
+def test_list_limits_are_documented_as_the_fields_enforce_them():
+    """The bounds checked before a list's items are read (app/fields.py BoundedList,
+    TokenIdsField) are in the document too."""
+    from app.native import MAX_EXTRA_CHUNKS, MAX_FIELD_PATH, MAX_RESPONSE_FIELDS
+    from dispatcher.common.fields import INT_MAX
+    schemas = DOC["components"]["schemas"]
+    fields_ = schemas["NativeCompletionRequest"]["properties"]["response_fields"]
+    assert fields_["maxItems"] == MAX_RESPONSE_FIELDS
+    assert fields_["items"]["maxLength"] == MAX_FIELD_PATH
+    extra = schemas["NativeInfillRequest"]["properties"]["input_extra"]
+    assert extra["maxItems"] == MAX_EXTRA_CHUNKS
+    tokens = schemas["DetokenizeRequest"]["properties"]["tokens"]
+    assert tokens["items"]["maximum"] == INT_MAX
