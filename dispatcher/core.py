@@ -30,6 +30,8 @@ from dispatcher.shares import Shares
 log = logging.getLogger("dispatcher.broker")
 # A queued job whose model has had no ready worker for this long is turned away.
 NO_WORKER_TIMEOUT = 30.0
+UNSERVABLE_CHECK = 1.0      # s between looks for queued jobs no worker can run (each
+                            # looks at every queued job against every worker)
 # A job that never started is requeued when its worker is lost, up to this many attempts.
 MAX_ATTEMPTS = 3
 
@@ -98,6 +100,7 @@ class DispatcherCore:
         self.stopped = False                       # a graceful stop is complete
         self.now = 0.0
         self._next_heartbeat = 0.0
+        self._next_unservable_check = 0.0
         self._out: list[Send] = []
 
     # -- plumbing ----------------------------------------------------------------------
@@ -135,7 +138,9 @@ class DispatcherCore:
             self._next_heartbeat = now + self.heartbeat.interval
             for identity in list(self.registry.workers):
                 self._to_worker(identity, P.HEARTBEAT)
-        self.expire_unservable(now)
+        if now >= self._next_unservable_check:
+            self._next_unservable_check = now + UNSERVABLE_CHECK
+            self.expire_unservable(now)
         self.expire_deadlines(now)
         self.units.expire(now)
         self.sessions.expire(now)
