@@ -30,6 +30,13 @@ SESSION_MEMORY = 600.0
 RESTARTED_SEQ = 1
 RESTART_GAP = 10                # (a late 0 or 1 among the first few is only a late one)
 EPOCH_PAUSE = 2.0
+# Arrival stamps are the front ends' wall clocks (the one clock front ends on several
+# hosts share). A request is late by at most this (its first byte to its job here: the
+# head has --header-timeout, a body this long is not an editor's): a stamp older than the
+# session's newest by more is a clock stepped back, and the request is newer by arriving
+# later (else a step back of D seconds refused the session's requests for D, up to
+# SESSION_MEMORY).
+STAMP_LATE_LIMIT = 30.0
 # Sessions remembered at most, the least recently used forgotten first: with ids of at
 # most 128 characters (the front end's limit) about 5 MB.
 MAX_SESSIONS = 10_000
@@ -142,8 +149,8 @@ class Sessions:
         """A lower X-Session-Seq that starts the client's count again (an editor restarted
         with the same session id) rather than a late older request: numbered 0 or 1, or
         sent after a pause once the session's requests have all ended."""
-        if not job.body.session_seq:
-            return False                 # arrival stamps never go back
+        if not job.body.session_seq:     # arrival stamps go back only with the clock
+            return newest.order - job.body.session_order > STAMP_LATE_LIMIT * 1e9
         idle = not self.open.get(job.body.session)
         restarted = job.body.session_order <= RESTARTED_SEQ and \
             newest.order >= job.body.session_order + RESTART_GAP

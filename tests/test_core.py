@@ -510,6 +510,23 @@ def test_after_a_pause_a_lower_seq_is_a_new_epoch_but_arrival_stamps_never_go_ba
     assert sends[0].cmd == P.REJECTED                      # (stamps: d was sent before c)
 
 
+def test_a_wall_clock_stepped_back_does_not_refuse_a_sessions_requests():
+    """Arrival stamps are the front end's wall clock: after it steps back two minutes,
+    the session's next request is newer (it supersedes the open one), not refused as
+    older for two minutes; a stamp a few seconds older is still a late request."""
+    core = DispatcherCore()
+    ready(core, slots=2)
+    s = 10 ** 9
+    submit(core, "a", session="u", parent="a", session_order=1_000 * s)
+    assert submit(core, "late", now=0.1, session="u", parent="late",
+                  session_order=995 * s)[0].cmd == P.REJECTED
+    sends = submit(core, "b", now=0.2, session="u", parent="b", session_order=880 * s)
+    assert ("ACCEPTED", "b") in kinds(sends)
+    assert {x.request_id for x in sends if x.cmd == P.FAILED} == {"a"}   # superseded
+    assert ("ACCEPTED", "c") in kinds(submit(core, "c", now=0.3, session="u", parent="c",
+                                             session_order=881 * s))
+
+
 # -- sessions inferred for editors' FIM requests without X-Session-Id ----------------------
 FILE = "def handler(request):\n    value = request.get('field')\n    return respond(val"
 
