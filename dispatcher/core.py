@@ -374,6 +374,10 @@ class DispatcherCore:
             record.heartbeats += 1
             if msg.body is not None and msg.body.steps is not None:
                 record.steps = msg.body.steps
+            if msg.body is not None and msg.body.leaving and not record.draining:
+                record.draining = True    # stopped by SIGTERM: it finishes what it runs
+                log.info("worker %s is stopping: it finishes its %d running request(s) and "
+                         "takes no more", record.name, len(record.running))
         else:
             log.warning("unknown command %s from worker %s", P.command_name(msg.cmd),
                         record.name)

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -193,7 +194,7 @@ def deployed(tmp_path_factory):
             wait(lambda: healthy(port), 120, f"front end {port}", stack)
         wait(lambda: healthy(edge), 30, "nginx", stack)
         yield {"stack": stack, "edge": edge, "fe": (fe1, fe2), "dispatcher":
-               f"tcp://127.0.0.1:{base}"}
+               f"tcp://127.0.0.1:{base}", "config": config}
     finally:
         stack.stop()
 
@@ -242,6 +243,49 @@ def test_a_dead_front_end_fails_no_new_request(deployed):
     results = [http_json(deployed["edge"], "POST", "/v1/completions",
                          {"prompt": f"after {i}", "max_tokens": 2}) for i in range(10)]
     assert [r[0] for r in results] == [200] * 10, [r[2] for r in results if r[0] != 200]
+
+
+def test_restarting_the_worker_unit_lets_its_stream_finish(deployed):
+    """`systemctl restart completions-worker@cpu`: SIGTERM to a worker that nobody drained
+    first. Its running stream ends whole; a request sent while it finishes waits for its
+    successor (systemd's Restart=always) and is answered."""
+    stack, edge = deployed["stack"], deployed["edge"]
+    conn = http.client.HTTPConnection("127.0.0.1", edge, timeout=120)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"prompt": "Once upon a time", "max_tokens": 160, "ignore_eos": True,
+         "stream": True}), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    lines = iter(response)
+    events = []
+    while len(events) < 3:
+        line = next(lines)
+        if line.startswith(b"data: {"):
+            events.append(json.loads(line[6:]))
+    worker = stack.procs.pop("worker")
+    os.killpg(worker.pid, signal.SIGTERM)             # as systemd stops the unit
+    later = {}
+    meanwhile = threading.Thread(target=lambda: later.update(result=http_json(
+        edge, "POST", "/v1/completions", {"prompt": "meanwhile", "max_tokens": 2},
+        timeout=120)))
+    meanwhile.start()
+    done = False
+    for line in lines:
+        if line.strip() == b"data: [DONE]":
+            done = True
+            break
+        if line.startswith(b"data: {"):
+            events.append(json.loads(line[6:]))
+    conn.close()
+    assert done and "error" not in events[-1], events[-1]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(e["choices"][0]["text"] for e in events if "choices" in e)
+    assert worker.wait(timeout=60) == 0, stack.output()
+    stack.start("worker", *unit_command(UNITS / "completions-worker@.service", "cpu",
+                                        deployed["config"]))
+    meanwhile.join(timeout=150)
+    assert later["result"][0] == 200, later["result"]
+    wait(lambda: healthy(edge), 60, "the new worker", stack)
 
 
 # -- multi-host ------------------------------------------------------------------------------

@@ -184,6 +184,44 @@ def test_shutdown_hands_back_what_sent_no_text_and_fails_the_rest(loop):
     assert sorted(loop.free_slots) == [0, 1]
 
 
+def test_a_worker_stopping_on_its_own_finishes_what_runs_and_hands_back_the_rest():
+    """SIGTERM with nobody draining the worker first (systemd): the running request ends
+    whole, the queued one and one sent meanwhile go back unstarted, the dispatcher is
+    told it takes no more, and the loop returns once nothing runs."""
+    import time
+    from dispatcher.common.process import StopFlag
+    loop = make_loop()
+    loop.free_slots = [0]
+    submit(loop, "running", job(max_tokens=8))
+    run(loop, steps=2)
+    submit(loop, "queued", job(max_tokens=8))
+    loop._read_inbox(block=False)
+    stopping = StopFlag()
+    stopping.drain(30.0)
+    assert not loop._left(stopping.drain_deadline)       # one still runs
+    submit(loop, "later", job(max_tokens=8))
+    loop.run(stopping)                                   # returns once "running" ended
+    done = {rid: body for cmd, rid, body in loop.notices if cmd == "DONE"}
+    assert done["queued"]["released"] is True and done["later"]["released"] is True
+    assert not done["running"].get("released")
+    end = events_of(loop, "running")[-1]
+    assert end["e"] == "end" and end["usage"]["completion_tokens"] == 8
+    beats = [body for cmd, rid, body in loop.notices if cmd == "HEARTBEAT"]
+    assert beats and beats[0]["leaving"] is True
+    again = StopFlag()                                   # a second signal: at once
+    again.drain(30.0)
+    again.drain(30.0)
+    assert again.is_set()
+    slow = make_loop()                                   # past the grace: run returns
+    submit(slow, "long", job(max_tokens=10_000))
+    run(slow, steps=2)
+    late = StopFlag()
+    late.drain(0.0)
+    started = time.monotonic()
+    slow.run(late)
+    assert time.monotonic() - started < 5 and "long" in slow.active
+
+
 def test_n_indent_ends_at_the_first_dedented_line_after_a_newline():
     from workers.active import EditorLimits
     limits = EditorLimits(n_indent=4)

@@ -56,6 +56,7 @@ class GenerationLoop:
         self.slot_tenant: dict[int, str | None] = {}
         self.faults = faults or FaultInjection()    # test hooks: none unless given
         self.busy_since: float | None = None    # see stuck_for
+        self.leaving_by: float | None = None    # stopping with its own drain: see _left
         self.vocabulary_thread = ThreadPoolExecutor(1, thread_name_prefix="vocabulary")
         # large jobs' tokens and sampler chains, made beside the decoding (preparation.py)
         self.preparer = Preparer(engine, fim_template, self.inbox)
@@ -64,6 +65,8 @@ class GenerationLoop:
     # -- inbox -------------------------------------------------------------------------
     def run(self, stopping) -> None:          # a StopFlag, or a threading.Event
         while not stopping.is_set():
+            if self._left(getattr(stopping, "drain_deadline", None)):
+                return
             try:
                 self.publisher.tick()            # events held for a late subscription
                 self._read_inbox(block=not self.active and not self.waiting)
@@ -74,6 +77,34 @@ class GenerationLoop:
                 # Every request-level failure is caught where it happens; this is the last
                 # line: whatever escaped, the worker goes on serving.
                 log.exception("generation loop error")
+
+    def _left(self, deadline: float | None) -> bool:
+        """Stopping with its own drain (`deadline`: a worker stopped by SIGTERM that no
+        launcher drained first, as systemd stops it): the jobs not started go back to the
+        dispatcher at once, as does every job it sends from now; the running ones finish.
+        True once none runs, or at the deadline (run's caller fails what is left)."""
+        if deadline is None:
+            return False
+        if self.leaving_by is None:
+            self.leaving_by = deadline
+            log.info("stopping: %d running request(s) finish (at most %.0fs); the %d not "
+                     "started go back to the dispatcher", len(self.active),
+                     max(0.0, deadline - time.monotonic()), len(self.waiting))
+            self._hand_back()
+            self.notify(P.HEARTBEAT, "", P.WorkerBeat(leaving=True))   # takes no more
+        return not self.active or time.monotonic() >= deadline
+
+    def _hand_back(self) -> None:
+        """Every job not yet started back to the dispatcher (released: it queues them
+        again for another worker, or for this one's successor)."""
+        for request_id, body in self.waiting:
+            self.preparer.drop(request_id)
+            self.notify(P.DONE, request_id, P.Done(attempt=body.attempt, released=True))
+        self.waiting.clear()
+        preparing = self.preparer.being_prepared()
+        for request_id, attempt in preparing:
+            self.notify(P.DONE, request_id, P.Done(attempt=attempt, released=True))
+        self.preparer.reset(preparing)
 
     def stuck_for(self, now: float) -> float:
         """Seconds the loop has been in its current piece of work (0 while it waits for
@@ -102,6 +133,11 @@ class GenerationLoop:
             case inbox.PreparedJob(request_id, body, prepared):   # (the preparing thread)
                 if self.preparer.arrived(request_id, body.attempt, prepared):
                     self.waiting.append((request_id, body))
+                    if self.leaving_by is not None:
+                        self._hand_back()
+            case inbox.NewJob(request_id, body) if self.leaving_by is not None and \
+                    body.topic and not body.op:
+                self.notify(P.DONE, request_id, P.Done(attempt=body.attempt, released=True))
             case inbox.NewJob(request_id, body):
                 if not body.topic:
                     log.warning("job %s without a topic: dropped", request_id)
@@ -405,10 +441,4 @@ class GenerationLoop:
             else:
                 self._drop(active)
                 self.notify(P.DONE, active.request_id, active.done(released=True))
-        for request_id, body in self.waiting:
-            self.notify(P.DONE, request_id, P.Done(attempt=body.attempt, released=True))
-        self.waiting.clear()
-        preparing = self.preparer.being_prepared()
-        for request_id, attempt in preparing:
-            self.notify(P.DONE, request_id, P.Done(attempt=attempt, released=True))
-        self.preparer.reset(preparing)
+        self._hand_back()

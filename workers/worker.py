@@ -100,7 +100,7 @@ class DispatcherLink(threading.Thread):
                     dealer.send_multipart(notify.recv_multipart())
             if now >= next_beat:
                 dealer.send_multipart(P.encode(P.HEARTBEAT, body=P.WorkerBeat(
-                    steps=self.loop.engine.totals)))
+                    steps=self.loop.engine.totals, leaving=self.loop.leaving_by is not None)))
                 next_beat = now + interval
             stuck = self.loop.stuck_for(now)
             if self.step_timeout and stuck > self.step_timeout:
@@ -340,7 +340,8 @@ def parse_launch(argv: list[str] | None) -> Launch:
                                 "engine", "name", "fim_template", "prefill_chunk", "draft_max",
                                 "draft_model", "cache_reuse", "step_timeout",
                                 "heartbeat_interval", "log_level", "log_format", "log_content",
-                                "curve_keys", "curve_name", "insecure_transport"],
+                                "curve_keys", "curve_name", "insecure_transport",
+                                "stop_grace"],
                        configfile.server_defaults(file_data))
     args = config.resolve(parser.parse_args(argv), file_data)
     logs.setup(args.log_level, args.log_format, "worker", args.name)
@@ -465,11 +466,19 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("COMPLETIONS_PARENT_PID"):
         die_with_parent(int(os.environ["COMPLETIONS_PARENT_PID"]))
     stopping = StopFlag()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    # Ctrl-C in a terminal signals `serve`'s whole process group: a supervised worker
-    # leaves it to the launcher, which drains first and then stops it (SIGTERM)
-    signal.signal(signal.SIGINT, signal.SIG_IGN if os.environ.get("COMPLETIONS_PARENT_PID")
-                  else lambda *_: stopping.set())
+    if os.environ.get("COMPLETIONS_PARENT_PID"):
+        # `serve`'s launcher drains the dispatcher before it stops a worker (SIGTERM), so
+        # it stops at once; Ctrl-C in a terminal signals the launcher's whole process
+        # group, and is the launcher's to act on
+        signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    else:
+        # on its own (systemd, a terminal) nobody drains it first: the requests it runs
+        # finish, for up to --stop-grace s, the rest go back to the dispatcher; a second
+        # signal stops it at once
+        grace = launch.args.stop_grace
+        signal.signal(signal.SIGTERM, lambda *_: stopping.drain(grace))
+        signal.signal(signal.SIGINT, lambda *_: stopping.drain(grace))
     try:
         placement = pin(launch.spec, launch.args.ngl)   # before the inference library
     except ValueError as exc:                          # is imported

@@ -6,6 +6,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 
 PR_SET_PDEATHSIG = 1
 
@@ -29,9 +30,18 @@ class StopFlag:
 
     def __init__(self) -> None:
         self._set = False
+        self.drain_deadline: float | None = None     # (monotonic) see drain
 
     def set(self) -> None:
         self._set = True
+
+    def drain(self, grace: float) -> None:
+        """A stop that lets running work finish for up to `grace` s (a worker stopped by
+        systemd: nobody drained it first); asked again, stop at once."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + grace
+        else:
+            self._set = True
 
     def is_set(self) -> bool:
         return self._set

@@ -340,6 +340,7 @@ class StepTotals(msgspec.Struct, kw_only=True):
 class WorkerBeat(Body):
     """A worker's HEARTBEAT (the dispatcher's carries no body)."""
     steps: StepTotals | None = None
+    leaving: bool = False               # stopping: it takes no new job (its own drain)
 
 
 class Ping(Body):
