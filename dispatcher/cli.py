@@ -251,12 +251,24 @@ def cmd_keygen(args) -> int:
 
 def cmd_broker(args) -> int:
     from dispatcher.broker import Broker
+    # the same shares and model names as `serve` gives its dispatcher, from the same file
+    # (the front ends check the keys; the dispatcher counts them for the shares)
+    try:
+        known = configfile.known_models(args.file_data)
+    except configfile.ConfigError as exc:
+        raise SystemExit(exc.report())
+    if args.api_key_file and not os.access(args.api_key_file, os.R_OK):
+        raise SystemExit(f"--api-key-file {args.api_key_file}: not readable")
+    n_keys = len(config.load_keys(",".join(args.api_key), args.api_key_file))
     endpoints, base, cleanup = _endpoints(args)
-    broker = _make_broker(Broker, base, endpoints, max_queue=args.max_queue,
+    broker = _make_broker(Broker, base, endpoints, known_models=known,
+                          max_queue=args.max_queue,
                           queue_timeout=args.queue_timeout, heartbeat=config.Heartbeat.of(args),
-                          max_queue_per_key=args.max_queue_per_key or 0,
+                          max_queue_per_key=config.queue_share(
+                              args.max_queue, args.max_queue_per_key, n_keys),
                           keys=_dispatcher_keys(args, base),
-                          infer_sessions=args.infer_sessions)
+                          infer_sessions=args.infer_sessions,
+                          key_slot_share=config.KEY_SLOT_SHARE if n_keys > 1 else 1.0)
     print(f"dispatcher at {base}", file=sys.stderr, flush=True)
     return _run_broker(broker, cleanup, args.stop_grace)
 
@@ -335,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "max_queue",
                                 "queue_timeout", "stop_grace", "heartbeat_interval",
                                 "max_queue_per_key", "curve_keys", "insecure_transport",
-                                "infer_sessions"],
+                                "infer_sessions", "api_key", "api_key_file"],
                        file_values)
     broker.set_defaults(func=cmd_broker)
     keygen = sub.add_parser("keygen", help="write CURVE key pairs for the dispatcher and "

