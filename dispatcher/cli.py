@@ -139,8 +139,8 @@ def cmd_serve(args) -> int:
         log.warning("--log-content: request content (prompts, grammars) may reach the logs "
                     "of this server and its workers at --log-level debug")
     endpoints, base, cleanup = _endpoints(args)
-    keys = _dispatcher_keys(args, base)
     n_keys = len(config.load_keys(",".join(args.api_key), args.api_key_file))
+    keys = _dispatcher_keys(args, base, n_keys > 0)
     supervisor = Supervisor()
     broker = _make_broker(Broker, base, endpoints, supervisor,
                           known_models={m.id: {"n_ctx": m.nctx, "aliases": list(m.aliases)}
@@ -220,11 +220,13 @@ def _frontend_child(Child, args, base: str, keyed: bool):
         str(FRONTEND_STOP_GRACE)), env, kind="frontend")
 
 
-def _dispatcher_keys(args, base: str):
+def _dispatcher_keys(args, base: str, tenants: bool):
     """The dispatcher's CURVE keys (None: unkeyed), refusing in one line a tcp address
-    beyond loopback without them unless --insecure-transport."""
+    beyond loopback without them unless --insecure-transport (with API keys, `tenants`,
+    a loopback one too)."""
     from dispatcher.common import curve
-    problem = curve.transport_problem(base, args.curve_keys, args.insecure_transport)
+    problem = curve.transport_problem(base, args.curve_keys, args.insecure_transport,
+                                      tenants)
     if problem:
         raise SystemExit(problem)
     if not args.curve_keys:
@@ -266,7 +268,7 @@ def cmd_broker(args) -> int:
                           queue_timeout=args.queue_timeout, heartbeat=config.Heartbeat.of(args),
                           max_queue_per_key=config.queue_share(
                               args.max_queue, args.max_queue_per_key, n_keys),
-                          keys=_dispatcher_keys(args, base),
+                          keys=_dispatcher_keys(args, base, n_keys > 0),
                           infer_sessions=args.infer_sessions,
                           key_slot_share=config.KEY_SLOT_SHARE if n_keys > 1 else 1.0)
     print(f"dispatcher at {base}", file=sys.stderr, flush=True)
@@ -286,7 +288,10 @@ def cmd_check_config(args) -> int:
         problems.append(access_log_problem(args.access_log))
     from dispatcher.common import curve
     base = args.dispatcher or default_dispatcher_address(args.port)
-    problem = curve.transport_problem(base, args.curve_keys, args.insecure_transport)
+    readable = not args.api_key_file or os.access(args.api_key_file, os.R_OK)
+    tenants = bool(args.api_key) or bool(readable and args.api_key_file and config.load_keys(
+        "", args.api_key_file))
+    problem = curve.transport_problem(base, args.curve_keys, args.insecure_transport, tenants)
     if problem:
         problems.append(problem)
     if args.curve_keys:

@@ -52,6 +52,9 @@ def unit_command(unit: Path, instance: str, config: Path) -> tuple[list[str], di
     the install paths (/opt/completions, /etc/completions) pointed at this checkout."""
     text = unit.read_text().replace("%i", instance)
     text = text.replace("/etc/completions/config.toml", str(config))
+    # (systemd's CacheDirectory: this machine's own cache, where step costs are kept)
+    text = text.replace("XDG_CACHE_HOME=/var/cache/completions", "XDG_CACHE_HOME=" + str(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"))
     env = {}
     for key, value in re.findall(r"^Environment=(\w+)=(.*)$", text, re.M):
         env[key] = value
@@ -180,15 +183,16 @@ def deployed(tmp_path_factory):
     text = (DEPLOY / "nginx.conf").read_text()
     text = text.replace("127.0.0.1:8081", f"127.0.0.1:{fe1}").replace(
         "127.0.0.1:8082", f"127.0.0.1:{fe2}").replace("listen 8080;", f"listen 127.0.0.1:{edge};")
-    text = text.replace("/run/nginx-completions.pid", str(tmp / "nginx.pid"))
     text = re.sub(r"/var/log/nginx/", str(tmp) + "/", text)
     (tmp / "nginx.conf").write_text(text)
     nginx = ensure_nginx()
-    check = subprocess.run([nginx, "-t", "-p", str(tmp), "-c", str(tmp / "nginx.conf")],
-                           capture_output=True, text=True)
+    assert "\npid " not in text             # the distribution's (its service reloads by it)
+    pid = f"pid {tmp / 'nginx.pid'};"
+    check = subprocess.run([nginx, "-t", "-p", str(tmp), "-c", str(tmp / "nginx.conf"),
+                            "-g", pid], capture_output=True, text=True)
     assert check.returncode == 0, check.stderr
     stack.start("nginx", [nginx, "-p", str(tmp), "-c", str(tmp / "nginx.conf"), "-g",
-                          "daemon off;"], {})
+                          f"daemon off; {pid}"], {})
     try:
         for port in (fe1, fe2):
             wait(lambda: healthy(port), 120, f"front end {port}", stack)
@@ -217,6 +221,25 @@ def test_tokens_stream_through_nginx_as_they_are_made(deployed):
     # and tokens arrive spread out rather than in one burst at the end
     assert times[-1] - times[0] > 0.3
     assert times[len(times) // 2] - times[0] > 0.1
+
+
+def test_a_body_over_the_limit_is_refused_in_the_api_envelope_through_nginx(deployed):
+    """Just over the server's max_body the front end answers its own 413; far over it
+    nginx does, in the same envelope (its error_page), never an HTML page."""
+    for size in (8_500_000, 10_000_000):
+        conn = http.client.HTTPConnection("127.0.0.1", deployed["edge"], timeout=60)
+        body = b'{"prompt": "' + b"x" * size + b'"}'
+        try:
+            conn.request("POST", "/v1/completions", body=body,
+                         headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            status, kind, data = response.status, response.getheader("Content-Type"), \
+                response.read()
+        finally:
+            conn.close()
+        assert status == 413, (size, data[:200])
+        assert kind.startswith("application/json"), (size, kind)
+        assert json.loads(data)["error"]["code"] == "request_too_large"
 
 
 def test_load_spreads_over_both_front_ends(deployed):

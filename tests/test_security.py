@@ -171,6 +171,35 @@ def test_a_dispatcher_reachable_from_other_hosts_needs_keys(tmp_path):
     assert check.returncode != 0 and "--insecure-transport" in check.stdout
 
 
+def test_with_api_keys_a_loopback_tcp_dispatcher_needs_keys_too(tmp_path):
+    """API keys make tenants; any local user reaches a loopback port, and the
+    dispatcher's sockets take jobs without a key and carry every key's tokens: serve,
+    broker and check-config refuse it unkeyed (ipc, CURVE or --insecure-transport)."""
+    import subprocess
+    import sys
+    from conftest import free_port
+    base = f"tcp://127.0.0.1:{free_port(5)}"
+    keys = tmp_path / "keys"
+    keys.write_text("sk-tenant-a\n")
+    for argv in (["serve", "--engine", "fake", "--api-key", "sk-x"],
+                 ["broker", "--api-key-file", str(keys)]):
+        out = subprocess.run([sys.executable, "-m", "dispatcher", *argv, "--dispatcher",
+                              base], capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0, out.stderr
+        assert out.stderr.strip().splitlines()[-1].startswith(
+            f"{base} is open to every local user, past the API keys"), out.stderr
+    check = subprocess.run([sys.executable, "-m", "dispatcher", "check-config", "--engine",
+                            "fake", "--api-key-file", str(keys), "--dispatcher", base],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode != 0 and "open to every local user" in check.stdout
+    for extra in (["--insecure-transport"], []):       # forced; no keys: no tenants
+        argv = ["--api-key-file", str(keys)] if extra else []
+        check = subprocess.run([sys.executable, "-m", "dispatcher", "check-config",
+                                "--engine", "fake", *argv, "--dispatcher", base, *extra],
+                               capture_output=True, text=True, timeout=60)
+        assert check.returncode == 0, check.stdout
+
+
 def test_insecure_transport_reaches_the_parts_serve_starts(monkeypatch):
     """--insecure-transport (flag, variable or the file's [server]) allows the launcher a
     dispatcher other hosts can reach; the workers and front ends it starts must be told

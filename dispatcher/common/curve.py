@@ -161,10 +161,21 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def transport_problem(address: str | None, keys: str | None, insecure: bool) -> str | None:
-    """One line when a tcp address beyond loopback would go unauthenticated."""
-    if not address or keys or insecure or is_loopback(address):
+def transport_problem(address: str | None, keys: str | None, insecure: bool,
+                      tenants: bool = False) -> str | None:
+    """One line when a tcp address would go unauthenticated where that matters: beyond
+    loopback always; on loopback too where API keys make tenants (`tenants`: every local
+    user reaches a loopback port, and the dispatcher's sockets carry every key's
+    prompts and tokens, and take jobs without a key; an ipc directory is this user's
+    alone)."""
+    if not address or keys or insecure or not address.startswith("tcp://"):
         return None
-    return (f"{address} is reachable from other hosts: give --curve-keys DIR (python -m "
-            "dispatcher keygen DIR makes one), or --insecure-transport to run it "
-            "unauthenticated anyway")
+    if not is_loopback(address):
+        return (f"{address} is reachable from other hosts: give --curve-keys DIR (python -m "
+                "dispatcher keygen DIR makes one), or --insecure-transport to run it "
+                "unauthenticated anyway")
+    if tenants:
+        return (f"{address} is open to every local user, past the API keys (its sockets "
+                "carry every key's prompts and tokens): use an ipc:// address (the "
+                "default), or --curve-keys DIR, or --insecure-transport to run it so anyway")
+    return None
