@@ -163,7 +163,7 @@ def test_the_worker_unit_does_not_respawn_a_worker_that_cannot_serve():
     from dispatcher.common.config import EXIT_CANNOT_LOAD
     unit = (UNITS / "completions-worker@.service").read_text().splitlines()
     (prevent,) = [line for line in unit if line.startswith("RestartPreventExitStatus=")]
-    assert prevent.partition("=")[2].split() == [str(EXIT_CANNOT_LOAD)]
+    assert prevent.partition("=")[2].split() == ["2", str(EXIT_CANNOT_LOAD)]
     assert "Restart=always" in unit
 
 
