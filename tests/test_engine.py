@@ -911,3 +911,28 @@ def test_a_recurrent_or_hybrid_draft_model_is_refused(tiny_model, tmp_path, monk
                        ContextShape(), False)
     finally:
         engine.close()
+
+
+def test_code_in_a_fill_in_the_middle_prompt_is_text_never_control_tokens(model_path):
+    """A file that holds `<eos>` or `<start_of_turn>` (tokenizer configs, ML code): in a
+    FIM prompt's prefix, suffix and extra chunks those are characters, as llama.cpp's
+    /infill reads them, not the model's end or turn token; the template's own literal
+    text and /infill's `prompt` are parsed as special-token syntax."""
+    from workers.prompts import FimTemplate, infill_tokens
+    engine = make(model_path, slots=1)
+    try:
+        eos = engine.tokenize("<eos>", add_special=False)
+        assert len(eos) == 1                              # (the control token, parsed)
+        template = FimTemplate.parse("<start_of_turn>{prefix}<end_of_turn>{suffix}<eos>")
+        tokens = infill_tokens(engine, "a = '<eos>'", "b = '<start_of_turn>'", template,
+                               [{"filename": "<eos>.py", "text": "<end_of_turn>"}], "<eos>")
+        specials = [t for t in tokens if engine.tokenize(
+            engine.piece(t).decode(errors="replace"), add_special=False,
+            parse_special=False) != [t]]
+        # BOS, the template's three and the middle's one: nothing from the code
+        assert specials == engine.bos() + [105, 106] + eos + eos, specials
+        text = b"".join(engine.piece(t) for t in tokens).decode(errors="replace")
+        assert "a = '<eos>'" in text and "b = '<start_of_turn>'" in text
+        assert "--- snippet ---\n\n<end_of_turn>a = " in text   # (no FIM_SEP: no file name)
+    finally:
+        engine.close()

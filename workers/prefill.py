@@ -55,7 +55,7 @@ class PrefillMeter:
         for dropped, chunk in enumerate(extra, start=1):
             total -= len(self.engine.tokenize(
                 str(chunk.get("filename") or "") + "\n" + str(chunk.get("text") or ""),
-                add_special=False)) + 1
+                add_special=False, parse_special=False)) + 1
             if total / self.rate <= budget:
                 return dropped
         return len(extra)

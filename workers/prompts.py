@@ -143,12 +143,15 @@ def infill_tokens(engine, prefix, suffix: str, template: FimTemplate | None,
     it out: with the vocabulary's FIM_REP/FIM_SEP the extra chunks are a repository
     (`FIM_REP project FIM_SEP filename text ... FIM_SEP filename`), otherwise each is
     preceded by a snippet separator. A FIM template (the server's, for this model) takes
-    the place of the FIM tokens."""
+    the place of the FIM tokens. The code (prefix, suffix, chunks, file names) is text:
+    `<|fim_middle|>` or `<eos>` in a file stays those characters, never a control token
+    that would end or rearrange the layout (llama.cpp's format_infill, parse_special
+    false); /infill's `prompt` (`middle`) is parsed, as llama.cpp parses it."""
     if template is None and engine.fim_tokens is None:
         raise InvalidInput("this model has no fill-in-the-middle tokens (fim_pre, fim_suf, "
                            "fim_mid in its GGUF metadata) and no --fim-template, so "
                            "'suffix' cannot be used", code="fim_unsupported", param="suffix")
-    text = lambda t: engine.tokenize(t, add_special=False)   # noqa: E731
+    text = lambda t: engine.tokenize(t, add_special=False, parse_special=False)  # noqa: E731
     repo = engine.fim_repo if template is None else None
     chunks: list[int] = []
     if extra:
@@ -162,22 +165,23 @@ def infill_tokens(engine, prefix, suffix: str, template: FimTemplate | None,
             chunks += text(str(chunk.get("text") or ""))
         if repo is not None:
             chunks += [repo[1]] + text("filename\n")
-    prefix_tokens = _tokens(engine, prefix, first_special=False)
+    prefix_tokens = _tokens(engine, prefix, first_special=False, parse_special=False)
     if template is not None:
         body = template.tokens(engine, prefix_tokens, text(suffix))
     else:
         pre, suf, mid = engine.fim_tokens
         body = [pre] + prefix_tokens + [suf] + text(suffix) + [mid]
-    return chunks + engine.bos() + body + (text(middle) if middle else [])
+    return chunks + engine.bos() + body + (
+        engine.tokenize(middle, add_special=False) if middle else [])
 
 
-def _tokens(engine, prompt, first_special: bool) -> list[int]:
+def _tokens(engine, prompt, first_special: bool, parse_special: bool = True) -> list[int]:
     if isinstance(prompt, str):
-        return engine.tokenize(prompt, add_special=first_special)
+        return engine.tokenize(prompt, first_special, parse_special)
     tokens: list[int] = []
     for i, part in enumerate(prompt):
         if isinstance(part, str):
-            tokens += engine.tokenize(part, add_special=first_special and i == 0)
+            tokens += engine.tokenize(part, first_special and i == 0, parse_special)
         else:
             tokens.append(int(part))
     return tokens
