@@ -269,9 +269,10 @@ class CompletionRequestSchema(Schema):
                     "The infill sampler needs top_k before it in 'samplers', with top_k "
                     f"from 1 to {MAX_INFILL_CANDIDATES} (it compares every pair of the "
                     "candidates it is given).", "samplers")
-        if data.get("grammar") is not None and data.get("json_schema") is not None:
+        # (an empty grammar is none, as llama.cpp reads it: UIs send "" by default)
+        if data.get("grammar") and data.get("json_schema") is not None:
             raise ValidationError("Use grammar or json_schema, not both.", "json_schema")
-        if data.get("grammar") is not None:
+        if data.get("grammar"):
             try:
                 gbnf.check(data["grammar"])      # as llama.cpp parses it, bounded
             except gbnf.GrammarError as exc:
@@ -302,6 +303,10 @@ def normalize(schema: Schema, data: dict, raw: dict) -> dict:
     for knob in F.SAMPLING:
         if knob.alias and data.get(knob.name) is None:
             data[knob.name] = knob.default
+    if data.get("seed") == -1:          # llama.cpp's "a random seed" (its default)
+        data["seed"] = None
+    if data.get("grammar") == "":       # llama.cpp's "no grammar"
+        data["grammar"] = None
     for name, field in schema.fields.items():
         if name in ALIASES:
             continue

@@ -39,11 +39,13 @@ def _run(op: str, req: dict) -> dict:
 
 @bp.post("/tokenize")
 def tokenize():
-    result = _run("tokenize", validate(parse_json_body(), TokenizeRequestSchema()))
+    result = _run("tokenize", validate(parse_json_body(any_content_type=True),
+                                           TokenizeRequestSchema()))
     return json_answer(lambda: result)
 
 
 @bp.post("/detokenize")
 def detokenize():
-    result = _run("detokenize", validate(parse_json_body(), DetokenizeRequestSchema()))
+    result = _run("detokenize", validate(parse_json_body(any_content_type=True),
+                                             DetokenizeRequestSchema()))
     return json_answer(lambda: result)

@@ -298,6 +298,10 @@ def test_tokenize_ignores_fields_it_does_not_know_as_llama_server_does(client_of
     assert answer.status_code == 200 and answer.get_json() == {"tokens": [7]}
     assert fake.jobs[0]["parse_special"] is False
     assert http.post("/detokenize", json={"tokens": [7], "x": 1}).status_code == 200
+    # curl -d sends a form's content type: llama-server reads the JSON anyway
+    for path, data in (("/tokenize", b'{"content": "hi"}'), ("/detokenize", b'{"tokens": [7]}')):
+        assert http.post(path, data=data, content_type="application/x-www-form-urlencoded"
+                         ).status_code == 200
 
 
 def test_long_lists_are_refused_by_their_length_before_their_items_are_read(client_of):

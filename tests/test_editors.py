@@ -208,6 +208,12 @@ def test_llama_vim_infill_lays_out_the_context_with_the_template(editor_server):
               " <SUF>", body["input_suffix"], " <MID>", body["prompt"]]
     expected = sum(len(tokens_of(port, p)) for p in pieces) + 1   # + BOS
     assert answer["tokens_evaluated"] == expected
+    # streamed, the last event (the summary) keeps only response_fields too
+    status, raw = post_raw(port, "/infill", {**body, "stream": True})
+    assert status == 200, raw
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines()
+              if line.startswith("data: ")]
+    assert set(events[-1]) == set(body["response_fields"]), events[-1]
 
 
 def test_llama_vim_warm_up_fills_the_cache_without_generating(editor_server):
@@ -392,3 +398,10 @@ def test_tokenize_and_detokenize_give_special_tokens_as_llama_server_does(editor
         "content": "<start_of_turn>hi", "parse_special": False}, headers=auth)
     assert status == 200 and first["id"] not in plain["tokens"]
     assert len(plain["tokens"]) > len(body["tokens"])
+    # a character split over byte tokens: each piece is its bytes as numbers, as
+    # llama.cpp gives them (not text a client would splice in)
+    status, _, split = http_json(editor_server.port, "POST", "/tokenize", {
+        "content": "\U0001d518", "with_pieces": True}, headers=auth)
+    assert status == 200 and len(split["tokens"]) > 1, split
+    assert all(isinstance(t["piece"], list) for t in split["tokens"]), split
+    assert bytes(b for t in split["tokens"] for b in t["piece"]).decode() == "\U0001d518"

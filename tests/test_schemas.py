@@ -146,6 +146,17 @@ def test_aliases_fold_into_their_openai_names():
     assert validate({"prompt": "p"})["repetition_penalty"] == 1.0
 
 
+def test_llama_cpps_random_seed_and_empty_grammar_mean_none():
+    """seed -1 is llama.cpp's default, "a random seed" (it drew the same fixed seed every
+    time); grammar "" is its "no grammar" (UIs send it; it was a 400)."""
+    req = validate({"prompt": "p", "seed": -1, "grammar": ""})
+    assert req["seed"] is None and req["grammar"] is None
+    assert validate({"prompt": "p", "seed": -2})["seed"] == -2
+    made = validate({"prompt": "p", "grammar": "", "json_schema": {"type": "object"}})
+    assert made["grammar"] == validate({"prompt": "p", "json_schema": {"type": "object"}})[
+        "grammar"]                                      # (the schema's, not a refusal)
+
+
 def test_logit_bias_forms():
     assert validate({"prompt": "p", "logit_bias": {"5": -100, "7": 2.5}})["logit_bias"] == \
         {"5": -100.0, "7": 2.5}

@@ -18,6 +18,15 @@ def token_text(piece: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
 
 
+def piece_of(piece: bytes) -> str | list[int]:
+    """/tokenize's `piece`, as llama.cpp gives it: the text, or where the bytes are not
+    UTF-8 on their own (a character split over tokens), the bytes as numbers."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(piece)
+
+
 # llama.cpp's separator before each extra chunk when the vocabulary has no FIM_SEP
 CHUNK_SEPARATOR = "\n\n--- snippet ---\n\n"
 
@@ -54,7 +63,7 @@ def vocabulary_op(engine, body: P.WorkerJob) -> dict:
     if body.op == "tokenize":
         tokens = engine.tokenize(gen.content or "", bool(gen.add_special),
                                  gen.parse_special is not False)
-        return {"tokens": [{"id": t, "piece": token_text(engine.piece(t, True))}
+        return {"tokens": [{"id": t, "piece": piece_of(engine.piece(t, True))}
                            for t in tokens]
                 if gen.with_pieces else tokens}
     if body.op == "detokenize":
