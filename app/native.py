@@ -206,7 +206,7 @@ class NativeResult:
             "model": self.model, "tokens_predicted": predicted,
             "tokens_evaluated": prompt_tokens, "tokens_cached": cached,
             "generation_settings": self.settings(), "has_new_line": "\n" in text,
-            "truncated": False, "stop_type": end.stop_type or "limit",
+            "truncated": end.truncated, "stop_type": end.stop_type or "limit",
             "stopping_word": end.stopping_word or "",
             "timings": {
                 "cache_n": cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
@@ -220,7 +220,8 @@ class NativeResult:
                 "draft_n": int((end.draft or {}).get("proposed", 0)),
                 "draft_n_accepted": int((end.draft or {}).get("accepted", 0))},
             "fingerprint": start.fingerprint,
-            # t_max_prompt_ms: the oldest input_extra chunks left out to meet it
+            # the oldest input_extra chunks left out: to fit the context, or to meet
+            # t_max_prompt_ms
             "input_extra_dropped": end.dropped_chunks,
         }
 

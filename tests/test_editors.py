@@ -231,6 +231,29 @@ def test_llama_vim_warm_up_fills_the_cache_without_generating(editor_server):
     assert status == 200 and answer["tokens_cached"] >= 40          # the chunk was there
 
 
+def test_llama_vims_ring_of_chunks_larger_than_the_context_is_served(editor_server):
+    """llama.vim keeps up to 16 chunks of 64 lines and sends them all, warm-ups too:
+    once they pass the context (4,096 tokens a slot here) the oldest are left out, as
+    llama-server does, and the request is answered (it was a 400, so suggestions
+    stopped)."""
+    import inspect
+    import textwrap
+    port = editor_server.port
+    lines = (inspect.getsource(textwrap) + inspect.getsource(inspect)).splitlines()
+    extra = [{"filename": f"ring{i}.py", "text": "\n".join(lines[i * 64:(i + 1) * 64]),
+              "time": float(i)} for i in range(10)]
+    body = {"input_prefix": "def area(r):\n    ", "input_suffix": "\n", "prompt": "return",
+            "input_extra": extra, "n_predict": 16, "t_max_predict_ms": 1000,
+            "samplers": ["top_k", "top_p", "infill"], "top_k": 40, "cache_prompt": True}
+    for n_predict in (0, 16):                          # a warm-up, then a completion
+        status, raw = post_raw(port, "/infill", {**body, "n_predict": n_predict})
+        assert status == 200, raw[:300]
+        answer = json.loads(raw)
+        assert 0 < answer["input_extra_dropped"] < 10 and answer["truncated"] is False
+        assert answer["tokens_evaluated"] <= 4096 - max(1, n_predict)
+    # (the prefix's and suffix's cut: tests/test_generation.py, without a 4k prefill)
+
+
 def test_infill_without_fim_tokens_or_template_is_501(real_server):
     status, raw = post_raw(real_server.port, "/infill", {"input_prefix": "def f(",
                                                          "input_suffix": ")"})

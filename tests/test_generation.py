@@ -148,27 +148,46 @@ def test_a_prompt_that_cannot_fit_is_refused_without_being_tokenized(loop, monke
     assert worth_preparing(job("x" * PREPARE_CHARS))     # (long texts go to that thread)
 
 
-def test_fill_in_the_middle_extra_chunks_count_unless_they_may_be_left_out(monkeypatch):
-    """/infill's repository chunks count toward the bound where t_max_prompt_ms may not
-    leave them out; a model that cannot lay FIM out is told so, not that it is long."""
+def test_an_infill_is_made_to_fit_its_context_and_only_its_middle_is_bounded(monkeypatch):
+    """/infill (llama.vim's ring of chunks grows past any context): the oldest chunks go
+    first, then the prefix's start and the suffix's end, and the answer says so; only
+    the `prompt` typed on the cursor's line (middle) can make it too long. A model that
+    cannot lay FIM out is told so, not that it is long."""
     from workers.preparation import Preparer
     from workers.prompts import FimTemplate
-    loop = make_loop()
-    tokenized = []
-    real = loop.engine.tokenize
-    monkeypatch.setattr(loop.engine, "tokenize",
-                        lambda text, *a, **k: tokenized.append(len(text)) or real(text, *a, **k))
-    chunks = [{"filename": "a.py", "text": "y" * 600}]
+    loop = make_loop()                                   # a 256-token context
+    template = Preparer(loop.engine, FimTemplate.parse("<P>{prefix}<S>{suffix}<M>"),
+                        loop.inbox)
+    chunks = [{"filename": "old.py", "text": "y" * 150},
+              {"filename": "new.py", "text": "z" * 40}]
     infill = {"extra": chunks, "middle": ""}
-    template = Preparer(loop.engine, FimTemplate.parse("<P>{prefix}<S>{suffix}<M>"), loop.inbox)
-    template._work("kept", job("p", suffix="s", infill=infill))
-    template._work("droppable", job("p", suffix="s", infill=infill, t_max_prompt_ms=500))
+    template._work("chunks", job("p" * 60, suffix="s" * 10, infill=infill, max_tokens=16))
+    template._work("ends", job("a" * 200 + "p" * 200, suffix="s" * 100 + "t" * 300,
+                               infill=infill, max_tokens=16))
+    template._work("middle", job("p", suffix="s", max_tokens=16,
+                                 infill={"extra": [], "middle": "m" * 600}))
     loop.preparer._work("no-fim", job("x" * 600, suffix="s"))     # (no template, no tokens)
-    first = [loop.inbox.get_nowait().prepared for _ in range(3)]
-    assert first[0].error.code == "context_length_exceeded"
-    assert "at least 303 tokens" in str(first[0].error)   # (p, s, a.py, 600 y's) / 2
-    assert first[1].error is None and 600 in tokenized     # tokenized: chunks may go
-    assert first[2].error.code == "fim_unsupported"
+    made = {item.request_id: item.prepared for item in
+            [loop.inbox.get_nowait() for _ in range(4)]}
+    fitted = made["chunks"].fitted                      # the old chunk goes, the new stays
+    assert made["chunks"].error is None and fitted.dropped == 1 and not fitted.cut
+    text = bytes(t for t in fitted.tokens if t < 256)
+    assert text.count(b"z" * 40) == 1 and b"y" not in text
+    assert len(fitted.tokens) <= 256 - 16
+    fitted = made["ends"].fitted                        # all chunks, then both ends
+    assert fitted.dropped == 2 and fitted.cut and len(fitted.tokens) == 256 - 16
+    text = bytes(t for t in fitted.tokens if t < 256)
+    assert b"a" not in text and b"t" not in text        # the far ends went
+    assert text.count(b"p") > 3 * text.count(b"s") > 0  # prefix 3/4, suffix 1/4
+    assert made["middle"].error.code == "context_length_exceeded"
+    assert made["no-fim"].error.code == "fim_unsupported"
+    loop2 = make_loop()                                  # the answer says what went
+    loop2.fim_template = loop2.preparer.fim_template = template.fim_template
+    submit(loop2, "r", job("a" * 200 + "p" * 200, suffix="s" * 400, infill=infill,
+                           max_tokens=2))
+    run(loop2)
+    end = events_of(loop2, "r")[-1]
+    assert end["e"] == "end" and end["dropped_chunks"] == 2 and end["truncated"] is True
 
 
 def test_shutdown_hands_back_what_sent_no_text_and_fails_the_rest(loop):

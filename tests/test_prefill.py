@@ -6,7 +6,8 @@ from workers.prefill import PrefillMeter
 class FakeEngine:
     """One token per character; no slot holds a cached prefix."""
 
-    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = False,
+                 parse_special: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
     def cached_prefix(self, tokens, free_slots) -> int:

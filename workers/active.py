@@ -64,7 +64,8 @@ class Active:
     return_tokens: bool = False     # llama.cpp's `tokens`: the generated ids
     pending_ids: list = field(default_factory=list)     # ... waiting for their text
     pending_probs: list = field(default_factory=list)
-    dropped_chunks: int = 0         # extra context left out to meet t_max_prompt_ms
+    dropped_chunks: int = 0         # extra context left out: to fit, or t_max_prompt_ms
+    truncated: bool = False         # an /infill's prefix or suffix cut to fit the context
     cached: int = 0                 # prompt tokens reused from the slot's KV cache
     seq: int = 0
     generated: int = 0

@@ -28,8 +28,8 @@ from workers.publisher import Publisher
 from workers.interface import Engine
 from workers.active import Active, EditorLimits, LogprobLedger
 from workers.preparation import Preparer, sampling_of
-from workers.prompts import (context_limit, may_drop_extra, prompt_text, prompt_tokens,
-                             vocabulary_op)
+from workers.prompts import (context_limit, fitted_prompt, may_drop_extra, prompt_text,
+                             prompt_tokens, vocabulary_op)
 from workers.sampling import SamplingParams
 from workers.textstream import TextAssembler
 
@@ -247,18 +247,19 @@ class GenerationLoop:
         sampling = sampling_of(gen)
         extra = list(body.infill.extra) if body.infill else []
         middle = body.infill.middle if body.infill else ""
-        tokens = prepared.tokens if prepared is not None else prompt_tokens(
-            self.engine, body.prompt, body.suffix, self.fim_template, extra, middle)
-        dropped = 0
+        fitted = prepared.fitted if prepared is not None else fitted_prompt(
+            self.engine, body, self.fim_template, extra)
+        tokens, dropped = fitted.tokens, fitted.dropped
+        extra = extra[dropped:]          # (a cut prefix or suffix: none left)
         if extra and may_drop_extra(gen):
             # llama.cpp declares t_max_prompt_ms and never implemented it: drop the
             # oldest extra chunks until the prefill fits, at this worker's measured rate
-            dropped = self.prefill.chunks_over_budget(tokens, extra,
-                                                      float(gen.t_max_prompt_ms),
-                                                      self._own_slots(body.tenant),
-                                                      gen.cache_prompt)
-            if dropped:
-                extra = extra[dropped:]
+            over = self.prefill.chunks_over_budget(tokens, extra,
+                                                   float(gen.t_max_prompt_ms),
+                                                   self._own_slots(body.tenant),
+                                                   gen.cache_prompt)
+            if over:
+                extra, dropped = extra[over:], dropped + over
                 tokens = prompt_tokens(self.engine, body.prompt, body.suffix,
                                        self.fim_template, extra, middle)
         n_ctx = context_limit(self.engine, body)
@@ -280,6 +281,7 @@ class GenerationLoop:
         active.return_tokens = bool(gen.return_tokens)
         active.prompt = body.prompt
         active.dropped_chunks = dropped
+        active.truncated = fitted.cut
         active.limits = EditorLimits.of(gen)
         if active.n_probs:
             want = max(want or 0, active.n_probs)

@@ -137,7 +137,7 @@ class Output:
         event = P.End(finish_reason=reason, usage=usage, stop_type=stop_type,
                       timings={"prompt_ms": round((first - active.started) * 1000, 3),
                                "predicted_ms": round((now - first) * 1000, 3)},
-                      dropped_chunks=active.dropped_chunks)
+                      dropped_chunks=active.dropped_chunks, truncated=active.truncated)
         if stop_type == "word":
             event.stopping_word = active.assembler.stop_word
         drafted, accepted = self.engine.draft_stats(active.slot)

@@ -24,7 +24,7 @@ import msgspec
 from dispatcher.common import protocol as P
 from workers import inbox
 from workers.errors import EngineError, InvalidInput
-from workers.prompts import check_fits, prompt_tokens
+from workers.prompts import Fitted, check_fits, fitted_prompt
 from workers.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ PREPARE_CHARS = 4096
 @dataclass
 class Prepared:
     """A job's tokens and sampler chain, made ahead; or the error making them raised."""
-    tokens: list[int] | None = None
+    fitted: Fitted | None = None    # its prompt (fitted_prompt)
     chain: Any = None               # the engine's sampler chain, handed to `Engine.add`
     error: Exception | None = None
 
@@ -104,10 +104,8 @@ class Preparer:
         prepared = Prepared()
         try:
             extra = list(body.infill.extra) if body.infill else []
-            middle = body.infill.middle if body.infill else ""
             check_fits(self.engine, body, self.fim_template)
-            prepared.tokens = prompt_tokens(self.engine, body.prompt, body.suffix,
-                                            self.fim_template, extra, middle)
+            prepared.fitted = fitted_prompt(self.engine, body, self.fim_template, extra)
             prepared.chain = self.engine.sampler_chain(
                 SamplingParams.from_job(sampling_of(body.generation)))
         except Exception as exc:           # raised when the job is admitted

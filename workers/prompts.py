@@ -102,13 +102,10 @@ def fewest_tokens(engine, body: P.WorkerJob, limit: int) -> int:
     parts = [prompt] if isinstance(prompt, str) else list(prompt)
     texts = [p for p in parts if isinstance(p, str)]
     ids = len(parts) - len(texts)
-    if body.suffix is not None:
+    if body.infill:                      # (the rest is cut to fit: fitted_prompt)
+        texts, ids = [body.infill.middle], 0
+    elif body.suffix is not None:
         texts.append(body.suffix)
-        if body.infill:
-            texts.append(body.infill.middle)
-            if not may_drop_extra(body.generation):
-                texts += [str(c.get(key) or "") for c in body.infill.extra
-                          for key in ("filename", "text")]
     chars = sum(len(t) for t in texts)
     if ids >= limit or ids + chars // SAFETY < limit:
         return ids                       # (past it already, or it could fit: tokenizing tells)
@@ -149,39 +146,114 @@ def prompt_tokens(engine, prompt, suffix: str | None,
 def infill_tokens(engine, prefix, suffix: str, template: FimTemplate | None,
                   extra: list[dict], middle: str) -> list[int]:
     """[extra chunks] [BOS] PRE prefix SUF suffix MID middle, as llama.cpp's /infill lays
-    it out: with the vocabulary's FIM_REP/FIM_SEP the extra chunks are a repository
-    (`FIM_REP project FIM_SEP filename text ... FIM_SEP filename`), otherwise each is
-    preceded by a snippet separator. A FIM template (the server's, for this model) takes
-    the place of the FIM tokens. The code (prefix, suffix, chunks, file names) is text:
-    `<|fim_middle|>` or `<eos>` in a file stays those characters, never a control token
-    that would end or rearrange the layout (llama.cpp's format_infill, parse_special
-    false); /infill's `prompt` (`middle`) is parsed, as llama.cpp parses it."""
-    if template is None and engine.fim_tokens is None:
-        raise InvalidInput("this model has no fill-in-the-middle tokens (fim_pre, fim_suf, "
-                           "fim_mid in its GGUF metadata) and no --fim-template, so "
-                           "'suffix' cannot be used", code="fim_unsupported", param="suffix")
-    text = lambda t: engine.tokenize(t, add_special=False, parse_special=False)  # noqa: E731
-    repo = engine.fim_repo if template is None else None
-    chunks: list[int] = []
-    if extra:
-        if repo is not None:
-            chunks += [repo[0]] + text("myproject\n")
-        for chunk in extra:
-            if repo is not None:
-                chunks += [repo[1]] + text(str(chunk.get("filename") or "tmp") + "\n")
-            else:
-                chunks += text(CHUNK_SEPARATOR)
-            chunks += text(str(chunk.get("text") or ""))
-        if repo is not None:
-            chunks += [repo[1]] + text("filename\n")
-    prefix_tokens = _tokens(engine, prefix, first_special=False, parse_special=False)
-    if template is not None:
-        body = template.tokens(engine, prefix_tokens, text(suffix))
-    else:
-        pre, suf, mid = engine.fim_tokens
-        body = [pre] + prefix_tokens + [suf] + text(suffix) + [mid]
-    return chunks + engine.bos() + body + (
-        engine.tokenize(middle, add_special=False) if middle else [])
+    it out (`InfillParts`)."""
+    return InfillParts.of(engine, prefix, suffix, template, extra, middle).tokens(engine)
+
+
+@dataclass
+class Fitted:
+    """A prompt's tokens, made to fit its context where it is an /infill's."""
+    tokens: list[int]
+    dropped: int = 0          # the oldest input_extra chunks left out
+    cut: bool = False         # ... and the prefix's start or the suffix's end
+
+
+@dataclass
+class InfillParts:
+    """An infill prompt's parts as tokens: with the vocabulary's FIM_REP/FIM_SEP the
+    extra chunks are a repository (`FIM_REP project FIM_SEP filename text ... FIM_SEP
+    filename`), otherwise each is preceded by a snippet separator. A FIM template (the
+    server's, for this model) takes the place of the FIM tokens. The code (prefix,
+    suffix, chunks, file names) is text: `<|fim_middle|>` or `<eos>` in a file stays
+    those characters, never a control token that would end or rearrange the layout
+    (llama.cpp's format_infill, parse_special false); /infill's `prompt` (`middle`) is
+    parsed, as llama.cpp parses it."""
+    template: FimTemplate | None
+    chunks: list[list[int]]   # each extra chunk with what precedes it, oldest first
+    opening: list[int]        # FIM_REP project (with chunks, in a repository layout)
+    closing: list[int]        # FIM_SEP filename after the chunks (the same)
+    prefix: list[int]
+    suffix: list[int]
+    middle: list[int]
+
+    @classmethod
+    def of(cls, engine, prefix, suffix: str, template: FimTemplate | None,
+           extra: list[dict], middle: str) -> "InfillParts":
+        if template is None and engine.fim_tokens is None:
+            raise InvalidInput("this model has no fill-in-the-middle tokens (fim_pre, "
+                               "fim_suf, fim_mid in its GGUF metadata) and no "
+                               "--fim-template, so 'suffix' cannot be used",
+                               code="fim_unsupported", param="suffix")
+        text = lambda t: engine.tokenize(t, add_special=False, parse_special=False)  # noqa: E731
+        repo = engine.fim_repo if template is None else None
+        chunks = [([repo[1]] + text(str(c.get("filename") or "tmp") + "\n")
+                   if repo is not None else text(CHUNK_SEPARATOR))
+                  + text(str(c.get("text") or "")) for c in extra]
+        return cls(template, chunks,
+                   [repo[0]] + text("myproject\n") if repo is not None else [],
+                   [repo[1]] + text("filename\n") if repo is not None else [],
+                   _tokens(engine, prefix, first_special=False, parse_special=False),
+                   text(suffix),
+                   engine.tokenize(middle, add_special=False) if middle else [])
+
+    def tokens(self, engine, dropped: int = 0) -> list[int]:
+        """The prompt, the oldest `dropped` chunks left out."""
+        kept = self.chunks[dropped:]
+        out = self.opening + [t for chunk in kept for t in chunk] + self.closing \
+            if kept else []
+        if self.template is not None:
+            body = self.template.tokens(engine, self.prefix, self.suffix)
+        else:
+            pre, suf, mid = engine.fim_tokens
+            body = [pre] + self.prefix + [suf] + self.suffix + [mid]
+        return out + engine.bos() + body + self.middle
+
+    def fit(self, engine, budget: int) -> Fitted:
+        """At most `budget` tokens, as llama.cpp's /infill makes its prompt fit: the
+        oldest chunks left out first, then the prefix's start and the suffix's end (the
+        text nearest the cursor kept: the suffix a quarter of the room, the prefix the
+        rest, either more where the other is shorter).
+        Where even the rest is too long, as it is (the caller refuses it)."""
+        tokens = self.tokens(engine)
+        total, dropped = len(tokens), 0
+        while total > budget and dropped < len(self.chunks):
+            total -= len(self.chunks[dropped])
+            dropped += 1
+            if dropped == len(self.chunks):
+                total -= len(self.opening) + len(self.closing)
+        if total <= budget:
+            return Fitted(self.tokens(engine, dropped) if dropped else tokens, dropped)
+        room = len(self.prefix) + len(self.suffix) - (total - budget)
+        if room <= 0:
+            return Fitted(self.tokens(engine, dropped), dropped)
+        suffix = min(len(self.suffix), max(room // 4, room - len(self.prefix)))
+        prefix = room - suffix
+        cut = InfillParts(self.template, [], [], [], self.prefix[len(self.prefix) - prefix:],
+                          self.suffix[:suffix], self.middle)
+        return Fitted(cut.tokens(engine), dropped, cut=True)
+
+
+def generation_room(max_tokens: int | None, n_ctx: int) -> int:
+    """What an /infill's prompt leaves of its context for the answer when it must be
+    made to fit: its max_tokens, at most a quarter of the context (none asked: a
+    quarter), at least one."""
+    quarter = max(1, n_ctx // 4)
+    return max(1, min(max_tokens, quarter)) if max_tokens is not None and max_tokens >= 0 \
+        else quarter
+
+
+def fitted_prompt(engine, body: P.WorkerJob, template: FimTemplate | None,
+                  extra: list[dict]) -> Fitted:
+    """A job's prompt tokens; an /infill's (`body.infill`) made to fit its context with
+    room for the answer (`InfillParts.fit`), as llama-server does for llama.vim's ring
+    of chunks: it grows until it is larger than the context."""
+    middle = body.infill.middle if body.infill else ""
+    if body.infill is None:
+        return Fitted(prompt_tokens(engine, body.prompt, body.suffix, template, extra,
+                                    middle))
+    parts = InfillParts.of(engine, body.prompt, body.suffix or "", template, extra, middle)
+    limit = context_limit(engine, body)
+    return parts.fit(engine, limit - generation_room(body.generation.max_tokens, limit))
 
 
 def _tokens(engine, prompt, first_special: bool, parse_special: bool = True) -> list[int]:
