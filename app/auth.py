@@ -19,7 +19,7 @@ from dispatcher.common.config import load_named_keys
 # it, for its JSON and its playground)
 OPEN_PATHS = {"/health", "/", "/ui/", "/ui/status.js", "/ui/status.css"}
 # what operators read, no request content: /metrics (Prometheus) and the page's JSON, as
-# --status-access says: open (the default), loopback (open to a client on this host that
+# --status-access says: open, loopback (the default: open to a client on this host that
 # came straight, not through a proxy; keyed otherwise) or key
 OPERATOR_PATHS = {"/metrics", "/v1/status"}
 LOOPBACK = {"127.0.0.1", "::1"}
@@ -55,7 +55,7 @@ def init_app(app: Flask) -> None:
     app.config["CACHE_SCOPE"] = app.config.get("CACHE_SCOPE") or ("key" if keys else "shared")
     if not keys:
         return
-    access = str(app.config.get("STATUS_ACCESS") or "open")
+    access = str(app.config.get("STATUS_ACCESS") or "loopback")
 
     @app.before_request
     def require_key():

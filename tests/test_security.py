@@ -311,15 +311,17 @@ def test_usage_is_counted_per_key_by_its_name_never_the_key(tmp_path):
 
 @pytest.mark.parametrize("access, bare, proxied", [("open", 200, 200),
                                                    ("loopback", 200, 401),
+                                                   (None, 200, 401),
                                                    ("key", 401, 401)])
 def test_status_access_decides_who_reads_metrics_and_status_without_a_key(access, bare,
                                                                            proxied):
-    """With keys configured, /metrics and /v1/status need none (open, the default), none
-    from this host straight (loopback: a proxied request, as nginx sends them, needs
-    one), or always one (key); with the key both always answer; the page's files are
-    always open (they hold no data)."""
-    server = ServerProcess("--engine", "fake", "--api-key", "sk-ops",
-                           "--status-access", access, log_name=f"status-{access}").start()
+    """With keys configured, /metrics and /v1/status need none (open), none from this
+    host straight (loopback, the default: a proxied request, as nginx sends them, needs
+    one; /metrics names every key's usage), or always one (key); with the key both
+    always answer; the page's files are always open (they hold no data)."""
+    flags = ("--status-access", access) if access else ()
+    server = ServerProcess("--engine", "fake", "--api-key", "sk-ops", *flags,
+                           log_name=f"status-{access or 'default'}").start()
     try:
         for path in ("/metrics", "/v1/status"):
             assert http_json(server.port, "GET", path)[0] == bare, path

@@ -250,7 +250,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "repeatable", repeat=True),
     Option("api_key_file", None, "file of API keys, one per line, each optionally followed "
            "by its name (`KEY NAME`: usage is counted under the name)"),
-    Option("status_access", "open", "who may read /metrics and the status page's data "
+    Option("status_access", "loopback", "who may read /metrics and the status page's data "
            "(/v1/status) without an API key when keys are configured: open (anyone), "
            "loopback (a client on this host, not through a proxy), key (nobody)",
            str.lower, choices=("open", "loopback", "key")),
