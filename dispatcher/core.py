@@ -347,6 +347,7 @@ class DispatcherCore:
                                 body=P.Disconnect(reason=refusal, code=P.REFUSED))
                 return self._take()
             record = self.registry.add(identity, msg.body, now)
+            self.metrics.worker_ready(record.name)
             log.info("worker %s ready: %s on %s, pid %s, n_ctx %s, %s slot(s)", record.name,
                      record.model, msg.body.device, msg.body.pid, msg.body.n_ctx,
                      record.slots)

@@ -8,10 +8,16 @@ the whole system.
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 
 from dispatcher.common import protocol as P
 from dispatcher.common.latency import HISTOGRAMS, Histogram
+
+
+# Workers gone whose series /metrics still shows, the longest gone forgotten first: a
+# worker started on its own is named with its pid, so each restart is a new name, and
+# every name kept its series for ever (as Prometheus sees a target churn: the series end)
+MAX_GONE = 32
 
 
 class SystemMetrics:
@@ -24,6 +30,7 @@ class SystemMetrics:
         self.outcomes: Counter = Counter()                    # (outcome, worker, device)
         # API key name -> [requests, prompt tokens, completion tokens, errors]
         self.usage: dict[str, list[int]] = {}
+        self.gone: OrderedDict[str, None] = OrderedDict()      # workers, longest gone first
 
     def absorb(self, delta: dict) -> None:
         """Add a front end's increments (a malformed one is ignored, not fatal)."""
@@ -61,8 +68,20 @@ class SystemMetrics:
         self.outcomes[(outcome, worker, device)] += 1
 
     def worker_lost(self, worker: str, device: str, failed: int, outcome: str = "lost") -> None:
-        """`failed` requests ended with their worker: lost, or stuck (the watchdog)."""
+        """`failed` requests ended with their worker: lost, or stuck (the watchdog); its
+        series are kept until MAX_GONE others have gone since."""
         self.outcomes[(outcome, worker, device)] += failed
+        self.gone.pop(worker, None)
+        self.gone[worker] = None
+        while len(self.gone) > MAX_GONE:
+            oldest, _ = self.gone.popitem(last=False)
+            for series in (self.tokens, self.outcomes, self.histograms):
+                for key in [k for k in series if k[1] == oldest]:
+                    del series[key]
+
+    def worker_ready(self, worker: str) -> None:
+        """A worker (re)registered: its series stay."""
+        self.gone.pop(worker, None)
 
     def snapshot(self) -> dict:
         return {

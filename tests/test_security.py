@@ -346,3 +346,25 @@ def test_usage_counts_from_a_front_end_are_checked_before_they_are_added():
     assert metrics.usage == {"alice": [1, 10, 5, 0], "bob": [2, 3, 4, 1]}
     assert format_usage({"error": "unknown command 'usage'"}).startswith("error:")
     assert "no usage" in format_usage({"keys": []})
+
+
+def test_the_series_of_workers_long_gone_are_forgotten():
+    """A worker started on its own is named with its pid: each restart (a crash loop, a
+    `systemctl restart`) is a new name. /metrics keeps the series of the last MAX_GONE
+    workers gone, not of every name ever seen; one that comes back keeps its own."""
+    from dispatcher import metrics as M
+    from dispatcher.common import protocol as P
+    kept = M.SystemMetrics()
+    kept.job_done("steady", "cuda:1", P.Done(attempt=1, usage=P.Usage(completion_tokens=3)))
+    kept.worker_lost("steady", "cuda:1", 0)
+    kept.worker_ready("steady")                       # back under its own name
+    for pid in range(1000, 1000 + 3 * M.MAX_GONE):
+        name = f"cuda0-{pid}"
+        kept.job_done(name, "cuda:0", P.Done(attempt=1, usage=P.Usage(completion_tokens=2)))
+        kept.absorb({"histograms": [["ttft", name, "cuda:0", {"counts": [1], "sum": 0.1}]]})
+        kept.worker_lost(name, "cuda:0", 1)
+    names = {w for _, w, _, _ in kept.snapshot()["tokens"]} | \
+        {w for _, w, _, _ in kept.snapshot()["outcomes"]}
+    assert len(names) == M.MAX_GONE + 1 and "steady" in names
+    assert "cuda0-1000" not in names and f"cuda0-{999 + 3 * M.MAX_GONE}" in names
+    assert len({w for _, w, _, _ in kept.snapshot()["histograms"]}) == M.MAX_GONE
