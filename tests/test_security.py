@@ -368,3 +368,37 @@ def test_the_series_of_workers_long_gone_are_forgotten():
     assert len(names) == M.MAX_GONE + 1 and "steady" in names
     assert "cuda0-1000" not in names and f"cuda0-{999 + 3 * M.MAX_GONE}" in names
     assert len({w for _, w, _, _ in kept.snapshot()["histograms"]}) == M.MAX_GONE
+
+
+def test_a_worker_key_takes_only_names_no_longer_key_name_holds(tmp_path):
+    """Keys `gpu` and `gpu-2`: `gpu-2-cuda0-7` is key gpu-2's name, so key gpu may not
+    register it first and lock that host out; each key keeps its own names, `local` any."""
+    from dispatcher.common import curve
+    curve.keygen(str(tmp_path / "k"), workers=["gpu", "gpu-2"])
+    keys = curve.DispatcherKeys.load(str(tmp_path / "k"))
+    by_name = {name: key for key, name in keys.names.items()}
+    gpu, gpu2, local = by_name["gpu"], by_name["gpu-2"], by_name["local"]
+    assert not keys.may_register(gpu, "gpu-2-cuda0-7", {})
+    assert keys.may_register(gpu2, "gpu-2-cuda0-7", {})
+    assert keys.may_register(gpu, "gpu-cuda0-7", {}) and keys.may_register(gpu, "gpu", {})
+    assert not keys.may_register(gpu2, "gpu-cuda0-7", {})
+    assert keys.may_register(local, "gpu-2-cuda0-7", {})
+    assert not keys.may_register(gpu, "other-1", {})
+
+
+def test_key_files_others_could_read_or_change_are_refused(tmp_path):
+    """A secret readable by others, or an authorized/ directory others may write into
+    (they could authorize their own key), is refused in one line saying which."""
+    import pytest as _pytest
+    from dispatcher.common import curve
+    root = tmp_path / "k"
+    curve.keygen(str(root))
+    curve.DispatcherKeys.load(str(root))
+    curve.PartKeys.load(str(root))
+    (root / "local.key_secret").chmod(0o640)
+    with _pytest.raises(curve.CurveKeyError, match="local.key_secret: mode 0640"):
+        curve.PartKeys.load(str(root))
+    (root / "local.key_secret").chmod(0o600)
+    (root / "authorized" / "workers").chmod(0o777)
+    with _pytest.raises(curve.CurveKeyError, match="workers: mode 0777 lets others write"):
+        curve.DispatcherKeys.load(str(root))

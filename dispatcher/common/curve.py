@@ -24,6 +24,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import shutil
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,8 @@ def keygen(directory: str, workers: list[str] = (), frontends: list[str] = ()) -
     os.chmod(root, 0o700)
     for role in ROLES:
         (root / "authorized" / role).mkdir(parents=True, exist_ok=True)
+        os.chmod(root / "authorized" / role, 0o700)
+    os.chmod(root / "authorized", 0o700)
     roles = {"dispatcher": (), LOCAL: ROLES, OPS: ("ops",)}
     roles.update({name: ("workers",) for name in workers})
     roles.update({name: ("frontends",) for name in frontends})
@@ -61,7 +64,22 @@ def keygen(directory: str, workers: list[str] = (), frontends: list[str] = ()) -
     return written
 
 
+def _private(path: Path, what: str) -> None:
+    """A key file or directory only its owner may change (a secret: only read): one
+    that others could write lets them authorize their own key or swap a pair."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return                          # (not there: said by the reader, in its words)
+    loose = mode & (0o077 if what == "secret" else 0o022)
+    if loose:
+        raise CurveKeyError(f"{path}: mode {stat.S_IMODE(mode):04o} lets others "
+                            f"{'read' if what == 'secret' else 'write'} it; chmod "
+                            f"{'go-rwx' if what == 'secret' else 'go-w'} it")
+
+
 def _secret(path: Path) -> tuple[bytes, bytes]:
+    _private(path, "secret")
     try:
         public, secret = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as exc:
@@ -110,10 +128,13 @@ class DispatcherKeys:
         root = Path(directory)
         public, secret = _secret(root / "dispatcher.key_secret")
         keys = cls(root, public, secret)
+        _private(root, "directory")
+        _private(root / "authorized", "directory")
         for role in ROLES:
             if not (root / "authorized" / role).is_dir():
                 raise CurveKeyError(f"{root}: no authorized/{role} directory "
                                 "(python -m dispatcher keygen DIR writes one)")
+            _private(root / "authorized" / role, "directory")
             for path in (root / "authorized" / role).glob("*.key"):
                 keys.names[_public(path).decode()] = path.stem
         return keys
@@ -136,13 +157,19 @@ class DispatcherKeys:
 
     def may_register(self, user_id: str | None, identity: str, bound: dict) -> bool:
         """Whether the worker key `user_id` may speak as `identity`: its own name (NAME,
-        NAME-...), or for `local` any name; and never a name bound to another key."""
+        NAME-...), or for `local` any name; and never a name bound to another key. A
+        name is the longest key name it starts with's: key `gpu` may not take
+        `gpu-2-cuda0`, which is key `gpu-2`'s (it could lock that host out)."""
         name = self.names.get(user_id or "")
         if name is None:
             return False
         if bound.get(identity, user_id) != user_id:
             return False
-        return name == LOCAL or identity == name or identity.startswith(name + "-")
+        if name == LOCAL:
+            return True
+        owners = [n for n in self.names.values() if n != LOCAL and (
+            identity == n or identity.startswith(n + "-"))]
+        return bool(owners) and max(owners, key=len) == name
 
 
 LOOPBACK_NAMES = ("localhost", "ip6-localhost")
