@@ -10,7 +10,7 @@ import re
 
 from marshmallow import ValidationError, fields
 
-from dispatcher.common.fields import INT_MAX
+from dispatcher.common.fields import INT_MAX, TEXT_BIAS
 
 
 MAX_STOP_STRINGS = 256
@@ -234,12 +234,17 @@ class StopField(fields.Field):
         return value
 
 
+MAX_BIAS_TEXT = 256        # characters of such a text
+
+
 class LogitBiasField(fields.Field):
-    """OpenAI's `{"token id": bias}` or llama.cpp's `[[id, bias], ...]`; bias -100..100,
-    or `false` (llama.cpp: never this token)."""
+    """OpenAI's `{"token id": bias}` or llama.cpp's `[[id, bias], ...]`, where llama.cpp
+    also takes a text for the id (`[["Hello", -0.5]]`: each of its tokens); bias
+    -100..100, or `false` (llama.cpp: never this token)."""
 
     default_error_messages = {
-        "invalid": "Must map token ids to numbers from -100 to 100.",
+        "invalid": "Must map token ids (or, in llama.cpp's [[token, bias]] form, texts of "
+                   f"at most {MAX_BIAS_TEXT} characters) to numbers from -100 to 100.",
         "too_many": "At most 1024 biased tokens.",
     }
 
@@ -255,9 +260,13 @@ class LogitBiasField(fields.Field):
             raise self.make_error("too_many")
         out: dict[str, float] = {}
         for token, bias in pairs:
+            text = False
             if isinstance(token, str) and _TOKEN_ID.fullmatch(token.strip()):
                 token = int(token)       # ASCII digits only ("²" is a digit to isdigit)
-            if not _is_int(token) or token < 0:
+            elif isinstance(token, str) and isinstance(value, list) and \
+                    0 < len(token) <= MAX_BIAS_TEXT:
+                token, text = TEXT_BIAS + token, True   # (tokenized by the worker)
+            if not text and (not _is_int(token) or token < 0):
                 raise self.make_error("invalid")
             if bias is False:
                 bias = -100.0

@@ -186,6 +186,11 @@ def test_logit_bias_bans_and_forces_tokens(port):
     forced = tokens_of(port, " Paris", add_special=False)[0]
     text = greedy(port, PROMPT, 3, logit_bias=[[forced, 100]])["choices"][0]["text"]
     assert text == " Paris" * 3
+    # llama.cpp's text form: the bias goes to each of the text's tokens
+    text = greedy(port, PROMPT, 3, logit_bias=[[" Paris", 100]])["choices"][0]["text"]
+    assert text == " Paris" * 3
+    text = greedy(port, PROMPT, 1, logit_bias=[[first, False]])["choices"][0]["text"]
+    assert text != first
 
 
 def test_ignore_eos_and_min_tokens_keep_generating(port):

@@ -244,7 +244,7 @@ class GenerationLoop:
         self.faults.check("admit", body.prompt)
         gen = body.generation
         topic = body.topic.encode()
-        sampling = sampling_of(gen)
+        sampling = sampling_of(gen, self.engine)
         extra = list(body.infill.extra) if body.infill else []
         middle = body.infill.middle if body.infill else ""
         fitted = prepared.fitted if prepared is not None else fitted_prompt(

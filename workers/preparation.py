@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from dispatcher.common import protocol as P
+from dispatcher.common.fields import TEXT_BIAS
 from workers import inbox
 from workers.errors import EngineError, InvalidInput
 from workers.prompts import Fitted, check_fits, fitted_prompt
@@ -47,9 +48,19 @@ class Prepared:
             self.chain = None
 
 
-def sampling_of(gen: P.Generation) -> dict:
-    """The job's sampling settings (a copy)."""
+def sampling_of(gen: P.Generation, engine=None) -> dict:
+    """The job's sampling settings (a copy); a logit_bias given as text (llama.cpp's
+    `[["Hello", -0.5]]`) as the bias of each of its tokens, by `engine`'s vocabulary."""
     sampling = msgspec.structs.asdict(gen.sampling)
+    biases = sampling.get("logit_bias")
+    if biases and engine is not None and any(k.startswith(TEXT_BIAS) for k in biases):
+        ids: dict[str, float] = {}
+        for key, bias in biases.items():
+            tokens = engine.tokenize(key[len(TEXT_BIAS):], add_special=False,
+                                     parse_special=False) \
+                if key.startswith(TEXT_BIAS) else [int(key)]
+            ids.update((str(t), bias) for t in tokens)
+        sampling["logit_bias"] = ids
     if sampling.get("json_schema") is not None:
         # the front end makes schemas into grammars, within their budget
         # (dispatcher/common/schemagrammar.py): a worker never runs the converter
@@ -107,7 +118,7 @@ class Preparer:
             check_fits(self.engine, body, self.fim_template)
             prepared.fitted = fitted_prompt(self.engine, body, self.fim_template, extra)
             prepared.chain = self.engine.sampler_chain(
-                SamplingParams.from_job(sampling_of(body.generation)))
+                SamplingParams.from_job(sampling_of(body.generation, self.engine)))
         except Exception as exc:           # raised when the job is admitted
             if not isinstance(exc, EngineError):
                 log.exception("%s: preparing failed", request_id)

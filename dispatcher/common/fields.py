@@ -25,6 +25,9 @@ SAMPLER_ALIASES = {"typical_p": "typ_p", "typical": "typ_p", "nucleus": "top_p",
                    "temp": "temperature", "repetition": "penalties"}
 DEFAULT_ORDER = tuple(name for name in SAMPLER_NAMES if name != "infill")
 DRY_BREAKERS = ("\n", ":", "\"", "*")
+# a logit_bias key that is text, not a token id (llama.cpp's `[["Hello", -0.5]]`): the
+# worker biases each of its tokens
+TEXT_BIAS = "text:"
 
 
 @dataclass(frozen=True)
