@@ -36,7 +36,7 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
     A prompt's jobs share its objects (the fan-out sends them once)."""
     max_tokens = req["max_tokens"]
     client = inference_client(client, req)
-    candidates = req["best_of"] or req["n"]
+    candidates = req.get("best_of") or req["n"]
     scoring = candidates > req["n"]
     route = route_of(req, profile)
     fanout = len(req["prompt"]) * candidates

@@ -33,10 +33,12 @@ log = logging.getLogger(__name__)
 
 class NativeCompletionSchema(CompletionRequestSchema):
     """POST /completion: the OpenAI endpoint's fields with llama.cpp's defaults; fields
-    it does not know are ignored, as llama.cpp does."""
+    it does not know are ignored, as llama.cpp does (OpenAI's `best_of` among them: a
+    llama.cpp client gets the one answer it reads, not a list of unselected ones)."""
 
     class Meta:
         unknown = EXCLUDE
+        exclude = ("best_of",)
 
     max_tokens = StrictInteger(load_default=None, allow_none=True,
                                validate=in_range(-1, INT_MAX), metadata=doc(

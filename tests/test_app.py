@@ -203,6 +203,15 @@ def test_models_and_health_come_from_the_dispatcher_state(client):
     assert health.status_code == 200 and health.get_json()["workers_ready"] == 1
 
 
+def test_native_completion_ignores_openais_best_of_as_llama_server_does(client):
+    """llama.cpp does not know best_of: one job, one answer object (it was three jobs and
+    a list of three unselected summaries)."""
+    http, fake = client
+    body = http.post("/completion", json={"prompt": "x", "best_of": 3}).get_json()
+    assert isinstance(body, dict) and body["content"] == "Hello", body
+    assert len(fake.jobs) == 1
+
+
 def test_tokenize_is_a_job_for_a_worker(client_of):
     http, fake = client_of(lambda job: [{"e": P.EV_END, "s": 0, "result": {"tokens": [7]}}])
     body = http.post("/tokenize", json={"content": "hi"}).get_json()
