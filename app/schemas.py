@@ -77,6 +77,9 @@ class StreamOptionsSchema(Schema):
 
     include_usage = StrictBoolean(load_default=False, metadata=doc(
         "Send a last chunk with `usage` and empty `choices`.", type="boolean"))
+    include_obfuscation = StrictBoolean(load_default=None, allow_none=True, metadata=doc(
+        "Accepted and ignored (OpenAI pads streamed chunks with random characters; "
+        "this server's stream is not padded).", type="boolean"))
 
 
 class CompletionRequestSchema(Schema):

@@ -163,6 +163,24 @@ def test_a_worker_error_before_any_text_is_the_status_it_carries(client_of):
                                             "code": "context_length_exceeded"}
 
 
+def test_every_error_names_its_request_and_a_superseded_one_is_not_retried(client_of):
+    """The openai packages read X-Request-Id into the error they raise (it was missing on
+    every error) and retry a 409 unless X-Should-Retry says no: a superseded request's
+    retry superseded the newer one."""
+    superseded = P.WireError(status=409, code="superseded", message="newer one").event()
+    http, _ = client_of(lambda job: [superseded])
+    response = http.post("/v1/completions", json={"prompt": "p"})
+    assert response.status_code == 409
+    assert response.headers["X-Should-Retry"] == "false"
+    assert response.headers["X-Request-Id"].startswith(P.new_request_id()[:4])
+    refused = http.post("/v1/completions", json={"prompt": "p", "max_tokens": "x"})
+    assert refused.status_code == 400 and refused.headers["X-Request-Id"]
+    assert "X-Should-Retry" not in refused.headers
+    assert http.get("/nope").headers["X-Request-Id"]
+    ids = {http.post("/v1/completions", json={}).headers["X-Request-Id"] for _ in range(3)}
+    assert len(ids) == 3
+
+
 def test_an_error_after_the_stream_started_is_an_error_event(client_of):
     failed = P.WireError(status=500, code="generation_failed",
                          message="generation failed: x").event()

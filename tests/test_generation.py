@@ -190,6 +190,17 @@ def test_an_infill_is_made_to_fit_its_context_and_only_its_middle_is_bounded(mon
     assert end["e"] == "end" and end["dropped_chunks"] == 2 and end["truncated"] is True
 
 
+def test_a_candidate_that_ends_at_once_is_scored_by_its_end_token(loop):
+    """best_of keeps the candidates with the best mean logprob: one whose first token is
+    the end of sequence is scored by that token's logprob, not 0 (which beat every real
+    answer, so best_of returned an empty text whenever one candidate stopped at once)."""
+    submit(loop, "empty", job("[eos=0] x", max_tokens=8, score=True))
+    submit(loop, "some", job("[eos=2] x", max_tokens=8, score=True))
+    run(loop)
+    scores = {rid: events_of(loop, rid)[-1]["score"] for rid in ("empty", "some")}
+    assert scores == {"empty": -0.5, "some": -0.5}, scores
+
+
 def test_shutdown_hands_back_what_sent_no_text_and_fails_the_rest(loop):
     submit(loop, "talking", job(max_tokens=50))
     run(loop, steps=2)

@@ -157,6 +157,13 @@ def test_llama_cpps_random_seed_and_empty_grammar_mean_none():
         "grammar"]                                      # (the schema's, not a refusal)
 
 
+def test_the_openai_packages_stream_options_are_taken():
+    """openai's types declare stream_options.include_obfuscation: sent, it was a 400."""
+    req = validate({"prompt": "p", "stream": True, "stream_options": {
+        "include_usage": True, "include_obfuscation": False}})
+    assert req["stream_options"]["include_usage"] is True
+
+
 def test_logit_bias_forms():
     assert validate({"prompt": "p", "logit_bias": {"5": -100, "7": 2.5}})["logit_bias"] == \
         {"5": -100.0, "7": 2.5}

@@ -70,6 +70,7 @@ class Active:
     seq: int = 0
     generated: int = 0
     logprob_sum: float = 0.0
+    eos_scored: int = 0             # the end token's logprob is in logprob_sum (best_of)
     text_sent: bool = False
     chars_out: int = 0              # characters sent so far (echo included)
     started: float = field(default_factory=time.monotonic)

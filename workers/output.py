@@ -69,6 +69,9 @@ class Output:
             self.finish(active, "length", "limit")
             return
         if self.engine.is_eog(out.token):
+            if out.logprob is not None:     # (best_of: ending here is a choice scored too,
+                active.logprob_sum += out.logprob   # or an empty answer scored 0 won)
+                active.eos_scored = 1
             self.finish(active, "stop", "eos")
             return
         active.generated += 1
@@ -147,7 +150,7 @@ class Output:
             event.logprobs = active.ledger.release(
                 active.chars_out if active.assembler.stopped else None)
         if active.score:
-            event.score = active.logprob_sum / max(1, active.generated)
+            event.score = active.logprob_sum / max(1, active.generated + active.eos_scored)
         self.publish(active, event)
         self.release(active)
         self.notify(P.DONE, active.request_id, active.done(
