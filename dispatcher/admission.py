@@ -32,11 +32,11 @@ RESTART_GAP = 10                # (a late 0 or 1 among the first few is only a l
 EPOCH_PAUSE = 2.0
 # Arrival stamps are the front ends' wall clocks (the one clock front ends on several
 # hosts share). A request is late by at most this (its first byte to its job here: the
-# head has --header-timeout, a body this long is not an editor's): a stamp older than the
-# session's newest by more is a clock stepped back, and the request is newer by arriving
-# later (else a step back of D seconds refused the session's requests for D, up to
-# SESSION_MEMORY).
-STAMP_LATE_LIMIT = 30.0
+# head within --header-timeout, 10 s, the body within --body-timeout, 60 s, by default):
+# a stamp older than the session's newest by more is a clock stepped back, and the
+# request is newer by arriving later (else a step back of D seconds refused the
+# session's requests for D, up to SESSION_MEMORY).
+STAMP_LATE_LIMIT = 90.0
 # Sessions remembered at most, the least recently used forgotten first: with ids of at
 # most 128 characters (the front end's limit) about 5 MB.
 MAX_SESSIONS = 10_000

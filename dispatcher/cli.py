@@ -108,6 +108,15 @@ def _endpoints(args) -> tuple[Endpoints, str, str | None]:
     return endpoints, base, cleanup
 
 
+def _count_keys(args) -> int:
+    """The API keys configured (flags, variables, the key file), or one line why not."""
+    try:
+        return len(config.load_keys(",".join(args.api_key), args.api_key_file))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"--api-key-file {args.api_key_file}: cannot be read ({exc})") \
+            from None
+
+
 def _make_broker(broker_class, base: str, *args, **kwargs):
     import zmq
     try:
@@ -139,7 +148,7 @@ def cmd_serve(args) -> int:
         log.warning("--log-content: request content (prompts, grammars) may reach the logs "
                     "of this server and its workers at --log-level debug")
     endpoints, base, cleanup = _endpoints(args)
-    n_keys = len(config.load_keys(",".join(args.api_key), args.api_key_file))
+    n_keys = _count_keys(args)
     keys = _dispatcher_keys(args, base, n_keys > 0)
     supervisor = Supervisor()
     broker = _make_broker(Broker, base, endpoints, supervisor,
@@ -261,7 +270,7 @@ def cmd_broker(args) -> int:
         raise SystemExit(exc.report())
     if args.api_key_file and not os.access(args.api_key_file, os.R_OK):
         raise SystemExit(f"--api-key-file {args.api_key_file}: not readable")
-    n_keys = len(config.load_keys(",".join(args.api_key), args.api_key_file))
+    n_keys = _count_keys(args)
     endpoints, base, cleanup = _endpoints(args)
     broker = _make_broker(Broker, base, endpoints, known_models=known,
                           max_queue=args.max_queue,
@@ -288,9 +297,11 @@ def cmd_check_config(args) -> int:
         problems.append(access_log_problem(args.access_log))
     from dispatcher.common import curve
     base = args.dispatcher or default_dispatcher_address(args.port)
-    readable = not args.api_key_file or os.access(args.api_key_file, os.R_OK)
-    tenants = bool(args.api_key) or bool(readable and args.api_key_file and config.load_keys(
-        "", args.api_key_file))
+    try:
+        tenants = bool(config.load_keys(",".join(args.api_key), args.api_key_file))
+    except (OSError, UnicodeDecodeError) as exc:
+        problems.append(f"api_key_file {args.api_key_file}: cannot be read ({exc})")
+        tenants = True
     problem = curve.transport_problem(base, args.curve_keys, args.insecure_transport, tenants)
     if problem:
         problems.append(problem)

@@ -369,6 +369,12 @@ class DispatcherCore:
                 job.started = job.first_token = True
         elif msg.cmd == P.DONE:
             self.job_done(record, msg.request_id, msg.body)
+        elif msg.cmd == P.DISCONNECT and msg.body.code == P.STOPPED and not record.running \
+                and not record.ops:
+            self.registry.remove(record.identity)      # it stopped as asked, nothing lost
+            self.metrics.worker_lost(record.name, record.info.device, 0)
+            log.info("worker %s stopped", record.name)
+            self.broadcast_state()
         elif msg.cmd == P.DISCONNECT:
             self.worker_lost(record, msg.body.reason or "disconnected", code=msg.body.code)
         elif msg.cmd == P.HEARTBEAT:
@@ -404,6 +410,7 @@ class DispatcherCore:
             if job.cancelled:
                 self._forget(job)
             else:
+                job.handed_back += 1      # (not a try that failed: MAX_ATTEMPTS)
                 self._requeue(job)
                 self.dispatch()
             return
@@ -473,7 +480,8 @@ class DispatcherCore:
             job.worker = None
             if job.cancelled:                # nobody waits for it any more
                 self._forget(job)
-            elif not job.started and not silent and job.attempt < MAX_ATTEMPTS:
+            elif not job.started and not silent and \
+                    job.attempt - job.handed_back < MAX_ATTEMPTS:
                 self._requeue(job)
             else:
                 self.stats["failed"] += 1

@@ -70,7 +70,8 @@ class SystemMetrics:
     def worker_lost(self, worker: str, device: str, failed: int, outcome: str = "lost") -> None:
         """`failed` requests ended with their worker: lost, or stuck (the watchdog); its
         series are kept until MAX_GONE others have gone since."""
-        self.outcomes[(outcome, worker, device)] += failed
+        if failed:
+            self.outcomes[(outcome, worker, device)] += failed
         self.gone.pop(worker, None)
         self.gone[worker] = None
         while len(self.gone) > MAX_GONE:

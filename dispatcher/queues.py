@@ -20,6 +20,7 @@ class QueuedJob:
     frontend: bytes              # the owning front end's id (also its token topic)
     body: P.SubmittedJob         # the job as the front end sent it (prompt filled in)
     attempt: int = 1
+    handed_back: int = 0         # attempts a stopping worker handed back unstarted
     enqueued_at: float = field(default_factory=time.monotonic)
     worker: bytes | None = None  # the worker running it, once dispatched
     started: bool = False        # the worker took it into a slot (prefill began)
@@ -285,6 +286,9 @@ class WorkerRegistry:
                       and (max_ops is None or len(w.ops) < max_ops)]
         if not candidates:
             return None
+        # a draining worker (one stopping) only where no other can: it serves them, but
+        # each one it has delays its exit
+        candidates = [w for w in candidates if not w.draining] or candidates
         return min(candidates, key=lambda w: (len(w.running) + len(w.ops), w.last_assigned))
 
     def infos(self) -> list[P.WorkerInfo]:

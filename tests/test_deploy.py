@@ -285,27 +285,32 @@ def test_restarting_the_worker_unit_lets_its_stream_finish(deployed):
         line = next(lines)
         if line.startswith(b"data: {"):
             events.append(json.loads(line[6:]))
-    worker = stack.procs.pop("worker")
+    worker = stack.procs["worker"]
     os.killpg(worker.pid, signal.SIGTERM)             # as systemd stops the unit
     later = {}
     meanwhile = threading.Thread(target=lambda: later.update(result=http_json(
         edge, "POST", "/v1/completions", {"prompt": "meanwhile", "max_tokens": 2},
-        timeout=120)))
+        timeout=120)), daemon=True)
     meanwhile.start()
-    done = False
-    for line in lines:
-        if line.strip() == b"data: [DONE]":
-            done = True
-            break
-        if line.startswith(b"data: {"):
-            events.append(json.loads(line[6:]))
-    conn.close()
-    assert done and "error" not in events[-1], events[-1]
-    assert events[-1]["choices"][0]["finish_reason"] == "length"
-    assert "".join(e["choices"][0]["text"] for e in events if "choices" in e)
-    assert worker.wait(timeout=60) == 0, stack.output()
-    stack.start("worker", *unit_command(UNITS / "completions-worker@.service", "cpu",
-                                        deployed["config"]))
+    try:
+        done = False
+        for line in lines:
+            if line.strip() == b"data: [DONE]":
+                done = True
+                break
+            if line.startswith(b"data: {"):
+                events.append(json.loads(line[6:]))
+        conn.close()
+        assert done and "error" not in events[-1], events[-1]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert "".join(e["choices"][0]["text"] for e in events if "choices" in e)
+        assert worker.wait(timeout=60) == 0, stack.output()
+    finally:                                          # systemd's Restart=always
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+        stack.start("worker", *unit_command(UNITS / "completions-worker@.service", "cpu",
+                                            deployed["config"]))
     meanwhile.join(timeout=150)
     assert later["result"][0] == 200, later["result"]
     wait(lambda: healthy(edge), 60, "the new worker", stack)

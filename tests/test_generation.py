@@ -180,6 +180,15 @@ def test_an_infill_is_made_to_fit_its_context_and_only_its_middle_is_bounded(mon
     assert b"a" not in text and b"t" not in text        # the far ends went
     assert text.count(b"p") > 3 * text.count(b"s") > 0  # prefix 3/4, suffix 1/4
     assert made["middle"].error.code == "context_length_exceeded"
+    tokenized = []                                       # a megabyte of prefix is not
+    real = loop.engine.tokenize                          # tokenized to keep its end
+    monkeypatch.setattr(loop.engine, "tokenize", lambda text, *a, **k: tokenized.append(
+        len(text)) or real(text, *a, **k))
+    template._work("huge", job("q" * 1_000_000, suffix="s" * 500_000, max_tokens=16,
+                               infill={"extra": [], "middle": ""}))
+    huge = loop.inbox.get_nowait().prepared.fitted
+    assert huge.cut and len(huge.tokens) == 256 - 16
+    assert max(tokenized) <= (256 - 16) * loop.engine.longest_piece()
     assert made["no-fim"].error.code == "fim_unsupported"
     loop2 = make_loop()                                  # the answer says what went
     loop2.fim_template = loop2.preparer.fim_template = template.fim_template
@@ -238,6 +247,13 @@ def test_a_worker_stopping_on_its_own_finishes_what_runs_and_hands_back_the_rest
     assert end["e"] == "end" and end["usage"]["completion_tokens"] == 8
     beats = [body for cmd, rid, body in loop.notices if cmd == "HEARTBEAT"]
     assert beats and beats[0]["leaving"] is True
+    ops = make_loop()                                    # a /tokenize on its thread:
+    submit(ops, "t", job(op="tokenize", content="abc"))  # waited for, then answered
+    ops._read_inbox(block=False)
+    leaving = StopFlag()
+    leaving.drain(30.0)
+    ops.run(leaving)
+    assert any(cmd == "DONE" and rid == "t" for cmd, rid, _ in ops.notices)
     again = StopFlag()                                   # a second signal: at once
     again.drain(30.0)
     again.drain(30.0)

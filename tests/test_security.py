@@ -181,7 +181,8 @@ def test_with_api_keys_a_loopback_tcp_dispatcher_needs_keys_too(tmp_path):
     base = f"tcp://127.0.0.1:{free_port(5)}"
     keys = tmp_path / "keys"
     keys.write_text("sk-tenant-a\n")
-    for argv in (["serve", "--engine", "fake", "--api-key", "sk-x"],
+    for argv in (["serve", "--engine", "fake", "--api-key", "sk-x", "--port",
+                  str(free_port())],
                  ["broker", "--api-key-file", str(keys)]):
         out = subprocess.run([sys.executable, "-m", "dispatcher", *argv, "--dispatcher",
                               base], capture_output=True, text=True, timeout=60)

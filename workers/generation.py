@@ -57,6 +57,7 @@ class GenerationLoop:
         self.faults = faults or FaultInjection()    # test hooks: none unless given
         self.busy_since: float | None = None    # see stuck_for
         self.leaving_by: float | None = None    # stopping with its own drain: see _left
+        self.ops_running = 0                    # /tokenize, /detokenize on their thread
         self.vocabulary_thread = ThreadPoolExecutor(1, thread_name_prefix="vocabulary")
         # large jobs' tokens and sampler chains, made beside the decoding (preparation.py)
         self.preparer = Preparer(engine, fim_template, self.inbox)
@@ -92,7 +93,8 @@ class GenerationLoop:
                      max(0.0, deadline - time.monotonic()), len(self.waiting))
             self._hand_back()
             self.notify(P.HEARTBEAT, "", P.WorkerBeat(leaving=True))   # takes no more
-        return not self.active or time.monotonic() >= deadline
+        return (not self.active and not self.ops_running and self.inbox.empty()) or \
+            time.monotonic() >= deadline
 
     def _hand_back(self) -> None:
         """Every job not yet started back to the dispatcher (released: it queues them
@@ -137,6 +139,8 @@ class GenerationLoop:
                         self._hand_back()
             case inbox.NewJob(request_id, body) if self.leaving_by is not None and \
                     body.topic and not body.op:
+                if body.adopt:            # (its old generation was superseded: end it)
+                    self.cancel(body.adopt)
                 self.notify(P.DONE, request_id, P.Done(attempt=body.attempt, released=True))
             case inbox.NewJob(request_id, body):
                 if not body.topic:
@@ -200,9 +204,11 @@ class GenerationLoop:
                     log.exception("%s: %s failed", request_id, body.op)
                 done = inbox.OpDone(request_id, body, error=exc)
             self.inbox.put(done)
+        self.ops_running += 1
         self.vocabulary_thread.submit(work)
 
     def _op_done(self, done: inbox.OpDone) -> None:
+        self.ops_running -= 1
         topic, attempt = done.body.topic.encode(), done.body.attempt
         if done.error is not None:
             return self.output.reject(done.request_id, topic, attempt, done.error)

