@@ -6,7 +6,7 @@ import time
 import gevent
 from flask import Flask, request
 
-from dispatcher.common import config, configfile, curve
+from dispatcher.common import config, configfile, curve, protocol as P
 
 
 def create_app(test_config: dict | None = None) -> Flask:
@@ -60,6 +60,16 @@ def create_app(test_config: dict | None = None) -> Flask:
         # the front end's gunicorn worker stamped it (app.gunicorn_worker), else now
         request.environ["completions.arrived_ns"] = getattr(
             gevent.getcurrent(), "completions_arrived_ns", None) or time.time_ns()
+
+    @app.after_request
+    def name_the_request(response):
+        # every answer names its request (the openai packages read it into the error they
+        # raise); one refused before it had an id gets one now, in the access log too
+        if "X-Request-Id" not in response.headers:
+            record = access.current()
+            record["request_id"] = record.get("request_id") or P.new_request_id()
+            response.headers["X-Request-Id"] = record["request_id"]
+        return response
 
     access.init_app(app)               # first: a request refused below is logged too
     cors.init_app(app)                 # before auth: a preflight carries no credentials

@@ -143,16 +143,10 @@ def from_wire(error) -> APIError:
 
 
 def error_response(error: APIError):
-    from app import access
     response = jsonify(error.to_dict())
     response.status_code = error.status
     for name, value in error.headers.items():
         response.headers[name] = value
-    # every answer names its request (the openai packages read it into the error they
-    # raise); one refused before it had an id gets one now, in the access log too
-    record = access.current()
-    record["request_id"] = record.get("request_id") or P.new_request_id()
-    response.headers["X-Request-Id"] = record["request_id"]
     if error.status == 409:
         # superseded by a newer request of the session: the openai packages retry a 409
         # (a lock timeout to them) unless told not to, and the retry superseded the newer

@@ -53,7 +53,8 @@ def test_each_request_gets_one_line_once_answered(tmp_path):
     response = http.post("/v1/completions", json={"prompt": "x", "stream": True})
     assert response.get_data().endswith(b"data: [DONE]\n\n")
     response.close()
-    http.post("/v1/completions", json={"prompt": "x", "max_tokens": "5"}).close()
+    refused = http.post("/v1/completions", json={"prompt": "x", "max_tokens": "5"})
+    refused.close()
     http.get("/health").close()
     lines = [parse(line) for line in log.read_text().splitlines()]
     assert "secret" not in log.read_text()
@@ -66,7 +67,8 @@ def test_each_request_gets_one_line_once_answered(tmp_path):
         == ("3", "1", "5")
     assert first["user_agent"] == "llama.vim" and first["error"] == "-"
     assert float(first["ttft_ms"]) <= float(first["duration_ms"])
-    assert lines[2]["error"] == "invalid_value" and lines[2]["request_id"] == "-"
+    assert lines[2]["error"] == "invalid_value"        # named as its answer names it
+    assert lines[2]["request_id"] == refused.headers["X-Request-Id"]
 
 
 def test_off_writes_nothing(tmp_path, capsys):
