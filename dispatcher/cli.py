@@ -3,6 +3,7 @@
 `soak`."""
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -48,15 +49,21 @@ def access_log_problem(destination: str) -> str | None:
     return None if writable else f"--access-log {destination}: not writable"
 
 
-def _port_free(host: str, port: int) -> bool:
+def _port_problem(host: str, port: int) -> str | None:
+    """Why the front ends could not listen at host:port, in one line (None: they can)."""
+    host = host.strip("[]")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError:
-            return False
-    return True
+        except socket.gaierror as exc:
+            return f"--host {host}: not a name or address this host knows ({exc.strerror})"
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"{host}:{port} is already in use"
+            return f"cannot listen at {host}:{port}: {exc.strerror or exc}"
+    return None
 
 
 def signal_handler(broker, grace: float):
@@ -142,8 +149,8 @@ def cmd_serve(args) -> int:
             raise SystemExit(f"--draft-model: {exc}") from None
     if args.frontends and access_log_problem(args.access_log):
         raise SystemExit(access_log_problem(args.access_log))
-    if args.frontends and not _port_free(args.host, args.port):
-        raise SystemExit(f"{args.host}:{args.port} is already in use")
+    if args.frontends and _port_problem(args.host, args.port):
+        raise SystemExit(_port_problem(args.host, args.port))
     if args.log_content:
         log.warning("--log-content: request content (prompts, grammars) may reach the logs "
                     "of this server and its workers at --log-level debug")

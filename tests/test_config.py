@@ -133,3 +133,43 @@ def test_step_timeout_is_auto_seconds_or_refused(monkeypatch):
 ])
 def test_the_watchdog_limit_follows_the_measured_full_batch(full_step_s, slots, expected):
     assert config.derived_step_timeout(full_step_s, slots) == pytest.approx(expected)
+
+
+def test_a_flag_equal_to_its_default_still_counts_as_given(monkeypatch):
+    """`--curve-name local` or `--nctx 4096` is given on the command line even though it
+    equals the default: it overrides the config file (it was taken as unset)."""
+    args = parse(["--port", "8080"], {}, monkeypatch, names=("port", "engine"))
+    assert "port" in args.explicit and "engine" not in args.explicit
+
+
+def test_config_values_of_the_wrong_shape_are_refused_in_one_line():
+    """A list, a table or a boolean where a string or number goes was turned into its
+    text (host ['0.0.0.0'], an access log named 'true'); deterministic "false" was on."""
+    from dispatcher.common import configfile
+    for value in (["0.0.0.0"], {"a": 1}, True):
+        with pytest.raises(ValueError, match="must be a string"):
+            configfile.coerce(config.OPTIONS["host"], value)
+    with pytest.raises(ValueError, match="must be a whole number"):
+        configfile.coerce(config.OPTIONS["port"], True)
+    assert configfile.coerce(config.OPTIONS["usage_by_key"], False) is False
+    with pytest.raises(configfile.ConfigError, match="deterministic must be true or false"):
+        configfile.plan({"models": [{"deterministic": "false"}]},
+                        argparse.Namespace(**{o.name: o.default for o in
+                                              config.OPTIONS.values()}, explicit=set()),
+                        lambda p: p or "m.gguf", str)
+
+
+def test_a_worker_on_its_own_takes_its_profiles_entry_and_its_flags_win(tmp_path):
+    """Two entries on one device: the profile given picks one (none given: refused,
+    naming both); the worker's own flags override its entry, as its help says."""
+    from workers.worker import parse_launch
+    cfg = tmp_path / "w.toml"
+    cfg.write_text('[[workers]]\ndevice = "cpu@interactive"\nslots = 2\n'
+                   '[[workers]]\ndevice = "cpu@batch"\nslots = 3\nnctx = 8192\n')
+    base = ["--config", str(cfg), "--dispatcher", f"ipc://{tmp_path}/d", "--engine", "fake"]
+    batch = parse_launch(base + ["--device", "cpu@batch"]).args
+    assert (batch.nctx, batch.slots) == (8192, 3)
+    flagged = parse_launch(base + ["--device", "cpu@batch", "--nctx", "4096"]).args
+    assert (flagged.nctx, flagged.slots) == (4096, 3)
+    with pytest.raises(SystemExit):
+        parse_launch(base + ["--device", "cpu"])

@@ -253,7 +253,7 @@ def test_the_common_prefix_compared_a_slice_at_a_time():
 
 def test_serve_refuses_a_missing_draft_model_in_one_line(tmp_path):
     """`serve` checks the draft model's path before it starts anything."""
-    done = subprocess.run([sys.executable, "-m", "dispatcher", "serve", "--port", "0",
+    done = subprocess.run([sys.executable, "-m", "dispatcher", "serve", "--port", "1",
                            "--frontends", "0", "--dispatcher", f"ipc://{tmp_path}/d",
                            "--draft-model", str(tmp_path / "missing.gguf")],
                           capture_output=True, text=True, timeout=60)

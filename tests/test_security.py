@@ -403,3 +403,25 @@ def test_key_files_others_could_read_or_change_are_refused(tmp_path):
     (root / "authorized" / "workers").chmod(0o777)
     with _pytest.raises(curve.CurveKeyError, match="workers: mode 0777 lets others write"):
         curve.DispatcherKeys.load(str(root))
+
+
+def test_keygen_never_takes_over_a_directory_or_a_reserved_name(tmp_path):
+    """keygen made any directory it was given 0700 (as root, `keygen .` or `/tmp` locked
+    everyone else out), took `ops` or `dispatcher` as a part's name (moving the ops key
+    out of authorized/ops), and wrote keys before refusing a bad name."""
+    import pytest as _pytest
+    from dispatcher.common import curve
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    (shared / "notes.txt").write_text("x")
+    with _pytest.raises(curve.CurveKeyError, match="holds other files and no keys"):
+        curve.keygen(str(shared))
+    assert shared.stat().st_mode & 0o777 == 0o755
+    for name in ("ops", "dispatcher", "local", "../evil"):
+        with _pytest.raises(curve.CurveKeyError, match="plain file name"):
+            curve.keygen(str(tmp_path / "new"), workers=["fine", name])
+        assert not (tmp_path / "new").exists()             # nothing written first
+    with _pytest.raises(curve.CurveKeyError, match="give the key directory"):
+        curve.keygen("")
+    assert curve.keygen(str(tmp_path / "keys")) == ["dispatcher", "local", "ops"]
+    assert curve.keygen(str(tmp_path / "keys"), workers=["gpu2"]) == ["gpu2"]

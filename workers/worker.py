@@ -216,8 +216,9 @@ def _from_config_file(args, spec, file_data: dict):
         args.deterministic = worker.model.deterministic
         args.fim_template = args.fim_template or worker.model.fim_template
     args.name = args.name or worker.name
-    args.nctx, args.ngl, args.slots = worker.nctx, worker.ngl, worker.slots
-    args.kv_type, args.batch, args.ubatch = worker.kv_type, worker.batch, worker.ubatch
+    for name in ("nctx", "ngl", "slots", "kv_type", "batch", "ubatch"):
+        if name not in args.explicit:           # (a flag or variable overrides the file)
+            setattr(args, name, getattr(worker, name))
     return worker.device, args
 
 

@@ -133,6 +133,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = _integer(text)
+    if not 1 <= value <= 65535:
+        raise OptionValueError(f"must be a port from 1 to 65535, got {value}")
+    return value
+
+
 DEFAULT_SLOTS = {"cpu": 8, "gpu": 16, "npu": 16}
 # KV cache cell types a worker may use, with their bytes per cell (ggml's blocks of 32:
 # q8_0 34 bytes, q4_0 18), for the memory estimate before loading
@@ -148,7 +155,7 @@ def check_context_shape(kv_type: str, batch: int, ubatch: int) -> None:
 
 OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("host", "127.0.0.1", "address the HTTP front ends listen on"),
-    Option("port", 8080, "port the HTTP front ends listen on", _non_negative_int),
+    Option("port", 8080, "port the HTTP front ends listen on (1-65535)", _port),
     Option("frontends", 1, "number of gunicorn front-end processes (0: none)", _non_negative_int),
     Option("model", None, "path of the GGUF model (default: the bundled Gemma 3 270M Q4_K_M)"),
     Option("model_id", None, "model name clients send (default: the file name without .gguf)"),
@@ -357,6 +364,17 @@ def env_is_set(option: Option, environ: dict | None = None) -> bool:
     return environ.get(option.env, "") != ""
 
 
+class _Given(argparse.Action):
+    """Store the value and note that the command line gave this option (`resolve`: a
+    flag equal to its default still overrides the config file)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, self.const if values is None else values)
+        given = getattr(namespace, "_given", None) or set()
+        given.add(self.dest)
+        setattr(namespace, "_given", given)
+
+
 def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
                 file_values: dict | None = None) -> None:
     """Declare the named options on an argparse parser. Each defaults to its environment
@@ -376,10 +394,10 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
             parser.set_defaults(**{f"_{name}_default": default})
         elif option.type is _boolean:        # `--flag` alone means true; `--flag false`
             parser.add_argument(option.flag, dest=name, type=option.type, default=default,
-                                nargs="?", const=True, help=help_text)
+                                nargs="?", const=True, help=help_text, action=_Given)
         else:
             parser.add_argument(option.flag, dest=name, type=option.type, default=default,
-                                choices=option.choices, help=help_text)
+                                choices=option.choices, help=help_text, action=_Given)
 
 
 def load_keys(inline: str | None, path: str | None) -> list[bytes]:
@@ -442,7 +460,7 @@ def resolve(args: argparse.Namespace, file_data: dict | None = None) -> Settings
     for name, option in OPTIONS.items():
         if name not in parsed:
             continue
-        explicit = env_is_set(option)
+        explicit = env_is_set(option) or name in (parsed.get("_given") or ())
         if option.repeat:
             if parsed[name] is None:
                 setattr(settings, name, parsed.get(f"_{name}_default", option.default))

@@ -145,7 +145,15 @@ def coerce(option: config.Option, value):
     if option.repeat:
         if not isinstance(value, list):
             value = [value]
+        if not all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
+                   for v in value):
+            raise ValueError(f"must be a list of values, got {value!r}")
         return [option.type(str(v)) for v in value]
+    if isinstance(value, (list, dict)) or (isinstance(value, bool) and not isinstance(
+            option.default, bool)):
+        kind = {str: "a string", int: "a whole number", float: "a number"}.get(
+            type(option.default), "one value")
+        raise ValueError(f"must be {kind}, got {value!r}")
     if isinstance(value, bool):
         value = "true" if value else "false"
     parsed = option.type(str(value))
@@ -163,10 +171,22 @@ def effective(names, environ: dict | None = None) -> dict:
     """Option values for a process without flags (a front end under gunicorn): the
     variable, else the file named by COMPLETIONS_CONFIG, else the default."""
     environ = os.environ if environ is None else environ
-    file_values = server_defaults(read(environ.get(config.OPTIONS["config"].env)))
-    return {name: config.env_value(config.OPTIONS[name], environ)
-            if config.env_is_set(config.OPTIONS[name], environ)
-            else file_values.get(name, config.OPTIONS[name].default) for name in names}
+    try:
+        file_values = server_defaults(read(environ.get(config.OPTIONS["config"].env)))
+    except ConfigError as exc:
+        raise SystemExit(exc.report()) from None
+    except ValueError as exc:          # ([server]'s values: coerce)
+        raise SystemExit(f"configuration problem: [server]: {exc}") from None
+    values = {}
+    for name in names:
+        option = config.OPTIONS[name]
+        try:
+            values[name] = config.env_value(option, environ) \
+                if config.env_is_set(option, environ) \
+                else file_values.get(name, option.default)
+        except (ValueError, TypeError) as exc:   # (OptionValueError is a ValueError)
+            raise SystemExit(f"{option.env}: {exc}") from None
+    return values
 
 
 def plan_for(args) -> Plan:
@@ -214,7 +234,7 @@ def _plan_models(data: dict, args, resolve_model, model_id_of,
                 id=str(entry.get("id") or model_id_of(path)), path=path,
                 nctx=_int(entry, "nctx", args.nctx, 1), ngl=_int(entry, "ngl", args.ngl, 0),
                 slots=_int(entry, "slots", args.slots, 0),
-                deterministic=bool(entry.get("deterministic", args.deterministic)),
+                deterministic=_bool(entry, "deterministic", args.deterministic),
                 aliases=_aliases(entry.get("aliases")),
                 fim_template=_fim_template(entry.get("fim_template",
                                                      getattr(args, "fim_template", None)))))
@@ -326,13 +346,27 @@ def _aliases(value) -> tuple[str, ...]:
 
 
 def worker_entry(data: dict, device: str) -> dict:
-    """The file's [[workers]] entry for `device` (matched without its profile), with only
-    that worker, for a worker process started on its own (systemd, another host)."""
-    wanted = device.split("@")[0].strip().lower()
-    for entry in data.get("workers", []):
-        if str(entry.get("device", "")).split("@")[0].strip().lower() == wanted:
-            return {**data, "workers": [entry]}
-    raise ConfigError([f"no [[workers]] entry for device {device!r} in the config file"])
+    """The file's [[workers]] entry for `device`, with only that worker, for a worker
+    process started on its own (systemd, another host). Devices are compared as parsed
+    (`cuda:00` is `cuda:0`); a profile given (`cpu@batch`) must be the entry's, and
+    where several entries share the device one must be given."""
+    wanted = parse_device(device)
+
+    def same(entry) -> bool:
+        try:
+            spec = parse_device(str(entry.get("device", "")))
+        except ValueError:
+            return False
+        return str(spec).split("@")[0] == str(wanted).split("@")[0] and (
+            wanted.profile is None or spec.profile == wanted.profile)
+    found = [entry for entry in data.get("workers", []) if same(entry)]
+    if len(found) > 1:
+        raise ConfigError([f"{len(found)} [[workers]] entries are for device {device!r}: "
+                           "name the profile too (" + ", ".join(
+                               repr(str(e.get("device"))) for e in found) + ")"])
+    if not found:
+        raise ConfigError([f"no [[workers]] entry for device {device!r} in the config file"])
+    return {**data, "workers": found}
 
 
 def _context_shape(entry: dict, args) -> dict:
@@ -342,6 +376,13 @@ def _context_shape(entry: dict, args) -> dict:
     ubatch = _int(entry, "ubatch", getattr(args, "ubatch", 512), 1)
     config.check_context_shape(kv_type, batch, ubatch)
     return {"kv_type": kv_type, "batch": batch, "ubatch": ubatch}
+
+
+def _bool(entry: dict, key: str, default: bool) -> bool:
+    value = entry.get(key, default)
+    if not isinstance(value, bool):       # ("false" is a true string)
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
 
 
 def _int(entry: dict, key: str, default: int, minimum: int) -> int:

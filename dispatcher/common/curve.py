@@ -39,11 +39,29 @@ class CurveKeyError(ValueError):
     """A key directory that cannot be used, said in one line."""
 
 
+RESERVED = ("dispatcher", LOCAL, OPS)     # key names keygen gives itself
+
+
 def keygen(directory: str, workers: list[str] = (), frontends: list[str] = ()) -> list[str]:
-    """Write (or add to) a key directory; returns the names of the pairs written."""
+    """Write (or add to) a key directory; returns the names of the pairs written. Every
+    name is checked before anything is written; a directory that exists must be a key
+    directory (or empty): keygen never takes over another one (it made it 0700)."""
+    if not str(directory).strip():
+        raise CurveKeyError("give the key directory, e.g. /etc/completions/curve")
+    for name in [*workers, *frontends]:
+        if not name or "/" in name or name.startswith(".") or name in RESERVED:
+            raise CurveKeyError(f"a key name is a plain file name other than "
+                                f"{', '.join(RESERVED)}, got {name!r}")
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    os.chmod(root, 0o700)
+    if root.exists() and not root.is_dir():
+        raise CurveKeyError(f"{root} is not a directory")
+    if root.is_dir() and any(root.iterdir()) and not (root / "dispatcher.key_secret").exists():
+        raise CurveKeyError(f"{root} holds other files and no keys: give keygen a new or "
+                            "empty directory, or an earlier key directory")
+    if not root.is_dir():
+        root.mkdir(parents=True)
+    if not (root / "dispatcher.key_secret").exists():
+        os.chmod(root, 0o700)           # (a new or empty directory: now the keys')
     for role in ROLES:
         (root / "authorized" / role).mkdir(parents=True, exist_ok=True)
         os.chmod(root / "authorized" / role, 0o700)
@@ -53,8 +71,6 @@ def keygen(directory: str, workers: list[str] = (), frontends: list[str] = ()) -
     roles.update({name: ("frontends",) for name in frontends})
     written = []
     for name, authorized in roles.items():
-        if not name or "/" in name or name.startswith("."):
-            raise CurveKeyError(f"a key name is a plain file name, got {name!r}")
         if not (root / f"{name}.key_secret").exists():
             zmq.auth.create_certificates(str(root), name)
             os.chmod(root / f"{name}.key_secret", 0o600)
