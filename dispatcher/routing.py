@@ -31,6 +31,13 @@ def routed_text(job: P.Job) -> str:
     text = prompt if isinstance(prompt, str) else json.dumps(prompt)
     if job.suffix is not None:
         text = "\x00fim\x00" + text + "\x00suffix\x00" + job.suffix
+    infill = getattr(job, "infill", None)
+    if infill is not None:
+        # /infill's chunks come first in its tokens (llama.vim's ring, the same in every
+        # request and warm-up of a user): a warm-up is drawn to the worker its
+        # completions go to, and they to the one it filled; the typed line comes last
+        text = "".join(f"\x00chunk\x00{c.get('filename') or ''}\x00{c.get('text') or ''}"
+                       for c in infill.extra) + text + "\x00middle\x00" + infill.middle
     if job.tenant is not None:
         text = "\x00tenant\x00" + job.tenant + "\x00" + text
     return text

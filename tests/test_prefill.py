@@ -14,12 +14,16 @@ class FakeEngine:
         return 0
 
 
-EXTRA = [{"filename": f"f{i}", "text": "x" * 97} for i in range(4)]   # 100 tokens each
-PROMPT = list(range(500))           # the 4 chunks and 100 more
+CHUNKS = 4                          # 100 tokens each, before 100 more
+
+
+def tokens_for(k: int) -> list[int]:
+    """The prompt without its oldest k chunks."""
+    return list(range(100 * k, 500))
 
 
 def dropped(meter: PrefillMeter, budget_ms: float) -> int:
-    return meter.chunks_over_budget(PROMPT, EXTRA, budget_ms, [0], reuse=True)
+    return meter.chunks_over_budget(tokens_for, CHUNKS, budget_ms, [0], reuse=True)
 
 
 def test_nothing_is_left_out_before_a_rate_was_measured():
@@ -60,3 +64,31 @@ def test_short_prefills_are_not_measured():
     meter.measure(500, 1.0)
     meter.measure(PrefillMeter.MIN_TOKENS - 1, 1000.0)
     assert meter.rate is None
+
+
+class CachingEngine(FakeEngine):
+    """A slot holds the chunks' 400 tokens (a warm-up filled them)."""
+
+    def cached_prefix(self, tokens, free_slots) -> int:
+        held = list(range(400))
+        n = 0
+        while n < min(len(tokens), len(held)) and tokens[n] == held[n]:
+            n += 1
+        return n
+
+
+def test_chunks_a_warm_up_cached_are_kept_when_leaving_them_out_costs_more():
+    """llama.vim's warm-up cached the ring; a keystroke's new prefix and suffix alone
+    miss the budget. Leaving chunks out loses the cached prefix after them, so it would
+    prefill more, not less: none are left out (all were, and took seconds more)."""
+    meter = PrefillMeter(CachingEngine())
+    for ms in (5000.0, 500.0):          # (the first, cold, is not counted): 1 token/ms,
+        meter.measure(500, ms)          # the 100 uncached tokens take 100 ms
+    assert meter.rate == 1.0
+    assert meter.chunks_over_budget(tokens_for, CHUNKS, 50, [0], reuse=True) == 0
+    assert meter.chunks_over_budget(tokens_for, CHUNKS, 100, [0], reuse=True) == 0
+    cold = PrefillMeter(FakeEngine())   # nothing cached: the fewest that fit, or the
+    for ms in (5000.0, 500.0):          # cheapest (all) where none does
+        cold.measure(500, ms)
+    assert cold.chunks_over_budget(tokens_for, CHUNKS, 250, [0], reuse=True) == 3
+    assert cold.chunks_over_budget(tokens_for, CHUNKS, 50, [0], reuse=True) == 4

@@ -63,6 +63,25 @@ def test_choose_weighs_the_cached_prefix_against_load():
     assert r.choose(job("m2", "other-model")) is None
 
 
+def test_an_infill_is_drawn_to_the_worker_holding_its_ring_of_chunks():
+    """llama.vim's /infill puts its ring of chunks first in the prompt, the same in its
+    warm-ups and completions: routing saw only the prefix and suffix, so a warm-up (both
+    empty) went to the least recently used worker, not the one its completions use."""
+    ring = [{"filename": f"f{i}.py", "text": "def f():\n    return 1\n" * 20}
+            for i in range(4)]
+    r = WorkerRegistry()
+    a = r.add(b"a", info(slots=4, fim=True), 0.0)
+    b = r.add(b"b", info(slots=4, fim=True), 0.0)
+    warm = job("warm", prompt=[""], suffix="", infill=P.Infill(extra=ring, middle=""))
+    a.remember(warm)
+    b.last_assigned = -1.0                              # (b: the least recently used)
+    typed = job("typed", prompt=["def area(r):\n    "], suffix="\n",
+                infill=P.Infill(extra=ring, middle="ret"))
+    assert r.choose(typed) is a
+    other = job("other", prompt=["x"], suffix="", infill=P.Infill(extra=[], middle=""))
+    assert r.choose(other) is b
+
+
 def test_a_request_counts_once_in_the_queue_and_cannot_starve_others():
     q = RequestQueue()
     for c in range(5):

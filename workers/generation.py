@@ -29,7 +29,7 @@ from workers.interface import Engine
 from workers.active import Active, EditorLimits, LogprobLedger
 from workers.preparation import Preparer, sampling_of
 from workers.prompts import (context_limit, fitted_prompt, may_drop_extra, prompt_text,
-                             prompt_tokens, vocabulary_op)
+                             vocabulary_op)
 from workers.sampling import SamplingParams
 from workers.textstream import TextAssembler
 
@@ -252,22 +252,19 @@ class GenerationLoop:
         topic = body.topic.encode()
         sampling = sampling_of(gen, self.engine)
         extra = list(body.infill.extra) if body.infill else []
-        middle = body.infill.middle if body.infill else ""
         fitted = prepared.fitted if prepared is not None else fitted_prompt(
             self.engine, body, self.fim_template, extra)
-        tokens, dropped = fitted.tokens, fitted.dropped
+        tokens, dropped, parts = fitted.tokens, fitted.dropped, fitted.parts
         extra = extra[dropped:]          # (a cut prefix or suffix: none left)
-        if extra and may_drop_extra(gen):
+        if extra and parts is not None and may_drop_extra(gen):
             # llama.cpp declares t_max_prompt_ms and never implemented it: drop the
             # oldest extra chunks until the prefill fits, at this worker's measured rate
-            over = self.prefill.chunks_over_budget(tokens, extra,
-                                                   float(gen.t_max_prompt_ms),
-                                                   self._own_slots(body.tenant),
-                                                   gen.cache_prompt)
+            over = self.prefill.chunks_over_budget(
+                lambda k: parts.tokens(self.engine, dropped + k), len(extra),
+                float(gen.t_max_prompt_ms), self._own_slots(body.tenant), gen.cache_prompt)
             if over:
                 extra, dropped = extra[over:], dropped + over
-                tokens = prompt_tokens(self.engine, body.prompt, body.suffix,
-                                       self.fim_template, extra, middle)
+                tokens = parts.tokens(self.engine, dropped)
         n_ctx = context_limit(self.engine, body)
         if len(tokens) >= n_ctx:
             raise InvalidInput(f"This model's maximum context length is {n_ctx} tokens, but "

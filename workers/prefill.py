@@ -45,17 +45,20 @@ class PrefillMeter:
         cached = self.engine.cached_prefix(tokens, free_slots) if reuse else 0
         return (len(tokens) - cached) / self.rate
 
-    def chunks_over_budget(self, tokens: list[int], extra: list[dict], budget: float,
+    def chunks_over_budget(self, tokens_for, chunks: int, budget: float,
                            free_slots: list[int], reuse: bool) -> int:
-        """How many of the oldest extra chunks to leave out so that the prefill fits
-        `budget` ms. Each chunk is tokenized once: the cost is linear in the chunks."""
-        if not self.rate or self.estimate_ms(tokens, free_slots, reuse) <= budget:
+        """How many of the oldest `chunks` extra chunks to leave out so that the prefill
+        fits `budget` ms (`tokens_for(k)`: the prompt without the oldest k): the fewest
+        that do. The chunks come first in the prompt, so leaving one out also loses the
+        cached prefix after it (llama.vim's warm-ups cached them all): where none fits,
+        the number whose prefill is cheapest, none on a tie, never more than that (the
+        context was all left out to save a few ms of a prefill that took seconds more)."""
+        if not self.rate:
             return 0
-        total = len(tokens)         # once the first chunk goes, the cached prefix goes too
-        for dropped, chunk in enumerate(extra, start=1):
-            total -= len(self.engine.tokenize(
-                str(chunk.get("filename") or "") + "\n" + str(chunk.get("text") or ""),
-                add_special=False, parse_special=False)) + 1
-            if total / self.rate <= budget:
-                return dropped
-        return len(extra)
+        costs = []
+        for k in range(chunks + 1):
+            cost = self.estimate_ms(tokens_for(k), free_slots, reuse)
+            if cost <= budget:
+                return k
+            costs.append(cost)
+        return min(range(chunks + 1), key=lambda k: (costs[k], k))

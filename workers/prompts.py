@@ -156,6 +156,7 @@ class Fitted:
     tokens: list[int]
     dropped: int = 0          # the oldest input_extra chunks left out
     cut: bool = False         # ... and the prefix's start or the suffix's end
+    parts: "InfillParts | None" = None   # an /infill's, to leave out more chunks
 
 
 @dataclass
@@ -236,10 +237,10 @@ class InfillParts:
                 total -= len(self.opening) + len(self.closing)
         if total <= budget:
             return Fitted(self.tokens(engine, dropped) if dropped else tokens, dropped,
-                          self.precut)
+                          self.precut, self)
         room = len(self.prefix) + len(self.suffix) - (total - budget)
         if room <= 0:
-            return Fitted(self.tokens(engine, dropped), dropped, self.precut)
+            return Fitted(self.tokens(engine, dropped), dropped, self.precut, self)
         suffix = min(len(self.suffix), max(room // 4, room - len(self.prefix)))
         prefix = room - suffix
         cut = InfillParts(self.template, [], [], [], self.prefix[len(self.prefix) - prefix:],
