@@ -224,6 +224,24 @@ def test_chunked_prefill_never_stalls_a_running_stream_and_serves_short_prompts_
         engine.close()
 
 
+def test_a_warm_up_prefills_only_with_the_room_a_waited_for_prompt_leaves(model_path):
+    """llama.vim's cache warm-ups (nothing to generate; nobody reads their answer) came
+    before a longer keystroke's prompt, shortest first: the keystroke now goes first."""
+    from workers.engine.llama import LlamaEngine
+    engine = LlamaEngine(model_path, 2048, 2, THREADS, 0, prefill_chunk=64, draft_max=0)
+    try:
+        warm = engine.tokenize("x = 1\n" * 10)
+        typed = engine.tokenize("def helper(value):\n    return value\n" * 12)
+        assert len(warm) < len(typed) and len(typed) > 64
+        engine.add(0, warm, GREEDY, budget=0)
+        engine.add(1, typed, GREEDY)
+        engine.step()
+        assert len(engine.slots[0].pending) == len(warm)      # the warm-up waited
+        assert len(engine.slots[1].pending) == len(typed) - 64
+    finally:
+        engine.close()
+
+
 def test_a_step_that_finishes_a_prompt_takes_no_piece_of_another(model_path):
     """A cold burst: two short prompts and three that each fill half a batch. The step
     that finishes the short ones (together: small ones join) takes no piece of a half,
