@@ -9,10 +9,14 @@ import os
 import signal
 
 from dispatcher.common import logs as _logs
+from dispatcher.common.configfile import SettingError as _SettingError
 from dispatcher.common.configfile import effective as _effective
 
-_options = _effective(["host", "port", "frontends", "log_level", "log_format",
-                       "max_connections"])
+try:
+    _options = _effective(["host", "port", "frontends", "log_level", "log_format",
+                           "max_connections"])
+except _SettingError as _exc:          # one line, not a traceback
+    raise SystemExit(str(_exc)) from None
 _host, _port = _options["host"], _options["port"]
 
 wsgi_app = "app:create_app()"

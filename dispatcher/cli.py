@@ -149,8 +149,9 @@ def cmd_serve(args) -> int:
             raise SystemExit(f"--draft-model: {exc}") from None
     if args.frontends and access_log_problem(args.access_log):
         raise SystemExit(access_log_problem(args.access_log))
-    if args.frontends and _port_problem(args.host, args.port):
-        raise SystemExit(_port_problem(args.host, args.port))
+    problem = _port_problem(args.host, args.port) if args.frontends else None
+    if problem:
+        raise SystemExit(problem)
     if args.log_content:
         log.warning("--log-content: request content (prompts, grammars) may reach the logs "
                     "of this server and its workers at --log-level debug")

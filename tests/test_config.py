@@ -159,7 +159,8 @@ def test_config_values_of_the_wrong_shape_are_refused_in_one_line():
                         lambda p: p or "m.gguf", str)
 
 
-def test_a_worker_on_its_own_takes_its_profiles_entry_and_its_flags_win(tmp_path):
+def test_a_worker_on_its_own_takes_its_profiles_entry_and_its_flags_win(tmp_path,
+                                                                        monkeypatch):
     """Two entries on one device: the profile given picks one (none given: refused,
     naming both); the worker's own flags override its entry, as its help says."""
     from workers.worker import parse_launch
@@ -173,3 +174,19 @@ def test_a_worker_on_its_own_takes_its_profiles_entry_and_its_flags_win(tmp_path
     assert (flagged.nctx, flagged.slots) == (4096, 3)
     with pytest.raises(SystemExit):
         parse_launch(base + ["--device", "cpu"])
+    monkeypatch.setenv("COMPLETIONS_NCTX", "1024")      # an env file all the units share:
+    shared = parse_launch(base + ["--device", "cpu@batch"]).args   # the entry's own size
+    assert shared.nctx == 8192
+    split = tmp_path / "s.toml"                         # (the shipped file's form: the
+    split.write_text('[[workers]]\ndevice = "cpu"\nprofile = "interactive"\n'   # profile
+                     '[[workers]]\ndevice = "cpu"\nprofile = "batch"\nslots = 3\n')  # apart)
+    base[1] = str(split)
+    assert parse_launch(base + ["--device", "cpu@batch"]).args.slots == 3
+
+
+def test_a_bad_variable_of_a_front_end_is_one_line_naming_it():
+    """A front end under gunicorn reads its options without flags: a bad variable was a
+    traceback that did not name it."""
+    from dispatcher.common import configfile
+    with pytest.raises(configfile.SettingError, match="COMPLETIONS_PORT: must be a port"):
+        configfile.effective(["port"], {"COMPLETIONS_PORT": "99999"})

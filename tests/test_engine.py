@@ -240,6 +240,14 @@ def test_a_warm_up_prefills_only_with_the_room_a_waited_for_prompt_leaves(model_
         assert len(engine.slots[1].pending) == len(typed) - 64
     finally:
         engine.close()
+    engine = LlamaEngine(model_path, 2048, 2, THREADS, 0, prefill_chunk=64, draft_max=0)
+    try:                                       # scoring (echo, logprobs, max_tokens 0):
+        engine.add(0, warm, GREEDY, budget=0, prompt_logprobs=True)   # read, not a
+        engine.add(1, typed, GREEDY)                                  # warm-up
+        engine.step()
+        assert len(engine.slots[0].pending) < len(warm)
+    finally:
+        engine.close()
 
 
 def test_a_step_that_finishes_a_prompt_takes_no_piece_of_another(model_path):

@@ -375,7 +375,7 @@ def test_a_worker_key_takes_only_names_no_longer_key_name_holds(tmp_path):
     """Keys `gpu` and `gpu-2`: `gpu-2-cuda0-7` is key gpu-2's name, so key gpu may not
     register it first and lock that host out; each key keeps its own names, `local` any."""
     from dispatcher.common import curve
-    curve.keygen(str(tmp_path / "k"), workers=["gpu", "gpu-2"])
+    curve.keygen(str(tmp_path / "k"), workers=["gpu", "gpu-2"], frontends=["gpu-3"])
     keys = curve.DispatcherKeys.load(str(tmp_path / "k"))
     by_name = {name: key for key, name in keys.names.items()}
     gpu, gpu2, local = by_name["gpu"], by_name["gpu-2"], by_name["local"]
@@ -385,6 +385,7 @@ def test_a_worker_key_takes_only_names_no_longer_key_name_holds(tmp_path):
     assert not keys.may_register(gpu2, "gpu-cuda0-7", {})
     assert keys.may_register(local, "gpu-2-cuda0-7", {})
     assert not keys.may_register(gpu, "other-1", {})
+    assert keys.may_register(gpu, "gpu-3-cuda0", {})     # a front end's key owns no worker
 
 
 def test_key_files_others_could_read_or_change_are_refused(tmp_path):
@@ -412,7 +413,8 @@ def test_keygen_never_takes_over_a_directory_or_a_reserved_name(tmp_path):
     import pytest as _pytest
     from dispatcher.common import curve
     shared = tmp_path / "shared"
-    shared.mkdir(mode=0o755)
+    shared.mkdir()
+    shared.chmod(0o755)                                # (whatever the umask)
     (shared / "notes.txt").write_text("x")
     with _pytest.raises(curve.CurveKeyError, match="holds other files and no keys"):
         curve.keygen(str(shared))

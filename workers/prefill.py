@@ -48,17 +48,19 @@ class PrefillMeter:
     def chunks_over_budget(self, tokens_for, chunks: int, budget: float,
                            free_slots: list[int], reuse: bool) -> int:
         """How many of the oldest `chunks` extra chunks to leave out so that the prefill
-        fits `budget` ms (`tokens_for(k)`: the prompt without the oldest k): the fewest
-        that do. The chunks come first in the prompt, so leaving one out also loses the
-        cached prefix after it (llama.vim's warm-ups cached them all): where none fits,
-        the number whose prefill is cheapest, none on a tie, never more than that (the
-        context was all left out to save a few ms of a prefill that took seconds more)."""
+        fits `budget` ms (`tokens_for(k)`: the prompt without the oldest k): none where
+        the whole prompt fits as cached; else the fewest whose whole prompt fits
+        uncached (leaving a chunk out loses the cached prefix after it: the chunks come
+        first); where none does, all only if that is cheaper than keeping them all (a
+        keystroke after llama.vim's warm-up cached the ring left it all out, and
+        prefilled seconds more). The cache is read once: a look per k over every slot
+        stalled the streams for a fifth of a second."""
         if not self.rate:
             return 0
-        costs = []
-        for k in range(chunks + 1):
-            cost = self.estimate_ms(tokens_for(k), free_slots, reuse)
-            if cost <= budget:
+        kept = self.estimate_ms(tokens_for(0), free_slots, reuse)
+        if kept <= budget:
+            return 0
+        for k in range(1, chunks + 1):
+            if len(tokens_for(k)) / self.rate <= budget:
                 return k
-            costs.append(cost)
-        return min(range(chunks + 1), key=lambda k: (costs[k], k))
+        return chunks if len(tokens_for(chunks)) / self.rate < kept else 0

@@ -212,12 +212,16 @@ def _from_config_file(args, spec, file_data: dict):
     args.explicit.discard("device")        # the entry's device is this one, as given
     worker = configfile.plan(data, args, resolve_model_path, default_model_id).workers[0]
     if "model" not in args.explicit:
-        args.model, args.model_id = str(worker.model.path), worker.model.id
-        args.deterministic = worker.model.deterministic
+        args.model = str(worker.model.path)
+        args.model_id = args.model_id if "model_id" in args.given else worker.model.id
+        if "deterministic" not in args.given:
+            args.deterministic = worker.model.deterministic
         args.fim_template = args.fim_template or worker.model.fim_template
     args.name = args.name or worker.name
+    # the worker's own flags override its entry; variables (an env file all the units
+    # share) do not: as under `serve`, an entry's sizes are its own
     for name in ("nctx", "ngl", "slots", "kv_type", "batch", "ubatch"):
-        if name not in args.explicit:           # (a flag or variable overrides the file)
+        if name not in args.given:
             setattr(args, name, getattr(worker, name))
     return worker.device, args
 

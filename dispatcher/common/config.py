@@ -446,8 +446,10 @@ def queue_share(max_queue: int, given: int | None, keys: int) -> int:
 class Settings(argparse.Namespace):
     """One process's options, resolved once at start (`resolve`) and passed down: each
     option an attribute; `explicit`, the names a flag or variable set (not the config
-    file, not a default); `file_data`, the config file as read."""
+    file, not a default); `given`, those a flag set; `file_data`, the config file as
+    read."""
     explicit: set
+    given: set
     file_data: dict
 
 
@@ -457,6 +459,7 @@ def resolve(args: argparse.Namespace, file_data: dict | None = None) -> Settings
     parsed = vars(args)
     settings = Settings(**{k: v for k, v in parsed.items() if not k.startswith("_")})
     settings.explicit, settings.file_data = set(), dict(file_data or {})
+    settings.given = set(parsed.get("_given") or ())     # on the command line itself
     for name, option in OPTIONS.items():
         if name not in parsed:
             continue

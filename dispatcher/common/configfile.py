@@ -174,9 +174,9 @@ def effective(names, environ: dict | None = None) -> dict:
     try:
         file_values = server_defaults(read(environ.get(config.OPTIONS["config"].env)))
     except ConfigError as exc:
-        raise SystemExit(exc.report()) from None
+        raise SettingError(exc.report()) from None
     except ValueError as exc:          # ([server]'s values: coerce)
-        raise SystemExit(f"configuration problem: [server]: {exc}") from None
+        raise SettingError(f"configuration problem: [server]: {exc}") from None
     values = {}
     for name in names:
         option = config.OPTIONS[name]
@@ -185,8 +185,14 @@ def effective(names, environ: dict | None = None) -> dict:
                 if config.env_is_set(option, environ) \
                 else file_values.get(name, option.default)
         except (ValueError, TypeError) as exc:   # (OptionValueError is a ValueError)
-            raise SystemExit(f"{option.env}: {exc}") from None
+            raise SettingError(f"{option.env}: {exc}") from None
     return values
+
+
+class SettingError(ValueError):
+    """A variable or the config file a process without flags reads is wrong: one line
+    naming it (gunicorn's master exits with it; a worker failing to boot stops the
+    master, as a ValueError did)."""
 
 
 def plan_for(args) -> Plan:
@@ -254,12 +260,11 @@ def known_models(data: dict) -> dict[str, dict]:
     aliases and contexts, the files left to its workers to read (they may be on other
     hosts); a model without `path` is the bundled one. ConfigError for what `serve`
     would refuse in them too."""
-    server = server_defaults(data)
-    if not data.get("models") and not server.get("model") and not server.get("model_id"):
+    if not data.get("models"):
         return {}                       # (the workers say what they serve)
     from types import SimpleNamespace
     defaults = {o.name: o.default for o in config.OPTIONS.values()}
-    args = SimpleNamespace(**{**defaults, **server}, explicit=())
+    args = SimpleNamespace(**{**defaults, **server_defaults(data)}, explicit=())
     problems: list[str] = []
 
     def named(path: str | None) -> Path:
@@ -353,8 +358,11 @@ def worker_entry(data: dict, device: str) -> dict:
     wanted = parse_device(device)
 
     def same(entry) -> bool:
+        text = str(entry.get("device", ""))
+        if entry.get("profile"):             # (as _plan_workers reads an entry)
+            text = text.split("@")[0] + "@" + str(entry["profile"])
         try:
-            spec = parse_device(str(entry.get("device", "")))
+            spec = parse_device(text)
         except ValueError:
             return False
         return str(spec).split("@")[0] == str(wanted).split("@")[0] and (

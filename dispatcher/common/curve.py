@@ -138,6 +138,7 @@ class DispatcherKeys:
     public: bytes
     secret: bytes
     names: dict[str, str] = field(default_factory=dict)   # z85 public key -> its name
+    worker_names: set[str] = field(default_factory=set)   # the names of worker keys
 
     @classmethod
     def load(cls, directory: str) -> "DispatcherKeys":
@@ -153,6 +154,8 @@ class DispatcherKeys:
             _private(root / "authorized" / role, "directory")
             for path in (root / "authorized" / role).glob("*.key"):
                 keys.names[_public(path).decode()] = path.stem
+                if role == "workers":
+                    keys.worker_names.add(path.stem)
         return keys
 
     def serve(self, sock: zmq.Socket, role: str) -> None:
@@ -183,7 +186,7 @@ class DispatcherKeys:
             return False
         if name == LOCAL:
             return True
-        owners = [n for n in self.names.values() if n != LOCAL and (
+        owners = [n for n in self.worker_names if n != LOCAL and (
             identity == n or identity.startswith(n + "-"))]
         return bool(owners) and max(owners, key=len) == name
 

@@ -448,10 +448,11 @@ class LlamaEngine:
         began, moved on by the draft model's time (the plan's time is the host's alone)."""
         # Prefill priority: the prompts with the least left to decode first (the next
         # keystroke of a session, mostly cached) take the room before cold ones; a
-        # warm-up (nothing to generate: llama.vim's ring updates, whose answers nobody
-        # reads) only takes what the prompts someone waits on leave.
+        # warm-up (nothing to generate nor score: llama.vim's ring updates, whose answers
+        # nobody reads) only takes what the prompts someone waits on leave.
         prefilling = sorted((s for s in self.slots if s.busy and s.pending),
-                            key=lambda s: (s.budget == 0, len(s.pending)))
+                            key=lambda s: (s.budget == 0 and s.prompt_logprobs is None,
+                                           len(s.pending)))
         if self.deterministic and prefilling:
             generating, prefilling = [], prefilling[:1]
         else:
