@@ -93,6 +93,7 @@ class RequestStream:
         self.finished = False
         self._still_running = False     # ended here while its worker runs on (_end)
         self._complete_by: float | None = None
+        self._finished_attempt: int | None = None   # the attempt a FINISHED was for
         self._early: list[StreamItem] = []
 
     def wait_accepted(self, timeout: float = config.SUBMIT_TIMEOUT) -> None:
@@ -131,8 +132,11 @@ class RequestStream:
                 case Control(cmd, body):
                     accepted = self._accept_control(cmd, body)
                 case Lost():
+                    # (running: a dispatcher that restarted may run the job on for
+                    # nobody; a CANCEL to one that is gone is dropped)
                     return self._end(error_event(503, "lost the connection to the "
-                                                 "dispatcher", "dispatcher_unavailable"))
+                                                 "dispatcher", "dispatcher_unavailable"),
+                                     running=True)
                 case Left():
                     raise ClientGone()
             if accepted is not None:
@@ -147,7 +151,9 @@ class RequestStream:
                 return self._end(error_event(
                     503, "the worker serving this request was lost after output had started",
                     "worker_lost"), running=True)
-            self.attempt, self.next_seq, self._complete_by = attempt, 0, None
+            self.attempt, self.next_seq = attempt, 0
+            if self._finished_attempt != attempt:   # (a FINISHED of this attempt that
+                self._complete_by = None            # came first keeps its deadline)
         if event.seq != self.next_seq:
             return self._end(error_event(
                 502, f"the token stream skipped messages {self.next_seq}..{event.seq - 1}",
@@ -165,6 +171,7 @@ class RequestStream:
         if cmd == P.FINISHED and body.attempt >= self.attempt:
             # The worker is done; whatever has not arrived shortly is lost.
             self._complete_by = time.monotonic() + config.DONE_GRACE
+            self._finished_attempt = body.attempt
         return None
 
     def _end(self, event: P.AnyEvent, running: bool = False) -> P.AnyEvent:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,6 +35,11 @@ UNSERVABLE_CHECK = 1.0      # s between looks for queued jobs no worker can run 
                             # looks at every queued job against every worker)
 # A job that never started is requeued when its worker is lost, up to this many attempts.
 MAX_ATTEMPTS = 3
+# Requests a choice of which was served are remembered this long (this many at most): a
+# later choice of theirs is not timed out in the queue (a finished first choice freed
+# its slot for another key's turn, and the next tick 504'd the rest)
+SERVED_FOR = 3600.0
+SERVED_MEMORY = 10_000
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,7 @@ class DispatcherCore:
         self.units = Units()                       # requests admitted job by job
         self.stats = {"submitted": 0, "rejected": 0, "requeued": 0, "failed": 0,
                       "completed": 0, "cancelled": 0, "superseded": 0, "queue_full": 0,
-                      "timed_out": 0, "adopted": 0}
+                      "timed_out": 0, "adopted": 0, "frontend_undelivered": 0}
         self.metrics = SystemMetrics()
         # worker name -> {reason, code, at}: why it was last lost (status shows it)
         self.losses: dict[str, dict] = {}
@@ -101,6 +107,8 @@ class DispatcherCore:
         self.now = 0.0
         self._next_heartbeat = 0.0
         self._next_unservable_check = 0.0
+        self.served_parents: OrderedDict[str, float] = OrderedDict()   # parent -> when
+        self._undelivered_said = -60.0
         self._out: list[Send] = []
 
     # -- plumbing ----------------------------------------------------------------------
@@ -170,7 +178,7 @@ class DispatcherCore:
         """Queued requests past their deadline get a 504 before they take a slot (a
         request with a choice running has started: its other choices wait their turn)."""
         started = {job.parent for record in self.registry.workers.values()
-                   for job in record.running.values()}
+                   for job in record.running.values()} | set(self.served_parents)
         for job in self.queue.past_deadline(now, started):
             self.stats["timed_out"] += 1
             self._forget(job)
@@ -305,7 +313,8 @@ class DispatcherCore:
         self.frontends.pop(fe_id, None)
         for job in list(self.queue):
             if job.frontend == fe_id:
-                self.cancel(job.request_id)
+                self.cancel(job.request_id)     # (told: a front end that only stalled
+                self._reject(fe_id, job.request_id, refusals.frontend_silent())  # waits)
         for record in self.registry.workers.values():
             for job in list(record.running.values()):
                 if job.frontend == fe_id:
@@ -448,6 +457,16 @@ class DispatcherCore:
             if record is not None:
                 self.worker_lost(record, "unreachable")
                 self.dispatch()
+        elif send.cmd in (P.REJECTED, P.FAILED, P.ACCEPTED):
+            # a front end gone (its requests with it) or not keeping up (1,000 messages
+            # behind): counted and said, at most once a minute
+            self.stats["frontend_undelivered"] += 1
+            if self.now - self._undelivered_said >= 60.0:
+                self._undelivered_said = self.now
+                log.warning("could not deliver %s for %s to front end %s (gone, or not "
+                            "keeping up); %d so far", P.command_name(send.cmd),
+                            send.request_id, send.peer.decode(errors="replace"),
+                            self.stats["frontend_undelivered"])
         return self._take()
 
     def _requeue(self, job: QueuedJob) -> None:
@@ -534,6 +553,12 @@ class DispatcherCore:
         self.shares.served_now(job.body.api_key)
         job.worker = worker.identity
         worker.running[job.request_id] = job
+        # a request with a choice served keeps its place for the others (expire_deadlines)
+        self.served_parents.pop(job.parent, None)
+        self.served_parents[job.parent] = self.now
+        while self.served_parents and (len(self.served_parents) > SERVED_MEMORY or next(
+                iter(self.served_parents.values())) < self.now - SERVED_FOR):
+            self.served_parents.popitem(last=False)
         worker.last_assigned = self.now
         worker.remember(job)
 

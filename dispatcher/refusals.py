@@ -80,6 +80,14 @@ def tokenizer_busy() -> P.WireError:
         "requests running"))
 
 
+def frontend_silent() -> P.WireError:
+    """A queued request of a front end the dispatcher took for gone (it missed its
+    heartbeats): told, in case it is alive, rather than left waiting for ever."""
+    return P.WireError(status=503, code="frontend_silent", retry_after=1, message=(
+        "this front end missed its heartbeats to the dispatcher, which dropped its "
+        "queued requests; send the request again"))
+
+
 def no_worker_took() -> P.WireError:
     return P.WireError(status=503, code="no_worker_ready",
                        message="no worker could take the request")

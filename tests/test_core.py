@@ -262,6 +262,40 @@ def test_a_worker_that_stopped_as_asked_is_no_loss():
     assert "w1" in core.losses
 
 
+def test_a_request_whose_first_choice_was_served_keeps_its_place_for_the_rest():
+    """n: 2 with a queue deadline, one slot, two keys: when choice 0 finished, the slot
+    went to the other key in its turn, and the next tick 504'd choice 1 (its request
+    had nothing running any more), after choice 0's text had been streamed."""
+    core = DispatcherCore(key_slot_share=0.75)
+    ready(core, slots=1)
+    submit(core, "A.0.0", parent="A", api_key="ka", timeout=5.0, now=0.0)
+    submit(core, "A.0.1", parent="A", api_key="ka", timeout=5.0, now=0.0)
+    submit(core, "B", parent="B", api_key="kb", timeout=50.0, now=1.0)
+    from_worker(core, P.HEARTBEAT, "", now=5.9)
+    core.frontend_message(FE, P.Message(P.PING, "", P.Ping()), 5.9)
+    assert ("REQUEST", "B") in kinds(from_worker(core, P.DONE, "A.0.0", now=6.0,
+                                                 attempt=1, last_seq=1))
+    assert not [s for s in core.tick(6.1) if s.cmd == P.REJECTED]
+    assert "A.0.1" in {j.request_id for j in core.queue}
+
+
+def test_a_front_end_taken_for_gone_is_told_its_queued_requests_were_dropped():
+    """A front end that stalled past its heartbeats may be alive: its queued requests
+    are refused to it (503 frontend_silent), not dropped unsaid (it waited for ever)."""
+    core = DispatcherCore()
+    ready(core, slots=1)
+    submit(core, "a", now=0.0)
+    submit(core, "b", now=0.0)                        # queued
+    from_worker(core, P.HEARTBEAT, "", now=HEARTBEAT_EXPIRY + 0.5)
+    sends = core.tick(HEARTBEAT_EXPIRY + 1.0)
+    refused = {s.request_id: s.body.code for s in sends if s.cmd == P.REJECTED}
+    assert refused == {"b": "frontend_silent"}
+    assert ("CANCEL", "a") in kinds(sends)
+    from dispatcher.core import Send                 # a refusal it could not take is
+    core.send_failed(Send("frontend", FE, P.REJECTED, "b"))   # counted (and logged)
+    assert core.stats["frontend_undelivered"] == 1
+
+
 def test_workers_and_front_ends_expire_without_heartbeats():
     core = DispatcherCore()
     ready(core, now=0.0, slots=1)

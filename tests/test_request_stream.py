@@ -138,3 +138,23 @@ def test_close_cancels_an_unfinished_request_once():
     finished.close()
     assert finished.client.sent == []
 
+
+
+def test_a_requeued_attempts_finished_that_came_first_keeps_its_deadline(monkeypatch):
+    """FINISHED of attempt 2 overtook attempt 2's first event (they travel apart): the
+    new attempt kept no deadline, so a lost last event left the request waiting for
+    ever instead of ending in stream_incomplete."""
+    monkeypatch.setattr(config, "DONE_GRACE", 0.05)
+    stream = make(ev(0, "start", a=1), ctl(P.FINISHED, {"attempt": 2, "last_seq": 2}),
+                  ev(0, "start", a=2), ev(1, "text", a=2, text="x"))
+    events = drain(stream)
+    assert events[-1]["code"] == "stream_incomplete"
+
+
+def test_a_request_ended_by_losing_the_dispatcher_is_cancelled_on_close():
+    """A dispatcher that restarted may run the job on for nobody: closing sends CANCEL
+    (one that is gone drops it)."""
+    stream = make(ev(0, "start"), Lost())
+    assert drain(stream)[-1]["code"] == "dispatcher_unavailable"
+    stream.close()
+    assert (P.CANCEL, "cmpl-1") in stream.client.sent
