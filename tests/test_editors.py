@@ -254,6 +254,27 @@ def test_llama_vims_ring_of_chunks_larger_than_the_context_is_served(editor_serv
     # (the prefix's and suffix's cut: tests/test_generation.py, without a 4k prefill)
 
 
+def test_n_cmpl_choices_prefill_their_prompt_once(editor_server):
+    """llama.vscode asks `n_cmpl: 3` of every prompt: the choices prefilled the same
+    prompt three times side by side. One prefills it; the others wait for it and copy
+    its cache (llama_memory_seq_cp), decoding only the last prompt token, as
+    llama-server copies a parent's state to its children."""
+    import inspect
+    import textwrap
+    prompt = inspect.getsource(textwrap)[:3000]
+    status, raw = post_raw(editor_server.port, "/completion", {
+        "prompt": prompt, "n_cmpl": 3, "n_predict": 4, "temperature": 0,
+        "cache_prompt": True, "response_fields": ["tokens_cached", "tokens_evaluated",
+                                                  "content"]})
+    assert status == 200, raw[:300]
+    answers = json.loads(raw)
+    assert len(answers) == 3
+    evaluated = answers[0]["tokens_evaluated"]
+    cached = sorted(a["tokens_cached"] for a in answers)
+    assert cached[1:] == [evaluated - 1, evaluated - 1], answers   # copies of the first
+    assert cached[0] < evaluated - 1
+
+
 def test_infill_without_fim_tokens_or_template_is_501(real_server):
     status, raw = post_raw(real_server.port, "/infill", {"input_prefix": "def f(",
                                                          "input_suffix": ")"})

@@ -75,6 +75,8 @@ class Active:
     chars_out: int = 0              # characters sent so far (echo included)
     started: float = field(default_factory=time.monotonic)
     prompt: object = None           # as the job gave it (for fault injection)
+    source: tuple | None = None     # (prompt, suffix, infill) as given: siblings share it
+    tenant: str | None = None
     first_at: float | None = None   # when the first token was sampled (prefill done)
     offsets: list = field(default_factory=list)   # characters decoded after each token
 

@@ -87,6 +87,12 @@ class FakeEngine:
     def clear_caches(self) -> None:
         pass
 
+    def prefilling(self, slot_id: int) -> bool:
+        return False                     # (its prompts take no steps)
+
+    def copy_prefix(self, src: int, dst: int, tokens: list[int]) -> int:
+        return 0
+
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
             logprobs: int | None = None, prompt_logprobs: bool = False,
             reuse: bool = True, draft_max: int | None = None,

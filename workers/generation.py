@@ -218,8 +218,12 @@ class GenerationLoop:
 
     # -- admission ---------------------------------------------------------------------
     def _admit(self) -> None:
+        held = []                        # siblings waiting for a prompt being prefilled
         while self.waiting and self.free_slots:
             request_id, body = self.waiting.popleft()
+            if self._sibling(body, prefilling=True) is not None:
+                held.append((request_id, body))
+                continue
             try:
                 self._start(request_id, body)
             except Exception as exc:     # this request fails; the others go on
@@ -230,6 +234,22 @@ class GenerationLoop:
                     self.output.fail(active, exc)
                 else:
                     self.output.reject(request_id, body.topic.encode(), body.attempt, exc)
+        self.waiting.extendleft(reversed(held))
+
+    def _sibling(self, body: P.WorkerJob, prefilling: bool) -> Active | None:
+        """A running job of the same prompt, tenant and layout (another choice of the
+        same request, `n` or `n_cmpl`): while it is `prefilling`, this one waits and then
+        copies its cache (`_start_prepared`) instead of prefilling the same prompt beside
+        it. Not for prompt logprobs (every row is decoded) or deterministic mode."""
+        if body.generation.echo and body.generation.logprobs is not None or \
+                self.engine.deterministic:
+            return None
+        for active in self.active.values():
+            if active.source is not None and active.tenant == body.tenant and \
+                    active.source == (body.prompt, body.suffix, body.infill) and \
+                    self.engine.prefilling(active.slot) == prefilling:
+                return active
+        return None
 
     def _start(self, request_id: str, body: P.WorkerJob) -> None:
         prepared = self.preparer.take(request_id)
@@ -275,6 +295,9 @@ class GenerationLoop:
         logprobs = gen.logprobs
         echo = gen.echo
         slot, reuse = self._slot_for(tokens, body.tenant, gen.cache_prompt)
+        sibling = self._sibling(body, prefilling=False) if reuse else None
+        if sibling is not None:          # its prompt is decoded: take a copy of it
+            self.engine.copy_prefix(sibling.slot, slot, tokens)
         active = Active(request_id, topic, body.attempt, slot, gen.max_tokens, n_ctx,
                         len(tokens), TextAssembler(gen.stop),
                         ledger=LogprobLedger(logprobs) if logprobs is not None else None,
@@ -283,6 +306,7 @@ class GenerationLoop:
         active.n_probs = int(gen.n_probs or 0)
         active.return_tokens = bool(gen.return_tokens)
         active.prompt = body.prompt
+        active.source, active.tenant = (body.prompt, body.suffix, body.infill), body.tenant
         active.dropped_chunks = dropped
         active.truncated = fitted.cut
         active.limits = EditorLimits.of(gen)

@@ -52,6 +52,10 @@ class Engine(Protocol):
 
     def best_slot(self, tokens: list[int], free: list[int]) -> int: ...
 
+    def prefilling(self, slot_id: int) -> bool: ...   # busy, its prompt not all decoded
+
+    def copy_prefix(self, src: int, dst: int, tokens: list[int]) -> int: ...
+
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
             logprobs: int | None = None, prompt_logprobs: bool = False,
             reuse: bool = True, draft_max: int | None = None,

@@ -293,6 +293,35 @@ class LlamaEngine:
         return max(free, key=lambda i: (self._worth(i, tokens), self.joins_run(i),
                                         -len(self.slots[i].cached)))
 
+    def prefilling(self, slot_id: int) -> bool:
+        slot = self.slots[slot_id]
+        return slot.busy and bool(slot.pending)
+
+    def copy_prefix(self, src: int, dst: int, tokens: list[int]) -> int:
+        """Into free slot `dst`'s cache, the start of `tokens` that slot `src` holds,
+        its prompt decoded (llama_memory_seq_cp): a sibling choice of one prompt (`n`,
+        llama.vscode's `n_cmpl`) then decodes only its last token instead of the whole
+        prompt again, as llama-server copies a parent's state to its children. Returns
+        the tokens now cached in `dst` (0: nothing copied; never in deterministic mode,
+        where a prefix decoded in other pieces changes the numbers)."""
+        source, target = self.slots[src], self.slots[dst]
+        if target.busy or source.pending or self.deterministic:
+            return 0
+        n = min(common_prefix(source.cached, tokens), len(tokens) - 1)
+        if n <= common_prefix(target.cached, tokens):
+            return 0                     # (it holds as much already)
+        # one KV stream per slot: llama.cpp copies a sequence across streams whole (the
+        # buffer, at its next update; a part of one is refused with an abort), so the
+        # whole of it, then what follows the shared prefix is dropped
+        llama_cpp.llama_memory_seq_rm(self.memory, target.seq, -1, -1)
+        llama_cpp.llama_memory_seq_cp(self.memory, source.seq, target.seq, -1, -1)
+        if not llama_cpp.llama_memory_seq_rm(self.memory, target.seq, n, -1):
+            llama_cpp.llama_memory_seq_rm(self.memory, target.seq, -1, -1)
+            target.cached = []
+            return 0
+        target.cached = list(tokens[:n])
+        return n
+
     def joins_run(self, slot_id: int) -> int:
         """1 if taking this slot adds no run of consecutive busy slots: none is busy, or
         a neighbour is; 0 if it starts a run of its own."""
