@@ -962,3 +962,37 @@ def test_code_in_a_fill_in_the_middle_prompt_is_text_never_control_tokens(model_
         assert "--- snippet ---\n\n<end_of_turn>a = " in text   # (no FIM_SEP: no file name)
     finally:
         engine.close()
+
+
+def test_a_sibling_copying_a_decoded_prompt_sees_what_its_prefill_would(model_path):
+    """copy_prefix: a slot given another's decoded prompt (the whole KV stream copied,
+    then cut after the prompt) decodes only the last prompt token, and its first token
+    and logprob are exactly those of the slot that holds the prompt decoding that token
+    again itself (the prompt cache's own reuse; both differ from a whole prefill in the
+    last bits, as a prefix decoded in other pieces does)."""
+    import glob
+    import json
+    engine = make(model_path, slots=3)
+
+    def first(slot):
+        out = None
+        while out is None:
+            out = engine.step().get(slot)
+        engine.release(slot)
+        return out
+    try:
+        for path in sorted(glob.glob(os.path.dirname(json.__file__) + "/*.py"))[:3]:
+            tokens = engine.tokenize(open(path).read()[:2000])
+            for s in range(3):
+                engine.release(s, keep_cache=False)
+            engine.add(0, tokens, GREEDY, logprobs=2)
+            first(0)
+            assert engine.add(0, tokens, GREEDY, logprobs=2) == len(tokens) - 1
+            own = first(0)
+            assert engine.copy_prefix(0, 2, tokens) == len(tokens) - 1
+            assert engine.add(2, tokens, GREEDY, logprobs=2) == len(tokens) - 1
+            copied = first(2)
+            assert copied.token == own.token and abs(copied.logprob - own.logprob) < 1e-4
+        assert engine.copy_prefix(0, 1, engine.tokenize("short")) == 0   # (not worth it)
+    finally:
+        engine.close()

@@ -87,8 +87,10 @@ class FakeEngine:
     def clear_caches(self) -> None:
         pass
 
-    def prefilling(self, slot_id: int) -> bool:
-        return False                     # (its prompts take no steps)
+    copies, copy_at_least = False, 0     # (no sibling copies: its prompts take no steps)
+
+    def prefill_left(self, slot_id: int) -> int:
+        return 0
 
     def copy_prefix(self, src: int, dst: int, tokens: list[int]) -> int:
         return 0

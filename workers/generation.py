@@ -219,35 +219,46 @@ class GenerationLoop:
     # -- admission ---------------------------------------------------------------------
     def _admit(self) -> None:
         held = []                        # siblings waiting for a prompt being prefilled
-        while self.waiting and self.free_slots:
-            request_id, body = self.waiting.popleft()
-            if self._sibling(body, prefilling=True) is not None:
-                held.append((request_id, body))
-                continue
-            try:
-                self._start(request_id, body)
-            except Exception as exc:     # this request fails; the others go on
-                if not isinstance(exc, EngineError):
-                    log.exception("%s: admission failed", request_id)
-                active = self.active.get(request_id)
-                if active is not None:
-                    self.output.fail(active, exc)
-                else:
-                    self.output.reject(request_id, body.topic.encode(), body.attempt, exc)
-        self.waiting.extendleft(reversed(held))
+        try:
+            while self.waiting and self.free_slots:
+                request_id, body = self.waiting.popleft()
+                if self._sibling(body, prefilling=True) is not None:
+                    held.append((request_id, body))
+                    continue
+                try:
+                    self._start(request_id, body)
+                except Exception as exc:     # this request fails; the others go on
+                    if not isinstance(exc, EngineError):
+                        log.exception("%s: admission failed", request_id)
+                    active = self.active.get(request_id)
+                    if active is not None:
+                        self.output.fail(active, exc)
+                    else:
+                        self.output.reject(request_id, body.topic.encode(), body.attempt,
+                                           exc)
+        finally:
+            self.waiting.extendleft(reversed(held))
 
     def _sibling(self, body: P.WorkerJob, prefilling: bool) -> Active | None:
         """A running job of the same prompt, tenant and layout (another choice of the
-        same request, `n` or `n_cmpl`): while it is `prefilling`, this one waits and then
-        copies its cache (`_start_prepared`) instead of prefilling the same prompt beside
-        it. Not for prompt logprobs (every row is decoded) or deterministic mode."""
-        if body.generation.echo and body.generation.logprobs is not None or \
-                self.engine.deterministic:
+        same request, `n` or `n_cmpl`): while it is `prefilling` (more than its last
+        token left), this one waits, and then copies its decoded prompt
+        (`_start_prepared`, `Engine.copy_prefix`) instead of prefilling it beside it.
+        Only where a copy can follow: the prompt cache on, an engine that copies (not
+        deterministic, not a recurrent model), no prompt logprobs (every row is
+        decoded), a prompt of at least `copy_at_least` tokens, and not behind a warm-up
+        (last in line for prefill room)."""
+        gen = body.generation
+        if gen.cache_prompt is False or (gen.echo and gen.logprobs is not None) or \
+                not getattr(self.engine, "copies", False):
             return None
         for active in self.active.values():
-            if active.source is not None and active.tenant == body.tenant and \
-                    active.source == (body.prompt, body.suffix, body.infill) and \
-                    self.engine.prefilling(active.slot) == prefilling:
+            if active.source is None or active.tenant != body.tenant or \
+                    active.max_tokens == 0 or active.prompt_tokens < self.engine.copy_at_least or \
+                    active.source != (body.prompt, body.suffix, body.infill):
+                continue
+            left = self.engine.prefill_left(active.slot)
+            if (left > 1) if prefilling else (left == 0):
                 return active
         return None
 
@@ -275,8 +286,15 @@ class GenerationLoop:
         fitted = prepared.fitted if prepared is not None else fitted_prompt(
             self.engine, body, self.fim_template, extra)
         tokens, dropped, parts = fitted.tokens, fitted.dropped, fitted.parts
+        sibling = self._sibling(body, prefilling=False)
+        if sibling is not None and parts is not None and \
+                sibling.dropped_chunks > dropped and not fitted.cut:
+            # the same prompt as its decoded sibling's, to copy it (t_max_prompt_ms
+            # would judge its own, against a cache that is busy)
+            dropped = sibling.dropped_chunks
+            tokens = parts.tokens(self.engine, dropped)
         extra = extra[dropped:]          # (a cut prefix or suffix: none left)
-        if extra and parts is not None and may_drop_extra(gen):
+        if extra and parts is not None and may_drop_extra(gen) and sibling is None:
             # llama.cpp declares t_max_prompt_ms and never implemented it: drop the
             # oldest extra chunks until the prefill fits, at this worker's measured rate
             over = self.prefill.chunks_over_budget(
@@ -295,9 +313,8 @@ class GenerationLoop:
         logprobs = gen.logprobs
         echo = gen.echo
         slot, reuse = self._slot_for(tokens, body.tenant, gen.cache_prompt)
-        sibling = self._sibling(body, prefilling=False) if reuse else None
-        if sibling is not None:          # its prompt is decoded: take a copy of it
-            self.engine.copy_prefix(sibling.slot, slot, tokens)
+        if sibling is not None and self.engine.copy_prefix(sibling.slot, slot, tokens):
+            reuse = True                 # (its sibling's cache: its own tenant's)
         active = Active(request_id, topic, body.attempt, slot, gen.max_tokens, n_ctx,
                         len(tokens), TextAssembler(gen.stop),
                         ledger=LogprobLedger(logprobs) if logprobs is not None else None,

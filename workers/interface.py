@@ -52,7 +52,10 @@ class Engine(Protocol):
 
     def best_slot(self, tokens: list[int], free: list[int]) -> int: ...
 
-    def prefilling(self, slot_id: int) -> bool: ...   # busy, its prompt not all decoded
+    copies: bool           # a sibling choice may copy a decoded prompt (copy_prefix)
+    copy_at_least: int     # ... of at least this many tokens
+
+    def prefill_left(self, slot_id: int) -> int: ...   # prompt tokens still to decode
 
     def copy_prefix(self, src: int, dst: int, tokens: list[int]) -> int: ...
 

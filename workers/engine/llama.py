@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 BANNED = -1e30           # a logit no token wins with, yet finite: a grammar stays satisfiable
 COSTS_LOG_EVERY = 5000  # steps that corrected the step costs between two logs of them
 SLOT_SIMILARITY = 0.1   # the share of a prompt a slot's cache must hold to be chosen for it
+# The least prompt a sibling choice copies (copy_prefix) rather than prefills: a copy
+# moves the whole KV stream (n_ctx × layers, twice with a full SWA cache), some tens of
+# ms on a CPU at 4k, about what this many tokens take to prefill there
+COPY_AT_LEAST = 128
 PROMPT_LOGPROB_CHUNK = 64   # prompt rows per step when every row's logits are kept (1 MiB each)
 # ... fewer where this device's measured cost of a row with logits (its output layer over
 # the whole vocabulary, draft rows measured at start-up) and the host's log-softmax and
@@ -109,7 +113,12 @@ class LlamaEngine:
         self.prefill_chunk = prefill_chunk if prefill_chunk > 0 else self.n_batch
         # prompt-lookup speculation; 0: off. Never in deterministic mode: verification rows
         # decoded beside the token's row change logprobs in their last bits (measured)
-        self.draft_max = 0 if deterministic or not self._drops_positions() else draft_max
+        drops = self._drops_positions()
+        self.draft_max = 0 if deterministic or not drops else draft_max
+        # a sibling choice may copy a decoded prompt (copy_prefix): a memory that can
+        # drop positions, and no deterministic mode
+        self.copies = drops and not deterministic
+        self.copy_at_least = COPY_AT_LEAST
         self.totals = P.StepTotals()     # the step profile (bench --profile, /metrics)
         self.histories = Histories()     # recent sequences per tenant: a draft source
         self.calibration = Calibration()  # each source's measured acceptance, all sequences
@@ -293,9 +302,10 @@ class LlamaEngine:
         return max(free, key=lambda i: (self._worth(i, tokens), self.joins_run(i),
                                         -len(self.slots[i].cached)))
 
-    def prefilling(self, slot_id: int) -> bool:
+    def prefill_left(self, slot_id: int) -> int:
+        """Prompt tokens the busy slot has still to decode (0: free, or decoded)."""
         slot = self.slots[slot_id]
-        return slot.busy and bool(slot.pending)
+        return len(slot.pending) if slot.busy else 0
 
     def copy_prefix(self, src: int, dst: int, tokens: list[int]) -> int:
         """Into free slot `dst`'s cache, the start of `tokens` that slot `src` holds,
@@ -305,11 +315,11 @@ class LlamaEngine:
         the tokens now cached in `dst` (0: nothing copied; never in deterministic mode,
         where a prefix decoded in other pieces changes the numbers)."""
         source, target = self.slots[src], self.slots[dst]
-        if target.busy or source.pending or self.deterministic:
+        if target.busy or source.pending or not self.copies:
             return 0
         n = min(common_prefix(source.cached, tokens), len(tokens) - 1)
-        if n <= common_prefix(target.cached, tokens):
-            return 0                     # (it holds as much already)
+        if n < COPY_AT_LEAST or n <= reusable(target.cached, tokens, self.cache_reuse):
+            return 0                     # (short: as cheap to prefill; or held already)
         # one KV stream per slot: llama.cpp copies a sequence across streams whole (the
         # buffer, at its next update; a part of one is refused with an abort), so the
         # whole of it, then what follows the shared prefix is dropped
