@@ -270,6 +270,33 @@ class GenerationLoop:
             if prepared is not None:
                 prepared.free()          # (what the engine did not take)
 
+    def _chunks_kept(self, body: P.WorkerJob, fitted, sibling: Active | None
+                     ) -> tuple[list[int], int]:
+        """The prompt's tokens and the extra chunks left out of them: the fitted
+        prompt's; its decoded sibling's choice (it copies that); or fewer chunks where
+        t_max_prompt_ms asks (llama.cpp declares it and never implemented it: the oldest
+        chunks go until the prefill fits, at this worker's measured rate)."""
+        gen, parts = body.generation, fitted.parts
+        tokens, dropped = fitted.tokens, fitted.dropped
+        if parts is None:                # (not an /infill, or cut: no chunks left)
+            return tokens, dropped
+        if sibling is not None:
+            # the same prompt as its decoded sibling's, to copy it (t_max_prompt_ms
+            # would judge its own, against a cache that is busy)
+            if sibling.dropped_chunks > dropped and not fitted.cut:
+                dropped = sibling.dropped_chunks
+                tokens = parts.tokens(self.engine, dropped)
+            return tokens, dropped
+        left = len(body.infill.extra) - dropped if body.infill else 0
+        if left > 0 and may_drop_extra(gen):
+            over = self.prefill.chunks_over_budget(
+                lambda k: parts.tokens(self.engine, dropped + k), left,
+                float(gen.t_max_prompt_ms), self._own_slots(body.tenant), gen.cache_prompt)
+            if over:
+                dropped += over
+                tokens = parts.tokens(self.engine, dropped)
+        return tokens, dropped
+
     def _start_prepared(self, request_id: str, body: P.WorkerJob, prepared) -> None:
         if prepared is None:
             # From here on the request counts as started: if this process dies now, the
@@ -282,27 +309,11 @@ class GenerationLoop:
         gen = body.generation
         topic = body.topic.encode()
         sampling = sampling_of(gen, self.engine)
-        extra = list(body.infill.extra) if body.infill else []
         fitted = prepared.fitted if prepared is not None else fitted_prompt(
-            self.engine, body, self.fim_template, extra)
-        tokens, dropped, parts = fitted.tokens, fitted.dropped, fitted.parts
+            self.engine, body, self.fim_template,
+            list(body.infill.extra) if body.infill else [])
         sibling = self._sibling(body, prefilling=False)
-        if sibling is not None and parts is not None and \
-                sibling.dropped_chunks > dropped and not fitted.cut:
-            # the same prompt as its decoded sibling's, to copy it (t_max_prompt_ms
-            # would judge its own, against a cache that is busy)
-            dropped = sibling.dropped_chunks
-            tokens = parts.tokens(self.engine, dropped)
-        extra = extra[dropped:]          # (a cut prefix or suffix: none left)
-        if extra and parts is not None and may_drop_extra(gen) and sibling is None:
-            # llama.cpp declares t_max_prompt_ms and never implemented it: drop the
-            # oldest extra chunks until the prefill fits, at this worker's measured rate
-            over = self.prefill.chunks_over_budget(
-                lambda k: parts.tokens(self.engine, dropped + k), len(extra),
-                float(gen.t_max_prompt_ms), self._own_slots(body.tenant), gen.cache_prompt)
-            if over:
-                extra, dropped = extra[over:], dropped + over
-                tokens = parts.tokens(self.engine, dropped)
+        tokens, dropped = self._chunks_kept(body, fitted, sibling)
         n_ctx = context_limit(self.engine, body)
         if len(tokens) >= n_ctx:
             raise InvalidInput(f"This model's maximum context length is {n_ctx} tokens, but "
