@@ -71,6 +71,37 @@ def test_a_client_whose_seq_starts_again_is_not_locked_out(server):
     assert status == 200, body
 
 
+def test_the_openai_client_does_not_retry_a_superseded_request(server):
+    """The openai package retries a 409 (a lock timeout to it) unless the answer says
+    X-Should-Retry: false; its retry of a superseded request arrived newest and
+    superseded the request that had replaced it."""
+    import threading
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=2)
+    session = {"X-Session-Id": "real-client"}
+    outcome = {}
+    model = client.models.list().data[0].id
+
+    def older():
+        try:
+            client.completions.create(model=model, prompt="[slow=0.05] a", max_tokens=40,
+                                      extra_headers=session)
+            outcome["older"] = "answered"
+        except openai.ConflictError as exc:
+            outcome["older"] = exc.response.headers.get("x-should-retry")
+        except Exception as exc:                       # (said in the assertion)
+            outcome["older"] = repr(exc)
+    thread = threading.Thread(target=older)
+    thread.start()
+    server.wait_generating()
+    status, _, body = http_json(server.port, "POST", "/v1/completions",
+                                {"prompt": "[slow=0.05] ab", "max_tokens": 30},
+                                headers=session)
+    thread.join(timeout=60)
+    assert outcome == {"older": "false"}               # raised at once, not retried
+    assert status == 200, body                         # the newer one kept its answer
+
+
 TEMPLATE = "<PRE> {prefix} <SUF>{suffix} <MID>"
 KEYS = ("sk-infer-a", "sk-infer-b")
 
