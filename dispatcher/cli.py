@@ -306,9 +306,9 @@ def cmd_check_config(args) -> int:
     from dispatcher.common import curve
     base = args.dispatcher or default_dispatcher_address(args.port)
     try:
-        tenants = bool(config.load_keys(",".join(args.api_key), args.api_key_file))
-    except (OSError, UnicodeDecodeError) as exc:
-        problems.append(f"api_key_file {args.api_key_file}: cannot be read ({exc})")
+        tenants = _count_keys(args) > 0
+    except SystemExit as exc:           # (its one line, as a problem)
+        problems.append(str(exc))
         tenants = True
     problem = curve.transport_problem(base, args.curve_keys, args.insecure_transport, tenants)
     if problem:
