@@ -114,6 +114,28 @@ def test_a_bad_heartbeat_interval_is_refused_by_name(value):
         in out.stderr
 
 
+def test_a_bad_variable_is_refused_by_the_command_run_and_only_by_one_that_reads_it(
+        tmp_path):
+    """Each subcommand's defaults were read from the environment as the parser was
+    built, so a bad COMPLETIONS_PORT was reported as `serve`'s error whatever was run,
+    and stopped `keygen`, which has no port."""
+    import os
+    import subprocess
+    import sys
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", "dispatcher", *argv],
+                              env={**os.environ, "COMPLETIONS_PORT": "abc"},
+                              capture_output=True, text=True, timeout=60)
+    out = run("status")
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("python -m dispatcher status: error: COMPLETIONS_PORT: "
+                                  "must be a whole number, got 'abc' (see --help)")
+    out = run("keygen", str(tmp_path / "keys"))
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "keys" / "dispatcher.key").exists()
+
+
 def test_step_timeout_is_auto_seconds_or_refused(monkeypatch):
     assert parse([], {}, monkeypatch, names=("step_timeout",)).step_timeout == "auto"
     assert parse(["--step-timeout", "12.5"], {}, monkeypatch,

@@ -386,7 +386,11 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
             default = env_value(option) if env_is_set(option) else \
                 file_values.get(name, option.default)
         except (ValueError, argparse.ArgumentTypeError) as exc:
-            parser.error(f"{option.env}: {exc}")
+            # said by `resolve` if this parser's command is the one run (a bad variable
+            # of `serve`'s is no error of `keygen`'s, nor to be named after `serve`)
+            if parser.get_default("_env_problem") is None:
+                parser.set_defaults(_env_problem=(parser, f"{option.env}: {exc}"))
+            default = option.default
         help_text = f"{option.help} [env {option.env}; default {option.default!r}]"
         if option.repeat:
             parser.add_argument(option.flag, dest=name, action="append", type=option.type,
@@ -457,6 +461,9 @@ def resolve(args: argparse.Namespace, file_data: dict | None = None) -> Settings
     """The parsed arguments as Settings. Repeatable flags replace, not extend, the
     env/default list."""
     parsed = vars(args)
+    if parsed.get("_env_problem"):
+        parser, message = parsed["_env_problem"]
+        parser.error(message)
     settings = Settings(**{k: v for k, v in parsed.items() if not k.startswith("_")})
     settings.explicit, settings.file_data = set(), dict(file_data or {})
     settings.given = set(parsed.get("_given") or ())     # on the command line itself
