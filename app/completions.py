@@ -16,7 +16,7 @@ from app.errors import from_wire
 from app.fanout import Fanout
 from app.jobs import plan_jobs
 from app.requests import (PROFILE_HEADER, SEQUENCE_HEADER, api_key_fingerprint,
-                          check_prompt_size, check_route, client_of, json_answer,
+                          check_answer_size, check_prompt_size, check_route, client_of, json_answer,
                           parse_json_body, queue_timeout, resolve_model, session_of,
                           session_order, tenant_of, validate)
 from app.responses import Result
@@ -66,6 +66,8 @@ def serve(req: dict, result_class, warm: bool = False, infill: P.Infill | None =
     client = get_client(current_app)
     state = client.wait_state()
     model = resolve_model(req["model"], state)
+    known = state.models.get(model) if state is not None else None
+    check_answer_size(req, known.n_ctx if known is not None else 0)
     request_id = P.new_request_id()
     plans = plan_jobs(request_id, model, req, request.headers.get(PROFILE_HEADER),
                       session_of(request), timeout, warm, infill, session_order(arrived),

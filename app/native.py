@@ -170,14 +170,18 @@ class NativeResult:
         self.probs: list[list[dict]] = [[] for _ in plans]
         self.starts: list[P.Start | None] = [None] * len(plans)
         self.ends: list[P.End | None] = [None] * len(plans)
+        self.newline = [False] * len(plans)
+        self.streaming = bool(req.get("stream"))
 
     def add(self, job_index: int, event: P.AnyEvent) -> None:
         if isinstance(event, P.Start):
             self.starts[job_index] = event
         elif isinstance(event, P.Text):
-            self.texts[job_index].append(event.text)
-            self.ids[job_index] += event.ids or []
-            self.probs[job_index] += event.probs or []
+            self.newline[job_index] = self.newline[job_index] or "\n" in event.text
+            if not self.streaming:      # (a stream's went out with its chunk: kept, the
+                self.texts[job_index].append(event.text)  # probabilities of n × n_predict
+                self.ids[job_index] += event.ids or []    # tokens piled up here)
+                self.probs[job_index] += event.probs or []
         elif isinstance(event, P.End):
             self.ends[job_index] = event
 
@@ -201,13 +205,12 @@ class NativeResult:
         prompt_ms = float(timings.get("prompt_ms", 0.0))
         predicted_ms = float(timings.get("predicted_ms", 0.0))
         prompt_n = max(0, prompt_tokens - cached)
-        text = "".join(self.texts[i])
         return {
             "index": i, "content": content, "tokens": self.ids[i] if content else [],
             "id_slot": -1, "stop": True,
             "model": self.model, "tokens_predicted": predicted,
             "tokens_evaluated": prompt_tokens, "tokens_cached": cached,
-            "generation_settings": self.settings(), "has_new_line": "\n" in text,
+            "generation_settings": self.settings(), "has_new_line": self.newline[i],
             "truncated": end.truncated, "stop_type": end.stop_type or "limit",
             "stopping_word": end.stopping_word or "",
             "timings": {

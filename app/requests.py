@@ -356,6 +356,44 @@ def _prompt_chars(prompts: list) -> int:
         len(x) if isinstance(x, str) else 1 for x in p) for p in prompts)
 
 
+# Token probabilities one answer may hold (a token with its top entries counting 1 + k):
+# a front end assembles a whole answer in memory, and `n` 128 × a whole context × 101
+# entries of n_probs was ~50 million, gigabytes in one process and every stream on it gone
+MAX_ANSWER_ENTRIES = 1 << 19
+UNKNOWN_CONTEXT = 4096      # a model's context before any of its workers has said it
+
+
+def answer_entries(req: dict, n_ctx: int) -> int:
+    """The most token probabilities the answer can hold: choices × (tokens written +
+    prompt tokens echoed) × (1 + top entries); a stream holds none but sends an echoed
+    prompt's in one chunk, so there the largest of those. 0 without probabilities."""
+    k = max(req.get("logprobs") or 0, req.get("n_probs") or 0)
+    if req.get("logprobs") is None and not k:
+        return 0
+    n_ctx = n_ctx or UNKNOWN_CONTEXT
+    written = n_ctx if req.get("max_tokens") is None else min(req["max_tokens"], n_ctx)
+    choices = max(req.get("n") or 1, req.get("best_of") or 1)
+    echo = bool(req.get("echo")) and req.get("logprobs") is not None
+    per_prompt = [min(len(p), n_ctx) if echo else 0 for p in req["prompt"]]
+    if req.get("stream"):
+        return max(per_prompt) * (1 + k)
+    return sum(choices * (written + echoed) for echoed in per_prompt) * (1 + k)
+
+
+def check_answer_size(req: dict, n_ctx: int) -> None:
+    """400 before anything runs where the answer's probabilities would be over
+    MAX_ANSWER_ENTRIES (`n_ctx`: the model's context, 0 if not known yet)."""
+    entries = answer_entries(req, n_ctx)
+    if entries > MAX_ANSWER_ENTRIES:
+        raise InvalidRequest(
+            f"this answer could hold {entries:,} token probabilities (choices × tokens × "
+            f"(1 + top entries)); at most {MAX_ANSWER_ENTRIES:,} are sent: ask for fewer "
+            "tokens (max_tokens), choices or top entries (logprobs, n_probs)"
+            + ("" if req.get("stream") else ", or stream it"),
+            param="max_tokens" if req.get("max_tokens") is None else "logprobs",
+            code="answer_too_large")
+
+
 def check_prompt_size(req: dict) -> None:
     """The prompts' characters, a token id counting one, against --max-prompt-chars
     (an 8 MB body holds four million ids: they are counted off the loop)."""

@@ -15,6 +15,7 @@ class Result:
         self.plans = plans
         self.n = req["n"]
         self.want_logprobs = req.get("logprobs") is not None
+        self.streaming = bool(req.get("stream"))
         self.include_usage = bool((req.get("stream_options") or {}).get("include_usage"))
         self.texts = [[] for _ in plans]
         self.logprobs = [None] * len(plans)
@@ -35,14 +36,15 @@ class Result:
             self.cached_tokens[job_index] = event.cached_tokens
             self.fingerprint = self.fingerprint or event.fingerprint
         elif isinstance(event, P.Text):
-            self.texts[job_index].append(event.text)
+            if not self.streaming:     # (a stream's text went out: kept, n × max_tokens
+                self.texts[job_index].append(event.text)  # of it would pile up here)
         elif isinstance(event, P.End):
             self.finish[job_index] = event.finish_reason
             self.completion_tokens[job_index] = event.usage.completion_tokens \
                 if event.usage else 0
             self.scores[job_index] = event.score or 0.0
         logprobs = getattr(event, "logprobs", None)
-        if self.want_logprobs and logprobs:
+        if self.want_logprobs and logprobs and not self.streaming:
             self.logprobs[job_index] = merge_logprobs(self.logprobs[job_index], logprobs)
 
     def usage(self) -> dict:

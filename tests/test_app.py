@@ -387,3 +387,87 @@ def test_a_compressed_body_is_refused_saying_so(client, encoding, status):
         error = response.get_json()["error"]
         assert error["code"] == "unsupported_media_type" and "uncompressed" in \
             error["message"] and not fake.jobs
+
+
+@pytest.mark.parametrize("path,body,param", [
+    # n_probs 100 over a whole 4,096-token context, eight choices: 3.3 million entries
+    ("/completion", {"prompt": "x", "n_cmpl": 8, "n_probs": 100}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "n": 128, "logprobs": 5, "max_tokens": 2048},
+     "logprobs"),
+])
+def test_an_answer_with_too_many_probabilities_is_refused_before_it_runs(
+        client, path, body, param):
+    """A front end holds a whole answer: `n` × a context × (1 + n_probs) entries were
+    gigabytes in one process (every stream on it lost with it) and hours of a worker."""
+    http, fake = client
+    response = http.post(path, json=body)
+    assert response.status_code == 400, response.get_data(as_text=True)
+    error = response.get_json()["error"]
+    assert error["code"] == "answer_too_large" and error["param"] == param
+    assert "at most 524,288" in error["message"]
+    assert fake.jobs == []
+
+
+def test_a_stream_counts_only_an_echoed_prompt_and_that_once():
+    """A stream keeps nothing, but an echoed prompt's probabilities go out in one chunk."""
+    from app.requests import answer_entries
+    echo = {"prompt": [[1] * 30000], "echo": True, "logprobs": 1, "n_probs": 100,
+            "max_tokens": 0, "n": 4, "stream": True}
+    assert answer_entries(echo, 32768) == 30000 * 101
+    assert answer_entries({**echo, "stream": False}, 32768) == 4 * 30000 * 101
+    assert answer_entries({**echo, "echo": False}, 32768) == 0
+    assert answer_entries({"prompt": ["x"], "logprobs": 0}, 0) == 4096     # not known yet
+    assert answer_entries({"prompt": ["x"], "max_tokens": 9}, 4096) == 0   # text only
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/completion", {"prompt": "x", "n_probs": 100}),             # a context of them
+    ("/completion", {"prompt": "x", "n_cmpl": 128, "n_probs": 100, "stream": True}),
+    ("/v1/completions", {"prompt": "x", "n": 16, "logprobs": 5}),
+    # lm-evaluation-harness: echo, logprobs 1, max_tokens 0, a long prompt
+    ("/v1/completions", {"prompt": ["a" * 4000, "b" * 4000], "echo": True,
+                         "logprobs": 1, "max_tokens": 0}),
+])
+def test_answers_with_probabilities_within_the_bound_are_served(client, path, body):
+    http, fake = client
+    assert http.post(path, json=body).status_code == 200
+    assert fake.jobs
+
+
+def test_a_stream_keeps_no_text_or_probabilities_of_what_it_sent(client_of, monkeypatch):
+    """Every chunk went out as it came; the front end kept each stream's text, ids,
+    n_probs and logprobs besides, for nothing (n × max_tokens × (1 + n_probs) entries)."""
+    from app.native import NativeResult
+    from app.responses import Result
+    probs = [{"id": 1, "token": "a", "logprob": -0.1, "top_logprobs": []}]
+    logprobs = {"tokens": ["a"], "token_logprobs": [-0.1], "top_logprobs": [{"a": -0.1}],
+                "text_offset": [0]}
+    text = [{"e": P.EV_TEXT, "s": 1 + i, "text": t, "ids": [1], "probs": probs,
+             "logprobs": logprobs} for i, t in enumerate(["a", "\n", "b"])]
+
+    def script(job):
+        events = completion("")
+        return events[:1] + text + [{**events[-1], "s": 4}]
+    kept = []
+    for cls in (NativeResult, Result):
+        def spy(self, index, event, original=cls.add):
+            kept.append(self)
+            return original(self, index, event)
+        monkeypatch.setattr(cls, "add", spy)
+    http, _ = client_of(script)
+    native = http.post("/completion", json={"prompt": "x", "n_probs": 1,
+                                            "stream": True}).get_data(as_text=True)
+    openai = http.post("/v1/completions", json={"prompt": "x", "logprobs": 1,
+                                                "stream": True}).get_data(as_text=True)
+    frames = [json.loads(f[len("data: "):]) for f in native.split("\n\n")
+              if f.startswith("data: ")]
+    assert "".join(f["content"] for f in frames) == "a\nb"
+    assert [len(f["completion_probabilities"]) for f in frames[:-1]] == [1, 1, 1]
+    assert frames[-1]["stop"] is True and frames[-1]["has_new_line"] is True
+    chunks = [json.loads(f[len("data: "):]) for f in openai.split("\n\n")
+              if f.startswith("data: {")]
+    assert [c["choices"][0]["logprobs"]["tokens"] for c in chunks[:3]] == [["a"]] * 3
+    native_result, openai_result = kept[0], kept[-1]
+    assert native_result.texts == [[]] and native_result.probs == [[]]
+    assert native_result.ids == [[]]
+    assert openai_result.texts == [[]] and openai_result.logprobs == [None]
