@@ -235,6 +235,7 @@ class StopField(fields.Field):
 
 
 MAX_BIAS_TEXT = 256        # characters of such a text
+MAX_BIAS_TEXTS = 16_384    # ... and of all of them (a worker tokenizes them, ~5 µs each)
 
 
 class LogitBiasField(fields.Field):
@@ -246,6 +247,7 @@ class LogitBiasField(fields.Field):
         "invalid": "Must map token ids (or, in llama.cpp's [[token, bias]] form, texts of "
                    f"at most {MAX_BIAS_TEXT} characters) to numbers from -100 to 100.",
         "too_many": "At most 1024 biased tokens.",
+        "too_much_text": f"At most {MAX_BIAS_TEXTS} characters of biased texts in all.",
     }
 
     def _deserialize(self, value, attr, data, **kwargs):
@@ -259,6 +261,9 @@ class LogitBiasField(fields.Field):
         if len(pairs) > 1024:
             raise self.make_error("too_many")
         out: dict[str, float] = {}
+        if isinstance(value, list) and sum(len(t) for t, _ in pairs
+                                           if isinstance(t, str)) > MAX_BIAS_TEXTS:
+            raise self.make_error("too_much_text")
         for token, bias in pairs:
             text = False
             if isinstance(token, str) and _TOKEN_ID.fullmatch(token.strip()):

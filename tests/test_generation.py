@@ -318,3 +318,28 @@ def test_a_job_handed_over_after_a_reset_is_kept_while_the_reset_waits(loop):
     assert events_of(loop, "old") == []
     assert events_of(loop, "new")[-1]["e"] == "end"
     assert not loop.preparer.preparing and not loop.preparer.cancelled
+
+
+def test_text_biases_are_tokenized_on_the_preparing_thread_not_the_loop(loop, monkeypatch):
+    """llama.cpp's `[["text", bias]]` form: 1,024 texts of 256 characters were tokenized
+    on the generation thread as each job was admitted (seconds, `n` times over), every
+    stream of the worker frozen meanwhile. Much of it goes to the preparing thread, and
+    the loop uses what it made."""
+    import threading
+    from dispatcher.common.fields import TEXT_BIAS
+    where = []
+    real = loop.engine.tokenize
+    monkeypatch.setattr(loop.engine, "tokenize", lambda text, *a, **k: (
+        where.append(threading.current_thread().name), real(text, *a, **k))[1])
+    bias = {TEXT_BIAS + "ab" * 64: -5.0 for _ in range(1)}
+    bias.update({f"{TEXT_BIAS}{i:03d}" + "c" * 200: -5.0 for i in range(32)})
+    long = job("x", sampling={"logit_bias": bias})
+    assert worth_preparing(long) and not worth_preparing(
+        job("x", sampling={"logit_bias": {TEXT_BIAS + "ab": -5.0}}))
+    assert loop.preparer.submit("b", long)
+    loop.preparer.thread.shutdown(wait=True)             # (its work done)
+    made = len(where)
+    assert made >= 33 and all(name.startswith("prepare") for name in where)
+    run(loop)
+    assert events_of(loop, "b")[-1]["e"] == "end", events_of(loop, "b")
+    assert len(where) == made                  # the loop tokenized none of it again

@@ -59,6 +59,9 @@ def test_explicit_null_means_default_but_max_tokens_null_means_unlimited():
     ({"prompt": "p", "logit_bias": {"x": 1}}, "logit_bias"),
     ({"prompt": "p", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"prompt": "p", "logit_bias": [[5]]}, "logit_bias"),
+    # texts a worker tokenizes: 16 Ki characters of them in all (1,024 of 256 were seconds)
+    ({"prompt": "p", "logit_bias": [["%04d" % i + "x" * 252, -1] for i in range(65)]},
+     "logit_bias"),
     ({"prompt": "p", "mirostat": 3}, "mirostat"),
     ({"prompt": "p", "mirostat_tau": 0}, "mirostat_tau"),
     ({"prompt": "p", "typical_p": 1.5}, "typical_p"),

@@ -308,7 +308,8 @@ class GenerationLoop:
         self.faults.check("admit", body.prompt)
         gen = body.generation
         topic = body.topic.encode()
-        sampling = sampling_of(gen, self.engine)
+        sampling = prepared.sampling if prepared is not None and \
+            prepared.sampling is not None else sampling_of(gen, self.engine)
         fitted = prepared.fitted if prepared is not None else fitted_prompt(
             self.engine, body, self.fim_template,
             list(body.infill.extra) if body.infill else [])

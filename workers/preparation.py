@@ -40,6 +40,7 @@ class Prepared:
     """A job's tokens and sampler chain, made ahead; or the error making them raised."""
     fitted: Fitted | None = None    # its prompt (fitted_prompt)
     chain: Any = None               # the engine's sampler chain, handed to `Engine.add`
+    sampling: dict | None = None    # its settings (sampling_of: a text bias tokenized)
     error: Exception | None = None
 
     def free(self) -> None:
@@ -70,11 +71,14 @@ def sampling_of(gen: P.Generation, engine=None) -> dict:
 
 
 def text_size(body: P.WorkerJob) -> int:
-    """Characters of text the job's prompt is made of."""
+    """Characters of text the job's prompt and its text biases are made of."""
     prompt = body.prompt
     size = len(prompt) if isinstance(prompt, str) else \
         sum(len(p) for p in prompt or [] if isinstance(p, str))
     size += len(body.suffix or "")
+    # llama.cpp's text biases are tokenized too (16 Ki characters at most: app/fields.py)
+    size += sum(len(key) - len(TEXT_BIAS) for key in body.generation.sampling.logit_bias
+                or () if key.startswith(TEXT_BIAS))
     if body.infill:
         size += len(body.infill.middle) + sum(len(str(c.get("text") or ""))
                                               for c in body.infill.extra)
@@ -117,8 +121,9 @@ class Preparer:
             extra = list(body.infill.extra) if body.infill else []
             check_fits(self.engine, body, self.fim_template)
             prepared.fitted = fitted_prompt(self.engine, body, self.fim_template, extra)
+            prepared.sampling = sampling_of(body.generation, self.engine)
             prepared.chain = self.engine.sampler_chain(
-                SamplingParams.from_job(sampling_of(body.generation, self.engine)))
+                SamplingParams.from_job(prepared.sampling))
         except Exception as exc:           # raised when the job is admitted
             if not isinstance(exc, EngineError):
                 log.exception("%s: preparing failed", request_id)
