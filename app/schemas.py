@@ -262,6 +262,12 @@ class CompletionRequestSchema(Schema):
             raise ValidationError(f"prompts × max(n, best_of) is at most {MAX_CHOICES}.",
                                   "n")
         samplers = [SAMPLER_ALIASES.get(n, n) for n in data.get("samplers") or []]
+        twice = sorted({n for n in samplers if samplers.count(n) > 1})
+        if twice:
+            # each is a pass over the candidates every token: ["penalties"] × 16 was 16
+            # passes over the whole vocabulary for every token of every stream
+            raise ValidationError(f"Each sampler may be named once in 'samplers' "
+                                  f"({', '.join(twice)} more than once).", "samplers")
         if "infill" in samplers:
             # llama.cpp's infill sampler compares every pair of candidates: over a whole
             # vocabulary that is minutes a token, so a top_k before it bounds the pairs

@@ -63,6 +63,8 @@ def test_explicit_null_means_default_but_max_tokens_null_means_unlimited():
     ({"prompt": "p", "logit_bias": [["%04d" % i + "x" * 252, -1] for i in range(65)]},
      "logit_bias"),
     ({"prompt": "p", "mirostat": 3}, "mirostat"),
+    ({"prompt": "p", "samplers": ["penalties"] * 16}, "samplers"),
+    ({"prompt": "p", "samplers": ["top_k", "typ_p", "typical_p"]}, "samplers"),
     ({"prompt": "p", "mirostat_tau": 0}, "mirostat_tau"),
     ({"prompt": "p", "typical_p": 1.5}, "typical_p"),
     ({"prompt": "p", "grammar": 'root ::= "a"', "json_schema": {}}, "json_schema"),
