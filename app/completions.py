@@ -16,9 +16,10 @@ from app.errors import from_wire
 from app.fanout import Fanout
 from app.jobs import plan_jobs
 from app.requests import (PROFILE_HEADER, SEQUENCE_HEADER, api_key_fingerprint,
-                          check_answer_size, check_prompt_size, check_route, client_of, json_answer,
-                          parse_json_body, queue_timeout, resolve_model, session_of,
-                          session_order, tenant_of, validate)
+                          check_answer_size, check_prompt_size, check_route,
+                          check_token_prompts, client_of, json_answer, parse_json_body,
+                          queue_timeout, resolve_model, session_of, session_order,
+                          tenant_of, validate)
 from app.responses import Result
 from dispatcher.common import protocol as P
 
@@ -66,8 +67,10 @@ def serve(req: dict, result_class, warm: bool = False, infill: P.Infill | None =
     client = get_client(current_app)
     state = client.wait_state()
     model = resolve_model(req["model"], state)
-    known = state.models.get(model) if state is not None else None
-    check_answer_size(req, known.n_ctx if known is not None else 0)
+    known = state.models.get(model)
+    n_ctx = known.n_ctx if known is not None else 0     # (0: no worker has said yet)
+    check_answer_size(req, n_ctx)
+    check_token_prompts(req, n_ctx)
     request_id = P.new_request_id()
     plans = plan_jobs(request_id, model, req, request.headers.get(PROFILE_HEADER),
                       session_of(request), timeout, warm, infill, session_order(arrived),

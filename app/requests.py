@@ -380,6 +380,25 @@ def answer_entries(req: dict, n_ctx: int) -> int:
     return sum(choices * (written + echoed) for echoed in per_prompt) * (1 + k)
 
 
+def check_token_prompts(req: dict, n_ctx: int) -> None:
+    """400 before anything runs for a prompt of token ids that cannot fit the model's
+    context (`n_ctx`: the largest of its workers', 0 if not known yet): its ids are its
+    tokens (text in the list only adds to them). A worker would build and count them for
+    each of the request's choices."""
+    for prompt in req["prompt"] if n_ctx else ():
+        if isinstance(prompt, list):
+            ids = off_loop(_ids_in, prompt) if len(prompt) > 4096 else _ids_in(prompt)
+            if ids >= n_ctx:
+                raise InvalidRequest(
+                    f"This model's maximum context length is {n_ctx} tokens, but the "
+                    f"prompt has at least {ids} tokens.", param="prompt",
+                    code="context_length_exceeded")
+
+
+def _ids_in(prompt: list) -> int:
+    return sum(1 for item in prompt if not isinstance(item, str))
+
+
 def check_answer_size(req: dict, n_ctx: int) -> None:
     """400 before anything runs where the answer's probabilities would be over
     MAX_ANSWER_ENTRIES (`n_ctx`: the model's context, 0 if not known yet)."""

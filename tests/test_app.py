@@ -471,3 +471,29 @@ def test_a_stream_keeps_no_text_or_probabilities_of_what_it_sent(client_of, monk
     assert native_result.texts == [[]] and native_result.probs == [[]]
     assert native_result.ids == [[]]
     assert openai_result.texts == [[]] and openai_result.logprobs == [None]
+
+
+def test_token_ids_past_the_context_are_refused_before_any_worker_builds_them(client):
+    """A list of ids is its tokens: one of 4,096 ids or more (the model's context) went to
+    a worker, which built and counted it for each choice before refusing it."""
+    http, fake = client
+    for prompt in ([7] * 4096, ["text", *[7] * 5000], [[1], [7] * 9000]):
+        response = http.post("/v1/completions", json={"prompt": prompt, "n": 4})
+        assert response.status_code == 400, response.get_data(as_text=True)
+        error = response.get_json()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+        assert "maximum context length is 4096 tokens" in error["message"]
+    assert fake.jobs == []
+    assert http.post("/v1/completions", json={"prompt": [7] * 4095}).status_code == 200
+
+
+def test_a_long_list_prompt_is_routed_by_its_first_items_only():
+    """The dispatcher weighs a prompt's first 64 Ki characters: a list of a million ids
+    was written out whole on its thread first (0.2 s)."""
+    import json as json_module
+    from dispatcher.routing import BLOCK_CHARS, MAX_PREFIX_BLOCKS, routed_text
+    weighed = BLOCK_CHARS * MAX_PREFIX_BLOCKS
+    for prompt in ([1] * 1_000_000, [123456] * 50_000, ["ab", *[1] * 40_000, "c" * 9]):
+        text = routed_text(P.Job(id="a", model="m", prompt=prompt, generation=None))
+        assert weighed <= len(text) <= 5 * weighed        # (an id writes 12 at most)
+        assert json_module.dumps(prompt)[:weighed] == text[:weighed]
