@@ -13,15 +13,37 @@ from dispatcher.common import protocol as P
 bp = Blueprint("tokens", __name__)
 
 
-def _run(op: str, req: dict) -> dict:
-    size = len(req["content"]) if op == "tokenize" else len(req["tokens"])
+# UTF-8 bytes of /tokenize content answered with its pieces: the answer is a token a byte
+# at worst (byte fallback), each piece an object the front end's loop decodes (~2 µs:
+# a megabyte of such content held every stream of that front end half a second)
+MAX_PIECES_BYTES = 32_768
+
+
+def _check_size(op: str, req: dict) -> None:
+    """413 for more than a prompt's work (`--max-prompt-chars`: characters, ids, and
+    content bytes, a token being one byte at least), or than MAX_PIECES_BYTES of content
+    with its pieces."""
     limit = int(current_app.config["MAX_PROMPT_CHARS"])
-    if size > limit:                   # the limit of a prompt: these are prompts' work
-        param = "content" if op == "tokenize" else "tokens"
-        raise PayloadTooLarge(f"the {param} has {size} "
-                              f"{'characters' if op == 'tokenize' else 'tokens'}; this "
-                              f"server takes at most {limit}", param=param,
+    if op == "detokenize":
+        if len(req["tokens"]) > limit:
+            raise PayloadTooLarge(f"the tokens has {len(req['tokens'])} tokens; this "
+                                  f"server takes at most {limit}", param="tokens",
+                                  code="prompt_too_large")
+        return
+    chars = len(req["content"])
+    size = len(req["content"].encode("utf-8", "surrogatepass")) if chars <= limit else chars
+    if chars > limit or size > limit:
+        raise PayloadTooLarge(f"the content has {chars} characters ({size} bytes); this "
+                              f"server takes at most {limit} of each", param="content",
                               code="prompt_too_large")
+    if req.get("with_pieces") and size > MAX_PIECES_BYTES:
+        raise PayloadTooLarge(f"the content has {size} bytes; with_pieces takes at most "
+                              f"{MAX_PIECES_BYTES} (one piece a byte at worst)",
+                              param="content", code="prompt_too_large")
+
+
+def _run(op: str, req: dict) -> dict:
+    _check_size(op, req)
     client = get_client(current_app)
     model = resolve_model(req.pop("model"), client.wait_state(), any_name=True)
     job = P.WorkerJob(id=P.new_request_id(), model=model, op=op,

@@ -497,3 +497,22 @@ def test_a_long_list_prompt_is_routed_by_its_first_items_only():
         text = routed_text(P.Job(id="a", model="m", prompt=prompt, generation=None))
         assert weighed <= len(text) <= 5 * weighed        # (an id writes 12 at most)
         assert json_module.dumps(prompt)[:weighed] == text[:weighed]
+
+
+def test_tokenize_is_bounded_by_what_its_answer_can_be(client_of):
+    """A token is a byte at least, so a megabyte of four-byte characters was four million
+    ids, and with pieces four million objects: seconds of the front end's loop decoding
+    them, every stream of it standing still."""
+    http, fake = client_of(lambda job: [{"e": P.EV_END, "s": 0, "result": {"tokens": [7]}}])
+    limit = int(http.application.config["MAX_PROMPT_CHARS"])
+    emoji = "\U0001F600" * (limit // 4 + 1)                  # within the characters
+    for body, says in (({"content": emoji}, "bytes"),
+                       ({"content": "é" * 20_000, "with_pieces": True}, "with_pieces")):
+        response = http.post("/tokenize", json=body)
+        assert response.status_code == 413, response.get_data(as_text=True)
+        error = response.get_json()["error"]
+        assert error["param"] == "content" and says in error["message"]
+    assert fake.jobs == []
+    assert http.post("/tokenize", json={"content": "é" * 16_000,
+                                        "with_pieces": True}).status_code == 200
+    assert http.post("/tokenize", json={"content": "x" * limit}).status_code == 200
