@@ -343,3 +343,37 @@ def test_text_biases_are_tokenized_on_the_preparing_thread_not_the_loop(loop, mo
     run(loop)
     assert events_of(loop, "b")[-1]["e"] == "end", events_of(loop, "b")
     assert len(where) == made                  # the loop tokenized none of it again
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_infill_chunks_that_could_never_stay_are_not_tokenized_and_change_nothing(seed):
+    """llama.vim's ring, or a client's 8 MB of input_extra: every chunk was tokenized,
+    for every choice of the request, on the preparing thread every long or constrained
+    job of the worker waits on. The newest are read first, and those that could not stay
+    beside them never are; the prompt is the one made from all of them, token for token,
+    and so is its length for every number of chunks left out (t_max_prompt_ms)."""
+    import random
+    from workers.prompts import FimTemplate, InfillParts, fitted_prompt
+    rng = random.Random(seed)
+    loop = make_loop()                                    # a 256-token context
+    template = FimTemplate.parse("<P>{prefix}<S>{suffix}<M>")
+    chunks = [{"filename": f"f{i}.py", "text": f"{i:03d}" + chr(97 + i % 26) * rng.choice(
+        [5, 30, 90, 400, 3000])} for i in range(rng.randint(1, 40))]
+    body = job("p" * rng.randint(1, 300), suffix="s" * rng.randint(0, 200), max_tokens=16,
+               infill={"extra": chunks, "middle": ""})
+    read = []
+    real = loop.engine.tokenize
+    loop.engine.tokenize = lambda text, *a, **k: read.append(text) or real(text, *a, **k)
+    fitted = fitted_prompt(loop.engine, body, template, chunks)
+    by_fit = list(read)                                # (what making it read)
+    whole = InfillParts.of(loop.engine, body.prompt, body.suffix, template, chunks, "")
+    expected = whole.fit(loop.engine, 256 - 16)
+    assert (fitted.tokens, fitted.dropped, fitted.cut) == \
+        (expected.tokens, expected.dropped, expected.cut)
+    unread = [c["text"] for c in chunks[:fitted.parts.unread if fitted.parts else 0]]
+    assert unread == [] or not any(text in by_fit for text in unread)
+    if fitted.parts is not None:
+        for k in range(len(chunks) + 1):
+            assert fitted.parts.length(loop.engine, k) == \
+                len(fitted.parts.tokens(loop.engine, k)) == \
+                len(whole.tokens(loop.engine, max(k, fitted.parts.unread)))

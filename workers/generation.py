@@ -291,7 +291,8 @@ class GenerationLoop:
         if left > 0 and may_drop_extra(gen):
             over = self.prefill.chunks_over_budget(
                 lambda k: parts.tokens(self.engine, dropped + k), left,
-                float(gen.t_max_prompt_ms), self._own_slots(body.tenant), gen.cache_prompt)
+                float(gen.t_max_prompt_ms), self._own_slots(body.tenant), gen.cache_prompt,
+                lambda k: parts.length(self.engine, dropped + k))
             if over:
                 dropped += over
                 tokens = parts.tokens(self.engine, dropped)

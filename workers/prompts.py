@@ -178,13 +178,19 @@ class InfillParts:
     middle: list[int]
 
     precut: bool = False      # the prefix's start or the suffix's end cut before tokenizing
+    unread: int = 0           # the oldest chunks, never tokenized: they could not stay
+    bare: int | None = None   # tokens without any chunk (`length`, once known)
 
     @classmethod
     def of(cls, engine, prefix, suffix: str, template: FimTemplate | None,
-           extra: list[dict], middle: str, max_chars: int = 0) -> "InfillParts":
+           extra: list[dict], middle: str, max_chars: int = 0,
+           budget: int = 0) -> "InfillParts":
         """`max_chars` (0: none): the prefix's last and the suffix's first so many
         characters only, where more could never fit (a megabyte of prefix is not
-        tokenized to keep its last few thousand tokens)."""
+        tokenized to keep its last few thousand tokens). `budget` (0: none): the tokens
+        the prompt may have; the chunks are read newest first, and the older ones past
+        what could stay beside them (over `budget` tokens, or `max_chars` characters
+        with them) are not tokenized at all (`unread`)."""
         precut = False
         if max_chars and isinstance(prefix, list) and len(prefix) == 1 and \
                 isinstance(prefix[0], str):
@@ -200,19 +206,29 @@ class InfillParts:
                                code="fim_unsupported", param="suffix")
         text = lambda t: engine.tokenize(t, add_special=False, parse_special=False)  # noqa: E731
         repo = engine.fim_repo if template is None else None
-        chunks = [([repo[1]] + text(str(c.get("filename") or "tmp") + "\n")
-                   if repo is not None else text(CHUNK_SEPARATOR))
-                  + text(str(c.get("text") or "")) for c in extra]
-        return cls(template, chunks,
+        chunks: list[list[int]] = []
+        tokens = chars = 0
+        for c in reversed(extra):             # the newest first: the oldest go first
+            chars += len(str(c.get("text") or ""))
+            if budget and (tokens > budget or (max_chars and chars > max_chars)):
+                break
+            chunk = ([repo[1]] + text(str(c.get("filename") or "tmp") + "\n")
+                     if repo is not None else text(CHUNK_SEPARATOR)) \
+                + text(str(c.get("text") or ""))
+            tokens += len(chunk)
+            chunks.append(chunk)
+        unread = len(extra) - len(chunks)
+        return cls(template, [[]] * unread + chunks[::-1],
                    [repo[0]] + text("myproject\n") if repo is not None else [],
                    [repo[1]] + text("filename\n") if repo is not None else [],
                    _tokens(engine, prefix, first_special=False, parse_special=False),
                    text(suffix),
-                   engine.tokenize(middle, add_special=False) if middle else [], precut)
+                   engine.tokenize(middle, add_special=False) if middle else [], precut,
+                   unread)
 
     def tokens(self, engine, dropped: int = 0) -> list[int]:
-        """The prompt, the oldest `dropped` chunks left out."""
-        kept = self.chunks[dropped:]
+        """The prompt, the oldest `dropped` chunks left out (the unread ones always)."""
+        kept = self.chunks[max(dropped, self.unread):]
         out = self.opening + [t for chunk in kept for t in chunk] + self.closing \
             if kept else []
         if self.template is not None:
@@ -222,22 +238,31 @@ class InfillParts:
             body = [pre] + self.prefix + [suf] + self.suffix + [mid]
         return out + engine.bos() + body + self.middle
 
+    def length(self, engine, dropped: int = 0) -> int:
+        """len(self.tokens(engine, dropped)), without making them (t_max_prompt_ms asks
+        for every number of chunks left out)."""
+        if self.bare is None:
+            self.bare = len(self.tokens(engine, len(self.chunks)))
+        kept = self.chunks[max(dropped, self.unread):]
+        return self.bare + (len(self.opening) + len(self.closing) + sum(map(len, kept))
+                            if kept else 0)
+
     def fit(self, engine, budget: int) -> Fitted:
         """At most `budget` tokens, as llama.cpp's /infill makes its prompt fit: the
         oldest chunks left out first, then the prefix's start and the suffix's end (the
         text nearest the cursor kept: the suffix a quarter of the room, the prefix the
         rest, either more where the other is shorter).
         Where even the rest is too long, as it is (the caller refuses it)."""
-        tokens = self.tokens(engine)
-        total, dropped = len(tokens), 0
+        tokens = self.tokens(engine, self.unread)
+        total, dropped = len(tokens), self.unread
         while total > budget and dropped < len(self.chunks):
             total -= len(self.chunks[dropped])
             dropped += 1
             if dropped == len(self.chunks):
                 total -= len(self.opening) + len(self.closing)
         if total <= budget:
-            return Fitted(self.tokens(engine, dropped) if dropped else tokens, dropped,
-                          self.precut, self)
+            return Fitted(self.tokens(engine, dropped) if dropped != self.unread else tokens,
+                          dropped, self.precut, self)
         room = len(self.prefix) + len(self.suffix) - (total - budget)
         if room <= 0:
             return Fitted(self.tokens(engine, dropped), dropped, self.precut, self)
@@ -270,10 +295,10 @@ def fitted_prompt(engine, body: P.WorkerJob, template: FimTemplate | None,
     budget = limit - generation_room(body.generation.max_tokens, limit)
     # a token is at most the longest piece's bytes, so the prefix's last (and the
     # suffix's first) budget × that many characters hold every token that could stay
-    longest = engine.longest_piece() if len(str(body.prompt)) + len(body.suffix or "") > \
-        budget * SAFETY else 0
+    longest = engine.longest_piece() if len(str(body.prompt)) + len(body.suffix or "") + \
+        sum(len(str(c.get("text") or "")) for c in extra) > budget * SAFETY else 0
     parts = InfillParts.of(engine, body.prompt, body.suffix or "", template, extra, middle,
-                           max_chars=budget * longest)
+                           max_chars=budget * longest, budget=budget)
     return parts.fit(engine, budget)
 
 
