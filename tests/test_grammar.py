@@ -192,6 +192,34 @@ def test_token_references_are_checked_against_the_vocabulary():
         gbnf.check("root ::= <thinking>", n_vocab=1000, token_of=one)
 
 
+@pytest.mark.parametrize("grammar", ['root ::= "\\x00"', 'root ::= "a\\u0000b" | "c"',
+                                     "root ::= [\\x00]", "root ::= [\\x00-\\x00]",
+                                     'root ::= x\nx ::= "\\U00000000"'])
+def test_a_nul_asked_for_is_refused(grammar):
+    """llama.cpp reads a token's text up to a NUL: a grammar that needs one failed midway
+    through generation ("the grammar allows no token here", a 500)."""
+    with pytest.raises(gbnf.GrammarRefused, match="NUL"):
+        gbnf.check(grammar)
+
+
+@pytest.mark.parametrize("grammar", ["root ::= [\\x00-\\x1f]", "root ::= [^\\x00]",
+                                     "root ::= [a\\x00]", 'root ::= "\\x01"'])
+def test_a_class_that_allows_more_than_nul_is_not(grammar):
+    gbnf.check(grammar)
+
+
+def test_an_end_of_generation_token_asked_for_is_refused():
+    """llama.cpp lets an end token through only where the grammar is complete, so one the
+    grammar asks for never comes (a 500 midway); one it forbids is fine."""
+    ends = {1, 106}.__contains__
+    one = {"<eos>": 1, "<start>": 2}.get
+    for grammar in ("root ::= <[1]>", 'root ::= "a" <eos>', "root ::= x\nx ::= <[106]>"):
+        with pytest.raises(gbnf.GrammarRefused, match="ends generation"):
+            gbnf.check(grammar, 1000, one, ends)
+    for grammar in ('root ::= !<[1]> "a"', "root ::= <start>", "root ::= <[5]>"):
+        gbnf.check(grammar, 1000, one, ends)
+
+
 def test_errors_say_where():
     with pytest.raises(gbnf.GrammarError, match=r"line 2, column 11"):
         gbnf.check('root ::= a\na ::= "x" )')

@@ -44,6 +44,7 @@ class _Parser:
         self.rules: list[list[tuple[int, int]] | None] = []
         self.elements = 0
         self.tokens: list[tuple[int, str]] = []
+        self.wanted: list[tuple[int, str]] = []     # ... of those, the ones asked for
         self.nesting = 0
 
     # -- helpers -------------------------------------------------------------------------
@@ -187,6 +188,8 @@ class _Parser:
                     kind, at = (TOKEN_NOT, pos + 1) if c == "!" else (TOKEN, pos)
                     value, pos = self.token(at)
                     rule.append((kind, value))
+                    if kind == TOKEN:
+                        self.wanted.append(self.tokens[-1])
                     pos = self.space(pos, nested)
                 elif c == ".":
                     rule.append((CHAR_ANY, 0))
@@ -368,20 +371,45 @@ class _Parser:
 
 
 def check(grammar: str, n_vocab: int | None = None,
-          token_of: Callable[[str], int | None] | None = None) -> Grammar:
+          token_of: Callable[[str], int | None] | None = None,
+          ends: Callable[[int], bool] | None = None) -> Grammar:
     """The grammar as llama.cpp would build it, or GrammarError / GrammarTooLarge saying
     why not. With `n_vocab`, token references `<[id]>` must name a token; with
-    `token_of`, each `<text>` must be exactly one token (llama.cpp's rule)."""
+    `token_of`, each `<text>` must be exactly one token (llama.cpp's rule); with `ends`
+    (whether a token id ends generation), none asked for may be one."""
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise GrammarTooLarge(f"the grammar has {len(grammar)} characters; at most "
                               f"{MAX_GRAMMAR_CHARS}")
     if "\x00" in grammar:
         raise GrammarRefused("the grammar contains a NUL character")
-    parsed = _Parser(grammar).parse()
+    parser = _Parser(grammar)
+    parsed = parser.parse()
+    _check_no_nul(parsed)
     for value, text in parsed.tokens:
         if text and token_of is not None and token_of(text) is None:
             raise GrammarError(f"{text[:40]!r} is not one token of this model")
         if not text and n_vocab is not None and value >= n_vocab:
             raise GrammarRefused(f"token <[{value}]> is outside the vocabulary "
                                f"(0..{n_vocab - 1})")
+    for value, text in parser.wanted if ends is not None else ():
+        token = token_of(text) if text and token_of is not None else value
+        if token is not None and token >= 0 and ends(token):
+            # llama.cpp lets an end-of-generation token through only where the grammar
+            # is complete, so one it asks for can never come: generation failed midway
+            raise GrammarRefused(f"token {text[:40] or f'<[{value}]>'} ends generation; "
+                                 "a grammar cannot ask for it (generation ends where the "
+                                 "grammar is complete)")
     return parsed
+
+
+def _check_no_nul(parsed: Grammar) -> None:
+    """Refuse a NUL asked for as such (`"\\x00"`, `[\\x00]`): llama.cpp reads a token's
+    text up to a NUL, so none can match it and generation would fail midway. A class
+    with other characters (`[\\x00-\\x1f]`) or a negated one is fine."""
+    for rule in parsed.rules:
+        for i, (kind, value) in enumerate(rule):
+            if kind == CHAR and value == 0 and (
+                    i + 1 == len(rule) or rule[i + 1][0] not in (CHAR_ALT, CHAR_RNG_UPPER)
+                    or rule[i + 1] == (CHAR_RNG_UPPER, 0)):
+                raise GrammarRefused("the grammar asks for a NUL character (\\x00), which "
+                                     "no token's text can hold")

@@ -17,14 +17,14 @@ from workers.sampling import SamplingParams
 
 
 def check_grammar(grammar: str, n_vocab: int, token_of=None,
-                  verdicts: OrderedDict | None = None) -> None:
+                  verdicts: OrderedDict | None = None, ends=None) -> None:
     """A 400 for a grammar llama.cpp would refuse or could not use (dispatcher.common.grammar).
     `verdicts` keeps the answers for recent texts: the n choices of one request, or an
     editor's same grammar, are checked once."""
     problem = verdicts.get(grammar, False) if verdicts is not None else False
     if problem is False:
         try:
-            gbnf.check(grammar, n_vocab, token_of)
+            gbnf.check(grammar, n_vocab, token_of, ends)
             problem = None
         except gbnf.GrammarError as exc:
             problem = str(exc)
@@ -280,7 +280,8 @@ class SamplerChain:
                 # token references (`<[id]>`, `<text>`) are checked against this vocabulary
                 # (the front end checked the rest), so llama.cpp never logs a refusal
                 check_grammar(p.grammar, n_vocab, lambda text: one_token(lib, vocab, text),
-                              self.candidates.grammar_verdicts)
+                              self.candidates.grammar_verdicts,
+                              lambda token: bool(lib.llama_vocab_is_eog(vocab, token)))
             self.grammar = lib.llama_sampler_init_grammar(vocab, p.grammar.encode(), b"root")
             if not self.grammar:
                 raise InvalidInput("the grammar does not parse (GBNF with a 'root' rule)",
