@@ -15,6 +15,7 @@ retries); one with bytes waiting is served; one that has not sent its first requ
 from __future__ import annotations
 
 import _socket
+import json
 import os
 import socket
 import time
@@ -24,6 +25,7 @@ import gevent
 import gevent.socket
 from gevent.pool import Pool
 from gevent.server import StreamServer
+from gunicorn import util as gunicorn_util
 from gunicorn.sock import ssl_context
 from gunicorn.workers.ggevent import GeventWorker
 
@@ -49,6 +51,32 @@ FULL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n
         b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s")
 FULL_BODY = (b'{"error": {"message": "this front end has as many connections open as it '
              b'serves", "type": "server_error", "param": null, "code": "too_many_connections"}}')
+
+
+# What gunicorn answers itself, before the application sees a request it cannot parse (a
+# malformed request line, a header too large, Content-Length beside Transfer-Encoding):
+# an HTML page, which OpenAI clients cannot read. Here the same status in OpenAI's
+# envelope; 501 for a transfer coding gunicorn does not take is a 400 (the request is
+# what is wrong). gunicorn calls `util.write_error` for nothing else.
+PARSE_ERROR_CODES = {400: "bad_request", 403: "forbidden", 414: "uri_too_long",
+                     417: "expectation_failed", 431: "headers_too_large"}
+
+
+def write_parse_error(sock, status: int, reason: str, message: str) -> None:
+    if status == 501:
+        status, reason = 400, "Bad Request"
+    client = 400 <= status < 500
+    body = json.dumps({"error": {
+        "message": f"the request could not be parsed: {message}" if message else reason,
+        "type": "invalid_request_error" if client else "server_error", "param": None,
+        "code": PARSE_ERROR_CODES.get(status, "bad_request" if client else
+                                      "internal_error")}}).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    gunicorn_util.write_nonblock(sock, head.encode("latin-1") + body)
+
+
+gunicorn_util.write_error = write_parse_error
 
 
 class FrontendWorker(GeventWorker):

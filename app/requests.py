@@ -13,6 +13,7 @@ import gevent.monkey
 
 import msgspec
 from flask import Response, current_app, request
+from gunicorn.http.errors import ParseException
 from marshmallow import Schema, ValidationError
 
 from app.errors import (InvalidRequest, NotFound, PayloadTooLarge, RequestTimeout,
@@ -53,15 +54,29 @@ def read_body() -> bytes:
     """The whole body within --body-timeout: a client trickling it a byte at a time
     must not hold a connection (and its greenlet) for ever."""
     seconds = float(current_app.config.get("BODY_TIMEOUT") or 0)
-    with gevent.Timeout(seconds or None, False):
-        return request.get_data(cache=False)
+    try:
+        with gevent.Timeout(seconds or None, False):
+            return request.get_data(cache=False)
+    except (ParseException, OSError) as exc:
+        # a chunked body whose framing is wrong (a size that is not hex, data past its
+        # size, no CRLF): gunicorn's reader raises, and it was a 500
+        _stop_reading()
+        why = clipped(str(exc) or type(exc).__name__)
+        raise InvalidRequest(f"the body could not be read: {why}",
+                             code="invalid_body") from None
+    _stop_reading()
+    raise RequestTimeout(f"the body did not arrive within {seconds:g} s")
+
+
+def _stop_reading() -> None:
+    """The rest of the body is never read: end the connection (what is left of it could
+    not be parsed as a next request)."""
     sock = request.environ.get("gunicorn.socket")
-    if sock is not None:             # the rest of the body is never read: end the connection
+    if sock is not None:
         try:
             sock.shutdown(socket.SHUT_RD)
         except OSError:
             pass
-    raise RequestTimeout(f"the body did not arrive within {seconds:g} s")
 
 
 # Arrays and objects one body may hold, counted in the raw bytes before anything walks

@@ -297,3 +297,60 @@ def test_two_fake_workers_run_two_streams_at_once():
                         == [1, 1], timeout=10, what="one stream done on each worker")
     finally:
         assert server.stop() == 0
+
+
+def raw_exchange(port: int, data: bytes) -> tuple[int, dict, bytes]:
+    """Send `data` as it is and read the answer to the close: (status, headers, body)."""
+    import socket
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    return int(lines[0].split()[1]), headers, body
+
+
+BODY = b'{"prompt": "a", "max_tokens": 2}'
+
+
+@pytest.mark.parametrize("framing", [
+    b"zz\r\n%s\r\n0\r\n\r\n" % BODY,                  # a size that is not hex
+    b"5\r\n%s\r\n0\r\n\r\n" % BODY,                   # data past its size
+    b"%x\r\n%sXX0\r\n\r\n" % (len(BODY), BODY),       # no CRLF after the data
+    b"-5\r\n%s\r\n0\r\n\r\n" % BODY,                  # a negative size
+], ids=["not-hex", "past-size", "no-crlf", "negative"])
+def test_a_chunked_body_framed_wrong_is_a_400_in_the_envelope(fake_server, framing):
+    """gunicorn's chunk reader raised inside the application: a 500."""
+    for path in ("/v1/completions", "/completion", "/tokenize"):
+        status, headers, body = raw_exchange(fake_server.port, (
+            b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" % path.encode()) + framing)
+        assert status == 400, (path, body)
+        assert headers["Content-Type"] == "application/json"
+        assert json.loads(body)["error"]["code"] == "invalid_body", body
+
+
+@pytest.mark.parametrize("request_bytes,status,code", [
+    (b"GARBAGE\r\n\r\n", 400, "bad_request"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+     b"Transfer-Encoding: chunked\r\n\r\n%s" % (len(BODY), BODY), 400, "bad_request"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400,
+     "bad_request"),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: %s\r\n\r\n" % (b"a" * 100_000), 431,
+     "headers_too_large"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", 400,
+     "bad_request"),
+], ids=["request-line", "length-and-chunked", "negative-length", "huge-header",
+        "gzip-coding"])
+def test_what_gunicorn_refuses_itself_is_answered_in_the_envelope(
+        fake_server, request_bytes, status, code):
+    """Refused before the application runs: gunicorn's HTML page, which no OpenAI client
+    reads (a 501 for a transfer coding it does not take)."""
+    got, headers, body = raw_exchange(fake_server.port, request_bytes)
+    assert (got, headers["Content-Type"]) == (status, "application/json"), body
+    error = json.loads(body)["error"]
+    assert error["code"] == code and error["type"] == "invalid_request_error"
+    assert error["message"].startswith("the request could not be parsed")
