@@ -40,6 +40,7 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
     scoring = candidates > req["n"]
     route = route_of(req, profile)
     fanout = len(req["prompt"]) * candidates
+    work = prompt_work(req, candidates)
     plans = []
     for p, prompt in enumerate(req["prompt"]):
         for c in range(candidates):
@@ -58,7 +59,7 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
             job = P.WorkerJob(
                 id=request_id if fanout == 1 else f"{request_id}.{p}.{c}", model=model,
                 parent=request_id, fanout=fanout, tokens=generation.max_tokens,
-                route=route, session=session,
+                prompt_work=work, route=route, session=session,
                 client=None if session else client,
                 session_order=session_order, session_seq=session_seq, timeout=timeout,
                 tenant=tenant, api_key=api_key,
@@ -67,6 +68,22 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
             plans.append(JobPlan(msgspec.structs.replace(job, adopt_key=adopt_key(job)),
                                  p, c))
     return plans
+
+
+CHARS_PER_TOKEN = 4         # of text, about (code runs 3-4): a low estimate of its tokens
+
+
+def prompt_work(req: dict, candidates: int) -> int:
+    """About how many prompt tokens the request's jobs prefill: each prompt's once (its
+    other choices copy it), except where each choice computes the prompt's logprobs
+    itself (echo with logprobs); an id is a token, text CHARS_PER_TOKEN characters."""
+    each = candidates if req.get("echo") and req.get("logprobs") is not None else 1
+    total = 0
+    for prompt in req["prompt"]:
+        parts = [prompt] if isinstance(prompt, str) else prompt
+        total += sum(len(p) // CHARS_PER_TOKEN if isinstance(p, str) else 1 for p in parts)
+    total += len(req.get("suffix") or "") // CHARS_PER_TOKEN * len(req["prompt"])
+    return total * each
 
 
 def inference_client(client: str | None, req: dict) -> str | None:

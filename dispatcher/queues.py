@@ -46,12 +46,15 @@ class QueuedJob:
     @property
     def long(self) -> bool:
         """One of several choices of a request that may generate more than
-        config.LONG_REQUEST_TOKENS together, or has no limit: they take turns at
-        config.REQUEST_SLOT_SHARE of the model's slots."""
+        config.LONG_REQUEST_TOKENS together, or has no limit, or whose prompts take that
+        much prefilling (`prompt_work`: eight 3,000-token prompts, max_tokens 1, held
+        every slot for a minute): they take turns at config.REQUEST_SLOT_SHARE of the
+        model's slots."""
         body = self.body
         if body.fanout <= 1 or body.op is not None:
             return False
-        return body.tokens is None or body.fanout * body.tokens > config.LONG_REQUEST_TOKENS
+        return body.tokens is None or \
+            body.fanout * body.tokens + body.prompt_work > config.LONG_REQUEST_TOKENS
 
     def for_worker(self, **changes) -> P.SubmittedJob:
         """The REQUEST body: the job as submitted, with its owner's topic and attempt."""

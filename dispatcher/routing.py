@@ -30,8 +30,9 @@ def routed_text(job: P.Job) -> str:
     prompt = job.prompt
     # (of a list, only as many items as can make the characters that are weighed: each
     # writes 3 at least, "1, "; a million token ids took the dispatcher's thread 0.2 s)
-    text = prompt if isinstance(prompt, str) else \
-        json.dumps(prompt[:BLOCK_CHARS * MAX_PREFIX_BLOCKS // 3 + 1])
+    if isinstance(prompt, list):
+        prompt = prompt[:BLOCK_CHARS * MAX_PREFIX_BLOCKS // 3 + 1]
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt)
     if job.suffix is not None:
         text = "\x00fim\x00" + text + "\x00suffix\x00" + job.suffix
     infill = getattr(job, "infill", None)

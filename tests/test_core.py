@@ -779,6 +779,26 @@ def test_a_request_of_long_choices_never_holds_every_slot(key):
                                                  api_key=key))
 
 
+def test_a_request_of_long_prompts_never_holds_every_slot():
+    """Eight 3,000-token prompts with max_tokens 1 (or one prompt's logprobs echoed by
+    each of eight choices) held all eight slots: a keystroke waited 15-25 s for a slot.
+    Their prefill counts as their work; eight short prompts still fill every slot."""
+    from app.jobs import prompt_work
+    long_prompts = {"prompt": ["x" * 12_000] * 8, "max_tokens": 1}
+    echoed = {"prompt": ["x" * 4_000], "echo": True, "logprobs": 0}
+    short = {"prompt": ["x" * 400] * 8}
+    for req, candidates, at_once in ((long_prompts, 1, 6), (echoed, 8, 6), (short, 1, 8)):
+        work = prompt_work(req, candidates)
+        core = DispatcherCore()
+        ready(core, slots=8)
+        for c in range(8):
+            submit(core, f"a.0.{c}", parent="a", fanout=8, tokens=1, prompt_work=work)
+        assert len(core.registry.workers[b"w0"].running) == at_once, (work, req)
+        assert (("REQUEST", "b") in kinds(submit(core, "b", parent="b"))) == (at_once < 8)
+    assert prompt_work(echoed, 8) == 8 * 1000 and prompt_work(long_prompts, 1) == 24_000
+    assert prompt_work({"prompt": [[1, 2, "abcd"]], "suffix": "s" * 40}, 3) == 3 + 10
+
+
 def test_a_huge_session_seq_never_locks_out_requests_ordered_by_arrival():
     """One request of a session with X-Session-Seq 2**63-1, then the same session's
     requests without the header (ordered by arrival, stamps far below it): each is newer

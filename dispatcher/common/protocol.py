@@ -221,6 +221,7 @@ class Job(Body, Generic[G], kw_only=True):
     parent: str | None = None           # the HTTP request (None: the job is the request)
     fanout: int = 1                     # jobs of that request
     tokens: int | None = None           # the most each may generate (None: its context)
+    prompt_work: int = 0                # the request's prompt tokens to prefill, about
     route: Route = Route()
     session: str | None = None          # X-Session-Id (scoped by key)
     client: str | None = None           # without one: its key and address, fingerprinted
