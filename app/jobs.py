@@ -100,7 +100,8 @@ def inference_client(client: str | None, req: dict) -> str | None:
 
 
 # What may differ between a running request and the one that adopts its generation.
-ADOPT_FREE = {"id", "prompt", "session_order", "parent", "timeout", "adopt_key"}
+ADOPT_FREE = {"id", "prompt", "prompt_work", "session_order", "parent", "timeout",
+              "adopt_key"}
 ADOPT_FREE_GENERATION = {"max_tokens", "t_max_predict_ms", "t_max_prompt_ms"}
 
 

@@ -253,6 +253,19 @@ def test_adopt_key_is_the_request_less_its_prompt_and_limits():
         assert adopt_key(as_job({**job, **never})) is None
 
 
+def test_a_longer_prompt_of_the_same_session_keeps_its_adoption_key(client):
+    """What the front end adds to a job from its prompt (its estimated prefill) must not
+    tell a keystroke's request from the one it would adopt: it did, and type-along
+    adoption stopped."""
+    http, fake = client
+    for prompt in ("def fibonacci(n):\n", "def fibonacci(n):\n    if n <= 1:" * 20):
+        assert http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8},
+                         headers={"X-Session-Id": "s"}).status_code == 200
+    first, second = fake.jobs
+    assert first["prompt_work"] != second["prompt_work"]
+    assert first["adopt_key"] and first["adopt_key"] == second["adopt_key"]
+
+
 def test_brackets_inside_strings_do_not_count_as_arrays(client):
     from app.requests import MAX_JSON_CONTAINERS
     http, fake = client
