@@ -996,3 +996,66 @@ def test_a_sibling_copying_a_decoded_prompt_sees_what_its_prefill_would(model_pa
         assert engine.copy_prefix(0, 1, engine.tokenize("short")) == 0   # (not worth it)
     finally:
         engine.close()
+
+
+TYPICAL = SamplingParams(temperature=1.0, top_k=0, typical_p=0.5, seed=11)
+
+
+def drawn(engine, jobs, n):
+    """jobs: [(slot, prompt, sampling)] started together; {slot: tokens} and, for each
+    slot, the decode steps after which it had each token (a call that hands out draws
+    made aside decodes nothing)."""
+    out = {slot: [] for slot, _, _ in jobs}
+    at = {slot: [] for slot, _, _ in jobs}
+    for slot, prompt, sampling in jobs:
+        engine.add(slot, engine.tokenize(prompt), sampling)
+    while any(len(v) < n for v in out.values()):
+        for slot, result in engine.step().items():
+            if len(out[slot]) < n:
+                assert result.error is None, result.error
+                out[slot].append(result.token)
+                at[slot].append(engine.totals.steps)
+    for slot, _, _ in jobs:
+        engine.release(slot)
+    return out, at
+
+
+def test_dear_sampling_is_drawn_aside_and_draws_what_it_would_have(model_path, monkeypatch):
+    """typical_p over the whole vocabulary (llama.cpp sorts its 262,144 candidates: tens
+    of ms a token here, more than a step) was sampled between two steps, where every
+    stream of the worker waited for it. Set aside, it is drawn on the side thread from a
+    copy of its row, the same tokens as drawn in place (alone, so every step is the
+    same batch), and a greedy neighbour takes a token every step meanwhile, while the
+    dear one sits out the steps its draws are made beside. Whether a chain goes aside
+    is the measured costs' call (`AsideDraws.worth`, tested on both profiles below); here
+    it is forced both ways."""
+    from workers.engine.aside import AsideDraws
+    engine = make(model_path, slots=2)
+    try:
+        monkeypatch.setattr(AsideDraws, "worth", staticmethod(lambda sample, step: False))
+        in_place, _ = drawn(engine, [(0, PROMPTS[1], TYPICAL)], n=12)
+        assert engine.aside.draws == 0
+        monkeypatch.setattr(AsideDraws, "worth", staticmethod(lambda sample, step: True))
+        engine.clear_caches()
+        aside, _ = drawn(engine, [(0, PROMPTS[1], TYPICAL)], n=12)
+        assert engine.aside.draws >= 11 and aside == in_place
+        engine.clear_caches()
+        both, at = drawn(engine, [(0, PROMPTS[1], TYPICAL), (1, PROMPTS[0], GREEDY)], n=12)
+        assert at[1] == list(range(at[1][0], at[1][0] + 12))      # a token every step
+        assert at[0][-1] > at[1][-1]                    # the dear one sat steps out
+        assert not engine.aside.pending
+    finally:
+        engine.close()
+
+
+def test_a_chain_goes_aside_only_where_its_sampling_is_dear_beside_the_step():
+    """On a CPU-like device (a step of 20-80 ms) and a GPU-like one (3 ms): a greedy
+    argmax or a host draw (0.2-1 ms) never goes aside; llama.cpp sorting the whole
+    vocabulary (35 ms) does beside a short step, and stays beside one twice as long,
+    where waiting a step for its draw would cost it more than it saves the others."""
+    from workers.engine.aside import AsideDraws
+    for sample_ms, step_ms, aside in ((0.2, 3.0, False), (1.0, 3.0, False),
+                                      (35.0, 3.0, True), (35.0, 20.0, True),
+                                      (35.0, 80.0, False), (1.0, 20.0, False),
+                                      (35.0, 0.0, False)):     # (no step measured yet)
+        assert AsideDraws.worth(sample_ms, step_ms) is aside, (sample_ms, step_ms)

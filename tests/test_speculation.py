@@ -695,10 +695,10 @@ def test_drafts_run_beside_a_waiting_user_only_where_rows_are_nearly_free():
     def drafted(costs):
         slots = [SimpleNamespace(seq=0, busy=True, line_done=True, n_past=100, budget=None,
                                  sampled=40, policy=Confident(), cached=[1] * 100,
-                                 next_token=2, draft=None),
+                                 next_token=2, draft=None, sampled_aside=False),
                  SimpleNamespace(seq=1, busy=True, line_done=False, n_past=50, budget=None,
                                  sampled=2, policy=None, cached=[1] * 50, next_token=3,
-                                 draft=None)]
+                                 draft=None, sampled_aside=False)]
         Scheduler().draft(slots, slots, [], 4096, 512, costs)
         return len(slots[0].draft)
     assert drafted(StepCosts.assumed()) == 0

@@ -29,6 +29,7 @@ from workers.errors import EngineError
 from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.llamalog import LlamaLog, set_llama_log
 from workers.engine.alphabet import TokenTexts
+from workers.engine.aside import AsideDraws, log_sum_exp, top_of
 from dispatcher.common.models import model_file_digest
 from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
@@ -89,6 +90,8 @@ class _Slot:
     sat_out: bool = False                               # first line first: last step
     passed_over: bool = False                           # its prompt got no piece: last step
     budget: int | None = None                           # tokens it may generate
+    sample_ms: float = 0.0              # its sampling's measured time a token (average)
+    sampled_aside: bool = False         # ... more than the step's share: drawn aside
 
     @property
     def busy(self) -> bool:
@@ -130,6 +133,10 @@ class LlamaEngine:
         self.tokens_shifted = 0
         self.slots = [_Slot(seq) for seq in range(slots)]
         self._read_vocabulary()
+        # costly sampling goes beside the next step (workers/engine/aside.py), judged
+        # against the device's measured step (an average of the decodes' times)
+        self.aside = AsideDraws(llama_cpp, self.n_vocab, self.eog_tokens, BANNED)
+        self.step_ms = 0.0
         self.fingerprint = model_fingerprint(model_path, llama_cpp.__version__)
         self.logprob_row_ms = 0.0       # the host's log-softmax and top-k of a row, measured
         self.logprob_device_ms = 0.0    # ... and a row's share of steps that had such rows
@@ -370,6 +377,7 @@ class LlamaEngine:
         slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
         slot.next_token, slot.row, slot.chain, slot.sampled = None, -1, chain, 0
         slot.line_done, slot.sat_out, slot.budget = False, False, budget
+        slot.sample_ms, slot.sampled_aside = 0.0, False
         slot.passed_over = False
         self.scheduler.arrived(slot_id, any(s.busy for s in self.slots if s is not slot))
         slot.logprobs = logprobs
@@ -436,6 +444,7 @@ class LlamaEngine:
         """End the slot's sequence; the slot is free at once. Its KV cache stays for
         the next prompt that shares a prefix with it, unless `keep_cache` is False."""
         slot = self.slots[slot_id]
+        self.aside.forget(slot_id)          # (a draw in flight uses its chain)
         if slot.chain is not None:
             slot.chain.free()
         if slot.policy is not None and slot.policy.history is not None:
@@ -459,11 +468,14 @@ class LlamaEngine:
         chunks share the room left in `n_batch`. In deterministic mode a prompt chunk is
         decoded in a batch of its own, so batch composition never changes the numbers.
         """
+        drawn = self._drawn_aside()
+        if drawn:               # their tokens go out first; the next step decodes them
+            return drawn
         planning = time.perf_counter()
         generating, grant, planning = self._plan(planning)
         n, logprob_rows = self._fill_batch(generating, grant)
-        if n == 0:
-            return {}
+        if n == 0:              # nothing to decode but draws made aside: wait for one
+            return self._drawn_aside(block=bool(self.aside.pending))
         self.batch.n_tokens = n
         started = time.perf_counter()
         rc = llama_cpp.llama_decode(self.ctx, self.batch)
@@ -472,6 +484,8 @@ class LlamaEngine:
         llama_cpp.llama_synchronize(self.ctx)     # (a GPU's decode returns before its end)
         decoded = time.perf_counter()
         self._count_step(generating, grant, started - planning, decoded - started)
+        ms = 1000 * (decoded - started)
+        self.step_ms = 0.9 * self.step_ms + 0.1 * ms if self.step_ms else ms
         if logprob_rows:        # (every row's share of the step: an upper bound of one's)
             each = 1000 * (time.perf_counter() - started) / n
             self.logprob_device_ms = 0.8 * self.logprob_device_ms + 0.2 * each \
@@ -590,7 +604,7 @@ class LlamaEngine:
                     self._prompt_logprobs(slot)
                 if slot.row >= 0 and slot.draft:
                     out[slot_id] = self._verify(slot)
-                elif slot.row >= 0:
+                elif slot.row >= 0 and not self._set_aside(slot_id, slot):
                     out[slot_id] = self._sample(slot)
             except Exception as exc:      # one sequence's sampling failed, not the step
                 slot.row, slot.prompt_rows = -1, []
@@ -661,20 +675,41 @@ class LlamaEngine:
     def _row(self, row: int) -> tuple[float, np.ndarray]:
         ptr = llama_cpp.llama_get_logits_ith(self.ctx, row)
         logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
-        peak = float(logits.max())
-        return peak + float(np.log(np.exp(logits - peak).sum())), logits
+        return log_sum_exp(logits), logits
 
     @staticmethod
     def _top(logits: np.ndarray, lse: float, k: int) -> list[tuple[int, float]]:
-        k = min(k, len(logits))
-        if k <= 0:
-            return []
-        top = np.argpartition(logits, -k)[-k:]
-        top = top[np.argsort(-logits[top])]
-        return [(int(t), float(logits[t] - lse)) for t in top]
+        return top_of(logits, lse, k)
+
+    def _set_aside(self, slot_id: int, slot: _Slot) -> bool:
+        """Hand the slot's row to the side thread (True) where its sampling is dear
+        beside the device's step (aside.py); it sits out until its token is drawn."""
+        if self.deterministic or not slot.chain.drawn_by_llama or \
+                not self.aside.worth(slot.sample_ms, self.step_ms):
+            return False
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, slot.row),
+                                       shape=(self.n_vocab,))
+        self.aside.submit(slot_id, slot.chain, logits,
+                          slot.ignore_eos or slot.sampled < slot.min_tokens, slot.logprobs)
+        slot.row, slot.next_token, slot.sampled_aside = -1, None, True
+        return True
+
+    def _drawn_aside(self, block: bool = False) -> dict[int, TokenOut]:
+        """The tokens the side thread has drawn, each its slot's next."""
+        out: dict[int, TokenOut] = {}
+        for slot_id, draw in self.aside.ready(block).items():
+            slot = self.slots[slot_id]
+            if not slot.busy:
+                continue
+            if draw.error is not None:
+                out[slot_id] = TokenOut(-1, error=draw.error)
+                continue
+            slot.sample_ms = 0.7 * slot.sample_ms + 0.3 * 1000 * draw.seconds
+            out[slot_id] = self._took(slot, draw.token, draw.logprob, draw.top)
+        return out
 
     def _sample(self, slot: _Slot) -> TokenOut:
-        lse = logits = None
+        lse = logits = top = None
         if slot.logprobs is not None:
             lse, logits = self._row(slot.row)
             top = self._top(logits, lse, slot.logprobs)
@@ -689,23 +724,33 @@ class LlamaEngine:
         if logits is None and slot.chain.wants_logits:
             logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, slot.row),
                                            shape=(self.n_vocab,))
+        started = time.perf_counter()
         token = slot.chain.sample(self.ctx, slot.row, logits)
+        slot.sample_ms = 0.7 * slot.sample_ms + 0.3 * 1000 * (time.perf_counter() - started)
         if saved is not None:
             logits[self.eog_tokens] = saved
-        slot.row = -1
+        slot.row, slot.sampled_aside = -1, False
+        return self._took(slot, token, None if lse is None else float(logits[token] - lse),
+                          top)
+
+    def _took(self, slot: _Slot, token: int, logprob: float | None,
+              top: list | None) -> TokenOut:
+        """The slot's sampled `token` (with its logprob and the top ones, where asked):
+        decoded next step."""
         slot.next_token = token
         slot.sampled += 1
         if not slot.line_done and (slot.sampled >= FIRST_LINE_MAX or
                                    b"\n" in self.piece(token)):
             slot.line_done = True           # (first line first: a line that long is out)
         result = TokenOut(token)
-        if lse is not None:
-            result.logprob, result.top = float(logits[token] - lse), top
+        if logprob is not None:
+            result.logprob, result.top = logprob, top
         if slot.prompt_logprobs is not None:
             result.prompt, slot.prompt_logprobs = slot.prompt_logprobs, None
         return result
 
     def close(self) -> None:
+        self.aside.close()
         self.candidates.texts.close()
         for slot_id in range(len(self.slots)):
             self.release(slot_id, keep_cache=False)

@@ -450,6 +450,24 @@ class SamplerChain:
         self._allows(token)
         return time.thread_time() - started
 
+    @property
+    def drawn_by_llama(self) -> bool:
+        """Whether `sample` is llama.cpp's own draw over the context's row (no argmax, host
+        draw or grammar): what `sample_row` does over a copy of it, on any thread."""
+        return not self.plain_greedy and self.host is None and self.grammar is None
+
+    def sample_row(self, logits, candidates: "Candidates") -> int:
+        """`llama_sampler_sample` over a copy of the row (`logits`) in `candidates` (the
+        caller's buffer): the chain applied to the whole vocabulary, its pick accepted."""
+        lib = self.lib
+        lib.llama_sampler_apply(self.chain, candidates.whole(logits))
+        array = candidates.array
+        if not 0 <= array.selected < array.size:
+            raise EngineError("the sampler chain selected no token")
+        token = int(array.data[array.selected].id)
+        lib.llama_sampler_accept(self.chain, token)
+        return token
+
     def _pick(self, array_ref) -> int:
         self.lib.llama_sampler_apply(self.chain, array_ref)
         array = self.candidates.array

@@ -239,7 +239,9 @@ class Scheduler:
             room = n_ctx - slot.n_past - 2
             if slot.budget is not None:     # a draft past the end is rows for nothing,
                 room = min(room, slot.budget - slot.sampled - 1)    # never pays
-            if slot.policy is not None and room >= slot.policy.min_len:   # a shorter one
+            # (a sequence sampled aside checks no draft: each row would be its dear draw)
+            if slot.policy is not None and not slot.sampled_aside and \
+                    room >= slot.policy.min_len:                             # a shorter one
                 proposal = slot.policy.propose(slot.cached + [slot.next_token], room,
                                                proven=traffic)
                 if proposal is not None:
