@@ -71,6 +71,13 @@ class RequestTimeout(APIError):
     code = "body_timeout"
 
 
+class ClientClosedRequest(APIError):
+    """The client left before its request was read whole (nginx's 499: nobody reads it,
+    the access log does)."""
+    status = 499
+    code = "client_closed"
+
+
 class PayloadTooLarge(APIError):
     """The body or prompt is over the configured limit (413)."""
     status = 413

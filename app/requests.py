@@ -13,11 +13,12 @@ import gevent.monkey
 
 import msgspec
 from flask import Response, current_app, request
-from gunicorn.http.errors import ParseException
+from gunicorn.http.errors import NoMoreData, ParseException
+from werkzeug.exceptions import ClientDisconnected
 from marshmallow import Schema, ValidationError
 
-from app.errors import (InvalidRequest, NotFound, PayloadTooLarge, RequestTimeout,
-                        ServiceUnavailable, UnsupportedMediaType)
+from app.errors import (ClientClosedRequest, InvalidRequest, NotFound, PayloadTooLarge,
+                        RequestTimeout, ServiceUnavailable, UnsupportedMediaType)
 from app.schemas import CompletionRequestSchema, first_error, normalize
 from dispatcher.common import protocol as P
 from dispatcher.common.fit import explain_unfit, fits
@@ -57,6 +58,12 @@ def read_body() -> bytes:
     try:
         with gevent.Timeout(seconds or None, False):
             return request.get_data(cache=False)
+    except (ClientDisconnected, NoMoreData, ConnectionError):
+        # the client left before its body was whole (werkzeug's reader, bounding the body
+        # by --max-body, says so of any OSError: a generic 400 with no code)
+        _stop_reading()
+        raise ClientClosedRequest("the client closed the connection before the body "
+                                  "arrived") from None
     except (ParseException, OSError) as exc:
         # a chunked body whose framing is wrong (a size that is not hex, data past its
         # size, no CRLF): gunicorn's reader raises, and it was a 500
@@ -389,7 +396,7 @@ def answer_entries(req: dict, n_ctx: int) -> int:
     written = n_ctx if req.get("max_tokens") is None else min(req["max_tokens"], n_ctx)
     choices = max(req.get("n") or 1, req.get("best_of") or 1)
     echo = bool(req.get("echo")) and req.get("logprobs") is not None
-    per_prompt = [min(len(p), n_ctx) if echo else 0 for p in req["prompt"]]
+    per_prompt = [min(_prompt_chars([p]), n_ctx) if echo else 0 for p in req["prompt"]]
     if req.get("stream"):
         return max(per_prompt) * (1 + k)
     return sum(choices * (written + echoed) for echoed in per_prompt) * (1 + k)

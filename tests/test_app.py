@@ -430,6 +430,9 @@ def test_a_stream_counts_only_an_echoed_prompt_and_that_once():
     assert answer_entries({**echo, "stream": False}, 32768) == 4 * 30000 * 101
     assert answer_entries({**echo, "echo": False}, 32768) == 0
     assert answer_entries({"prompt": ["x"], "logprobs": 0}, 0) == 4096     # not known yet
+    mixed = {"prompt": [[1, "y" * 16_000]], "echo": True, "logprobs": 5, "n": 128,
+             "max_tokens": 1}                # (its text counted, not as one item)
+    assert answer_entries(mixed, 32768) == 128 * (1 + 16_001) * 6
     assert answer_entries({"prompt": ["x"], "max_tokens": 9}, 4096) == 0   # text only
 
 
@@ -529,3 +532,21 @@ def test_tokenize_is_bounded_by_what_its_answer_can_be(client_of):
     assert http.post("/tokenize", json={"content": "é" * 16_000,
                                         "with_pieces": True}).status_code == 200
     assert http.post("/tokenize", json={"content": "x" * limit}).status_code == 200
+
+def test_a_client_that_leaves_mid_body_is_a_499_not_a_bad_body(client):
+    """gunicorn's reader raises NoMoreData when the connection ends before the body is
+    whole: the access log said `invalid_body` (400) of a client that had gone."""
+    from gunicorn.http.errors import NoMoreData
+
+    class Gone:
+        def read(self, *args):
+            raise NoMoreData(b"")
+        readline = read
+    http, fake = client
+    response = http.post("/v1/completions", data=b"{}",
+                         headers={"Content-Type": "application/json"},
+                         environ_overrides={"wsgi.input": Gone(), "CONTENT_LENGTH": "100",
+                                            "wsgi.input_terminated": True})   # (as gunicorn)
+    assert response.status_code == 499
+    assert response.get_json()["error"]["code"] == "client_closed"
+    assert fake.jobs == []

@@ -203,7 +203,8 @@ def test_a_nul_asked_for_is_refused(grammar):
 
 
 @pytest.mark.parametrize("grammar", ["root ::= [\\x00-\\x1f]", "root ::= [^\\x00]",
-                                     "root ::= [a\\x00]", 'root ::= "\\x01"'])
+                                     "root ::= [a\\x00]", 'root ::= "\\x01"',
+                                     "root ::= [\\x00-\\x00a]"])
 def test_a_class_that_allows_more_than_nul_is_not(grammar):
     gbnf.check(grammar)
 

@@ -52,8 +52,9 @@ HEAVY = {
         "prompt": "def f(x):", "n_predict": 24, "n_probs": 100, "n_cmpl": 4}),
     "echo with logprobs over 300 tokens, 2 choices": ("/v1/completions", {
         "prompt": SOURCE[:1100], "max_tokens": 0, "echo": True, "logprobs": 5, "n": 2}),
-    "/tokenize with pieces of 256 Ki characters": ("/tokenize", {
-        "content": MEGA[:1 << 18], "with_pieces": True}),
+    "/tokenize with pieces of 32 KiB (its limit)": ("/tokenize", {
+        "content": MEGA[:1 << 15], "with_pieces": True}),
+    "/tokenize of 1 Mi characters": ("/tokenize", {"content": MEGA[:1 << 20]}),
     "a fought grammar, sampled": ("/v1/completions", {
         "prompt": "Once upon a time", "max_tokens": 24, "temperature": 0.8,
         "grammar": "root ::= [^e]*"}),

@@ -718,3 +718,25 @@ def test_the_shortest_draft_offered_is_decided_on_the_measured_costs():
     assert Drafter(16, min_len=cpu.shortest_draft()).propose(context, 16) is None
     one = Drafter(16, min_len=gpu.shortest_draft()).propose(context, 16)
     assert one is not None and one.tokens == [7]
+
+
+def test_a_sequence_sampled_aside_gets_no_draft_from_the_draft_model_either():
+    """Its drafts would be verified where it is sampled in place, one dear draw a row:
+    the lookups skipped it, and the draft model's drafts must too."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from workers.engine.scheduling import Scheduler
+
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"the draft model was asked for {name}")
+    slot = SimpleNamespace(seq=0, policy=SimpleNamespace(allowance=4), sampled_aside=True,
+                           cached=[1], next_token=2, n_past=1, budget=None, sampled=0)
+    assert Scheduler._with_model(Untouchable(), [slot], {}, {}, 4096,
+                                 StepCosts.assumed(), None) == ({}, {})
+    slot.sampled_aside = False
+    with pytest.raises(AssertionError, match="draft model"):
+        Scheduler._with_model(Untouchable(), [slot], {}, {}, 4096, StepCosts.assumed(),
+                              None)

@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args(argv)
+    config.refuse_env_problem(args)
     if os.environ.get("COMPLETIONS_PARENT_PID"):
         from dispatcher.common.process import die_with_parent
         die_with_parent(int(os.environ["COMPLETIONS_PARENT_PID"]))

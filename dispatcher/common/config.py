@@ -457,13 +457,20 @@ class Settings(argparse.Namespace):
     file_data: dict
 
 
+def refuse_env_problem(args: argparse.Namespace) -> None:
+    """Exit with the first bad environment variable of the parsed command's options, in
+    its parser's words (add_options keeps it for the command that is run)."""
+    problem = getattr(args, "_env_problem", None)
+    if problem:
+        parser, message = problem
+        parser.error(message)
+
+
 def resolve(args: argparse.Namespace, file_data: dict | None = None) -> Settings:
     """The parsed arguments as Settings. Repeatable flags replace, not extend, the
     env/default list."""
+    refuse_env_problem(args)
     parsed = vars(args)
-    if parsed.get("_env_problem"):
-        parser, message = parsed["_env_problem"]
-        parser.error(message)
     settings = Settings(**{k: v for k, v in parsed.items() if not k.startswith("_")})
     settings.explicit, settings.file_data = set(), dict(file_data or {})
     settings.given = set(parsed.get("_given") or ())     # on the command line itself

@@ -408,8 +408,11 @@ def _check_no_nul(parsed: Grammar) -> None:
     with other characters (`[\\x00-\\x1f]`) or a negated one is fine."""
     for rule in parsed.rules:
         for i, (kind, value) in enumerate(rule):
-            if kind == CHAR and value == 0 and (
-                    i + 1 == len(rule) or rule[i + 1][0] not in (CHAR_ALT, CHAR_RNG_UPPER)
-                    or rule[i + 1] == (CHAR_RNG_UPPER, 0)):
+            if kind != CHAR or value != 0:
+                continue
+            end = i + 1               # the class's other alternatives and range ends
+            while end < len(rule) and rule[end][0] in (CHAR_ALT, CHAR_RNG_UPPER):
+                end += 1
+            if all(v == 0 for _, v in rule[i + 1:end]):
                 raise GrammarRefused("the grammar asks for a NUL character (\\x00), which "
                                      "no token's text can hold")

@@ -471,6 +471,9 @@ class LlamaEngine:
         drawn = self._drawn_aside()
         if drawn:               # their tokens go out first; the next step decodes them
             return drawn
+        if self.aside.pending and not any(s.busy and (s.pending or s.next_token is not None)
+                                          for s in self.slots):
+            return self._drawn_aside(block=True)   # nothing else to decode: wait for one
         planning = time.perf_counter()
         generating, grant, planning = self._plan(planning)
         n, logprob_rows = self._fill_batch(generating, grant)
@@ -691,7 +694,9 @@ class LlamaEngine:
                                        shape=(self.n_vocab,))
         self.aside.submit(slot_id, slot.chain, logits,
                           slot.ignore_eos or slot.sampled < slot.min_tokens, slot.logprobs)
-        slot.row, slot.next_token, slot.sampled_aside = -1, None, True
+        # (it sits out the step its draw is made beside: first line first does not ask
+        # it to sit out the next one too)
+        slot.row, slot.next_token, slot.sampled_aside, slot.sat_out = -1, None, True, True
         return True
 
     def _drawn_aside(self, block: bool = False) -> dict[int, TokenOut]:

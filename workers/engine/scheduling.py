@@ -284,7 +284,7 @@ class Scheduler:
         """The proposals and the plan with the draft model's drafts where its draft is
         likelier than the sequence's lookup, if that plan's rate (making included) beats
         the lookups' alone; else those unchanged."""
-        able = [s for s in generating if s.policy is not None]
+        able = [s for s in generating if s.policy is not None and not s.sampled_aside]
         if not able:
             return by_seq, chosen
         mixed = dict(by_seq)
