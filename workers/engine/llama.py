@@ -97,6 +97,10 @@ class _Slot:
     def busy(self) -> bool:
         return self.chain is not None
 
+    def timed_sampling(self, seconds: float) -> None:
+        """One token's sampling took `seconds` (in place or aside): into its average."""
+        self.sample_ms = 0.7 * self.sample_ms + 0.3 * 1000 * seconds
+
 
 class LlamaEngine:
     name = "llama"
@@ -620,7 +624,7 @@ class LlamaEngine:
             following = slot.prompt[position + 1]
             lse, logits = self._row(row)
             slot.prompt_logprobs.append((following, float(logits[following] - lse),
-                                         self._top(logits, lse, slot.logprobs or 0)))
+                                         top_of(logits, lse, slot.logprobs or 0)))
         each = 1000 * (time.perf_counter() - started) / len(slot.prompt_rows)
         self.logprob_row_ms = 0.8 * self.logprob_row_ms + 0.2 * each \
             if self.logprob_row_ms else each
@@ -680,10 +684,6 @@ class LlamaEngine:
         logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
         return log_sum_exp(logits), logits
 
-    @staticmethod
-    def _top(logits: np.ndarray, lse: float, k: int) -> list[tuple[int, float]]:
-        return top_of(logits, lse, k)
-
     def _set_aside(self, slot_id: int, slot: _Slot) -> bool:
         """Hand the slot's row to the side thread (True) where its sampling is dear
         beside the device's step (aside.py); it sits out until its token is drawn."""
@@ -709,7 +709,7 @@ class LlamaEngine:
             if draw.error is not None:
                 out[slot_id] = TokenOut(-1, error=draw.error)
                 continue
-            slot.sample_ms = 0.7 * slot.sample_ms + 0.3 * 1000 * draw.seconds
+            slot.timed_sampling(draw.seconds)
             out[slot_id] = self._took(slot, draw.token, draw.logprob, draw.top)
         return out
 
@@ -717,7 +717,7 @@ class LlamaEngine:
         lse = logits = top = None
         if slot.logprobs is not None:
             lse, logits = self._row(slot.row)
-            top = self._top(logits, lse, slot.logprobs)
+            top = top_of(logits, lse, slot.logprobs)
         if slot.ignore_eos or slot.sampled < slot.min_tokens:
             if logits is None:
                 logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, slot.row),
@@ -731,7 +731,7 @@ class LlamaEngine:
                                            shape=(self.n_vocab,))
         started = time.perf_counter()
         token = slot.chain.sample(self.ctx, slot.row, logits)
-        slot.sample_ms = 0.7 * slot.sample_ms + 0.3 * 1000 * (time.perf_counter() - started)
+        slot.timed_sampling(time.perf_counter() - started)
         if saved is not None:
             logits[self.eog_tokens] = saved
         slot.row, slot.sampled_aside = -1, False
