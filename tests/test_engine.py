@@ -38,6 +38,20 @@ def generate(engine, jobs, n=16, logprobs=None):
     return out
 
 
+def test_a_model_that_will_not_load_is_refused_with_llama_cpps_own_reason(model_path,
+                                                                          tmp_path):
+    """llama.cpp says why a load failed only in its log (at any level, whatever the
+    worker's): the refusal quotes its last lines."""
+    from workers.engine.llama import LlamaEngine
+    from workers.errors import EngineError
+    data = open(model_path, "rb").read()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:len(data) // 2])        # the header whole, the tensors cut
+    with pytest.raises(EngineError, match="could not load") as refused:
+        LlamaEngine(str(cut), 256, 1, THREADS, 0)
+    assert "(llama.cpp: " in str(refused.value) and "token_embd" in str(refused.value)
+
+
 def test_batched_equals_unbatched_in_the_deterministic_configuration(model_path):
     engine = make(model_path, deterministic=True)
     try:

@@ -147,8 +147,9 @@ def test_a_header_the_reader_does_not_know_is_read_by_llama_cpp(tmp_path, monkey
         (tmp_path / name).write_bytes(data)
         with pytest.raises(GGUFHeaderError):
             read_metadata(str(tmp_path / name))
-        with pytest.raises(EngineError, match="llama.cpp cannot read"):
+        with pytest.raises(EngineError, match="llama.cpp cannot read") as refused:
             backends.model_shape(str(tmp_path / name))
+        assert "(llama.cpp: " in str(refused.value)        # llama.cpp's own reason quoted
     asked = []
     monkeypatch.setattr(backends, "read_metadata", lambda path: (_ for _ in ()).throw(
         GGUFHeaderError("as if unknown")))

@@ -58,8 +58,9 @@ def load_with_log(args, placement):
                              shape=ContextShape.of(args))
     except Exception as exc:
         tail = [line for line in captured.getvalue().splitlines() if line.strip()][-3:]
+        quoted = "(llama.cpp: " in str(exc)          # the engine quoted llama.cpp's log
         raise Failed(f"llama.cpp could not load the model: {exc}" +
-                     (f" ({' | '.join(tail)})" if tail else "")) from None
+                     (f" ({' | '.join(tail)})" if tail and not quoted else "")) from None
     finally:
         sys.stderr = saved
     engine.log.verbose = False

@@ -4,10 +4,13 @@ llama.cpp built natively on a CPU with AMX puts quantized weights into its AMX b
 type, and on some machines (seen in sandboxed VMs that advertise `amx_tile` but do not
 grant the tile state) the first matrix product then dies with SIGSEGV, so every decode
 kills the worker. Where the CPU advertises AMX and the build contains the AMX code, a
-throw-away child process loads the bundled model with extra buffer types and decodes a
-few tokens once; the answer is cached per llama.cpp build and CPU. Elsewhere nothing is
-probed. When the probe fails, workers load weights without extra buffer types (plain
-CPU kernels: slower, never crashing) and say so in their log.
+throw-away child process loads the model with extra buffer types, on the CPU alone (no
+layer offloaded, accelerators hidden: on a GPU host the probe is of the host's kernels,
+not the GPU's), and decodes a few tokens once; the answer is cached per llama.cpp build,
+CPU and model (AMX repacks some quantized types only, so an F16 model's answer says
+nothing of a Q4_K one), with the child's exit and the end of its stderr. Elsewhere
+nothing is probed. When the probe fails, workers load weights without extra buffer types
+(plain CPU kernels: slower, never crashing) and say so in their log, with how it failed.
 
 `COMPLETIONS_EXTRA_BUFFERS=on|off` overrides the probe.
 """
@@ -16,8 +19,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from dispatcher.common.models import bundled_model_path, cache_dir
@@ -29,13 +34,24 @@ llama_cpp.llama_log_set(quiet, None)
 llama_cpp.llama_backend_init()
 params = llama_cpp.llama_model_default_params()
 params.use_extra_bufts = True
+params.n_gpu_layers = 0                     # (llama.cpp's default offloads every layer)
 model = llama_cpp.llama_model_load_from_file(sys.argv[1].encode(), params)
+if not model:
+    sys.exit("the probe could not load the model")
 cparams = llama_cpp.llama_context_default_params()
 cparams.n_ctx, cparams.n_batch, cparams.n_threads, cparams.n_threads_batch = 256, 64, 1, 1
 ctx = llama_cpp.llama_init_from_model(model, cparams)
+if not ctx:
+    sys.exit("the probe could not make a context")
 tokens = (llama_cpp.llama_token * 8)(*([2] * 8))
-sys.exit(llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, 8)))
+status = llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(tokens, 8))
+llama_cpp.llama_free(ctx)
+llama_cpp.llama_model_free(model)
+sys.exit(f"llama_decode returned {status}" if status else 0)
 """
+# accelerators the probe's child must not see: it probes the host's kernels
+HIDDEN = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")
+STDERR_KEPT = 2000          # characters of the child's stderr kept with its answer
 
 
 def cpu_identity() -> str:
@@ -71,37 +87,86 @@ def _has_amx_code(library: Path) -> bool:
     return b"AMX is not ready" in library.read_bytes()
 
 
+@dataclass(frozen=True)
+class Answer:
+    works: bool
+    why: str = ""          # where it does not: how that was decided
+
+
 def extra_buffers_work(model_path: str | os.PathLike | None = None) -> bool:
-    """True unless this CPU advertises AMX, the build has AMX code, and a probe crashed.
-    The probe loads `model_path` (the model the caller is about to load; the bundled one
-    where none is named), so a machine without the bundled package probes too."""
+    """True unless this CPU advertises AMX, the build has AMX code, and a probe crashed
+    (or COMPLETIONS_EXTRA_BUFFERS says otherwise)."""
+    return repacking_answer(model_path).works
+
+
+def repacking_answer(model_path: str | os.PathLike | None = None) -> Answer:
+    """Whether extra buffer types work here, and why not. The probe loads `model_path`
+    (the model the caller is about to load; the bundled one where none is named), so a
+    machine without the bundled package probes too."""
     forced = os.environ.get("COMPLETIONS_EXTRA_BUFFERS", "").lower()
     if forced in ("on", "off"):
-        return forced == "on"
+        return Answer(True) if forced == "on" else Answer(False, "COMPLETIONS_EXTRA_BUFFERS=off")
     if "amx_tile" not in _cpu_flags():
-        return True
+        return Answer(True)
     library = _ggml_cpu_library()
     if library is None or not _has_amx_code(library):
-        return True
+        return Answer(True)
+    probed = Path(model_path if model_path is not None else bundled_model_path())
     stat = library.stat()
+    try:
+        model = probed.stat()
+        model_key = f"{probed.resolve()}:{model.st_size}:{model.st_mtime_ns}"
+    except OSError:
+        model_key = str(probed)
     key = hashlib.sha256(f"{library}:{stat.st_size}:{stat.st_mtime_ns}:"
-                         f"{sorted(_cpu_flags())}".encode()).hexdigest()[:16]
+                         f"{sorted(_cpu_flags())}:{model_key}".encode()).hexdigest()[:16]
     cache = cache_dir() / f"extra-buffers-{key}.json"
     try:
-        return bool(json.loads(cache.read_text())["works"])
-    except (OSError, ValueError, KeyError):
+        record = json.loads(cache.read_text())
+        return Answer(bool(record["works"]), _why(record))
+    except (OSError, ValueError, KeyError, TypeError):
         pass
-    try:
-        probed = model_path if model_path is not None else bundled_model_path()
-        works = subprocess.run([sys.executable, "-c", PROBE, str(probed)],
-                               capture_output=True, timeout=120).returncode == 0
-    except subprocess.TimeoutExpired:
-        works = False
+    record = probe(probed)
+    record["library"] = str(library)
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         partial = cache.with_name(f"{cache.name}.{os.getpid()}")     # workers probing at
-        partial.write_text(json.dumps({"works": works, "library": str(library)}))
+        partial.write_text(json.dumps(record))
         os.replace(partial, cache)                                  # once never see half
     except OSError:
         pass
-    return works
+    return Answer(record["works"], _why(record))
+
+
+def probe(model: Path) -> dict:
+    """The probe run once in a child on the CPU alone: {"works", "model", "exit",
+    "stderr"} (its exit status, negative for a signal; None where it ran out of time)."""
+    env = {**os.environ, **{name: "" for name in HIDDEN}}
+    try:
+        done = subprocess.run([sys.executable, "-c", PROBE, str(model)], env=env,
+                              capture_output=True, timeout=120)
+        status, stderr = done.returncode, done.stderr
+    except subprocess.TimeoutExpired as exc:
+        status, stderr = None, exc.stderr or b""
+    return {"works": status == 0, "model": str(model), "exit": status,
+            "stderr": stderr.decode("utf-8", "replace")[-STDERR_KEPT:]}
+
+
+def _why(record: dict) -> str:
+    """How a probe that failed failed, in a few words."""
+    if record.get("works"):
+        return ""
+    status = record.get("exit")
+    if status is None and "exit" in record:
+        how = "ran past 120 s"
+    elif isinstance(status, int) and status < 0:
+        try:
+            how = f"died of {signal.Signals(-status).name}"
+        except ValueError:
+            how = f"died of signal {-status}"
+    elif isinstance(status, int):
+        last = [line for line in str(record.get("stderr", "")).splitlines() if line.strip()]
+        how = f"exited {status}" + (f" ({last[-1][:200]})" if last else "")
+    else:
+        how = "failed"
+    return f"a probe of llama.cpp's CPU weight repacking (AMX) {how}"

@@ -10,6 +10,7 @@ loading on the CPU while the worker says it is on a GPU.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import math
 import os
@@ -241,13 +242,14 @@ def shape_from_llama(model_path: str) -> dict:
     """The same sizes as llama.cpp reads them (a vocabulary-only load; a size that is not
     a finite number, or is an array, gives its fallback)."""
     import llama_cpp
-    from workers.engine.llamalog import quiet_llama_log
+    from workers.engine.llamalog import RECENT, last_lines, quiet_llama_log
     log = quiet_llama_log()            # held while the model is read
+    log.recent = collections.deque(maxlen=RECENT)
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = True
     model = llama_cpp.llama_model_load_from_file(model_path.encode(), params)
     if not model:
-        raise EngineError(f"llama.cpp cannot read {model_path}")
+        raise EngineError(f"llama.cpp cannot read {model_path}{last_lines(log)}")
     buf = ctypes.create_string_buffer(512)
 
     def meta(key: str) -> str | None:

@@ -16,6 +16,7 @@ Imported only after the worker has pinned itself (llama.cpp's backends start on 
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import time
@@ -27,14 +28,14 @@ import numpy as np
 from dispatcher.common import protocol as P
 from workers.errors import EngineError
 from workers.engine.kvreuse import reusable, shift_into_place
-from workers.engine.llamalog import LlamaLog, set_llama_log
+from workers.engine.llamalog import RECENT, LlamaLog, last_lines, set_llama_log
 from workers.engine.alphabet import TokenTexts
 from workers.engine.aside import AsideDraws, log_sum_exp, top_of
 from dispatcher.common.models import model_file_digest
 from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.draftmodel import DraftCosts, DraftModel
-from dispatcher.common.repacking import extra_buffers_work
+from dispatcher.common.repacking import repacking_answer
 from workers.engine.scheduling import FIRST_LINE_MAX, Scheduler, seq_runs
 from workers.engine.history import Histories
 from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
@@ -113,9 +114,11 @@ class LlamaEngine:
                  draft_costs: DraftCosts | None = None):
         self.lib = llama_cpp
         self.log = set_llama_log(LlamaLog(verbose, log_content))   # held while loaded
+        self.log.recent = collections.deque(maxlen=RECENT)
         self.deterministic = deterministic
         repacking = self._load_model(model_path, n_gpu_layers)
         self._make_context(n_ctx, slots, n_threads, shape)
+        self.log.recent = None
         # prompt tokens decoded per step, all prompts together (0: as many as fit)
         self.prefill_chunk = prefill_chunk if prefill_chunk > 0 else self.n_batch
         # prompt-lookup speculation; 0: off. Never in deterministic mode: verification rows
@@ -171,13 +174,14 @@ class LlamaEngine:
         mparams.n_gpu_layers = n_gpu_layers
         # CPU weight repacking makes matmul results depend on how many rows a batch has;
         # where llama.cpp's AMX path crashes, it is off too (dispatcher.common.repacking)
-        mparams.use_extra_bufts = not self.deterministic and extra_buffers_work(model_path)
-        if not self.deterministic and not mparams.use_extra_bufts:
-            log.warning("CPU weight repacking is off: llama.cpp's AMX code crashed on this "
-                        "machine in a probe (COMPLETIONS_EXTRA_BUFFERS=on forces it)")
+        repacking = None if self.deterministic else repacking_answer(model_path)
+        mparams.use_extra_bufts = bool(repacking and repacking.works)
+        if repacking and not repacking.works:
+            log.warning("CPU weight repacking is off: %s (COMPLETIONS_EXTRA_BUFFERS=on "
+                        "forces it)", repacking.why)
         self.model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mparams)
         if not self.model:
-            raise EngineError(f"llama.cpp could not load {model_path}")
+            raise EngineError(f"llama.cpp could not load {model_path}{last_lines(self.log)}")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_layer = llama_cpp.llama_model_n_layer(self.model)
@@ -199,7 +203,8 @@ class LlamaEngine:
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
-            raise EngineError(f"llama.cpp could not create a context of {n_ctx * slots} tokens")
+            raise EngineError(f"llama.cpp could not create a context of {n_ctx * slots} "
+                              f"tokens{last_lines(self.log)}")
         self.n_ctx = n_ctx
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
         self.n_batch = llama_cpp.llama_n_batch(self.ctx)

@@ -9,6 +9,7 @@ written, cut the same way; only `content` (--log-content) writes lines whole.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import itertools
 import re
@@ -34,10 +35,15 @@ class LlamaLog:
         self.stream, self.clock = stream, clock
         self.window_start, self.written, self.suppressed = 0.0, 0, 0
         self.offloaded: tuple[int, int] | None = None   # (layers on the device, of all)
+        # while a model loads: its last lines, every level, each cut to LINE_LIMIT (what
+        # a refusal quotes: llama.cpp says why a load failed only in its log)
+        self.recent: collections.deque[str] | None = None
 
     def write(self, level: int, text: str) -> None:
         if "layers to GPU" in text and (found := OFFLOADED.search(text)):
             self.offloaded = (int(found.group(1)), int(found.group(2)))
+        if self.recent is not None and text.strip(" .\n"):     # (not the progress dots)
+            self.recent.append(text.strip()[:LINE_LIMIT])
         if level != GGML_LOG_ERROR and not self.verbose:
             return
         out = self.stream or sys.stderr
@@ -70,6 +76,9 @@ _NEXT = itertools.count(1)
 _CALLBACK = []                  # the one ctypes callback, made once and kept alive
 
 
+RECENT = 8               # lines of llama.cpp's log a failed load quotes
+
+
 def set_llama_log(log: LlamaLog) -> LlamaLog:
     """Send llama.cpp's log through `log` (for as long as the caller keeps it)."""
     import llama_cpp
@@ -82,6 +91,12 @@ def set_llama_log(log: LlamaLog) -> LlamaLog:
     _LOGS[key] = log
     llama_cpp.llama_log_set(_CALLBACK[0], ctypes.c_void_p(key))
     return log
+
+
+def last_lines(log: LlamaLog) -> str:
+    """What llama.cpp logged last while a model loaded, for a refusal (empty: nothing)."""
+    lines = list(log.recent or ())[-3:]
+    return f" (llama.cpp: {' | '.join(lines)})" if lines else ""
 
 
 def quiet_llama_log() -> LlamaLog:
