@@ -178,7 +178,9 @@ def test_the_model_drafting_for_itself_has_its_greedy_drafts_accepted_and_change
     finally:
         engine.close()
     assert drafted >= 40 and accepted >= drafted // 2, engine.totals.sources
-    assert len(cut) <= 3, cut
+    # a few near-ties among many drafts: how many turns on the CPU's kernels (at most 3
+    # where this was written, 5 of 93 on an AVX-512 EPYC), so the bound is a share of them
+    assert len(cut) <= max(3, drafted // 12), (drafted, cut)
     for drafted_token, out in cut:          # (a near-tie: another close candidate drafted)
         assert out.token == out.top[0][0] and drafted_token != out.token, out
         assert near_tie(out, drafted_token), (drafted_token, out.top)
