@@ -39,17 +39,24 @@ def generate(engine, jobs, n=16, logprobs=None):
 
 
 def test_a_model_that_will_not_load_is_refused_with_llama_cpps_own_reason(model_path,
-                                                                          tmp_path):
+                                                                          tmp_path,
+                                                                          monkeypatch):
     """llama.cpp says why a load failed only in its log (at any level, whatever the
-    worker's): the refusal quotes its last lines."""
+    worker's): the refusal quotes its last lines, and the log keeps no more of them."""
     from workers.engine.llama import LlamaEngine
+    from workers.engine.llamalog import LlamaLog
     from workers.errors import EngineError
+    monkeypatch.setenv("COMPLETIONS_EXTRA_BUFFERS", "off")     # (no probe of a cut file)
+    made = []
+    monkeypatch.setattr("workers.engine.llama.LlamaLog",
+                        lambda *a: made.append(LlamaLog(*a)) or made[-1])
     data = open(model_path, "rb").read()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[:len(data) // 2])        # the header whole, the tensors cut
     with pytest.raises(EngineError, match="could not load") as refused:
         LlamaEngine(str(cut), 256, 1, THREADS, 0)
     assert "(llama.cpp: " in str(refused.value) and "token_embd" in str(refused.value)
+    assert made and made[0].recent is None
 
 
 def test_batched_equals_unbatched_in_the_deterministic_configuration(model_path):

@@ -16,6 +16,7 @@ nothing is probed. When the probe fails, workers load weights without extra buff
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -40,6 +41,7 @@ if not model:
     sys.exit("the probe could not load the model")
 cparams = llama_cpp.llama_context_default_params()
 cparams.n_ctx, cparams.n_batch, cparams.n_threads, cparams.n_threads_batch = 256, 64, 1, 1
+cparams.op_offload = False
 ctx = llama_cpp.llama_init_from_model(model, cparams)
 if not ctx:
     sys.exit("the probe could not make a context")
@@ -49,8 +51,11 @@ llama_cpp.llama_free(ctx)
 llama_cpp.llama_model_free(model)
 sys.exit(f"llama_decode returned {status}" if status else 0)
 """
-# accelerators the probe's child must not see: it probes the host's kernels
+# accelerators the probe's child must not see (CUDA's, ROCm's, Ascend's: it probes the
+# host's kernels; with no layer offloaded and op_offload off no other device runs any)
 HIDDEN = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")
+# exits that are the kernels' answer, kept: a crash (a negative status is a signal)
+CRASHES = (-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGILL, -signal.SIGABRT, -signal.SIGFPE)
 STDERR_KEPT = 2000          # characters of the child's stderr kept with its answer
 
 
@@ -99,43 +104,74 @@ def extra_buffers_work(model_path: str | os.PathLike | None = None) -> bool:
     return repacking_answer(model_path).works
 
 
-def repacking_answer(model_path: str | os.PathLike | None = None) -> Answer:
+def repacking_answer(model_path: str | os.PathLike | None = None,
+                     offloads_all: bool = False) -> Answer:
     """Whether extra buffer types work here, and why not. The probe loads `model_path`
     (the model the caller is about to load; the bundled one where none is named), so a
-    machine without the bundled package probes too."""
+    machine without the bundled package probes too. `offloads_all`: every layer goes to
+    an accelerator, no matrix product's weights stay with the CPU, so nothing is probed.
+    One process probes at a time (a lock beside the cache: GPU workers start together),
+    and only a clean exit or a crash is kept: a probe that ran out of time, was killed
+    or could not load the model says "off" for this start only."""
     forced = os.environ.get("COMPLETIONS_EXTRA_BUFFERS", "").lower()
     if forced in ("on", "off"):
         return Answer(True) if forced == "on" else Answer(False, "COMPLETIONS_EXTRA_BUFFERS=off")
-    if "amx_tile" not in _cpu_flags():
+    if offloads_all or "amx_tile" not in _cpu_flags():
         return Answer(True)
     library = _ggml_cpu_library()
     if library is None or not _has_amx_code(library):
         return Answer(True)
-    probed = Path(model_path if model_path is not None else bundled_model_path())
-    stat = library.stat()
+    cache = cache_dir() / f"extra-buffers-{_key(library, model_path)}.json"
+    answer = _cached(cache)
+    if answer is not None:
+        return answer
     try:
-        model = probed.stat()
-        model_key = f"{probed.resolve()}:{model.st_size}:{model.st_mtime_ns}"
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(cache.with_suffix(".lock"), "a")
     except OSError:
-        model_key = str(probed)
-    key = hashlib.sha256(f"{library}:{stat.st_size}:{stat.st_mtime_ns}:"
-                         f"{sorted(_cpu_flags())}:{model_key}".encode()).hexdigest()[:16]
-    cache = cache_dir() / f"extra-buffers-{key}.json"
+        lock = None
+    try:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)        # another worker's probe: its answer
+            answer = _cached(cache)
+            if answer is not None:
+                return answer
+        record = probe(Path(model_path if model_path is not None else bundled_model_path()))
+        record["library"] = str(library)
+        if record["works"] or record["exit"] in CRASHES:
+            try:
+                partial = cache.with_name(f"{cache.name}.{os.getpid()}")
+                partial.write_text(json.dumps(record))
+                os.replace(partial, cache)          # a reader never sees half of it
+            except OSError:
+                pass
+        return Answer(record["works"], _why(record))
+    finally:
+        if lock is not None:
+            lock.close()                            # (releases the lock)
+
+
+def _key(library: Path, model_path: str | os.PathLike | None) -> str:
+    """The cache's key: the CPU library's build, the CPU, and the model probed."""
+    stat = library.stat()
+    if model_path is None:
+        model_key = "bundled"               # (its path is found, and checked, on a probe)
+    else:
+        try:
+            model = Path(model_path).stat()
+            model_key = f"{Path(model_path).resolve()}:{model.st_size}:{model.st_mtime_ns}"
+        except OSError:
+            model_key = str(model_path)
+    return hashlib.sha256(f"{library}:{stat.st_size}:{stat.st_mtime_ns}:"
+                          f"{sorted(_cpu_flags())}:{model_key}".encode()).hexdigest()[:16]
+
+
+def _cached(cache: Path) -> Answer | None:
     try:
         record = json.loads(cache.read_text())
         return Answer(bool(record["works"]), _why(record))
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    record = probe(probed)
-    record["library"] = str(library)
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        partial = cache.with_name(f"{cache.name}.{os.getpid()}")     # workers probing at
-        partial.write_text(json.dumps(record))
-        os.replace(partial, cache)                                  # once never see half
-    except OSError:
-        pass
-    return Answer(record["works"], _why(record))
+        return None
 
 
 def probe(model: Path) -> dict:
@@ -148,6 +184,8 @@ def probe(model: Path) -> dict:
         status, stderr = done.returncode, done.stderr
     except subprocess.TimeoutExpired as exc:
         status, stderr = None, exc.stderr or b""
+    except OSError as exc:                  # (no child at all: nothing learned)
+        status, stderr = "not started", str(exc).encode()
     return {"works": status == 0, "model": str(model), "exit": status,
             "stderr": stderr.decode("utf-8", "replace")[-STDERR_KEPT:]}
 
@@ -164,6 +202,8 @@ def _why(record: dict) -> str:
             how = f"died of {signal.Signals(-status).name}"
         except ValueError:
             how = f"died of signal {-status}"
+    elif status == "not started":
+        how = f"could not start ({record.get('stderr', '')})"
     elif isinstance(status, int):
         last = [line for line in str(record.get("stderr", "")).splitlines() if line.strip()]
         how = f"exited {status}" + (f" ({last[-1][:200]})" if last else "")

@@ -247,9 +247,12 @@ def shape_from_llama(model_path: str) -> dict:
     log.recent = collections.deque(maxlen=RECENT)
     params = llama_cpp.llama_model_default_params()
     params.vocab_only = True
-    model = llama_cpp.llama_model_load_from_file(model_path.encode(), params)
+    try:
+        model = llama_cpp.llama_model_load_from_file(model_path.encode(), params)
+    finally:
+        said, log.recent = last_lines(log), None
     if not model:
-        raise EngineError(f"llama.cpp cannot read {model_path}{last_lines(log)}")
+        raise EngineError(f"llama.cpp cannot read {model_path}{said}")
     buf = ctypes.create_string_buffer(512)
 
     def meta(key: str) -> str | None:

@@ -27,6 +27,7 @@ import numpy as np
 
 from dispatcher.common import protocol as P
 from workers.errors import EngineError
+from workers.engine.backends import model_shape
 from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.llamalog import RECENT, LlamaLog, last_lines, set_llama_log
 from workers.engine.alphabet import TokenTexts
@@ -116,9 +117,11 @@ class LlamaEngine:
         self.log = set_llama_log(LlamaLog(verbose, log_content))   # held while loaded
         self.log.recent = collections.deque(maxlen=RECENT)
         self.deterministic = deterministic
-        repacking = self._load_model(model_path, n_gpu_layers)
-        self._make_context(n_ctx, slots, n_threads, shape)
-        self.log.recent = None
+        try:
+            repacking = self._load_model(model_path, n_gpu_layers)
+            self._make_context(n_ctx, slots, n_threads, shape)
+        finally:
+            self.log.recent = None
         # prompt tokens decoded per step, all prompts together (0: as many as fit)
         self.prefill_chunk = prefill_chunk if prefill_chunk > 0 else self.n_batch
         # prompt-lookup speculation; 0: off. Never in deterministic mode: verification rows
@@ -174,7 +177,9 @@ class LlamaEngine:
         mparams.n_gpu_layers = n_gpu_layers
         # CPU weight repacking makes matmul results depend on how many rows a batch has;
         # where llama.cpp's AMX path crashes, it is off too (dispatcher.common.repacking)
-        repacking = None if self.deterministic else repacking_answer(model_path)
+        # (a model whose every layer is offloaded leaves no product's weights to the CPU)
+        offloads_all = n_gpu_layers > 0 and n_gpu_layers > model_shape(model_path)["n_layer"]
+        repacking = None if self.deterministic else repacking_answer(model_path, offloads_all)
         mparams.use_extra_bufts = bool(repacking and repacking.works)
         if repacking and not repacking.works:
             log.warning("CPU weight repacking is off: %s (COMPLETIONS_EXTRA_BUFFERS=on "
