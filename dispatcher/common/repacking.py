@@ -6,10 +6,10 @@ grant the tile state) the first matrix product then dies with SIGSEGV, so every 
 kills the worker. Where the CPU advertises AMX and the build contains the AMX code, a
 throw-away child process loads the model with extra buffer types, on the CPU alone (no
 layer offloaded, accelerators hidden: on a GPU host the probe is of the host's kernels,
-not the GPU's), and decodes a few tokens once; the answer is cached per llama.cpp build,
-CPU and model (AMX repacks some quantized types only, so an F16 model's answer says
-nothing of a Q4_K one), with the child's exit and the end of its stderr. Elsewhere
-nothing is probed. When the probe fails, workers load weights without extra buffer types
+not the GPU's), and decodes a few tokens once; a clean exit or a crash is cached per
+llama.cpp build, CPU and model (AMX repacks some quantized types only, so an F16 model's
+answer says nothing of a Q4_K one), with the child's exit and the end of its stderr.
+Elsewhere, and for a worker that offloads every layer, nothing is probed. When the probe fails, workers load weights without extra buffer types
 (plain CPU kernels: slower, never crashing) and say so in their log, with how it failed.
 
 `COMPLETIONS_EXTRA_BUFFERS=on|off` overrides the probe.
