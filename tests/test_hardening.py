@@ -137,6 +137,36 @@ def test_content_that_breaks_a_worker_fails_only_its_own_request(two, model_id):
     assert lives(two) == before
 
 
+def test_a_message_nested_too_deeply_is_refused_not_the_end_of_the_dispatcher(two, model_id):
+    """msgspec raises RecursionError (not a DecodeError) past ~1,000 levels of JSON, even
+    in a field it skips: a peer's SUBMIT or READY that deep once ended the broker's loop,
+    and `serve` stopped every worker and front end with it."""
+    before = lives(two)
+    deep = "[" * 3000 + "]" * 3000
+    raw = RawFrontEnd(two)
+    try:
+        job = {"id": P.new_request_id(), "model": model_id, "route": {}, "prompt": "x",
+               "generation": {"max_tokens": 3}, "unknown": None}
+        frames = [P.PROTO, P.SUBMIT, job["id"].encode(),
+                  json.dumps(job).replace("null", deep).encode()]
+        raw.dealer.send_multipart(frames)
+        assert raw.dealer.poll(10_000), "the dispatcher did not answer"
+        msg = P.decode(raw.dealer.recv_multipart())
+        assert msg.cmd == P.REJECTED and msg.body.code == "bad_job", msg
+        assert "nested too deeply" in msg.body.message
+        worker = raw.context.socket(zmq.DEALER)      # a worker's socket takes anyone
+        worker.connect(Endpoints.from_base(two.dispatcher).worker)
+        worker.send_multipart([P.PROTO, P.READY, b"",
+                               ('{"model": "m", "placement": {"a": %s}}' % deep).encode()])
+        worker.send_multipart([P.PROTO, P.HEARTBEAT, b"", ('{"x": %s}' % deep).encode()])
+        worker.close(0)
+    finally:
+        raw.close()
+    status, body = post(two.port, {"prompt": "Hello", "max_tokens": 3})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+    assert lives(two) == before
+
+
 @pytest.mark.parametrize("phase", ["admit", "token", "finish"])
 def test_a_failure_inside_one_request_ends_it_alone(two, phase):
     before = lives(two)

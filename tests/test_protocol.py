@@ -35,6 +35,9 @@ def test_empty_body_is_an_empty_frame():
     [P.PROTO, P.PING, b"", b"[1]"],            # body not an object
     [P.PROTO, P.PING, b"", b"{nope"],          # body not JSON
     [P.PROTO, P.PING, b"\xff", b""],           # request id not ASCII
+    [P.PROTO, P.PING, b"", b'{"x": ' + b"[" * 3000 + b"]" * 3000 + b"}"],  # too deep
+    [P.PROTO, P.SUBMIT, b"r", b'{"id": "r", "model": "m", "generation": ' + b"[" * 3000 +
+     b"]" * 3000 + b"}"],                     # ... in a field kept raw
 ])
 def test_malformed_messages_raise_protocol_error(frames):
     with pytest.raises(P.ProtocolError):
@@ -47,6 +50,9 @@ def test_event_round_trip_and_validation():
     assert P.decode_event(frames) == ("cmpl-1", P.Text(seq=3, attempt=1, text="x"))
     with pytest.raises(P.ProtocolError):
         P.decode_event([b"t", b"r", b'{"e": "text"}'])     # no sequence number
+    with pytest.raises(P.ProtocolError, match="nested too deeply"):
+        P.decode_event([b"t", b"r", b'{"e": "text", "seq": 0, "x": ' + b"[" * 3000 +
+                        b"]" * 3000 + b"}"])
 
 
 def test_frontend_ids_are_fixed_width_so_topics_never_prefix_each_other():

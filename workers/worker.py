@@ -146,7 +146,7 @@ class DispatcherLink(threading.Thread):
             return
         try:
             envelope = msgspec.json.decode(frames[3], type=P.SubmittedJob)
-        except (msgspec.ValidationError, msgspec.DecodeError):
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
             return                       # not even its envelope: nobody to answer
         if envelope.topic:
             self.loop.inbox.put(inbox.Invalid(request_id, envelope.topic, envelope.attempt,

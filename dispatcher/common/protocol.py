@@ -473,6 +473,11 @@ def encode_body(body: Any) -> bytes:
     return _encoder.encode(body) if body is not None else b""
 
 
+# msgspec raises RecursionError, not a DecodeError, for JSON nested past ~1,000 levels
+# (even inside a field it skips or keeps raw): a peer's message that deep is malformed
+TOO_DEEP = "body is nested too deeply"
+
+
 def decode_body(cmd: bytes, frame: bytes) -> Any:
     decoder = _decoders.get(cmd)
     if decoder is None:
@@ -485,6 +490,8 @@ def decode_body(cmd: bytes, frame: bytes) -> Any:
         raise ProtocolError(f"{command_name(cmd)} body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"body is not JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(TOO_DEEP) from None
 
 
 def encode(cmd: bytes, request_id: str = "", body: Any = None) -> list[bytes]:
@@ -527,6 +534,8 @@ def decode_event(frames: list[bytes]) -> tuple[str, AnyEvent]:
         event = _event_decoder.decode(frames[2])
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError(f"bad event: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(TOO_DEEP) from None
     if event.seq < 0:
         raise ProtocolError("event lacks its sequence number")
     return request_id, event
