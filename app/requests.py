@@ -385,6 +385,12 @@ MAX_ANSWER_ENTRIES = 1 << 19
 UNKNOWN_CONTEXT = 4096      # a model's context before any of its workers has said it
 
 
+def _unlimited(req: dict) -> bool:
+    """Whether the request writes until the context is full: no `max_tokens`, or a
+    negative one (llama.cpp's `n_predict: -1`, taken on every route)."""
+    return req.get("max_tokens") is None or req["max_tokens"] < 0
+
+
 def answer_entries(req: dict, n_ctx: int) -> int:
     """The most token probabilities the answer can hold: choices × (tokens written +
     prompt tokens echoed) × (1 + top entries); a stream holds none but sends an echoed
@@ -393,7 +399,7 @@ def answer_entries(req: dict, n_ctx: int) -> int:
     if req.get("logprobs") is None and not k:
         return 0
     n_ctx = n_ctx or UNKNOWN_CONTEXT
-    written = n_ctx if req.get("max_tokens") is None else min(req["max_tokens"], n_ctx)
+    written = n_ctx if _unlimited(req) else min(req["max_tokens"], n_ctx)
     choices = max(req.get("n") or 1, req.get("best_of") or 1)
     echo = bool(req.get("echo")) and req.get("logprobs") is not None
     per_prompt = [min(_prompt_chars([p]), n_ctx) if echo else 0 for p in req["prompt"]]
@@ -431,7 +437,7 @@ def check_answer_size(req: dict, n_ctx: int) -> None:
             f"(1 + top entries)); at most {MAX_ANSWER_ENTRIES:,} are sent: ask for fewer "
             "tokens (max_tokens), choices or top entries (logprobs, n_probs)"
             + ("" if req.get("stream") else ", or stream it"),
-            param="max_tokens" if req.get("max_tokens") is None else "logprobs",
+            param="max_tokens" if _unlimited(req) else "logprobs",
             code="answer_too_large")
 
 

@@ -407,6 +407,11 @@ def test_a_compressed_body_is_refused_saying_so(client, encoding, status):
     ("/completion", {"prompt": "x", "n_cmpl": 8, "n_probs": 100}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "n": 128, "logprobs": 5, "max_tokens": 2048},
      "logprobs"),
+    # a negative limit writes until the context is full, as none does
+    ("/completion", {"prompt": "x", "n_cmpl": 8, "n_probs": 100, "n_predict": -1},
+     "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "n": 128, "logprobs": 5, "max_tokens": -1},
+     "max_tokens"),
 ])
 def test_an_answer_with_too_many_probabilities_is_refused_before_it_runs(
         client, path, body, param):
