@@ -320,6 +320,44 @@ def test_a_job_handed_over_after_a_reset_is_kept_while_the_reset_waits(loop):
     assert not loop.preparer.preparing and not loop.preparer.cancelled
 
 
+def test_the_same_request_handed_over_again_before_the_reset_is_read_runs_once(loop):
+    """The dispatcher took the reconnect for a worker lost and queued the job again
+    (attempt 2), handing it back here before the loop read the Reset: attempt 1, on the
+    preparing thread at the reset, is dropped, and attempt 2 runs in one slot. Before,
+    both were admitted under one id and the first slot generated for nobody until the
+    context filled, then stayed busy for the worker's life."""
+    import threading
+    dry = {"dry_multiplier": 0.8}                          # (prepared: a DRY sampler)
+    busy = threading.Event()                 # the thread busy: both come back after the
+    loop.preparer.thread.submit(busy.wait, 10)               # Reset, in order
+    assert loop.preparer.submit("r", job(id="r", sampling=dry))
+    loop.inbox.put(inbox.Reset(loop.preparer.being_prepared()))
+    assert loop.preparer.submit("r", job(id="r", sampling=dry, attempt=2))
+    busy.set()
+    loop.preparer.thread.submit(lambda: None).result()       # both prepared by now
+    run(loop)
+    events = events_of(loop, "r")
+    assert {e["a"] for e in events} == {2} and events[-1]["e"] == "end"
+    assert [e["e"] for e in events].count("start") == 1
+    assert sorted(loop.free_slots) == [0, 1] and not loop.active
+    assert not loop.preparer.preparing and not loop.preparer.cancelled and \
+        not loop.preparer.ready
+
+
+def test_an_earlier_attempt_of_a_running_request_never_takes_a_second_slot(loop):
+    """However two attempts of one request reach the queue, one slot runs it: the later
+    attempt (the dispatcher's) replaces an earlier one running, an earlier one arriving
+    after a later is dropped."""
+    submit(loop, "r", job(id="r", max_tokens=40))
+    run(loop, steps=2)
+    submit(loop, "r", job(id="r", max_tokens=3, attempt=2))
+    submit(loop, "r", job(id="r", max_tokens=3, attempt=1))
+    run(loop)
+    assert sorted(loop.free_slots) == [0, 1] and not loop.active
+    ends = [e for e in events_of(loop, "r") if e["e"] == "end"]
+    assert [e["a"] for e in ends] == [2]
+
+
 def test_text_biases_are_tokenized_on_the_preparing_thread_not_the_loop(loop, monkeypatch):
     """llama.cpp's `[["text", bias]]` form: 1,024 texts of 256 characters were tokenized
     on the generation thread as each job was admitted (seconds, `n` times over), every

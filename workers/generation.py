@@ -264,6 +264,18 @@ class GenerationLoop:
 
     def _start(self, request_id: str, body: P.WorkerJob) -> None:
         prepared = self.preparer.take(request_id)
+        running = self.active.get(request_id)
+        if running is not None:
+            # one request, two attempts here (a Reset raced the dispatcher handing it
+            # over again): the later one is the dispatcher's, the other runs for nobody
+            # and would hold its slot under an id no longer its own
+            log.warning("%s: attempt %d arrived while attempt %d runs; the earlier one "
+                        "is dropped", request_id, body.attempt, running.attempt)
+            if running.attempt >= body.attempt:
+                if prepared is not None:
+                    prepared.free()
+                return
+            self._drop(running)
         try:
             self._start_prepared(request_id, body, prepared)
         finally:

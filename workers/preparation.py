@@ -102,7 +102,8 @@ class Preparer:
     def __init__(self, engine, fim_template, inbox) -> None:
         self.engine, self.fim_template, self.inbox = engine, fim_template, inbox
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="prepare")
-        self.preparing: dict[str, int] = {}     # request id -> attempt, on the thread
+        self.preparing: dict[str, int] = {}     # request id -> its latest attempt there
+        self.on_thread: set[tuple[str, int]] = set()   # every (id, attempt) not back yet
         self.cancelled: set[tuple[str, int]] = set()   # ... cancelled while there
         self.ready: dict[str, Prepared] = {}    # prepared, waiting for a slot
 
@@ -112,6 +113,7 @@ class Preparer:
         if not worth_preparing(body):
             return False
         self.preparing[request_id] = body.attempt
+        self.on_thread.add((request_id, body.attempt))
         self.thread.submit(self._work, request_id, body)
         return True
 
@@ -134,12 +136,18 @@ class Preparer:
     def arrived(self, request_id: str, attempt: int, prepared: Prepared) -> bool:
         """A prepared job reached the loop: kept for admission (True), or dropped if it
         was cancelled meanwhile."""
+        self.on_thread.discard((request_id, attempt))
         if (request_id, attempt) in self.cancelled:
             self.cancelled.discard((request_id, attempt))
             prepared.free()
             return False
-        if self.preparing.get(request_id) == attempt:
+        current = self.preparing.get(request_id)
+        if current is not None and current > attempt:
+            prepared.free()                 # a later attempt of it is on the way
+            return False
+        if current == attempt:
             del self.preparing[request_id]
+        self.drop(request_id)               # (an earlier attempt's, never admitted)
         self.ready[request_id] = prepared
         return True
 
@@ -159,17 +167,23 @@ class Preparer:
             prepared.free()
 
     def being_prepared(self) -> frozenset[tuple[str, int]]:
-        """The jobs on the preparing thread now ((id, attempt)), for a Reset (IO thread)."""
-        return frozenset(self.preparing.copy().items())
+        """The jobs on the preparing thread now ((id, attempt)), not cancelled, for a
+        Reset (IO thread) or a hand-back (each copy is taken whole under the GIL)."""
+        return frozenset(self.on_thread.copy() - self.cancelled.copy())
 
     def reset(self, preparing: frozenset[tuple[str, int]]) -> None:
         """The dispatcher forgot us: nothing it had handed over is wanted, the jobs being
         prepared then (`preparing`) and those prepared since (they were handed over
         before: the inbox keeps the order). Jobs the new connection handed over while this
-        waited in the inbox are kept: the dispatcher holds them as started."""
+        waited in the inbox are kept: the dispatcher holds them as started. A job of
+        `preparing` is cancelled even where the new connection has handed the same
+        request over again (a later attempt, on the thread behind it): the earlier one's
+        arrival would otherwise take a second slot under the same id."""
         for request_id, attempt in preparing:
+            if (request_id, attempt) not in self.on_thread:
+                continue                    # back already: dropped below if kept
             if self.preparing.get(request_id) == attempt:
                 del self.preparing[request_id]
-                self.cancelled.add((request_id, attempt))
+            self.cancelled.add((request_id, attempt))
         for request_id in list(self.ready):
             self.drop(request_id)
