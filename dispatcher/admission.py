@@ -95,11 +95,13 @@ class Units:
             self.shared.pop(parent, None)    # every job of it is here now
         return True
 
-    def admitted(self, job: QueuedJob, now: float) -> None:
-        """`job` was queued: the first of a fan-out opens its unit; the first job of each
-        prompt leaves its prompt fields for the jobs that will name it."""
+    def admitted(self, job: QueuedJob, now: float, later: bool) -> None:
+        """`job` was queued (`later`: as a later job of its unit, `later_job`): the first
+        of a fan-out opens its unit; the first job of each prompt leaves its prompt
+        fields for the jobs that will name it, while the unit is open (the last job of a
+        unit, the first of its own prompt, leaves nothing: no job is left to name it)."""
         fanout = job.body.fanout
-        if fanout > 1 and job.parent not in self.pending:
+        if fanout > 1 and not later and job.parent not in self.pending:
             self.pending[job.parent] = Pending(fanout - 1, now)
         if job.share_key == job.request_id and job.parent in self.pending:
             entry = self.shared.setdefault(job.parent, SharedPrompts(now))

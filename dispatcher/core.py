@@ -240,7 +240,7 @@ class DispatcherCore:
         timeout = body.timeout or self.queue_timeout
         if timeout:
             job.deadline = job.enqueued_at + float(timeout)
-        self.units.admitted(job, self.now)
+        self.units.admitted(job, self.now, later)
         self.queue.push(job)
         self._to_frontend(fe_id, P.ACCEPTED, request_id)
         self.dispatch()

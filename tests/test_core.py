@@ -462,6 +462,22 @@ def test_a_prompt_crosses_each_hop_once():
     assert "r" not in core.units.shared                 # the request is all here: forgotten
 
 
+def test_a_request_of_several_prompts_leaves_nothing_behind_once_all_are_here():
+    """Its last job, the first of its own prompt, had opened a unit again and left its
+    prompt for jobs that never come (60 s, beside no queue limit)."""
+    core = DispatcherCore()
+    ready(core, b"w0", slots=4)
+    for p in range(3):
+        submit(core, f"r.{p}.0", prompt=f"prompt {p} " * 1000, parent="r", fanout=3)
+    assert "r" not in core.units.pending and "r" not in core.units.shared
+    for p in range(2):
+        submit(core, f"s.{p}.0", prompt="one", parent="s", fanout=4)
+        core.frontend_message(FE, P.Message(P.SUBMIT, f"s.{p}.1", wire_job(**{
+            "id": f"s.{p}.1", "model": "m", "parent": "s", "fanout": 4,
+            "same_as": f"s.{p}.0"})), 0.0)
+    assert "s" not in core.units.pending and "s" not in core.units.shared
+
+
 def test_a_worker_that_was_not_sent_the_prompt_gets_it_whole():
     core = DispatcherCore()
     ready(core, b"w0", slots=1)
