@@ -22,6 +22,7 @@ from typing import Protocol
 import msgspec
 
 from dispatcher.common import config, protocol as P
+from dispatcher.common.fit import fits
 from dispatcher import refusals
 from dispatcher.admission import InferredSessions, Sessions, Units
 from dispatcher.metrics import SystemMetrics
@@ -186,10 +187,15 @@ class DispatcherCore:
             self._reject(job.frontend, job.request_id, refusals.queue_timeout(waited))
 
     def expire_unservable(self, now: float) -> None:
-        for job in self.queue.expire(now, NO_WORKER_TIMEOUT, self.registry.infos()):
+        """Queued jobs no worker could take for NO_WORKER_TIMEOUT s: none registered that
+        meets them, or only ones the operator drained (else they waited for a `resume`
+        that may never come, and the queue filled)."""
+        for job in self.queue.expire(now, NO_WORKER_TIMEOUT, self.registry.takers()):
             self._forget(job)
-            self._reject(job.frontend, job.request_id,
-                         refusals.no_worker_became_ready(job.model, NO_WORKER_TIMEOUT))
+            paused = any(fits(job.model, job.body.route, info)
+                         for info in self.registry.paused_infos())
+            self._reject(job.frontend, job.request_id, refusals.no_worker_became_ready(
+                job.model, NO_WORKER_TIMEOUT, paused))
 
     def drain(self, grace: float, now: float) -> list[Send]:
         """Stop admitting work (503) and stop once in-flight work is done or `grace`

@@ -52,14 +52,14 @@ class Operations:
         record = self._record(request.get("worker"))
         if record is None:
             return {"error": f"no ready worker named {request.get('worker')!r}"}
-        record.draining = True
+        record.draining = record.paused = True
         return {"ok": True, "worker": record.name, "running": len(record.running)}
 
     def resume(self, request: dict) -> dict:
         record = self._record(request.get("worker"))
         if record is None:
             return {"error": f"no ready worker named {request.get('worker')!r}"}
-        record.draining = False
+        record.draining = record.paused = False
         self.core.dispatch()
         return {"ok": True, "worker": record.name}
 

@@ -182,6 +182,8 @@ class WorkerRecord:
     shared_sent: OrderedDict = field(default_factory=OrderedDict)
     history: deque = field(default_factory=lambda: deque(maxlen=512))  # (t, tokens) done
     draining: bool = False       # takes no new work (ops: drain, restart, reload)
+    paused: bool = False         # ... drained by the operator (ops: drain) until resumed:
+                                 # queued work does not count on it (expire_unservable)
     steps: P.StepTotals | None = None    # its step profile, as of its last heartbeat
     heartbeats: int = 0          # heartbeats received (`bench --profile` waits for them)
 
@@ -296,6 +298,14 @@ class WorkerRegistry:
 
     def infos(self) -> list[P.WorkerInfo]:
         return [w.info for w in self.workers.values()]
+
+    def takers(self) -> list[P.WorkerInfo]:
+        """The workers queued work may count on: all but those the operator drained (a
+        worker drained for a restart or a stop is on its way back, or away)."""
+        return [w.info for w in self.workers.values() if not w.paused]
+
+    def paused_infos(self) -> list[P.WorkerInfo]:
+        return [w.info for w in self.workers.values() if w.paused]
 
     def models(self) -> dict[str, dict]:
         out: dict[str, dict] = {}

@@ -70,7 +70,10 @@ def queue_timeout(waited: float) -> P.WireError:
         f"waited {waited:.1f}s in the queue, past the request's deadline"))
 
 
-def no_worker_became_ready(model: str, waited: float) -> P.WireError:
+def no_worker_became_ready(model: str, waited: float, paused: bool = False) -> P.WireError:
+    if paused:
+        return no_worker_ready(f"every worker for '{model}' that can run this was drained "
+                               f"(python -m dispatcher resume NAME) for {waited:.0f}s")
     return no_worker_ready(f"no worker for '{model}' became ready in {waited:.0f}s")
 
 

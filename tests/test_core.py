@@ -153,6 +153,25 @@ def test_a_route_no_registered_worker_meets_waits_for_the_fleet_to_be_whole():
     assert (whole.status, whole.code) == (400, "context_length_unavailable")
 
 
+def test_a_worker_that_gave_up_is_not_waited_for():
+    """A worker that cannot load its model (exit 78) is never respawned: a route only it
+    might have met is a 400 naming what is there, not a 503 to retry for ever."""
+    from types import SimpleNamespace
+
+    from dispatcher.broker import SupervisedFleet
+    children = {"w0": SimpleNamespace(kind="worker", gave_up=False, extra={"model": "m"}),
+                "w1": SimpleNamespace(kind="worker", gave_up=True, extra={"model": "m"})}
+    fleet = SupervisedFleet(SimpleNamespace(children=children))
+    assert fleet.expected_workers() == 1
+    core = DispatcherCore(fleet=fleet)
+    ready(core, b"w0")
+    refused = submit(core, "a", route={"n_ctx": 100000})[0].body
+    assert (refused.status, refused.code) == (400, "context_length_unavailable")
+    children["w1"].gave_up = False                       # (one starting again)
+    again = submit(core, "b", route={"n_ctx": 100000})[0].body
+    assert (again.status, again.code) == (503, "no_worker_ready")
+
+
 def test_a_request_is_admitted_as_one_unit():
     core = DispatcherCore(max_queue=1)
     ready(core, slots=1)
@@ -858,6 +877,43 @@ def test_a_keys_share_of_one_models_slots_is_counted_on_that_model_alone():
     # its share of fim's two slots is one: the next waits, another key's goes
     assert kinds(submit(core, "c", model="fim", api_key="k1")) == [("ACCEPTED", "c")]
     assert ("REQUEST", "d") in kinds(submit(core, "d", model="fim", api_key="k2"))
+
+
+def test_work_for_workers_the_operator_drained_is_refused_in_time_not_queued_forever():
+    """`drain` on every worker of a model: its new requests were accepted and never
+    placed nor refused (the queue filled, clients hung). Now they wait NO_WORKER_TIMEOUT
+    for a `resume`, as for a worker not there yet, and get a 503 saying why; a worker
+    drained for a restart (on its way back) keeps them queued."""
+    from dispatcher.core import NO_WORKER_TIMEOUT
+    from dispatcher.operations import Operations
+    core = DispatcherCore()
+    ready(core, b"w0")
+    ops = Operations(core)
+    assert ops.handle({"cmd": "drain", "worker": "w0"})["ok"]
+    assert kinds(submit(core, "a")) == [("ACCEPTED", "a")]
+
+    def wait(until):
+        sends, t = [], 0.0
+        while t < until:
+            t += 1.0
+            from_worker(core, P.HEARTBEAT, "", now=t)
+            core.frontend_message(FE, P.Message(P.PING, "", P.Ping()), t)
+            sends += core.tick(t)
+        return sends
+    refused = [s for s in wait(NO_WORKER_TIMEOUT + 2) if s.cmd == P.REJECTED]
+    assert [s.request_id for s in refused] == ["a"]
+    assert refused[0].body.status == 503 and refused[0].body.code == "no_worker_ready"
+    assert "drained" in refused[0].body.message and len(core.queue) == 0
+    assert ops.handle({"cmd": "resume", "worker": "w0"})["ok"]
+    assert ("REQUEST", "b") in kinds(submit(core, "b", now=40.0))
+
+    restarting = DispatcherCore()
+    ready(restarting, b"w0")
+    restarting.registry.workers[b"w0"].draining = True       # as `restart` leaves it
+    submit(restarting, "c")
+    core = restarting
+    assert not [s for s in wait(NO_WORKER_TIMEOUT + 2) if s.cmd == P.REJECTED]
+    assert [j.request_id for j in restarting.queue] == ["c"]
 
 
 def test_a_restart_refused_for_its_grace_changes_nothing_and_a_new_id_alone_is_applied():
