@@ -15,7 +15,7 @@ def create_app(test_config: dict | None = None) -> Flask:
     app = Flask(__name__)
     options = configfile.effective(["dispatcher", "max_body", "max_prompt_chars",
                                     "api_key", "api_key_file", "cors_origin", "access_log",
-                                    "body_timeout", "heartbeat_interval", "cache_scope",
+                                    "body_timeout", "send_timeout", "heartbeat_interval", "cache_scope",
                                     "curve_keys", "curve_name", "insecure_transport",
                                     "any_model_name", "usage_by_key", "log_format",
                                     "status_access"])
@@ -28,6 +28,7 @@ def create_app(test_config: dict | None = None) -> Flask:
         CORS_ORIGINS=options["cors_origin"],
         ACCESS_LOG=options["access_log"],
         BODY_TIMEOUT=options["body_timeout"],
+        SEND_TIMEOUT=options["send_timeout"],
         HEARTBEAT_INTERVAL=options["heartbeat_interval"],
         CACHE_SCOPE=options["cache_scope"],
         CURVE_KEYS=options["curve_keys"],
@@ -60,6 +61,18 @@ def create_app(test_config: dict | None = None) -> Flask:
         # the front end's gunicorn worker stamped it (app.gunicorn_worker), else now
         request.environ["completions.arrived_ns"] = getattr(
             gevent.getcurrent(), "completions_arrived_ns", None) or time.time_ns()
+
+    @app.after_request
+    def bound_the_writes(response):
+        # the answer goes out now (the body, if any, was read): a write that cannot go
+        # on for --send-timeout s ends the connection, and with it the request (a client
+        # that stopped reading held its greenlet, and a stream's jobs, for ever);
+        # FrontendWorker.handle_request clears it for the connection's next request
+        sock = request.environ.get("gunicorn.socket")
+        seconds = float(app.config.get("SEND_TIMEOUT") or 0)
+        if sock is not None and seconds:
+            sock.settimeout(seconds)
+        return response
 
     @app.after_request
     def name_the_request(response):

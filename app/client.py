@@ -45,8 +45,9 @@ class ClientGone(Exception):
 # What a RequestStream's inbox carries, put by the socket readers and the HTTP handler
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
-    """A token-stream event of the request (the SUB socket)."""
+    """A token-stream event of the request (the SUB socket), and its size on the wire."""
     event: P.AnyEvent
+    size: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,7 @@ class RequestStream:
         self._complete_by: float | None = None
         self._finished_attempt: int | None = None   # the attempt a FINISHED was for
         self._early: list[StreamItem] = []
+        self.last_size = 0              # wire bytes of the event next_event last returned
 
     def wait_accepted(self, timeout: float = config.SUBMIT_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
@@ -116,6 +118,7 @@ class RequestStream:
             self._early.append(item)
 
     def next_event(self) -> P.AnyEvent:
+        self.last_size = 0
         while True:
             timeout = None
             if self._complete_by is not None:
@@ -127,8 +130,9 @@ class RequestStream:
                     502, "the token stream lost messages: the worker finished but not all "
                     "of its output arrived", "stream_incomplete"))
             match item:
-                case TokenEvent(event):
+                case TokenEvent(event, size):
                     accepted = self._accept_event(event)
+                    self.last_size = size
                 case Control(cmd, body):
                     accepted = self._accept_control(cmd, body)
                 case Lost():
@@ -307,7 +311,8 @@ class DispatcherClient:
     def _read_sub(self) -> None:
         while True:
             try:
-                request_id, event = P.decode_event(self.sub.recv_multipart())
+                frames = self.sub.recv_multipart()
+                request_id, event = P.decode_event(frames)
             except P.ProtocolError as exc:
                 log.warning("bad token event: %s", exc)
                 continue
@@ -324,7 +329,7 @@ class DispatcherClient:
                 self.beat_at = time.monotonic()
             stream = self.streams.get(request_id)
             if stream is not None:
-                stream.inbox.put(TokenEvent(event))
+                stream.inbox.put(TokenEvent(event, len(frames[2])))
 
     def metrics_snapshot(self, timeout: float = 3.0) -> dict | None:
         """The system's metrics, as the dispatcher adds them up; None if it is away."""

@@ -144,6 +144,6 @@ def _stream(result, events, fanout: Fanout, watcher, record: access.RequestRecor
         raise
     finally:
         if not ended:           # the client left (noticed here, or by a failed write)
-            record.failed("client_closed")
+            record.failed("client_too_slow" if fanout.overflowed else "client_closed")
         _stop(watcher)
         fanout.close()

@@ -12,6 +12,12 @@ import gevent.queue
 from app.client import ClientGone, DispatcherClient, RequestStream
 from dispatcher.common import protocol as P
 
+# Wire bytes of events one HTTP request may have waiting to be written: a client that
+# stopped reading (its socket full, the handler blocked in a write) was sent everything
+# its jobs generated into memory, 128 choices of n_probs 100 for a whole context; past
+# this its jobs are cancelled as if it had left (one that reads is never near it).
+MAX_BACKLOG_BYTES = 8 << 20
+
 
 class Fanout:
     def __init__(self, client: DispatcherClient, jobs: list[P.WorkerJob]):
@@ -21,6 +27,8 @@ class Fanout:
         self.merged: gevent.queue.Queue = gevent.queue.Queue()
         self._readers: list[gevent.Greenlet] = []
         self._gone = False
+        self.backlog = 0                # wire bytes of the events in `merged`
+        self.overflowed = False         # ... went past MAX_BACKLOG_BYTES: jobs cancelled
 
     def submit(self) -> None:
         """Queue every job (raises the first rejection, after cancelling the others).
@@ -47,24 +55,30 @@ class Fanout:
             try:
                 event = stream.next_event()
             except ClientGone:
-                self.merged.put((None, None))
+                self.merged.put((None, None, 0))
                 return
-            self.merged.put((index, event))
+            self.backlog += stream.last_size
+            self.merged.put((index, event, stream.last_size))
             if isinstance(event, P.ENDS):
+                return
+            if self.backlog > MAX_BACKLOG_BYTES and not self._gone:
+                self.overflowed = True
+                self.client_gone()
                 return
 
     def client_gone(self) -> None:
         self._gone = True
         for job in self.jobs:
             self.client.client_gone(job.id)
-        self.merged.put((None, None))
+        self.merged.put((None, None, 0))
 
     def events(self):
         """(job index, event) in arrival order until every job has ended; raises
         ClientGone when the HTTP client left."""
         open_jobs = len(self.streams)
         while open_jobs:
-            index, event = self.merged.get()
+            index, event, size = self.merged.get()
+            self.backlog -= size
             if index is None:
                 raise ClientGone()
             if isinstance(event, P.ENDS):

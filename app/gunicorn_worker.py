@@ -186,8 +186,19 @@ class FrontendWorker(GeventWorker):
             raise StopIteration()                  # and close the connection
         try:
             return super().handle_request(listener_name, req, sock, addr)
+        except TimeoutError:
+            # a write of the answer waited --send-timeout for a client that stopped
+            # reading (app.bound_the_writes): the request ended; close, in one line
+            self.log.info("closed a connection from %s: its client read nothing of the "
+                          "answer for --send-timeout",
+                          addr[0] if isinstance(addr, tuple) else addr or "?")
+            raise StopIteration() from None
         finally:
             self._idle[sock] = time.monotonic()    # waiting for its next request
+            try:
+                sock.settimeout(None)              # (app.bound_the_writes: its answer's)
+            except OSError:
+                pass
 
     def _close_idle(self) -> None:
         """End the connections that are between requests, nothing sent: their readers

@@ -27,7 +27,8 @@ SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "mo
                  "log_level", "log_format", "max_body", "max_prompt_chars", "max_queue",
                  "queue_timeout",
                  "stop_grace", "api_key", "api_key_file", "access_log", "step_timeout",
-                 "max_connections", "header_timeout", "body_timeout", "heartbeat_interval",
+                 "max_connections", "header_timeout", "body_timeout", "send_timeout",
+                 "heartbeat_interval",
                  "cache_scope", "max_queue_per_key", "log_content", "curve_keys",
                  "insecure_transport", "infer_sessions", "any_model_name", "usage_by_key",
                  "status_access"]
@@ -218,6 +219,7 @@ def _frontend_child(Child, args, base: str, keyed: bool):
            "COMPLETIONS_MAX_CONNECTIONS": str(args.max_connections),
            "COMPLETIONS_HEADER_TIMEOUT": str(args.header_timeout),
            "COMPLETIONS_BODY_TIMEOUT": str(args.body_timeout),
+           "COMPLETIONS_SEND_TIMEOUT": str(args.send_timeout),
            "COMPLETIONS_HEARTBEAT_INTERVAL": str(args.heartbeat_interval),
            "COMPLETIONS_CACHE_SCOPE": args.cache_scope or "",
            "COMPLETIONS_CURVE_KEYS": args.curve_keys if keyed else "",

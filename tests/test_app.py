@@ -40,6 +40,7 @@ class FakeStream:
         self.events = [e if isinstance(e, P.Event) else msgspec.convert(e, P.AnyEvent)
                        for e in events]
         self.closed = False
+        self.last_size = 0               # (RequestStream's: wire bytes of the last event)
 
     def next_event(self) -> dict:
         return self.events.pop(0)

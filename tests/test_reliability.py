@@ -458,6 +458,44 @@ def test_slow_clients_do_not_block_others(hardened):
             sock.close()
 
 
+def test_a_client_that_stops_reading_a_stream_is_let_go_and_its_generation_ended():
+    """A client that reads the headers and then nothing: the front end's write blocked
+    for ever, holding the connection, and its jobs ran on into memory. Now a write that
+    cannot go on for --send-timeout ends the connection and the request (its slots free,
+    the others served meanwhile), logged `client_too_slow` or `client_closed`."""
+    import socket
+    server = ServerProcess("--engine", "fake", "--slots", "8", "--send-timeout", "2",
+                           env={"COMPLETIONS_FAKE_STEP_DELAY": "0.005"},
+                           log_name="stalled").start()
+    try:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # (fills at once)
+        sock.connect(("127.0.0.1", server.port))
+        # eight choices to the end of the context, ~20 s: ~9 MB of events, past what the
+        # sockets' buffers hold (4 MiB at most here) after ~10 s
+        body = json.dumps({"prompt": "Once", "max_tokens": 100_000, "n": 8, "logprobs": 1,
+                           "stream": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))
+        server.wait_for(lambda: server.worker()["state"] == "busy", what="busy worker")
+        worker = server.wait_for(
+            lambda: (w := server.worker()) and w["state"] == "idle" and w, timeout=60,
+            what="the stalled stream's generation to end")
+        assert worker["last_done"].get("cancelled"), worker["last_done"]
+        status, _, answer = http_json(server.port, "POST", "/v1/completions",
+                                      {"prompt": "x", "max_tokens": 2})
+        assert status == 200 and answer["usage"]["completion_tokens"] == 2
+        server.wait_for(lambda: "client_too_slow" in server.output() or
+                        "error=client_closed" in server.output(), timeout=30,
+                        what="the stalled request in the access log")
+        assert "its client read nothing of the answer" in server.output()
+        assert "Socket error" not in server.output() and "Traceback" not in server.output()
+        sock.close()
+    finally:
+        assert server.stop() == 0
+
+
 def test_idle_connections_and_trickled_bodies_are_let_go_and_health_still_answers():
     import socket
     server = ServerProcess("--max-connections", "5", "--header-timeout", "5",

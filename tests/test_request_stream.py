@@ -158,3 +158,52 @@ def test_a_request_ended_by_losing_the_dispatcher_is_cancelled_on_close():
     assert drain(stream)[-1]["code"] == "dispatcher_unavailable"
     stream.close()
     assert (P.CANCEL, "cmpl-1") in stream.client.sent
+
+
+def test_a_request_whose_events_wait_unwritten_past_the_backlog_is_ended():
+    """The HTTP handler blocked in a write (a client that stopped reading): the readers
+    moved every event its jobs made into memory. Past MAX_BACKLOG_BYTES of them waiting
+    its jobs are cancelled as if the client had left, and reading stops; what is read
+    in time is written as before."""
+    from types import SimpleNamespace
+
+    import gevent
+
+    from app.fanout import MAX_BACKLOG_BYTES, Fanout
+
+    class Client(FakeClient):
+        def client_gone(self, request_id):
+            self.sent.append(("gone", request_id))
+            streams[0].inbox.put(Left())
+
+    client = Client()
+    chunk = MAX_BACKLOG_BYTES // 8
+    stream = RequestStream(client, "cmpl-1")
+    streams = [stream]
+    for s in range(200):                 # far more than the backlog holds
+        stream.inbox.put(TokenEvent(ev(s, "text", text="x").event, chunk))
+    fanout = Fanout(client, [SimpleNamespace(id="cmpl-1")])
+    fanout.streams = streams
+    fanout._readers = [gevent.spawn(fanout._read, 0, stream)]
+    gevent.joinall(fanout._readers, timeout=5)
+    assert fanout.overflowed and ("gone", "cmpl-1") in client.sent
+    assert fanout.backlog == 9 * chunk                    # it stopped at the first past
+    events = fanout.events()
+    assert [next(events)[1].seq for _ in range(9)] == list(range(9))
+    assert fanout.backlog == 0
+    with pytest.raises(ClientGone):
+        next(events)
+
+    calm = Fanout(client, [SimpleNamespace(id="cmpl-2")])   # one that is read
+    quiet = RequestStream(client, "cmpl-2")
+
+    def worker():                        # events as they come off the socket, a few
+        for s in range(100):             # at a time
+            quiet.inbox.put(TokenEvent(ev(s, "text", text="x").event, chunk))
+            if s % 4 == 3:
+                gevent.sleep(0.001)
+        quiet.inbox.put(TokenEvent(ev(100, "end").event, 10))
+    gevent.spawn(worker)
+    calm.streams, calm._readers = [quiet], [gevent.spawn(calm._read, 0, quiet)]
+    read = [event.seq for _, event in calm.events()]
+    assert read == list(range(101)) and not calm.overflowed

@@ -241,6 +241,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            non_negative_seconds),
     Option("body_timeout", 60.0, "seconds a client has to send a request's whole body "
            "(408 after)", non_negative_seconds),
+    Option("send_timeout", 60.0, "seconds one write of an answer may wait for the client "
+           "to read it (then the connection is closed and the request ended; 0: no limit)",
+           non_negative_seconds),
     Option("access_log", "-", "the front ends' access log, one logfmt line per request: "
            "- (stderr), off, or a file path"),
     Option("max_body", 8 * 1024 * 1024, "largest request body accepted, in bytes", _positive_int),
