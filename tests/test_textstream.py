@@ -156,6 +156,20 @@ def test_a_line_cut_by_n_indent_reports_no_logprobs_for_it():
     assert tokens == ["def f():", "\n"]                    # not the cut line's
 
 
+def test_n_indent_cuts_what_a_stop_string_held_when_the_completion_ends():
+    """Text held back as a possible stop string's start went out unchecked at the end
+    (max_tokens, EOS): an under-indented line past n_indent was sent whole."""
+    from workers.active import EditorLimits
+    pieces = [b"    x = 1", b"\ncl"]
+    texts, end = run_tokens(pieces, [0, 1], stops=["\nclass "], max_tokens=2,
+                            limits=EditorLimits(n_indent=4))
+    assert "".join(t.text for t in texts) == "    x = 1\n"
+    assert (end.finish_reason, end.stop_type) == ("length", "limit")
+    texts, end = run_tokens([b"    x = 1", b"\n    y"], [0, 1], stops=["\n    y = 2"],
+                            max_tokens=2, limits=EditorLimits(n_indent=4))
+    assert "".join(t.text for t in texts) == "    x = 1\n    y"        # indented: kept
+
+
 def test_out_of_time_ends_at_the_token_after_the_newline_and_sends_what_was_held():
     """t_max_predict_ms, as llama.cpp: once a newline has been generated and the time is
     up, the next token is the last (sent whole: the newline token itself was the last

@@ -132,6 +132,12 @@ class Output:
         (eos, word, limit)."""
         self.faults.check("finish", active.prompt)
         tail = active.assembler.finish()
+        if tail and active.limits is not None and not active.assembler.stopped:
+            # (held back as a possible stop string's start, it met no n_indent yet)
+            tail, cut = active.limits.cut(tail)
+            if cut:
+                active.assembler.stopped = True   # the cut line's text is never sent
+                reason, stop_type = "length", "limit"
         if tail:
             self.text(active, tail)
         usage = active.usage()
