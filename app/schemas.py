@@ -75,7 +75,7 @@ class StreamOptionsSchema(Schema):
     class Meta:
         unknown = RAISE
 
-    include_usage = StrictBoolean(load_default=False, metadata=doc(
+    include_usage = StrictBoolean(load_default=False, allow_none=True, metadata=doc(
         "Send a last chunk with `usage` and empty `choices`.", type="boolean"))
     include_obfuscation = StrictBoolean(load_default=None, allow_none=True, metadata=doc(
         "Accepted and ignored (OpenAI pads streamed chunks with random characters; "
@@ -330,8 +330,8 @@ def first_error(messages) -> tuple[str | None, str]:
     if isinstance(messages, dict):
         for name, value in messages.items():
             param, text = first_error(value)
-            if name in ("_schema", "_body"):
-                return param, text
+            if name in ("_schema", "_body") and text != "Unknown field.":
+                return param, text              # (one the schema raised, not a field)
             return (name if param is None else f"{name}.{param}"), text
     if isinstance(messages, list) and messages:
         return first_error(messages[0])

@@ -114,6 +114,25 @@ def test_unknown_field_message_names_it_as_openai_does():
     assert info.value.message == "Unrecognized request argument supplied: best_off"
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "p", "_schema": 1}, "_schema"),          # marshmallow's own error keys,
+    ({"prompt": "p", "_body": 1}, "_body"),              # as field names
+    ({"prompt": "p", "stream": True, "stream_options": {"_schema": 1}},
+     "stream_options._schema"),
+])
+def test_an_unknown_field_named_as_marshmallows_error_keys_is_named(body, param):
+    with pytest.raises(InvalidRequest) as info:
+        validate(body)
+    assert info.value.param == param
+    assert info.value.message == f"Unrecognized request argument supplied: {param}"
+
+
+def test_a_null_in_stream_options_means_its_default():
+    req = validate({"prompt": "p", "stream": True, "stream_options": {
+        "include_usage": None, "include_obfuscation": None}})
+    assert not req["stream_options"]["include_usage"]
+
+
 def test_body_must_be_an_object():
     with pytest.raises(InvalidRequest):
         validate(["prompt"])
