@@ -1015,6 +1015,21 @@ def test_a_sibling_copying_a_decoded_prompt_sees_what_its_prefill_would(model_pa
             copied = first(2)
             assert copied.token == own.token and abs(copied.logprob - own.logprob) < 1e-4
         assert engine.copy_prefix(0, 1, engine.tokenize("short")) == 0   # (not worth it)
+        # a source cached but for its last prompt token (the same prompt again: `n`
+        # choices of one asked twice) holds all a copy takes; it was passed over, and
+        # each sibling prefilled the whole prompt cold
+        for s in range(3):
+            engine.release(s, keep_cache=False)
+        engine.add(0, tokens, GREEDY)
+        first(0)
+        assert engine.add(0, tokens, GREEDY) == len(tokens) - 1
+        assert engine.prefill_left(0) == 1
+        assert engine.copy_prefix(0, 1, tokens) == len(tokens) - 1
+        assert engine.add(1, tokens, GREEDY) == len(tokens) - 1
+        firsts = {}
+        while len(firsts) < 2:
+            firsts.update(engine.step())
+        assert firsts[0].token == firsts[1].token        # (the same KV, the same row)
     finally:
         engine.close()
 

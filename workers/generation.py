@@ -258,7 +258,7 @@ class GenerationLoop:
                     active.source != (body.prompt, body.suffix, body.infill):
                 continue
             left = self.engine.prefill_left(active.slot)
-            if (left > 1) if prefilling else (left == 0):
+            if (left > 1) if prefilling else (left <= 1):
                 return active
         return None
 

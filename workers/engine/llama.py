@@ -336,7 +336,8 @@ class LlamaEngine:
         the tokens now cached in `dst` (0: nothing copied; never in deterministic mode,
         where a prefix decoded in other pieces changes the numbers)."""
         source, target = self.slots[src], self.slots[dst]
-        if target.busy or source.pending or not self.copies:
+        # (a source with its last prompt token left holds all a copy takes)
+        if target.busy or len(source.pending) > 1 or not self.copies:
             return 0
         n = min(common_prefix(source.cached, tokens), len(tokens) - 1)
         if n < COPY_AT_LEAST or n <= reusable(target.cached, tokens, self.cache_reuse):
