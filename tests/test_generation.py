@@ -358,6 +358,22 @@ def test_an_earlier_attempt_of_a_running_request_never_takes_a_second_slot(loop)
     assert [e["a"] for e in ends] == [2]
 
 
+def test_an_adopted_generation_goes_on_under_the_new_requests_budget(loop):
+    """The request that takes over a generation (the user typed what it suggested) sets
+    what the sequence may still generate: it kept the old request's, so its drafts
+    stopped short of the old end (a warm-up's 0 also left its prefill last in line)."""
+    submit(loop, "old", job("Once", max_tokens=40))
+    run(loop, steps=6)
+    typed = SCRIPT[:3].decode()
+    assert loop.active["old"].assembler.text.startswith(typed)
+    submit(loop, "new", job("Once" + typed, max_tokens=10, id="new", adopt="old"))
+    loop._read_inbox(block=False)
+    new = loop.active["new"]
+    assert loop.engine.budgets == {new.slot: 10 - new.generated}
+    run(loop)
+    assert events_of(loop, "new")[-1]["e"] == "end"
+
+
 def test_text_biases_are_tokenized_on_the_preparing_thread_not_the_loop(loop, monkeypatch):
     """llama.cpp's `[["text", bias]]` form: 1,024 texts of 256 characters were tokenized
     on the generation thread as each job was admitted (seconds, `n` times over), every

@@ -57,6 +57,10 @@ class Engine(Protocol):
 
     def prefill_left(self, slot_id: int) -> int: ...   # prompt tokens still to decode
 
+    # the tokens a busy sequence may still generate, from now (None: to the context's
+    # end): an adopted generation goes on for another request, with its max_tokens
+    def set_budget(self, slot_id: int, left: int | None) -> None: ...
+
     def copy_prefix(self, src: int, dst: int, tokens: list[int]) -> int: ...
 
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
