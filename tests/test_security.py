@@ -427,3 +427,16 @@ def test_keygen_never_takes_over_a_directory_or_a_reserved_name(tmp_path):
         curve.keygen("")
     assert curve.keygen(str(tmp_path / "keys")) == ["dispatcher", "local", "ops"]
     assert curve.keygen(str(tmp_path / "keys"), workers=["gpu2"]) == ["gpu2"]
+
+
+def test_a_keyed_workers_name_starts_with_its_keys_name():
+    """A second host's workers named by their config entries (w0-cuda0-...) did not
+    carry their key's name, and the dispatcher dropped every message of theirs."""
+    from workers.worker import worker_name
+    assert worker_name("w0-cuda0-interactive", "cuda0", "gpu2") == "gpu2-w0-cuda0-interactive"
+    assert worker_name(None, "cuda0", "gpu2").startswith("gpu2-cuda0-")
+    assert worker_name("gpu2-box", "cuda0", "gpu2") == "gpu2-box"      # its own already
+    assert worker_name("gpu2", "cuda0", "gpu2") == "gpu2"
+    assert worker_name("gpu20-x", "cuda0", "gpu2") == "gpu2-gpu20-x"     # another key's
+    for unkeyed in (None, "local"):
+        assert worker_name("w0-cuda0", "cuda0", unkeyed) == "w0-cuda0"

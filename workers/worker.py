@@ -205,6 +205,18 @@ class DispatcherLink(threading.Thread):
         return True
 
 
+def worker_name(given: str | None, slug: str, key_name: str | None) -> str:
+    """The name a worker registers under: `given` (--name, or its config entry's), else
+    its device's slug and pid; a keyed worker's (`key_name`: its CURVE key's, not
+    `local`) always starts with its key's name, which the dispatcher binds it to (an
+    entry's default name, w0-cuda0, was refused on a second host)."""
+    name = given or f"{slug}-{os.getpid()}"
+    if key_name and key_name != "local" and not (
+            name == key_name or name.startswith(f"{key_name}-")):
+        name = f"{key_name}-{name}"
+    return name
+
+
 def _from_config_file(args, spec, file_data: dict):
     """This device's [[workers]] entry: its model, profile, name and sizes, unless a flag
     or variable gave them."""
@@ -396,10 +408,8 @@ def load(launch: Launch, placement: Placement) -> Loaded:
     except SystemExit as exc:
         raise CannotServe(f"worker {name} cannot serve: the draft model: {exc}") from None
     model_id = args.model_id or default_model_id(model_path)
-    # a keyed worker's name starts with its key's name (the dispatcher binds the two)
-    prefix = f"{args.curve_name}-" if launch.keys is not None and \
-        args.curve_name != "local" else ""
-    name = args.name or f"{prefix}{spec.slug}-{os.getpid()}"
+    name = worker_name(args.name, spec.slug,
+                       args.curve_name if launch.keys is not None else None)
     started = time.monotonic()
     faults = FaultInjection.from_env()
     faults.at_load()
