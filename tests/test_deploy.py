@@ -47,10 +47,17 @@ def ensure_nginx() -> str:
     return shutil.which("nginx") or "/usr/sbin/nginx"
 
 
+def systemd_escape(text: str) -> str:
+    """An instance name as `systemd-escape` makes it (what %i holds; %I, the text)."""
+    return "".join(c if c.isalnum() or c in ":_." else "-" if c == "/" else
+                   "".join(f"\\x{b:02x}" for b in c.encode()) for c in text)
+
+
 def unit_command(unit: Path, instance: str, config: Path) -> tuple[list[str], dict]:
-    """A unit's ExecStart and Environment, as this machine would run them: %i filled in,
-    the install paths (/opt/completions, /etc/completions) pointed at this checkout."""
-    text = unit.read_text().replace("%i", instance)
+    """A unit's ExecStart and Environment, as this machine would run them: %i (the
+    instance escaped) and %I (as typed) filled in, the install paths (/opt/completions,
+    /etc/completions) pointed at this checkout."""
+    text = unit.read_text().replace("%I", instance).replace("%i", systemd_escape(instance))
     text = text.replace("/etc/completions/config.toml", str(config))
     # (systemd's CacheDirectory: this machine's own cache, where step costs are kept)
     text = text.replace("XDG_CACHE_HOME=/var/cache/completions", "XDG_CACHE_HOME=" + str(
@@ -165,6 +172,17 @@ def test_the_worker_unit_does_not_respawn_a_worker_that_cannot_serve():
     (prevent,) = [line for line in unit if line.startswith("RestartPreventExitStatus=")]
     assert prevent.partition("=")[2].split() == ["2", str(EXIT_CANNOT_LOAD)]
     assert "Restart=always" in unit
+
+
+@pytest.mark.parametrize("device", ["cuda:0,1", "cpu:0-1+4-5", "cuda:GPU-8f3c"])
+def test_the_worker_unit_passes_its_device_as_typed(device, tmp_path):
+    """`completions-worker@cuda:0,1` (a model split over two GPUs): systemd escapes `,`
+    and `+` in the instance (cuda:0\\x2c1), and %i passed that on, which no device
+    parses (exit 2, never restarted)."""
+    assert systemd_escape(device) != device
+    command, _ = unit_command(UNITS / "completions-worker@.service", device,
+                              tmp_path / "config.toml")
+    assert command[command.index("--device") + 1] == device
 
 
 @pytest.fixture(scope="module")
