@@ -103,6 +103,9 @@ class DispatcherCore:
         # worker name -> {reason, code, at}: why it was last lost (status shows it)
         self.losses: dict[str, dict] = {}
         self.silent: list[tuple[str, int | None]] = []    # (name, pid) dropped as silent
+        # names the operator drained (ops: drain) until resumed: a worker registering
+        # again under one (respawned, reconnected) stays drained
+        self.paused: set[str] = set()
         self.draining_until: float | None = None
         self.stopped = False                       # a graceful stop is complete
         self.now = 0.0
@@ -362,6 +365,8 @@ class DispatcherCore:
                                 body=P.Disconnect(reason=refusal, code=P.REFUSED))
                 return self._take()
             record = self.registry.add(identity, msg.body, now)
+            if record.name in self.paused:
+                record.draining = record.paused = True
             self.metrics.worker_ready(record.name)
             log.info("worker %s ready: %s on %s, pid %s, n_ctx %s, %s slot(s)", record.name,
                      record.model, msg.body.device, msg.body.pid, msg.body.n_ctx,

@@ -53,6 +53,7 @@ class Operations:
         if record is None:
             return {"error": f"no ready worker named {request.get('worker')!r}"}
         record.draining = record.paused = True
+        self.core.paused.add(record.name)       # (kept if it registers again)
         return {"ok": True, "worker": record.name, "running": len(record.running)}
 
     def resume(self, request: dict) -> dict:
@@ -60,6 +61,9 @@ class Operations:
         if record is None:
             return {"error": f"no ready worker named {request.get('worker')!r}"}
         record.draining = record.paused = False
+        self.core.paused.discard(record.name)
+        if self.pending.pop(record.name, None) is not None:
+            log.info("%s resumed: its restart is called off", record.name)
         self.core.dispatch()
         return {"ok": True, "worker": record.name}
 
@@ -91,6 +95,7 @@ class Operations:
         record = self._record(name)
         if record is not None:
             record.draining = True
+        self.core.paused.discard(name)          # (it serves once it is back)
         self.pending[name] = {"deadline": time.monotonic() + grace, "argv": argv}
         log.info("restarting %s once its %d request(s) finish (at most %.0fs)", name,
                  len(record.running) if record else 0, grace)

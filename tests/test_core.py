@@ -916,6 +916,32 @@ def test_work_for_workers_the_operator_drained_is_refused_in_time_not_queued_for
     assert [j.request_id for j in restarting.queue] == ["c"]
 
 
+def test_a_drain_holds_across_the_worker_registering_again_and_resume_ends_a_restart():
+    """`drain` lived on the registry's record: a worker respawned or reconnected came
+    back taking work. And `resume` of a worker waiting to restart said ok while the
+    restart went ahead at its deadline, aborting what it had taken meanwhile."""
+    from dispatcher.operations import Operations
+    from dispatcher.supervisor import Child, Supervisor
+    core = DispatcherCore()
+    ready(core, b"w0")
+    supervisor = Supervisor()
+    supervisor.children["w0"] = Child("w0", ["python", "-m", "workers"], {},
+                                      extra={"model": "m"})
+    ops = Operations(core, supervisor)
+    assert ops.handle({"cmd": "drain", "worker": "w0"})["ok"]
+    ready(core, b"w0", now=1.0)                            # registers again
+    assert core.registry.workers[b"w0"].draining
+    assert kinds(submit(core, "a", now=1.0)) == [("ACCEPTED", "a")]     # not sent to it
+    assert ops.handle({"cmd": "resume", "worker": "w0"})["ok"]
+    assert ("REQUEST", "b") in kinds(submit(core, "b", now=2.0))
+    ready(core, b"w0", now=3.0)
+    assert not core.registry.workers[b"w0"].draining
+    assert ops.handle({"cmd": "restart", "worker": "w0", "grace": 60})["ok"]
+    assert ops.pending
+    assert ops.handle({"cmd": "resume", "worker": "w0"})["ok"]
+    assert not ops.pending and not core.registry.workers[b"w0"].draining
+
+
 def test_a_restart_refused_for_its_grace_changes_nothing_and_a_new_id_alone_is_applied():
     """`restart`/`reload` over the control socket: a bad grace is refused before the
     worker is drained or its model renamed; `--model-id` without `--model` is applied
