@@ -231,7 +231,7 @@ def _frontend_child(Child, args, base: str, keyed: bool):
            "COMPLETIONS_ANY_MODEL_NAME": "true" if args.any_model_name else "",
            "COMPLETIONS_USAGE_BY_KEY": "true" if args.usage_by_key else "false",
            "COMPLETIONS_STATUS_ACCESS": args.status_access}
-    return Child("frontend", python_module_argv(
+    return Child(configfile.FRONTEND_NAME, python_module_argv(
         # The dispatcher has drained in-flight requests (--stop-grace) before the front
         # ends are stopped: their worker (app/gunicorn_worker.py) closes idle keep-alive
         # connections at once; this bounds whatever else is left.
@@ -301,16 +301,23 @@ def cmd_check_config(args) -> int:
         plan = configfile.plan_for(args)
     except configfile.ConfigError as exc:
         problems, plan = exc.problems, None
-    if args.api_key_file and not os.access(args.api_key_file, os.R_OK):
+    unreadable = args.api_key_file and not os.access(args.api_key_file, os.R_OK)
+    if unreadable:
         problems.append(f"api_key_file {args.api_key_file}: not readable")
+    if args.draft_model:                # (as serve resolves it)
+        try:
+            resolve_model_path(args.draft_model)
+        except SystemExit as exc:
+            problems.append(f"draft_model: {exc}")
     if access_log_problem(args.access_log):
         problems.append(access_log_problem(args.access_log))
     from dispatcher.common import curve
     base = args.dispatcher or default_dispatcher_address(args.port)
     try:
         tenants = _count_keys(args) > 0
-    except SystemExit as exc:           # (its one line, as a problem)
-        problems.append(str(exc))
+    except SystemExit as exc:           # (its one line, as a problem; once)
+        if not unreadable:
+            problems.append(str(exc))
         tenants = True
     problem = curve.transport_problem(base, args.curve_keys, args.insecure_transport, tenants)
     if problem:

@@ -212,3 +212,29 @@ def test_a_bad_variable_of_a_front_end_is_one_line_naming_it():
     from dispatcher.common import configfile
     with pytest.raises(configfile.SettingError, match="COMPLETIONS_PORT: must be a port"):
         configfile.effective(["port"], {"COMPLETIONS_PORT": "99999"})
+
+
+def test_check_config_finds_what_serve_would_refuse(tmp_path):
+    """A --draft-model serve refuses passed check-config ("config OK"); a worker named
+    as serve's front ends took their place in its supervisor (never respawned nor
+    stopped); an unreadable key file was reported twice."""
+    import os
+    import subprocess
+    import sys
+
+    def check(*argv):
+        out = subprocess.run([sys.executable, "-m", "dispatcher", "check-config",
+                              "--engine", "fake", *argv], capture_output=True, text=True,
+                             env={k: v for k, v in os.environ.items()
+                                  if not k.startswith("COMPLETIONS_")})
+        return out.returncode, [line.strip("- ").strip() for line in
+                                out.stdout.splitlines()[1:]]
+    rc, problems = check("--device", "cpu", "--draft-model", str(tmp_path / "none.gguf"))
+    assert rc == 1 and problems == [f"draft_model: model file not found: "
+                                    f"{tmp_path / 'none.gguf'}"]
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[[workers]]\ndevice = "cpu"\nname = "frontend"\n')
+    rc, problems = check("--config", str(cfg))
+    assert rc == 1 and len(problems) == 1 and "name 'frontend'" in problems[0]
+    rc, problems = check("--device", "cpu", "--api-key-file", str(tmp_path / "keys"))
+    assert rc == 1 and problems == [f"api_key_file {tmp_path / 'keys'}: not readable"]

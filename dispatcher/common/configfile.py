@@ -29,6 +29,9 @@ from dispatcher.common import config
 from dispatcher.common.devices import DeviceSpec, format_cores, parse_device
 from dispatcher.common.models import default_model_id, resolve_model_path
 
+# The child name `serve` runs its front ends under (its supervisor's): no worker's
+FRONTEND_NAME = "frontend"
+
 MODEL_KEYS = {"id", "path", "nctx", "ngl", "slots", "deterministic", "aliases",
               "fim_template"}
 WORKER_KEYS = {"device", "model", "profile", "name", "nctx", "ngl", "slots", "kv_type",
@@ -328,6 +331,8 @@ def _plan_workers(data: dict, args, models: list[ModelPlan], broken: set[str],
     names = [w.name for w in plans]
     problems += [f"workers: name '{n}' is used twice" for n in set(names)
                  if names.count(n) > 1]
+    problems += [f"workers: name '{n}' is the front ends' (serve runs them under it): "
+                 "give the worker another" for n in set(names) if n == FRONTEND_NAME]
     accelerators = [(d.kind, o) for d in devices for o in d.ordinals]
     problems += [f"workers: {k}:{i} is used by more than one worker" for k, i in
                  set(accelerators) if accelerators.count((k, i)) > 1]
