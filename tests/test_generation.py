@@ -277,6 +277,11 @@ def test_n_indent_ends_at_the_first_dedented_line_after_a_newline():
     assert limits.cut("  w") == ("  ", True)                 # 2 spaces: dedented
     limits = EditorLimits(n_indent=1)
     assert limits.cut("a\n\tb\nc") == ("a\n\tb\n", True)     # a tab counts one
+    # a blank line has no indentation: it ends the completion, as llama-server's
+    # process_token (it went on into the next block)
+    assert EditorLimits(n_indent=4).cut("    a = 1\n\n    b = 2\n") == ("    a = 1\n", True)
+    assert EditorLimits(n_indent=4).cut("x\n  \n") == ("x\n  ", True)
+    assert EditorLimits(n_indent=4).cut("x\n    \n") == ("x\n    \n", False)   # deep enough
 
 
 def test_t_max_predict_ms_waits_for_a_newline():

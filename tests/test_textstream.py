@@ -170,19 +170,21 @@ def test_n_indent_cuts_what_a_stop_string_held_when_the_completion_ends():
     assert "".join(t.text for t in texts) == "    x = 1\n    y"        # indented: kept
 
 
-def test_out_of_time_ends_at_the_token_after_the_newline_and_sends_what_was_held():
-    """t_max_predict_ms, as llama.cpp: once a newline has been generated and the time is
-    up, the next token is the last (sent whole: the newline token itself was the last
-    before); text held for a possible stop string is sent too, as at max_tokens (the
-    limit is not a stop string: a trailing newline was lost)."""
+def test_out_of_time_ends_with_a_token_that_has_a_newline_and_sends_what_was_held():
+    """t_max_predict_ms, as llama-server's process_token: once the time is up, a token
+    with a newline is the last (the first newline too), so a suggestion ends at a
+    line's end, never part way into the next (llama.vim showed the broken line); text
+    held for a possible stop string is sent too, as at max_tokens (the limit is not a
+    stop string: a trailing newline was lost)."""
     from workers.active import EditorLimits
-    pieces = [b"def f():", b"\n", b"x = 1", b"x\n", b"more"]
+    pieces = [b"def f():", b"\n", b"x = 1", b"x\n", b"more", b"\n    y"]
 
-    def sent(tokens, stops=()):
+    def sent(tokens, stops=(), limit=10):
         texts, end = run_tokens(pieces, tokens, stops=stops, first_at=0.0,  # (long past)
-                                limits=EditorLimits(t_max_predict_ms=10))
-        assert end.finish_reason == "length"
-        return "".join(t.text for t in texts)
+                                limits=EditorLimits(t_max_predict_ms=limit))
+        return "".join(t.text for t in texts), end.finish_reason
 
-    assert sent([0, 1, 2, 4]) == "def f():\nx = 1"
-    assert sent([0, 1, 3, 4], stops=["\n\n"]) == "def f():\nx\n"
+    assert sent([0, 1, 2, 4]) == ("def f():\n", "length")
+    assert sent([0, 2, 3, 4]) == ("def f():x = 1x\n", "length")
+    assert sent([0, 5, 4]) == ("def f():\n    y", "length")        # (the token's whole)
+    assert sent([0, 1, 3, 4], stops=["\n\n"]) == ("def f():\n", "length")

@@ -94,14 +94,16 @@ class Active:
 class EditorLimits:
     """llama.cpp's editor stops, applied to the text as it is released:
 
-    `n_indent`: after the first newline, a line whose first visible character is indented
-    less than this ends the completion there (that line's text is not sent);
-    `t_max_predict_ms`: once a newline has been generated, a completion running longer
-    than this (since its first token) ends at the next token.
+    `n_indent`: after the first newline, a line indented less than this ends the
+    completion where its indentation ends (that line's text is not sent), a blank line
+    too (its indentation is none);
+    `t_max_predict_ms`: a completion running longer than this (since its first token)
+    ends with a token that has a newline, so at a line's end (as llama-server's
+    `process_token`, the server llama-cpp-python 0.3.36 vendors).
     """
     n_indent: int = 0
     t_max_predict_ms: float = 0.0
-    seen_newline: bool = False      # a generated token had a newline (`generated`)
+    newline: bool = False           # the latest generated token had a newline (`generated`)
     at_line_start: bool = False
     indent: int = 0
 
@@ -114,26 +116,27 @@ class EditorLimits:
 
     def generated(self, piece: bytes) -> None:
         """A generated token's bytes (a newline byte is never part of another
-        character): as llama.cpp, the time limit counts from the newline the model
-        wrote, whether or not a stop string holds it back yet."""
-        if b"\n" in piece:
-            self.seen_newline = True
+        character): as llama.cpp, the time limit looks at the newline the model wrote,
+        whether or not a stop string holds it back yet."""
+        self.newline = b"\n" in piece
 
     def cut(self, text: str) -> tuple[str, bool]:
         """(the part of `text` to send, whether the completion ends here)."""
         if self.n_indent <= 0:
             return text, False
         for i, ch in enumerate(text):
+            if self.at_line_start:
+                if ch in " \t":
+                    self.indent += 1
+                    continue
+                self.at_line_start = False      # its first other character: a newline
+                if self.indent < self.n_indent:     # too (a blank line), as llama.cpp
+                    return text[:i], True
             if ch == "\n":
                 self.at_line_start, self.indent = True, 0
-            elif self.at_line_start and ch in " \t":
-                self.indent += 1
-            elif self.at_line_start:
-                self.at_line_start = False
-                if self.indent < self.n_indent:
-                    return text[:i], True
         return text, False
 
     def out_of_time(self, first_at: float | None, now: float) -> bool:
-        return self.t_max_predict_ms > 0 and self.seen_newline and first_at is not None \
+        """Whether the latest token (`generated`), one with a newline, is the last."""
+        return self.t_max_predict_ms > 0 and self.newline and first_at is not None \
             and (now - first_at) * 1000 > self.t_max_predict_ms

@@ -93,10 +93,10 @@ class Output:
         active.offsets.append(active.assembler.decoded)
         cut = timed = False
         if active.limits is not None:
-            # (out of time: this token is the last, as llama.cpp's, even where it is
-            # the first newline; the newline counts from the next token)
-            timed = active.limits.out_of_time(active.first_at, time.monotonic())
+            # (out of time: a token with a newline is the last, as llama.cpp's, the
+            # first newline too, so the completion ends at a line's end)
             active.limits.generated(piece)
+            timed = active.limits.out_of_time(active.first_at, time.monotonic())
             text, cut = active.limits.cut(text)
         if text:
             self.text(active, text)
