@@ -792,6 +792,45 @@ def test_a_first_line_without_a_newline_ends_after_first_line_max_tokens(model_p
         engine.close()
 
 
+INFILL_UNDER_A_GRAMMAR = """
+import glob, os, sys
+from workers.sampling import SamplingParams
+from workers.engine.llama import LlamaEngine
+engine = LlamaEngine(sys.argv[1], 1024, 1, int(sys.argv[2]), 0, draft_max=0)
+files = sorted(glob.glob(os.path.dirname(os.__file__) + "/*.py"))[:12]
+for seed, path in enumerate(files):
+    sampling = SamplingParams(grammar='root ::= [^\\n]* "\\n"', top_k=40, top_p=0.95,
+                              samplers=("top_k", "top_p", "infill"), temperature=1.0,
+                              seed=seed)
+    engine.add(0, engine.tokenize(open(path).read()[:600]), sampling, reuse=False)
+    tokens = []
+    while len(tokens) < 40:
+        out = engine.step().get(0)
+        if out is not None:
+            assert out.error is None, out.error
+            tokens.append(out.token)
+            if b"\\n" in engine.piece(out.token):
+                break
+    engine.release(0, keep_cache=False)
+    assert not any(engine.is_eog(t) for t in tokens), tokens
+print("ok")
+"""
+
+
+def test_a_grammar_beside_the_infill_sampler_never_aborts_the_worker(model_path):
+    """llama.cpp's `infill` sampler answers an end token when no other is likely enough,
+    whatever the candidates: taken among the likeliest as the grammar's pick, it was
+    accepted by a grammar that refused it, and llama.cpp aborted the process (every
+    stream of the worker gone; twelve first-seen files here, one valid request each).
+    Run in a process of its own: an abort must fail this test, not end the run."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", INFILL_UNDER_A_GRAMMAR, model_path,
+                          str(THREADS)], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("params", [
     dict(temperature=0),
     dict(temperature=0.8, top_k=40, seed=7),

@@ -191,6 +191,8 @@ def top_first(p: SamplingParams, bare_greedy: bool) -> int:
         return 1
     if p.greedy or p.mirostat or p.penalized or p.logit_bias or p.dry_multiplier:
         return 0
+    if "infill" in p.order:     # (it may answer an end token none of its candidates is)
+        return 0
     for name in p.order:
         if name == "top_k" and p.top_k > 0:
             return p.top_k if p.top_k <= TOP_CANDIDATES else 0
@@ -404,8 +406,18 @@ class SamplerChain:
         # every token outside the grammar's alphabet would be refused: left out
         array = candidates.whole(logits) if ids is None else candidates.subset(logits, ids)
         lib.llama_sampler_apply(self.grammar, array)
+        size = candidates.array.size
+        allowed = candidates.data["logit"][:size]
+        best = int(allowed.argmax()) if size else -1
+        likeliest = int(candidates.data["id"][best]) \
+            if best >= 0 and np.isfinite(allowed[best]) else None
         token = self._pick(array)
         if not self._allows(token):
+            # llama.cpp's `infill` sampler answers an end token when no other is likely
+            # enough, whatever the grammar left (accepted, it aborts the process): the
+            # likeliest token the grammar allows instead
+            if likeliest is not None and self._allows(likeliest):
+                return likeliest
             raise EngineError("the grammar allows no token here")
         return token
 
