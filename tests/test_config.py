@@ -238,3 +238,6 @@ def test_check_config_finds_what_serve_would_refuse(tmp_path):
     assert rc == 1 and len(problems) == 1 and "name 'frontend'" in problems[0]
     rc, problems = check("--device", "cpu", "--api-key-file", str(tmp_path / "keys"))
     assert rc == 1 and problems == [f"api_key_file {tmp_path / 'keys'}: not readable"]
+    rc, problems = check("--device", "cpu", "--slots", "8", "--batch", "4", "--ubatch", "4")
+    assert rc == 1 and problems == ["workers[0]: batch 4 is below its slots (8): a step "
+                                    "holds a row for each generating sequence"]

@@ -1134,3 +1134,26 @@ def test_a_chain_goes_aside_only_where_its_sampling_is_dear_beside_the_step():
                                       (35.0, 80.0, False), (1.0, 20.0, False),
                                       (35.0, 0.0, False)):     # (no step measured yet)
         assert AsideDraws.worth(sample_ms, step_ms) is aside, (sample_ms, step_ms)
+
+
+def test_a_batch_smaller_than_a_step_is_refused_or_turns_drafts_off(model_path, caplog):
+    """llama.cpp's batch arrays hold --batch rows and are written unchecked: a batch
+    below the slots (a plain step's rows), or below what measuring the drafts' step
+    costs takes (slots + 64 rows), wrote past them at load."""
+    from workers.engine.contextshape import ContextShape
+    from workers.engine.llama import LlamaEngine
+    from workers.engine.stepcosts import draft_rows
+    from workers.errors import EngineError
+    with pytest.raises(EngineError, match="--batch 2 is below the slots"):
+        LlamaEngine(model_path, 1024, 4, THREADS, 0, draft_max=64,
+                    shape=ContextShape(n_batch=2, n_ubatch=2))
+    assert draft_rows(4) == 4 + 64 and draft_rows(32) == 96
+    engine = LlamaEngine(model_path, 1024, 4, THREADS, 0, draft_max=64,
+                         shape=ContextShape(n_batch=32, n_ubatch=32))
+    try:
+        assert engine.draft_max == 0 and engine.step_costs is None
+        assert "drafts off: --batch 32 is below the 68 rows" in caplog.text
+        engine.add(0, engine.tokenize("def f(x):\n    return"), GREEDY)
+        assert any(engine.step().get(0) is not None for _ in range(3))
+    finally:
+        engine.close()

@@ -321,6 +321,9 @@ def _plan_workers(data: dict, args, models: list[ModelPlan], broken: set[str],
                                  f"({', '.join(by_id) or 'none'})")
             model = by_id[model_id]
             slots = _int(entry, "slots", model.slots, 0) or config.DEFAULT_SLOTS[device.compute]
+            if shape["batch"] < slots:
+                raise ValueError(f"batch {shape['batch']} is below its slots ({slots}): a "
+                                 "step holds a row for each generating sequence")
             plans.append(WorkerPlan(
                 name=str(entry.get("name") or f"w{i}-{device.slug}"), device=device,
                 model=model, nctx=_int(entry, "nctx", model.nctx, 1),

@@ -40,7 +40,7 @@ from dispatcher.common.repacking import repacking_answer
 from workers.engine.scheduling import FIRST_LINE_MAX, Scheduler, seq_runs
 from workers.engine.history import Histories
 from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
-from workers.engine.stepcosts import StepCosts
+from workers.engine.stepcosts import StepCosts, draft_rows
 from workers.engine.vocabulary import Vocabulary
 from workers.engine.samplers import Candidates, DryTemplates, SamplerChain
 from workers.sampling import SamplingParams, TokenOut
@@ -113,6 +113,9 @@ class LlamaEngine:
                  log_content: bool = False, step_costs: StepCosts | None = None,
                  shape: ContextShape = ContextShape(), draft_model: str | None = None,
                  draft_costs: DraftCosts | None = None):
+        if shape.n_batch < slots:       # (llama_batch_init's arrays hold n_batch rows)
+            raise EngineError(f"--batch {shape.n_batch} is below the slots ({slots}): a "
+                              "step holds a row for each generating sequence")
         self.lib = llama_cpp
         self.log = set_llama_log(LlamaLog(verbose, log_content))   # held while loaded
         self.log.recent = collections.deque(maxlen=RECENT)
@@ -128,6 +131,10 @@ class LlamaEngine:
         # decoded beside the token's row change logprobs in their last bits (measured)
         drops = self._drops_positions()
         self.draft_max = 0 if deterministic or not drops else draft_max
+        if self.draft_max and self.n_batch < draft_rows(slots):
+            log.warning("drafts off: --batch %d is below the %d rows measuring their step "
+                        "costs takes with %d slots", self.n_batch, draft_rows(slots), slots)
+            self.draft_max = 0
         # a sibling choice may copy a decoded prompt (copy_prefix): a memory that can
         # drop positions, and no deterministic mode
         self.copies = drops and not deterministic

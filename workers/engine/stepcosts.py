@@ -62,6 +62,13 @@ ASSUMED_EACH: dict[tuple[int, int], float] = {
 }
 
 
+def draft_rows(slots: int) -> int:
+    """The most rows one measured step of `slots` sequences with drafts holds (the batch
+    must: llama.cpp's batch arrays are that long and written unchecked)."""
+    sequences, _ = StepCosts.shapes(slots)
+    return max(sequences[-1] + SHAPES_EXTRA[-1], max(slots, 2) * (1 + EACH[-1]))
+
+
 class StepCosts:
     """Milliseconds of one decode step by batch shape, measured at start-up: a plain step
     (one row a sequence) of every count of sequences up to the slots (PLAIN_MAX at most),
