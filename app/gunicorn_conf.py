@@ -5,6 +5,7 @@ Used by `python -m dispatcher serve` (as `-c python:app.gunicorn_conf`) and by
 `deploy/gunicorn.conf.py` for a front end run on its own.
 """
 import logging
+import math
 import os
 import signal
 
@@ -14,7 +15,7 @@ from dispatcher.common.configfile import effective as _effective
 
 try:
     _options = _effective(["host", "port", "frontends", "log_level", "log_format",
-                           "max_connections"])
+                           "max_connections", "stop_grace"])
 except _SettingError as _exc:          # one line, not a traceback
     raise SystemExit(str(_exc)) from None
 _host, _port = _options["host"], _options["port"]
@@ -26,7 +27,9 @@ worker_class = "app.gunicorn_worker.FrontendWorker"   # gevent, stops promptly
 worker_connections = _options["max_connections"]   # and a reserve for /health: see
                                                     # app/gunicorn_worker.py
 timeout = 30            # gevent workers heartbeat from a greenlet: not a request timeout
-graceful_timeout = 30   # in-flight streams get this long after SIGTERM
+# in-flight streams get this long after SIGTERM (--stop-grace, as the dispatcher and the
+# workers; `serve` drains first and passes a few seconds on the command line)
+graceful_timeout = math.ceil(_options["stop_grace"])     # (gunicorn takes whole seconds)
 keepalive = 75          # longer than nginx's upstream keepalive_timeout
 proc_name = "completions-frontend"
 control_socket_disable = True   # gunicorn 27's control socket: one fixed path per user

@@ -68,7 +68,7 @@ def _port_problem(host: str, port: int) -> str | None:
 
 
 def signal_handler(broker, grace: float):
-    """SIGTERM/SIGINT: the first drains (when there is a grace), the next stops now."""
+    """SIGTERM/SIGINT/SIGHUP: the first drains (when there is a grace), the next stops now."""
     def on_signal(signum, frame):
         # No logging here: a handler that interrupts a log write in progress fails with a
         # reentrant call. The broker's loop logs what it was asked.
@@ -83,6 +83,9 @@ def _run_broker(broker, cleanup_dir: str | None, grace: float = 0.0) -> int:
     on_signal = signal_handler(broker, grace)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # a hangup (the terminal closed, an ssh session gone) stops it as SIGTERM does: its
+    # default ended the launcher at once, streams cut and the ipc directory left behind
+    signal.signal(signal.SIGHUP, on_signal)
     # A signal that lands on another thread (the token proxy's) still wakes the poll.
     signal.set_wakeup_fd(broker.wakeup_fd, warn_on_full_buffer=False)
     try:

@@ -61,7 +61,12 @@ class Supervisor:
         # named in the launcher's environment would be read again by each, as its own
         # (a worker looks for its device's [[workers]] entry there)
         env.pop("COMPLETIONS_CONFIG", None)
-        child.process = subprocess.Popen(child.argv, env=env, stdin=subprocess.DEVNULL)
+        # each child in a session of its own: a signal to the launcher's process group
+        # (a terminal's Ctrl-C or hangup, `kill -TERM -PGID`, GNU timeout) reaches the
+        # launcher alone, which drains before it stops them (they stopped at once, every
+        # stream cut); the launcher's death still ends them (die_with_parent)
+        child.process = subprocess.Popen(child.argv, env=env, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
         child.started_at = time.monotonic()
         child.respawn_at, child.ready_at = None, None
         log.info("started %s %s (pid %d)", child.kind, child.name, child.process.pid)

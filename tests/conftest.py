@@ -201,12 +201,33 @@ class ServerProcess:
         except OSError:
             return ""
 
+    def children(self) -> list[int]:
+        """The processes serve started, however deep (each of its children runs in a
+        session of its own): they and theirs carry COMPLETIONS_PARENT_PID=serve's pid."""
+        mark = f"COMPLETIONS_PARENT_PID={self.proc.pid}".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if mark in (entry / "environ").read_bytes().split(b"\0"):
+                        found.append(int(entry.name))
+                except OSError:
+                    pass
+        return found
+
     def group_alive(self) -> bool:
         try:
             os.killpg(self.proc.pid, 0)
             return True
         except ProcessLookupError:
-            return False
+            return bool(self.children())
+
+    def _kill_all(self) -> None:
+        for pid in [self.proc.pid] + self.children():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         """Stop the server and wait for every process it started to be gone."""
@@ -217,7 +238,7 @@ class ServerProcess:
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            self._kill_all()
             self.proc.wait()
             raise
         deadline = time.monotonic() + 10
@@ -225,7 +246,7 @@ class ServerProcess:
             time.sleep(0.05)
         orphans = self.group_alive()
         if orphans:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            self._kill_all()
         self.log.close()
         assert not orphans, "processes of the server outlived it"
         return code

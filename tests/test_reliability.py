@@ -323,23 +323,26 @@ def test_lost_stream_messages_become_errors_not_missing_text(fault, code, status
 
 
 # -- 5. graceful stop ----------------------------------------------------------------------
-def test_ctrl_c_in_a_terminal_drains_as_sigterm_does():
-    """A terminal's Ctrl-C signals serve's whole process group, children too: they leave
-    it to the launcher, which drains (the stream in flight finishes) and then stops them.
-    Before, the workers stopped at once, gunicorn cut its streams, and the launcher
-    respawned them all during the grace."""
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_signal_to_the_whole_process_group_drains_as_sigterm_to_serve_does(sig):
+    """A terminal's Ctrl-C or hangup, `kill -TERM -PGID` or GNU timeout signal serve's
+    whole process group: its children are in sessions of their own, so it reaches the
+    launcher alone, which drains (the stream in flight finishes), then stops them and
+    leaves nothing behind. Before, a group SIGTERM stopped the workers at once and cut
+    every stream, and SIGHUP ended the launcher at once (its ipc directory left)."""
     server = ServerProcess("--engine", "fake", env={"COMPLETIONS_FAKE_STEP_DELAY": "0.02"},
-                           log_name="ctrl-c").start()
+                           log_name=f"group-{sig}").start()
     stream = SSEStream(server.port, {"prompt": "Once upon a time", "max_tokens": 100,
                                      "stream": True})
     stream.next_data()
-    os.killpg(server.proc.pid, signal.SIGINT)
+    os.killpg(server.proc.pid, getattr(signal, sig))
     events = read_all(stream)
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     assert server.proc.wait(timeout=30) == 0
     assert server.stop() == 0                          # no process of it is left
     assert "respawning" not in server.output() and "started worker" not in \
-        server.output().split("SIGINT")[-1]
+        server.output().split(sig)[-1]
+    assert not os.path.exists(server.dispatcher.removeprefix("ipc://"))
 
 
 def test_sigterm_finishes_in_flight_streams_refuses_new_ones_and_cleans_up():
