@@ -31,6 +31,13 @@ MAX_FIELD_PATH = 256            # ... of at most this many characters each
 log = logging.getLogger(__name__)
 
 
+# OpenAI's fields llama-server does not take on its own routes: ignored there as any
+# unknown field (`echo` put the prompt into `content` and forced prompt logprobs that were
+# thrown away; `suffix` made a /completion a fill-in-the-middle one, a 400 on a model
+# without FIM tokens; `best_of`: a llama.cpp client reads one answer, not a list)
+OPENAI_ONLY = ("best_of", "echo", "suffix")
+
+
 class NativeCompletionSchema(CompletionRequestSchema):
     """POST /completion: the OpenAI endpoint's fields with llama.cpp's defaults; fields
     it does not know are ignored, as llama.cpp does (OpenAI's `best_of` among them: a
@@ -38,7 +45,7 @@ class NativeCompletionSchema(CompletionRequestSchema):
 
     class Meta:
         unknown = EXCLUDE
-        exclude = ("best_of",)
+        exclude = OPENAI_ONLY
 
     max_tokens = StrictInteger(load_default=None, allow_none=True,
                                validate=in_range(-1, INT_MAX), metadata=doc(
@@ -116,7 +123,11 @@ def _validated(schema: Schema) -> dict:
             names = ", ".join(ascii(name)[1:-1][:64] for name in ignored[:20])
             more = f" and {len(ignored) - 20} more" if len(ignored) > 20 else ""
             log.debug("%s: ignoring fields %s%s", request.path, names, more)
-    return validate(body, schema)
+    if isinstance(body, dict) and any(name in body for name in OPENAI_ONLY):
+        body = {k: v for k, v in body.items() if k not in OPENAI_ONLY}
+    req = validate(body, schema)
+    req.update(echo=False, suffix=None)     # (the schema has neither: OPENAI_ONLY)
+    return req
 
 
 @bp.post("/completion")
@@ -209,7 +220,10 @@ class NativeResult:
             "index": i, "content": content, "tokens": self.ids[i] if content else [],
             "id_slot": -1, "stop": True,
             "model": self.model, "tokens_predicted": predicted,
-            "tokens_evaluated": prompt_tokens, "tokens_cached": cached,
+            # what the slot holds after it (llama-server's n_tokens of the slot's prompt:
+            # llama.vim shows it, and warns of a full context by it); the reused prefix
+            # is timings.cache_n
+            "tokens_evaluated": prompt_tokens, "tokens_cached": prompt_tokens + predicted,
             "generation_settings": self.settings(), "has_new_line": self.newline[i],
             "truncated": end.truncated, "stop_type": end.stop_type or "limit",
             "stopping_word": end.stopping_word or "",

@@ -556,3 +556,17 @@ def test_a_client_that_leaves_mid_body_is_a_499_not_a_bad_body(client):
     assert response.status_code == 499
     assert response.get_json()["error"]["code"] == "client_closed"
     assert fake.jobs == []
+
+
+def test_openai_only_fields_are_ignored_on_llama_cpp_routes(client):
+    """llama-server takes no `echo` or `suffix` on its own routes: `echo` put the prompt
+    into `content` (and forced prompt logprobs nobody read), `suffix` made /completion a
+    fill-in-the-middle request (a 400 on a model without FIM tokens)."""
+    http, fake = client
+    response = http.post("/completion", json={
+        "prompt": "x", "n_predict": 2, "echo": True, "logprobs": 5, "suffix": "y",
+        "best_of": 3})
+    assert response.status_code == 200, response.get_data(as_text=True)
+    (job,) = fake.jobs
+    assert not job["generation"].get("echo") and job.get("suffix") is None
+    assert "x" not in json.loads(response.get_data())["content"][:1]   # (no prompt echoed)

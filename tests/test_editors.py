@@ -264,13 +264,17 @@ def test_n_cmpl_choices_prefill_their_prompt_once(editor_server):
     prompt = inspect.getsource(textwrap)[:3000]
     status, raw = post_raw(editor_server.port, "/completion", {
         "prompt": prompt, "n_cmpl": 3, "n_predict": 4, "temperature": 0,
-        "cache_prompt": True, "response_fields": ["tokens_cached", "tokens_evaluated",
+        "cache_prompt": True, "response_fields": ["timings/cache_n", "tokens_evaluated",
+                                                  "tokens_cached", "tokens_predicted",
                                                   "content"]})
     assert status == 200, raw[:300]
     answers = json.loads(raw)
     assert len(answers) == 3
     evaluated = answers[0]["tokens_evaluated"]
-    cached = sorted(a["tokens_cached"] for a in answers)
+    cached = sorted(a["timings/cache_n"] for a in answers)      # (the prefix reused)
+    # what the slot holds after it, as llama-server's: prompt and answer (llama.vim
+    # shows it, and warns of a full context by it)
+    assert all(a["tokens_cached"] == evaluated + a["tokens_predicted"] for a in answers)
     assert cached[1:] == [evaluated - 1, evaluated - 1], answers   # copies of the first
     assert cached[0] < evaluated - 1
 
