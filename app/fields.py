@@ -10,7 +10,7 @@ import re
 
 from marshmallow import ValidationError, fields
 
-from dispatcher.common.fields import INT_MAX, TEXT_BIAS
+from dispatcher.common.fields import INT_MAX, SAMPLER_ALIASES, SAMPLER_NAMES, TEXT_BIAS
 
 
 MAX_STOP_STRINGS = 256
@@ -206,6 +206,48 @@ class StringListField(fields.Field):
                 raise ValidationError(f"Unknown {unknown[0]!r}; use "
                                       + ", ".join(self.choices) + ".")
         return list(value)
+
+
+# llama.cpp's one-character sampler names (`"samplers": "edkypmxt"`, its string form)
+SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma",
+                 "m": "min_p", "t": "temperature", "x": "xtc", "i": "infill",
+                 "e": "penalties"}
+# ... and the spellings its names may take: any case, kebab-case, no separator
+SAMPLER_SPELLINGS = {**{n.replace("_", ""): n for n in SAMPLER_NAMES},
+                     **{n.replace("_", "-"): n for n in SAMPLER_NAMES},
+                     **SAMPLER_ALIASES, "typ": "typ_p",
+                     **{n: n for n in SAMPLER_NAMES}}
+
+
+class SamplerOrderField(StringListField):
+    """llama.cpp's `samplers`: an array of names (any case, kebab-case or no separator,
+    llama.cpp's aliases) or one string of their characters, as llama-server takes it;
+    loaded as the canonical names. A name or character it does not know is refused,
+    naming it (llama-server drops it with a log line: a typo silently changed the
+    chain)."""
+
+    default_error_messages = {"invalid": "Must be an array of sampler names or a string "
+                                         "of sampler characters."}
+
+    def __init__(self, **kwargs):
+        super().__init__(max_items=16, max_length=32, **kwargs)
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, str):
+            if len(value) > self.max_items:
+                raise ValidationError(f"At most {self.max_items} samplers.")
+            unknown = [c for c in value if c not in SAMPLER_CHARS]
+            if unknown:
+                raise ValidationError(f"Unknown sampler character {unknown[0]!r}; use "
+                                      + ", ".join(f"{c} ({n})" for c, n in
+                                                  SAMPLER_CHARS.items()) + ".")
+            return [SAMPLER_CHARS[c] for c in value]
+        names = super()._deserialize(value, attr, data, **kwargs)
+        unknown = [n for n in names if n.lower() not in SAMPLER_SPELLINGS]
+        if unknown:
+            raise ValidationError(f"Unknown sampler {unknown[0]!r}; use "
+                                  + ", ".join(SAMPLER_NAMES) + ".")
+        return [SAMPLER_SPELLINGS[n.lower()] for n in names]
 
 
 class StopField(fields.Field):

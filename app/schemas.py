@@ -12,8 +12,10 @@ from marshmallow import (EXCLUDE, RAISE, Schema, ValidationError, fields, pre_lo
 from app.fields import (MAX_CHOICES, MAX_LOGPROBS,  # noqa: F401
                         MAX_PROMPTS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SEED_RANGE,
                         JSONObject, LogitBiasField, PromptField, StopField, StrictBoolean,
-                        StrictFloat, StrictInteger, StrictString, StringListField,
+                        SamplerOrderField, StrictFloat, StrictInteger, StrictString,
+                        StringListField,
                         TokenIdsField)
+from app.fields import SAMPLER_CHARS
 from dispatcher.common import grammar as gbnf
 from dispatcher.common import fields as F
 from dispatcher.common.fields import INT_MAX, SAMPLER_ALIASES, SAMPLER_NAMES
@@ -183,10 +185,13 @@ class CompletionRequestSchema(Schema):
     top_n_sigma = knob_field("top_n_sigma")
     dynatemp_range = knob_field("dynatemp_range")
     dynatemp_exponent = knob_field("dynatemp_exponent")
-    samplers = StringListField(
-        load_default=None, allow_none=True, max_items=16, max_length=32,
-        choices=SAMPLER_NAMES + tuple(SAMPLER_ALIASES),
-        metadata=doc(F.KNOBS["samplers"].doc, type="array", items={"type": "string"}))
+    samplers = SamplerOrderField(
+        load_default=None, allow_none=True,
+        metadata=doc(F.KNOBS["samplers"].doc + " As llama-server: also one string of "
+                     "their characters (" + ", ".join(f"{c} {n}" for c, n in
+                                                      SAMPLER_CHARS.items()) + "), names "
+                     "in any case, kebab-case or without separators.",
+                     type="array", items={"type": "string"}))
     n_probs = StrictInteger(load_default=0, allow_none=True, validate=in_range(0, 100),
                             metadata=doc("llama.cpp: most likely tokens to report per "
                                           "position (native endpoints).", type="integer",

@@ -248,3 +248,26 @@ def test_each_request_field_is_declared_once_and_every_layer_follows_it():
                 (knob.name, value, knob.default)
         if knob.route:
             assert knob.route in P.Route.__struct_fields__, knob.name
+
+
+@pytest.mark.parametrize("given, loaded", [
+    ("edkypmxt", ["penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc",
+                  "temperature"]),                    # llama.vscode's string form
+    (["Top-K", "nucleus", "min-p", "temp", "typ"],
+     ["top_k", "top_p", "min_p", "temperature", "typ_p"]),
+    (["TOPK", "topnsigma"], ["top_k", "top_n_sigma"]),
+    (["top_k", "temperature"], ["top_k", "temperature"]),
+])
+def test_samplers_take_llama_servers_forms_as_canonical_names(given, loaded):
+    """llama-server takes `samplers` as names in any case, kebab-case or without
+    separators, or as one string of characters: here they were a 400."""
+    assert validate({"prompt": "p", "samplers": given})["samplers"] == loaded
+
+
+@pytest.mark.parametrize("given, says", [
+    ("edka", "Unknown sampler character 'a'"), (["top-x"], "Unknown sampler 'top-x'"),
+    (5, "Must be an array of sampler names or a string"), ("k" * 17, "At most 16")])
+def test_a_sampler_nobody_knows_is_named_in_the_400(given, says):
+    with pytest.raises(InvalidRequest) as info:
+        validate({"prompt": "p", "samplers": given})
+    assert info.value.param == "samplers" and says in info.value.message
