@@ -262,3 +262,35 @@ def test_serve_refuses_a_missing_draft_model_in_one_line(tmp_path):
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
         f"--draft-model: model file not found: {tmp_path / 'missing.gguf'}"]
+
+
+def test_a_prompt_token_past_the_draft_models_vocabulary_drafts_nothing_for_it(model_path):
+    """A draft model up to 128 tokens smaller than the served one is accepted; a prompt
+    of token ids may hold one past its vocabulary. Decoding it failed, which cleared
+    every sequence's draft cache, step after step: now that sequence gets no draft
+    from the model and the others keep theirs."""
+    from workers.engine.llama import LlamaEngine
+    from workers.errors import EngineError
+    engine = LlamaEngine(model_path, 1024, 2, THREADS, 0, draft_max=16,
+                         step_costs=gpu_like(), draft_model=model_path,
+                         draft_costs=DraftCosts({1: 0.5}, 0.01))
+    model = engine.draft_model
+    try:
+        model.n_vocab -= 128                     # (as a smaller vocabulary would be)
+        real = model._decode
+
+        def decode(rows):                        # llama.cpp refuses such an id
+            if any(token >= model.n_vocab for _, token, _, _ in rows):
+                model._clear()
+                raise EngineError("the draft model's llama_decode returned -1")
+            real(rows)
+        model._decode = decode
+        plain = engine.tokenize("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n")
+        other = plain[:-1] + [model.n_vocab + 5] + plain[-1:]
+        first = model.draft({1: (plain, 4)})
+        assert len(first[1]) == 4 and model.cached[1]
+        made = model.draft({0: (other, 4), 1: (plain + first[1], 4)})
+        assert made[0] == [] and len(made[1]) == 4
+        assert len(model.cached[1]) >= len(plain) + 4        # (not cleared)
+    finally:
+        engine.close()

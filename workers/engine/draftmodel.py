@@ -176,6 +176,12 @@ class DraftModel:
                     self.lib.llama_memory_seq_rm(self.memory, seq, keep, -1)
                     del cached[keep:]
                 todo = context[keep:keep + room]
+                if todo and max(todo) >= self.n_vocab:
+                    # a prompt's token id past this vocabulary (a draft model up to 128
+                    # tokens smaller): its decode fails, which cleared every sequence's
+                    # cache, step after step; this sequence gets no draft of it instead
+                    del cached[keep:]
+                    continue
                 room -= len(todo)
                 for i, token in enumerate(todo):
                     last = keep + i == len(context) - 1
