@@ -1192,3 +1192,28 @@ def test_biases_beside_a_grammar_the_model_fights_go_over_the_vocabulary_in_orde
         assert b"e" not in b"".join(engine.piece(t) for t in whole)
     finally:
         engine.close()
+
+
+def test_the_infill_sampler_never_ends_a_request_that_may_not_end_yet(model_path):
+    """llama.cpp's `infill` sampler answers an end token when no other is likely enough,
+    the end tokens banned or not: with `ignore_eos` (or before `min_tokens`) it ended
+    such requests anyway (6 end tokens in 10 first-seen files of 32 tokens here)."""
+    import glob
+    from workers.engine.llama import LlamaEngine
+    engine = LlamaEngine(model_path, 1024, 1, THREADS, 0, draft_max=0)
+    files = sorted(glob.glob(os.path.dirname(os.__file__) + "/*.py"))[:10]
+    try:
+        for seed, path in enumerate(files):
+            sampling = SamplingParams(samplers=("top_k", "top_p", "infill"), top_k=40,
+                                      top_p=0.95, temperature=1.0, seed=seed,
+                                      ignore_eos=True)
+            engine.add(0, engine.tokenize(open(path).read()[:600]), sampling, reuse=False)
+            tokens = []
+            while len(tokens) < 32:
+                out = engine.step().get(0)
+                if out is not None:
+                    tokens.append(out.token)
+            engine.release(0, keep_cache=False)
+            assert not any(engine.is_eog(t) for t in tokens), (path, tokens)
+    finally:
+        engine.close()
