@@ -4,9 +4,21 @@ from __future__ import annotations
 import time
 
 import gevent
-from flask import Flask, request
+from flask import Flask, current_app, request
 
 from dispatcher.common import config, configfile, curve, protocol as P
+
+
+def bound_the_writes(response):
+    """The answer goes out now (the body, if any, was read): a write that cannot go on
+    for --send-timeout s ends the connection, and with it the request (a client that
+    stopped reading held its greenlet, and a stream's jobs, for ever);
+    FrontendWorker.handle_request clears it for the connection's next request."""
+    sock = request.environ.get("gunicorn.socket")
+    seconds = float(current_app.config.get("SEND_TIMEOUT") or 0)
+    if sock is not None and seconds:
+        sock.settimeout(seconds)
+    return response
 
 
 def create_app(test_config: dict | None = None) -> Flask:
@@ -62,17 +74,7 @@ def create_app(test_config: dict | None = None) -> Flask:
         request.environ["completions.arrived_ns"] = getattr(
             gevent.getcurrent(), "completions_arrived_ns", None) or time.time_ns()
 
-    @app.after_request
-    def bound_the_writes(response):
-        # the answer goes out now (the body, if any, was read): a write that cannot go
-        # on for --send-timeout s ends the connection, and with it the request (a client
-        # that stopped reading held its greenlet, and a stream's jobs, for ever);
-        # FrontendWorker.handle_request clears it for the connection's next request
-        sock = request.environ.get("gunicorn.socket")
-        seconds = float(app.config.get("SEND_TIMEOUT") or 0)
-        if sock is not None and seconds:
-            sock.settimeout(seconds)
-        return response
+    app.after_request(bound_the_writes)
 
     @app.after_request
     def name_the_request(response):
