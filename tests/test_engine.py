@@ -1217,3 +1217,48 @@ def test_the_infill_sampler_never_ends_a_request_that_may_not_end_yet(model_path
             assert not any(engine.is_eog(t) for t in tokens), (path, tokens)
     finally:
         engine.close()
+
+
+def test_a_grammar_that_can_only_end_still_ends_with_ignore_eos(model_path):
+    """With the end tokens banned (ignore_eos, min_tokens) a complete grammar still
+    ends there (docs/api.md): the infill sampler's fallback must not turn that end into
+    the likeliest other token, which the grammar refuses."""
+    from workers.engine.llama import LlamaEngine
+    engine = LlamaEngine(model_path, 1024, 1, THREADS, 0, draft_max=0)
+    try:
+        for params in (dict(temperature=0), dict(temperature=0.8, top_k=40, seed=3),
+                       dict(temperature=0.8, top_k=40, seed=3,
+                            samplers=("top_k", "temperature", "infill"))):
+            sampling = SamplingParams(grammar='root ::= "yes" | "no"', ignore_eos=True,
+                                      **params)
+            engine.add(0, engine.tokenize("Answer:"), sampling, reuse=False)
+            tokens = []
+            while not tokens or not engine.is_eog(tokens[-1]):
+                out = engine.step().get(0)
+                if out is not None:
+                    assert out.error is None, out.error
+                    tokens.append(out.token)
+                assert len(tokens) <= 4, tokens
+            engine.release(0, keep_cache=False)
+            assert b"".join(engine.piece(t) for t in tokens[:-1]) in (b"yes", b"no")
+    finally:
+        engine.close()
+
+
+def test_a_draw_made_aside_never_ends_a_request_that_may_not_end_yet():
+    """The infill sampler's end token drawn on the side thread (a costly chain, sampled
+    beside the next step) gives way as in the step's own sampling."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from workers.engine.aside import AsideDraws
+    from workers.engine.samplers import SamplerChain
+    draws = AsideDraws(None, 8, [7], -1e30)
+    row = np.array([0.5, 3.0, 1.0, 0, 0, 0, 0, 9.0], dtype=np.float32)
+    for infill, expected in ((True, 1), (False, 7)):
+        chain = SimpleNamespace(infill=infill, grammar=None,
+                                sample_row=lambda view, candidates: 7)   # (infill's EOT)
+        chain.ends_ok = lambda token, view, is_eog, c=chain: SamplerChain.ends_ok(
+            c, token, view, is_eog)
+        assert draws._draw(chain, row, True, None).token == expected
+    draws.close()

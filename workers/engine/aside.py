@@ -59,6 +59,7 @@ class AsideDraws:
     def __init__(self, lib, n_vocab: int, eog_tokens: list[int], banned: float):
         self.lib, self.n_vocab = lib, n_vocab
         self.eog_tokens, self.banned = eog_tokens, banned
+        self.eog_set = frozenset(eog_tokens)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="sample")
         self._candidates: Candidates | None = None     # made on first use (3 MB)
         self.pending: dict[int, Future] = {}
@@ -91,6 +92,8 @@ class AsideDraws:
             view = logits.copy()
             view[self.eog_tokens] = self.banned
         token = chain.sample_row(view, self._candidates)
+        if ban_ends:
+            token = chain.ends_ok(token, view, self.eog_set.__contains__)
         return Draw(token, None if lse is None else float(logits[token] - lse), top,
                     time.perf_counter() - started)
 

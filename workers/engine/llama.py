@@ -757,11 +757,8 @@ class LlamaEngine:
         started = time.perf_counter()
         token = slot.chain.sample(self.ctx, slot.row, logits)
         slot.timed_sampling(time.perf_counter() - started)
-        if saved is not None and self.is_eog(token):
-            # llama.cpp's `infill` sampler answers an end token when no other is likely
-            # enough, banned or not: where the request may not end yet (ignore_eos,
-            # min_tokens), the likeliest other token
-            token = int(np.argmax(logits))
+        if saved is not None:           # (ignore_eos, min_tokens: ends banned)
+            token = slot.chain.ends_ok(token, logits, self.is_eog)
         if saved is not None:
             logits[self.eog_tokens] = saved
         slot.row, slot.sampled_aside = -1, False

@@ -241,6 +241,9 @@ class SamplerChain:
         # the model fights: alphabet.py): drawn from and checked alone, the same outcome
         self.allowed = None
         self.biased = bool(p.logit_bias)    # (see _refused_pick: llama.cpp's bias by index)
+        # llama.cpp's `infill` sampler answers an end token when no other is likely
+        # enough, whatever it was given (banned ends too): see _refused_pick, ends_ok
+        self.infill = "infill" in p.order
         if p.grammar is not None and candidates.texts is not None:
             try:
                 self.allowed = candidates.texts.allowed_ids(p.grammar)
@@ -426,9 +429,18 @@ class SamplerChain:
             # llama.cpp's `infill` sampler answers an end token when no other is likely
             # enough, whatever the grammar left (accepted, it aborts the process): the
             # likeliest token the grammar allows instead
-            if likeliest is not None and self._allows(likeliest):
+            if self.infill and likeliest is not None and self._allows(likeliest):
                 return likeliest
             raise EngineError("the grammar allows no token here")
+        return token
+
+    def ends_ok(self, token: int, logits, is_eog) -> int:
+        """The token drawn with the end tokens banned (`logits`: that row, banned): one
+        the `infill` sampler put in their place gives way to the likeliest other token
+        (a request that may not end yet, ignore_eos or min_tokens, ended); a grammar's
+        chain has its own way (_refused_pick)."""
+        if self.infill and self.grammar is None and is_eog(token):
+            return int(np.argmax(logits))
         return token
 
     def _allows(self, token: int) -> bool:
