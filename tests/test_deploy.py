@@ -47,9 +47,12 @@ def ensure_nginx() -> str:
     return shutil.which("nginx") or "/usr/sbin/nginx"
 
 
-def systemd_escape(text: str) -> str:
-    """An instance name as `systemd-escape` makes it (what %i holds; %I, the text)."""
-    return "".join(c if c.isalnum() or c in ":_." else "-" if c == "/" else
+def systemd_escape(text: str, tool: bool = False) -> str:
+    """An instance name as `systemctl enable unit@TEXT` makes it (a character not valid
+    in a unit name as \\xNN: `,` and `+`), or as `systemd-escape` does (`tool`: `-`
+    too): what %i holds (%I would unescape `-` to `/`)."""
+    keep = ":_." if tool else ":_.-"
+    return "".join(c if c.isalnum() or c in keep else
                    "".join(f"\\x{b:02x}" for b in c.encode()) for c in text)
 
 
@@ -57,7 +60,7 @@ def unit_command(unit: Path, instance: str, config: Path) -> tuple[list[str], di
     """A unit's ExecStart and Environment, as this machine would run them: %i (the
     instance escaped) and %I (as typed) filled in, the install paths (/opt/completions,
     /etc/completions) pointed at this checkout."""
-    text = unit.read_text().replace("%I", instance).replace("%i", systemd_escape(instance))
+    text = unit.read_text().replace("%i", systemd_escape(instance))
     text = text.replace("/etc/completions/config.toml", str(config))
     # (systemd's CacheDirectory: this machine's own cache, where step costs are kept)
     text = text.replace("XDG_CACHE_HOME=/var/cache/completions", "XDG_CACHE_HOME=" + str(
@@ -174,15 +177,20 @@ def test_the_worker_unit_does_not_respawn_a_worker_that_cannot_serve():
     assert "Restart=always" in unit
 
 
-@pytest.mark.parametrize("device", ["cuda:0,1", "cpu:0-1+4-5", "cuda:GPU-8f3c"])
-def test_the_worker_unit_passes_its_device_as_typed(device, tmp_path):
-    """`completions-worker@cuda:0,1` (a model split over two GPUs): systemd escapes `,`
-    and `+` in the instance (cuda:0\\x2c1), and %i passed that on, which no device
-    parses (exit 2, never restarted)."""
-    assert systemd_escape(device) != device
+@pytest.mark.parametrize("device", ["cuda:0,1", "cpu:0-1+4-5", "cpu:0-3",
+                                    "cuda:GPU-5a8e4b0c-1d2f-4e3a-9b7c-6d5e4f3a2b1c"])
+@pytest.mark.parametrize("tool", [False, True])
+def test_the_worker_unit_serves_the_device_its_instance_names(device, tool, tmp_path):
+    """`completions-worker@cuda:0,1` (a model split over two GPUs): systemctl writes `,`
+    and `+` in the instance as \\x2c and \\x2b (systemd-escape `-` too), and %i passes
+    that on: no device parsed (exit 2, never restarted). The worker reads the escapes;
+    %I would have turned `-` into `/`."""
+    from dispatcher.common.devices import parse_device
     command, _ = unit_command(UNITS / "completions-worker@.service", device,
                               tmp_path / "config.toml")
-    assert command[command.index("--device") + 1] == device
+    given = command[command.index("--device") + 1]
+    assert given == systemd_escape(device, tool=False)
+    assert str(parse_device(systemd_escape(device, tool))) == str(parse_device(device))
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ KINDS = {"cpu": "cpu", "cuda": "gpu", "npu": "npu"}   # device kind -> compute c
 # The variable each accelerator runtime reads to choose its visible devices. npu is
 # llama.cpp's CANN backend (Ascend NPUs).
 PROFILE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+SYSTEMD_ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
 # nvidia-smi -L's identifiers: GPU-<uuid>, and MIG-<uuid> for a MIG instance
 CUDA_UUID = re.compile(r"(?i:gpu|mig)-[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
 VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
@@ -75,6 +76,9 @@ class DeviceSpec:
 
 
 def parse_device(text: str) -> DeviceSpec:
+    # a systemd instance name (completions-worker@cuda:0,1): systemctl writes `,` and
+    # `+` as \x2c and \x2b in it (systemd-escape `-` too), and %i passes that on
+    text = SYSTEMD_ESCAPE.sub(lambda m: chr(int(m.group(1), 16)), text)
     text, at, profile = text.strip().partition("@")
     if at and not PROFILE_NAME.fullmatch(profile):
         raise ValueError(f"bad profile name {profile!r}: letters, digits, '.', '_', '-'")
