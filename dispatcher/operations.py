@@ -60,10 +60,11 @@ class Operations:
         record = self._record(request.get("worker"))
         if record is None:
             return {"error": f"no ready worker named {request.get('worker')!r}"}
+        if record.name in self.pending:     # (its model may be renamed already: reload)
+            return {"error": f"{record.name} is waiting to restart; it takes work again "
+                             "once it is back"}
         record.draining = record.paused = False
         self.core.paused.discard(record.name)
-        if self.pending.pop(record.name, None) is not None:
-            log.info("%s resumed: its restart is called off", record.name)
         self.core.dispatch()
         return {"ok": True, "worker": record.name}
 
@@ -94,8 +95,8 @@ class Operations:
             child.extra["model"] = str(model_id)
         record = self._record(name)
         if record is not None:
-            record.draining = True
-        self.core.paused.discard(name)          # (it serves once it is back)
+            record.draining, record.paused = True, False   # (on its way back: queued
+        self.core.paused.discard(name)          # work waits for it; it serves once back)
         self.pending[name] = {"deadline": time.monotonic() + grace, "argv": argv}
         log.info("restarting %s once its %d request(s) finish (at most %.0fs)", name,
                  len(record.running) if record else 0, grace)

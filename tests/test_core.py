@@ -916,10 +916,11 @@ def test_work_for_workers_the_operator_drained_is_refused_in_time_not_queued_for
     assert [j.request_id for j in restarting.queue] == ["c"]
 
 
-def test_a_drain_holds_across_the_worker_registering_again_and_resume_ends_a_restart():
+def test_a_drain_holds_across_the_worker_registering_again_and_resume_waits_a_restart():
     """`drain` lived on the registry's record: a worker respawned or reconnected came
     back taking work. And `resume` of a worker waiting to restart said ok while the
-    restart went ahead at its deadline, aborting what it had taken meanwhile."""
+    restart went ahead at its deadline, aborting what it had taken meanwhile: it is
+    refused, saying so (a reload has renamed its model already)."""
     from dispatcher.operations import Operations
     from dispatcher.supervisor import Child, Supervisor
     core = DispatcherCore()
@@ -936,10 +937,11 @@ def test_a_drain_holds_across_the_worker_registering_again_and_resume_ends_a_res
     assert ("REQUEST", "b") in kinds(submit(core, "b", now=2.0))
     ready(core, b"w0", now=3.0)
     assert not core.registry.workers[b"w0"].draining
+    assert ops.handle({"cmd": "drain", "worker": "w0"})["ok"]
     assert ops.handle({"cmd": "restart", "worker": "w0", "grace": 60})["ok"]
-    assert ops.pending
-    assert ops.handle({"cmd": "resume", "worker": "w0"})["ok"]
-    assert not ops.pending and not core.registry.workers[b"w0"].draining
+    assert ops.pending and not core.registry.workers[b"w0"].paused    # (coming back:
+    refused = ops.handle({"cmd": "resume", "worker": "w0"})            # its work waits)
+    assert "waiting to restart" in refused["error"] and ops.pending
 
 
 def test_a_restart_refused_for_its_grace_changes_nothing_and_a_new_id_alone_is_applied():
