@@ -38,11 +38,12 @@ class SupervisedFleet:
     def workers(self):
         return [c for c in self.supervisor.children.values() if c.kind == "worker"]
 
-    def expected_workers(self) -> int:
-        """The workers that are or will be ready: one that gave up (it cannot load its
-        model, exit 78: never respawned) is not coming, so a route none of the others
-        meets is a 400 saying why, not a 503 to retry for ever."""
-        return sum(1 for c in self.workers() if not c.gave_up)
+    def expected_workers(self, coming: bool = False) -> int:
+        """The workers `serve` runs (/health's `workers_expected`: one that failed shows
+        as missing); `coming`: those that are or will be ready, for admission: one that
+        gave up (it cannot load its model, exit 78: never respawned) is not coming, so a
+        route none of the others meets is a 400 saying why, not a 503 to retry for ever."""
+        return sum(1 for c in self.workers() if not (coming and c.gave_up))
 
     def configured_models(self) -> set[str] | None:
         return {c.extra.get("model") for c in self.workers()}

@@ -61,13 +61,13 @@ class Fleet(Protocol):
     """What the core needs to know of the processes a launcher started (none for a
     dispatcher run alone)."""
 
-    def expected_workers(self) -> int: ...
+    def expected_workers(self, coming: bool = False) -> int: ...
 
     def configured_models(self) -> set[str] | None: ...
 
 
 class NoFleet:
-    def expected_workers(self) -> int:
+    def expected_workers(self, coming: bool = False) -> int:
         return 0
 
     def configured_models(self) -> set[str] | None:
@@ -221,7 +221,7 @@ class DispatcherCore:
         refusal = refusals.admission(
             request_id, body, self.models(), self.registry.infos(),
             draining=self.draining_until is not None,
-            short_of_workers=len(self.registry) < self.fleet.expected_workers())
+            short_of_workers=len(self.registry) < self.fleet.expected_workers(coming=True))
         if refusal is not None:
             return self._reject(fe_id, request_id, refusal)
         self.stats["submitted"] += 1
