@@ -213,10 +213,9 @@ SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top
                  "m": "min_p", "t": "temperature", "x": "xtc", "i": "infill",
                  "e": "penalties"}
 # ... and the spellings its names may take: any case, kebab-case, no separator
-SAMPLER_SPELLINGS = {**{n.replace("_", ""): n for n in SAMPLER_NAMES},
-                     **{n.replace("_", "-"): n for n in SAMPLER_NAMES},
-                     **SAMPLER_ALIASES, "typ": "typ_p",
-                     **{n: n for n in SAMPLER_NAMES}}
+SAMPLER_SPELLINGS = {spelling: canonical for name, canonical in [
+    *((n, n) for n in SAMPLER_NAMES), *SAMPLER_ALIASES.items(), ("typ", "typ_p")]
+    for spelling in (name, name.replace("_", "-"), name.replace("_", ""))}
 
 
 class SamplerOrderField(StringListField):

@@ -1139,7 +1139,7 @@ def test_a_chain_goes_aside_only_where_its_sampling_is_dear_beside_the_step():
 def test_a_batch_smaller_than_a_step_is_refused_or_turns_drafts_off(model_path, caplog):
     """llama.cpp's batch arrays hold --batch rows and are written unchecked: a batch
     below the slots (a plain step's rows), or below what measuring the drafts' step
-    costs takes (slots + 64 rows), wrote past them at load."""
+    costs takes (the larger of slots + 64 and 3 × slots rows), wrote past them at load."""
     from workers.engine.contextshape import ContextShape
     from workers.engine.llama import LlamaEngine
     from workers.engine.stepcosts import draft_rows

@@ -255,7 +255,7 @@ def test_each_request_field_is_declared_once_and_every_layer_follows_it():
                   "temperature"]),                    # llama.vscode's string form
     (["Top-K", "nucleus", "min-p", "temp", "typ"],
      ["top_k", "top_p", "min_p", "temperature", "typ_p"]),
-    (["TOPK", "topnsigma"], ["top_k", "top_n_sigma"]),
+    (["TOPK", "topnsigma", "typical-p"], ["top_k", "top_n_sigma", "typ_p"]),
     (["top_k", "temperature"], ["top_k", "temperature"]),
 ])
 def test_samplers_take_llama_servers_forms_as_canonical_names(given, loaded):
