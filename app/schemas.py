@@ -191,7 +191,8 @@ class CompletionRequestSchema(Schema):
                      "their characters (" + ", ".join(f"{c} {n}" for c, n in
                                                       SAMPLER_CHARS.items()) + "), names "
                      "in any case, kebab-case or without separators.",
-                     type="array", items={"type": "string"}))
+                     oneOf=[{"type": "array", "items": {"type": "string"}},
+                            {"type": "string"}]))
     n_probs = StrictInteger(load_default=0, allow_none=True, validate=in_range(0, 100),
                             metadata=doc("llama.cpp: most likely tokens to report per "
                                           "position (native endpoints).", type="integer",
