@@ -114,15 +114,8 @@ def test_every_token_llama_cpp_allows_at_the_start_is_in_the_alphabet(engine, gr
 
 
 def run(engine, sampling, prompt="The history of the Roman Empire, part one, is", n=40):
-    engine.add(0, engine.tokenize(prompt), sampling, reuse=False)
-    tokens = []
-    while len(tokens) < n:
-        out = engine.step().get(0)
-        if out is not None:
-            assert out.error is None, out.error
-            tokens.append(out.token)
-    engine.release(0, keep_cache=False)
-    return tokens
+    from test_engine import sampled
+    return sampled(engine, prompt, sampling, n)
 
 
 @pytest.mark.integration

@@ -24,6 +24,22 @@ def make(model_path, slots=4, deterministic=False):
     return LlamaEngine(model_path, 1024, slots, THREADS, 0, deterministic=deterministic)
 
 
+def sampled(engine, prompt: str, sampling, n: int, tweak=None) -> list[int]:
+    """The first `n` tokens slot 0 samples for `prompt` (none reused; `tweak(slot)`
+    first), none of them an error."""
+    engine.add(0, engine.tokenize(prompt), sampling, reuse=False)
+    if tweak is not None:
+        tweak(engine.slots[0])
+    tokens = []
+    while len(tokens) < n:
+        out = engine.step().get(0)
+        if out is not None:
+            assert out.error is None, out.error
+            tokens.append(out.token)
+    engine.release(0, keep_cache=False)
+    return tokens
+
+
 def generate(engine, jobs, n=16, logprobs=None):
     """jobs: [(slot, prompt)] started together; returns {slot: [(token, logprob)]}."""
     out = {slot: [] for slot, _ in jobs}
@@ -849,14 +865,7 @@ def test_a_refused_pick_sought_among_the_likeliest_tokens_is_the_whole_vocabular
     engine = LlamaEngine(model_path, 1024, 1, THREADS, 0, draft_max=0)
 
     def run():
-        engine.add(0, engine.tokenize(prompt), sampling, reuse=False)
-        tokens = []
-        while len(tokens) < 40:
-            out = engine.step().get(0)
-            if out is not None:
-                assert out.error is None, out.error
-                tokens.append(out.token)
-        engine.release(0, keep_cache=False)
+        tokens = sampled(engine, prompt, sampling, 40)
         return tokens, b"".join(engine.piece(t) for t in tokens)
 
     try:
@@ -1175,17 +1184,8 @@ def test_biases_beside_a_grammar_the_model_fights_go_over_the_vocabulary_in_orde
     def run(whole):
         sampling = SamplingParams(grammar="root ::= [^e]*", temperature=0.8, top_k=40,
                                   seed=7, logit_bias=bias)
-        engine.add(0, engine.tokenize("The history of the Roman Empire, part one, is"),
-                   sampling, reuse=False)
-        engine.slots[0].chain.biased = whole
-        tokens = []
-        while len(tokens) < 16:
-            out = engine.step().get(0)
-            if out is not None:
-                assert out.error is None, out.error
-                tokens.append(out.token)
-        engine.release(0, keep_cache=False)
-        return tokens
+        return sampled(engine, "The history of the Roman Empire, part one, is",
+                       sampling, 16, lambda slot: setattr(slot.chain, "biased", whole))
     try:
         whole = run(True)
         assert whole == run(False)
@@ -1207,13 +1207,7 @@ def test_the_infill_sampler_never_ends_a_request_that_may_not_end_yet(model_path
             sampling = SamplingParams(samplers=("top_k", "top_p", "infill"), top_k=40,
                                       top_p=0.95, temperature=1.0, seed=seed,
                                       ignore_eos=True)
-            engine.add(0, engine.tokenize(open(path).read()[:600]), sampling, reuse=False)
-            tokens = []
-            while len(tokens) < 32:
-                out = engine.step().get(0)
-                if out is not None:
-                    tokens.append(out.token)
-            engine.release(0, keep_cache=False)
+            tokens = sampled(engine, open(path).read()[:600], sampling, 32)
             assert not any(engine.is_eog(t) for t in tokens), (path, tokens)
     finally:
         engine.close()
