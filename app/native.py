@@ -269,8 +269,11 @@ class NativeResult:
 
     def chunk(self, job_index: int, event: P.AnyEvent) -> bytes | None:
         if isinstance(event, P.Text):
+            start = self.starts[job_index] or P.Start()
             chunk = {"index": job_index, "content": event.text,
-                     "tokens": event.ids or [], "stop": False, "id_slot": -1}
+                     "tokens": event.ids or [], "stop": False, "id_slot": -1,
+                     "tokens_predicted": event.generated,
+                     "tokens_evaluated": start.prompt_tokens}
             if self.req.get("n_probs"):
                 chunk["completion_probabilities"] = event.probs or []
             return sse.event(chunk)

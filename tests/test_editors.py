@@ -156,6 +156,11 @@ def test_continue_llama_cpp_provider_streams_content(editor_server):
     assert text and b"[DONE]" not in raw
     assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] <= 12
     assert all(e["stop"] is False for e in events[:-1])
+    # each partial counts as llama-server's: the prompt's tokens, and those made so far
+    partials = events[:-1]
+    counts = [e["tokens_predicted"] for e in partials]
+    assert counts == sorted(counts) and 0 < counts[-1] <= events[-1]["tokens_predicted"]
+    assert {e["tokens_evaluated"] for e in partials} == {events[-1]["tokens_evaluated"]}
 
 
 def test_tabby_completion_payload_and_unknown_fields(editor_server):

@@ -123,7 +123,7 @@ class Output:
         if logprobs is None and active.ledger is not None:
             logprobs = active.ledger.release(active.chars_out)
         event = P.Text(text=text, logprobs=logprobs, ids=active.pending_ids or None,
-                       probs=active.pending_probs or None)
+                       probs=active.pending_probs or None, generated=active.generated)
         active.pending_ids, active.pending_probs = [], []
         self.publish(active, event)
 

@@ -397,6 +397,8 @@ class Text(Event, tag=EV_TEXT, kw_only=True):
     logprobs: dict | None = None        # OpenAI's legacy shape, for this text
     ids: list[int] | None = None        # llama.cpp's `tokens`
     probs: list | None = None           # llama.cpp's completion_probabilities
+    generated: int = 0                  # tokens generated so far (llama.cpp's partials'
+                                        # tokens_predicted)
 
 
 class End(Event, tag=EV_END):
