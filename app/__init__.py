@@ -4,28 +4,10 @@ from __future__ import annotations
 import time
 
 import gevent
-from flask import Flask, current_app, request
+from flask import Flask, request
 
+from app.writes import bound_the_writes
 from dispatcher.common import config, configfile, curve, protocol as P
-
-
-# A client reading at least this fast is never cut by --send-timeout: a whole answer goes
-# out in one write (gevent's timeout bounds the write, not a stall within it)
-SEND_RATE_FLOOR = 64 * 1024     # bytes a second
-
-
-def bound_the_writes(response):
-    """The answer goes out now (the body, if any, was read): a write that cannot finish
-    within --send-timeout s (more for a large answer: SEND_RATE_FLOOR) ends the
-    connection, and with it the request (a client that stopped reading held its
-    greenlet, and a stream's jobs, for ever); FrontendWorker.handle_request clears it for
-    the connection's next request. A stream's writes are its events, each small."""
-    sock = request.environ.get("gunicorn.socket")
-    seconds = float(current_app.config.get("SEND_TIMEOUT") or 0)
-    if sock is not None and seconds:
-        size = 0 if response.is_streamed else (response.content_length or 0)
-        sock.settimeout(seconds + size / SEND_RATE_FLOOR)
-    return response
 
 
 def create_app(test_config: dict | None = None) -> Flask:

@@ -11,6 +11,7 @@ import time
 from flask import Blueprint, Response, current_app, request, stream_with_context
 
 from app import access, sse
+from app.writes import SEND_RATE_FLOOR, allow_write
 from app.client import ClientGone, get_client, watch_disconnect
 from app.errors import from_wire
 from app.fanout import Fanout
@@ -134,7 +135,12 @@ def _stream(result, events, fanout: Fanout, watcher, record: access.RequestRecor
                 return
             chunk = result.chunk(index, event)
             if chunk is not None:
+                big = len(chunk) > SEND_RATE_FLOOR
+                if big:
+                    allow_write(len(chunk))
                 yield chunk
+                if big:
+                    allow_write(0)
         yield from result.trailer(error=False)
         ended = True
     except ClientGone:

@@ -62,7 +62,9 @@ class Operations:
             return {"error": f"no ready worker named {request.get('worker')!r}"}
         if record.name in self.pending:     # (its model may be renamed already: reload)
             return {"error": f"{record.name} is waiting to restart; it takes work again "
-                             "once it is back"}
+                             "once it is back" + (", drained: resume it then"
+                                                  if record.name in self.core.paused
+                                                  else "")}
         record.draining = record.paused = False
         self.core.paused.discard(record.name)
         self.core.dispatch()

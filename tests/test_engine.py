@@ -1239,6 +1239,24 @@ def test_a_grammar_that_can_only_end_still_ends_with_ignore_eos(model_path):
         engine.close()
 
 
+def test_a_grammar_that_may_end_but_need_not_goes_on_with_ignore_eos(model_path):
+    """The infill sampler's end token where the grammar may end (any of `[a-z ]*`) was
+    allowed by the grammar and ended the request, `ignore_eos` or not."""
+    import glob
+    from workers.engine.llama import LlamaEngine
+    engine = LlamaEngine(model_path, 1024, 1, THREADS, 0, draft_max=0)
+    files = sorted(glob.glob(os.path.dirname(os.__file__) + "/*.py"))[:6]
+    try:
+        for seed, path in enumerate(files):
+            sampling = SamplingParams(grammar="root ::= [a-z ]*", ignore_eos=True,
+                                      samplers=("top_k", "temperature", "infill"),
+                                      top_k=40, temperature=1.0, seed=seed)
+            tokens = sampled(engine, open(path).read()[:400], sampling, 24)
+            assert not any(engine.is_eog(t) for t in tokens), (path, tokens)
+    finally:
+        engine.close()
+
+
 def test_a_draw_made_aside_never_ends_a_request_that_may_not_end_yet():
     """The infill sampler's end token drawn on the side thread (a costly chain, sampled
     beside the next step) gives way as in the step's own sampling."""

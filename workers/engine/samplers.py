@@ -205,6 +205,11 @@ def top_first(p: SamplingParams, bare_greedy: bool) -> int:
     return 0
 
 
+# the engine's ban on the end tokens (llama.BANNED, -1e30: finite, so a grammar that can
+# only end there still may) as the logits row shows it
+ENDS_BANNED_BELOW = -1e29
+
+
 class SamplerChain:
     """One sequence's samplers, built from its `SamplingParams`: penalties → logit bias →
     greedy | mirostat | top-k, typical, top-p, min-p, temperature, dist (llama.cpp's common
@@ -365,7 +370,7 @@ class SamplerChain:
             token = -1                # drawn at once from the grammar's tokens alone
         else:
             token = self._pick(candidates.whole(logits))
-        if token < 0 or not self._allows(token):
+        if token < 0 or not self._fine(token, logits):
             token = self._refused_pick(logits)
         started = time.thread_time()
         lib.llama_sampler_accept(self.grammar, token)
@@ -390,13 +395,13 @@ class SamplerChain:
             draws = np.searchsorted(cdf, self.rng.random(DRAWS) * cdf[-1], side="right")
             for token in np.minimum(draws, len(cdf) - 1):
                 token = int(token if ids is None else ids[token])
-                if self._allows(token):
+                if self._fine(token, logits):
                     return token
         for _ in range(self.redraws if self.temperature is None else 0):
             # a draw from the whole distribution (no cut that depends on which tokens
             # are in it): one the grammar allows is a draw from the allowed ones alone
             token = self._pick(candidates.whole(logits))
-            if self._allows(token):
+            if self._fine(token, logits):
                 return token
         n = TOP_CANDIDATES if self.top_first else 0
         if 0 < n < candidates.n_vocab:
@@ -425,7 +430,7 @@ class SamplerChain:
             masked[candidates.data["id"][:size]] = allowed
             array = candidates.whole(masked)
         token = self._pick(array)
-        if not self._allows(token):
+        if not self._fine(token, logits):
             # llama.cpp's `infill` sampler answers an end token when no other is likely
             # enough, whatever the grammar left (accepted, it aborts the process): the
             # likeliest token the grammar allows instead
@@ -433,6 +438,15 @@ class SamplerChain:
                 return likeliest
             raise EngineError("the grammar allows no token here")
         return token
+
+    def _fine(self, token: int, logits) -> bool:
+        """Whether the grammar allows `token` and it is not an end token the infill
+        sampler answered though the ends are banned (ignore_eos, min_tokens: a grammar
+        that may end there, but need not, ended the request); where the grammar can
+        only end, _refused_pick's likeliest allowed token is that end."""
+        if self.infill and logits[token] < ENDS_BANNED_BELOW:
+            return False
+        return self._allows(token)
 
     def ends_ok(self, token: int, logits, is_eog) -> int:
         """The token drawn with the end tokens banned (`logits`: that row, banned): one
