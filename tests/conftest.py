@@ -153,7 +153,10 @@ class ServerProcess:
                                    f"{self.output()[-6000:]}")
             try:
                 status, _, body = http_json(self.port, "GET", "/health", timeout=5)
-                if status == 200 and body.get("workers_ready") == self.workers:
+                # ... and as the dispatcher says: a front end's /health may show the
+                # state from before a worker was lost for a moment after the loss
+                if status == 200 and body.get("workers_ready") == self.workers and \
+                        self._all_ready():
                     return
             except OSError:
                 pass
@@ -162,6 +165,19 @@ class ServerProcess:
 
     def status(self) -> dict:
         return control_request(self.dispatcher, {"cmd": "status"})
+
+    def _all_ready(self) -> bool:
+        """Whether the dispatcher's status has every worker ready (True where it does
+        not answer this client: a keyed control socket, /health is all there is)."""
+        try:
+            answer = control_request(self.dispatcher, {"cmd": "status"}, timeout=1.0)
+        except SystemExit:
+            return True
+        workers = answer.get("workers")
+        if workers is None:
+            return True
+        return len(workers) >= self.workers and all(
+            w["state"] not in ("starting", "restarting", "failed") for w in workers)
 
     def worker(self, name_prefix: str = "w0") -> dict:
         return next(w for w in self.status()["workers"] if w["name"].startswith(name_prefix))

@@ -175,8 +175,12 @@ def test_a_request_that_kills_its_worker_is_failed_not_handed_to_another():
                                     {"prompt": "[crash]", "max_tokens": 5})
         assert status == 503 and body["error"]["code"] == "worker_lost"
         assert server.status()["stats"]["requeued"] == 0
-        server.wait_ready()                      # the supervisor respawned the worker
-        assert server.worker()["restarts"] == 1
+        # the supervisor respawned the worker (/health alone may still show the state
+        # from before the loss for a moment: the worker's own record says)
+        server.wait_for(lambda: (w := server.worker()) and w["restarts"] == 1
+                        and w["state"] == "idle" and w, timeout=60,
+                        what="the worker respawned and ready")
+        server.wait_ready()
         status, _, body = http_json(server.port, "POST", "/v1/completions",
                                     {"prompt": "x", "max_tokens": 3})
         assert status == 200 and body["choices"][0]["text"] == "The"
