@@ -193,10 +193,10 @@ class DispatcherCore:
         """Queued jobs no worker could take for NO_WORKER_TIMEOUT s: none registered that
         meets them, or only ones the operator drained (else they waited for a `resume`
         that may never come, and the queue filled)."""
-        for job in self.queue.expire(now, NO_WORKER_TIMEOUT, self.registry.takers()):
+        takers, held = self.registry.infos_by_pause(self.paused)
+        for job in self.queue.expire(now, NO_WORKER_TIMEOUT, takers):
             self._forget(job)
-            paused = any(fits(job.model, job.body.route, info)
-                         for info in self.registry.paused_infos())
+            paused = any(fits(job.model, job.body.route, info) for info in held)
             self._reject(job.frontend, job.request_id, refusals.no_worker_became_ready(
                 job.model, NO_WORKER_TIMEOUT, paused))
 
@@ -366,7 +366,7 @@ class DispatcherCore:
                 return self._take()
             record = self.registry.add(identity, msg.body, now)
             if record.name in self.paused:
-                record.draining = record.paused = True
+                record.draining = True
             self.metrics.worker_ready(record.name)
             log.info("worker %s ready: %s on %s, pid %s, n_ctx %s, %s slot(s)", record.name,
                      record.model, msg.body.device, msg.body.pid, msg.body.n_ctx,

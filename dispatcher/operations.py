@@ -52,7 +52,7 @@ class Operations:
         record = self._record(request.get("worker"))
         if record is None:
             return {"error": f"no ready worker named {request.get('worker')!r}"}
-        record.draining = record.paused = True
+        record.draining = True
         self.core.paused.add(record.name)       # (kept if it registers again)
         return {"ok": True, "worker": record.name, "running": len(record.running)}
 
@@ -65,7 +65,7 @@ class Operations:
                              "once it is back" + (", drained: resume it then"
                                                   if record.name in self.core.paused
                                                   else "")}
-        record.draining = record.paused = False
+        record.draining = False
         self.core.paused.discard(record.name)
         self.core.dispatch()
         return {"ok": True, "worker": record.name}
@@ -97,8 +97,9 @@ class Operations:
             child.extra["model"] = str(model_id)
         record = self._record(name)
         if record is not None:
-            record.draining, record.paused = True, False   # (on its way back: queued
-        self.core.paused.discard(name)          # work waits for it; it serves once back)
+            record.draining = True
+        self.core.paused.discard(name)          # (on its way back: queued work waits for
+                                                # it, and it serves once back)
         self.pending[name] = {"deadline": time.monotonic() + grace, "argv": argv}
         log.info("restarting %s once its %d request(s) finish (at most %.0fs)", name,
                  len(record.running) if record else 0, grace)

@@ -182,8 +182,6 @@ class WorkerRecord:
     shared_sent: OrderedDict = field(default_factory=OrderedDict)
     history: deque = field(default_factory=lambda: deque(maxlen=512))  # (t, tokens) done
     draining: bool = False       # takes no new work (ops: drain, restart, reload)
-    paused: bool = False         # ... drained by the operator (ops: drain) until resumed:
-                                 # queued work does not count on it (expire_unservable)
     steps: P.StepTotals | None = None    # its step profile, as of its last heartbeat
     heartbeats: int = 0          # heartbeats received (`bench --profile` waits for them)
 
@@ -299,13 +297,14 @@ class WorkerRegistry:
     def infos(self) -> list[P.WorkerInfo]:
         return [w.info for w in self.workers.values()]
 
-    def takers(self) -> list[P.WorkerInfo]:
-        """The workers queued work may count on: all but those the operator drained (a
-        worker drained for a restart or a stop is on its way back, or away)."""
-        return [w.info for w in self.workers.values() if not w.paused]
-
-    def paused_infos(self) -> list[P.WorkerInfo]:
-        return [w.info for w in self.workers.values() if w.paused]
+    def infos_by_pause(self, paused: set[str]) -> tuple[list, list]:
+        """The infos of the workers queued work may count on, and of those it may not:
+        the ones the operator drained (`paused`, by name; one drained for a restart or a
+        stop is on its way back, or away)."""
+        takers, held = [], []
+        for w in self.workers.values():
+            (held if w.name in paused else takers).append(w.info)
+        return takers, held
 
     def models(self) -> dict[str, dict]:
         out: dict[str, dict] = {}

@@ -163,14 +163,14 @@ class ServerProcess:
             time.sleep(0.05)
         raise RuntimeError(f"server not ready in {timeout}s:\n{self.output()[-6000:]}")
 
-    def status(self) -> dict:
-        return control_request(self.dispatcher, {"cmd": "status"})
+    def status(self, timeout: float = 3.0) -> dict:
+        return control_request(self.dispatcher, {"cmd": "status"}, timeout=timeout)
 
     def _all_ready(self) -> bool:
         """Whether the dispatcher's status has every worker ready (True where it does
         not answer this client: a keyed control socket, /health is all there is)."""
         try:
-            answer = control_request(self.dispatcher, {"cmd": "status"}, timeout=1.0)
+            answer = self.status(timeout=1.0)
         except SystemExit:
             return True
         workers = answer.get("workers")

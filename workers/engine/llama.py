@@ -759,7 +759,6 @@ class LlamaEngine:
         slot.timed_sampling(time.perf_counter() - started)
         if saved is not None:           # (ignore_eos, min_tokens: ends banned)
             token = slot.chain.ends_ok(token, logits, self.is_eog)
-        if saved is not None:
             logits[self.eog_tokens] = saved
         slot.row, slot.sampled_aside = -1, False
         return self._took(slot, token, None if lse is None else float(logits[token] - lse),

@@ -417,9 +417,11 @@ class SamplerChain:
         lib.llama_sampler_apply(self.grammar, array)
         size = candidates.array.size
         allowed = candidates.data["logit"][:size]
-        best = int(allowed.argmax()) if size else -1
-        likeliest = int(candidates.data["id"][best]) \
-            if best >= 0 and np.isfinite(allowed[best]) else None
+        likeliest = None                    # (the infill sampler's way out, below)
+        if self.infill and size:
+            best = int(allowed.argmax())
+            if np.isfinite(allowed[best]):
+                likeliest = int(candidates.data["id"][best])
         if ids is not None and self.biased:
             # llama.cpp's logit bias finds a token by its index where the array is the
             # whole vocabulary in order, else searches the array for each bias (an
@@ -434,7 +436,7 @@ class SamplerChain:
             # llama.cpp's `infill` sampler answers an end token when no other is likely
             # enough, whatever the grammar left (accepted, it aborts the process): the
             # likeliest token the grammar allows instead
-            if self.infill and likeliest is not None and self._allows(likeliest):
+            if likeliest is not None and self._allows(likeliest):
                 return likeliest
             raise EngineError("the grammar allows no token here")
         return token
