@@ -570,3 +570,35 @@ def test_openai_only_fields_are_ignored_on_llama_cpp_routes(client):
     (job,) = fake.jobs
     assert not job["generation"].get("echo") and job.get("suffix") is None
     assert "x" not in json.loads(response.get_data())["content"][:1]   # (no prompt echoed)
+
+
+def test_a_large_stream_event_may_take_a_second_more_for_each_64_kib(client_of):
+    """--send-timeout: every write of a stream may take the timeout, and an event larger
+    than SEND_RATE_FLOOR (an echoed prompt's probabilities go out in one) one second more
+    for each SEND_RATE_FLOOR bytes of it; the events after it the plain timeout again."""
+    from app.writes import SEND_RATE_FLOOR
+
+    class Socket:               # gunicorn's socket, as far as the timeouts go
+        def __init__(self):
+            self.timeouts = []
+
+        def settimeout(self, seconds):
+            self.timeouts.append(seconds)
+
+    big = "x" * (3 * SEND_RATE_FLOOR)
+    script = completion("ab")
+    script.insert(2, {"e": P.EV_TEXT, "s": 2, "text": big})
+    for n, event in enumerate(script):
+        event["s"] = n
+    client, _ = client_of(lambda job: script)
+    client.application.config["SEND_TIMEOUT"] = 2.0
+    sock = Socket()
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                    "max_tokens": 4, "stream": True},
+                           environ_base={"gunicorn.socket": sock})
+    body = response.get_data(as_text=True)
+    assert response.status_code == 200 and big in body and body.endswith("data: [DONE]\n\n")
+    assert sock.timeouts[0] == 2.0                  # (the answer's start: a stream's size 0)
+    larger = [t for t in sock.timeouts if t > 2.0]
+    assert len(larger) == 1 and 5.0 < larger[0] < 5.1      # (the event's JSON: a bit more)
+    assert sock.timeouts[-1] == 2.0 and sock.timeouts.index(larger[0]) > 0
