@@ -3,6 +3,7 @@ deploy/nginx.conf in front of two front ends, and a worker on another "host" (it
 network namespace) joining over TCP."""
 import http.client
 import json
+import math
 import os
 import re
 import shutil
@@ -477,3 +478,26 @@ def assert_nothing_without_the_right_key(dispatcher: str, keys: Path, http_port:
         assert list(stream.events())[-1] == "[DONE]"            # the stream went on
     finally:
         context.destroy(linger=0)            # (every socket, even where an assert fired)
+
+
+@pytest.mark.parametrize("how, expected", [({"COMPLETIONS_STOP_GRACE": "7.5"}, 8),
+                                           ({"file": "[server]\nstop_grace = 12\n"}, 12),
+                                           ({}, None)])
+def test_a_front_end_run_on_its_own_gives_streams_the_stop_grace(how, expected, tmp_path):
+    """deploy/gunicorn.conf.py (a front end under systemd, or by hand): gunicorn's
+    graceful_timeout, what in-flight streams get after SIGTERM, is --stop-grace from the
+    variable or the config file, rounded up to whole seconds (gunicorn's); by default
+    the same as the dispatcher's and the workers'."""
+    from dispatcher.common import config
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPLETIONS_")}
+    env.update({k: v for k, v in how.items() if k != "file"})
+    if "file" in how:
+        (tmp_path / "config.toml").write_text(how["file"])
+        env["COMPLETIONS_CONFIG"] = str(tmp_path / "config.toml")
+    out = subprocess.run(
+        [sys.executable, "-c", "import runpy; print(runpy.run_path("
+         f"{str(DEPLOY / 'gunicorn.conf.py')!r})['graceful_timeout'])"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    default = math.ceil(config.OPTIONS["stop_grace"].default)
+    assert int(out.stdout.split()[-1]) == (expected if expected is not None else default)
