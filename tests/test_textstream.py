@@ -188,3 +188,55 @@ def test_out_of_time_ends_with_a_token_that_has_a_newline_and_sends_what_was_hel
     assert sent([0, 2, 3, 4]) == ("def f():x = 1x\n", "length")
     assert sent([0, 5, 4]) == ("def f():\n    y", "length")        # (the token's whole)
     assert sent([0, 1, 3, 4], stops=["\n\n"]) == ("def f():\n", "length")
+
+
+class Reference:
+    """What TextAssembler must do, by definition (every stop tried at every place):
+    after each piece, cut before the earliest stop string in the held text (the least,
+    as strings compare, of several starting there), else hold back its longest end that
+    is a proper beginning of a stop string."""
+
+    def __init__(self, stops):
+        self.stops, self.held, self.stopped = [s for s in stops if s], "", False
+
+    def feed(self, text, final=False):
+        if self.stopped:
+            return ""
+        held = self.held + text
+        found = [(i, s) for s in self.stops if (i := held.find(s)) >= 0]
+        if found:
+            self.stopped, self.held = True, ""
+            return held[:min(found)[0]]
+        keep = 0 if final else max([k for k in range(1, len(held) + 1) for s in self.stops
+                                    if len(s) > k and s.startswith(held[-k:])] or [0])
+        self.held = held[len(held) - keep:]
+        return held[:len(held) - keep]
+
+
+def test_stop_strings_are_found_and_held_back_as_trying_every_place_would():
+    """The automaton (workers.textstream.StopAutomaton) against the definition, over
+    thousands of random stop sets and texts of a small alphabet (so that stops overlap,
+    nest, repeat and share beginnings), cut into random pieces; and the shape that was
+    slowest (many long stops that the text almost matches at every place)."""
+    import random
+    rng = random.Random(20261206)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("ab\n") for _ in range(rng.randint(0, 6)))
+                 for _ in range(rng.randint(0, 5))]
+        text = "".join(rng.choice("ab\nc") for _ in range(rng.randint(0, 40)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 8))))
+        pieces = [text[i:j] for i, j in zip([0] + cuts, cuts + [len(text)])]
+        ours, ref = TextAssembler(stops), Reference(stops)
+        got = [ours.feed(p.encode()) for p in pieces] + [ours.finish()]
+        want = [ref.feed(p) for p in pieces] + [ref.feed("", final=True)]
+        assert got == want, (stops, pieces)
+        assert ours.stopped == ref.stopped
+        if ours.stopped:
+            cut = len("".join(want))
+            assert ours.stop_word in stops and text[cut:].startswith(ours.stop_word)
+    stops = ["a" * 62 + "b" + chr(0x100 + i) for i in range(256)]
+    worst = TextAssembler(stops)
+    automaton = worst._automaton
+    assert len(automaton.depth) == 1 + 62 + 1 + 256        # (the stops share a trunk)
+    assert "".join(worst.feed(("a" * 61 + "c").encode()) for _ in range(50)) == \
+        ("a" * 61 + "c") * 50
