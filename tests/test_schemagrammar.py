@@ -57,6 +57,29 @@ def test_an_ordinary_schema_converts_and_its_property_order_is_kept():
     assert root.index("age-kv") < root.index("name-kv")
 
 
+@pytest.mark.parametrize("schema, rule", [
+    ({"type": "array", "items": {}}, "root"),
+    ({"type": "array", "items": True, "minItems": 2}, "root"),
+    ({"type": "object", "properties": {"a": True}, "required": ["a"]}, "a"),
+    (True, "root")])
+def test_any_value_subschemas_convert_to_any_value(schema, rule):
+    """JSON Schema's `true` and `"items": {}` mean any value; llama-cpp-python's
+    converter fails on both (AttributeError, KeyError 'prefixItems': a 400 naming
+    'prefixItems' for a list of anything). They convert, to every JSON type, counts
+    kept; an empty schema elsewhere stays the converter's (and llama-server's) object."""
+    grammar = sg.SchemaGrammars().grammar(schema)
+    rules = dict(line.split(" ::= ", 1) for line in grammar.splitlines() if " ::= " in line)
+    union = rules.get("item", rules[rule])
+    assert all(kind in union for kind in ("array", "string", "number", "boolean", "null"))
+    if isinstance(schema, dict) and schema.get("minItems") == 2:
+        assert rules["root"].count("item") == 3      # two, then any more
+    assert sg.normalized({"enum": [True, {"items": {}}], "const": True}) == \
+        {"enum": [True, {"items": {}}], "const": True}       # (values are left alone)
+    assert sg.normalized({"type": "object", "properties": {"a": {}},
+                          "additionalProperties": True}) == \
+        {"type": "object", "properties": {"a": {}}, "additionalProperties": True}
+
+
 def test_a_patterns_work_counts_the_literal_each_quantifier_copies():
     # "ab{3}": the literal "ab" copied 4 times (3 + 1), 8 steps each besides; spaces
     # inside the braces are the converter's too

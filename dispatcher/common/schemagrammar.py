@@ -167,6 +167,40 @@ def _converter():
     return module.json_schema_to_gbnf
 
 
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SCHEMA_ONE = ("items", "additionalProperties", "contains", "not", "if", "then", "else")
+
+
+ANY = {"type": ["object", "array", "string", "number", "boolean", "null"]}
+
+
+def normalized(node: object) -> object:
+    """`node` as llama-cpp-python's converter takes it, meaning what JSON Schema says:
+    `true` (any value) where a schema goes, and `"items": {}` (any items), as a union of
+    every type. The converter fails on both (`"properties": {"a": true}`: 'bool' object
+    has no attribute 'get'; `"items": {}`: KeyError 'prefixItems'). An empty schema
+    elsewhere is left as it is: the converter makes it an object, as llama-server
+    does. Values (`enum`, `const`, `default`, `examples`) are left as they are, and so
+    is `additionalProperties: true` (the converter takes it)."""
+    if node is True:
+        return dict(ANY)
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            value = {name: normalized(sub) for name, sub in value.items()}
+        elif key in SCHEMA_LISTS and isinstance(value, list):
+            value = [normalized(sub) for sub in value]
+        elif key == "items" and value == {}:
+            value = dict(ANY)
+        elif key in SCHEMA_ONE and not (key == "additionalProperties" and value is True):
+            value = normalized(value)
+        out[key] = value
+    return out
+
+
 def _limit_child() -> None:
     import resource
     resource.setrlimit(resource.RLIMIT_AS, (CONVERT_MEMORY, CONVERT_MEMORY))
@@ -179,7 +213,8 @@ def child_main() -> int:
     _limit_child()
     text = sys.stdin.buffer.read().decode("utf-8")
     try:
-        result = {"grammar": _converter()(text)}
+        schema = normalized(json.loads(text))
+        result = {"grammar": _converter()(json.dumps(schema, ensure_ascii=False))}
     except MemoryError:
         result = {"error": "the JSON schema needs more memory to convert than allowed"}
     except RecursionError:
