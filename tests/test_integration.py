@@ -123,6 +123,39 @@ def test_same_seed_same_text(client, model_id):
     assert sample(1234) == sample(1234)
 
 
+def test_a_pydantic_models_schema_gives_text_the_model_validates(client, model_id):
+    """What a Python client sends for structured output: pydantic's JSON schema (its
+    root a `$ref` beside `$defs`, an enum by reference, `Any` as a schema of annotations
+    alone, optional fields as anyOf with null). Each was a 400 from llama-cpp-python's
+    converter ('#/$defs/Color', "Unrecognized schema"); the answer now parses back
+    into the model."""
+    from enum import Enum
+    from typing import Any, Literal, Optional
+
+    from pydantic import BaseModel, Field
+
+    class Color(str, Enum):
+        red = "red"
+        blue = "blue"
+
+    class Part(BaseModel):
+        name: str = Field(max_length=12)
+        color: Optional[Color] = None
+        note: Any = None
+
+    class Order(BaseModel):
+        parts: list[Part] = Field(max_length=2)
+        kind: Literal["a", "b"]
+        urgent: bool
+
+    for prompt in ("An order as JSON: ", "{"):
+        answer = client.completions.create(
+            model=model_id, prompt=prompt, max_tokens=200, temperature=0,
+            extra_body={"json_schema": Order.model_json_schema(), **NO_CACHE})
+        assert answer.choices[0].finish_reason == "stop"
+        Order.model_validate_json(answer.choices[0].text)
+
+
 def test_penalties_and_truncation_samplers_are_accepted(client, model_id):
     result = client.completions.create(
         model=model_id, prompt=CODE_PROMPT, max_tokens=8, temperature=0.7, top_p=0.9,

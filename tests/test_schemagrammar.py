@@ -80,6 +80,25 @@ def test_any_value_subschemas_convert_to_any_value(schema, rule):
         {"type": "object", "properties": {"a": {}}, "additionalProperties": True}
 
 
+def test_references_beside_definitions_and_annotation_only_schemas_convert():
+    """pydantic's shapes: a root `$ref` beside `$defs` whose definitions refer on
+    (recursively here), and `Any` as annotations alone; the converter resolved no
+    reference under a node that has one ('#/definitions/node') and knew no schema of
+    annotations alone. An empty `enum` is refused, saying so (it was a grammar error
+    about a newline)."""
+    tree = {"definitions": {"node": {"type": "object", "properties": {
+        "kids": {"type": "array", "items": {"$ref": "#/definitions/node"}}}}},
+        "$ref": "#/definitions/node"}
+    grammar = sg.SchemaGrammars().grammar(tree)
+    assert "node-kids" in grammar and "node ::=" in grammar
+    anything = sg.SchemaGrammars().grammar({"type": "object", "properties": {
+        "a": {"title": "Anything", "default": None}}, "required": ["a"]})
+    rules = dict(line.split(" ::= ", 1) for line in anything.splitlines() if " ::= " in line)
+    assert all(kind in rules["a"] for kind in ("array", "string", "number", "null"))
+    with pytest.raises(sg.SchemaRefused, match="enum is empty"):
+        sg.SchemaGrammars().grammar({"type": "object", "properties": {"a": {"enum": []}}})
+
+
 def test_a_patterns_work_counts_the_literal_each_quantifier_copies():
     # "ab{3}": the literal "ab" copied 4 times (3 + 1), 8 steps each besides; spaces
     # inside the braces are the converter's too

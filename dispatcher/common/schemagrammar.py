@@ -122,6 +122,8 @@ def estimate(schema: object) -> int:
             work += pattern_work(pattern, f"{path}.pattern")
         enum = node.get("enum")
         if isinstance(enum, list):
+            if not enum:
+                raise SchemaRefused(f"{path}.enum is empty: no value could match it.")
             work += 4 * len(enum)
         properties = node.get("properties")
         if isinstance(properties, dict):
@@ -173,16 +175,25 @@ SCHEMA_ONE = ("items", "additionalProperties", "contains", "not", "if", "then", 
 
 
 ANY = {"type": ["object", "array", "string", "number", "boolean", "null"]}
+# keywords that say nothing of the value (JSON Schema's annotations)
+ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$comment",
+                         "deprecated", "readOnly", "writeOnly", "$schema", "$id"))
 
 
 def normalized(node: object) -> object:
     """`node` as llama-cpp-python's converter takes it, meaning what JSON Schema says:
-    `true` (any value) where a schema goes, and `"items": {}` (any items), as a union of
-    every type. The converter fails on both (`"properties": {"a": true}`: 'bool' object
-    has no attribute 'get'; `"items": {}`: KeyError 'prefixItems'). An empty schema
-    elsewhere is left as it is: the converter makes it an object, as llama-server
-    does. Values (`enum`, `const`, `default`, `examples`) are left as they are, and so
-    is `additionalProperties: true` (the converter takes it)."""
+    `true` (any value) where a schema goes, `"items": {}` (any items), and a schema of
+    annotations alone (pydantic's `Any`: `{"title": "Anything", "default": null}`), as
+    a union of every type. The converter fails on all three (`"properties": {"a":
+    true}`: 'bool' object has no attribute 'get'; `"items": {}`: KeyError
+    'prefixItems'; "Unrecognized schema"). An empty schema elsewhere is left as it
+    is: the converter makes it an object, as llama-server does. Values (`enum`, `const`, `default`, `examples`) are left as they are, and so
+    is `additionalProperties: true` (the converter takes it).
+
+    And a `$ref` beside other schemas (pydantic's root: `{"$defs": {...}, "$ref":
+    "#/$defs/Item"}`) goes into a one-way `anyOf`: the converter resolves no reference
+    under a node that has one, so the definitions' own references were unknown
+    (KeyError '#/$defs/Color')."""
     if node is True:
         return dict(ANY)
     if not isinstance(node, dict):
@@ -198,6 +209,11 @@ def normalized(node: object) -> object:
         elif key in SCHEMA_ONE and not (key == "additionalProperties" and value is True):
             value = normalized(value)
         out[key] = value
+    if out and ANNOTATIONS.issuperset(out):
+        return {**out, **ANY}
+    if "$ref" in out and "anyOf" not in out and \
+            any(isinstance(v, (dict, list)) for k, v in out.items() if k != "$ref"):
+        out = {"anyOf": [{"$ref": out.pop("$ref")}], **out}
     return out
 
 
