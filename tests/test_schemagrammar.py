@@ -95,6 +95,8 @@ def test_references_beside_definitions_and_annotation_only_schemas_convert():
         "a": {"title": "Anything", "default": None}}, "required": ["a"]})
     rules = dict(line.split(" ::= ", 1) for line in anything.splitlines() if " ::= " in line)
     assert all(kind in rules["a"] for kind in ("array", "string", "number", "null"))
+    with pytest.raises(sg.SchemaRefused, match=r"another document is not fetched \(put"):
+        sg.SchemaGrammars().grammar({"$ref": "https://example.com/x.json"})
     with pytest.raises(sg.SchemaRefused, match="enum is empty"):
         sg.SchemaGrammars().grammar({"type": "object", "properties": {"a": {"enum": []}}})
 

@@ -236,7 +236,10 @@ def child_main() -> int:
     except RecursionError:
         result = {"error": "the JSON schema is nested too deeply to convert"}
     except Exception as exc:             # the converter asserts and raises many kinds
-        result = {"error": f"unsupported or invalid JSON schema: {_short(str(exc), 200)}"}
+        said = str(exc)
+        if said.startswith("Fetching remote schemas is not allowed"):
+            said = "a $ref to another document is not fetched (put its definitions in $defs)"
+        result = {"error": f"unsupported or invalid JSON schema: {_short(said, 200)}"}
     sys.stdout.write(json.dumps(result))
     return 0
 
