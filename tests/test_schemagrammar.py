@@ -95,6 +95,19 @@ def test_references_beside_definitions_and_annotation_only_schemas_convert():
         "a": {"title": "Anything", "default": None}}, "required": ["a"]})
     rules = dict(line.split(" ::= ", 1) for line in anything.splitlines() if " ::= " in line)
     assert all(kind in rules["a"] for kind in ("array", "string", "number", "null"))
+    # (the review's cases: a $ref beside a oneOf or under allOf with a dict default means
+    # what it meant before; the tuple form of items takes `true`; `true` counts as much
+    # as a sub-schema in the estimate)
+    before = {"$ref": "#/$defs/A", "oneOf": [{"type": "string"}],
+              "$defs": {"A": {"type": "integer"}}}
+    assert "root ::= integer" in sg.SchemaGrammars().grammar(before)
+    required = {"allOf": [{"$ref": "#/$defs/A", "default": {"x": 1}}], "$defs": {"A": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+    assert 'root ::= "{" space x-kv "}" space' in sg.SchemaGrammars().grammar(required)
+    assert "tuple-0" in sg.SchemaGrammars().grammar(
+        {"type": "array", "items": [True, {"type": "string"}]})
+    with pytest.raises(sg.SchemaRefused, match="too large"):
+        sg.estimate({"type": "array", "prefixItems": [True] * 100_000})
     with pytest.raises(sg.SchemaRefused, match=r"another document is not fetched \(put"):
         sg.SchemaGrammars().grammar({"$ref": "https://example.com/x.json"})
     with pytest.raises(sg.SchemaRefused, match="enum is empty"):

@@ -108,6 +108,8 @@ def estimate(schema: object) -> int:
             stack.extend((item, f"{path}[{_short(str(i), 32)}]", name + 4, value)
                          for i, item in items)
             continue
+        if node is True and not value:      # (any value: made a union of every type)
+            node = ANY
         if not isinstance(node, dict):
             continue
         work += name                        # each sub-schema is a rule named by its path
@@ -187,13 +189,16 @@ def normalized(node: object) -> object:
     a union of every type. The converter fails on all three (`"properties": {"a":
     true}`: 'bool' object has no attribute 'get'; `"items": {}`: KeyError
     'prefixItems'; "Unrecognized schema"). An empty schema elsewhere is left as it
-    is: the converter makes it an object, as llama-server does. Values (`enum`, `const`, `default`, `examples`) are left as they are, and so
-    is `additionalProperties: true` (the converter takes it).
+    is: the converter makes it an object, as llama-server does. Values (`enum`,
+    `const`, `default`, `examples`) are left as they are, and so is
+    `additionalProperties: true` (the converter takes it).
 
-    And a `$ref` beside other schemas (pydantic's root: `{"$defs": {...}, "$ref":
-    "#/$defs/Item"}`) goes into a one-way `anyOf`: the converter resolves no reference
-    under a node that has one, so the definitions' own references were unknown
-    (KeyError '#/$defs/Color')."""
+    And a `$ref` beside definitions (pydantic's root: `{"$defs": {...}, "$ref":
+    "#/$defs/Item"}`) goes into a one-way `anyOf` beside them, its other keywords left
+    out (the converter ignores them under a `$ref`): it resolves no reference under a
+    node that has one, so the definitions' own references were unknown (KeyError
+    '#/$defs/Color'). Not where the node has a `oneOf` or `anyOf` of its own (the
+    converter would take those instead)."""
     if node is True:
         return dict(ANY)
     if not isinstance(node, dict):
@@ -206,14 +211,17 @@ def normalized(node: object) -> object:
             value = [normalized(sub) for sub in value]
         elif key == "items" and value == {}:
             value = dict(ANY)
+        elif key == "items" and isinstance(value, list):      # (the tuple form)
+            value = [normalized(sub) for sub in value]
         elif key in SCHEMA_ONE and not (key == "additionalProperties" and value is True):
             value = normalized(value)
         out[key] = value
     if out and ANNOTATIONS.issuperset(out):
         return {**out, **ANY}
-    if "$ref" in out and "anyOf" not in out and \
-            any(isinstance(v, (dict, list)) for k, v in out.items() if k != "$ref"):
-        out = {"anyOf": [{"$ref": out.pop("$ref")}], **out}
+    if "$ref" in out and ("$defs" in out or "definitions" in out) and \
+            "anyOf" not in out and "oneOf" not in out:
+        out = {"anyOf": [{"$ref": out["$ref"]}],
+               **{k: v for k, v in out.items() if k in ("$defs", "definitions")}}
     return out
 
 
