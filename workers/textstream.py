@@ -136,6 +136,8 @@ class TextAssembler:
             self.stopped = True
             self._held = ""
             return held[:cut]
+        if final:               # (nothing is held after it: the automaton starts again)
+            self._state = 0
         keep = 0 if final else min(automaton.depth[state], len(held))
         self._held = held[len(held) - keep:] if keep else ""
         return held[:len(held) - keep]
