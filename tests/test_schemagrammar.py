@@ -114,6 +114,31 @@ def test_references_beside_definitions_and_annotation_only_schemas_convert():
         sg.SchemaGrammars().grammar({"type": "object", "properties": {"a": {"enum": []}}})
 
 
+@pytest.mark.parametrize("pattern, made", [
+    ("^\\d{3}-\\d{4}$", "^[0-9]{3}-[0-9]{4}$"),
+    ("^[\\w.-]+@\\w+\\.com$", "^[0-9A-Za-z_.-]+@[0-9A-Za-z_]+\\x2Ecom$"),
+    ("^\\s\\S\\D\\W$", "^[ \\t\\n\\r][^ \\t\\n\\r][^0-9][^0-9A-Za-z_]$"),
+    ("^(?:ab|cd)+$", "^(ab|cd)+$"),
+    ("^[^\\]\\\\]+\\/$", "^[^\\x5D\\x5C]+\\x2F$"),
+    ("^[A-Z]\\u00e9\\x41$", "^[A-Z]\\u00e9\\x41$")])           # (left as they are)
+def test_patterns_are_written_in_the_forms_the_converter_makes_grammars_of(pattern, made):
+    """`\\d`, `\\w`, `\\s` and escaped punctuation were copied into the grammar, which
+    has no such escapes: `^\\d{3}-\\d{4}$` (JSON Schema's own example) was a 400 about
+    an unknown escape; `(?:` was refused. Now the grammar is made and checked."""
+    from dispatcher.common.schemagrammar import converter_pattern
+    assert converter_pattern(pattern) == made
+    sg.SchemaGrammars().grammar({"type": "string", "pattern": pattern})
+
+
+def test_enum_and_const_strings_with_backslashes_and_quotes_make_json_literals():
+    """llama-cpp-python's converter escaped only quotes and line breaks in literals:
+    `"a\\"b"` made a grammar that did not parse, `c\\d` one that wrote `"c\\d"` (not
+    JSON). The literal is now the JSON text, every backslash escaped for the grammar."""
+    grammar = sg.SchemaGrammars().grammar({"enum": ["a\"b", "c\\d", "C:\\temp"]})
+    root = next(line for line in grammar.splitlines() if line.startswith("root ::="))
+    assert root == 'root ::= "\\"a\\\\\\"b\\"" | "\\"c\\\\\\\\d\\"" | "\\"C:\\\\\\\\temp\\""'
+
+
 def test_a_patterns_work_counts_the_literal_each_quantifier_copies():
     # "ab{3}": the literal "ab" copied 4 times (3 + 1), 8 steps each besides; spaces
     # inside the braces are the converter's too

@@ -160,7 +160,10 @@ def _too_large(path: str) -> SchemaRefused:
 
 
 def _converter():
-    """llama-cpp-python's json_schema_to_gbnf, loaded from its file alone."""
+    """llama-cpp-python's json_schema_to_gbnf, loaded from its file alone, its literals
+    escaping backslashes too: it escaped only quotes and line breaks, so an `enum` or
+    `const` string with a backslash (`"C:\\temp"`, `"a\"b"`) made a grammar that did not
+    parse, or that wrote invalid JSON (`"c\\d"`)."""
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
         raise SchemaRefused("JSON schemas need llama-cpp-python, which is not installed.")
@@ -168,7 +171,51 @@ def _converter():
     module_spec = importlib.util.spec_from_file_location("_llama_grammar", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
+    if "\\" not in getattr(module, "GRAMMAR_LITERAL_ESCAPES", {"\\": ""}):
+        module.GRAMMAR_LITERAL_ESCAPE_RE = re.compile(r'[\r\n"\\]')
+        module.GRAMMAR_LITERAL_ESCAPES = {**module.GRAMMAR_LITERAL_ESCAPES, "\\": "\\\\"}
     return module.json_schema_to_gbnf
+
+
+# a regular expression's classes the converter copies into the grammar as they are, and
+# GBNF has no such escapes: the sets they stand for (outside a class, inside one)
+CLASS_ESCAPES = {"d": ("[0-9]", "0-9"), "w": ("[0-9A-Za-z_]", "0-9A-Za-z_"),
+                 "s": ("[ \\t\\n\\r]", " \\t\\n\\r"), "D": ("[^0-9]", None),
+                 "W": ("[^0-9A-Za-z_]", None), "S": ("[^ \\t\\n\\r]", None)}
+
+
+def converter_pattern(pattern: str) -> str:
+    """A JSON Schema `pattern` in the forms llama-cpp-python's converter turns into a
+    grammar that parses: `\\d`, `\\w`, `\\s` (and their negations outside a class) as
+    classes, an escaped punctuation mark as its `\\xHH` (`\\.`, `\\-`, `\\/`: copied
+    as they were, GBNF knows no such escapes), and a non-capturing group `(?:` as a
+    group (the converter refuses `?` there; what a group captures is nothing to a
+    grammar). Anything else is left for the converter to take or refuse."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            e = pattern[i + 1]
+            sets = CLASS_ESCAPES.get(e)
+            if sets is not None and sets[in_class] is not None:
+                out.append(sets[in_class])
+            elif e.isascii() and not e.isalnum() and e not in " \"":
+                out.append(f"\\x{ord(e):02X}")
+            else:
+                out.append(c + e)
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True             # (to the next unescaped "]", as the converter)
+        elif pattern.startswith("(?:", i):
+            out.append("(")
+            i += 3
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
@@ -205,7 +252,9 @@ def normalized(node: object) -> object:
         return node
     out = {}
     for key, value in node.items():
-        if key in SCHEMA_MAPS and isinstance(value, dict):
+        if key == "pattern" and isinstance(value, str):
+            value = converter_pattern(value)
+        elif key in SCHEMA_MAPS and isinstance(value, dict):
             value = {name: normalized(sub) for name, sub in value.items()}
         elif key in SCHEMA_LISTS and isinstance(value, list):
             value = [normalized(sub) for sub in value]
