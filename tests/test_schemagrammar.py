@@ -137,6 +137,9 @@ def test_enum_and_const_strings_with_backslashes_and_quotes_make_json_literals()
     grammar = sg.SchemaGrammars().grammar({"enum": ["a\"b", "c\\d", "C:\\temp"]})
     root = next(line for line in grammar.splitlines() if line.startswith("root ::="))
     assert root == 'root ::= "\\"a\\\\\\"b\\"" | "\\"c\\\\\\\\d\\"" | "\\"C:\\\\\\\\temp\\""'
+    # a NUL is written as JSON writes it, `\\u0000` (it was a NUL in the grammar, refused)
+    assert sg.SchemaGrammars().grammar({"const": "a\u0000b"}).startswith(
+        'root ::= "\\"a\\\\u0000b\\""')
 
 
 def test_a_patterns_work_counts_the_literal_each_quantifier_copies():
