@@ -158,18 +158,21 @@ def test_a_pydantic_models_schema_gives_text_the_model_validates(client, model_i
 
 def test_patterns_and_backslashes_in_a_schema_give_json_valid_against_it(client, model_id):
     """JSON Schema's own pattern example (`\\d`) and enum strings with a backslash and a
-    quote: a 400 before (the grammar did not parse); now the answer is JSON that
+    quote: a 400 before (the grammar did not parse); a dot and a negated class, which
+    let a quote or a raw backslash into the string. Now the answer is JSON that
     `jsonschema` validates against the schema."""
     import json
     import jsonschema
     schema = {"type": "object", "properties": {
         "phone": {"type": "string", "pattern": "^\\d{3}-\\d{4}$"},
         "dir": {"enum": ["C:\\temp", "say \"hi\""]},
-        "host": {"type": "string", "pattern": "^(?:www\\.)?[a-z]{1,8}\\.com$"}},
-        "required": ["phone", "dir", "host"]}
+        "host": {"type": "string", "pattern": "^(?:www\\.)?[a-z]{1,8}\\.com$"},
+        "mail": {"type": "string", "pattern": "^[^@]{1,12}@[^@]{1,12}$"},
+        "note": {"type": "string", "pattern": "^.{1,12}$"}},
+        "required": ["phone", "dir", "host", "mail", "note"]}
     for prompt in ("A contact as JSON: ", "{"):
         answer = client.completions.create(
-            model=model_id, prompt=prompt, max_tokens=120, temperature=0,
+            model=model_id, prompt=prompt, max_tokens=200, temperature=0,
             extra_body={"json_schema": schema, **NO_CACHE})
         assert answer.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(answer.choices[0].text), schema)

@@ -177,11 +177,18 @@ def _converter():
     return module.json_schema_to_gbnf
 
 
+# what a JSON string may not hold unescaped: the grammar writes a pattern's characters
+# as they are, inside the string's quotes
+NOT_IN_JSON_STRING = "\\x22\\x5C\\x00-\\x1F"
+
+
 # a regular expression's classes the converter copies into the grammar as they are, and
 # GBNF has no such escapes: the sets they stand for (outside a class, inside one)
 CLASS_ESCAPES = {"d": ("[0-9]", "0-9"), "w": ("[0-9A-Za-z_]", "0-9A-Za-z_"),
-                 "s": ("[ \\t\\n\\r]", " \\t\\n\\r"), "D": ("[^0-9]", None),
-                 "W": ("[^0-9A-Za-z_]", None), "S": ("[^ \\t\\n\\r]", None)}
+                 "s": ("[ ]", " "),      # (a tab or line break is an escape in JSON text)
+                 "D": (f"[^{NOT_IN_JSON_STRING}0-9]", None),
+                 "W": (f"[^{NOT_IN_JSON_STRING}0-9A-Za-z_]", None),
+                 "S": (f"[^{NOT_IN_JSON_STRING} ]", None)}
 
 
 def converter_pattern(pattern: str) -> str:
@@ -190,7 +197,11 @@ def converter_pattern(pattern: str) -> str:
     classes, an escaped punctuation mark as its `\\xHH` (`\\.`, `\\-`, `\\/`: copied
     as they were, GBNF knows no such escapes), and a non-capturing group `(?:` as a
     group (the converter refuses `?` there; what a group captures is nothing to a
-    grammar). Anything else is left for the converter to take or refuse."""
+    grammar). And a `.` or a negated class (`[^@]`) leaves out what a JSON string may
+    not hold unescaped (a quote, a backslash, control characters): written as they
+    are, they ended the string early or made it invalid JSON; for the same reason `\\s`
+    is a space (a tab or a line break is an escape in JSON text). Anything else is left
+    for the converter to take or refuse."""
     out, i, in_class = [], 0, False
     while i < len(pattern):
         c = pattern[i]
@@ -209,6 +220,14 @@ def converter_pattern(pattern: str) -> str:
             in_class = c != "]"
         elif c == "[":
             in_class = True             # (to the next unescaped "]", as the converter)
+            if pattern.startswith("[^", i):
+                out.append("[^" + NOT_IN_JSON_STRING)
+                i += 2
+                continue
+        elif c == ".":
+            out.append(f"[^{NOT_IN_JSON_STRING}]")
+            i += 1
+            continue
         elif pattern.startswith("(?:", i):
             out.append("(")
             i += 3
