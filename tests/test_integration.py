@@ -168,8 +168,9 @@ def test_patterns_and_backslashes_in_a_schema_give_json_valid_against_it(client,
         "dir": {"enum": ["C:\\temp", "say \"hi\""]},
         "host": {"type": "string", "pattern": "^(?:www\\.)?[a-z]{1,8}\\.com$"},
         "mail": {"type": "string", "pattern": "^[^@]{1,12}@[^@]{1,12}$"},
-        "note": {"type": "string", "pattern": "^.{1,12}$"}},
-        "required": ["phone", "dir", "host", "mail", "note"]}
+        "note": {"type": "string", "pattern": "^.{1,12}$"},
+        "said": {"type": "string", "pattern": "^say \"[a-z]{1,5}\"$"}},
+        "required": ["phone", "dir", "host", "mail", "note", "said"]}
     for prompt in ("A contact as JSON: ", "{"):
         answer = client.completions.create(
             model=model_id, prompt=prompt, max_tokens=200, temperature=0,

@@ -116,11 +116,12 @@ def test_references_beside_definitions_and_annotation_only_schemas_convert():
 
 @pytest.mark.parametrize("pattern, made", [
     ("^\\d{3}-\\d{4}$", "^[0-9]{3}-[0-9]{4}$"),
-    ("^[\\w.-]+@\\w+\\.com$", "^[0-9A-Za-z_.-]+@[0-9A-Za-z_]+\\x2Ecom$"),
+    ("^[\\w.-]+@\\w+\\.com$", "^[0-9A-Za-z_.-]+@[0-9A-Za-z_]+[\\x2E]com$"),
     ("^\\s\\S\\D\\W$", "^[ ][^{N} ][^{N}0-9][^{N}0-9A-Za-z_]$"),
     ("^(?:ab|cd)+$", "^(ab|cd)+$"),
-    ("^[^\\]\\\\]+\\/$", "^[^{N}\\x5D\\x5C]+\\x2F$"),
+    ("^[^\\]\\\\]+\\/$", "^[^{N}\\x5D\\x5C]+[\\x2F]$"),
     ("^.{1,3}@[^@]+$", "^[^{N}]{1,3}@[^{N}@]+$"),
+    ('^a"+b\\\\c$', "^a([\\x5C][\\x22])+b([\\x5C][\\x5C])c$"),   # (JSON text's escapes)
     ("^[A-Z]\\u00e9\\x41$", "^[A-Z]\\u00e9\\x41$")])           # (left as they are)
 def test_patterns_are_written_in_the_forms_the_converter_makes_grammars_of(pattern, made):
     """`\\d`, `\\w`, `\\s` and escaped punctuation were copied into the grammar, which

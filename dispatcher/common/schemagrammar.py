@@ -194,14 +194,15 @@ CLASS_ESCAPES = {"d": ("[0-9]", "0-9"), "w": ("[0-9A-Za-z_]", "0-9A-Za-z_"),
 def converter_pattern(pattern: str) -> str:
     """A JSON Schema `pattern` in the forms llama-cpp-python's converter turns into a
     grammar that parses: `\\d`, `\\w`, `\\s` (and their negations outside a class) as
-    classes, an escaped punctuation mark as its `\\xHH` (`\\.`, `\\-`, `\\/`: copied
-    as they were, GBNF knows no such escapes), and a non-capturing group `(?:` as a
+    classes, an escaped punctuation mark as a class of its `\\xHH` (`\\.`, `\\-`, `\\/`:
+    copied as they were, GBNF knows no such escapes), and a non-capturing group `(?:` as a
     group (the converter refuses `?` there; what a group captures is nothing to a
     grammar). And a `.` or a negated class (`[^@]`) leaves out what a JSON string may
     not hold unescaped (a quote, a backslash, control characters): written as they
     are, they ended the string early or made it invalid JSON; for the same reason `\\s`
-    is a space (a tab or a line break is an escape in JSON text). Anything else is left
-    for the converter to take or refuse."""
+    is a space (a tab or a line break is an escape in JSON text), and a quote or a
+    backslash outside a class is written escaped, as JSON text has it. Anything else is
+    left for the converter to take or refuse."""
     out, i, in_class = [], 0, False
     while i < len(pattern):
         c = pattern[i]
@@ -210,8 +211,12 @@ def converter_pattern(pattern: str) -> str:
             sets = CLASS_ESCAPES.get(e)
             if sets is not None and sets[in_class] is not None:
                 out.append(sets[in_class])
+            elif e in "\\\"" and not in_class:          # (as JSON text writes them)
+                out.append(f"([\\x5C][\\x{ord(e):02X}])")
             elif e.isascii() and not e.isalnum() and e not in " \"":
-                out.append(f"\\x{ord(e):02X}")
+                # (a class of one outside a class: the converter splits an escape's
+                # characters where a quantifier might follow)
+                out.append(f"\\x{ord(e):02X}" if in_class else f"[\\x{ord(e):02X}]")
             else:
                 out.append(c + e)
             i += 2
@@ -226,6 +231,10 @@ def converter_pattern(pattern: str) -> str:
                 continue
         elif c == ".":
             out.append(f"[^{NOT_IN_JSON_STRING}]")
+            i += 1
+            continue
+        elif c == '"':
+            out.append("([\\x5C][\\x22])")
             i += 1
             continue
         elif pattern.startswith("(?:", i):
