@@ -452,7 +452,7 @@ def test_a_dry_sampler_is_made_once_for_its_settings_and_cloned(model_path, monk
     import llama_cpp
 
     from workers.engine.llama import LlamaEngine
-    from workers.engine.samplers import DryTemplates
+    from workers.engine.drysamplers import DryTemplates
     made = []
     init = llama_cpp.llama_sampler_init_dry
     monkeypatch.setattr(llama_cpp, "llama_sampler_init_dry",

@@ -5,7 +5,7 @@ stream of the worker goes on decoding meanwhile.
 Both are llama.cpp calls that release the GIL, and both grow with what a request sends:
 tokenizing a prompt of 1 Mi characters took 5.3 s here, a DRY sampler with 16 sequence
 breakers 1 s the first time its settings come (it scans the vocabulary for each; later
-chains clone it: samplers.DryTemplates), a grammar sampler parses its grammar. In
+chains clone it: drysamplers.DryTemplates), a grammar sampler parses its grammar. In
 the generation thread, that time was a freeze of every stream beside it. The IO thread
 hands such a job here as it arrives and tells the dispatcher it has started (it is being
 worked on: if it kills the process, it is not handed to another worker); the prepared job

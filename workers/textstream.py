@@ -86,40 +86,37 @@ class TextAssembler:
         self._held = ""
         self.stopped = False
         self.stop_word: str | None = None     # the stop string that ended the text
-        self.decoded = 0            # characters decoded so far, held ones included
-        self.text = ""              # ... and the text itself (for type-along adoption)
+        self.text = ""              # the text decoded so far, held characters included
+                                    # (for type-along adoption)
+
+    @property
+    def decoded(self) -> int:
+        """Characters decoded so far, held ones included."""
+        return len(self.text)
 
     def feed(self, data: bytes) -> str:
         """Add one token's bytes; return the text that is now safe to send."""
         if self.stopped:
             return ""
-        text = self._decoder.decode(data)
-        self.decoded += len(text)
-        self.text += text
-        return self._release(text, final=False)
+        return self._release(self._decoder.decode(data), final=False)
 
     def take_over(self, other: "TextAssembler", skip: int) -> str:
         """Continue `other`'s text after its first `skip` characters (which the client
         typed): its undecoded bytes come along; returns what is safe to send now."""
         self._decoder.setstate(other._decoder.getstate())
-        text = other.text[skip:]
-        self.decoded += len(text)
-        self.text += text
-        return self._release(text, final=False)
+        return self._release(other.text[skip:], final=False)
 
     def finish(self) -> str:
         """Generation ended without a stop string: flush everything still held."""
         if self.stopped:
             return ""
-        text = self._decoder.decode(b"", final=True)
-        self.decoded += len(text)
-        self.text += text
-        return self._release(text, final=True)
+        return self._release(self._decoder.decode(b"", final=True), final=True)
 
     def _release(self, new: str, final: bool) -> str:
-        """The held text and `new` after it: cut before the earliest stop string found
-        in them (of several starting there, the least as strings compare), or sent but
-        for the end that could still begin one (all of it when `final`)."""
+        """`new` decoded text: the held text and it, cut before the earliest stop string
+        found in them (of several starting there, the least as strings compare), or sent
+        but for the end that could still begin one (all of it when `final`)."""
+        self.text += new
         held, automaton = self._held + new, self._automaton
         if automaton is None:
             self._held = ""
@@ -138,6 +135,6 @@ class TextAssembler:
             return held[:cut]
         if final:               # (nothing is held after it: the automaton starts again)
             self._state = 0
-        keep = 0 if final else min(automaton.depth[state], len(held))
+        keep = 0 if final else automaton.depth[state]   # (held always ends with it)
         self._held = held[len(held) - keep:] if keep else ""
         return held[:len(held) - keep]

@@ -42,7 +42,8 @@ from workers.engine.history import Histories
 from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
 from workers.engine.stepcosts import StepCosts, draft_rows
 from workers.engine.vocabulary import Vocabulary
-from workers.engine.samplers import Candidates, DryTemplates, SamplerChain
+from workers.engine.drysamplers import DryTemplates
+from workers.engine.samplers import Candidates, SamplerChain
 from workers.sampling import SamplingParams, TokenOut
 
 log = logging.getLogger(__name__)

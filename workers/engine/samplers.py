@@ -4,7 +4,6 @@ is pinned), the shared candidate buffers, and the grammar check before a chain i
 from __future__ import annotations
 
 import ctypes
-import threading
 import time
 from collections import OrderedDict
 
@@ -104,56 +103,6 @@ class Candidates:
         one.data[0].id, one.data[0].logit, one.data[0].p = token, 1.0, 0.0
         one.size, one.selected, one.sorted = 1, -1, False
         return ctypes.byref(one)
-
-
-KEPT_DRY = 8    # DRY samplers kept to clone from, by their settings
-
-
-class DryTemplates:
-    """DRY samplers kept by their settings, each sequence's a clone of one. llama.cpp's
-    DRY init scans the whole vocabulary for every sequence breaker (Gemma 3's 262k
-    tokens: 0.1 s of a core for llama.cpp's four default breakers, 0.9 s for sixteen),
-    and a request's n choices, or an editor's requests with the same settings, would pay
-    it each time; a clone copies the scanned table (milliseconds). Any thread; the
-    scan runs outside the lock (the GIL released), so one settings' scan holds up no
-    other chain."""
-
-    def __init__(self, lib, vocab):
-        self.lib, self.vocab = lib, vocab
-        self.kept: OrderedDict = OrderedDict()
-        self.lock = threading.Lock()
-
-    def sampler(self, multiplier: float, base: float, allowed_length: int, window: int,
-                breakers: tuple[str, ...]):
-        """A new DRY sampler of these settings (None where llama.cpp could not make one);
-        the caller owns it."""
-        key = (multiplier, base, allowed_length, window, breakers)
-        with self.lock:
-            template = self.kept.get(key)
-            if template is not None:
-                self.kept.move_to_end(key)
-                return self.lib.llama_sampler_clone(template)
-        encoded = [b.encode() for b in breakers]
-        array = (ctypes.c_char_p * max(1, len(encoded)))(*encoded)
-        made = self.lib.llama_sampler_init_dry(self.vocab, multiplier, base, allowed_length,
-                                               window, array, len(encoded))
-        if not made:
-            return None
-        with self.lock:
-            if key in self.kept:                     # another thread made it meanwhile
-                self.lib.llama_sampler_free(made)
-                made = self.kept[key]
-            else:
-                self.kept[key] = made
-                while len(self.kept) > KEPT_DRY:
-                    self.lib.llama_sampler_free(self.kept.popitem(last=False)[1])
-            return self.lib.llama_sampler_clone(made)
-
-    def close(self) -> None:
-        with self.lock:
-            for template in self.kept.values():
-                self.lib.llama_sampler_free(template)
-            self.kept.clear()
 
 
 # Candidates a refused pick is first sought among (see SamplerChain._refused_pick).
