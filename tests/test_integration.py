@@ -158,9 +158,10 @@ def test_a_pydantic_models_schema_gives_text_the_model_validates(client, model_i
 
 def test_patterns_and_backslashes_in_a_schema_give_json_valid_against_it(client, model_id):
     """JSON Schema's own pattern example (`\\d`) and enum strings with a backslash and a
-    quote: a 400 before (the grammar did not parse); a dot and a negated class, which
-    let a quote or a raw backslash into the string. Now the answer is JSON that
-    `jsonschema` validates against the schema."""
+    quote: a 400 before (the grammar did not parse); a dot, a negated class and a
+    class of printable characters or line breaks, which let a quote, a raw backslash or
+    a raw line break into the string. Now the answer is JSON that `jsonschema`
+    validates against the schema."""
     import json
     import jsonschema
     schema = {"type": "object", "properties": {
@@ -169,8 +170,9 @@ def test_patterns_and_backslashes_in_a_schema_give_json_valid_against_it(client,
         "host": {"type": "string", "pattern": "^(?:www\\.)?[a-z]{1,8}\\.com$"},
         "mail": {"type": "string", "pattern": "^[^@]{1,12}@[^@]{1,12}$"},
         "note": {"type": "string", "pattern": "^.{1,12}$"},
-        "said": {"type": "string", "pattern": "^say \"[a-z]{1,5}\"$"}},
-        "required": ["phone", "dir", "host", "mail", "note", "said"]}
+        "said": {"type": "string", "pattern": "^say \"[a-z]{1,5}\"$"},
+        "text": {"type": "string", "pattern": "^[ -~\\n]{1,12}$"}},
+        "required": ["phone", "dir", "host", "mail", "note", "said", "text"]}
     for prompt in ("A contact as JSON: ", "{"):
         answer = client.completions.create(
             model=model_id, prompt=prompt, max_tokens=200, temperature=0,

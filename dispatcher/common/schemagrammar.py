@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from dispatcher.common import grammar as gbnf
 
@@ -180,6 +181,48 @@ def _converter():
 # what a JSON string may not hold unescaped: the grammar writes a pattern's characters
 # as they are, inside the string's quotes
 NOT_IN_JSON_STRING = "\\x22\\x5C\\x00-\\x1F"
+# ... as code points, and the escape JSON text writes each with (json.dumps's forms)
+JSON_ESCAPES = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n",
+                0x0D: "\\r", 0x09: "\\t"}
+
+
+def _escaped_in_json(point: int) -> bool:
+    return point < 0x20 or point in (0x22, 0x5C)
+
+
+def _json_escape(point: int) -> str:
+    """A group matching the JSON text of the character at `point`, one class a
+    character (the converter splits literals where a quantifier might follow)."""
+    text = JSON_ESCAPES.get(point) or f"\\u{point:04x}"
+    return "(" + "".join(f"[\\x{ord(c):02X}]" for c in text) + ")"
+
+
+def _json_escapes(points: list[int]) -> str:
+    """A group matching the JSON text of any of the characters at `points` (each one's
+    escape: a backslash, then its letter or `u00` and two hex digits), the backslash
+    once, so that llama.cpp meets one choice where the class stands, not one a
+    character."""
+    short = "".join(_grammar_char(ord(JSON_ESCAPES[p][1])) for p in points
+                    if p in JSON_ESCAPES)
+    by_high: dict[int, str] = {}
+    for point in points:
+        if point not in JSON_ESCAPES:
+            by_high[point >> 4] = by_high.get(point >> 4, "") + f"{point & 15:x}"
+    after = [f"[{short}]"] if short else []
+    if by_high:
+        after.append("[u][0][0](" + "|".join(f"[{high:x}][{lows}]" for high, lows
+                                            in sorted(by_high.items())) + ")")
+    return "[\\x5C](" + "|".join(after) + ")"
+
+
+def _grammar_char(point: int) -> str:
+    """The character at `point` as a grammar class writes it: as it is where that
+    cannot be read otherwise."""
+    if 0x20 <= point < 0x7F and chr(point) not in "\\]-[^\"":
+        return chr(point)
+    if point < 0x100:
+        return f"\\x{point:02X}"
+    return f"\\u{point:04X}" if point < 0x10000 else f"\\U{point:08X}"
 
 
 # a regular expression's classes the converter copies into the grammar as they are, and
@@ -189,60 +232,144 @@ CLASS_ESCAPES = {"d": ("[0-9]", "0-9"), "w": ("[0-9A-Za-z_]", "0-9A-Za-z_"),
                  "D": (f"[^{NOT_IN_JSON_STRING}0-9]", None),
                  "W": (f"[^{NOT_IN_JSON_STRING}0-9A-Za-z_]", None),
                  "S": (f"[^{NOT_IN_JSON_STRING} ]", None)}
+CLASS_RANGES = {"d": ((0x30, 0x39),), "w": ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F),
+                                            (0x61, 0x7A)), "s": ((0x20, 0x20),)}
+# escapes of one character (a regular expression's, JavaScript's)
+LETTER_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "0": 0x00}
+HEX_ESCAPES = {"x": 2, "u": 4}
+
+
+@dataclass(frozen=True)
+class Atom:
+    """One character of a pattern, or one escape: a character's code point (`point`),
+    a `\\d`-like class's letter (`letter`), or an escape left to the converter as it
+    is (`raw`: `\\b`, `\\p`, a back-reference); `end`: where the next atom starts."""
+    end: int
+    point: int | None = None
+    letter: str | None = None
+    raw: str | None = None
+
+
+def _atom(pattern: str, i: int) -> Atom:
+    c = pattern[i]
+    if c != "\\" or i + 1 == len(pattern):
+        return Atom(i + 1, point=ord(c))
+    e = pattern[i + 1]
+    size = HEX_ESCAPES.get(e)
+    if size is not None:
+        digits = pattern[i + 2:i + 2 + size]
+        if len(digits) == size and all(d in "0123456789abcdefABCDEF" for d in digits):
+            return Atom(i + 2 + size, point=int(digits, 16))
+    if e in CLASS_ESCAPES:
+        return Atom(i + 2, letter=e)
+    if e in LETTER_ESCAPES:
+        return Atom(i + 2, point=LETTER_ESCAPES[e])
+    if e.isascii() and not e.isalnum():
+        return Atom(i + 2, point=ord(e))
+    return Atom(i + 2, raw=pattern[i:i + 2])
+
+
+def _less(ranges: list[tuple[int, int]], points: list[int]) -> list[tuple[int, int]]:
+    """The ranges (inclusive) less the sorted `points`."""
+    kept = []
+    for low, high in ranges:
+        for point in points:
+            if low <= point <= high:
+                if low < point:
+                    kept.append((low, point - 1))
+                low = point + 1
+        if low <= high:
+            kept.append((low, high))
+    return kept
+
+
+def _class(pattern: str, i: int) -> tuple[str, int] | None:
+    """The class at `i` (a `[`) as the grammar may hold it, and where it ends; None
+    where it does not end (the converter says so). A negated class leaves out what a
+    JSON string may not hold unescaped; a class with a quote, a backslash or a control
+    character becomes a group of the class without them and their JSON escapes."""
+    j, negated = i + 1, pattern.startswith("[^", i)
+    j += negated
+    parts, ranges, exact = [], [], True
+    while j < len(pattern) and pattern[j] != "]":   # (to the next "]", as the converter)
+        atom = _atom(pattern, j)
+        j = atom.end
+        if atom.point is not None and pattern.startswith("-", j) \
+                and j + 1 < len(pattern) and pattern[j + 1] != "]":
+            upper = _atom(pattern, j + 1)
+            if upper.point is not None:
+                parts.append(f"{_grammar_char(atom.point)}-{_grammar_char(upper.point)}")
+                ranges.append((atom.point, upper.point))
+                j = upper.end
+                continue
+        if atom.point is not None:
+            parts.append(_grammar_char(atom.point))
+            ranges.append((atom.point, atom.point))
+        elif atom.letter is not None and CLASS_ESCAPES[atom.letter][1] is not None:
+            parts.append(CLASS_ESCAPES[atom.letter][1])
+            ranges.extend(CLASS_RANGES[atom.letter])
+        else:
+            parts.append(atom.raw or "\\" + atom.letter)
+            exact = False                           # (left for the converter to refuse)
+    if j >= len(pattern):
+        return None
+    if negated:
+        return "[^" + NOT_IN_JSON_STRING + "".join(parts) + "]", j + 1
+    escaped = sorted({p for low, high in ranges for p in range(low, min(high, 0x5C) + 1)
+                      if _escaped_in_json(p)})
+    if not exact or not escaped:
+        return "[" + "".join(parts) + "]", j + 1
+    kept = "".join(_grammar_char(low) if low == high else
+                   f"{_grammar_char(low)}-{_grammar_char(high)}"
+                   for low, high in _less(ranges, escaped))
+    choices = ([f"[{kept}]"] if kept else []) + [_json_escapes(escaped)]
+    return "(" + "|".join(choices) + ")", j + 1
 
 
 def converter_pattern(pattern: str) -> str:
     """A JSON Schema `pattern` in the forms llama-cpp-python's converter turns into a
-    grammar that parses: `\\d`, `\\w`, `\\s` (and their negations outside a class) as
-    classes, an escaped punctuation mark as a class of its `\\xHH` (`\\.`, `\\-`, `\\/`:
-    copied as they were, GBNF knows no such escapes), and a non-capturing group `(?:` as a
-    group (the converter refuses `?` there; what a group captures is nothing to a
-    grammar). And a `.` or a negated class (`[^@]`) leaves out what a JSON string may
-    not hold unescaped (a quote, a backslash, control characters): written as they
-    are, they ended the string early or made it invalid JSON; for the same reason `\\s`
-    is a space (a tab or a line break is an escape in JSON text), and a quote or a
-    backslash outside a class is written escaped, as JSON text has it. Anything else is
-    left for the converter to take or refuse."""
-    out, i, in_class = [], 0, False
+    grammar that parses and writes JSON text: `\\d`, `\\w`, `\\s` (and their negations
+    outside a class) as classes, an escaped punctuation mark as a class of its `\\xHH`
+    (`\\.`, `\\-`, `\\/`: copied as they were, GBNF knows no such escapes), and a
+    non-capturing group `(?:` as a group (the converter refuses `?` there; what a group
+    captures is nothing to a grammar). What a JSON string may not hold unescaped (a
+    quote, a backslash, control characters), wherever the pattern asks for it (`"`,
+    `\\n`, `\\x22`, `[\\\\"]`, `[ -~]`), is written as JSON text escapes it; a `.` or a
+    negated class (`[^@]`) leaves it out: written as they are, they ended the string
+    early or made it invalid JSON. For the same reason `\\s` is a space (a tab or a line
+    break is an escape in JSON text). Anything else is left for the converter to take
+    or refuse."""
+    out, i = [], 0
     while i < len(pattern):
         c = pattern[i]
-        if c == "\\" and i + 1 < len(pattern):
-            e = pattern[i + 1]
-            sets = CLASS_ESCAPES.get(e)
-            if sets is not None and sets[in_class] is not None:
-                out.append(sets[in_class])
-            elif e in "\\\"" and not in_class:          # (as JSON text writes them)
-                out.append(f"([\\x5C][\\x{ord(e):02X}])")
-            elif e.isascii() and not e.isalnum() and e not in " \"":
-                # (a class of one outside a class: the converter splits an escape's
-                # characters where a quantifier might follow)
-                out.append(f"\\x{ord(e):02X}" if in_class else f"[\\x{ord(e):02X}]")
-            else:
-                out.append(c + e)
-            i += 2
+        if c == "[":
+            made = _class(pattern, i)
+            if made is None:
+                out.append(pattern[i:])
+                break
+            out.append(made[0])
+            i = made[1]
             continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True             # (to the next unescaped "]", as the converter)
-            if pattern.startswith("[^", i):
-                out.append("[^" + NOT_IN_JSON_STRING)
-                i += 2
-                continue
-        elif c == ".":
+        if c == ".":
             out.append(f"[^{NOT_IN_JSON_STRING}]")
             i += 1
             continue
-        elif c == '"':
-            out.append("([\\x5C][\\x22])")
-            i += 1
-            continue
-        elif pattern.startswith("(?:", i):
+        if pattern.startswith("(?:", i):
             out.append("(")
             i += 3
             continue
-        out.append(c)
-        i += 1
+        atom = _atom(pattern, i)
+        if atom.letter is not None:
+            out.append(CLASS_ESCAPES[atom.letter][0])
+        elif atom.point is not None and _escaped_in_json(atom.point):
+            out.append(_json_escape(atom.point))
+        elif atom.point is not None and c == "\\":
+            # (a class of one: the converter splits an escape's characters where a
+            # quantifier might follow, `\\u00e9?` into "\\u00e" "9"?)
+            out.append(f"[{_grammar_char(atom.point)}]")
+        else:
+            out.append(pattern[i:atom.end])
+        i = atom.end
     return "".join(out)
 
 
