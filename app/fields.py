@@ -282,16 +282,24 @@ MAX_BIAS_TEXTS = 16_384    # ... and of all of them (a worker tokenizes them, ~5
 class LogitBiasField(fields.Field):
     """OpenAI's `{"token id": bias}` or llama.cpp's `[[id, bias], ...]`, where llama.cpp
     also takes a text for the id (`[["Hello", -0.5]]`: each of its tokens); bias
-    -100..100, or `false` (llama.cpp: never this token)."""
+    -100..100, or `false` (llama.cpp: never this token). With `text_keys` (llama.cpp's
+    own routes, as llama-server) an object's key that is not a token id is a text too
+    (`{"Hello": -0.5}`); on OpenAI's route such a key is a 400."""
 
     default_error_messages = {
-        "invalid": "Must map token ids (or, in llama.cpp's [[token, bias]] form, texts of "
-                   f"at most {MAX_BIAS_TEXT} characters) to numbers from -100 to 100.",
+        "invalid": "Must map token ids (or, in llama.cpp's [[token, bias]] form and on its "
+                   f"routes, texts of at most {MAX_BIAS_TEXT} characters) to numbers from "
+                   "-100 to 100.",
         "too_many": "At most 1024 biased tokens.",
         "too_much_text": f"At most {MAX_BIAS_TEXTS} characters of biased texts in all.",
     }
 
+    def __init__(self, *args, text_keys: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.text_keys = text_keys
+
     def _deserialize(self, value, attr, data, **kwargs):
+        texts_allowed = isinstance(value, list) or self.text_keys
         if isinstance(value, dict):
             pairs = list(value.items())
         elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2
@@ -302,14 +310,14 @@ class LogitBiasField(fields.Field):
         if len(pairs) > 1024:
             raise self.make_error("too_many")
         out: dict[str, float] = {}
-        if isinstance(value, list) and sum(len(t) for t, _ in pairs
-                                           if isinstance(t, str)) > MAX_BIAS_TEXTS:
+        if texts_allowed and sum(len(t) for t, _ in pairs
+                                 if isinstance(t, str)) > MAX_BIAS_TEXTS:
             raise self.make_error("too_much_text")
         for token, bias in pairs:
             text = False
             if isinstance(token, str) and _TOKEN_ID.fullmatch(token.strip()):
                 token = int(token)       # ASCII digits only ("²" is a digit to isdigit)
-            elif isinstance(token, str) and isinstance(value, list) and \
+            elif isinstance(token, str) and texts_allowed and \
                     0 < len(token) <= MAX_BIAS_TEXT:
                 token, text = TEXT_BIAS + token, True   # (tokenized by the worker)
             if not text and (not _is_int(token) or token < 0):

@@ -18,7 +18,8 @@ from app import sse
 from app.client import get_client
 from app.completions import serve
 from app.errors import NotSupported, PayloadTooLarge
-from app.fields import MAX_CHOICES, BoundedList, StrictFloat, StrictInteger, StrictString
+from app.fields import (MAX_CHOICES, BoundedList, LogitBiasField, StrictFloat, StrictInteger,
+                        StrictString)
 from dispatcher.common.fields import INT_MAX
 from app.requests import parse_json_body, resolve_model, validate
 from app.schemas import CompletionRequestSchema, doc, in_range
@@ -62,6 +63,14 @@ class NativeCompletionSchema(CompletionRequestSchema):
     repeat_last_n = StrictInteger(load_default=64, allow_none=True,
                                   validate=in_range(-1, INT_MAX),
                                   metadata=doc("llama.cpp's default 64.", type="integer"))
+    logit_bias = LogitBiasField(text_keys=True, load_default=None, allow_none=True,
+                                metadata=doc(
+        "Token id → bias (-100..100, or `false`), as an object or `[[id, bias]]`; as "
+        "llama-server, a key or id that is not a token id is a text, its bias given to "
+        "each of its tokens (`{\"Hello\": -0.5}`).",
+        oneOf=[{"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
+                                                           "maximum": 100}},
+               {"type": "array", "items": {"type": "array"}}]))
     n_cmpl = StrictInteger(load_default=None, allow_none=True,
                            validate=in_range(1, MAX_CHOICES), metadata=doc(
                                "Completions of the prompt (llama.vscode sends 3): the "

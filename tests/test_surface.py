@@ -191,6 +191,14 @@ def test_logit_bias_bans_and_forces_tokens(port):
     assert text == " Paris" * 3
     text = greedy(port, PROMPT, 1, logit_bias=[[first, False]])["choices"][0]["text"]
     assert text != first
+    # llama.cpp's own routes take a text as an object's key too, as llama-server does
+    # (OpenAI's route keeps OpenAI's token-id keys: a 400 there)
+    for bias in ({" Paris": 100}, {" Paris": 100, str(banned): False}):
+        status, _, native = http_json(port, "POST", "/completion", {
+            "prompt": PROMPT, "n_predict": 3, "temperature": 0, "logit_bias": bias})
+        assert status == 200 and native["content"] == " Paris" * 3, native
+    status, error = error_of(port, {"prompt": PROMPT, "logit_bias": {" Paris": 100}})
+    assert status == 400 and error["param"] == "logit_bias"
 
 
 def test_ignore_eos_and_min_tokens_keep_generating(port):
