@@ -168,6 +168,13 @@ def _paths() -> dict:
                             "schema": {"type": "string"}}],
             "responses": {"200": {"description": "The model"},
                           **_error_responses(404, 503)}}},
+        "/props": {"get": {
+            "summary": "llama-server's server properties: the model (`?model=` or the "
+                       "default), its context, its slots and /completion's sampling defaults",
+            "parameters": [{"name": "model", "in": "query", "required": False,
+                            "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "The properties"},
+                          **_error_responses(404, 503)}}},
         "/completion": native,
         "/completions": native,
         "/infill": infill,

@@ -1,17 +1,19 @@
-"""GET /health and GET /v1/models, answered from the dispatcher's last heartbeat; the
+"""GET /health, GET /v1/models and GET /props, answered from the dispatcher's last heartbeat; the
 status page (`/`, `/ui/`) and its JSON (`GET /v1/status`), from the dispatcher's metrics
 snapshot: every worker's state, slots, counters and latency histogram, and never any
 request content."""
 from __future__ import annotations
 
 import time
+from importlib import metadata
 from pathlib import Path
 
-from flask import Blueprint, current_app, jsonify, send_from_directory
+from flask import Blueprint, current_app, jsonify, request, send_from_directory
 
 from app.client import get_client
 from app.errors import NotFound, ServiceUnavailable
-from app.requests import clipped
+from app.native import NativeCompletionSchema
+from app.requests import clipped, resolve_model
 from dispatcher.common import config
 
 bp = Blueprint("status", __name__)
@@ -70,6 +72,39 @@ def retrieve_model(model: str):
         raise NotFound(f"The model '{clipped(model)}' does not exist. Served: "
                        + ", ".join(sorted(models)), param="model", code="model_not_found")
     return jsonify(_model_object(model_id, models[model_id], aliases))
+
+
+def _native_defaults() -> dict:
+    """The sampling settings a /completion without them gets (llama.cpp's defaults)."""
+    defaults = {name: field.load_default for name, field
+                in NativeCompletionSchema().fields.items()
+                if isinstance(field.load_default, (int, float, str, list))}
+    return {"n_predict": -1, **defaults}
+
+
+@bp.get("/props")
+def props():
+    """llama-server's GET /props, which llama.cpp's web UI and client libraries read
+    before anything else: the model (`?model=` or the default), its context and slots
+    (all of its workers'), and the sampling defaults of /completion. Nothing of the
+    host: the model's id, not its file's path."""
+    state = _state()
+    model_id = resolve_model(request.args.get("model"), state)
+    info = state.models[model_id]
+    return jsonify({
+        "default_generation_settings": {"n_ctx": info.n_ctx, "params": _native_defaults()},
+        "total_slots": info.slots, "model_alias": model_id, "model_path": model_id,
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "endpoint_slots": False, "endpoint_props": False, "endpoint_metrics": True,
+        "chat_template": "", "build_info": f"completions-server {_version()}",
+        "is_sleeping": False, "infill": info.fim, "workers_ready": info.ready})
+
+
+def _version() -> str:
+    try:
+        return metadata.version("completions-server")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 STATIC = Path(__file__).resolve().parent / "static"

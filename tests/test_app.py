@@ -222,6 +222,20 @@ def test_models_and_health_come_from_the_dispatcher_state(client):
     assert health.status_code == 200 and health.get_json()["workers_ready"] == 1
 
 
+def test_props_answers_as_llama_server_from_the_dispatcher_state(client):
+    """GET /props (llama.cpp's web UI and client libraries read it first): the model's
+    context and slots, and the defaults a /completion without them gets."""
+    http, _ = client
+    props = http.get("/props").get_json()
+    assert props["model_alias"] == MODEL and props["total_slots"] >= 1
+    settings = props["default_generation_settings"]
+    assert settings["n_ctx"] > 0 and settings["params"]["temperature"] == 0.8
+    assert settings["params"]["top_k"] == 40 and settings["params"]["n_predict"] == -1
+    assert http.get("/props?model=" + MODEL).get_json() == props
+    missing = http.get("/props?model=nope")
+    assert missing.status_code == 404 and missing.get_json()["error"]["param"] == "model"
+
+
 def test_native_completion_ignores_openais_best_of_as_llama_server_does(client):
     """llama.cpp does not know best_of: one job, one answer object (it was three jobs and
     a list of three unselected summaries)."""

@@ -223,6 +223,14 @@ def test_models_and_health(real_server, model_id):
     assert [m["id"] for m in body["data"]] == [model_id] == ["gemma-3-270m-q4_k_m"]
     status, _, body = http_json(real_server.port, "GET", "/health")
     assert status == 200 and body == {"status": "ok", "workers_ready": 1, "workers_expected": 1}
+    status, _, props = http_json(real_server.port, "GET", "/props")    # (llama-server's)
+    assert status == 200 and props["model_alias"] == model_id and props["total_slots"] >= 1
+    assert props["default_generation_settings"]["n_ctx"] == body_n_ctx(real_server, model_id)
+
+
+def body_n_ctx(server, model_id) -> int:
+    _, _, model = http_json(server.port, "GET", "/v1/models/" + model_id)
+    return model["meta"]["n_ctx"]
 
 
 def test_model_may_be_omitted_when_one_is_served(real_server, model_id):
