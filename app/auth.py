@@ -17,7 +17,7 @@ from dispatcher.common.config import load_named_keys
 
 # for load balancers; the status page's files (no data: the page sends the key typed into
 # it, for its JSON and its playground)
-OPEN_PATHS = {"/health", "/", "/ui/", "/ui/status.js", "/ui/status.css"}
+OPEN_PATHS = {"/health", "/v1/health", "/", "/ui/", "/ui/status.js", "/ui/status.css"}
 # what operators read, no request content: /metrics (Prometheus) and the page's JSON, as
 # --status-access says: open, loopback (the default: open to a client on this host that
 # came straight, not through a proxy; keyed otherwise) or key

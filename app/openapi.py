@@ -144,7 +144,8 @@ def _paths() -> dict:
             "Mistral's fill-in-the-middle completion (JSON, or SSE with stream: true)",
             "FimRequest", "FimCompletion", f"A chat-completion-shaped answer, or its chunks "
             f"{sse}", (400, 404, 413, 415, 429, 503)),
-        "/v1/models": {"get": {"summary": "Models served", "responses": {
+        "/v1/models": {"get": {"summary": "Models served (also /models, as llama-server)",
+                               "responses": {
             "200": {"description": "Model list", "content": _json("ModelList")},
             **_error_responses(503)}}},
         "/v1/status": {"get": {
@@ -155,7 +156,8 @@ def _paths() -> dict:
         "/": {"get": {"summary": "The status page, with a fill-in-the-middle playground "
                                  "(also /ui/)",
                       "responses": {"200": {"description": "HTML"}}}},
-        "/health": {"get": {"summary": "200 when at least one worker is ready",
+        "/health": {"get": {"summary": "200 when at least one worker is ready (also "
+                                       "/v1/health, as llama-server)",
                             "responses": {"200": {"description": "Ready"},
                                           "503": {"description": "No worker ready"}}}},
         "/tokenize": _post("Text to token ids (llama.cpp's shape)", "TokenizeRequest",

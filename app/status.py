@@ -20,6 +20,7 @@ bp = Blueprint("status", __name__)
 
 
 @bp.get("/health")
+@bp.get("/v1/health")                   # (llama-server's other name for it)
 def health():
     state = get_client(current_app).wait_state()
     if state is None:
@@ -55,6 +56,7 @@ def _model_object(model_id: str, info, aliases: dict) -> dict:
 
 
 @bp.get("/v1/models")
+@bp.get("/models")                      # (llama-server's other name for it)
 def list_models():
     state = _state()
     return jsonify({"object": "list", "data": [

@@ -220,6 +220,9 @@ def test_models_and_health_come_from_the_dispatcher_state(client):
     assert [m["id"] for m in http.get("/v1/models").get_json()["data"]] == [MODEL]
     health = http.get("/health")
     assert health.status_code == 200 and health.get_json()["workers_ready"] == 1
+    # (llama-server's other names for both)
+    assert http.get("/v1/health").get_json() == health.get_json()
+    assert http.get("/models").get_json() == http.get("/v1/models").get_json()
 
 
 def test_props_answers_as_llama_server_from_the_dispatcher_state(client):
@@ -320,6 +323,18 @@ def test_the_client_a_session_is_inferred_for_is_its_key_and_address():
     assert who(addr="127.0.0.1", **{"X-Forwarded-For": "1.2.3.4, 10.0.0.5"}) == who()
     assert who(**{"X-Forwarded-For": "10.0.0.6"}) == who()      # not from a local proxy
     assert who(**{"X-Session-Id": "mine"}) is None
+
+
+def test_with_keys_only_the_health_routes_are_open():
+    app = create_app({"TESTING": True, "DISPATCHER": "ipc:///nonexistent",
+                      "API_KEY": "ka"})
+    app.extensions["dispatcher_client"] = FakeDispatcherClient(lambda job: completion("Hi"))
+    http = app.test_client()
+    for path in ("/health", "/v1/health"):
+        assert http.get(path).status_code == 200, path
+    for path in ("/models", "/v1/models", "/props"):
+        assert http.get(path).status_code == 401, path
+        assert http.get(path, headers={"Authorization": "Bearer ka"}).status_code == 200
 
 
 def test_any_model_name_serves_the_one_model_when_switched_on(client_of):
