@@ -385,6 +385,16 @@ def test_infill_with_fim_rep_and_sep_lays_out_a_repository(repo_model_server):
     specials = 8            # REP, SEP × 3, BOS, PRE, SUF, MID
     expected = specials + sum(len(tokens_of(port, p)) for p in pieces)
     assert json.loads(raw)["tokens_evaluated"] == expected
+    # no chunks: the opening and the closing all the same, as llama-server lays it out
+    status, raw = post_raw(port, "/infill", {**body, "input_extra": []})
+    pieces = ["myproject\n", "filename\n", "def f(", "):\n", "x"]
+    expected = 6 + sum(len(tokens_of(port, p)) for p in pieces)  # REP, SEP, BOS, PRE, SUF, MID
+    assert status == 200 and json.loads(raw)["tokens_evaluated"] == expected
+    # ... where a suffix on OpenAI's route is the plain layout
+    answer = http_json(port, "POST", "/v1/completions", {
+        "prompt": "def f(", "suffix": "):\n", "max_tokens": 1, "temperature": 0})[2]
+    assert answer["usage"]["prompt_tokens"] == 4 + sum(
+        len(tokens_of(port, p)) for p in ["def f(", "):\n"])          # BOS, PRE, SUF, MID
 
 
 def test_continue_openai_provider_fills_in_the_middle_through_the_template(editor_server):

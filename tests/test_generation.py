@@ -404,6 +404,27 @@ def test_text_biases_are_tokenized_on_the_preparing_thread_not_the_loop(loop, mo
     assert len(where) == made                  # the loop tokenized none of it again
 
 
+@pytest.mark.parametrize("rep, sep", [(300, 301), (None, 301), (300, None)])
+def test_infill_fim_rep_and_sep_each_do_their_part_as_in_llama_cpp(rep, sep):
+    """llama.cpp's format_infill: FIM_REP opens with the project, FIM_SEP names each
+    chunk's file and closes the chunks; a vocabulary with only one of them uses it (it
+    took both or neither); a chunk without FIM_SEP follows the snippet separator."""
+    from workers.prompts import CHUNK_SEPARATOR, InfillParts
+    engine = make_loop().engine
+    engine.fim_tokens, engine.fim_repo = (290, 291, 292), (rep, sep)
+    text = lambda t: engine.tokenize(t, add_special=False)  # noqa: E731
+    parts = InfillParts.of(engine, "pre", "suf", None, [{"filename": "a.py", "text": "x"}],
+                           "", framed=True)
+    opening = [rep] + text("myproject\n") if rep else []
+    chunk = ([sep] + text("a.py\n") if sep else text(CHUNK_SEPARATOR)) + text("x")
+    closing = [sep] + text("filename\n") if sep else []
+    body = engine.bos() + [290] + text("pre") + [291] + text("suf") + [292]
+    assert parts.tokens(engine) == opening + chunk + closing + body
+    assert parts.tokens(engine, dropped=1) == opening + closing + body    # (framed)
+    assert parts.length(engine, 1) == len(parts.tokens(engine, 1))
+    assert parts.length(engine, 0) == len(parts.tokens(engine, 0))
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_infill_chunks_that_could_never_stay_are_not_tokenized_and_change_nothing(seed):
     """llama.vim's ring, or a client's 8 MB of input_extra: every chunk was tokenized,

@@ -19,7 +19,7 @@ class Engine(Protocol):
     name: str                       # "llama" or "fake", reported in READY
     fingerprint: str                # model file and build, for `system_fingerprint`
     fim_tokens: tuple[int, int, int] | None    # (PRE, SUF, MID), None: no FIM
-    fim_repo: tuple[int, int] | None           # (REP, SEP) for repository-level FIM
+    fim_repo: tuple[int | None, int | None] | None   # (REP, SEP): repository-level FIM
     n_ctx: int                      # context per sequence, in tokens
     n_layer: int
     layers_offloaded: int           # layers on an accelerator, as the load reported

@@ -161,9 +161,13 @@ class Fitted:
 
 @dataclass
 class InfillParts:
-    """An infill prompt's parts as tokens: with the vocabulary's FIM_REP/FIM_SEP the
-    extra chunks are a repository (`FIM_REP project FIM_SEP filename text ... FIM_SEP
-    filename`), otherwise each is preceded by a snippet separator. A FIM template (the
+    """An infill prompt's parts as tokens, as llama.cpp's format_infill makes them: with
+    the vocabulary's FIM_REP the prompt opens with `FIM_REP myproject`; with its FIM_SEP
+    each extra chunk is `FIM_SEP filename text` and `FIM_SEP filename` follows them (a
+    repository), otherwise each is preceded by a snippet separator. On /infill
+    (`framed`) the opening and the closing are there with no chunks too, as llama-server
+    has them; a `suffix` on the other routes without chunks is the plain layout. A FIM
+    template (the
     server's, for this model) takes the place of the FIM tokens. The code (prefix,
     suffix, chunks, file names) is text: `<|fim_middle|>` or `<eos>` in a file stays
     those characters, never a control token that would end or rearrange the layout
@@ -171,8 +175,8 @@ class InfillParts:
     parsed, as llama.cpp parses it."""
     template: FimTemplate | None
     chunks: list[list[int]]   # each extra chunk with what precedes it, oldest first
-    opening: list[int]        # FIM_REP project (with chunks, in a repository layout)
-    closing: list[int]        # FIM_SEP filename after the chunks (the same)
+    opening: list[int]        # FIM_REP project (where the vocabulary has FIM_REP)
+    closing: list[int]        # FIM_SEP filename after the chunks (where it has FIM_SEP)
     prefix: list[int]
     suffix: list[int]
     middle: list[int]
@@ -180,11 +184,12 @@ class InfillParts:
     precut: bool = False      # the prefix's start or the suffix's end cut before tokenizing
     unread: int = 0           # the oldest chunks, never tokenized: they could not stay
     bare: int | None = None   # tokens without any chunk (`length`, once known)
+    framed: bool = False      # the opening and closing even without chunks (/infill)
 
     @classmethod
     def of(cls, engine, prefix, suffix: str, template: FimTemplate | None,
            extra: list[dict], middle: str, max_chars: int = 0,
-           budget: int = 0) -> "InfillParts":
+           budget: int = 0, framed: bool = False) -> "InfillParts":
         """`max_chars` (0: none): the prefix's last and the suffix's first so many
         characters only, where more could never fit (a megabyte of prefix is not
         tokenized to keep its last few thousand tokens). `budget` (0: none): the tokens
@@ -205,32 +210,32 @@ class InfillParts:
                                "--fim-template, so 'suffix' cannot be used",
                                code="fim_unsupported", param="suffix")
         text = lambda t: engine.tokenize(t, add_special=False, parse_special=False)  # noqa: E731
-        repo = engine.fim_repo if template is None else None
+        rep, sep = (engine.fim_repo or (None, None)) if template is None else (None, None)
         chunks: list[list[int]] = []
         tokens = chars = 0
         for c in reversed(extra):             # the newest first: the oldest go first
             chars += len(str(c.get("text") or ""))
             if budget and (tokens > budget or (max_chars and chars > max_chars)):
                 break
-            chunk = ([repo[1]] + text(str(c.get("filename") or "tmp") + "\n")
-                     if repo is not None else text(CHUNK_SEPARATOR)) \
+            chunk = ([sep] + text(str(c.get("filename") or "tmp") + "\n")
+                     if sep is not None else text(CHUNK_SEPARATOR)) \
                 + text(str(c.get("text") or ""))
             tokens += len(chunk)
             chunks.append(chunk)
         unread = len(extra) - len(chunks)
         return cls(template, [[]] * unread + chunks[::-1],
-                   [repo[0]] + text("myproject\n") if repo is not None else [],
-                   [repo[1]] + text("filename\n") if repo is not None else [],
+                   [rep] + text("myproject\n") if rep is not None else [],
+                   [sep] + text("filename\n") if sep is not None else [],
                    _tokens(engine, prefix, first_special=False, parse_special=False),
                    text(suffix),
                    engine.tokenize(middle, add_special=False) if middle else [], precut,
-                   unread)
+                   unread, framed=framed)
 
     def tokens(self, engine, dropped: int = 0) -> list[int]:
         """The prompt, the oldest `dropped` chunks left out (the unread ones always)."""
         kept = self.chunks[max(dropped, self.unread):]
         out = self.opening + [t for chunk in kept for t in chunk] + self.closing \
-            if kept else []
+            if kept or self.framed else []
         if self.template is not None:
             body = self.template.tokens(engine, self.prefix, self.suffix)
         else:
@@ -244,8 +249,8 @@ class InfillParts:
         if self.bare is None:
             self.bare = len(self.tokens(engine, len(self.chunks)))
         kept = self.chunks[max(dropped, self.unread):]
-        return self.bare + (len(self.opening) + len(self.closing) + sum(map(len, kept))
-                            if kept else 0)
+        frame = 0 if self.framed else len(self.opening) + len(self.closing)
+        return self.bare + (frame + sum(map(len, kept)) if kept else 0)
 
     def fit(self, engine, budget: int) -> Fitted:
         """At most `budget` tokens, as llama.cpp's /infill makes its prompt fit: the
@@ -298,7 +303,7 @@ def fitted_prompt(engine, body: P.WorkerJob, template: FimTemplate | None,
     longest = engine.longest_piece() if len(str(body.prompt)) + len(body.suffix or "") + \
         sum(len(str(c.get("text") or "")) for c in extra) > budget * SAFETY else 0
     parts = InfillParts.of(engine, body.prompt, body.suffix or "", template, extra, middle,
-                           max_chars=budget * longest, budget=budget)
+                           max_chars=budget * longest, budget=budget, framed=True)
     return parts.fit(engine, budget)
 
 

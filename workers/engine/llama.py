@@ -236,9 +236,9 @@ class LlamaEngine:
         fim = (llama_cpp.llama_vocab_fim_pre(self.vocab), llama_cpp.llama_vocab_fim_suf(self.vocab),
                llama_cpp.llama_vocab_fim_mid(self.vocab))
         self.fim_tokens = fim if all(t >= 0 for t in fim) else None
-        repo = (llama_cpp.llama_vocab_fim_rep(self.vocab),
-                llama_cpp.llama_vocab_fim_sep(self.vocab))
-        self.fim_repo = repo if all(t >= 0 for t in repo) else None   # repo-level FIM
+        repo = tuple(t if t >= 0 else None for t in (
+            llama_cpp.llama_vocab_fim_rep(self.vocab), llama_cpp.llama_vocab_fim_sep(self.vocab)))
+        self.fim_repo = repo if repo != (None, None) else None   # repo-level FIM
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.vocabulary = Vocabulary(llama_cpp, self.vocab, self.n_vocab, self.add_bos)
         eog = frozenset(self.eog_tokens)
