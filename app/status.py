@@ -87,11 +87,12 @@ def _native_defaults() -> dict:
 @bp.get("/props")
 def props():
     """llama-server's GET /props, which llama.cpp's web UI and client libraries read
-    before anything else: the model (`?model=` or the default), its context and slots
+    before anything else: the model (`?model=` or the default; with one model served,
+    any name means it, as on llama.cpp's other routes), its context and slots
     (all of its workers'), and the sampling defaults of /completion. Nothing of the
     host: the model's id, not its file's path."""
     state = _state()
-    model_id = resolve_model(request.args.get("model"), state)
+    model_id = resolve_model(request.args.get("model"), state, any_name=True)
     info = state.models[model_id]
     return jsonify({
         "default_generation_settings": {"n_ctx": info.n_ctx, "params": _native_defaults()},

@@ -220,6 +220,10 @@ JSON_TEXT_PATTERNS = [
     ("^[^a]$", ["b", " "], 'ab"\\n\n'),
     ("^.a$", ["ba"], 'ab"\\n\n'),
     ("^[\\w\\s-]$", ["a", "-", " ", "_"], 'a-_ \t"\\'),
+    # (`\\U` as Python and GBNF read it; `[\\b]` a backspace; `]` and `}` outside a
+    # class are characters: the converter's literal loop stood still on them for 5 s)
+    ("^\\U00000022[\\U00000041-\\U00000043]$", ['"A', '"C'], 'ABCD"\\-'),
+    ("^[\\b]a]}{1,2}$", ["\ba]}", "\ba]}}"], 'ab]}"\\'),
 ]
 
 
@@ -247,7 +251,16 @@ def test_every_text_a_pattern_grammar_writes_is_json_of_a_matching_string(
 
 PATTERN_ATOMS = ["a", '"', "\\\\", "\\n", "\\t", "\\x22", "\\u005c", ".", "[^a]", '[a"]',
                  "[ -~]", "[\\x00-\\x7F]", "\\d", "\\s", "\\S", "\\W", '[\\w"]', '(?:a|")',
-                 "[\\\\-a]", "\\-"]
+                 "[\\\\-a]", "\\-", "\\U0000005c", "]", "}", "[\\b]"]
+
+
+@pytest.mark.parametrize("pattern, says", [
+    ("^a[]b$", "empty class"), ("^[]a]$", "empty class"), ("^\\01$", "escape")])
+def test_patterns_no_string_could_match_or_read_otherwise_are_refused(pattern, says):
+    """An empty class matches nothing (JavaScript); it was left out, so `^a[]b$` wrote
+    "ab". An octal escape (`\\01`) was a NUL and a 1."""
+    with pytest.raises(sg.SchemaRefused, match=says):
+        sg.SchemaGrammars().grammar({"type": "string", "pattern": pattern})
 
 
 def test_random_patterns_of_json_escaped_characters_write_only_json_they_match():

@@ -236,7 +236,7 @@ CLASS_RANGES = {"d": ((0x30, 0x39),), "w": ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0
                                             (0x61, 0x7A)), "s": ((0x20, 0x20),)}
 # escapes of one character (a regular expression's, JavaScript's)
 LETTER_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "0": 0x00}
-HEX_ESCAPES = {"x": 2, "u": 4}
+HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}          # (`\\U`: Python's, and GBNF's)
 
 
 @dataclass(frozen=True)
@@ -250,7 +250,7 @@ class Atom:
     raw: str | None = None
 
 
-def _atom(pattern: str, i: int) -> Atom:
+def _atom(pattern: str, i: int, in_class: bool = False) -> Atom:
     c = pattern[i]
     if c != "\\" or i + 1 == len(pattern):
         return Atom(i + 1, point=ord(c))
@@ -258,12 +258,15 @@ def _atom(pattern: str, i: int) -> Atom:
     size = HEX_ESCAPES.get(e)
     if size is not None:
         digits = pattern[i + 2:i + 2 + size]
-        if len(digits) == size and all(d in "0123456789abcdefABCDEF" for d in digits):
+        if len(digits) == size and all(d in "0123456789abcdefABCDEF" for d in digits) \
+                and int(digits, 16) <= 0x10FFFF:
             return Atom(i + 2 + size, point=int(digits, 16))
     if e in CLASS_ESCAPES:
         return Atom(i + 2, letter=e)
-    if e in LETTER_ESCAPES:
-        return Atom(i + 2, point=LETTER_ESCAPES[e])
+    if e == "0" and pattern[i + 2:i + 3].isdigit():
+        return Atom(i + 2, raw=pattern[i:i + 2])        # (an octal escape: refused)
+    if e in LETTER_ESCAPES or (e == "b" and in_class):  # (`[\\b]`: a backspace)
+        return Atom(i + 2, point=LETTER_ESCAPES.get(e, 0x08))
     if e.isascii() and not e.isalnum():
         return Atom(i + 2, point=ord(e))
     return Atom(i + 2, raw=pattern[i:i + 2])
@@ -292,11 +295,11 @@ def _class(pattern: str, i: int) -> tuple[str, int] | None:
     j += negated
     parts, ranges, exact = [], [], True
     while j < len(pattern) and pattern[j] != "]":   # (to the next "]", as the converter)
-        atom = _atom(pattern, j)
+        atom = _atom(pattern, j, in_class=True)
         j = atom.end
         if atom.point is not None and pattern.startswith("-", j) \
                 and j + 1 < len(pattern) and pattern[j + 1] != "]":
-            upper = _atom(pattern, j + 1)
+            upper = _atom(pattern, j + 1, in_class=True)
             if upper.point is not None:
                 parts.append(f"{_grammar_char(atom.point)}-{_grammar_char(upper.point)}")
                 ranges.append((atom.point, upper.point))
@@ -313,6 +316,8 @@ def _class(pattern: str, i: int) -> tuple[str, int] | None:
             exact = False                           # (left for the converter to refuse)
     if j >= len(pattern):
         return None
+    if not parts and not negated:
+        raise ValueError("an empty class [] matches nothing")
     if negated:
         return "[^" + NOT_IN_JSON_STRING + "".join(parts) + "]", j + 1
     escaped = sorted({p for low, high in ranges for p in range(low, min(high, 0x5C) + 1)
@@ -357,6 +362,16 @@ def converter_pattern(pattern: str) -> str:
         if pattern.startswith("(?:", i):
             out.append("(")
             i += 3
+            continue
+        if c == "{":                    # a quantifier, to its "}" (as the converter reads it)
+            end = pattern.find("}", i)
+            end = len(pattern) if end < 0 else end + 1
+            out.append(pattern[i:end])
+            i = end
+            continue
+        if c in "]}":                   # (a literal, as JavaScript reads it: the converter's
+            out.append(f"[\\x{ord(c):02X}]")     # literal loop stood still on it until cut off)
+            i += 1
             continue
         atom = _atom(pattern, i)
         if atom.letter is not None:
