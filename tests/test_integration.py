@@ -181,6 +181,24 @@ def test_patterns_and_backslashes_in_a_schema_give_json_valid_against_it(client,
         jsonschema.validate(json.loads(answer.choices[0].text), schema)
 
 
+def test_long_length_and_item_bounds_in_a_schema_are_served(client, model_id):
+    """`maxLength: 300` (pydantic's `Field(max_length=300)`) and `maxItems: 150` were a
+    400: the converter's grammar nested a group for each repetition, past 100 deep."""
+    import json
+    import jsonschema
+    schema = {"type": "object", "properties": {
+        "title": {"type": "string", "minLength": 1, "maxLength": 300},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                 "maxItems": 150}}, "required": ["title", "tags"]}
+    answer = client.completions.create(
+        model=model_id, prompt="A short book record as JSON: ", max_tokens=120,
+        temperature=0, extra_body={"json_schema": schema, **NO_CACHE})
+    if answer.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(answer.choices[0].text), schema)
+    else:                         # (cut by max_tokens: a prefix of such JSON)
+        assert answer.choices[0].text.startswith('{"title":')
+
+
 def test_penalties_and_truncation_samplers_are_accepted(client, model_id):
     result = client.completions.create(
         model=model_id, prompt=CODE_PROMPT, max_tokens=8, temperature=0.7, top_p=0.9,

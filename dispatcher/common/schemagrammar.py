@@ -175,7 +175,33 @@ def _converter():
     if "\\" not in getattr(module, "GRAMMAR_LITERAL_ESCAPES", {"\\": ""}):
         module.GRAMMAR_LITERAL_ESCAPE_RE = re.compile(r'[\r\n"\\]')
         module.GRAMMAR_LITERAL_ESCAPES = {**module.GRAMMAR_LITERAL_ESCAPES, "\\": "\\\\"}
+    if hasattr(module, "_build_repetition"):
+        module._build_repetition = gbnf_repetition
     return module.json_schema_to_gbnf
+
+
+def gbnf_repetition(item_rule: str, min_items: int, max_items: int | None,
+                    separator_rule: str | None = None, item_rule_is_literal: bool = False
+                    ) -> str:
+    """The converter's `_build_repetition`, written with GBNF's own `{m,n}` (as llama.cpp's
+    converter writes it now): the converter nested one optional group in another for
+    each repetition past the least, so `"maxLength": 200`, `"maxItems": 150` or
+    `.{0,200}` made a grammar more than 100 groups deep, refused. `item_rule` is one
+    element (a rule's name, a literal, a group)."""
+    if max_items == 0:
+        return ""
+    if min_items == 0 and max_items == 1:
+        return f"{item_rule}?"
+    if item_rule_is_literal and min_items == max_items and not separator_rule:
+        return '"' + item_rule[1:-1] * min_items + '"'       # (`ab{3}`: "ababab")
+    if not separator_rule:
+        if max_items is None:
+            return {0: f"{item_rule}*", 1: f"{item_rule}+"}.get(
+                min_items, f"{item_rule}{{{min_items},}}")
+        return f"{item_rule}{{{min_items},{max_items}}}"
+    rest = gbnf_repetition(f"({separator_rule} {item_rule})", max(min_items - 1, 0),
+                           None if max_items is None else max_items - 1)
+    return f"{item_rule} {rest}" if min_items else f"({item_rule} {rest})?"
 
 
 # what a JSON string may not hold unescaped: the grammar writes a pattern's characters
@@ -215,6 +241,12 @@ def _json_escapes(points: list[int]) -> str:
     return "[\\x5C](" + "|".join(after) + ")"
 
 
+def _ranges_text(ranges) -> str:
+    """Code point ranges as a grammar class's text."""
+    return "".join(_grammar_char(low) if low == high else
+                   f"{_grammar_char(low)}-{_grammar_char(high)}" for low, high in ranges)
+
+
 def _grammar_char(point: int) -> str:
     """The character at `point` as a grammar class writes it: as it is where that
     cannot be read otherwise."""
@@ -226,14 +258,33 @@ def _grammar_char(point: int) -> str:
 
 
 # a regular expression's classes the converter copies into the grammar as they are, and
-# GBNF has no such escapes: the sets they stand for (outside a class, inside one)
-CLASS_ESCAPES = {"d": ("[0-9]", "0-9"), "w": ("[0-9A-Za-z_]", "0-9A-Za-z_"),
-                 "s": ("[ ]", " "),      # (a tab or line break is an escape in JSON text)
-                 "D": (f"[^{NOT_IN_JSON_STRING}0-9]", None),
-                 "W": (f"[^{NOT_IN_JSON_STRING}0-9A-Za-z_]", None),
-                 "S": (f"[^{NOT_IN_JSON_STRING} ]", None)}
-CLASS_RANGES = {"d": ((0x30, 0x39),), "w": ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F),
-                                            (0x61, 0x7A)), "s": ((0x20, 0x20),)}
+# GBNF has no such escapes: the sets they stand for outside a class
+CLASS_ESCAPES = {"d": "[0-9]", "w": "[0-9A-Za-z_]",
+                 "s": "[ ]",             # (a tab or line break is an escape in JSON text)
+                 "D": f"[^{NOT_IN_JSON_STRING}0-9]",
+                 "W": f"[^{NOT_IN_JSON_STRING}0-9A-Za-z_]",
+                 "S": f"[^{NOT_IN_JSON_STRING} ]"}
+# JavaScript's \\s (\\S is everything else)
+WHITESPACE = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
+              (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000),
+              (0xFEFF, 0xFEFF))
+
+
+def _complement(ranges) -> tuple[tuple[int, int], ...]:
+    """Every code point outside the sorted, disjoint `ranges`."""
+    out, low = [], 0
+    for start, end in ranges:
+        if low < start:
+            out.append((low, start - 1))
+        low = end + 1
+    return tuple(out + [(low, 0x10FFFF)])
+
+
+# ... the sets inside a class, as code point ranges (`[\\s\\S]`: anything but
+# whitespace other than the space, as \\s is a space here)
+DIGITS, WORD = ((0x30, 0x39),), ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
+CLASS_RANGES = {"d": DIGITS, "w": WORD, "s": ((0x20, 0x20),), "D": _complement(DIGITS),
+                "W": _complement(WORD), "S": _complement(WHITESPACE)}
 # escapes of one character (a regular expression's, JavaScript's)
 LETTER_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "0": 0x00}
 HEX_ESCAPES = {"x": 2, "u": 4, "U": 8}          # (`\\U`: Python's, and GBNF's)
@@ -308,11 +359,11 @@ def _class(pattern: str, i: int) -> tuple[str, int] | None:
         if atom.point is not None:
             parts.append(_grammar_char(atom.point))
             ranges.append((atom.point, atom.point))
-        elif atom.letter is not None and CLASS_ESCAPES[atom.letter][1] is not None:
-            parts.append(CLASS_ESCAPES[atom.letter][1])
+        elif atom.letter is not None:
+            parts.append(_ranges_text(CLASS_RANGES[atom.letter]))
             ranges.extend(CLASS_RANGES[atom.letter])
         else:
-            parts.append(atom.raw or "\\" + atom.letter)
+            parts.append(atom.raw)
             exact = False                           # (left for the converter to refuse)
     if j >= len(pattern):
         return None
@@ -324,9 +375,7 @@ def _class(pattern: str, i: int) -> tuple[str, int] | None:
                       if _escaped_in_json(p)})
     if not exact or not escaped:
         return "[" + "".join(parts) + "]", j + 1
-    kept = "".join(_grammar_char(low) if low == high else
-                   f"{_grammar_char(low)}-{_grammar_char(high)}"
-                   for low, high in _less(ranges, escaped))
+    kept = _ranges_text(_less(ranges, escaped))
     choices = ([f"[{kept}]"] if kept else []) + [_json_escapes(escaped)]
     return "(" + "|".join(choices) + ")", j + 1
 
@@ -375,7 +424,7 @@ def converter_pattern(pattern: str) -> str:
             continue
         atom = _atom(pattern, i)
         if atom.letter is not None:
-            out.append(CLASS_ESCAPES[atom.letter][0])
+            out.append(CLASS_ESCAPES[atom.letter])
         elif atom.point is not None and _escaped_in_json(atom.point):
             out.append(_json_escape(atom.point))
         elif atom.point is not None and c == "\\":
