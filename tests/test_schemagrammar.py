@@ -430,3 +430,20 @@ def test_what_a_repetition_takes_is_what_it_took():
             else:
                 import re
                 assert re.fullmatch(schema["pattern"][1:-1], value)
+
+
+@pytest.mark.parametrize("pattern, values", [
+    ("\\d", ["1", "a1b", "11"]), ("^a", ["a", "ab1"]), ("1$", ["1", "a1"]),
+    ("a|1", ["a", "b1", "1b"]), ("", ["", "ab"])])
+def test_a_pattern_without_anchors_matches_anywhere_as_json_schema_says(pattern, values):
+    """JSON Schema's patterns search (ECMA-262): `\\d` is any string with a digit. The
+    converter refused every pattern without both anchors (pydantic's `Field(pattern=
+    r"\\d+")` was a 400); the free ends are now any characters."""
+    import json
+    import re
+    texts = _texts_of(sg.SchemaGrammars().grammar({"type": "string", "pattern": pattern}),
+                      'ab1"\\', 6)
+    assert texts and all(re.search(pattern, json.loads(text)) for text in texts)
+    assert all(json.dumps(value) in texts for value in values)
+    with pytest.raises(sg.SchemaRefused):     # (an anchor that belongs to one choice)
+        sg.SchemaGrammars().grammar({"type": "string", "pattern": "^a|b"})

@@ -380,6 +380,47 @@ def _class(pattern: str, i: int) -> tuple[str, int] | None:
     return "(" + "|".join(choices) + ")", j + 1
 
 
+def _top_level_choice(body: str) -> bool:
+    """Whether `body` has a `|` outside every group and class."""
+    depth, in_class, i = 0, False, 0
+    while i < len(body):
+        c = body[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c in "()":
+            depth += 1 if c == "(" else -1
+        elif c == "|" and depth == 0:
+            return True
+        i += 1
+    return False
+
+
+def anchored(pattern: str) -> str:
+    """A JSON Schema `pattern` as the converter takes it, `^…$`: JSON Schema's patterns
+    match anywhere in the string (ECMA-262's search), and the converter refused any
+    without both anchors, so `\\d+` (pydantic's `Field(pattern=...)` as often written)
+    was a 400. The free ends become `.*` (`abc` is `^.*(?:abc).*$`). A pattern with one
+    anchor and a choice outside any group (`^a|b`) is left for the converter to refuse:
+    its anchor belongs to one choice."""
+    body = pattern
+    start = body.startswith("^")
+    body = body[1:] if start else body
+    end = body.endswith("$") and (len(body) - len(body[:-1].rstrip("\\")) - 1) % 2 == 0
+    body = body[:-1] if end else body
+    if start and end:
+        return pattern
+    if not start and not end:
+        return "^.*(?:" + body + ").*$" if body else "^.*$"
+    if _top_level_choice(body):
+        return pattern
+    return ("^" if start else "^.*") + body + ("$" if end else ".*$")
+
+
 def converter_pattern(pattern: str) -> str:
     """A JSON Schema `pattern` in the forms llama-cpp-python's converter turns into a
     grammar that parses and writes JSON text: `\\d`, `\\w`, `\\s` (and their negations
@@ -472,7 +513,7 @@ def normalized(node: object) -> object:
     out = {}
     for key, value in node.items():
         if key == "pattern" and isinstance(value, str):
-            value = converter_pattern(value)
+            value = converter_pattern(anchored(value))
         elif key in SCHEMA_MAPS and isinstance(value, dict):
             value = {name: normalized(sub) for name, sub in value.items()}
         elif key in SCHEMA_LISTS and isinstance(value, list):
