@@ -199,6 +199,27 @@ def test_long_length_and_item_bounds_in_a_schema_are_served(client, model_id):
         assert answer.choices[0].text.startswith('{"title":')
 
 
+def test_integer_bounds_and_lists_of_types_hold_in_the_answer(client, model_id):
+    """An OpenAI strict-mode schema: integer bounds (the converter left them out) and
+    `"type": [..., "null"]` beside `enum` and `properties` (it kept the types bare)."""
+    import json
+    import jsonschema
+    schema = {"type": "object", "additionalProperties": False, "required": [
+        "year", "rating", "colour", "owner"], "properties": {
+        "year": {"type": "integer", "minimum": 1990, "maximum": 2030},
+        "rating": {"type": ["integer", "null"], "minimum": 1, "maximum": 5},
+        "colour": {"type": ["string", "null"], "enum": ["red", "green", None]},
+        "owner": {"type": ["object", "null"], "additionalProperties": False,
+                  "required": ["age"], "properties": {
+                      "age": {"type": "integer", "exclusiveMinimum": 17, "maximum": 99}}}}}
+    for prompt in ("A car as JSON: ", "{"):
+        answer = client.completions.create(
+            model=model_id, prompt=prompt, max_tokens=80, temperature=0,
+            extra_body={"json_schema": schema, **NO_CACHE})
+        assert answer.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(answer.choices[0].text), schema)
+
+
 def test_penalties_and_truncation_samplers_are_accepted(client, model_id):
     result = client.completions.create(
         model=model_id, prompt=CODE_PROMPT, max_tokens=8, temperature=0.7, top_p=0.9,

@@ -33,7 +33,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from dispatcher.common import grammar as gbnf
+from dispatcher.common import grammar as gbnf, intrange
 
 MAX_WORK = 400_000          # the converter's steps, as `estimate` counts them
 MAX_REPETITION = 2000       # one count: minItems, maxLength, a pattern's {n,m} ...
@@ -177,7 +177,25 @@ def _converter():
         module.GRAMMAR_LITERAL_ESCAPES = {**module.GRAMMAR_LITERAL_ESCAPES, "\\": "\\\\"}
     if hasattr(module, "_build_repetition"):
         module._build_repetition = gbnf_repetition
+    converter = getattr(module, "SchemaConverter", None)
+    if converter is not None and hasattr(module, "RESERVED_NAMES"):
+        converter.visit = _bounded_integers(converter.visit, module.RESERVED_NAMES)
     return module.json_schema_to_gbnf
+
+
+def _bounded_integers(visit, reserved):
+    """The converter's `visit`, an integer with bounds (`minimum`, ...) made the choice
+    of the integers between them (intrange): the converter left the bounds out."""
+    def bounded_visit(self, schema, name):
+        if isinstance(schema, dict) and schema.get("type") == "integer" \
+                and "enum" not in schema and "const" not in schema \
+                and any(key in schema for key in intrange.BOUNDS):
+            least, most = intrange.integer_bounds(schema)
+            if least is not None or most is not None:
+                rule = name + "-" if name in reserved else name or "root"
+                return self._add_rule(rule, f"({intrange.integer_range(least, most)}) space")
+        return visit(self, schema, name)
+    return bounded_visit
 
 
 def gbnf_repetition(item_rule: str, min_items: int, max_items: int | None,
@@ -489,6 +507,52 @@ ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$commen
                          "deprecated", "readOnly", "writeOnly", "$schema", "$id"))
 
 
+# the keywords that say something of a value of one type only
+TYPE_KEYWORDS = {
+    "string": ("minLength", "maxLength", "pattern", "format"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+    "array": ("items", "prefixItems", "minItems", "maxItems", "uniqueItems", "contains"),
+    "object": ("properties", "required", "additionalProperties", "patternProperties",
+               "minProperties", "maxProperties", "propertyNames", "dependentRequired")}
+TYPE_KEYWORDS["integer"] = TYPE_KEYWORDS["number"]
+JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "array": (list,),
+              "object": (dict,), "boolean": (bool,), "null": (type(None),)}
+
+
+def _of_type(value, kind: str) -> bool:
+    if isinstance(value, bool):
+        return kind == "boolean"
+    if kind == "integer" and isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, JSON_TYPES.get(kind, ()))
+
+
+def _typed_choices(node: dict) -> dict:
+    """A node of several types (`"type": ["object", "null"]`) with keywords for them, as
+    a choice of one node a type, each with its own keywords: the converter made each
+    type bare, so `"properties"`, `"maxLength"` or `"minimum"` beside a list of types
+    were left out (any object, any string). With `enum` or `const` the values say it
+    all: the list of types keeps only those of the types (the converter took the types
+    and left the values out: OpenAI's strict `{"type": ["string", "null"], "enum":
+    ["red", null]}` wrote any string)."""
+    kinds = node.get("type")
+    if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds) or \
+            any(key in node for key in ("$ref", "anyOf", "oneOf", "allOf")):
+        return node
+    if "enum" in node and isinstance(node["enum"], list):
+        rest = {k: v for k, v in node.items() if k != "type"}
+        return {**rest, "enum": [v for v in node["enum"] if any(_of_type(v, k) for k in kinds)]}
+    if "const" in node:
+        return {k: v for k, v in node.items() if k != "type"}
+    specific = {key for kind in kinds for key in TYPE_KEYWORDS.get(kind, ())}
+    if not specific.intersection(node):
+        return node
+    shared = {k: v for k, v in node.items() if k != "type" and k not in specific}
+    return {**shared, "anyOf": [
+        {"type": kind, **{k: v for k, v in node.items() if k in TYPE_KEYWORDS.get(kind, ())}}
+        for kind in kinds]}
+
+
 def normalized(node: object) -> object:
     """`node` as llama-cpp-python's converter takes it, meaning what JSON Schema says:
     `true` (any value) where a schema goes, `"items": {}` (any items), and a schema of
@@ -510,6 +574,7 @@ def normalized(node: object) -> object:
         return dict(ANY)
     if not isinstance(node, dict):
         return node
+    node = _typed_choices(node)
     out = {}
     for key, value in node.items():
         if key == "pattern" and isinstance(value, str):
