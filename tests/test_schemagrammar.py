@@ -474,3 +474,21 @@ def test_bounds_and_keywords_beside_a_list_of_types_are_kept(schema, alphabet, l
     assert set(some) <= texts
     with pytest.raises(sg.SchemaRefused, match="no integer lies between"):
         sg.SchemaGrammars().grammar({"type": "integer", "minimum": 0.2, "maximum": 0.8})
+
+
+@pytest.mark.parametrize("schema, some", [
+    ({"type": "string", "pattern": "^[a-c]+$", "maxLength": 3}, ['"a"', '"abc"']),
+    ({"type": "string", "pattern": "^\\w*$", "minLength": 2, "maxLength": 2}, ['"ab"']),
+    ({"type": "string", "pattern": "^.{1,9}$", "maxLength": 2}, ['"a"', '"ab"'])])
+def test_a_patterns_length_bounds_are_kept_where_it_repeats_one_character(schema, some):
+    """pydantic's `constr(pattern="^[a-z]+$", max_length=20)`: the converter took the
+    pattern and left the lengths out."""
+    import json
+    import jsonschema
+    texts = _texts_of(sg.SchemaGrammars().grammar(schema), 'abc"\\\\', 7)
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+    assert set(some) <= texts
+    with pytest.raises(sg.SchemaRefused, match="no string of 4..9 characters"):
+        sg.SchemaGrammars().grammar({"type": "string", "pattern": "^x{3}$", "minLength": 4,
+                                     "maxLength": 9})

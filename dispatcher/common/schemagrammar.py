@@ -439,6 +439,40 @@ def anchored(pattern: str) -> str:
     return ("^" if start else "^.*") + body + ("$" if end else ".*$")
 
 
+# a pattern of one character repeated, `^[a-z]+$`, `^\\w{2,8}$` (the atom, the quantifier)
+ONE_CHARACTER_REPEATED = re.compile(
+    r"\^(\[(?:\\.|[^\]\\])+\]|\\[dwsDWS]|\.|[^\\\[\](){}|*+?.^$])"
+    r"(\*|\+|\?|\{\s*\d+\s*\}|\{\s*\d+\s*,\s*\d*\s*\})\$")
+
+
+def _quantifier_bounds(quantifier: str) -> tuple[int, int | None]:
+    if quantifier in "*+?":
+        return {"*": (0, None), "+": (1, None), "?": (0, 1)}[quantifier]
+    numbers = [n.strip() for n in quantifier[1:-1].split(",")]
+    least = int(numbers[0])
+    if len(numbers) == 1:
+        return least, least
+    return least, int(numbers[1]) if numbers[1] else None
+
+
+def length_bounded(pattern: str, least: int, most: int | None) -> str | None:
+    """A pattern of one character repeated (`^[a-z]+$`) with a string's `minLength`
+    and `maxLength` folded into its quantifier (`^[a-z]{1,20}$`): the converter takes
+    the pattern and leaves the lengths out, so pydantic's `constr(pattern=...,
+    max_length=20)` wrote strings of any length. None for any other pattern (the
+    lengths are then left out, as the converter and llama-server leave them)."""
+    match = ONE_CHARACTER_REPEATED.fullmatch(pattern)
+    if match is None:
+        return None
+    low, high = _quantifier_bounds(match.group(2))
+    low = max(low, least)
+    high = most if high is None else high if most is None else min(high, most)
+    if high is not None and low > high:
+        raise ValueError(f"no string of {least}..{most} characters matches the pattern "
+                         f"{_short(pattern)}")
+    return f"^{match.group(1)}{{{low},{'' if high is None else high}}}$"
+
+
 def converter_pattern(pattern: str) -> str:
     """A JSON Schema `pattern` in the forms llama-cpp-python's converter turns into a
     grammar that parses and writes JSON text: `\\d`, `\\w`, `\\s` (and their negations
@@ -575,6 +609,11 @@ def normalized(node: object) -> object:
     if not isinstance(node, dict):
         return node
     node = _typed_choices(node)
+    if isinstance(node.get("pattern"), str) and ("minLength" in node or "maxLength" in node):
+        least, most = node.get("minLength", 0), node.get("maxLength")
+        if isinstance(least, int) and (most is None or isinstance(most, int)):
+            bounded = length_bounded(anchored(node["pattern"]), least, most)
+            node = node if bounded is None else {**node, "pattern": bounded}
     out = {}
     for key, value in node.items():
         if key == "pattern" and isinstance(value, str):
