@@ -434,19 +434,19 @@ def test_what_a_repetition_takes_is_what_it_took():
 
 @pytest.mark.parametrize("pattern, values", [
     ("\\d", ["1", "a1b", "11"]), ("^a", ["a", "ab1"]), ("1$", ["1", "a1"]),
-    ("a|1", ["a", "b1", "1b"]), ("", ["", "ab"])])
+    ("a|1", ["a", "b1", "1b"]), ("", ["", "ab"]), ("^a|b$", ["a", "ab1", "1b"]),
+    ("^a$|^1$", ["a", "1"]), ("^\\d$|^\\d-\\d$", ["1", "1-1"])])
 def test_a_pattern_without_anchors_matches_anywhere_as_json_schema_says(pattern, values):
     """JSON Schema's patterns search (ECMA-262): `\\d` is any string with a digit. The
     converter refused every pattern without both anchors (pydantic's `Field(pattern=
-    r"\\d+")` was a 400); the free ends are now any characters."""
+    r"\\d+")` was a 400); the free ends are now any characters, each choice's on its own
+    (`^a$|^1$` wrote a `$` and a `^` as characters: invalid JSON)."""
     import json
     import re
     texts = _texts_of(sg.SchemaGrammars().grammar({"type": "string", "pattern": pattern}),
-                      'ab1"\\', 6)
+                      'ab1-"\\', 6)
     assert texts and all(re.search(pattern, json.loads(text)) for text in texts)
     assert all(json.dumps(value) in texts for value in values)
-    with pytest.raises(sg.SchemaRefused):     # (an anchor that belongs to one choice)
-        sg.SchemaGrammars().grammar({"type": "string", "pattern": "^a|b"})
 
 
 @pytest.mark.parametrize("schema, alphabet, length, some", [
@@ -474,6 +474,23 @@ def test_bounds_and_keywords_beside_a_list_of_types_are_kept(schema, alphabet, l
     assert set(some) <= texts
     with pytest.raises(sg.SchemaRefused, match="no integer lies between"):
         sg.SchemaGrammars().grammar({"type": "integer", "minimum": 0.2, "maximum": 0.8})
+    for schema, says in (({"type": ["boolean", "null"], "const": 1}, "const value"),
+                         ({"type": ["string"], "enum": [1, 2]}, "no enum value"),
+                         ({"type": "array", "minItems": 2, "maxItems": 1}, "no list fits")):
+        with pytest.raises(sg.SchemaRefused, match=says):
+            sg.SchemaGrammars().grammar(schema)
+    # a type named twice is named once (each level doubled the branches: 16 levels of
+    # ["object", "object"] took the child past its 5 s)
+    node = {"type": "integer"}
+    for _ in range(16):
+        node = {"type": ["object", "object", "object"], "properties": {"a": node}}
+    assert len(sg.SchemaGrammars().grammar(node)) < 20_000
+    # one rule for a range however many values have it (int32 bounds on 300 fields
+    # passed the grammar's size limit)
+    field = {"type": "integer", "minimum": -2 ** 31, "maximum": 2 ** 31 - 1}
+    many = {f"f{i}": field for i in range(300)}
+    assert len(sg.SchemaGrammars().grammar({"type": "object", "properties": many,
+                                            "required": list(many)})) < 60_000
 
 
 @pytest.mark.parametrize("schema, some", [

@@ -193,7 +193,11 @@ def _bounded_integers(visit, reserved):
             least, most = intrange.integer_bounds(schema)
             if least is not None or most is not None:
                 rule = name + "-" if name in reserved else name or "root"
-                return self._add_rule(rule, f"({intrange.integer_range(least, most)}) space")
+                # (one rule for each range, however many values have it)
+                shared = self._add_rule(
+                    f"integer-from-{least}-to-{most}".replace("None", "any"),
+                    f"({intrange.integer_range(least, most)}) space")
+                return self._add_rule(rule, shared)
         return visit(self, schema, name)
     return bounded_visit
 
@@ -398,11 +402,11 @@ def _class(pattern: str, i: int) -> tuple[str, int] | None:
     return "(" + "|".join(choices) + ")", j + 1
 
 
-def _top_level_choice(body: str) -> bool:
-    """Whether `body` has a `|` outside every group and class."""
-    depth, in_class, i = 0, False, 0
-    while i < len(body):
-        c = body[i]
+def _choices(pattern: str) -> list[str]:
+    """`pattern` split at each `|` outside every group and class."""
+    out, depth, in_class, i, last = [], 0, False, 0, 0
+    while i < len(pattern):
+        c = pattern[i]
         if c == "\\":
             i += 2
             continue
@@ -413,30 +417,34 @@ def _top_level_choice(body: str) -> bool:
         elif c in "()":
             depth += 1 if c == "(" else -1
         elif c == "|" and depth == 0:
-            return True
+            out.append(pattern[last:i])
+            last = i + 1
         i += 1
-    return False
+    return out + [pattern[last:]]
+
+
+def _free_ends(choice: str) -> str:
+    """One choice of a pattern without its anchors, each free end `.*`."""
+    start = choice.startswith("^")
+    body = choice[1:] if start else choice
+    end = body.endswith("$") and (len(body) - len(body[:-1].rstrip("\\")) - 1) % 2 == 0
+    body = body[:-1] if end else body
+    if not body:
+        return "" if start and end else ".*"
+    return ("" if start else ".*") + body + ("" if end else ".*")
 
 
 def anchored(pattern: str) -> str:
     """A JSON Schema `pattern` as the converter takes it, `^…$`: JSON Schema's patterns
     match anywhere in the string (ECMA-262's search), and the converter refused any
     without both anchors, so `\\d+` (pydantic's `Field(pattern=...)` as often written)
-    was a 400. The free ends become `.*` (`abc` is `^.*(?:abc).*$`). A pattern with one
-    anchor and a choice outside any group (`^a|b`) is left for the converter to refuse:
-    its anchor belongs to one choice."""
-    body = pattern
-    start = body.startswith("^")
-    body = body[1:] if start else body
-    end = body.endswith("$") and (len(body) - len(body[:-1].rstrip("\\")) - 1) % 2 == 0
-    body = body[:-1] if end else body
-    if start and end:
-        return pattern
-    if not start and not end:
-        return "^.*(?:" + body + ").*$" if body else "^.*$"
-    if _top_level_choice(body):
-        return pattern
-    return ("^" if start else "^.*") + body + ("$" if end else ".*$")
+    was a 400. The free ends become `.*` (`abc` is `^.*abc.*$`), each choice's on its own
+    (`^a$|^b$`, `^\\d{5}$|^\\d{5}-\\d{4}$`: the converter took the first `^` and the last
+    `$` off and wrote the others as characters, invalid JSON)."""
+    choices = _choices(pattern)
+    if len(choices) == 1:
+        return "^" + _free_ends(pattern) + "$"
+    return "^(?:" + "|".join(map(_free_ends, choices)) + ")$"
 
 
 # a pattern of one character repeated, `^[a-z]+$`, `^\\w{2,8}$` (the atom, the quantifier)
@@ -573,10 +581,16 @@ def _typed_choices(node: dict) -> dict:
     if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds) or \
             any(key in node for key in ("$ref", "anyOf", "oneOf", "allOf")):
         return node
+    kinds = list(dict.fromkeys(kinds))          # (a type twice is the type once)
     if "enum" in node and isinstance(node["enum"], list):
         rest = {k: v for k, v in node.items() if k != "type"}
-        return {**rest, "enum": [v for v in node["enum"] if any(_of_type(v, k) for k in kinds)]}
+        values = [v for v in node["enum"] if any(_of_type(v, k) for k in kinds)]
+        if node["enum"] and not values:
+            raise ValueError("no enum value is of the schema's types")
+        return {**rest, "enum": values}
     if "const" in node:
+        if not any(_of_type(node["const"], k) for k in kinds):
+            raise ValueError("the const value is not of the schema's types")
         return {k: v for k, v in node.items() if k != "type"}
     specific = {key for kind in kinds for key in TYPE_KEYWORDS.get(kind, ())}
     if not specific.intersection(node):
@@ -609,6 +623,9 @@ def normalized(node: object) -> object:
     if not isinstance(node, dict):
         return node
     node = _typed_choices(node)
+    least, most = node.get("minItems"), node.get("maxItems")
+    if isinstance(least, int) and isinstance(most, int) and least > most:
+        raise ValueError(f"minItems ({least}) is above maxItems ({most}): no list fits")
     if isinstance(node.get("pattern"), str) and ("minLength" in node or "maxLength" in node):
         least, most = node.get("minLength", 0), node.get("maxLength")
         if isinstance(least, int) and (most is None or isinstance(most, int)):
