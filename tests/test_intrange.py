@@ -48,3 +48,40 @@ def test_bounds_no_integer_lies_within_are_refused():
         intrange.integer_bounds({"minimum": 1e300})
     # bounds past what is written are no bounds
     assert intrange.integer_bounds({"minimum": -1e300, "maximum": 10 ** 400}) == (None, None)
+
+
+NUMBER_BOUNDS = [{"minimum": 0, "maximum": 1}, {"exclusiveMinimum": 0, "maximum": 2},
+                 {"minimum": -1, "exclusiveMaximum": 1}, {"maximum": -2},
+                 {"exclusiveMinimum": -10, "exclusiveMaximum": -9}, {"minimum": 9},
+                 {"minimum": -1, "maximum": 1, "exclusiveMinimum": True},     # (draft 4)
+                 {"minimum": 1, "exclusiveMinimum": 1.0}, {"maximum": 0, "minimum": 0},
+                 {"exclusiveMaximum": 0}, {"minimum": 5, "exclusiveMinimum": 2}]
+
+
+@pytest.mark.parametrize("schema", NUMBER_BOUNDS)
+def test_the_number_grammar_takes_exactly_the_numbers_within_whole_bounds(schema):
+    """Every JSON number (no exponent) of up to 5 characters over a few digits is taken
+    exactly when it lies within the bounds."""
+    import itertools
+    import re
+    from decimal import Decimal
+    bounds = intrange.number_bounds(schema)
+    least, least_open, most, most_open = bounds
+
+    def within(text):
+        value = Decimal(text)
+        return (least is None or value > least or (value == least and not least_open)) \
+            and (most is None or value < most or (value == most and not most_open))
+    numbers = {"".join(chars) for n in range(1, 6)
+               for chars in itertools.product("-0129.", repeat=n)}
+    numbers = {t for t in numbers if re.fullmatch(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?", t)}
+    grammar = f"root ::= {intrange.number_range(bounds)}\n"
+    taken = _texts_of(grammar, "-0129.", 5)
+    # (a negative zero is never written: 0 is)
+    assert taken == {t for t in numbers if within(t) and not re.fullmatch(r"-0(\.0*)?", t)}
+
+
+def test_bounds_that_are_not_whole_numbers_are_left_to_the_converter():
+    assert intrange.number_bounds({"minimum": 0.5}) is None
+    with pytest.raises(intrange.EmptyRange):
+        intrange.number_bounds({"exclusiveMinimum": 1, "maximum": 1})

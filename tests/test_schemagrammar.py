@@ -459,10 +459,12 @@ def test_a_pattern_without_anchors_matches_anywhere_as_json_schema_says(pattern,
                                                        "maximum": 3}}, "required": ["a"]},
      '-0134{}":anul ', 9, ['{"a": 3}', "null"]),
     ({"type": ["string", "integer"], "maxLength": 2, "minimum": 2, "maximum": 3},
-     'ab"234', 4, ['"ab"', "2", "3"])])
+     'ab"234', 4, ['"ab"', "2", "3"]),
+    ({"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1}, "-019.nul", 5,
+     ["1", "0.1", "1.00", "null"])])
 def test_bounds_and_keywords_beside_a_list_of_types_are_kept(schema, alphabet, length, some):
-    """The converter left integer bounds out (its own TODO: `minimum: 0` let the model
-    write -5), and beside a list of types it kept the types bare: `properties`,
+    """The converter left integer and number bounds out (its own TODO: `minimum: 0` let
+    the model write -5), and beside a list of types it kept the types bare: `properties`,
     `maxLength` and `enum` were left out (OpenAI's strict `{"type": ["string", "null"],
     "enum": [...]}` wrote any string). Every text the grammar takes is valid against
     the schema."""

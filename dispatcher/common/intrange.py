@@ -100,3 +100,66 @@ def integer_range(least: int | None, most: int | None) -> str:
     if most is None or most >= 0:
         choices += _naturals(0 if least is None else max(least, 0), most)
     return " | ".join(choices)
+
+
+# a fraction (as JSON writes it, up to 16 digits as the converter's numbers): any, one
+# of zeros only, one that is not zero
+ANY_FRACTION = '("." [0-9]{1,16})?'
+ZERO_FRACTION = '("." "0"{1,16})?'
+NONZERO_FRACTION = '"." "0"{0,15} [1-9] [0-9]{0,15}'
+
+
+def number_bounds(schema: dict):
+    """A number's bounds as (least, least exclusive, most, most exclusive), each bound
+    an integer or None; None for all where a bound is not a whole number (such bounds
+    are left out, as the converter and llama-server leave them)."""
+    bounds = []
+    for inclusive, exclusive in (("minimum", "exclusiveMinimum"),
+                                 ("maximum", "exclusiveMaximum")):
+        value, strict = _number(schema.get(inclusive)), schema.get(exclusive)
+        if _number(strict) is not None:          # (a number: later drafts)
+            value, strict = (strict, True) if value is None or \
+                (strict >= value if inclusive == "minimum" else strict <= value) \
+                else (value, False)
+        if value is not None and not float(value).is_integer():
+            return None
+        if value is not None and abs(value) >= 10 ** DIGITS:
+            value = None
+        bounds += [None if value is None else int(value), strict is True and value is not None]
+    least, least_open, most, most_open = bounds
+    if least is not None and most is not None and (
+            least > most or (least == most and (least_open or most_open))):
+        raise EmptyRange(f"no number lies between its bounds ({least}, {most})")
+    return tuple(bounds)
+
+
+def _magnitudes(low: int, low_open: bool, high: int | None, high_open: bool) -> list[str]:
+    """Sequences matching the numbers m, low <(=) m <(=) high (low >= 0), written
+    without a sign or an exponent: m >= k where its whole part is; m <= k where its
+    whole part is less, or is k with no fraction but zeros."""
+    out = []
+    first = low + 1 if low_open else low
+    if low_open:                           # low itself, with a fraction that is not zero
+        if high is None or low < high:
+            out += [f"{seq} {NONZERO_FRACTION}" for seq in _naturals(low, low)]
+    last = None if high is None else high - 1
+    if last is None or first <= last:
+        out += [f"{seq} {ANY_FRACTION}" for seq in _naturals(first, last)]
+    if high is not None and not high_open and high >= first:
+        out += [f"{seq} {ZERO_FRACTION}" for seq in _naturals(high, high)]
+    return out
+
+
+def number_range(bounds) -> str:
+    """A GBNF choice of the numbers within `bounds` (number_bounds'), without an
+    exponent."""
+    least, least_open, most, most_open = bounds
+    choices = []
+    if least is None or least < 0:         # the negatives: -m for m within
+        nearest, near_open = (0, True) if most is None or most >= 0 else (-most, most_open)
+        far, far_open = (None, False) if least is None else (-least, least_open)
+        choices += [f'"-" {seq}' for seq in _magnitudes(nearest, near_open, far, far_open)]
+    if most is None or most >= 0:
+        low, low_open = (0, False) if least is None or least < 0 else (least, least_open)
+        choices += _magnitudes(low, low_open, most, most_open)
+    return " | ".join(choices)

@@ -183,22 +183,38 @@ def _converter():
     return module.json_schema_to_gbnf
 
 
+def _ranged(schema) -> tuple[str, str] | None:
+    """(a rule name, its body) for an integer or a number with bounds, or None."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind not in ("integer", "number") or "enum" in schema or "const" in schema \
+            or not any(key in schema for key in intrange.BOUNDS):
+        return None
+    if kind == "integer":
+        least, most = intrange.integer_bounds(schema)
+        if least is None and most is None:
+            return None
+        return (f"integer-from-{least}-to-{most}",
+                f"({intrange.integer_range(least, most)}) space")
+    bounds = intrange.number_bounds(schema)
+    if bounds is None or bounds[0] is None and bounds[2] is None:
+        return None
+    least, least_open, most, most_open = bounds
+    return (f"number-from-{least}{'-open' * least_open}-to-{most}{'-open' * most_open}",
+            f"({intrange.number_range(bounds)}) space")
+
+
 def _bounded_integers(visit, reserved):
     """The converter's `visit`, an integer with bounds (`minimum`, ...) made the choice
-    of the integers between them (intrange): the converter left the bounds out."""
+    of the integers between them, a number with whole bounds that of the numbers
+    (intrange): the converter left the bounds out."""
     def bounded_visit(self, schema, name):
-        if isinstance(schema, dict) and schema.get("type") == "integer" \
-                and "enum" not in schema and "const" not in schema \
-                and any(key in schema for key in intrange.BOUNDS):
-            least, most = intrange.integer_bounds(schema)
-            if least is not None or most is not None:
-                rule = name + "-" if name in reserved else name or "root"
-                # (one rule for each range, however many values have it)
-                shared = self._add_rule(
-                    f"integer-from-{least}-to-{most}".replace("None", "any"),
-                    f"({intrange.integer_range(least, most)}) space")
-                return self._add_rule(rule, shared)
-        return visit(self, schema, name)
+        ranged = _ranged(schema)
+        if ranged is None:
+            return visit(self, schema, name)
+        rule = name + "-" if name in reserved else name or "root"
+        # (one rule for each range, however many values have it)
+        return self._add_rule(rule, self._add_rule(ranged[0].replace("None", "any"),
+                                                   ranged[1]))
     return bounded_visit
 
 
