@@ -205,8 +205,9 @@ def test_integer_bounds_and_lists_of_types_hold_in_the_answer(client, model_id):
     import json
     import jsonschema
     schema = {"type": "object", "additionalProperties": False, "required": [
-        "year", "rating", "colour", "owner"], "properties": {
+        "year", "rating", "colour", "owner", "confidence"], "properties": {
         "year": {"type": "integer", "minimum": 1990, "maximum": 2030},
+        "confidence": {"type": "number", "minimum": 0, "maximum": 1},
         "rating": {"type": ["integer", "null"], "minimum": 1, "maximum": 5},
         "colour": {"type": ["string", "null"], "enum": ["red", "green", None]},
         "owner": {"type": ["object", "null"], "additionalProperties": False,
