@@ -162,8 +162,6 @@ def test_patterns_and_backslashes_in_a_schema_give_json_valid_against_it(client,
     class of printable characters or line breaks, which let a quote, a raw backslash or
     a raw line break into the string. Now the answer is JSON that `jsonschema`
     validates against the schema."""
-    import json
-    import jsonschema
     schema = {"type": "object", "properties": {
         "phone": {"type": "string", "pattern": "^\\d{3}-\\d{4}$"},
         "dir": {"enum": ["C:\\temp", "say \"hi\""]},
@@ -173,9 +171,16 @@ def test_patterns_and_backslashes_in_a_schema_give_json_valid_against_it(client,
         "said": {"type": "string", "pattern": "^say \"[a-z]{1,5}\"$"},
         "text": {"type": "string", "pattern": "^[ -~\\n]{1,12}$"}},
         "required": ["phone", "dir", "host", "mail", "note", "said", "text"]}
-    for prompt in ("A contact as JSON: ", "{"):
+    assert_answers_valid(client, model_id, schema, "A contact as JSON: ", 200)
+
+
+def assert_answers_valid(client, model_id, schema, prompt, max_tokens):
+    """Greedy answers to `prompt` and to "{" end and are JSON valid against `schema`."""
+    import json
+    import jsonschema
+    for text in (prompt, "{"):
         answer = client.completions.create(
-            model=model_id, prompt=prompt, max_tokens=200, temperature=0,
+            model=model_id, prompt=text, max_tokens=max_tokens, temperature=0,
             extra_body={"json_schema": schema, **NO_CACHE})
         assert answer.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(answer.choices[0].text), schema)
@@ -202,8 +207,6 @@ def test_long_length_and_item_bounds_in_a_schema_are_served(client, model_id):
 def test_integer_bounds_and_lists_of_types_hold_in_the_answer(client, model_id):
     """An OpenAI strict-mode schema: integer bounds (the converter left them out) and
     `"type": [..., "null"]` beside `enum` and `properties` (it kept the types bare)."""
-    import json
-    import jsonschema
     schema = {"type": "object", "additionalProperties": False, "required": [
         "year", "rating", "colour", "owner", "confidence"], "properties": {
         "year": {"type": "integer", "minimum": 1990, "maximum": 2030},
@@ -213,12 +216,7 @@ def test_integer_bounds_and_lists_of_types_hold_in_the_answer(client, model_id):
         "owner": {"type": ["object", "null"], "additionalProperties": False,
                   "required": ["age"], "properties": {
                       "age": {"type": "integer", "exclusiveMinimum": 17, "maximum": 99}}}}}
-    for prompt in ("A car as JSON: ", "{"):
-        answer = client.completions.create(
-            model=model_id, prompt=prompt, max_tokens=80, temperature=0,
-            extra_body={"json_schema": schema, **NO_CACHE})
-        assert answer.choices[0].finish_reason == "stop"
-        jsonschema.validate(json.loads(answer.choices[0].text), schema)
+    assert_answers_valid(client, model_id, schema, "A car as JSON: ", 80)
 
 
 def test_penalties_and_truncation_samplers_are_accepted(client, model_id):
