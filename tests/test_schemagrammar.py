@@ -129,7 +129,7 @@ def test_patterns_are_written_in_the_forms_the_converter_makes_grammars_of(patte
     an unknown escape; `(?:` was refused. Now the grammar is made and checked. A dot or
     a negated class leaves out what a JSON string may not hold unescaped ({N}): `[^@]`
     let the model end the string with a quote, or write a raw backslash."""
-    from dispatcher.common.schemagrammar import NOT_IN_JSON_STRING, converter_pattern
+    from dispatcher.common.schemapatterns import NOT_IN_JSON_STRING, converter_pattern
     assert converter_pattern(pattern) == made.replace("{N}", NOT_IN_JSON_STRING)
     sg.SchemaGrammars().grammar({"type": "string", "pattern": pattern})
 
