@@ -423,6 +423,14 @@ def test_infill_fim_rep_and_sep_each_do_their_part_as_in_llama_cpp(rep, sep):
     assert parts.tokens(engine, dropped=1) == opening + closing + body    # (framed)
     assert parts.length(engine, 1) == len(parts.tokens(engine, 1))
     assert parts.length(engine, 0) == len(parts.tokens(engine, 0))
+    # made to fit, the frame stays where it is framed, and the fit is within the budget
+    # (below the frame and the FIM tokens nothing fits: left whole for the caller to refuse)
+    least = len(opening + closing + engine.bos()) + 3
+    for budget in range(least - 2, len(parts.tokens(engine)) + 1):
+        fitted = parts.fit(engine, budget)
+        assert len(fitted.tokens) <= budget or budget <= least, (budget, fitted)
+        assert fitted.tokens[:len(opening)] == opening
+        assert closing == [] or closing[0] in fitted.tokens
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -263,8 +263,8 @@ class InfillParts:
         while total > budget and dropped < len(self.chunks):
             total -= len(self.chunks[dropped])
             dropped += 1
-            if dropped == len(self.chunks):
-                total -= len(self.opening) + len(self.closing)
+            if dropped == len(self.chunks) and not self.framed:
+                total -= len(self.opening) + len(self.closing)     # (framed: it stays)
         if total <= budget:
             return Fitted(self.tokens(engine, dropped) if dropped != self.unread else tokens,
                           dropped, self.precut, self)
@@ -273,8 +273,9 @@ class InfillParts:
             return Fitted(self.tokens(engine, dropped), dropped, self.precut, self)
         suffix = min(len(self.suffix), max(room // 4, room - len(self.prefix)))
         prefix = room - suffix
-        cut = InfillParts(self.template, [], [], [], self.prefix[len(self.prefix) - prefix:],
-                          self.suffix[:suffix], self.middle)
+        frame = (self.opening, self.closing) if self.framed else ([], [])
+        cut = InfillParts(self.template, [], *frame, self.prefix[len(self.prefix) - prefix:],
+                          self.suffix[:suffix], self.middle, framed=self.framed)
         return Fitted(cut.tokens(engine), dropped, cut=True)
 
 
