@@ -431,6 +431,12 @@ def test_infill_fim_rep_and_sep_each_do_their_part_as_in_llama_cpp(rep, sep):
         assert len(fitted.tokens) <= budget or budget <= least, (budget, fitted)
         assert fitted.tokens[:len(opening)] == opening
         assert closing == [] or closing[0] in fitted.tokens
+    # a chunk's empty file name stays empty, as llama.cpp has it; a missing one is "tmp"
+    if sep:
+        named = InfillParts.of(engine, "p", "s", None, [{"filename": "", "text": "x"},
+                                                        {"text": "y"}], "")
+        assert named.chunks == [[sep] + text("\n") + text("x"),
+                                [sep] + text("tmp\n") + text("y")]
 
 
 @pytest.mark.parametrize("seed", range(12))

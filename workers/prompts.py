@@ -217,7 +217,8 @@ class InfillParts:
             chars += len(str(c.get("text") or ""))
             if budget and (tokens > budget or (max_chars and chars > max_chars)):
                 break
-            chunk = ([sep] + text(str(c.get("filename") or "tmp") + "\n")
+            name = c.get("filename")          # (llama.cpp's: "tmp" where none is given)
+            chunk = ([sep] + text((name if isinstance(name, str) else "tmp") + "\n")
                      if sep is not None else text(CHUNK_SEPARATOR)) \
                 + text(str(c.get("text") or ""))
             tokens += len(chunk)
