@@ -35,6 +35,10 @@ PERSON = {"type": "object", "properties": {
     ({"type": "object", "x": [0] * 500_000}, "too large"),
     # ... and a value's (enum, const, default, examples) with its text
     ({"type": "string", "enum": ["x" * 500_000]}, "too large"),
+    # nested repetitions: a parse stack for each way the text splits among them (a
+    # token's check took 1.1 s before the request was ended)
+    ({"type": "string", "pattern": "^(a{0,100}){0,100}$"}, "nested repetitions"),
+    ({"type": "string", "pattern": "^((a{0,10}){0,10}){0,30}$"}, "3,751 ways"),
 ])
 def test_schemas_whose_conversion_explodes_are_refused_before_converting(schema, named):
     ran = []

@@ -33,7 +33,8 @@ import threading
 from collections import OrderedDict
 
 from dispatcher.common import grammar as gbnf, intrange
-from dispatcher.common.schemapatterns import anchored, converter_pattern, length_bounded
+from dispatcher.common.schemapatterns import (MAX_NESTED_CHOICES, anchored, converter_pattern,
+                                             length_bounded, nested_choices)
 
 MAX_WORK = 400_000          # the converter's steps, as `estimate` counts them
 MAX_REPETITION = 2000       # one count: minItems, maxLength, a pattern's {n,m} ...
@@ -88,6 +89,12 @@ def pattern_work(pattern: str, where: str) -> int:
         while start > 0 and pattern[start - 1] in _LITERAL:
             start -= 1
         work += times * (max(end - start, 1) + 8)
+    if nested_choices(pattern) > MAX_NESTED_CHOICES:
+        raise SchemaRefused(
+            f"{where}: its nested repetitions can count {nested_choices(pattern):,} ways at "
+            f"once (at most {MAX_NESTED_CHOICES:,} here; the grammar keeps a parse for each "
+            "way the text could split among them: bound the inner repetition by a "
+            "separator, or repeat less).")
     return work
 
 

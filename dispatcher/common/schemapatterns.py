@@ -319,3 +319,40 @@ def converter_pattern(pattern: str) -> str:
             out.append(pattern[i:atom.end])
         i = atom.end
     return "".join(out)
+
+
+# choices nested repetitions leave open at once: llama.cpp keeps a parse stack for each
+# way the text so far splits among them (`(a{0,100}){0,100}`: a token's check took 1.1 s)
+MAX_NESTED_CHOICES = 2500
+_BOUNDED = re.compile(r"\{\s*(\d+)\s*(?:(,)\s*(\d*)\s*)?\}")
+
+
+def nested_choices(pattern: str) -> int:
+    """The most ways one chain of nested bounded repetitions can count, the product of
+    each one's (most - least + 1) (`([a-z]{1,50} ?){1,50}`: 50 × 50). Unbounded ones
+    (`*`, `+`, `{m,}`) count 1: the grammar's own check bounds their stacks."""
+    frames, last, i = [1], 1, 0          # the most found in each open group; the last atom's
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            last, i = 1, i + 2
+            continue
+        if c == "[":
+            end = pattern.find("]", i + 2)
+            last, i = 1, (len(pattern) if end < 0 else end + 1)
+            continue
+        if c == "(":
+            frames.append(1)
+        elif c == ")" and len(frames) > 1:
+            last = frames.pop()
+            frames[-1] = max(frames[-1], last)
+        elif c == "{" and (match := _BOUNDED.match(pattern, i)) is not None:
+            low, comma, high = match.groups()
+            span = int(high) - int(low) + 1 if comma and high else 1
+            frames[-1] = max(frames[-1], span * last)
+            last, i = 1, match.end()
+            continue
+        else:
+            last = 1
+        i += 1
+    return max(frames[0], last)
