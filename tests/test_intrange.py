@@ -55,11 +55,16 @@ NUMBER_BOUNDS = [{"minimum": 0, "maximum": 1}, {"exclusiveMinimum": 0, "maximum"
                  {"exclusiveMinimum": -10, "exclusiveMaximum": -9}, {"minimum": 9},
                  {"minimum": -1, "maximum": 1, "exclusiveMinimum": True},     # (draft 4)
                  {"minimum": 1, "exclusiveMinimum": 1.0}, {"maximum": 0, "minimum": 0},
-                 {"exclusiveMaximum": 0}, {"minimum": 5, "exclusiveMinimum": 2}]
+                 {"exclusiveMaximum": 0}, {"minimum": 5, "exclusiveMinimum": 2},
+                 {"minimum": 0.5, "maximum": 2.25}, {"exclusiveMinimum": 0.1,
+                                                     "exclusiveMaximum": 1.2},
+                 {"minimum": -1.5, "maximum": -0.01}, {"minimum": 0.19, "maximum": 0.2},
+                 {"exclusiveMinimum": -0.9, "exclusiveMaximum": 0.09},
+                 {"minimum": 1.9, "maximum": 1.9}, {"maximum": 0.01}]
 
 
 @pytest.mark.parametrize("schema", NUMBER_BOUNDS)
-def test_the_number_grammar_takes_exactly_the_numbers_within_whole_bounds(schema):
+def test_the_number_grammar_takes_exactly_the_numbers_within_the_bounds(schema):
     """Every JSON number (no exponent) of up to 5 characters over a few digits is taken
     exactly when it lies within the bounds."""
     import itertools
@@ -73,15 +78,20 @@ def test_the_number_grammar_takes_exactly_the_numbers_within_whole_bounds(schema
         return (least is None or value > least or (value == least and not least_open)) \
             and (most is None or value < most or (value == most and not most_open))
     numbers = {"".join(chars) for n in range(1, 6)
-               for chars in itertools.product("-0129.", repeat=n)}
+               for chars in itertools.product("-01259.", repeat=n)}
     numbers = {t for t in numbers if re.fullmatch(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?", t)}
     grammar = f"root ::= {intrange.number_range(bounds)}\n"
-    taken = _texts_of(grammar, "-0129.", 5)
+    taken = _texts_of(grammar, "-01259.", 5)
     # (a negative zero is never written: 0 is)
     assert taken == {t for t in numbers if within(t) and not re.fullmatch(r"-0(\.0*)?", t)}
 
 
-def test_bounds_that_are_not_whole_numbers_are_left_to_the_converter():
-    assert intrange.number_bounds({"minimum": 0.5}) is None
+def test_number_bounds_past_the_digits_written_are_none_or_refused():
+    from decimal import Decimal
+    # (more than 16 digits after the point: the nearest written with 16, within)
+    assert intrange.number_bounds({"exclusiveMinimum": 1e-20}) == (
+        Decimal("1E-16"), False, None, False)
+    assert intrange.number_bounds({"maximum": -1e-20}) == (
+        None, False, Decimal("-1E-16"), False)
     with pytest.raises(intrange.EmptyRange):
         intrange.number_bounds({"exclusiveMinimum": 1, "maximum": 1})

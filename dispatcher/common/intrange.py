@@ -7,6 +7,7 @@ model write -5 or 1000: JSON that the schema refuses. llama-server's converter k
 from __future__ import annotations
 
 import math
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 
 DIGITS = 16                 # the most digits an unbounded side writes (the converter's own)
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
@@ -102,17 +103,13 @@ def integer_range(least: int | None, most: int | None) -> str:
     return " | ".join(choices)
 
 
-# a fraction (as JSON writes it, up to 16 digits as the converter's numbers): any, one
-# of zeros only, one that is not zero
-ANY_FRACTION = '("." [0-9]{1,16})?'
-ZERO_FRACTION = '("." "0"{1,16})?'
-NONZERO_FRACTION = '"." "0"{0,15} [1-9] [0-9]{0,15}'
+FRACTION_DIGITS = 16        # the most digits a fraction is written with (the converter's)
 
 
 def number_bounds(schema: dict):
     """A number's bounds as (least, least exclusive, most, most exclusive), each bound
-    an integer or None; None for all where a bound is not a whole number (such bounds
-    are left out, as the converter and llama-server leave them)."""
+    a Decimal or None (a bound past 16 whole digits is none; one with more than 16
+    after the point is the nearest number written with 16 within it)."""
     bounds = []
     for inclusive, exclusive in (("minimum", "exclusiveMinimum"),
                                  ("maximum", "exclusiveMaximum")):
@@ -121,11 +118,18 @@ def number_bounds(schema: dict):
             value, strict = (strict, True) if value is None or \
                 (strict >= value if inclusive == "minimum" else strict <= value) \
                 else (value, False)
-        if value is not None and not float(value).is_integer():
-            return None
-        if value is not None and abs(value) >= 10 ** DIGITS:
-            value = None
-        bounds += [None if value is None else int(value), strict is True and value is not None]
+        strict = strict is True and value is not None
+        if value is not None:
+            value = Decimal(str(value))
+            if abs(value) >= 10 ** DIGITS:
+                value = None                    # (past what is written: no bound)
+            elif -value.as_tuple().exponent > FRACTION_DIGITS:
+                # between two numbers written with 16 decimals: the nearer one within,
+                # which is within whether the bound is open or not
+                value = value.quantize(Decimal(10) ** -FRACTION_DIGITS, rounding=(
+                    ROUND_CEILING if inclusive == "minimum" else ROUND_FLOOR))
+                strict = False
+        bounds += [value, strict]
     least, least_open, most, most_open = bounds
     if least is not None and most is not None and (
             least > most or (least == most and (least_open or most_open))):
@@ -133,20 +137,87 @@ def number_bounds(schema: dict):
     return tuple(bounds)
 
 
-def _magnitudes(low: int, low_open: bool, high: int | None, high_open: bool) -> list[str]:
-    """Sequences matching the numbers m, low <(=) m <(=) high (low >= 0), written
-    without a sign or an exponent: m >= k where its whole part is; m <= k where its
-    whole part is less, or is k with no fraction but zeros."""
+def _fraction_digits(value: Decimal) -> str:
+    """The digits after the point of `value` (>= 0), trailing zeros left out."""
+    text = f"{value:f}"
+    return text.split(".")[1].rstrip("0") if "." in text else ""
+
+
+def _fractions(low: str | None, low_open: bool, high: str | None, high_open: bool
+               ) -> tuple[bool, list[str]]:
+    """The digit strings s (after a point) with low <(=) 0.s <(=) high, where `low` and
+    `high` are digit strings (None: that side is already settled): whether the empty
+    one is among them, and sequences for the others."""
+    empty = (low is None or (low == "" and not low_open)) and \
+        (high is None or high != "" or not high_open)
+    if low in (None, "") and high in (None, ""):     # (what is left of a bound is zero)
+        if high is None:
+            return (True, [f"[0-9]{{1,{FRACTION_DIGITS}}}"]) if low is None or not low_open \
+                else (False, [f'"0"{{0,{FRACTION_DIGITS - 1}}} [1-9] '
+                              f'[0-9]{{0,{FRACTION_DIGITS - 1}}}'])
+        closed = not high_open and (low is None or not low_open)
+        return (True, [f'"0"{{1,{FRACTION_DIGITS}}}']) if closed else (False, [])
+    low_digit = int(low[0]) if low else 0
+    high_digit = int(high[0]) if high else (0 if high is not None else 9)
     out = []
-    first = low + 1 if low_open else low
-    if low_open:                           # low itself, with a fraction that is not zero
-        if high is None or low < high:
-            out += [f"{seq} {NONZERO_FRACTION}" for seq in _naturals(low, low)]
-    last = None if high is None else high - 1
-    if last is None or first <= last:
-        out += [f"{seq} {ANY_FRACTION}" for seq in _naturals(first, last)]
-    if high is not None and not high_open and high >= first:
-        out += [f"{seq} {ZERO_FRACTION}" for seq in _naturals(high, high)]
+    for first, last in ((0, low_digit - 1), (low_digit, low_digit),
+                        (low_digit + 1, 9)):
+        for f, l in ((first, min(last, high_digit - 1)), (max(first, high_digit),
+                                                          min(last, high_digit)),
+                     (max(first, high_digit + 1), last)):
+            if f > l:
+                continue
+            below = low is not None and l < low_digit
+            above = high is not None and f > high_digit
+            if below or above:
+                continue
+            next_low = None if low is None or f > low_digit else low[1:]
+            next_high = None if high is None or l < high_digit else high[1:]
+            rest_empty, rest = _fractions(next_low, low_open, next_high, high_open)
+            digit = f'"{f}"' if f == l else f"[{f}-{l}]"
+            if rest:
+                tail = "(" + " | ".join(rest) + ")" + ("?" if rest_empty else "")
+                out.append(f"{digit} {tail}")
+            elif rest_empty:
+                out.append(digit)
+    return empty, out
+
+
+def _fraction(low: str | None, low_open: bool, high: str | None, high_open: bool
+              ) -> str | None:
+    """The fraction part (none, or a point and digits) for those bounds; None if no
+    fraction can be."""
+    empty, digits = _fractions(low, low_open, high, high_open)
+    if not digits:
+        return "" if empty else None
+    part = '"." (' + " | ".join(digits) + ")"
+    return f"({part})?" if empty else part
+
+
+def _magnitudes(low: Decimal, low_open: bool, high: Decimal | None, high_open: bool
+                ) -> list[str]:
+    """Sequences matching the numbers m, low <(=) m <(=) high (low >= 0), written
+    without a sign or an exponent: the whole part's range with any fraction, and at
+    each bound's whole part the fraction its digits allow."""
+    out = []
+    low_whole, low_digits = int(low), _fraction_digits(low)
+    high_whole = None if high is None else int(high)
+    high_digits = None if high is None else _fraction_digits(high)
+    if high_whole == low_whole:
+        fraction = _fraction(low_digits, low_open, high_digits, high_open)
+        return [] if fraction is None else \
+            [f"{seq} {fraction}".strip() for seq in _naturals(low_whole, low_whole)]
+    fraction = _fraction(low_digits, low_open, None, False)
+    if fraction is not None:
+        out += [f"{seq} {fraction}".strip() for seq in _naturals(low_whole, low_whole)]
+    if high_whole is None or low_whole + 1 <= high_whole - 1:
+        inner = None if high_whole is None else high_whole - 1
+        out += [f"{seq} {_fraction(None, False, None, False)}"
+                for seq in _naturals(low_whole + 1, inner)]
+    if high_whole is not None:
+        fraction = _fraction(None, False, high_digits, high_open)
+        if fraction is not None:
+            out += [f"{seq} {fraction}".strip() for seq in _naturals(high_whole, high_whole)]
     return out
 
 
@@ -155,11 +226,12 @@ def number_range(bounds) -> str:
     exponent."""
     least, least_open, most, most_open = bounds
     choices = []
+    zero = Decimal(0)
     if least is None or least < 0:         # the negatives: -m for m within
-        nearest, near_open = (0, True) if most is None or most >= 0 else (-most, most_open)
+        nearest, near_open = (zero, True) if most is None or most >= 0 else (-most, most_open)
         far, far_open = (None, False) if least is None else (-least, least_open)
         choices += [f'"-" {seq}' for seq in _magnitudes(nearest, near_open, far, far_open)]
     if most is None or most >= 0:
-        low, low_open = (0, False) if least is None or least < 0 else (least, least_open)
+        low, low_open = (zero, False) if least is None or least < 0 else (least, least_open)
         choices += _magnitudes(low, low_open, most, most_open)
     return " | ".join(choices)
