@@ -45,7 +45,7 @@ EVICT_AFTER = 0.5
 # Connections beyond worker_connections with no quiet one to replace are still accepted, to
 # answer /health and /metrics: a load balancer must see a full front end as alive.
 RESERVE = 64
-RESERVE_PATHS = ("/health", "/metrics")
+RESERVE_PATHS = ("/health", "/v1/health", "/metrics")
 RESERVE_HEAD_TIMEOUT = 2.0
 FULL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
         b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s")

@@ -173,7 +173,7 @@ def metrics():
 
 
 # read by machines every second or so (probes, scrapers, the status page): not counted
-QUIET_PATHS = ("/metrics", "/health", "/v1/status")
+QUIET_PATHS = ("/metrics", "/health", "/v1/health", "/v1/status")
 
 
 def init_app(app) -> None:

@@ -158,7 +158,8 @@ def infill():
         raise NotSupported(f"Infill is not supported by '{model}': its GGUF has no "
                            "fill-in-the-middle tokens and the server has no --fim-template "
                            "for it")
-    extra = [{"filename": c.get("filename") or "tmp", "text": c.get("text") or ""}
+    extra = [{"filename": "tmp" if c.get("filename") is None else c["filename"],
+              "text": c.get("text") or ""}
              for c in req.pop("input_extra") or []]
     limit = int(current_app.config["MAX_PROMPT_CHARS"])
     size = sum(len(c["text"]) + len(c["filename"]) for c in extra) + \

@@ -390,6 +390,12 @@ def test_infill_with_fim_rep_and_sep_lays_out_a_repository(repo_model_server):
     pieces = ["myproject\n", "filename\n", "def f(", "):\n", "x"]
     expected = 6 + sum(len(tokens_of(port, p)) for p in pieces)  # REP, SEP, BOS, PRE, SUF, MID
     assert status == 200 and json.loads(raw)["tokens_evaluated"] == expected
+    # an empty file name stays empty, as llama.cpp has it (it became "tmp")
+    status, raw = post_raw(port, "/infill", {**body, "input_extra": [
+        {"filename": "", "text": "x = 1\n"}]})
+    pieces = ["myproject\n", "\n", "x = 1\n", "filename\n", "def f(", "):\n", "x"]
+    expected = 7 + sum(len(tokens_of(port, p)) for p in pieces)  # (one more SEP)
+    assert status == 200 and json.loads(raw)["tokens_evaluated"] == expected
     # ... where a suffix on OpenAI's route is the plain layout
     answer = http_json(port, "POST", "/v1/completions", {
         "prompt": "def f(", "suffix": "):\n", "max_tokens": 1, "temperature": 0})[2]

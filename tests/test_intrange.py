@@ -95,3 +95,28 @@ def test_number_bounds_past_the_digits_written_are_none_or_refused():
         None, False, Decimal("-1E-16"), False)
     with pytest.raises(intrange.EmptyRange):
         intrange.number_bounds({"exclusiveMinimum": 1, "maximum": 1})
+
+
+def _as_regex(choice: str) -> str:
+    """A GBNF choice of literals, classes, groups and bounded repetitions as a regex."""
+    import re
+    parts = re.findall(r'"[^"]*"|\[[^\]]*\]|\{[^}]*\}|[()|?*+]', choice)
+    return "".join(re.escape(p[1:-1]) if p.startswith('"') else "(?:" if p == "(" else p
+                   for p in parts)
+
+
+@pytest.mark.parametrize("schema, taken, refused", [
+    ({"exclusiveMinimum": 0.1}, ["0.1000000000000001", "7"], ["0.10000000000000001", "0.1"]),
+    ({"exclusiveMaximum": 0.5, "minimum": 0}, ["0.4999999999999999"],
+     ["0.49999999999999999", "0.5"]),
+    ({"minimum": -1e-20}, ["0", "5"], ["-0.0000000000000001"]),
+    ({"minimum": 2.5, "maximum": 1e300}, ["2.5", "9999999999999999"], ["2.4"])])
+def test_fractions_are_written_with_16_digits_at_most(schema, taken, refused):
+    """A float-based validator reads 0.10000000000000001 as 0.1: past 16 digits an
+    exclusive bound's neighbour would be the bound itself."""
+    import re
+    pattern = re.compile(_as_regex(intrange.number_range(intrange.number_bounds(schema))))
+    assert all(pattern.fullmatch(text) for text in taken)
+    assert not any(pattern.fullmatch(text) for text in refused)
+    with pytest.raises(intrange.EmptyRange):        # (more than 16 whole digits)
+        intrange.number_bounds({"minimum": 1e16})

@@ -121,6 +121,10 @@ def number_bounds(schema: dict):
         strict = strict is True and value is not None
         if value is not None:
             value = Decimal(str(value))
+            beyond = value >= 10 ** DIGITS if inclusive == "minimum" else \
+                value <= -10 ** DIGITS
+            if beyond:
+                raise EmptyRange(f"its bounds ask for numbers of more than {DIGITS} digits")
             if abs(value) >= 10 ** DIGITS:
                 value = None                    # (past what is written: no bound)
             elif -value.as_tuple().exponent > FRACTION_DIGITS:
@@ -143,20 +147,30 @@ def _fraction_digits(value: Decimal) -> str:
     return text.split(".")[1].rstrip("0") if "." in text else ""
 
 
-def _fractions(low: str | None, low_open: bool, high: str | None, high_open: bool
-               ) -> tuple[bool, list[str]]:
-    """The digit strings s (after a point) with low <(=) 0.s <(=) high, where `low` and
-    `high` are digit strings (None: that side is already settled): whether the empty
-    one is among them, and sequences for the others."""
+def _nonzero(room: int) -> str:
+    """Digit strings of 1..room digits that are not all zeros."""
+    if room == 1:
+        return "[1-9]"
+    return f'[1-9] [0-9]{{0,{room - 1}}} | "0" ({_nonzero(room - 1)})'
+
+
+def _fractions(low: str | None, low_open: bool, high: str | None, high_open: bool,
+               used: int = 0) -> tuple[bool, list[str]]:
+    """The digit strings s (after a point, `used` digits already written, 16 in all)
+    with low <(=) 0.s <(=) high, where `low` and `high` are digit strings (None: that
+    side is already settled): whether the empty one is among them, and sequences for
+    the others."""
     empty = (low is None or (low == "" and not low_open)) and \
         (high is None or high != "" or not high_open)
+    room = FRACTION_DIGITS - used
+    if room <= 0:
+        return empty, []
     if low in (None, "") and high in (None, ""):     # (what is left of a bound is zero)
         if high is None:
-            return (True, [f"[0-9]{{1,{FRACTION_DIGITS}}}"]) if low is None or not low_open \
-                else (False, [f'"0"{{0,{FRACTION_DIGITS - 1}}} [1-9] '
-                              f'[0-9]{{0,{FRACTION_DIGITS - 1}}}'])
+            return (True, [f"[0-9]{{1,{room}}}"]) if low is None or not low_open \
+                else (False, [_nonzero(room)])
         closed = not high_open and (low is None or not low_open)
-        return (True, [f'"0"{{1,{FRACTION_DIGITS}}}']) if closed else (False, [])
+        return (True, [f'"0"{{1,{room}}}']) if closed else (False, [])
     low_digit = int(low[0]) if low else 0
     high_digit = int(high[0]) if high else (0 if high is not None else 9)
     out = []
@@ -173,7 +187,8 @@ def _fractions(low: str | None, low_open: bool, high: str | None, high_open: boo
                 continue
             next_low = None if low is None or f > low_digit else low[1:]
             next_high = None if high is None or l < high_digit else high[1:]
-            rest_empty, rest = _fractions(next_low, low_open, next_high, high_open)
+            rest_empty, rest = _fractions(next_low, low_open, next_high, high_open,
+                                          used + 1)
             digit = f'"{f}"' if f == l else f"[{f}-{l}]"
             if rest:
                 tail = "(" + " | ".join(rest) + ")" + ("?" if rest_empty else "")
