@@ -515,3 +515,25 @@ def test_a_patterns_length_bounds_are_kept_where_it_repeats_one_character(schema
     with pytest.raises(sg.SchemaRefused, match="no string of 4..9 characters"):
         sg.SchemaGrammars().grammar({"type": "string", "pattern": "^x{3}$", "minLength": 4,
                                      "maxLength": 9})
+
+
+@pytest.mark.parametrize("schema, alphabet, length, some", [
+    ({"type": "object", "required": ["c"], "definitions": {"Color": {"enum": ["r", "g"]}},
+      "properties": {"c": {"allOf": [{"$ref": "#/definitions/Color"}], "title": "C"}}},
+     '{}":crg ', 10, ['{"c": "r"}']),
+    ({"allOf": [{"type": "integer"}, {"minimum": 0, "maximum": 12}]}, "-0123", 3,
+     ["0", "12"]),
+    ({"allOf": [{"$ref": "#/$defs/A"}, {"properties": {"b": {"const": 1}},
+                                        "required": ["b"]}],
+      "$defs": {"A": {"type": "object", "properties": {"a": {"const": 2}},
+                      "required": ["a"]}}}, '{}":ab12, ', 16, ['{"a": 2, "b": 1}'])])
+def test_all_of_as_pydantic_v1_and_hand_written_schemas_use_it(schema, alphabet, length, some):
+    """The converter merges only objects' properties under `allOf`: pydantic v1's enum
+    field (`{"allOf": [{"$ref": ...}], "title": ...}`) and `allOf` of an integer and
+    its bounds wrote `{}`."""
+    import json
+    import jsonschema
+    texts = _texts_of(sg.SchemaGrammars().grammar(schema), alphabet, length)
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+    assert set(some) <= texts

@@ -312,6 +312,29 @@ def _typed_choices(node: dict) -> dict:
         for kind in kinds]}
 
 
+def _merged_all_of(node: dict) -> dict:
+    """An `allOf` the converter can read: it merges only objects' properties, so
+    pydantic v1's `{"allOf": [{"$ref": "#/definitions/Color"}], "description": ...}` (an
+    enum) or `{"allOf": [{"type": "integer"}, {"minimum": 0}]}` wrote `{}`. One schema
+    beside annotations alone is that schema; schemas without references whose keywords
+    do not meet are merged into one. Anything else is left to the converter."""
+    parts = node.get("allOf")
+    if not isinstance(parts, list) or not parts or not all(isinstance(p, dict) for p in parts):
+        return node
+    rest = {k: v for k, v in node.items() if k != "allOf"}
+    definitions = {k: v for k, v in rest.items() if k in ("$defs", "definitions")}
+    if len(parts) == 1 and ANNOTATIONS.union(definitions).issuperset(rest):
+        return {**parts[0], **definitions}
+    merged: dict = {}
+    for part in [rest] + parts:
+        for key, value in part.items():
+            if key == "$ref" or (key in merged and merged[key] != value
+                                 and key not in ANNOTATIONS):
+                return node
+            merged[key] = value
+    return merged
+
+
 def normalized(node: object) -> object:
     """`node` as llama-cpp-python's converter takes it, meaning what JSON Schema says:
     `true` (any value) where a schema goes, `"items": {}` (any items), and a schema of
@@ -333,7 +356,7 @@ def normalized(node: object) -> object:
         return dict(ANY)
     if not isinstance(node, dict):
         return node
-    node = _typed_choices(node)
+    node = _typed_choices(_merged_all_of(node))
     least, most = node.get("minItems"), node.get("maxItems")
     if isinstance(least, int) and isinstance(most, int) and least > most:
         raise ValueError(f"minItems ({least}) is above maxItems ({most}): no list fits")
