@@ -483,7 +483,9 @@ def test_bounds_and_keywords_beside_a_list_of_types_are_kept(schema, alphabet, l
         sg.SchemaGrammars().grammar({"type": "integer", "minimum": 0.2, "maximum": 0.8})
     for schema, says in (({"type": ["boolean", "null"], "const": 1}, "const value"),
                          ({"type": ["string"], "enum": [1, 2]}, "no enum value"),
-                         ({"type": "array", "minItems": 2, "maxItems": 1}, "no list fits")):
+                         ({"type": "array", "minItems": 2, "maxItems": 1}, "no list fits"),
+                         ({"type": "string", "minLength": 1, "maxLength": 0},
+                          "no string fits")):                  # (it wrote "")
         with pytest.raises(sg.SchemaRefused, match=says):
             sg.SchemaGrammars().grammar(schema)
     # a type named twice is named once (each level doubled the branches: 16 levels of

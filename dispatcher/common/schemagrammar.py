@@ -233,6 +233,8 @@ def gbnf_repetition(item_rule: str, min_items: int, max_items: int | None,
     each repetition past the least, so `"maxLength": 200`, `"maxItems": 150` or
     `.{0,200}` made a grammar more than 100 groups deep, refused. `item_rule` is one
     element (a rule's name, a literal, a group)."""
+    if max_items is not None and min_items > max_items:
+        raise ValueError(f"at least {min_items} and at most {max_items} of one thing")
     if max_items == 0:
         return ""
     if min_items == 0 and max_items == 1:
@@ -357,9 +359,11 @@ def normalized(node: object) -> object:
     if not isinstance(node, dict):
         return node
     node = _typed_choices(_merged_all_of(node))
-    least, most = node.get("minItems"), node.get("maxItems")
-    if isinstance(least, int) and isinstance(most, int) and least > most:
-        raise ValueError(f"minItems ({least}) is above maxItems ({most}): no list fits")
+    for low, high, what in (("minItems", "maxItems", "list"),
+                            ("minLength", "maxLength", "string")):
+        least, most = node.get(low), node.get(high)
+        if isinstance(least, int) and isinstance(most, int) and least > most:
+            raise ValueError(f"{low} ({least}) is above {high} ({most}): no {what} fits")
     if isinstance(node.get("pattern"), str) and ("minLength" in node or "maxLength" in node):
         least, most = node.get("minLength", 0), node.get("maxLength")
         if isinstance(least, int) and (most is None or isinstance(most, int)):
