@@ -540,3 +540,56 @@ def test_all_of_as_pydantic_v1_and_hand_written_schemas_use_it(schema, alphabet,
     for text in texts:
         jsonschema.validate(json.loads(text), schema)
     assert set(some) <= texts
+
+
+def _random_schema(rng, depth: int = 0) -> dict:
+    """A small schema of the shapes real ones use: bounded integers and numbers,
+    strings with lengths or patterns, enums, consts, lists of types, objects, arrays,
+    anyOf, an allOf of one."""
+    r = rng.random()
+    if depth < 2 and r < 0.25:
+        props = {k: _random_schema(rng, depth + 1)
+                 for k in rng.sample(["a", "b"], rng.randint(1, 2))}
+        return {"type": "object", "properties": props, "additionalProperties": False,
+                "required": rng.sample(list(props), rng.randint(0, len(props)))}
+    if depth < 2 and r < 0.4:
+        bounds = {"maxItems": rng.randint(0, 2)} if rng.random() < 0.6 else {}
+        return {"type": "array", "items": _random_schema(rng, depth + 1), **bounds}
+    if depth < 2 and r < 0.5:
+        return {"anyOf": [_random_schema(rng, depth + 1), _random_schema(rng, depth + 1)]}
+    if depth < 2 and r < 0.55:
+        return {"allOf": [_random_schema(rng, 2)], "description": "d"}
+    return rng.choice([
+        {"type": "integer", "minimum": rng.randint(-3, 3), "maximum": rng.randint(3, 12)},
+        {"type": "integer", "exclusiveMinimum": rng.randint(-3, 3)},
+        {"type": "number", "minimum": rng.choice([0, 0.5, -1]),
+         "maximum": rng.choice([1, 2.5])},
+        {"type": "number", "exclusiveMaximum": rng.choice([1, 0.5])},
+        {"type": "string", "minLength": rng.randint(0, 1), "maxLength": rng.randint(1, 3)},
+        {"type": "string", "pattern": rng.choice(
+            ["^a+$", "^[a1]{1,2}$", "1", "^a|1$", "^[^a]$", '^["a]$'])},
+        {"type": "string", "pattern": "^[a1]+$", "maxLength": 2},
+        {"enum": rng.sample(["a", 1, None, True, "1", 0.5], rng.randint(1, 3))},
+        {"const": rng.choice(["a", 1, None, [1], {"a": 1}])},
+        {"type": ["integer", "null", "string"][:rng.randint(1, 3)], "minimum": 0,
+         "maximum": 2, "maxLength": 1},
+        {"type": ["string", "null"], "enum": ["a", None, 1]},
+        {"type": "boolean"}])
+
+
+def test_random_schemas_write_only_json_valid_against_them():
+    """Every text of up to 5 characters the grammar of 60 random small schemas takes
+    is JSON that `jsonschema` finds valid against the schema (a fixed seed: the same
+    schemas every run; a longer run of the same found `minLength` above `maxLength`)."""
+    import json
+    import random
+    import jsonschema
+    rng, convert = random.Random(1206), sg._converter()
+    for _ in range(60):
+        schema = _random_schema(rng)
+        try:
+            grammar = convert(json.dumps(sg.normalized(schema)))
+        except ValueError:                       # (bounds nothing meets: refused)
+            continue
+        for text in _texts_of(grammar, '{}[]":,a1-0.5tnul', 5):
+            jsonschema.validate(json.loads(text), schema)
