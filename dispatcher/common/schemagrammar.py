@@ -89,9 +89,10 @@ def pattern_work(pattern: str, where: str) -> int:
         while start > 0 and pattern[start - 1] in _LITERAL:
             start -= 1
         work += times * (max(end - start, 1) + 8)
-    if nested_choices(pattern) > MAX_NESTED_CHOICES:
+    ways = nested_choices(pattern)
+    if ways > MAX_NESTED_CHOICES:
         raise SchemaRefused(
-            f"{where}: its nested repetitions can count {nested_choices(pattern):,} ways at "
+            f"{where}: its nested repetitions can count {ways:,} ways at "
             f"once (at most {MAX_NESTED_CHOICES:,} here; the grammar keeps a parse for each "
             "way the text could split among them: bound the inner repetition by a "
             "separator, or repeat less).")
@@ -186,12 +187,13 @@ def _converter():
         module._build_repetition = gbnf_repetition
     converter = getattr(module, "SchemaConverter", None)
     if converter is not None and hasattr(module, "RESERVED_NAMES"):
-        converter.visit = _bounded_integers(converter.visit, module.RESERVED_NAMES)
+        converter.visit = _bounded_numbers(converter.visit, module.RESERVED_NAMES)
     return module.json_schema_to_gbnf
 
 
 def _ranged(schema) -> tuple[str, str] | None:
-    """(a rule name, its body) for an integer or a number with bounds, or None."""
+    """(a rule name, its body) for an integer or a number with bounds, or None (the
+    name says the range: one rule a range, however many values have it)."""
     kind = schema.get("type") if isinstance(schema, dict) else None
     if kind not in ("integer", "number") or "enum" in schema or "const" in schema \
             or not any(key in schema for key in intrange.BOUNDS):
@@ -200,28 +202,25 @@ def _ranged(schema) -> tuple[str, str] | None:
         least, most = intrange.integer_bounds(schema)
         if least is None and most is None:
             return None
-        return (f"integer-from-{least}-to-{most}",
+        return (f"integer-from-{least}-to-{most}".replace("None", "any"),
                 f"({intrange.integer_range(least, most)}) space")
     bounds = intrange.number_bounds(schema)
     if bounds is None or bounds[0] is None and bounds[2] is None:
         return None
     least, least_open, most, most_open = bounds
-    return (f"number-from-{least}{'-open' * least_open}-to-{most}{'-open' * most_open}",
-            f"({intrange.number_range(bounds)}) space")
+    name = f"number-from-{least}{'-open' * least_open}-to-{most}{'-open' * most_open}"
+    return name.replace("None", "any"), f"({intrange.number_range(bounds)}) space"
 
 
-def _bounded_integers(visit, reserved):
-    """The converter's `visit`, an integer with bounds (`minimum`, ...) made the choice
-    of the integers between them, a number with whole bounds that of the numbers
-    (intrange): the converter left the bounds out."""
+def _bounded_numbers(visit, reserved):
+    """The converter's `visit`, an integer or a number with bounds (`minimum`, ...) made
+    the choice of those between them (intrange): the converter left the bounds out."""
     def bounded_visit(self, schema, name):
         ranged = _ranged(schema)
         if ranged is None:
             return visit(self, schema, name)
         rule = name + "-" if name in reserved else name or "root"
-        # (one rule for each range, however many values have it)
-        return self._add_rule(rule, self._add_rule(ranged[0].replace("None", "any"),
-                                                   ranged[1]))
+        return self._add_rule(rule, self._add_rule(*ranged))
     return bounded_visit
 
 
