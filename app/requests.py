@@ -281,10 +281,12 @@ def resolve_model(requested: str | None, state: P.State | None, any_name: bool =
 
 def check_route(job: P.WorkerJob, state: P.State) -> None:
     """400 naming what is available when no worker could ever run the job (the dispatcher
-    checks again; this answers before anything is queued)."""
+    checks again; this answers before anything is queued). While a worker that may meet
+    it is still starting, the dispatcher answers (a 503 to retry); one that gave up (it
+    cannot load its model) is not waited for."""
     workers = state.workers
     if any(fits(job.model, job.route, w) for w in workers) \
-            or len(workers) < state.expected_workers:
+            or len(workers) < state.coming_workers:
         return
     param, code, message = explain_unfit(job.model, job.route, workers)
     raise InvalidRequest(message, param=param, code=code)

@@ -594,6 +594,7 @@ class DispatcherCore:
             aliases={alias: model for model, info in self.known_models.items()
                      for alias in info.get("aliases", ())},
             queued=len(self.queue), expected_workers=self.fleet.expected_workers(),
+            coming_workers=self.fleet.expected_workers(coming=True),
             draining=self.draining_until is not None,
             workers=[info.capabilities() for info in self.registry.infos()])
 

@@ -208,6 +208,24 @@ def test_bad_requests_never_reach_the_dispatcher(client, body, status, param):
     assert fake.jobs == []
 
 
+def test_a_route_is_refused_here_unless_a_worker_that_may_meet_it_is_coming(client,
+                                                                           monkeypatch):
+    """Two workers run, one registered: while the other starts it may meet the route, so
+    the dispatcher answers (a 503 to retry); once it gave up (it cannot load its model,
+    never respawned) the front end refuses at once, naming what is there."""
+    http, fake = client
+    body = {"prompt": "p", "compute": "gpu"}
+    starting = msgspec.structs.replace(STATE, expected_workers=2, coming_workers=2)
+    monkeypatch.setattr(fake, "wait_state", lambda timeout=2.0: starting)
+    http.post("/v1/completions", json=body)
+    assert len(fake.jobs) == 1                             # (the dispatcher decides)
+    gave_up = msgspec.structs.replace(STATE, expected_workers=2, coming_workers=1)
+    monkeypatch.setattr(fake, "wait_state", lambda timeout=2.0: gave_up)
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 400 and len(fake.jobs) == 1
+    assert response.get_json()["error"]["param"] == "compute"
+
+
 def test_a_wrong_method_is_405_with_allow(client):
     http, _ = client
     response = http.get("/v1/completions")

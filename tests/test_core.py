@@ -168,6 +168,8 @@ def test_a_worker_that_gave_up_is_not_waited_for():
     ready(core, b"w0")
     refused = submit(core, "a", route={"n_ctx": 100000})[0].body
     assert (refused.status, refused.code) == (400, "context_length_unavailable")
+    state = core.state()                 # (the front ends refuse it too, before queueing)
+    assert (state.expected_workers, state.coming_workers) == (2, 1)
     children["w1"].gave_up = False                       # (one starting again)
     again = submit(core, "b", route={"n_ctx": 100000})[0].body
     assert (again.status, again.code) == (503, "no_worker_ready")

@@ -369,6 +369,7 @@ class State(Body):
     aliases: dict[str, str] = {}
     queued: int = 0
     expected_workers: int = 0
+    coming_workers: int = 0             # of those, the ones that are or will be ready
     draining: bool = False
     workers: list[Capabilities] = []
 
