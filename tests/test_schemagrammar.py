@@ -271,6 +271,39 @@ def test_patterns_no_string_could_match_or_read_otherwise_are_refused(pattern, s
         sg.SchemaGrammars().grammar({"type": "string", "pattern": pattern})
 
 
+@pytest.mark.parametrize("pattern, says", [
+    ("\\bword\\b", "word boundary"), ("^\\p{L}+$", "Unicode property"),
+    ("^[\\p{L}\\d]$", "Unicode property"), ("^(a)\\1$", "back-reference"),
+    ("^(?<a>x)\\k<a>$", "back-reference"), ("^(?=a)a$", "lookahead"),
+    ("(?<!a)b", "lookbehind"), ("(?i)abc", "inline flag"), ("^a$b", "anchor"),
+    ("^(a$)b", "anchor"), ("(^a)+", "anchor")])
+def test_patterns_asking_what_no_grammar_writes_are_refused_by_name(pattern, says):
+    """A word boundary, a Unicode property, a back-reference, a lookaround, an inline
+    flag, an anchor inside the pattern: a 400 naming it. Before, `\\b` was a 400 about
+    an escape at a column of the grammar, `\\p{L}` one about a quantifier, and an anchor
+    inside a group was written as a character (JSON the pattern does not match)."""
+    with pytest.raises(sg.SchemaRefused, match=says):
+        sg.estimate({"type": "string", "pattern": pattern})
+
+
+@pytest.mark.parametrize("pattern, python, values", [
+    ("(^\\d+$)", "^\\d+$", ["1", "12"]), ("(?:^a$|^b1$)", "^a$|^b1$", ["a", "b1"]),
+    ("^(?<y>\\d)-(?P<m>[ab])$", "^(?P<y>\\d)-(?P<m>[ab])$", ["1-a", "2-b"]),
+    ("((a|b))", "a|b", ["a", "1b"])])
+def test_groups_around_the_whole_pattern_and_named_groups_are_plain_groups(
+        pattern, python, values):
+    """A group around the whole pattern (`(^\\d+$)`, as some schemas wrap it) takes its
+    anchors as anchors, and a named group (`(?<year>…)`, ECMA-262's; `(?P<year>…)`,
+    Python's) is a group: the converter refused the name and wrote the anchors as
+    characters."""
+    import json
+    import re
+    grammar = sg.SchemaGrammars().grammar({"type": "string", "pattern": pattern})
+    texts = _texts_of(grammar, 'ab12-"', 5)
+    assert texts and all(re.search(python, json.loads(text)) for text in texts)
+    assert all(json.dumps(value) in texts for value in values)
+
+
 def test_random_patterns_of_json_escaped_characters_write_only_json_they_match():
     """The same over 200 patterns of two or three atoms from the shapes above, with
     quantifiers, every text up to 6 characters (a fixed seed: the same patterns every

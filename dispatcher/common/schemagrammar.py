@@ -34,7 +34,7 @@ from collections import OrderedDict
 
 from dispatcher.common import grammar as gbnf, intrange
 from dispatcher.common.schemapatterns import (MAX_NESTED_CHOICES, anchored, converter_pattern,
-                                             length_bounded, nested_choices)
+                                             length_bounded, nested_choices, unsupported)
 
 MAX_WORK = 400_000          # the converter's steps, as `estimate` counts them
 MAX_REPETITION = 2000       # one count: minItems, maxLength, a pattern's {n,m} ...
@@ -71,10 +71,15 @@ def _count(value) -> int:
 def pattern_work(pattern: str, where: str) -> int:
     """What the converter does for one `pattern`: every `{n,m}` quantifier repeats the
     item before it up to max(n, m) times (a literal item is copied whole that often).
-    A pattern over MAX_PATTERN characters is refused before it is read."""
+    A pattern over MAX_PATTERN characters is refused before it is read, and one that
+    asks what no grammar writes (`unsupported`: `\\b`, `\\p{L}`, a lookahead) by name."""
     if len(pattern) > MAX_PATTERN:
         raise SchemaRefused(f"{where} has {len(pattern):,} characters; at most "
                             f"{MAX_PATTERN:,} here.")
+    problem = unsupported(pattern)
+    if problem is not None:
+        raise SchemaRefused(f"{where} uses {problem}, which no grammar here can write; "
+                            "say it with characters, classes, groups and repetitions.")
     work = len(pattern)
     for match in _QUANTIFIER.finditer(pattern):
         low, high = match.group(1), match.group(2)

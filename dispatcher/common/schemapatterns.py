@@ -217,13 +217,108 @@ def _free_ends(choice: str) -> str:
     return ("" if start else ".*") + body + ("" if end else ".*")
 
 
+# a group that names what it captures, ECMA-262's `(?<name>` and Python's `(?P<name>`
+NAMED_GROUP = re.compile(r"\(\?P?<[A-Za-z_$][\w$]*>")
+
+
+def _group_start(pattern: str, i: int) -> int:
+    """Where the group opening at `i` (a `(`) starts its inside: after `(`, `(?:` or a
+    name (what a group captures is nothing to a grammar)."""
+    if pattern.startswith("(?:", i):
+        return i + 3
+    named = NAMED_GROUP.match(pattern, i)
+    return named.end() if named else i + 1
+
+
+def _unwrapped(pattern: str) -> str:
+    """`pattern` without groups around the whole of it (`(^\\d+$)` is `^\\d+$`)."""
+    while pattern.startswith("("):
+        depth, in_class, i = 0, False, 0
+        while i < len(pattern):
+            c = pattern[i]
+            if c == "\\":
+                i += 2
+                continue
+            if in_class:
+                in_class = c != "]"
+            elif c == "[":
+                in_class = True
+            elif c in "()":
+                depth += 1 if c == "(" else -1
+                if depth == 0:
+                    break
+            i += 1
+        start = _group_start(pattern, 0)
+        if i != len(pattern) - 1 or start == 1 and pattern.startswith("(?"):
+            return pattern
+        pattern = pattern[start:-1]
+    return pattern
+
+
+# what a pattern may ask that no grammar writes, by the escape's letter
+NO_GRAMMAR_ESCAPES = {"b": "a word boundary (\\b)", "B": "a word boundary (\\B)",
+                      "p": "a Unicode property (\\p{…})", "P": "a Unicode property (\\P{…})",
+                      "k": "a back-reference (\\k<…>)"}
+GROUP_KINDS = {"(?=": "a lookahead (?=…)", "(?!": "a lookahead (?!…)",
+               "(?<=": "a lookbehind (?<=…)", "(?<!": "a lookbehind (?<!…)"}
+
+
+def _anchor_ends(pattern: str) -> set[int]:
+    """Where `^` and `$` may stand in the (unwrapped) `pattern`: at its choices' ends."""
+    ends, start = set(), 0
+    for choice in _choices(pattern):
+        if choice.startswith("^"):
+            ends.add(start)
+        body = choice[1:] if choice.startswith("^") else choice
+        if body.endswith("$") and (len(body) - len(body[:-1].rstrip("\\")) - 1) % 2 == 0:
+            ends.add(start + len(choice) - 1)
+        start += len(choice) + 1
+    return ends
+
+
+def unsupported(pattern: str) -> str | None:
+    """What in `pattern` no grammar can write, named (None: nothing): a word boundary,
+    a Unicode property, a back-reference, a lookaround, an inline flag (`(?i)`), or an
+    anchor anywhere but at the ends of the pattern's choices (the converter wrote `\\b`
+    as an escape the grammar refused, read `\\p{L}` as a quantifier, and an anchor
+    inside a group as a character)."""
+    body = _unwrapped(pattern)
+    ends, in_class, i = _anchor_ends(body), False, 0
+    while i < len(body):
+        c = body[i]
+        if c == "\\":
+            e = body[i + 1:i + 2]
+            if e in ("p", "P") or (e.isdigit() and e != "0") or \
+                    (not in_class and e in NO_GRAMMAR_ESCAPES):
+                return NO_GRAMMAR_ESCAPES.get(e, f"a back-reference (\\{e})")
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            i += 1 + body.startswith("[^", i)           # (`[^]`, `[]]`: as _class reads)
+            continue
+        elif c == "(" and body.startswith("(?", i) and _group_start(body, i) == i + 1:
+            kind = next((k for k in GROUP_KINDS if body.startswith(k, i)), None)
+            return GROUP_KINDS[kind] if kind else f"an inline flag or group kind " \
+                f"({body[i + 1:i + 3]}…)"
+        elif c in "^$" and i not in ends:
+            return f"an anchor ({c}) inside the pattern, not at an end of it or of one " \
+                "of its top-level choices"
+        i += 1
+    return None
+
+
 def anchored(pattern: str) -> str:
     """A JSON Schema `pattern` as the converter takes it, `^…$`: JSON Schema's patterns
     match anywhere in the string (ECMA-262's search), and the converter refused any
     without both anchors, so `\\d+` (pydantic's `Field(pattern=...)` as often written)
     was a 400. The free ends become `.*` (`abc` is `^.*abc.*$`), each choice's on its own
     (`^a$|^b$`, `^\\d{5}$|^\\d{5}-\\d{4}$`: the converter took the first `^` and the last
-    `$` off and wrote the others as characters, invalid JSON)."""
+    `$` off and wrote the others as characters, invalid JSON), and groups around the
+    whole pattern are taken off first (`(^a$|^b$)`)."""
+    pattern = _unwrapped(pattern)
     choices = _choices(pattern)
     if len(choices) == 1:
         return "^" + _free_ends(pattern) + "$"
@@ -292,9 +387,9 @@ def converter_pattern(pattern: str) -> str:
             out.append(f"[^{NOT_IN_JSON_STRING}]")
             i += 1
             continue
-        if pattern.startswith("(?:", i):
+        if c == "(":                    # (`(?:` and named groups too)
             out.append("(")
-            i += 3
+            i = _group_start(pattern, i)
             continue
         if c == "{":                    # a quantifier, to its "}" (as the converter reads it)
             end = pattern.find("}", i)
