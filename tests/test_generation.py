@@ -29,8 +29,8 @@ class RecordingPublisher:
         pass
 
 
-def make_loop(faults: FaultInjection | None = None) -> GenerationLoop:
-    engine = FakeEngine("fake.gguf", 256, 2, step_delay=0.0)
+def make_loop(faults: FaultInjection | None = None, n_ctx: int = 256) -> GenerationLoop:
+    engine = FakeEngine("fake.gguf", n_ctx, 2, step_delay=0.0)
     notices: list[tuple[str, str, dict | None]] = []
     loop = GenerationLoop(engine, RecordingPublisher(),
                           lambda cmd, rid, body: notices.append((
@@ -377,6 +377,37 @@ def test_an_adopted_generation_goes_on_under_the_new_requests_budget(loop):
     assert loop.engine.budgets == {new.slot: 10 - new.generated}
     run(loop)
     assert events_of(loop, "new")[-1]["e"] == "end"
+
+
+def test_a_long_superseding_request_is_tokenized_on_the_preparing_thread(monkeypatch):
+    """A session's new request that cannot take over the generation it supersedes (the
+    user typed something else: the common case) was tokenized on the generation thread,
+    every stream of the worker frozen meanwhile (100 KB of code: 0.15 s a keystroke). It
+    goes to the preparing thread as any long job, then first into the queue."""
+    import threading
+    loop = make_loop(n_ctx=2 * PREPARE_CHARS)
+    where = []
+    real = loop.engine.tokenize
+    monkeypatch.setattr(loop.engine, "tokenize", lambda text, *a, **k: (
+        where.append(threading.current_thread().name), real(text, *a, **k))[1])
+    submit(loop, "old", job("Once", max_tokens=40))
+    submit(loop, "other", job("Twice", max_tokens=40, id="other"))
+    run(loop, steps=3)
+    where.clear()
+    long = "Once upon " + "x" * PREPARE_CHARS             # (not what "old" wrote)
+    submit(loop, "new", job(long, max_tokens=4, id="new", adopt="old"))
+    loop._read_inbox(block=False)
+    assert "new" not in loop.active and "old" not in loop.active    # (old: cancelled)
+    assert any(n[:2] == ("DONE", "old") and n[2]["cancelled"] for n in loop.notices)
+    assert ("STARTED", "new", {}) in loop.notices    # (as the IO thread says of such jobs)
+    loop.preparer.thread.submit(lambda: None).result()       # (prepared by now)
+    loop._read_inbox(block=False)
+    assert loop.waiting[0][0] == "new"                       # (first in line)
+    run(loop)
+    assert where and all(name.startswith("prepare") for name in where), where
+    new = events_of(loop, "new")
+    assert [e["e"] for e in new].count("start") == 1 and new[-1]["e"] == "end"
+    assert sorted(loop.free_slots) == [0, 1] and not loop.preparer.ready
 
 
 def test_text_biases_are_tokenized_on_the_preparing_thread_not_the_loop(loop, monkeypatch):

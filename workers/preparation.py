@@ -89,7 +89,7 @@ def worth_preparing(body: P.WorkerJob) -> bool:
     """Whether the job's preparation could take long enough to stall the streams beside
     it: much text, a DRY sampler, a grammar."""
     if body.op or body.adopt or not body.topic:
-        return False
+        return False                # (adopt: the loop tries the takeover first)
     sampling = body.generation.sampling
     return text_size(body) >= PREPARE_CHARS or bool(sampling.dry_multiplier) \
         or sampling.grammar is not None
@@ -107,10 +107,14 @@ class Preparer:
         self.cancelled: set[tuple[str, int]] = set()   # ... cancelled while there
         self.ready: dict[str, Prepared] = {}    # prepared, waiting for a slot
 
-    def submit(self, request_id: str, body: P.WorkerJob) -> bool:
+    def submit(self, request_id: str, body: P.WorkerJob, superseding: bool = False) -> bool:
         """Prepare the job on the thread if that pays (True; it then arrives in the inbox
-        as ("job", id, body, Prepared)), else False: the caller queues it as it is."""
-        if not worth_preparing(body):
+        as ("job", id, body, Prepared)), else False: the caller queues it as it is.
+        `superseding`: the loop's, for a session's new request that could not take over
+        the generation it superseded (worth_preparing leaves those to the loop, which
+        tries the takeover first)."""
+        if not worth_preparing(msgspec.structs.replace(body, adopt=None) if superseding
+                               else body):
             return False
         self.preparing[request_id] = body.attempt
         self.on_thread.add((request_id, body.attempt))
