@@ -314,6 +314,20 @@ def test_brackets_inside_strings_do_not_count_as_arrays(client):
     assert "arrays and objects" in response.get_json()["error"]["message"]
 
 
+def test_a_json_schema_nested_near_the_parsers_limit_is_a_400(client):
+    """An `enum` nested about 930-990 deep (where depends on the stack) passed the JSON
+    parse and then broke the schema's own text (a 500). Every depth from 900 to 1,000 is
+    a 400 now, by the parse or the schema's bound."""
+    http, fake = client
+    for depth in range(900, 1001):
+        body = '{"prompt": "a", "json_schema": {"enum": ' + "[" * depth + "]" * depth + "}}"
+        response = http.post("/v1/completions", data=body, content_type="application/json")
+        assert response.status_code == 400, (depth, response.get_json())
+        assert response.get_json()["error"]["code"] == "invalid_json" or \
+            response.get_json()["error"]["param"] == "json_schema"
+    assert fake.jobs == []
+
+
 def test_a_quote_never_closed_before_many_escaped_quotes_is_read_once(client):
     """Past 100,000 brackets the body's strings are taken out before counting. A string
     had to end with a quote, so one never closed, before 70,000 escaped quotes (300 KB),

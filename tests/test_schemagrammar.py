@@ -342,6 +342,27 @@ def test_a_patterns_work_counts_the_literal_each_quantifier_copies():
     assert sg.pattern_work("(ab){2}c", "p") == 8 + 3 * (1 + 8)      # a group: named once
     spaces = "{" + " " * (sg.MAX_PATTERN - 2) + "x"                  # no quantifier in it
     assert sg.pattern_work(spaces, "p") == sg.MAX_PATTERN
+    # an escaped backslash before a quantifier repeats the backslash (a look-behind read
+    # the brace as escaped: `\\{0,2400}` passed, and its grammar went past the bound)
+    assert sg.pattern_work("\\{3}", "p") == 4                     # (a brace: no count)
+    with pytest.raises(sg.SchemaRefused, match="repeats more than"):
+        sg.pattern_work("^\\\\{0,2400}$", "p")
+
+
+@pytest.mark.parametrize("depth", [101, 985, 5000])
+def test_a_schema_nested_past_the_depth_bound_is_refused(depth):
+    """A schema (or a value in it) nesting arrays 985 deep was a 500: its text, made to
+    key the kept conversions, went past Python's recursion limit. Past MAX_DEPTH it is
+    refused by name, however deep (5,000 levels: its text cannot even be made)."""
+    nested: list = []
+    for _ in range(depth - 1):
+        nested = [nested]
+    with pytest.raises(sg.SchemaRefused, match="more than 100 deep"):
+        sg.SchemaGrammars().grammar({"enum": [nested]})
+    inner: dict = {"type": "string"}
+    for _ in range(40):                          # (40 objects deep: a real schema's room)
+        inner = {"type": "object", "properties": {"a": inner}, "required": ["a"]}
+    assert "root ::=" in sg.SchemaGrammars().grammar(inner)
 
 
 def test_values_are_not_read_as_schemas():

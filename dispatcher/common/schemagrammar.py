@@ -44,11 +44,15 @@ CONVERT_MEMORY = 1 << 30    # the child's address space
 CACHE_SIZE = 32             # converted schemas kept per process (n choices, retries)
 
 MAX_PATTERN = 4096          # characters of one `pattern` (real ones are tens to hundreds)
+MAX_DEPTH = 100             # arrays and objects one inside another (real schemas: tens;
+#                             the converter and a schema's text are made recursively)
 
 COUNTS = ("minItems", "maxItems", "minLength", "maxLength")
 VALUES = ("enum", "const", "default", "examples")   # JSON values, not schemas
-# (possessive: no backtracking between the spaces and the digits, linear in the pattern)
-_QUANTIFIER = re.compile(r"(?<!\\)\{\s*+(\d*+)\s*+(?:,\s*+(\d*+)\s*+)?\}")
+# (possessive: no backtracking between the spaces and the digits, linear in the pattern;
+# an escape is read whole first, so `\{3}` is a brace and `\\{0,2400}` a backslash
+# repeated, which a look-behind at one backslash read as a brace)
+_QUANTIFIER = re.compile(r"\\.|\{\s*+(\d*+)\s*+(?:,\s*+(\d*+)\s*+)?\}", re.S)
 _LITERAL = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789\\")
 
 
@@ -82,6 +86,8 @@ def pattern_work(pattern: str, where: str) -> int:
                             "say it with characters, classes, groups and repetitions.")
     work = len(pattern)
     for match in _QUANTIFIER.finditer(pattern):
+        if match.group(0).startswith("\\"):
+            continue                    # (an escape: `\{` is a brace)
         low, high = match.group(1), match.group(2)
         for digits in (low, high):
             if digits and (len(digits) > 6 or int(digits) > MAX_REPETITION):
@@ -109,17 +115,20 @@ def estimate(schema: object) -> int:
     past MAX_REPETITION). Iterative, as deep as JSON allows."""
     work = 0
     # (node, path, name, whether it is a value, not a schema: under `enum`, `const`,
-    # `default`, `examples`, whose keys mean nothing to the converter)
-    stack: list[tuple[object, str, int, bool]] = [(schema, "json_schema", 4, False)]
+    # `default`, `examples`, whose keys mean nothing to the converter; its depth)
+    stack: list[tuple[object, str, int, bool, int]] = [(schema, "json_schema", 4, False, 0)]
     while stack:
-        node, path, name, value = stack.pop()
+        node, path, name, value, depth = stack.pop()
+        if depth > MAX_DEPTH and isinstance(node, (list, dict)):
+            raise SchemaRefused(f"The JSON schema nests arrays and objects more than "
+                                f"{MAX_DEPTH} deep (at {_short(path, 64)}).")
         if isinstance(node, (list, dict)) and (value or isinstance(node, list)):
             items = list(node.items() if isinstance(node, dict) else enumerate(node))
             work += len(items) + (sum(len(v) for _, v in items if isinstance(v, str))
                                   if value else 0)     # (a value's text becomes a literal)
             if work > MAX_WORK:
                 raise _too_large(path)
-            stack.extend((item, f"{path}[{_short(str(i), 32)}]", name + 4, value)
+            stack.extend((item, f"{path}[{_short(str(i), 32)}]", name + 4, value, depth + 1)
                          for i, item in items)
             continue
         if node is True and not value:      # (any value: made a union of every type)
@@ -158,11 +167,11 @@ def estimate(schema: object) -> int:
             for prop, sub in properties.items():
                 label = f"{path}.properties.{_short(str(prop), 32)}"
                 work += 2 * (name + len(prop))
-                stack.append((sub, label, name + len(prop) + 1, False))
+                stack.append((sub, label, name + len(prop) + 1, False, depth + 2))
         for key, sub in node.items():
             if key != "properties" and isinstance(sub, (dict, list)):
                 stack.append((sub, f"{path}.{_short(str(key), 32)}", name + len(key) + 1,
-                               key in VALUES))
+                               key in VALUES, depth + 1))
         if work > MAX_WORK:
             raise _too_large(path)
     return work
@@ -461,7 +470,11 @@ class SchemaGrammars:
         """The checked grammar for `schema`, or SchemaRefused."""
         # (the order of properties is the order of the output's keys: kept as sent;
         # kept by digest: a schema's text may be megabytes)
-        text, key = self.off_loop(_text_and_digest, schema)
+        try:
+            text, key = self.off_loop(_text_and_digest, schema)
+        except RecursionError:      # (deeper than `estimate` allows, and then some)
+            raise SchemaRefused(f"The JSON schema nests arrays and objects more than "
+                                f"{MAX_DEPTH} deep.") from None
         if key not in self.kept:
             try:
                 self.off_loop(estimate, schema)
