@@ -64,6 +64,9 @@ def create_app(test_config: dict | None = None) -> Flask:
             gevent.getcurrent(), "completions_arrived_ns", None) or time.time_ns()
 
     app.after_request(bound_the_writes)
+    # a big body's decoding slot, where the request ended before its validation did
+    from app.requests import big_body_slots
+    app.teardown_request(lambda exc: big_body_slots.give_back())
 
     @app.after_request
     def name_the_request(response):

@@ -46,7 +46,44 @@ def parse_json_body(any_content_type: bool = False) -> object:
     if encoding != "identity":
         raise UnsupportedMediaType(f"Content-Encoding {encoding[:40]!r} is not accepted: "
                                    "send the body uncompressed")
-    return off_loop(decode_json_body, read_body())
+    raw = read_body()
+    if len(raw) > BIG_BODY:
+        big_body_slots.take()       # (given back once validated, or as the request ends)
+    return off_loop(decode_json_body, raw)
+
+
+# Bodies over BIG_BODY bytes are decoded and validated a few at a time per front end:
+# decoded, a body is ten times its size or more (8 MB of two-letter strings: 80 MB), and
+# each decoded one waited for the pool's threads behind every other's decode before
+# validation let it go (a hundred at once: 8 GB and more). The C decoder holds the GIL: more at
+# once would not be sooner.
+BIG_BODY = 1 << 20
+BIG_BODIES_AT_ONCE = 2
+
+
+class BigBodySlots:
+    """The front end's slots for big bodies, taken by `parse_json_body` and given back by
+    `validate` (or, where a request ends before it, the app's teardown)."""
+
+    def __init__(self, at_once: int = BIG_BODIES_AT_ONCE) -> None:
+        self.at_once = at_once
+        self.slots = None                   # (made in the serving process, after forks)
+
+    def take(self) -> None:
+        if self.slots is None:
+            import threading                # (gevent's, where the front end patched it)
+            self.slots = threading.BoundedSemaphore(self.at_once)
+        self.slots.acquire()
+        request.environ["completions.big_body"] = self.slots
+
+    @staticmethod
+    def give_back() -> None:
+        taken = request.environ.pop("completions.big_body", None)
+        if taken is not None:
+            taken.release()
+
+
+big_body_slots = BigBodySlots()
 
 
 def read_body() -> bytes:
@@ -222,7 +259,10 @@ def json_answer(build, *args, headers: dict | None = None) -> Response:
 
 
 def validate(body: object, schema: Schema = _schema) -> dict:
-    data = off_loop(_validate, body, schema)
+    try:
+        data = off_loop(_validate, body, schema)
+    finally:
+        big_body_slots.give_back()
     if isinstance(data, dict) and data.get("json_schema") is not None:
         # made into a grammar here, within its budget: a worker only ever gets grammars
         try:

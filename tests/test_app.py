@@ -681,3 +681,39 @@ def test_a_large_stream_event_may_take_a_second_more_for_each_64_kib(client_of):
     larger = [t for t in sock.timeouts if t > 2.0]
     assert len(larger) == 1 and 5.0 < larger[0] < 5.1      # (the event's JSON: a bit more)
     assert sock.timeouts[-1] == 2.0 and sock.timeouts.index(larger[0]) > 0
+
+
+def test_big_bodies_are_decoded_a_few_at_a_time_and_their_slot_always_given_back(
+        client, monkeypatch):
+    """Decoded, a body is ten times its size or more, and decoded bodies waited for
+    validation behind every other's decode: bodies over a MiB take one of a few slots
+    from before their decode to the end of their validation (or of the request, where
+    it ends first), so a burst of them holds a few decoded at once, not all."""
+    import threading
+    from app import requests as R
+    http, fake = client
+    monkeypatch.setattr(R, "big_body_slots", R.BigBodySlots(at_once=1))
+    big = "a\n" * (R.BIG_BODY // 3)           # (within the prompt's bound, over a MiB as JSON)
+    bodies = [{"prompt": big, "max_tokens": 1},                      # answered
+              {"prompt": big, "max_tokens": "many"},                 # invalid field
+              {"prompt": big, "model": "other"},                     # after validation
+              b"[" + b'"' + big.encode() + b'", ]']                  # invalid JSON
+    for body in bodies:
+        data = body if isinstance(body, bytes) else json.dumps(body)
+        http.post("/v1/completions", data=data, content_type="application/json")
+        http.post("/completion", data=data, content_type="application/json")
+        assert R.big_body_slots.slots.acquire(blocking=False)      # (given back)
+        R.big_body_slots.slots.release()
+    jobs = len(fake.jobs)
+    assert jobs == 3          # (the first body on each route; /completion takes any model)
+    R.big_body_slots.slots.acquire()                 # (another big body being decoded)
+    waiting = threading.Thread(target=http.post, args=("/v1/completions",), kwargs={
+        "data": json.dumps(bodies[0]), "content_type": "application/json"})
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive() and len(fake.jobs) == jobs
+    R.big_body_slots.slots.release()
+    waiting.join(10)
+    assert not waiting.is_alive() and len(fake.jobs) == jobs + 1
+    small = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert small.status_code == 200
