@@ -166,8 +166,14 @@ def infill():
         len(req["input_prefix"] or "") + \
         len(req["input_suffix"] or "") + len(req["prompt"] or "")
     if size > limit:
+        # (named by its largest part: the one to shorten)
+        parts = {"input_extra": size - len(req["input_prefix"] or "") -
+                 len(req["input_suffix"] or "") - len(req["prompt"] or ""),
+                 "input_prefix": len(req["input_prefix"] or ""),
+                 "input_suffix": len(req["input_suffix"] or ""),
+                 "prompt": len(req["prompt"] or "")}
         raise PayloadTooLarge(f"the infill context has {size} characters; this server "
-                              f"takes at most {limit}", param="input_extra",
+                              f"takes at most {limit}", param=max(parts, key=parts.get),
                               code="prompt_too_large")
     middle = req["prompt"] or ""
     req.update(prompt=[req.pop("input_prefix") or ""], suffix=req.pop("input_suffix") or "")

@@ -351,6 +351,11 @@ class _VocabularyRequestSchema(Schema):
     class Meta:
         unknown = EXCLUDE
 
+    @pre_load
+    def require_object(self, data, **kwargs):
+        # (a list, a string or null was marshmallow's "Invalid input type.", no field named)
+        return CompletionRequestSchema.require_object(self, data)
+
     model = StrictString(load_default=None, allow_none=True,
                          metadata=doc("Model id or alias; omitted, null or empty: the "
                                        "served model.", type="string"))

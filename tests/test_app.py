@@ -717,3 +717,33 @@ def test_big_bodies_are_decoded_a_few_at_a_time_and_their_slot_always_given_back
     assert not waiting.is_alive() and len(fake.jobs) == jobs + 1
     small = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert small.status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/completion", "/infill",
+                                  "/v1/completions"])
+def test_a_body_that_is_not_an_object_says_so_on_every_route(client, path):
+    """The vocabulary routes answered `[]`, `"x"` or `null` with marshmallow's "Invalid
+    input type."; every route now says what the body must be."""
+    http, fake = client
+    for body in ("[]", '"x"', "null", "3"):
+        answer = http.post(path, data=body, content_type="application/json")
+        assert answer.status_code == 400, (path, body)
+        assert answer.get_json()["error"]["message"] == \
+            "The request body must be a JSON object.", (path, body)
+    assert not fake.jobs
+
+
+def test_an_infill_context_too_large_is_named_by_its_largest_part(client, monkeypatch):
+    """It was always `input_extra`, also where none was sent."""
+    http, fake = client
+    state = msgspec.structs.replace(STATE, workers=[
+        msgspec.structs.replace(STATE.workers[0], fim=True)])
+    monkeypatch.setattr(fake, "wait_state", lambda timeout=2.0: state)
+    limit = 1 << 20
+    for body, param in [({"input_prefix": "a" * limit, "input_suffix": "b"}, "input_prefix"),
+                        ({"input_suffix": "b" * limit, "prompt": "c"}, "input_suffix"),
+                        ({"input_prefix": "a", "input_extra": [{"text": "x" * limit}]},
+                         "input_extra")]:
+        answer = http.post("/infill", json=body)
+        assert answer.status_code == 413 and answer.get_json()["error"]["param"] == param
+    assert not fake.jobs
