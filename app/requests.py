@@ -12,7 +12,7 @@ import gevent
 import gevent.monkey
 
 import msgspec
-from flask import Response, current_app, request
+from flask import Response, current_app, has_request_context, request
 from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import ClientDisconnected
 from marshmallow import Schema, ValidationError
@@ -78,6 +78,8 @@ class BigBodySlots:
 
     @staticmethod
     def give_back() -> None:
+        if not has_request_context():
+            return                          # (validate called on its own)
         taken = request.environ.pop("completions.big_body", None)
         if taken is not None:
             taken.release()
