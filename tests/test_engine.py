@@ -1274,3 +1274,24 @@ def test_a_draw_made_aside_never_ends_a_request_that_may_not_end_yet():
             c, token, view, is_eog)
         assert draws._draw(chain, row, True, None).token == expected
     draws.close()
+
+
+def test_set_budget_moves_the_ban_on_ending_to_the_new_owner(model_path):
+    """An adoption hands a running sequence to a new request: its max_tokens and its
+    min_tokens count from there (the ban on ending ran on from the old request's
+    count, so the new one could end short of its own min_tokens)."""
+    from workers.engine.llama import LlamaEngine
+    engine = LlamaEngine(model_path, 1024, 1, THREADS, 0, draft_max=0)
+    try:
+        engine.add(0, engine.tokenize("def f(x):\n"), SamplingParams(temperature=0,
+                                                                    min_tokens=2))
+        for _ in range(4):
+            engine.step()
+        slot = engine.slots[0]
+        assert slot.sampled >= 2
+        engine.set_budget(0, 10, least=3)
+        assert (slot.budget, slot.min_tokens) == (slot.sampled + 10, slot.sampled + 3)
+        engine.set_budget(0, None, least=-4)              # (its min_tokens already met)
+        assert (slot.budget, slot.min_tokens) == (None, slot.sampled)
+    finally:
+        engine.close()

@@ -375,6 +375,22 @@ def test_an_adopted_generation_goes_on_under_the_new_requests_budget(loop):
     loop._read_inbox(block=False)
     new = loop.active["new"]
     assert loop.engine.budgets == {new.slot: 10 - new.generated}
+    assert loop.engine.least == {new.slot: -new.generated}          # (no min_tokens)
+
+
+def test_an_adopted_generation_may_not_end_before_the_new_requests_min_tokens(loop):
+    """min_tokens counts the new request's own tokens: the slot's count ran on from the
+    old request's, so an adopted generation could end that many tokens short."""
+    sampling = {"min_tokens": 8}
+    submit(loop, "old", job("Once", max_tokens=40, sampling=sampling))
+    run(loop, steps=6)
+    typed = SCRIPT[:3].decode()
+    submit(loop, "new", job("Once" + typed, max_tokens=10, id="new", adopt="old",
+                            sampling=sampling))
+    loop._read_inbox(block=False)
+    new = loop.active["new"]
+    assert 0 < new.generated < 8
+    assert loop.engine.least == {new.slot: 8 - new.generated}
     run(loop)
     assert events_of(loop, "new")[-1]["e"] == "end"
 

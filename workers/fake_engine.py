@@ -46,6 +46,7 @@ class FakeEngine:
         self._slots: list[dict | None] = [None] * slots
         self.totals = P.StepTotals()     # the step profile: one row per busy slot a step
         self.budgets: dict[int, int | None] = {}     # set_budget's, by slot
+        self.least: dict[int, int] = {}
 
     @property
     def n_slots(self) -> int:
@@ -96,8 +97,9 @@ class FakeEngine:
     def copy_prefix(self, src: int, dst: int, tokens: list[int]) -> int:
         return 0
 
-    def set_budget(self, slot_id: int, left: int | None) -> None:
+    def set_budget(self, slot_id: int, left: int | None, least: int = 0) -> None:
         self.budgets[slot_id] = left             # (nothing drafts here: only recorded)
+        self.least[slot_id] = least
 
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
             logprobs: int | None = None, prompt_logprobs: bool = False,

@@ -454,7 +454,8 @@ class GenerationLoop:
         new.prompt, new.cached = body.prompt, new.prompt_tokens
         new.generated = old.generated - covered
         self.engine.set_budget(old.slot, None if gen.max_tokens is None else
-                               gen.max_tokens - new.generated)
+                               gen.max_tokens - new.generated,
+                               least=(gen.sampling.min_tokens or 0) - new.generated)
         new.offsets = [offset - len(typed) for offset in old.offsets[covered:]]
         new.first_at = new.started                  # no prefill: it starts generating
         new.limits = EditorLimits.of(gen)

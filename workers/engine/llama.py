@@ -336,12 +336,14 @@ class LlamaEngine:
         slot = self.slots[slot_id]
         return len(slot.pending) if slot.busy else 0
 
-    def set_budget(self, slot_id: int, left: int | None) -> None:
-        """The busy slot may generate `left` more tokens (None: no limit): its drafts
-        and its prefill priority (a warm-up's, budget 0, goes last) follow the request
-        that now owns its generation (an adoption), not the one that started it."""
+    def set_budget(self, slot_id: int, left: int | None, least: int = 0) -> None:
+        """The busy slot may generate `left` more tokens (None: no limit) and must
+        generate `least` more before it may end (min_tokens): its drafts, its prefill
+        priority (a warm-up's, budget 0, goes last) and its ban on ending follow the
+        request that now owns its generation (an adoption), not the one that started it."""
         slot = self.slots[slot_id]
         slot.budget = None if left is None else slot.sampled + max(0, left)
+        slot.min_tokens = slot.sampled + max(0, least)
 
     def copy_prefix(self, src: int, dst: int, tokens: list[int]) -> int:
         """Into free slot `dst`'s cache, the start of `tokens` that slot `src` holds,
