@@ -58,9 +58,11 @@ def create_completion():
     return serve(req, Result)
 
 
-def serve(req: dict, result_class, warm: bool = False, infill: P.Infill | None = None):
+def serve(req: dict, result_class, native: bool = False, infill: P.Infill | None = None):
     """Run a validated request (OpenAI's or llama.cpp's shape: `result_class` assembles
-    the answer) through the dispatcher: whole, or as a stream."""
+    the answer) through the dispatcher: whole, or as a stream. `native`: a llama.cpp
+    route's, in llama-server's ways (`n_predict: 0` fills the cache, the penalties
+    count the prompt too)."""
     started = time.perf_counter()
     arrived = request.environ.get("completions.arrived_ns") or time.time_ns()
     check_prompt_size(req)
@@ -74,7 +76,7 @@ def serve(req: dict, result_class, warm: bool = False, infill: P.Infill | None =
     check_token_prompts(req, n_ctx)
     request_id = P.new_request_id()
     plans = plan_jobs(request_id, model, req, request.headers.get(PROFILE_HEADER),
-                      session_of(request), timeout, warm, infill, session_order(arrived),
+                      session_of(request), timeout, native, infill, session_order(arrived),
                       tenant_of(request), api_key_fingerprint(request),
                       SEQUENCE_HEADER in request.headers, client_of(request))
     check_route(plans[0].job, state)

@@ -27,7 +27,7 @@ def route_of(req: dict, profile: str | None) -> P.Route:
 
 def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None,
               session: str | None = None, timeout: float | None = None,
-              warm: bool = False, infill: P.Infill | None = None,
+              native: bool = False, infill: P.Infill | None = None,
               session_order: int = 0, tenant: str | None = None,
               api_key: str | None = None, session_seq: bool = False,
               client: str | None = None) -> list[JobPlan]:
@@ -55,7 +55,7 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
                 n_indent=req.get("n_indent"), t_max_predict_ms=req.get("t_max_predict_ms"),
                 t_max_prompt_ms=req.get("t_max_prompt_ms"), n_probs=req.get("n_probs"),
                 return_tokens=req.get("return_tokens"), draft_max=req.get("draft_max"),
-                warm=warm)
+                warm=native, penalize_prompt=native)
             job = P.WorkerJob(
                 id=request_id if fanout == 1 else f"{request_id}.{p}.{c}", model=model,
                 parent=request_id, fanout=fanout, tokens=generation.max_tokens,

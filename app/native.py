@@ -145,7 +145,7 @@ def completion():
     req = _validated(_completion_schema)
     req["model"] = resolve_model(req["model"], get_client(current_app).wait_state(),
                                  any_name=True)
-    return serve(req, NativeResult, warm=True)
+    return serve(req, NativeResult, native=True)
 
 
 @bp.post("/infill")
@@ -177,7 +177,7 @@ def infill():
                               code="prompt_too_large")
     middle = req["prompt"] or ""
     req.update(prompt=[req.pop("input_prefix") or ""], suffix=req.pop("input_suffix") or "")
-    return serve(req, NativeResult, warm=True, infill=P.Infill(extra=extra, middle=middle))
+    return serve(req, NativeResult, native=True, infill=P.Infill(extra=extra, middle=middle))
 
 
 SETTINGS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_last_n",

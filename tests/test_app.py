@@ -747,3 +747,12 @@ def test_an_infill_context_too_large_is_named_by_its_largest_part(client, monkey
         answer = http.post("/infill", json=body)
         assert answer.status_code == 413 and answer.get_json()["error"]["param"] == param
     assert not fake.jobs
+
+
+def test_llama_cpp_routes_penalize_the_prompt_and_openai_routes_do_not(client):
+    """llama-server's penalties count the prompt's last `repeat_last_n` tokens; OpenAI's
+    count the output alone: the job says which (the worker's chain takes the prompt)."""
+    http, fake = client
+    http.post("/completion", json={"prompt": "p", "repeat_penalty": 1.3})
+    http.post("/v1/completions", json={"prompt": "p", "presence_penalty": 1.0})
+    assert [job.get("penalize_prompt", False) for job in fake.jobs] == [True, False]

@@ -1295,3 +1295,38 @@ def test_set_budget_moves_the_ban_on_ending_to_the_new_owner(model_path):
         assert (slot.budget, slot.min_tokens) == (None, slot.sampled)
     finally:
         engine.close()
+
+
+def test_dry_reads_the_prompt_and_native_penalties_count_it(model_path):
+    """llama-server takes the whole prompt into a slot's samplers before its first
+    token: DRY then penalizes continuing a sequence the prompt already holds, and the
+    penalties count what the prompt says (its last `repeat_last_n` tokens). Here DRY
+    saw the output alone, and the penalties too; OpenAI's penalties still count the
+    output alone (`penalties=False`), as OpenAI's do."""
+    import numpy as np
+    from workers.engine.llama import LlamaEngine
+    engine = LlamaEngine(model_path, 1024, 1, THREADS, 0, draft_max=0)
+    try:
+        apple, banana, cherry, date = (engine.tokenize(w, add_special=False)[0]
+                                       for w in ("apple", " banana", " cherry", " date"))
+
+        def pick(sampling, prompt, penalties):
+            chain = engine.sampler_chain(sampling)
+            try:
+                chain.accept_prompt(prompt, penalties=penalties)
+                logits = np.full(engine.n_vocab, -20.0, dtype=np.float32)
+                logits[cherry], logits[date] = 1.0, 0.5       # cherry, unless penalized
+                return chain.sample_row(logits, engine.candidates)
+            finally:
+                chain.free()
+
+        presence = SamplingParams(temperature=0, presence_penalty=2.0, repeat_last_n=64)
+        assert pick(presence, [cherry, apple], penalties=True) == date
+        assert pick(presence, [cherry, apple], penalties=False) == cherry   # (OpenAI's)
+        assert pick(presence, [cherry] + [apple] * 64, penalties=True) == cherry  # (window)
+        dry = SamplingParams(temperature=0, dry_multiplier=0.8, dry_allowed_length=2)
+        repeat = [apple, banana, cherry, apple, banana]         # "apple banana" → cherry
+        assert pick(dry, repeat, penalties=False) == date
+        assert pick(dry, [apple, date, cherry, apple, banana], penalties=False) == cherry
+    finally:
+        engine.close()

@@ -518,3 +518,14 @@ def test_infill_chunks_that_could_never_stay_are_not_tokenized_and_change_nothin
             assert fitted.parts.length(loop.engine, k) == \
                 len(fitted.parts.tokens(loop.engine, k)) == \
                 len(whole.tokens(loop.engine, max(k, fitted.parts.unread)))
+
+
+def test_the_job_says_whether_the_penalties_take_the_prompt(loop, monkeypatch):
+    seen = []
+    real = loop.engine.add
+    monkeypatch.setattr(loop.engine, "add", lambda *a, **k: (
+        seen.append(k.get("penalize_prompt")), real(*a, **k))[1])
+    submit(loop, "native", job("x", id="native", penalize_prompt=True))
+    submit(loop, "openai", job("y", id="openai"))
+    run(loop)
+    assert seen == [True, False]

@@ -105,7 +105,7 @@ class FakeEngine:
             logprobs: int | None = None, prompt_logprobs: bool = False,
             reuse: bool = True, draft_max: int | None = None,
             history: str | None = None, budget: int | None = None,
-            chain=None) -> int:
+            chain=None, penalize_prompt: bool = False) -> int:
         self.check_tokens(tokens)
         if sampling.grammar is not None:
             raise InvalidInput("the fake engine has no grammar support", param="grammar")

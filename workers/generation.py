@@ -362,7 +362,7 @@ class GenerationLoop:
                                  prompt_logprobs=prompt_lp,
                                  reuse=reuse, draft_max=gen.draft_max,
                                  history=body.tenant or "", budget=gen.max_tokens,
-                                 chain=chain)
+                                 chain=chain, penalize_prompt=gen.penalize_prompt)
         if prepared is not None:
             prepared.chain = None            # the engine's now
         self.slot_tenant[slot] = body.tenant

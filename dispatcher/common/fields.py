@@ -63,14 +63,16 @@ SAMPLING: tuple[Knob, ...] = (
     Knob("typical_p", float, 1.0, "Locally typical sampling; 1: off.", 0.0, 1.0,
          sampler="typ_p"),
     Knob("seed", "seed", None, "Same seed and parameters → same text."),
-    Knob("presence_penalty", float, 0.0, "Penalty for tokens already generated at all.",
+    Knob("presence_penalty", float, 0.0, "Penalty for tokens already generated at all "
+         "(llama.cpp's routes: or in the prompt's last repeat_last_n tokens).",
          -2.0, 2.0, sampler="penalties"),
     Knob("frequency_penalty", float, 0.0, "Penalty growing with how often a token was "
          "generated.", -2.0, 2.0, sampler="penalties"),
     Knob("repetition_penalty", float, 1.0, "1: off.", 0.0, 10.0, low_open=True,
          sampler="penalties", alias="repeat_penalty"),
     Knob("repeat_last_n", int, -1, "Tokens the penalties look back over; -1: all "
-         "generated.", -1, INT_MAX, sampler="penalties"),
+         "generated (llama.cpp's routes: the prompt's too, as llama-server).", -1, INT_MAX,
+         sampler="penalties"),
     Knob("mirostat", int, 0, "0 off, 1 Mirostat, 2 Mirostat 2.0.", enum=(0, 1, 2)),
     Knob("mirostat_tau", float, 5.0, "Mirostat target entropy.", 0.0, 100.0, low_open=True),
     Knob("mirostat_eta", float, 0.1, "Mirostat learning rate.", 0.0, 1.0, low_open=True),

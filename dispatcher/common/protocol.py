@@ -197,6 +197,9 @@ class Generation(Body):
     return_tokens: bool | None = None
     draft_max: int | None = None
     warm: bool = False                  # n_predict 0 fills the cache (llama.vim's warm-up)
+    # the penalties count the prompt's last tokens too (llama-server's; OpenAI's count
+    # the output alone); DRY always reads the prompt
+    penalize_prompt: bool = False
     # tokenize / detokenize (op jobs)
     content: str | None = None
     add_special: bool | None = None

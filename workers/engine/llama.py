@@ -384,7 +384,7 @@ class LlamaEngine:
             logprobs: int | None = None, prompt_logprobs: bool = False,
             reuse: bool = True, draft_max: int | None = None,
             history: str | None = None, budget: int | None = None,
-            chain: SamplerChain | None = None) -> int:
+            chain: SamplerChain | None = None, penalize_prompt: bool = False) -> int:
         """Start a sequence in a free slot; its prompt is decoded by the coming steps.
         Returns how many prompt tokens were already in the slot's KV cache (reused).
         `history` names whose recent sequences may be drafted from (a tenant; None:
@@ -396,6 +396,7 @@ class LlamaEngine:
             raise EngineError(f"slot {slot_id} is busy")
         self.check_tokens(tokens)
         chain = chain or self.sampler_chain(sampling)
+        chain.accept_prompt(tokens, penalties=penalize_prompt)
         # At least the last prompt token is decoded again: its logits start generation.
         # Prompt logprobs need every prompt row's logits, so nothing is reused then.
         n_past = 0

@@ -205,6 +205,9 @@ class SamplerChain:
                 pass                     # (llama.cpp's parse below says so, if it does)
         self.check_seconds = 0.0                        # the last token's stack work
         self.stack_seconds = 0.0                        # ... this token's, so far
+        # the samplers that remember the last tokens (penalties, DRY), with how many
+        self.penalty_memory = self.dry_memory = None
+        self.prompt_seen = False
         samplers: list = []
         self.chain = None
         try:
@@ -255,10 +258,12 @@ class SamplerChain:
                 samplers.append(lib.llama_sampler_init_penalties(
                     n_vocab, window(p.repeat_last_n), p.repetition_penalty,
                     p.frequency_penalty, p.presence_penalty))
+                self.penalty_memory = (samplers[-1], window(p.repeat_last_n))
             elif name == "dry" and p.dry_multiplier > 0:
                 samplers.append(self.candidates.dry.sampler(
                     p.dry_multiplier, p.dry_base, p.dry_allowed_length,
                     window(p.dry_penalty_last_n), tuple(p.dry_sequence_breakers)))
+                self.dry_memory = (samplers[-1], window(p.dry_penalty_last_n))
             elif p.greedy or p.mirostat:
                 continue                          # truncation: none before these
             elif name == "top_n_sigma" and p.top_n_sigma >= 0:
@@ -292,6 +297,22 @@ class SamplerChain:
                     p.seed32, p.mirostat_tau, p.mirostat_eta))
         else:                # (a `samplers` list without temperature: as llama.cpp, none)
             samplers.append(lib.llama_sampler_init_dist(p.seed32))
+
+    def accept_prompt(self, tokens: list[int], penalties: bool = False) -> None:
+        """The prompt's last tokens, once, into DRY (the sequences of the context a
+        continuation would repeat: it saw only the output's) and, with `penalties`, into
+        the penalties (llama-server's: its slots take the whole prompt into their
+        samplers before the first token; OpenAI's penalties count the output alone).
+        The grammar takes none: it reads the output alone."""
+        if self.prompt_seen or self.chain is None:
+            return
+        self.prompt_seen = True
+        accept = self.lib.llama_sampler_accept
+        for kept in (self.dry_memory, self.penalty_memory if penalties else None):
+            if kept is not None:
+                sampler, window = kept
+                for token in tokens[-window:] if window > 0 else ():
+                    accept(sampler, token)
 
     def _free_all(self, samplers) -> None:
         for sampler in samplers:
