@@ -529,3 +529,25 @@ def test_the_job_says_whether_the_penalties_take_the_prompt(loop, monkeypatch):
     submit(loop, "openai", job("y", id="openai"))
     run(loop)
     assert seen == [True, False]
+
+
+def test_a_huge_prompt_being_prepared_keeps_no_other_job_waiting():
+    """A prompt of a MiB is seconds of tokenizing on the preparing thread, and every
+    job of a few KB (most editors' requests) prepared behind it waited as long: huge
+    ones have a thread of their own."""
+    import threading
+    from workers.preparation import BIG_PREPARE_CHARS
+    loop = make_loop(n_ctx=2 * PREPARE_CHARS)
+    held = threading.Event()
+    loop.preparer.big_thread.submit(held.wait, 10)          # (a huge one, still going)
+    assert loop.preparer.submit("huge", job("x" * BIG_PREPARE_CHARS, id="huge"))
+    assert loop.preparer.submit("small", job("y" * PREPARE_CHARS, id="small"))
+    loop.preparer.thread.submit(lambda: None).result()      # (the small one is ready)
+    run(loop)
+    assert events_of(loop, "small") and events_of(loop, "small")[-1]["e"] == "end"
+    assert not events_of(loop, "huge")                      # (still being prepared)
+    held.set()
+    loop.preparer.big_thread.submit(lambda: None).result()
+    run(loop)
+    assert events_of(loop, "huge")[-1]["e"] in ("end", "error")
+    loop.preparer.shutdown()

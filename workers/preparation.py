@@ -10,7 +10,9 @@ the generation thread, that time was a freeze of every stream beside it. The IO 
 hands such a job here as it arrives and tells the dispatcher it has started (it is being
 worked on: if it kills the process, it is not handed to another worker); the prepared job
 then reaches the generation loop's inbox, which admits it like any other. Small plain
-jobs (an editor's keystroke) go straight to the loop, as before.
+jobs (an editor's keystroke) go straight to the loop, as before. Jobs of 128 Ki
+characters or more are prepared on a second such thread, so that none of a few KB
+waits behind seconds of tokenizing.
 """
 from __future__ import annotations
 
@@ -33,6 +35,10 @@ log = logging.getLogger(__name__)
 # Characters of prompt text (prefix, suffix, repository chunks) from which a job's tokens
 # are made on the preparing thread (about 25 ms of tokenizing on this machine's core).
 PREPARE_CHARS = 4096
+# ... and from which on a thread of their own: a prompt of 1 Mi characters is seconds of
+# tokenizing (refused after it, where the context is large), and every editor's request
+# of a few KB prepared behind it waited as long
+BIG_PREPARE_CHARS = 128 * 1024
 
 
 @dataclass
@@ -102,6 +108,7 @@ class Preparer:
     def __init__(self, engine, fim_template, inbox) -> None:
         self.engine, self.fim_template, self.inbox = engine, fim_template, inbox
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="prepare")
+        self.big_thread = ThreadPoolExecutor(1, thread_name_prefix="prepare-big")
         self.preparing: dict[str, int] = {}     # request id -> its latest attempt there
         self.on_thread: set[tuple[str, int]] = set()   # every (id, attempt) not back yet
         self.cancelled: set[tuple[str, int]] = set()   # ... cancelled while there
@@ -118,7 +125,9 @@ class Preparer:
             return False
         self.preparing[request_id] = body.attempt
         self.on_thread.add((request_id, body.attempt))
-        self.thread.submit(self._work, request_id, body)
+        # (one request's attempts are alike in size: they keep their order on one thread)
+        thread = self.big_thread if text_size(body) >= BIG_PREPARE_CHARS else self.thread
+        thread.submit(self._work, request_id, body)
         return True
 
     def _work(self, request_id: str, body: P.WorkerJob) -> None:
@@ -161,6 +170,10 @@ class Preparer:
         if attempt is not None:
             self.cancelled.add((request_id, attempt))
         return attempt
+
+    def shutdown(self) -> None:
+        for thread in (self.thread, self.big_thread):
+            thread.shutdown(wait=True, cancel_futures=True)
 
     def take(self, request_id: str) -> Prepared | None:
         return self.ready.pop(request_id, None)

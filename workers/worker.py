@@ -463,7 +463,7 @@ def serve(launch: Launch, loaded: Loaded, stopping: StopFlag) -> int:
     finally:
         loop.abort_all("the worker is shutting down")
         loop.vocabulary_thread.shutdown(wait=True, cancel_futures=True)   # before the engine
-        loop.preparer.thread.shutdown(wait=True, cancel_futures=True)     # (both use it)
+        loop.preparer.shutdown()                                          # (both use it)
         loop.publisher.flush()
         link.stopping.set()
         link.join(timeout=5)
