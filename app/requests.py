@@ -22,7 +22,7 @@ from app.errors import (ClientClosedRequest, InvalidRequest, NotFound, PayloadTo
 from app.schemas import CompletionRequestSchema, first_error, normalize
 from dispatcher.common import protocol as P
 from dispatcher.common.fit import explain_unfit, fits
-from dispatcher.common.schemagrammar import SchemaGrammars, SchemaRefused
+from dispatcher.common.schemagrammar import SchemaBusy, SchemaGrammars, SchemaRefused
 
 _schema = CompletionRequestSchema()
 _schema_grammars = SchemaGrammars(off_loop=lambda function, *args: off_loop(function, *args))
@@ -272,6 +272,8 @@ def validate(body: object, schema: Schema = _schema) -> dict:
         except SchemaRefused as exc:
             raise InvalidRequest(str(exc), param="json_schema", code="invalid_value") \
                 from None
+        except SchemaBusy as exc:
+            raise ServiceUnavailable(str(exc), code="server_busy") from None
         data["json_schema"] = None
     return data
 

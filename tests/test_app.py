@@ -756,3 +756,16 @@ def test_llama_cpp_routes_penalize_the_prompt_and_openai_routes_do_not(client):
     http.post("/completion", json={"prompt": "p", "repeat_penalty": 1.3})
     http.post("/v1/completions", json={"prompt": "p", "presence_penalty": 1.0})
     assert [job.get("penalize_prompt", False) for job in fake.jobs] == [True, False]
+
+
+def test_a_schema_that_finds_every_conversion_busy_is_a_503_to_retry(client, monkeypatch):
+    from app import requests as R
+    from dispatcher.common.schemagrammar import SchemaBusy
+
+    def busy(schema):
+        raise SchemaBusy("Every JSON schema conversion of this front end was busy.")
+    http, fake = client
+    monkeypatch.setattr(R._schema_grammars, "grammar", busy)
+    answer = http.post("/v1/completions", json={"prompt": "p", "json_schema": {}})
+    assert answer.status_code == 503 and answer.headers["Retry-After"]
+    assert answer.get_json()["error"]["code"] == "server_busy" and not fake.jobs

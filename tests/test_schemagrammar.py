@@ -647,3 +647,16 @@ def test_random_schemas_write_only_json_valid_against_them():
             continue
         for text in _texts_of(grammar, '{}[]":,a1-0.5tnul', 5):
             jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_schema_waits_for_a_conversion_slot_a_bounded_time(monkeypatch):
+    """Conversions run two at a time per front end; a flood of schemas never seen before
+    kept every other schema waiting without end. Past CONVERT_WAIT: SchemaBusy (a 503
+    to retry), never remembered as the schema's answer."""
+    monkeypatch.setattr(sg, "CONVERT_WAIT", 0.2)
+    grammars = sg.SchemaGrammars(run=lambda text: 'root ::= "1"', at_once=1)
+    grammars.slots.acquire()                         # (a long conversion, still going)
+    with pytest.raises(sg.SchemaBusy):
+        grammars.grammar({"type": "integer"})
+    grammars.slots.release()
+    assert grammars.grammar({"type": "integer"}) == 'root ::= "1"'

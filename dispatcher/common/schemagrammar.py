@@ -42,6 +42,7 @@ CONVERT_SECONDS = 5.0       # the child's wall deadline (a schema that passed `e
 #                             converts in well under a second)
 CONVERT_MEMORY = 1 << 30    # the child's address space
 CACHE_SIZE = 32             # converted schemas kept per process (n choices, retries)
+CONVERT_WAIT = 15.0         # seconds a schema may wait for a conversion slot (then 503)
 
 MAX_PATTERN = 4096          # characters of one `pattern` (real ones are tens to hundreds)
 MAX_DEPTH = 100             # arrays and objects one inside another (real schemas: tens;
@@ -54,6 +55,11 @@ VALUES = ("enum", "const", "default", "examples")   # JSON values, not schemas
 # repeated, which a look-behind at one backslash read as a brace)
 _QUANTIFIER = re.compile(r"\\.|\{\s*+(\d*+)\s*+(?:,\s*+(\d*+)\s*+)?\}", re.S)
 _LITERAL = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789\\")
+
+
+class SchemaBusy(RuntimeError):
+    """Every conversion slot stayed busy for CONVERT_WAIT: try again (a flood of schemas
+    never seen before keeps the others' waiting bounded)."""
 
 
 class SchemaRefused(ValueError):
@@ -478,8 +484,13 @@ class SchemaGrammars:
         if key not in self.kept:
             try:
                 self.off_loop(estimate, schema)
-                with self.slots:
+                if not self.slots.acquire(timeout=CONVERT_WAIT):
+                    raise SchemaBusy(f"Every JSON schema conversion of this front end was "
+                                     f"busy for {CONVERT_WAIT:g} s: try again.")
+                try:
                     grammar = self.run(text)
+                finally:
+                    self.slots.release()
                 self.off_loop(gbnf.check, grammar, n_vocab)
                 self.kept[key] = (grammar, None)
             except gbnf.GrammarError as exc:
