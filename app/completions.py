@@ -13,8 +13,8 @@ from flask import Blueprint, Response, current_app, request, stream_with_context
 from app import access, sse
 from app.writes import SEND_RATE_FLOOR, allow_write
 from app.client import ClientGone, get_client, watch_disconnect
-from app.errors import from_wire
-from app.fanout import Fanout
+from app.errors import RequestTimeout, from_wire
+from app.fanout import MAX_BACKLOG_BYTES, Fanout
 from app.jobs import plan_jobs
 from app.requests import (PROFILE_HEADER, SEQUENCE_HEADER, api_key_fingerprint,
                           check_answer_size, check_prompt_size, check_route,
@@ -146,6 +146,12 @@ def _stream(result, events, fanout: Fanout, watcher, record: access.RequestRecor
         yield from result.trailer(error=False)
         ended = True
     except ClientGone:
+        if fanout.overflowed:   # (a client still reading, slower than its answer: say so)
+            yield sse.event(RequestTimeout(
+                f"the answer outran what this client read (more than {MAX_BACKLOG_BYTES >> 20} "
+                "MB waited to be sent): its generation was stopped",
+                code="client_too_slow").to_dict())
+            yield from result.trailer(error=True)
         return
     except Exception:
         record.failed("internal_error")

@@ -769,3 +769,28 @@ def test_a_schema_that_finds_every_conversion_busy_is_a_503_to_retry(client, mon
     answer = http.post("/v1/completions", json={"prompt": "p", "json_schema": {}})
     assert answer.status_code == 503 and answer.headers["Retry-After"]
     assert answer.get_json()["error"]["code"] == "server_busy" and not fake.jobs
+
+
+def test_a_stream_that_outruns_its_client_ends_with_an_error_event(client_of, monkeypatch):
+    """Past MAX_BACKLOG_BYTES of events waiting to be sent, the request's jobs are
+    cancelled (a client that stopped reading). The stream ended there without a word:
+    a client still reading (an echo with logprobs over many choices comes in one
+    burst) now reads why, then [DONE]."""
+    import app.fanout
+    monkeypatch.setattr(app.fanout, "MAX_BACKLOG_BYTES", 3000)
+
+    def sized(stream):                   # (each event's wire size, as RequestStream's)
+        event = stream.events.pop(0)
+        stream.last_size = len(msgspec.json.encode(event))
+        return event
+    monkeypatch.setattr(FakeStream, "next_event", sized)
+    events = completion("")
+    events[1:1] = [{"e": P.EV_TEXT, "s": 1 + i, "text": "x" * 1000} for i in range(8)]
+    events[-1]["s"] = 9
+    http, fake = client_of(lambda job: events)
+    response = http.post("/v1/completions", json={"prompt": "p", "stream": True,
+                                                  "max_tokens": 200})
+    frames = [f for f in response.get_data(as_text=True).split("\n\n") if f]
+    assert frames[-1] == "data: [DONE]"
+    error = json.loads(frames[-2][len("data: "):])["error"]
+    assert error["code"] == "client_too_slow" and "outran" in error["message"]
