@@ -185,24 +185,41 @@ def _class(pattern: str, i: int) -> tuple[str, int] | None:
     return "(" + "|".join(choices) + ")", j + 1
 
 
-def _choices(pattern: str) -> list[str]:
-    """`pattern` split at each `|` outside every group and class."""
-    out, depth, in_class, i, last = [], 0, False, 0, 0
+def _scan(pattern: str):
+    """(index, character, groups open before it, inside a class) of each character of
+    `pattern`; an escape as one, its letter after the backslash at the backslash's
+    index (a class ends at its first `]`, as the converter reads it)."""
+    depth, in_class, i = 0, False, 0
     while i < len(pattern):
         c = pattern[i]
         if c == "\\":
+            yield i, "\\" + pattern[i + 1:i + 2], depth, in_class
             i += 2
             continue
+        yield i, c, depth, in_class
         if in_class:
             in_class = c != "]"
         elif c == "[":
             in_class = True
         elif c in "()":
             depth += 1 if c == "(" else -1
-        elif c == "|" and depth == 0:
+        i += 1
+
+
+def _structure(pattern: str):
+    """(index, character, groups open before it) of each character of `pattern` outside
+    every class and escape."""
+    return ((i, c, depth) for i, c, depth, in_class in _scan(pattern)
+            if not in_class and c != "[" and not c.startswith("\\"))
+
+
+def _choices(pattern: str) -> list[str]:
+    """`pattern` split at each `|` outside every group and class."""
+    out, last = [], 0
+    for i, c, depth in _structure(pattern):
+        if c == "|" and depth == 0:
             out.append(pattern[last:i])
             last = i + 1
-        i += 1
     return out + [pattern[last:]]
 
 
@@ -233,23 +250,10 @@ def _group_start(pattern: str, i: int) -> int:
 def _unwrapped(pattern: str) -> str:
     """`pattern` without groups around the whole of it (`(^\\d+$)` is `^\\d+$`)."""
     while pattern.startswith("("):
-        depth, in_class, i = 0, False, 0
-        while i < len(pattern):
-            c = pattern[i]
-            if c == "\\":
-                i += 2
-                continue
-            if in_class:
-                in_class = c != "]"
-            elif c == "[":
-                in_class = True
-            elif c in "()":
-                depth += 1 if c == "(" else -1
-                if depth == 0:
-                    break
-            i += 1
+        close = next((i for i, c, depth in _structure(pattern) if c == ")" and depth == 1),
+                     None)
         start = _group_start(pattern, 0)
-        if i != len(pattern) - 1 or start == 1 and pattern.startswith("(?"):
+        if close != len(pattern) - 1 or start == 1 and pattern.startswith("(?"):
             return pattern
         pattern = pattern[start:-1]
     return pattern
@@ -283,30 +287,21 @@ def unsupported(pattern: str) -> str | None:
     as an escape the grammar refused, read `\\p{L}` as a quantifier, and an anchor
     inside a group as a character)."""
     body = _unwrapped(pattern)
-    ends, in_class, i = _anchor_ends(body), False, 0
-    while i < len(body):
-        c = body[i]
-        if c == "\\":
-            e = body[i + 1:i + 2]
-            if e in ("p", "P") or (e.isdigit() and e != "0") or \
-                    (not in_class and e in NO_GRAMMAR_ESCAPES):
-                return NO_GRAMMAR_ESCAPES.get(e, f"a back-reference (\\{e})")
-            i += 2
+    ends = _anchor_ends(body)
+    for i, c, _, in_class in _scan(body):
+        e = c[1:] if c.startswith("\\") else None
+        if e is not None and (e in ("p", "P") or (e.isdigit() and e != "0") or
+                              (not in_class and e in NO_GRAMMAR_ESCAPES)):
+            return NO_GRAMMAR_ESCAPES.get(e, f"a back-reference (\\{e})")
+        if in_class or e is not None:
             continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            i += 1 + body.startswith("[^", i)           # (`[^]`, `[]]`: as _class reads)
-            continue
-        elif c == "(" and body.startswith("(?", i) and _group_start(body, i) == i + 1:
+        if c == "(" and body.startswith("(?", i) and _group_start(body, i) == i + 1:
             kind = next((k for k in GROUP_KINDS if body.startswith(k, i)), None)
             return GROUP_KINDS[kind] if kind else f"an inline flag or group kind " \
                 f"({body[i + 1:i + 3]}…)"
-        elif c in "^$" and i not in ends:
+        if c in "^$" and i not in ends:
             return f"an anchor ({c}) inside the pattern, not at an end of it or of one " \
                 "of its top-level choices"
-        i += 1
     return None
 
 
