@@ -740,3 +740,22 @@ def test_a_sequence_sampled_aside_gets_no_draft_from_the_draft_model_either():
     with pytest.raises(AssertionError, match="draft model"):
         Scheduler._with_model(Untouchable(), [slot], {}, {}, 4096, StepCosts.assumed(),
                               None)
+
+
+def test_every_tenants_history_together_is_bounded_by_entries(monkeypatch):
+    """A tenant's history fills up to ~190,000 entries (28 MB); 64 tenants kept were
+    1.8 GB a worker. Past HISTORY_ENTRIES in all when a tenant's sequence starts, the
+    least recently used tenants go (the one asking is kept, however full)."""
+    from workers.engine import history as H
+    monkeypatch.setattr(H, "HISTORY_ENTRIES", 2000)
+    histories = H.Histories()
+    for name in ("a", "b", "c", "d"):
+        histories.of(name).add(list(range(1000, 2000)), 500)   # 756 index entries each
+    assert list(histories.tenants) == ["b", "c", "d"]           # ("a" went at "d")
+    histories.of("b")                                           # (used: now the newest)
+    assert list(histories.tenants) == ["d", "b"] and histories.entries() <= 2000
+    histories.of("e").add(list(range(3000, 6000)), 100)        # 2,988 alone
+    histories.of("f")
+    assert list(histories.tenants) == ["f"]
+    histories.of("f").add(list(range(3000, 6000)), 100)
+    assert list(histories.of("f").lookup(list(range(3000, 3012)))[0][:2]) == [3000, 3001]

@@ -13,6 +13,11 @@ HISTORY_SEQUENCES = 16  # `history`: recent sequences kept per tenant
 HISTORY_TOKENS = 4096   # ... at most this many tokens of each
 HISTORY_TENANTS = 64    # tenants whose history is kept, least recently used dropped
 RECYCLED_ENTRIES = 65536    # `recycled`: successors kept per tenant, per table
+# entries of every tenant's tables together (the index's keys and both recycled tables),
+# the least recently used tenants dropped past it: a tenant's fill up to ~190,000 (28 MB,
+# sixteen sequences of 4,096 tokens), 64 of them 1.8 GB a worker; an editor's answers
+# (a few hundred tokens) leave ~10,000 each, so a hundred such fit in this (~150 MB)
+HISTORY_ENTRIES = 1 << 20
 
 
 class History:
@@ -45,6 +50,10 @@ class History:
                 key = tuple(old[i - LONG_KEY:i])
                 if self.index.get(key, (None,))[0] == old_id:
                     del self.index[key]
+
+    def entries(self) -> int:
+        """What it holds, in table entries (its memory: ~150 bytes each)."""
+        return len(self.index) + len(self.recycler.after_one) + len(self.recycler.after_two)
 
     def lookup(self, context: list[int]) -> tuple[list[int], int] | None:
         """(tokens, position) where an earlier sequence went on after the context's last
@@ -114,6 +123,10 @@ class Histories:
     def of(self, tenant: str) -> History:
         history = self.tenants.pop(tenant, None) or History()
         self.tenants[tenant] = history
-        while len(self.tenants) > HISTORY_TENANTS:
+        while len(self.tenants) > HISTORY_TENANTS or \
+                len(self.tenants) > 1 and self.entries() > HISTORY_ENTRIES:
             self.tenants.popitem(last=False)
         return history
+
+    def entries(self) -> int:
+        return sum(history.entries() for history in self.tenants.values())
