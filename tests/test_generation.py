@@ -551,3 +551,58 @@ def test_a_huge_prompt_being_prepared_keeps_no_other_job_waiting():
     run(loop)
     assert events_of(loop, "huge")[-1]["e"] in ("end", "error")
     loop.preparer.shutdown()
+
+
+def test_a_superseding_request_being_prepared_keeps_the_slot_its_old_one_freed():
+    """Its session's prompt is cached in the slot the old request freed: while the new
+    one is prepared, a job waiting for a slot takes another (or waits), never that one
+    (it took it, and the keystroke then prefilled its whole prompt again elsewhere)."""
+    loop = make_loop(n_ctx=4 * PREPARE_CHARS)
+    base = "Once upon " + "x" * PREPARE_CHARS
+    submit(loop, "old", job(base, max_tokens=40, id="old"))
+    loop.preparer.thread.submit(lambda: None).result()
+    run(loop, steps=1)
+    submit(loop, "other", job("Twice", max_tokens=40, id="other"))
+    submit(loop, "waiting", job("Thrice", max_tokens=40, id="waiting"))
+    run(loop, steps=3)
+    assert loop.waiting[0][0] == "waiting"
+    old_slot = loop.active["old"].slot
+    submit(loop, "new", job(base + " y", max_tokens=4, id="new", adopt="old"))
+    loop._read_inbox(block=False)
+    loop._admit()
+    assert "waiting" not in loop.active and loop.held == {"new": old_slot}
+    loop.preparer.thread.submit(lambda: None).result()
+    loop._read_inbox(block=False)
+    loop._admit()
+    assert loop.active["new"].slot == old_slot and not loop.held
+    run(loop)
+    assert events_of(loop, "waiting")[-1]["e"] == "end"
+    # cancelled while prepared: the slot is free again for the others at once
+    submit(loop, "a", job(base, max_tokens=40, id="a"))
+    loop.preparer.thread.submit(lambda: None).result()
+    run(loop, steps=1)
+    submit(loop, "b", job(base + " z", max_tokens=4, id="b", adopt="a"))
+    loop._read_inbox(block=False)
+    assert list(loop.held) == ["b"]
+    loop.cancel("b")
+    assert not loop.held and sorted(loop.free_slots) == [0, 1]
+    loop.preparer.thread.submit(lambda: None).result()
+    run(loop)
+    assert not events_of(loop, "b") and sorted(loop.free_slots) == [0, 1]
+
+
+def test_a_superseding_job_read_before_a_reset_never_runs_after_it():
+    """The dispatcher forgot this worker (Reset): what its old connection handed over is
+    dropped, a superseding job the loop handed the preparing thread too (the Reset's
+    snapshot, taken on the IO thread, could not know of it)."""
+    loop = make_loop(n_ctx=2 * PREPARE_CHARS)
+    submit(loop, "old", job("Once", max_tokens=40))
+    run(loop, steps=3)
+    submit(loop, "new", job("Once upon " + "x" * PREPARE_CHARS, max_tokens=4, id="new",
+                            adopt="old"))
+    loop.inbox.put(inbox.Reset(loop.preparer.being_prepared()))
+    loop._read_inbox(block=False)                   # the job, then the Reset
+    loop.preparer.thread.submit(lambda: None).result()
+    run(loop)
+    assert not events_of(loop, "new") and not loop.active and not loop.held
+    assert sorted(loop.free_slots) == [0, 1] and not loop.preparer.superseding

@@ -51,6 +51,9 @@ class GenerationLoop:
         self.waiting: deque[tuple[str, P.WorkerJob]] = deque()
         self.active: dict[str, Active] = {}
         self.free_slots = list(range(engine.n_slots))
+        # a superseding request's slot (its session's prompt cached there), kept free of
+        # other jobs while it is prepared: request id -> slot
+        self.held: dict[str, int] = {}
         # whose prompt each slot's KV cache holds (the job's tenant: None when shared); a
         # job reuses only a cache its own tenant filled (--cache-scope key)
         self.slot_tenant: dict[int, str | None] = {}
@@ -133,6 +136,7 @@ class GenerationLoop:
     def _apply(self, item: inbox.Message) -> None:
         match item:
             case inbox.PreparedJob(request_id, body, prepared):   # (the preparing thread)
+                self._unhold(request_id)
                 if self.preparer.arrived(request_id, body.attempt, prepared):
                     # (a superseding one goes first, into the slot its old one freed)
                     (self.waiting.appendleft if body.adopt else self.waiting.append)(
@@ -164,9 +168,19 @@ class GenerationLoop:
                 for request_id in list(self.active):
                     self._drop(self.active[request_id])
                 self.waiting.clear()
-                self.preparer.reset(preparing)
+                for request_id in list(self.held):
+                    self._unhold(request_id)
+                # (with the superseding jobs this loop handed the preparing thread since
+                # the snapshot: they came from the forgotten connection, before the Reset)
+                self.preparer.reset(preparing | self.preparer.from_loop())
+
+    def _unhold(self, request_id: str) -> None:
+        slot = self.held.pop(request_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
 
     def cancel(self, request_id: str) -> None:
+        self._unhold(request_id)
         attempt = self.preparer.cancel(request_id)
         if attempt is not None:                  # still on the preparing thread
             self.notify(P.DONE, request_id, P.Done(attempt=attempt, cancelled=True,
@@ -418,9 +432,13 @@ class GenerationLoop:
                  old_id)
         self.cancel(old_id)
         # much text, a grammar or DRY: made on the preparing thread, as any such job (the
-        # streams beside it go on: 100 KB of code is 0.15 s of tokenizing on this machine)
+        # streams beside it go on: 100 KB of code is 0.15 s of tokenizing on this machine),
+        # the slot its old one freed kept for it meanwhile (its prompt is mostly there)
         if self.preparer.submit(request_id, body, superseding=True):
             self.notify(P.STARTED, request_id, P.Attempt(attempt=body.attempt))
+            if old is not None and old.slot in self.free_slots:
+                self.free_slots.remove(old.slot)
+                self.held[request_id] = old.slot
         else:
             self.waiting.appendleft((request_id, body))
 

@@ -113,6 +113,7 @@ class Preparer:
         self.on_thread: set[tuple[str, int]] = set()   # every (id, attempt) not back yet
         self.cancelled: set[tuple[str, int]] = set()   # ... cancelled while there
         self.ready: dict[str, Prepared] = {}    # prepared, waiting for a slot
+        self.superseding: set[tuple[str, int]] = set()   # ... handed here by the loop
 
     def submit(self, request_id: str, body: P.WorkerJob, superseding: bool = False) -> bool:
         """Prepare the job on the thread if that pays (True; it then arrives in the inbox
@@ -125,6 +126,8 @@ class Preparer:
             return False
         self.preparing[request_id] = body.attempt
         self.on_thread.add((request_id, body.attempt))
+        if superseding:
+            self.superseding.add((request_id, body.attempt))
         # (one request's attempts are alike in size: they keep their order on one thread)
         thread = self.big_thread if text_size(body) >= BIG_PREPARE_CHARS else self.thread
         thread.submit(self._work, request_id, body)
@@ -150,6 +153,7 @@ class Preparer:
         """A prepared job reached the loop: kept for admission (True), or dropped if it
         was cancelled meanwhile."""
         self.on_thread.discard((request_id, attempt))
+        self.superseding.discard((request_id, attempt))
         if (request_id, attempt) in self.cancelled:
             self.cancelled.discard((request_id, attempt))
             prepared.free()
@@ -170,6 +174,11 @@ class Preparer:
         if attempt is not None:
             self.cancelled.add((request_id, attempt))
         return attempt
+
+    def from_loop(self) -> frozenset[tuple[str, int]]:
+        """The superseding jobs the loop handed here that are not back yet ((id,
+        attempt)): a Reset's snapshot, taken on the IO thread, cannot know of them."""
+        return frozenset(self.superseding & self.on_thread)
 
     def shutdown(self) -> None:
         for thread in (self.thread, self.big_thread):
