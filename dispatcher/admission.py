@@ -129,12 +129,7 @@ class Sessions:
         the client's (`session_order`), never the order of arrival here."""
         session, parent = job.body.session, job.body.parent
         order, counted = job.body.session_order, job.body.session_seq
-        newest = self.newest.get(session)
-        # a client's counter and arrival stamps are different scales: a request of the
-        # other kind is newer by arriving later (X-Session-Seq 2**63-1 once must not
-        # lock out a client that sends none)
-        if newest is not None and newest.parent != parent and newest.counted == counted \
-                and newest.order > order and not self._new_epoch(job, newest, now):
+        if self._older(job, now):
             return False, []
         self.newest[session] = Newest(order, parent, now, counted)
         self.newest.move_to_end(session)
@@ -146,6 +141,24 @@ class Sessions:
             del jobs[old.request_id]
         jobs[job.request_id] = job
         return True, older
+
+    def would_end(self, job: QueuedJob, now: float) -> list[QueuedJob]:
+        """The open jobs `arrives` would hand back for `job` to supersede, changing
+        nothing (admission counts the queue places they leave)."""
+        if self._older(job, now):
+            return []
+        return [old for old in self.open.get(job.body.session, {}).values()
+                if old.body.parent != job.body.parent]
+
+    def _older(self, job: QueuedJob, now: float) -> bool:
+        """Whether the client sent a newer request of the session before `job`. A
+        client's counter and arrival stamps are different scales: a request of the
+        other kind is newer by arriving later (X-Session-Seq 2**63-1 once must not lock
+        out a client that sends none)."""
+        newest = self.newest.get(job.body.session)
+        return newest is not None and newest.parent != job.body.parent and \
+            newest.counted == job.body.session_seq and \
+            newest.order > job.body.session_order and not self._new_epoch(job, newest, now)
 
     def _new_epoch(self, job: QueuedJob, newest: Newest, now: float) -> bool:
         """A lower X-Session-Seq that starts the client's count again (an editor restarted

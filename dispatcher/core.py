@@ -228,20 +228,27 @@ class DispatcherCore:
         job = QueuedJob(request_id, fe_id, body, enqueued_at=self.now, share_key=share_key)
         if body.op:
             return self._run_op(job)
-        lane = self.queue.lane(job)
-        later = self.units.later_job(job.parent)
-        if not later and body.api_key is not None and \
-                self.shares.key_queue_full(self.queue.depth_of_api_key(lane, body.api_key)):
-            self.stats["queue_full"] += 1           # this key's share; others still admitted
-            return self._reject(fe_id, request_id, refusals.key_queue_full(
-                self.shares.max_queue_per_key, self.max_queue, lane))
-        if not later and self.queue.depth(lane) >= self.max_queue:
-            self.stats["queue_full"] += 1           # (refused before it supersedes anything)
-            return self._reject(fe_id, request_id, refusals.queue_full(self.max_queue, lane))
         if body.session is None and self.inferred is not None:
             session = self.inferred.session_for(body, self.now)   # an editor's keystroke
             if session is not None:
                 body = job.body = msgspec.structs.replace(body, session=session)
+        lane = self.queue.lane(job)
+        later = self.units.later_job(job.parent)
+        # (refused before it supersedes anything; the places of the queued requests it
+        # would end count as free: an editor's newest keystroke is never refused for the
+        # one it replaces, which would then run in its stead)
+        ending = {old.body.parent: old.body.api_key for old in (
+            self.sessions.would_end(job, self.now) if body.session else ())
+            if old.worker is None and self.queue.lane(old) == lane}
+        if not later and body.api_key is not None and self.shares.key_queue_full(
+                self.queue.depth_of_api_key(lane, body.api_key) -
+                sum(key == body.api_key for key in ending.values())):
+            self.stats["queue_full"] += 1           # this key's share; others still admitted
+            return self._reject(fe_id, request_id, refusals.key_queue_full(
+                self.shares.max_queue_per_key, self.max_queue, lane))
+        if not later and self.queue.depth(lane) - len(ending) >= self.max_queue:
+            self.stats["queue_full"] += 1
+            return self._reject(fe_id, request_id, refusals.queue_full(self.max_queue, lane))
         if body.session and not self._supersede(job):
             return self._reject(fe_id, request_id, refusals.superseded(by_newer_first=True))
         if job.adopt_from is not None:

@@ -967,3 +967,40 @@ def test_a_restart_refused_for_its_grace_changes_nothing_and_a_new_id_alone_is_a
     assert answer["ok"] and answer["model"] == "renamed"
     argv = ops.pending["w0"]["argv"]
     assert argv[argv.index("--model-id") + 1] == "renamed"
+
+
+def test_a_sessions_newest_request_takes_the_queue_place_of_the_one_it_ends():
+    """The queue bounds were checked before superseding: with the key's share or the
+    lane full, an editor's newest keystroke got 429 and the stale one it should have
+    replaced stayed queued and ran. The places of the queued requests it ends count as
+    free; one that ends nothing queued is refused as before."""
+    from dispatcher.common import config
+    core = DispatcherCore(max_queue=64, max_queue_per_key=config.queue_share(64, None, 100))
+    ready(core, slots=1)
+    submit(core, "busy", api_key="other", parent="busy")           # (holds the slot)
+    submit(core, "k1", api_key="ka", session="s", parent="k1", session_order=1,
+           session_seq=True)
+    newest = submit(core, "k2", api_key="ka", session="s", parent="k2", session_order=2,
+                    session_seq=True)
+    assert ("FAILED", "k1") in kinds(newest) and ("ACCEPTED", "k2") in kinds(newest)
+    assert [j.request_id for j in core.queue] == ["k2"]
+    refused = submit(core, "k3", api_key="ka", parent="k3")          # (no session)
+    assert refused[0].body.code == "key_queue_full"
+    core = DispatcherCore(max_queue=2)                                # the lane's bound
+    ready(core, slots=1)
+    submit(core, "busy", parent="busy")
+    submit(core, "x", parent="x")
+    submit(core, "k1", session="s", parent="k1", session_order=1, session_seq=True)
+    newest = submit(core, "k2", session="s", parent="k2", session_order=2, session_seq=True)
+    assert ("ACCEPTED", "k2") in kinds(newest)
+    assert [j.request_id for j in core.queue] == ["x", "k2"]
+    assert submit(core, "y", parent="y")[0].body.code == "queue_full"
+    core = DispatcherCore(max_queue=64, max_queue_per_key=1)        # an inferred session
+    ready(core, slots=1)
+    submit(core, "busy", api_key="other", parent="busy")
+    typed = "def f(x):\n    return " + "a" * 40
+    submit(core, "t1", api_key="ka", parent="t1", client="c1", prompt=typed, suffix="\n",
+           session_order=1)
+    newest = submit(core, "t2", api_key="ka", parent="t2", client="c1", prompt=typed + "b",
+                    suffix="\n", session_order=2)
+    assert ("ACCEPTED", "t2") in kinds(newest) and [j.request_id for j in core.queue] == ["t2"]
