@@ -251,11 +251,11 @@ class DispatcherCore:
             return self._reject(fe_id, request_id, refusals.queue_full(self.max_queue, lane))
         if body.session and not self._supersede(job):
             return self._reject(fe_id, request_id, refusals.superseded(by_newer_first=True))
+        timeout = body.timeout or self.queue_timeout
+        if timeout:         # (a hand-over's too: queued again if its worker is lost first)
+            job.deadline = job.enqueued_at + float(timeout)
         if job.adopt_from is not None:
             return self._hand_over(job)
-        timeout = body.timeout or self.queue_timeout
-        if timeout:
-            job.deadline = job.enqueued_at + float(timeout)
         self.units.admitted(job, self.now, later)
         self.queue.push(job)
         self._to_frontend(fe_id, P.ACCEPTED, request_id)
@@ -571,12 +571,15 @@ class DispatcherCore:
         self.shares.served_now(job.body.api_key)
         job.worker = worker.identity
         worker.running[job.request_id] = job
-        # a request with a choice served keeps its place for the others (expire_deadlines)
-        self.served_parents.pop(job.parent, None)
-        self.served_parents[job.parent] = self.now
-        while self.served_parents and (len(self.served_parents) > SERVED_MEMORY or next(
-                iter(self.served_parents.values())) < self.now - SERVED_FOR):
-            self.served_parents.popitem(last=False)
+        # a request with a choice served keeps its place for the others (expire_deadlines);
+        # a request of one job has no others: sent back to the queue (its worker lost or
+        # stopping before it started), its deadline holds as before
+        if job.body.fanout > 1:
+            self.served_parents.pop(job.parent, None)
+            self.served_parents[job.parent] = self.now
+            while self.served_parents and (len(self.served_parents) > SERVED_MEMORY or next(
+                    iter(self.served_parents.values())) < self.now - SERVED_FOR):
+                self.served_parents.popitem(last=False)
         worker.last_assigned = self.now
         worker.remember(job)
 

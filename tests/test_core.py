@@ -290,8 +290,8 @@ def test_a_request_whose_first_choice_was_served_keeps_its_place_for_the_rest():
     had nothing running any more), after choice 0's text had been streamed."""
     core = DispatcherCore(key_slot_share=0.75)
     ready(core, slots=1)
-    submit(core, "A.0.0", parent="A", api_key="ka", timeout=5.0, now=0.0)
-    submit(core, "A.0.1", parent="A", api_key="ka", timeout=5.0, now=0.0)
+    submit(core, "A.0.0", parent="A", api_key="ka", timeout=5.0, now=0.0, fanout=2)
+    submit(core, "A.0.1", parent="A", api_key="ka", timeout=5.0, now=0.0, fanout=2)
     submit(core, "B", parent="B", api_key="kb", timeout=50.0, now=1.0)
     from_worker(core, P.HEARTBEAT, "", now=5.9)
     core.frontend_message(FE, P.Message(P.PING, "", P.Ping()), 5.9)
@@ -1004,3 +1004,22 @@ def test_a_sessions_newest_request_takes_the_queue_place_of_the_one_it_ends():
     newest = submit(core, "t2", api_key="ka", parent="t2", client="c1", prompt=typed + "b",
                     suffix="\n", session_order=2)
     assert ("ACCEPTED", "t2") in kinds(newest) and [j.request_id for j in core.queue] == ["t2"]
+
+
+def test_a_request_sent_back_to_the_queue_keeps_its_deadline():
+    """A request of one job whose worker was lost before it started goes back to the
+    queue, and its deadline (X-Request-Timeout, --queue-timeout) still holds: it was
+    exempt for an hour, as if a choice of it had been served. A hand-over's too."""
+    core = DispatcherCore(queue_timeout=5.0)
+    ready(core, name=b"w0", slots=1)
+    ready(core, name=b"w1", slots=1)
+    submit(core, "long", parent="long", now=0.0)
+    submit(core, "a", parent="a", now=0.0)
+    where = {rid: w for w, r in core.registry.workers.items() for rid in r.running}
+    core.worker_exited(where["a"].decode(), 1, "process exited (-9)")
+    assert [j.request_id for j in core.queue] == ["a"]
+    for w in list(core.registry.workers):
+        from_worker(core, P.HEARTBEAT, "", now=6.0, name=w)
+    core.frontend_message(FE, P.Message(P.PING, "", P.Ping()), 6.0)
+    refused = [s for s in core.tick(6.0) if s.cmd == P.REJECTED]
+    assert [(s.request_id, s.body.code) for s in refused] == [("a", "queue_timeout")]
