@@ -28,6 +28,8 @@ from dispatcher.common.process import StopFlag
 
 log = logging.getLogger(__name__)
 
+LOAD_GUESS = 600.0      # s a worker's first load may take before the queue stops waiting
+
 
 class SupervisedFleet:
     """The core's view of the processes `serve` started."""
@@ -47,6 +49,16 @@ class SupervisedFleet:
 
     def configured_models(self) -> set[str] | None:
         return {c.extra.get("model") for c in self.workers()}
+
+    def loading_models(self) -> set[str]:
+        """The models a worker process is loading now (started, not READY yet, not given
+        up), for no longer than its load can take: three times its last measured load,
+        or LOAD_GUESS for a first one. The queue waits for them (a large model's load
+        takes minutes on a GPU: a reload cut its queued requests off at 30 s)."""
+        now = time.monotonic()
+        return {c.extra.get("model") for c in self.workers()
+                if c.process is not None and c.ready_at is None and not c.gave_up
+                and now - c.started_at < 3 * (c.load_seconds or LOAD_GUESS / 3)}
 
 
 class Broker:

@@ -65,6 +65,8 @@ class Fleet(Protocol):
 
     def configured_models(self) -> set[str] | None: ...
 
+    def loading_models(self) -> set[str]: ...
+
 
 class NoFleet:
     def expected_workers(self, coming: bool = False) -> int:
@@ -72,6 +74,9 @@ class NoFleet:
 
     def configured_models(self) -> set[str] | None:
         return None
+
+    def loading_models(self) -> set[str]:
+        return set()
 
 
 class DispatcherCore:
@@ -192,9 +197,12 @@ class DispatcherCore:
     def expire_unservable(self, now: float) -> None:
         """Queued jobs no worker could take for NO_WORKER_TIMEOUT s: none registered that
         meets them, or only ones the operator drained (else they waited for a `resume`
-        that may never come, and the queue filled)."""
+        that may never come, and the queue filled). Not while a worker of their model is
+        loading it (a restart, a reload, a respawn: the fleet says for how long that can
+        take, from the load it measured)."""
         takers, held = self.registry.infos_by_pause(self.paused)
-        for job in self.queue.expire(now, NO_WORKER_TIMEOUT, takers):
+        loading = self.fleet.loading_models()
+        for job in self.queue.expire(now, NO_WORKER_TIMEOUT, takers, loading):
             self._forget(job)
             paused = any(fits(job.model, job.body.route, info) for info in held)
             self._reject(job.frontend, job.request_id, refusals.no_worker_became_ready(

@@ -135,15 +135,16 @@ class RequestQueue:
             self._jobs.remove(job)
         return late
 
-    def expire(self, now: float, timeout: float,
-               infos: list[P.Capabilities]) -> list[QueuedJob]:
+    def expire(self, now: float, timeout: float, infos: list[P.Capabilities],
+               loading: set[str] = frozenset()) -> list[QueuedJob]:
         """Remove and return the jobs no worker in `infos` has been able to run for
         `timeout` s, counted from when none could (called every tick): a job requeued
         when its model's last worker went waits its while from then, however long it
-        was queued before."""
+        was queued before; one whose model a worker is `loading` waits for it."""
         old = []
         for job in self._jobs:
-            if any(fits(job.model, job.body.route, info) for info in infos):
+            if job.model in loading or \
+                    any(fits(job.model, job.body.route, info) for info in infos):
                 job.unservable_since = None
             elif job.unservable_since is None:
                 job.unservable_since = now

@@ -37,6 +37,7 @@ class Child:
     gave_up: bool = False                # it cannot load its model: not respawned
     ever_ready: bool = False             # it has served (so a later failure is not startup)
     ready_at: float | None = None        # when its process last said READY (a worker)
+    load_seconds: float | None = None    # ... how long after its start (its model's load)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -129,6 +130,8 @@ class Supervisor:
         if child is not None:
             child.ever_ready = True
             child.ready_at = time.monotonic()
+            if child.process is not None:
+                child.load_seconds = child.ready_at - child.started_at
 
     def restart(self, name: str, argv: list[str] | None = None) -> None:
         """Replace a child's process now (SIGTERM, then start again at once), with a new

@@ -144,6 +144,9 @@ def test_a_route_no_registered_worker_meets_waits_for_the_fleet_to_be_whole():
         def configured_models(self):
             return None
 
+        def loading_models(self):
+            return set()
+
     core = DispatcherCore(fleet=Fleet())
     ready(core, b"w0")
     short = submit(core, "a", route={"n_ctx": 100000})[0].body
@@ -1023,3 +1026,59 @@ def test_a_request_sent_back_to_the_queue_keeps_its_deadline():
     core.frontend_message(FE, P.Message(P.PING, "", P.Ping()), 6.0)
     refused = [s for s in core.tick(6.0) if s.cmd == P.REJECTED]
     assert [(s.request_id, s.body.code) for s in refused] == [("a", "queue_timeout")]
+
+
+def test_queued_requests_wait_for_a_worker_loading_their_model():
+    """A reload drains the model's only worker, then starts one that loads it: queued
+    requests were refused 503 30 s after the old one left, however long the model takes
+    to load (minutes, a large one on a GPU). While a worker is loading their model they
+    wait (the fleet bounds that by the load it measured); then 30 s as before."""
+    class Fleet:
+        loading = {"m"}
+
+        def expected_workers(self, coming=False):
+            return 1
+
+        def configured_models(self):
+            return {"m"}
+
+        def loading_models(self):
+            return self.loading
+
+    fleet = Fleet()
+    core = DispatcherCore(fleet=fleet)
+    ready(core, slots=1)
+    submit(core, "busy", now=0.0)
+    submit(core, "a", now=0.0)
+    core.worker_exited("w0", 0, "restarted")          # (its busy request lost, "a" queued)
+    for now in (1.0, 40.0, 100.0):
+        core.frontend_message(FE, P.Message(P.PING, "", P.Ping()), now)
+        assert not [s for s in core.tick(now) if s.cmd == P.REJECTED]
+    core.frontend_message(FE, P.Message(P.PING, "", P.Ping()), 100.0)
+    assert not [s for s in core.tick(100.0) if s.cmd == P.REJECTED]
+    assert [j.request_id for j in core.queue] == ["a"]
+    fleet.loading = set()                               # (its load took too long)
+    core.frontend_message(FE, P.Message(P.PING, "", P.Ping()), 101.0)
+    core.tick(101.0)
+    core.frontend_message(FE, P.Message(P.PING, "", P.Ping()), 131.5)
+    refused = [s for s in core.tick(131.5) if s.cmd == P.REJECTED]
+    assert [(s.request_id, s.body.code) for s in refused] == [("a", "no_worker_ready")]
+
+
+def test_the_fleet_says_which_models_are_loading_for_as_long_as_a_load_takes():
+    import time
+    from types import SimpleNamespace
+
+    from dispatcher.broker import SupervisedFleet
+    now = time.monotonic()
+    child = lambda **k: SimpleNamespace(**{"kind": "worker", "gave_up": False,  # noqa: E731
+                                           "process": object(), "ready_at": None,
+                                           "started_at": now - 5, "load_seconds": None,
+                                           "extra": {"model": k.pop("model")}, **k})
+    children = {"a": child(model="loading"), "b": child(model="ready", ready_at=now),
+                "c": child(model="failed", gave_up=True),
+                "d": child(model="respawning", process=None),
+                "e": child(model="stuck", load_seconds=1.0),     # (three loads' time past)
+                "f": child(model="slow", load_seconds=100.0)}
+    fleet = SupervisedFleet(SimpleNamespace(children=children))
+    assert fleet.loading_models() == {"loading", "slow"}
