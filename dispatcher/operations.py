@@ -89,7 +89,16 @@ class Operations:
             path = Path(request["model"]).expanduser()
             if not path.is_file():
                 return {"error": f"model file not found: {path}"}
-            model_id = model_id or _model_id(path)
+            # an id given to the model stays unless a new one is given (it became the
+            # file's name: a reload of `coder`'s file made `coder` a 404); one that was
+            # the file's name follows the new file's, as `serve` would name it
+            served = child.extra.get("model")
+            current = argv[argv.index("--model") + 1] if "--model" in argv[:-1] else None
+            named = served and not (current and served == _model_id(Path(current)))
+            model_id = model_id or (served if named else _model_id(path))
+            clash = self._served_otherwise(name, str(model_id), path)
+            if clash:
+                return {"error": clash}
             argv = _replace(argv, "--model", str(path.resolve()))
         if model_id:                               # (a new id alone renames the model)
             argv = _replace(argv, "--model-id", str(model_id))
@@ -108,6 +117,23 @@ class Operations:
 
     def reload(self, request: dict) -> dict:
         return self.restart(request)
+
+    def _served_otherwise(self, name: str, model_id: str, path: Path) -> str | None:
+        """Why `name` may not serve `path` as `model_id` (None: it may): another worker
+        serves that id from a different file. Its new process would be refused when it
+        registers (one id, two models' text) and stay failed, after the reload said ok."""
+        from dispatcher.common.models import model_file_digest
+        digest = None
+        for record in self.core.registry.workers.values():
+            if record.name == name or record.info.model != model_id or \
+                    record.info.model_digest is None:
+                continue
+            digest = digest or model_file_digest(path)
+            if record.info.model_digest != digest:
+                return (f"worker {record.name} serves '{model_id}' from another file "
+                        f"({record.info.model_path}): give this one another --model-id, "
+                        "or the same file")
+        return None
 
     def tick(self, now: float) -> None:
         for name, plan in list(self.pending.items()):

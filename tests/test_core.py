@@ -1082,3 +1082,35 @@ def test_the_fleet_says_which_models_are_loading_for_as_long_as_a_load_takes():
                 "f": child(model="slow", load_seconds=100.0)}
     fleet = SupervisedFleet(SimpleNamespace(children=children))
     assert fleet.loading_models() == {"loading", "slow"}
+
+
+def test_a_reload_keeps_the_id_given_to_the_model_and_refuses_one_served_otherwise(tmp_path):
+    """`reload --model FILE` named the model after the file: a model served as `coder`
+    became `coder-q8` (404s for every client). An id given stays; one that was the
+    file's own name follows the new file's. An id another worker serves from another
+    file is refused by the command (its process was refused at READY, and stayed failed,
+    after the reload said ok)."""
+    from types import SimpleNamespace
+
+    from dispatcher.common.models import model_file_digest
+    from dispatcher.operations import Operations
+    new, other = tmp_path / "coder-q8.gguf", tmp_path / "other.gguf"
+    new.write_bytes(b"GGUF" + b"new" * 100)
+    other.write_bytes(b"GGUF" + b"old" * 100)
+    restarted = []
+    children = {name: SimpleNamespace(kind="worker", argv=["w", "--model", path,
+                                                           "--model-id", served],
+                                      extra={"model": served})
+                for name, path, served in (("w0", "/m/coder-q4.gguf", "coder"),
+                                           ("w2", "/m/gemma.gguf", "gemma"))}
+    supervisor = SimpleNamespace(children=children,
+                                 restart=lambda name, argv: restarted.append(argv))
+    core = DispatcherCore()
+    ops = Operations(core, supervisor)
+    assert ops.restart({"worker": "w0", "model": str(new)})["model"] == "coder"
+    assert ops.restart({"worker": "w2", "model": str(new)})["model"] == "coder-q8"
+    ready(core, name=b"w1", model="coder", model_digest=model_file_digest(other),
+          model_path=str(other))
+    refused = ops.restart({"worker": "w0", "model": str(new)})
+    assert "w1" in refused["error"] and "another file" in refused["error"]
+    assert ops.restart({"worker": "w0", "model": str(other)})["model"] == "coder"
