@@ -29,6 +29,7 @@ from dispatcher.common.process import StopFlag
 log = logging.getLogger(__name__)
 
 LOAD_GUESS = 600.0      # s a worker's first load may take before the queue stops waiting
+READ_BUDGET = 0.25      # s one socket's messages may take before the loop goes on
 
 
 class SupervisedFleet:
@@ -231,7 +232,13 @@ class Broker:
             log.info("%s: stopping", self._stop_because)
 
     def _read(self, sock: zmq.Socket, handler) -> None:
+        """Up to 1000 messages, for READ_BUDGET s at most: the loop then reads the
+        workers' heartbeats and ticks (a long burst of costly admissions held it past
+        the heartbeats' expiry: every worker dropped as silent, its requests failed)."""
+        until = time.monotonic() + READ_BUDGET
         for _ in range(1000):
+            if time.monotonic() > until:
+                return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=self.keys is None)
             except zmq.Again:

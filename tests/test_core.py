@@ -1114,3 +1114,43 @@ def test_a_reload_keeps_the_id_given_to_the_model_and_refuses_one_served_otherwi
     refused = ops.restart({"worker": "w0", "model": str(new)})
     assert "w1" in refused["error"] and "another file" in refused["error"]
     assert ops.restart({"worker": "w0", "model": str(other)})["model"] == "coder"
+
+
+def test_a_dispatch_pass_asks_once_for_the_choices_of_a_request_that_must_wait(monkeypatch):
+    """64 requests of 128 choices queued, a free slot none of them may take (an idle
+    worker of another model): each pass asked for a worker for all 8,192 choices (18 ms
+    a message). Choices of one request wait alike: one question a request."""
+    core = DispatcherCore(max_queue=64)
+    ready(core, name=b"w0", slots=2, model="m")
+    submit(core, "busy0", parent="busy0")
+    submit(core, "busy1", parent="busy1")
+    for r in range(4):
+        for c in range(32):
+            submit(core, f"r{r}.0.{c}", parent=f"r{r}", fanout=32)
+    ready(core, name=b"w1", slots=2, model="other")
+    asked = []
+    real = core.registry.choose
+    monkeypatch.setattr(core.registry, "choose", lambda job: (asked.append(job.parent),
+                                                              real(job))[1])
+    core.dispatch()
+    assert sorted(asked) == ["r0", "r1", "r2", "r3"] and len(core.queue) == 128
+    from_worker(core, P.DONE, "busy0", attempt=1, last_seq=1)      # (a slot of w0 free)
+    assert len(core.queue) == 127
+
+
+def test_the_dispatcher_reads_a_sockets_messages_for_a_bounded_time():
+    """A burst of costly messages was read 1,000 at a time before the heartbeats and the
+    tick: a pass past the heartbeats' expiry dropped every worker as silent."""
+    import time
+    from types import SimpleNamespace
+
+    from dispatcher import broker
+    handled = []
+
+    class Endless:
+        def recv_multipart(self, flags, copy=True):
+            return [b"x"]
+    started = time.monotonic()
+    broker.Broker._read(SimpleNamespace(keys=None, backend=None), Endless(),
+                        lambda frames: (handled.append(1), time.sleep(0.01)))
+    assert time.monotonic() - started < 1.0 and 5 <= len(handled) < 200
