@@ -287,11 +287,13 @@ class Broker:
         """Stop, with a non-zero exit, when every worker of some model has given up on
         loading it at start-up: `serve` must not pretend to serve a model nothing can load.
         (A worker that served before and fails later, after a reload to a bad file, say,
-        stays down as `failed` while the others serve.)"""
+        stays down as `failed` while the others serve; so does one an operator restarted
+        or reloaded: the server it was asked of goes on, whatever that worker did before.)"""
         workers = [c for c in self.supervisor.children.values() if c.kind == "worker"]
         for model in {c.extra.get("model") for c in workers}:
             mine = [c for c in workers if c.extra.get("model") == model]
-            if mine and all(c.gave_up and not c.ever_ready for c in mine):
+            if mine and all(c.gave_up and not c.ever_ready and not c.extra.get("operated")
+                            for c in mine):
                 log.error("no worker can load the model '%s': stopping", model)
                 self.exit_code = 1
                 self.stop()

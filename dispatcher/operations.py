@@ -104,6 +104,7 @@ class Operations:
             argv = _replace(argv, "--model-id", str(model_id))
             self.core.known_models.setdefault(str(model_id), {"n_ctx": 0})
             child.extra["model"] = str(model_id)
+        child.extra["operated"] = True          # (its failure no longer stops `serve`)
         record = self._record(name)
         if record is not None:
             record.draining = True

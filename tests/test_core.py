@@ -1154,3 +1154,25 @@ def test_the_dispatcher_reads_a_sockets_messages_for_a_bounded_time():
     broker.Broker._read(SimpleNamespace(keys=None, backend=None), Endless(),
                         lambda frames: (handled.append(1), time.sleep(0.01)))
     assert time.monotonic() - started < 1.0 and 5 <= len(handled) < 200
+
+
+def test_a_worker_an_operator_reloaded_never_stops_the_server_when_it_fails():
+    """Every worker of a model failing at start-up stops `serve` (it must not pretend to
+    serve it). A worker that failed at start, or was still loading, then reloaded to
+    another model that fails too: that stopped the whole server, cutting the other
+    workers' streams. An operated worker stays down as failed instead."""
+    from types import SimpleNamespace
+
+    from dispatcher.broker import Broker
+    stopped = []
+    child = lambda model, **k: SimpleNamespace(  # noqa: E731
+        kind="worker", gave_up=True, ever_ready=False, extra={"model": model, **k})
+    children = {"w0": child("good", operated=True), "w1": SimpleNamespace(
+        kind="worker", gave_up=False, ever_ready=True, extra={"model": "other"})}
+    broker = SimpleNamespace(supervisor=SimpleNamespace(children=children),
+                             stop=lambda: stopped.append(1), exit_code=0)
+    Broker._check_models_loadable(broker)
+    assert not stopped
+    children["w0"] = child("good")                      # (as at start-up)
+    Broker._check_models_loadable(broker)
+    assert stopped and broker.exit_code == 1
