@@ -344,6 +344,7 @@ class DispatcherCore:
                 if job.frontend == fe_id:
                     job.cancelled = True
                     self._to_worker(record.identity, P.CANCEL, job.request_id)
+                    self._fail(job, refusals.frontend_silent(running=True))
         self.dispatch()
         log.warning("front end %s stopped heartbeating", fe_id.decode(errors="replace"))
 

@@ -83,12 +83,14 @@ def tokenizer_busy() -> P.WireError:
         "requests running"))
 
 
-def frontend_silent() -> P.WireError:
-    """A queued request of a front end the dispatcher took for gone (it missed its
-    heartbeats): told, in case it is alive, rather than left waiting for ever."""
+def frontend_silent(running: bool = False) -> P.WireError:
+    """A queued (or `running`) request of a front end the dispatcher took for gone (it
+    missed its heartbeats): told, in case it is alive, rather than left waiting for ever
+    (or, running, ended without a word: a 502 `stream_incomplete` later, or nothing)."""
+    what = "stopped its running requests" if running else "dropped its queued requests"
     return P.WireError(status=503, code="frontend_silent", retry_after=1, message=(
-        "this front end missed its heartbeats to the dispatcher, which dropped its "
-        "queued requests; send the request again"))
+        f"this front end missed its heartbeats to the dispatcher, which {what}; send the "
+        "request again"))
 
 
 def no_worker_took() -> P.WireError:

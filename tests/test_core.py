@@ -316,6 +316,10 @@ def test_a_front_end_taken_for_gone_is_told_its_queued_requests_were_dropped():
     refused = {s.request_id: s.body.code for s in sends if s.cmd == P.REJECTED}
     assert refused == {"b": "frontend_silent"}
     assert ("CANCEL", "a") in kinds(sends)
+    # the running one is told too (it ended later as a 502 `stream_incomplete`, or, its
+    # worker gone before its DONE, never: the front end's stream waited for the client)
+    failed = {s.request_id: s.body.code for s in sends if s.cmd == P.FAILED}
+    assert failed == {"a": "frontend_silent"}
     from dispatcher.core import Send                 # a refusal it could not take is
     core.send_failed(Send("frontend", FE, P.REJECTED, "b"))   # counted (and logged)
     assert core.stats["frontend_undelivered"] == 1
