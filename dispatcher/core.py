@@ -546,19 +546,23 @@ class DispatcherCore:
         if not len(self.queue) or not self.registry.with_free_slots():
             return
         running = self.shares.running(self.registry.workers.values())
-        slots: dict[str, int] = {}
-        for record in self.registry.workers.values():
-            slots[record.model] = slots.get(record.model, 0) + record.slots
+        takers = [record for record in self.registry.workers.values() if not record.draining]
+        slots: dict[bytes, int] = {}           # a route's slots (its job's model, profile,
+                                                # ...) on the workers that take work
         # a request one of whose jobs may not run now, or that no free worker fits: its
         # other jobs (choices of one prompt, alike in all of that) neither, this pass
         # (64 requests of 128 choices queued made each pass 8,192 choices: 18 ms a
         # message, and a burst of them held the dispatcher past workers' heartbeats)
         waits: set[str] = set()
-        for job in self.queue.in_fair_order(running.by_request, running.by_api_key,
+        for job in self.queue.in_fair_order(running.by_request, running.by_key_model,
                                             self.shares.served):
             if job.parent in waits:
                 continue
-            if not self.shares.may_run(job, running, slots.get(job.body.model, 0)):
+            route = msgspec.json.encode((job.model, job.body.route))
+            if route not in slots:             # (a drained worker's, another profile's:
+                slots[route] = sum(record.slots for record in takers  # none it may take)
+                                   if fits(job.model, job.body.route, record.info))
+            if not self.shares.may_run(job, running, slots[route]):
                 waits.add(job.parent)
                 continue
             worker = self.registry.choose(job)

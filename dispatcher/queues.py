@@ -101,22 +101,24 @@ class RequestQueue:
         return len({job.parent for job in self._jobs if self.lane(job) == lane})
 
     def in_fair_order(self, running: dict[str, int],
-                      by_api_key: dict[str | None, int] | None = None,
+                      by_key_model: dict[tuple[str | None, str], int] | None = None,
                       served: dict[str, int] | None = None) -> list[QueuedJob]:
-        """The jobs in the order they should get a slot: API keys in turn (a job's turn is
-        its key's running jobs plus its key's jobs queued before it; at equal turns, the key
-        served least recently, `served`), then requests with the fewest jobs running, then
-        oldest first. One key's 80 requests cannot keep another
-        key's behind them, nor a request of 128 choices a single-choice one."""
-        jobs, by_api_key, served = list(self._jobs), by_api_key or {}, served or {}
+        """The jobs in the order they should get a slot: API keys in turn on each model (a
+        job's turn is its key's jobs running on its model plus its key's jobs for that
+        model queued before it; at equal turns, the key served least recently, `served`),
+        then requests with the fewest jobs running, then oldest first. One key's 80
+        requests cannot keep another key's behind them, nor a request of 128 choices a
+        single-choice one; a key busy on one model waits on no other for it."""
+        jobs, by_key_model, served = list(self._jobs), by_key_model or {}, served or {}
         turn, seen = [], {}
         for job in jobs:
             api_key = job.body.api_key
             if api_key is None:
                 turn.append(0)
                 continue
-            turn.append(by_api_key.get(api_key, 0) + seen.get(api_key, 0))
-            seen[api_key] = seen.get(api_key, 0) + 1
+            pair = (api_key, job.body.model)
+            turn.append(by_key_model.get(pair, 0) + seen.get(pair, 0))
+            seen[pair] = seen.get(pair, 0) + 1
         order = sorted(range(len(jobs)), key=lambda i: (
             turn[i], served.get(jobs[i].body.api_key, 0), running.get(jobs[i].parent, 0), i))
         return [jobs[i] for i in order]

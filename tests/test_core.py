@@ -1180,3 +1180,43 @@ def test_a_worker_an_operator_reloaded_never_stops_the_server_when_it_fails():
     children["w0"] = child("good")                      # (as at start-up)
     Broker._check_models_loadable(broker)
     assert stopped and broker.exit_code == 1
+
+
+def test_a_keys_share_is_of_the_slots_that_take_its_work():
+    """A key's share (3/4) was taken of every slot of the model: with one of two 8-slot
+    workers drained for a rolling restart, one key took all 8 slots that still served;
+    with a 2-slot `interactive` worker beside a 16-slot `batch` one, both interactive
+    slots. And its turn counted its jobs on every model: a key busy on one model waited
+    on another behind a second key's whole backlog."""
+    from dispatcher.operations import Operations
+    core = DispatcherCore(key_slot_share=0.75)
+    ready(core, name=b"w0", slots=8)
+    ready(core, name=b"w1", slots=8)
+    Operations(core).handle({"cmd": "drain", "worker": "w1"})
+    for i in range(10):
+        submit(core, f"x{i}", parent=f"x{i}", api_key="kx")
+    assert len(core.registry.workers[b"w0"].running) == 6
+    assert ("REQUEST", "y0") in kinds(submit(core, "y0", parent="y0", api_key="ky"))
+    core = DispatcherCore(key_slot_share=0.75)
+    ready(core, name=b"wi", slots=2, profile="interactive")
+    ready(core, name=b"wb", slots=16, profile="batch")
+    for i in range(3):
+        submit(core, f"x{i}", parent=f"x{i}", api_key="kx", route={"profile": "interactive"})
+    assert len(core.registry.workers[b"wi"].running) == 1
+    assert ("REQUEST", "y0") in kinds(submit(core, "y0", parent="y0", api_key="ky",
+                                             route={"profile": "interactive"}))
+    core = DispatcherCore(max_queue=64, key_slot_share=0.75)            # turns per model
+    ready(core, name=b"wa", slots=4, model="A")
+    ready(core, name=b"wb", slots=1, model="B")
+    for i in range(3):
+        submit(core, f"xa{i}", parent=f"xa{i}", api_key="kx", model="A")
+    submit(core, "yb0", parent="yb0", api_key="ky", model="B")
+    submit(core, "xb0", parent="xb0", api_key="kx", model="B", now=0.1)
+    for i in range(1, 4):
+        submit(core, f"yb{i}", parent=f"yb{i}", api_key="ky", model="B", now=0.2)
+    order = []
+    for _ in range(4):
+        done = next(iter(core.registry.workers[b"wb"].running))
+        sends = from_worker(core, P.DONE, done, name=b"wb", attempt=1, last_seq=1)
+        order += [rid for cmd, rid in kinds(sends) if cmd == "REQUEST"]
+    assert order == ["xb0", "yb1", "yb2", "yb3"]
