@@ -263,6 +263,21 @@ class InferredSessions:
     def _drop(self, entries: list[Cursor]) -> None:
         self.chars -= sum(len(e.text) for e in entries)
 
+    def peek(self, body: P.SubmittedJob, now: float) -> str | None:
+        """The session `session_for` would find for `body` (None: a new one or none),
+        changing nothing: admission counts the queue places of the requests it would
+        end before the request may be refused (a refused keystroke must leave the
+        session as it was, or its retry matched nothing)."""
+        cursor = cursor_text(body) if body.client and body.fanout == 1 else None
+        if cursor is None:
+            return None
+        where, text = cursor
+        for entry in reversed(self.clients.get((body.client, body.model, body.route, where),
+                                               [])):
+            if entry.seen >= now - INFER_WINDOW and same_cursor(entry.text, text):
+                return entry.session
+        return None
+
     def session_for(self, body: P.SubmittedJob, now: float) -> str | None:
         cursor = cursor_text(body) if body.client and body.fanout == 1 else None
         if cursor is None:

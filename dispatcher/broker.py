@@ -59,6 +59,7 @@ class SupervisedFleet:
         now = time.monotonic()
         return {c.extra.get("model") for c in self.workers()
                 if c.process is not None and c.ready_at is None and not c.gave_up
+                and not c.died_loading
                 and now - c.started_at < 3 * (c.load_seconds or LOAD_GUESS / 3)}
 
 

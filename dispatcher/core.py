@@ -236,17 +236,17 @@ class DispatcherCore:
         job = QueuedJob(request_id, fe_id, body, enqueued_at=self.now, share_key=share_key)
         if body.op:
             return self._run_op(job)
-        if body.session is None and self.inferred is not None:
-            session = self.inferred.session_for(body, self.now)   # an editor's keystroke
-            if session is not None:
-                body = job.body = msgspec.structs.replace(body, session=session)
         lane = self.queue.lane(job)
         later = self.units.later_job(job.parent)
         # (refused before it supersedes anything; the places of the queued requests it
         # would end count as free: an editor's newest keystroke is never refused for the
         # one it replaces, which would then run in its stead)
+        inferred = self.inferred.peek(body, self.now) \
+            if body.session is None and self.inferred is not None else None
+        preview = job if inferred is None else QueuedJob(
+            request_id, fe_id, msgspec.structs.replace(body, session=inferred))
         ending = {old.body.parent: old.body.api_key for old in (
-            self.sessions.would_end(job, self.now) if body.session else ())
+            self.sessions.would_end(preview, self.now) if preview.body.session else ())
             if old.worker is None and self.queue.lane(old) == lane}
         if not later and body.api_key is not None and self.shares.key_queue_full(
                 self.queue.depth_of_api_key(lane, body.api_key) -
@@ -257,6 +257,10 @@ class DispatcherCore:
         if not later and self.queue.depth(lane) - len(ending) >= self.max_queue:
             self.stats["queue_full"] += 1
             return self._reject(fe_id, request_id, refusals.queue_full(self.max_queue, lane))
+        if body.session is None and self.inferred is not None:
+            session = self.inferred.session_for(body, self.now)   # an editor's keystroke
+            if session is not None:
+                body = job.body = msgspec.structs.replace(body, session=session)
         if body.session and not self._supersede(job):
             return self._reject(fe_id, request_id, refusals.superseded(by_newer_first=True))
         timeout = body.timeout or self.queue_timeout
@@ -342,9 +346,10 @@ class DispatcherCore:
         for record in self.registry.workers.values():
             for job in list(record.running.values()):
                 if job.frontend == fe_id:
+                    if not job.cancelled:      # (one superseded or cancelled was told)
+                        self._fail(job, refusals.frontend_silent(running=True))
                     job.cancelled = True
                     self._to_worker(record.identity, P.CANCEL, job.request_id)
-                    self._fail(job, refusals.frontend_silent(running=True))
         self.dispatch()
         log.warning("front end %s stopped heartbeating", fe_id.decode(errors="replace"))
 
@@ -547,8 +552,8 @@ class DispatcherCore:
             return
         running = self.shares.running(self.registry.workers.values())
         takers = [record for record in self.registry.workers.values() if not record.draining]
-        slots: dict[bytes, int] = {}           # a route's slots (its job's model, profile,
-                                                # ...) on the workers that take work
+        # a route's (its job's model, profile, ...) workers among those that take work
+        routes: dict[bytes, list[WorkerRecord]] = {}
         # a request one of whose jobs may not run now, or that no free worker fits: its
         # other jobs (choices of one prompt, alike in all of that) neither, this pass
         # (64 requests of 128 choices queued made each pass 8,192 choices: 18 ms a
@@ -559,10 +564,13 @@ class DispatcherCore:
             if job.parent in waits:
                 continue
             route = msgspec.json.encode((job.model, job.body.route))
-            if route not in slots:             # (a drained worker's, another profile's:
-                slots[route] = sum(record.slots for record in takers  # none it may take)
-                                   if fits(job.model, job.body.route, record.info))
-            if not self.shares.may_run(job, running, slots[route]):
+            if route not in routes:            # (a drained worker's slots, another
+                routes[route] = [record for record in takers      # profile's: not its)
+                                 if fits(job.model, job.body.route, record.info)]
+            mine = routes[route]
+            key_running = sum(1 for record in mine for other in record.running.values()
+                              if not other.cancelled and other.body.api_key == job.body.api_key)
+            if not self.shares.may_run(job, running, sum(r.slots for r in mine), key_running):
                 waits.add(job.parent)
                 continue
             worker = self.registry.choose(job)

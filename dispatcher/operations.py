@@ -83,8 +83,11 @@ class Operations:
             grace = -1.0
         if not 0 <= grace < float("inf"):          # NaN would never expire
             return {"error": "grace must be a finite number of seconds, at least 0"}
-        argv = list(child.argv)
+        plan = self.pending.get(name)            # (a reload not done yet: its command)
+        argv = list(plan["argv"] if plan else child.argv)
         model_id = request.get("model_id") or None
+        current = _flag(argv, "--model")
+        path = Path(current) if current else None
         if request.get("model"):
             path = Path(request["model"]).expanduser()
             if not path.is_file():
@@ -92,14 +95,14 @@ class Operations:
             # an id given to the model stays unless a new one is given (it became the
             # file's name: a reload of `coder`'s file made `coder` a 404); one that was
             # the file's name follows the new file's, as `serve` would name it
-            served = child.extra.get("model")
-            current = argv[argv.index("--model") + 1] if "--model" in argv[:-1] else None
+            served = _flag(argv, "--model-id") or child.extra.get("model")
             named = served and not (current and served == _model_id(Path(current)))
             model_id = model_id or (served if named else _model_id(path))
+            argv = _replace(argv, "--model", str(path.resolve()))
+        if model_id and path is not None and path.is_file():
             clash = self._served_otherwise(name, str(model_id), path)
             if clash:
                 return {"error": clash}
-            argv = _replace(argv, "--model", str(path.resolve()))
         if model_id:                               # (a new id alone renames the model)
             argv = _replace(argv, "--model-id", str(model_id))
             self.core.known_models.setdefault(str(model_id), {"n_ctx": 0})
@@ -124,16 +127,22 @@ class Operations:
         serves that id from a different file. Its new process would be refused when it
         registers (one id, two models' text) and stay failed, after the reload said ok."""
         from dispatcher.common.models import model_file_digest
-        digest = None
-        for record in self.core.registry.workers.values():
-            if record.name == name or record.info.model != model_id or \
-                    record.info.model_digest is None:
-                continue
-            digest = digest or model_file_digest(path)
-            if record.info.model_digest != digest:
-                return (f"worker {record.name} serves '{model_id}' from another file "
-                        f"({record.info.model_path}): give this one another --model-id, "
-                        "or the same file")
+        digest = model_file_digest(path)
+        others = {record.name: (record.info.model, record.info.model_digest,
+                                record.info.model_path)
+                  for record in self.core.registry.workers.values()}
+        for other, plan in self.pending.items():       # (what they are being reloaded to)
+            model = _flag(plan["argv"], "--model")
+            if model and Path(model).is_file():
+                others[other] = (_flag(plan["argv"], "--model-id"),
+                                 model_file_digest(Path(model)), model)
+        for other, (served, their_digest, their_path) in others.items():
+            if other != name and served == model_id and their_digest is not None \
+                    and their_digest != digest:
+                return (f"worker {other} serves '{model_id}' from another file "
+                        f"({their_path}): give this one another --model-id, or the same "
+                        "file (one id is one model's text; to change the file of an id "
+                        "several workers serve, reload them onto a new id)")
         return None
 
     def tick(self, now: float) -> None:
@@ -251,6 +260,10 @@ def tokens_per_second(history, now: float) -> float:
     """Generated tokens per second over the last RATE_WINDOW seconds."""
     recent = sum(n for t, n in history if t >= now - RATE_WINDOW)
     return round(recent / RATE_WINDOW, 1)
+
+
+def _flag(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
 
 
 def _replace(argv: list[str], flag: str, value: str) -> list[str]:

@@ -41,14 +41,17 @@ class Shares:
                     now.add(job)
         return now
 
-    def may_run(self, job, running: "Running", slots: int) -> bool:
-        """Whether `job` may take a slot of its model's `slots` now: its key (on this
-        model: a key's chat on one model takes nothing from its completions on another)
-        and its request below their shares."""
+    def may_run(self, job, running: "Running", slots: int,
+                key_running: int | None = None) -> bool:
+        """Whether `job` may take a slot of its model's `slots` now (those that take its
+        work): its key (on this model: a key's chat on one model takes nothing from its
+        completions on another; `key_running`, its jobs on those slots, where known) and
+        its request below their shares."""
         api_key = job.body.api_key
+        if key_running is None:
+            key_running = running.by_key_model.get((api_key, job.body.model), 0)
         if api_key is not None and self.key_slot_share < 1.0 and \
-                running.by_key_model.get((api_key, job.body.model), 0) >= \
-                share_of(slots, self.key_slot_share):
+                key_running >= share_of(slots, self.key_slot_share):
             return False                        # its key runs its share: others' turn
         if job.long and running.by_request.get(job.parent, 0) >= share_of(
                 slots, config.REQUEST_SLOT_SHARE):

@@ -38,6 +38,8 @@ class Child:
     ever_ready: bool = False             # it has served (so a later failure is not startup)
     ready_at: float | None = None        # when its process last said READY (a worker)
     load_seconds: float | None = None    # ... how long after its start (its model's load)
+    died_loading: bool = False           # its last process died before READY (a crash
+                                         # loop is no load to wait for)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -82,6 +84,7 @@ class Supervisor:
             if proc is not None and proc.poll() is not None:
                 exited.append((child, proc.pid))
                 child.last_exit = proc.returncode
+                child.died_loading = child.ready_at is None and not child.restart_now
                 child.kill_at = None
                 child.process = None
                 if self.stopping or child.stopping or not respawn:
@@ -128,16 +131,18 @@ class Supervisor:
         bad model, a missing GPU, a worker killed at its first requests)."""
         child = self.children.get(name)
         if child is not None:
-            child.ever_ready = True
+            first = child.ready_at is None       # (a live one says READY again on each
+            child.ever_ready = True              # reconnection: its uptime is no load)
             child.ready_at = time.monotonic()
-            if child.process is not None:
+            child.died_loading = False
+            if first and child.process is not None:
                 child.load_seconds = child.ready_at - child.started_at
 
     def restart(self, name: str, argv: list[str] | None = None) -> None:
         """Replace a child's process now (SIGTERM, then start again at once), with a new
         command line if given."""
         child = self.children[name]
-        child.gave_up = False
+        child.gave_up = child.died_loading = False
         if argv is not None:
             child.argv = argv
         if child.process is None:

@@ -1054,19 +1054,20 @@ def test_queued_requests_wait_for_a_worker_loading_their_model():
     ready(core, slots=1)
     submit(core, "busy", now=0.0)
     submit(core, "a", now=0.0)
-    core.worker_exited("w0", 0, "restarted")          # (its busy request lost, "a" queued)
+    core.worker_exited("w0", 1, "restarted")          # (its busy request lost, "a" queued)
     for now in (1.0, 40.0, 100.0):
         core.frontend_message(FE, P.Message(P.PING, "", P.Ping()), now)
         assert not [s for s in core.tick(now) if s.cmd == P.REJECTED]
     core.frontend_message(FE, P.Message(P.PING, "", P.Ping()), 100.0)
     assert not [s for s in core.tick(100.0) if s.cmd == P.REJECTED]
-    assert [j.request_id for j in core.queue] == ["a"]
+    assert sorted(j.request_id for j in core.queue) == ["a", "busy"]   # (busy: unstarted)
     fleet.loading = set()                               # (its load took too long)
     core.frontend_message(FE, P.Message(P.PING, "", P.Ping()), 101.0)
     core.tick(101.0)
     core.frontend_message(FE, P.Message(P.PING, "", P.Ping()), 131.5)
     refused = [s for s in core.tick(131.5) if s.cmd == P.REJECTED]
-    assert [(s.request_id, s.body.code) for s in refused] == [("a", "no_worker_ready")]
+    assert sorted((s.request_id, s.body.code) for s in refused) == [
+        ("a", "no_worker_ready"), ("busy", "no_worker_ready")]
 
 
 def test_the_fleet_says_which_models_are_loading_for_as_long_as_a_load_takes():
@@ -1078,14 +1079,51 @@ def test_the_fleet_says_which_models_are_loading_for_as_long_as_a_load_takes():
     child = lambda **k: SimpleNamespace(**{"kind": "worker", "gave_up": False,  # noqa: E731
                                            "process": object(), "ready_at": None,
                                            "started_at": now - 5, "load_seconds": None,
+                                           "died_loading": False,
                                            "extra": {"model": k.pop("model")}, **k})
     children = {"a": child(model="loading"), "b": child(model="ready", ready_at=now),
                 "c": child(model="failed", gave_up=True),
                 "d": child(model="respawning", process=None),
                 "e": child(model="stuck", load_seconds=1.0),     # (three loads' time past)
-                "f": child(model="slow", load_seconds=100.0)}
+                "f": child(model="slow", load_seconds=100.0),
+                "g": child(model="crash-loop", died_loading=True)}   # (no load to wait for)
     fleet = SupervisedFleet(SimpleNamespace(children=children))
     assert fleet.loading_models() == {"loading", "slow"}
+
+
+def test_a_worker_that_dies_loading_is_not_waited_for_and_its_load_is_its_first_ready():
+    """A worker crash-looping in its load (an OOM kill, a loader's segfault: not exit 78)
+    started a new load window at each respawn: its model's queued requests waited for
+    ever. And a live worker says READY again on each reconnection: its uptime became its
+    measured load."""
+    from dispatcher.supervisor import Child, Supervisor
+
+    class Process:
+        def __init__(self, code=None):
+            self.pid, self.returncode = 7, code
+
+        def poll(self):
+            return self.returncode
+
+        def send_signal(self, signum):
+            pass
+    supervisor = Supervisor()
+    child = Child("w0", ["w"], {}, process=Process())
+    supervisor.children["w0"] = child
+    child.process.returncode = -9                        # (killed in its load)
+    supervisor.poll()
+    assert child.died_loading and child.process is None
+    import time
+    child.process, child.started_at, child.ready_at = Process(), time.monotonic() - 5, None
+    supervisor.mark_healthy("w0")                        # (a later start that loaded)
+    assert not child.died_loading and child.load_seconds is not None
+    first = child.load_seconds
+    child.ready_at -= 3600                                # (an hour later, READY again)
+    supervisor.mark_healthy("w0")
+    assert child.load_seconds == first
+    child.died_loading = True
+    supervisor.restart("w0")                              # (an operator's: a new try)
+    assert not child.died_loading
 
 
 def test_a_reload_keeps_the_id_given_to_the_model_and_refuses_one_served_otherwise(tmp_path):
@@ -1220,3 +1258,68 @@ def test_a_keys_share_is_of_the_slots_that_take_its_work():
         sends = from_worker(core, P.DONE, done, name=b"wb", attempt=1, last_seq=1)
         order += [rid for cmd, rid in kinds(sends) if cmd == "REQUEST"]
     assert order == ["xb0", "yb1", "yb2", "yb3"]
+
+
+def test_a_keys_jobs_on_other_workers_take_nothing_from_its_share_here():
+    """Its share is of the slots that take a job (f0cce09), and so are the jobs counted
+    against it: 12 of a key's jobs on a `batch` worker kept its first `interactive` one
+    off an idle 2-slot worker."""
+    core = DispatcherCore(key_slot_share=0.75, max_queue=64)
+    ready(core, name=b"wi", slots=2, profile="interactive")
+    ready(core, name=b"wb", slots=16, profile="batch")
+    for i in range(12):
+        submit(core, f"b{i}", parent=f"b{i}", api_key="kx", route={"profile": "batch"})
+    sends = submit(core, "i0", parent="i0", api_key="kx", route={"profile": "interactive"})
+    assert ("REQUEST", "i0") in kinds(sends)
+
+
+def test_a_refused_keystroke_leaves_its_inferred_session_as_it_was():
+    """A keystroke refused for a full queue changed its inferred session's text: its
+    retry, the same text, matched nothing, started a session of its own and waited
+    behind the stale request it should have ended."""
+    core = DispatcherCore(max_queue=1)
+    ready(core, slots=1)
+    typed = "def f(x):\n    return " + "a" * 40
+    submit(core, "t1", parent="t1", client="c1", prompt=typed, suffix="\n", session_order=1)
+    submit(core, "other", parent="other", now=0.1)
+    refused = submit(core, "t2", parent="t2", client="c1", prompt=typed + "b", suffix="\n",
+                     session_order=2, now=0.2)
+    assert refused[0].body.code == "queue_full"
+    core.cancel("other")
+    retry = submit(core, "t2b", parent="t2b", client="c1", prompt=typed + "b", suffix="\n",
+                   session_order=3, now=1.2)
+    assert ("FAILED", "t1") in kinds(retry) and ("CANCEL", "t1") in kinds(retry)
+
+
+def test_reloads_not_done_yet_count_for_the_id_rule_and_the_file_check(tmp_path):
+    """A second reload before the first has run kept the first's id with its own file
+    (correcting a mistaken reload served the new file under the wrong name); a rename
+    alone, and reloads waiting to run, escaped the check of one id, one file."""
+    from types import SimpleNamespace
+
+    from dispatcher.common.models import model_file_digest
+    from dispatcher.operations import Operations
+    q4, q8, wrong = (tmp_path / n for n in ("coder-q4.gguf", "coder-q8.gguf", "wrong.gguf"))
+    for path, fill in ((q4, b"q4"), (q8, b"q8"), (wrong, b"ww")):
+        path.write_bytes(b"GGUF" + fill * 200)
+
+    def operations(core):
+        children = {name: SimpleNamespace(kind="worker", extra={"model": "coder-q4"},
+                                          argv=["w", "--model", str(q4), "--model-id",
+                                                "coder-q4"]) for name in ("w0", "w1")}
+        return Operations(core, SimpleNamespace(children=children,
+                                                restart=lambda name, argv: None))
+    ops = operations(DispatcherCore())
+    assert ops.restart({"worker": "w0", "model": str(wrong)})["model"] == "wrong"
+    assert ops.restart({"worker": "w0", "model": str(q8)})["model"] == "coder-q8"
+    argv = ops.pending["w0"]["argv"]
+    assert argv[argv.index("--model-id") + 1] == "coder-q8"
+    core = DispatcherCore()
+    ops = operations(core)
+    ready(core, name=b"w1", model="coder-q4", model_digest=model_file_digest(q4),
+          model_path=str(q4))
+    assert ops.restart({"worker": "w0", "model": str(wrong), "model_id": "x"})["ok"]
+    assert "w1" in ops.restart({"worker": "w0", "model_id": "coder-q4"})["error"]
+    assert ops.restart({"worker": "w1", "model": str(q8), "model_id": "coder"})["ok"]
+    assert "w1" in ops.restart({"worker": "w0", "model": str(wrong),
+                                "model_id": "coder"})["error"]
