@@ -72,7 +72,7 @@ def serve(req: dict, result_class, native: bool = False, infill: P.Infill | None
     model = resolve_model(req["model"], state)
     known = state.models.get(model)
     n_ctx = known.n_ctx if known is not None else 0     # (0: no worker has said yet)
-    check_answer_size(req, n_ctx)
+    check_answer_size(req, n_ctx, native)
     check_token_prompts(req, n_ctx)
     request_id = P.new_request_id()
     plans = plan_jobs(request_id, model, req, request.headers.get(PROFILE_HEADER),

@@ -476,18 +476,19 @@ def _ids_in(prompt: list) -> int:
     return sum(1 for item in prompt if not isinstance(item, str))
 
 
-def check_answer_size(req: dict, n_ctx: int) -> None:
+def check_answer_size(req: dict, n_ctx: int, native: bool = False) -> None:
     """400 before anything runs where the answer's probabilities would be over
-    MAX_ANSWER_ENTRIES (`n_ctx`: the model's context, 0 if not known yet)."""
+    MAX_ANSWER_ENTRIES (`n_ctx`: the model's context, 0 if not known yet), naming the
+    field as the route calls it (`native`: llama.cpp's `n_predict`, `n_probs`)."""
     entries = answer_entries(req, n_ctx)
     if entries > MAX_ANSWER_ENTRIES:
+        tokens, top = ("n_predict", "n_probs") if native else ("max_tokens", "logprobs")
         raise InvalidRequest(
             f"this answer could hold {entries:,} token probabilities (choices × tokens × "
             f"(1 + top entries)); at most {MAX_ANSWER_ENTRIES:,} are sent: ask for fewer "
-            "tokens (max_tokens), choices or top entries (logprobs, n_probs)"
+            f"tokens ({tokens}), choices or top entries ({top})"
             + ("" if req.get("stream") else ", or stream it"),
-            param="max_tokens" if _unlimited(req) else "logprobs",
-            code="answer_too_large")
+            param=tokens if _unlimited(req) else top, code="answer_too_large")
 
 
 def check_prompt_size(req: dict) -> None:

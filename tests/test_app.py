@@ -484,12 +484,15 @@ def test_a_compressed_body_is_refused_saying_so(client, encoding, status):
 
 @pytest.mark.parametrize("path,body,param", [
     # n_probs 100 over a whole 4,096-token context, eight choices: 3.3 million entries
-    ("/completion", {"prompt": "x", "n_cmpl": 8, "n_probs": 100}, "max_tokens"),
+    # (named as llama.cpp's route calls them: n_predict, n_probs)
+    ("/completion", {"prompt": "x", "n_cmpl": 8, "n_probs": 100}, "n_predict"),
+    ("/completion", {"prompt": "x", "n_cmpl": 64, "n_probs": 100, "n_predict": 1024},
+     "n_probs"),
     ("/v1/completions", {"prompt": "x", "n": 128, "logprobs": 5, "max_tokens": 2048},
      "logprobs"),
     # a negative limit writes until the context is full, as none does
     ("/completion", {"prompt": "x", "n_cmpl": 8, "n_probs": 100, "n_predict": -1},
-     "max_tokens"),
+     "n_predict"),
     ("/v1/completions", {"prompt": "x", "n": 128, "logprobs": 5, "max_tokens": -1},
      "max_tokens"),
 ])
