@@ -482,7 +482,8 @@ def check_answer_size(req: dict, n_ctx: int, native: bool = False) -> None:
     field as the route calls it (`native`: llama.cpp's `n_predict`, `n_probs`)."""
     entries = answer_entries(req, n_ctx)
     if entries > MAX_ANSWER_ENTRIES:
-        tokens, top = ("n_predict", "n_probs") if native else ("max_tokens", "logprobs")
+        tokens = "n_predict" if native else "max_tokens"
+        top = "n_probs" if req.get("n_probs") else "logprobs"      # (the one it sent)
         raise InvalidRequest(
             f"this answer could hold {entries:,} token probabilities (choices × tokens × "
             f"(1 + top entries)); at most {MAX_ANSWER_ENTRIES:,} are sent: ask for fewer "

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 LOAD_GUESS = 600.0      # s a worker's first load may take before the queue stops waiting
 READ_BUDGET = 0.25      # s one socket's messages may take before the loop goes on
+LOAD_TRIES = 2          # loads in a row that may die (one OOM kill) and still be waited for
 
 
 class SupervisedFleet:
@@ -59,7 +60,7 @@ class SupervisedFleet:
         now = time.monotonic()
         return {c.extra.get("model") for c in self.workers()
                 if c.process is not None and c.ready_at is None and not c.gave_up
-                and not c.died_loading
+                and c.died_loading < LOAD_TRIES
                 and now - c.started_at < 3 * (c.load_seconds or LOAD_GUESS / 3)}
 
 

@@ -124,19 +124,23 @@ class Operations:
 
     def _served_otherwise(self, name: str, model_id: str, path: Path) -> str | None:
         """Why `name` may not serve `path` as `model_id` (None: it may): another worker
-        serves that id from a different file. Its new process would be refused when it
+        serves that id from a different file, registered now, or about to (a reload not
+        run yet, a new process loading). Its new process would be refused when it
         registers (one id, two models' text) and stay failed, after the reload said ok."""
         from dispatcher.common.models import model_file_digest
         digest = model_file_digest(path)
-        others = {record.name: (record.info.model, record.info.model_digest,
-                                record.info.model_path)
-                  for record in self.core.registry.workers.values()}
-        for other, plan in self.pending.items():       # (what they are being reloaded to)
-            model = _flag(plan["argv"], "--model")
+        others = [(record.name, record.info.model, record.info.model_digest,
+                   record.info.model_path) for record in self.core.registry.workers.values()]
+        coming = [(other, plan["argv"]) for other, plan in self.pending.items()]
+        coming += [(child.name, child.argv) for child in self._children()
+                   if getattr(child, "process", None) is not None and child.ready_at is None
+                   and not child.gave_up]           # (loading: not registered yet)
+        for other, argv in coming:
+            model = _flag(argv, "--model")
             if model and Path(model).is_file():
-                others[other] = (_flag(plan["argv"], "--model-id"),
-                                 model_file_digest(Path(model)), model)
-        for other, (served, their_digest, their_path) in others.items():
+                others.append((other, _flag(argv, "--model-id") or _model_id(Path(model)),
+                               model_file_digest(Path(model)), model))
+        for other, served, their_digest, their_path in others:
             if other != name and served == model_id and their_digest is not None \
                     and their_digest != digest:
                 return (f"worker {other} serves '{model_id}' from another file "
@@ -144,6 +148,10 @@ class Operations:
                         "file (one id is one model's text; to change the file of an id "
                         "several workers serve, reload them onto a new id)")
         return None
+
+    def _children(self) -> list:
+        children = getattr(self.supervisor, "children", None) or {}
+        return [child for child in children.values() if child.kind == "worker"]
 
     def tick(self, now: float) -> None:
         for name, plan in list(self.pending.items()):

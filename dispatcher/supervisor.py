@@ -38,8 +38,8 @@ class Child:
     ever_ready: bool = False             # it has served (so a later failure is not startup)
     ready_at: float | None = None        # when its process last said READY (a worker)
     load_seconds: float | None = None    # ... how long after its start (its model's load)
-    died_loading: bool = False           # its last process died before READY (a crash
-                                         # loop is no load to wait for)
+    died_loading: int = 0                # processes in a row that died before READY
+                                         # (a crash loop is no load to wait for)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -84,7 +84,8 @@ class Supervisor:
             if proc is not None and proc.poll() is not None:
                 exited.append((child, proc.pid))
                 child.last_exit = proc.returncode
-                child.died_loading = child.ready_at is None and not child.restart_now
+                child.died_loading = child.died_loading + 1 \
+                    if child.ready_at is None and not child.restart_now else 0
                 child.kill_at = None
                 child.process = None
                 if self.stopping or child.stopping or not respawn:
@@ -134,7 +135,7 @@ class Supervisor:
             first = child.ready_at is None       # (a live one says READY again on each
             child.ever_ready = True              # reconnection: its uptime is no load)
             child.ready_at = time.monotonic()
-            child.died_loading = False
+            child.died_loading = 0
             if first and child.process is not None:
                 child.load_seconds = child.ready_at - child.started_at
 
@@ -142,7 +143,7 @@ class Supervisor:
         """Replace a child's process now (SIGTERM, then start again at once), with a new
         command line if given."""
         child = self.children[name]
-        child.gave_up = child.died_loading = False
+        child.gave_up, child.died_loading = False, 0
         if argv is not None:
             child.argv = argv
         if child.process is None:

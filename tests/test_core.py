@@ -1079,16 +1079,17 @@ def test_the_fleet_says_which_models_are_loading_for_as_long_as_a_load_takes():
     child = lambda **k: SimpleNamespace(**{"kind": "worker", "gave_up": False,  # noqa: E731
                                            "process": object(), "ready_at": None,
                                            "started_at": now - 5, "load_seconds": None,
-                                           "died_loading": False,
+                                           "died_loading": 0,
                                            "extra": {"model": k.pop("model")}, **k})
     children = {"a": child(model="loading"), "b": child(model="ready", ready_at=now),
                 "c": child(model="failed", gave_up=True),
                 "d": child(model="respawning", process=None),
                 "e": child(model="stuck", load_seconds=1.0),     # (three loads' time past)
                 "f": child(model="slow", load_seconds=100.0),
-                "g": child(model="crash-loop", died_loading=True)}   # (no load to wait for)
+                "g": child(model="crash-loop", died_loading=2),   # (no load to wait for)
+                "h": child(model="killed-once", died_loading=1)}  # (its retry is waited for)
     fleet = SupervisedFleet(SimpleNamespace(children=children))
-    assert fleet.loading_models() == {"loading", "slow"}
+    assert fleet.loading_models() == {"loading", "slow", "killed-once"}
 
 
 def test_a_worker_that_dies_loading_is_not_waited_for_and_its_load_is_its_first_ready():
@@ -1112,18 +1113,18 @@ def test_a_worker_that_dies_loading_is_not_waited_for_and_its_load_is_its_first_
     supervisor.children["w0"] = child
     child.process.returncode = -9                        # (killed in its load)
     supervisor.poll()
-    assert child.died_loading and child.process is None
+    assert child.died_loading == 1 and child.process is None
     import time
     child.process, child.started_at, child.ready_at = Process(), time.monotonic() - 5, None
     supervisor.mark_healthy("w0")                        # (a later start that loaded)
-    assert not child.died_loading and child.load_seconds is not None
+    assert child.died_loading == 0 and child.load_seconds is not None
     first = child.load_seconds
     child.ready_at -= 3600                                # (an hour later, READY again)
     supervisor.mark_healthy("w0")
     assert child.load_seconds == first
-    child.died_loading = True
+    child.died_loading = 2
     supervisor.restart("w0")                              # (an operator's: a new try)
-    assert not child.died_loading
+    assert child.died_loading == 0
 
 
 def test_a_reload_keeps_the_id_given_to_the_model_and_refuses_one_served_otherwise(tmp_path):
@@ -1323,3 +1324,38 @@ def test_reloads_not_done_yet_count_for_the_id_rule_and_the_file_check(tmp_path)
     assert ops.restart({"worker": "w1", "model": str(q8), "model_id": "coder"})["ok"]
     assert "w1" in ops.restart({"worker": "w0", "model": str(wrong),
                                 "model_id": "coder"})["error"]
+
+
+def test_the_file_check_sees_registered_pending_and_loading_workers_alike(tmp_path):
+    """A worker's pending rename hid its registration (it still serves its id until it
+    restarts), and a reloaded worker still loading was in neither list: a clashing
+    reload said ok, and its process was refused when it registered."""
+    from types import SimpleNamespace
+
+    from dispatcher.common.models import model_file_digest
+    from dispatcher.operations import Operations
+    a, b, b2 = (tmp_path / n for n in ("a.gguf", "b.gguf", "b2.gguf"))
+    for path, fill in ((a, b"a"), (b, b"b"), (b2, b"c")):
+        path.write_bytes(b"GGUF" + fill * 300)
+    core = DispatcherCore()
+    children = {"A": SimpleNamespace(kind="worker", name="A", extra={"model": "m"},
+                                     argv=["w", "--model", str(a), "--model-id", "m"],
+                                     process=None, ready_at=None, gave_up=False),
+                "B": SimpleNamespace(kind="worker", name="B", extra={"model": "x"},
+                                     argv=["w", "--model", str(b), "--model-id", "x"],
+                                     process=None, ready_at=None, gave_up=False)}
+    ops = Operations(core, SimpleNamespace(children=children, restart=lambda n, argv: None))
+    ready(core, name=b"A", model="m", model_digest=model_file_digest(a), model_path=str(a),
+          slots=1)
+    ready(core, name=b"B", model="x", model_digest=model_file_digest(b), model_path=str(b),
+          slots=1)
+    submit(core, "long", model="m")                          # (A busy: its rename waits)
+    assert ops.restart({"worker": "A", "model_id": "n", "grace": 300})["ok"]
+    assert "worker A" in ops.restart({"worker": "B", "model": str(b2), "model_id": "m",
+                                      "grace": 300})["error"]
+    core = DispatcherCore()                                  # A loading b2 as `y`
+    ops = Operations(core, SimpleNamespace(children=children, restart=lambda n, argv: None))
+    children["A"].argv = ["w", "--model", str(b2), "--model-id", "y"]
+    children["A"].process = object()
+    ready(core, name=b"B", model="x", model_digest=model_file_digest(b), model_path=str(b))
+    assert "worker A" in ops.restart({"worker": "B", "model_id": "y"})["error"]
