@@ -65,7 +65,7 @@ def create_app(test_config: dict | None = None) -> Flask:
 
     app.after_request(bound_the_writes)
     # a big body's decoding slot, where the request ended before its validation did
-    from app.requests import big_body_slots
+    from app.bodies import big_body_slots
     app.teardown_request(lambda exc: big_body_slots.give_back())
 
     @app.after_request

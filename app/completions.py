@@ -14,13 +14,13 @@ from app import access, sse
 from app.writes import SEND_RATE_FLOOR, allow_write
 from app.client import ClientGone, get_client, watch_disconnect
 from app.errors import RequestTimeout, from_wire
+from app.bodies import parse_json_body
 from app.fanout import MAX_BACKLOG_BYTES, Fanout
 from app.jobs import plan_jobs
 from app.requests import (PROFILE_HEADER, SEQUENCE_HEADER, api_key_fingerprint,
                           check_answer_size, check_prompt_size, check_route,
-                          check_token_prompts, client_of, json_answer, parse_json_body,
-                          queue_timeout, resolve_model, session_of, session_order,
-                          tenant_of, validate)
+                          check_token_prompts, client_of, json_answer, queue_timeout,
+                          resolve_model, session_of, session_order, tenant_of, validate)
 from app.responses import Result
 from dispatcher.common import protocol as P
 

@@ -18,7 +18,8 @@ from app import sse
 from app.completions import serve
 from app.fields import SEED_RANGE, StrictFloat, StrictInteger, StrictString
 from dispatcher.common.fields import INT_MAX
-from app.requests import parse_json_body, validate
+from app.bodies import parse_json_body
+from app.requests import validate
 from app.responses import Result
 from app.schemas import CompletionRequestSchema, doc, in_range
 from dispatcher.common import protocol as P

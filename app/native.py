@@ -21,7 +21,8 @@ from app.errors import NotSupported, PayloadTooLarge
 from app.fields import (MAX_CHOICES, BoundedList, LogitBiasField, StrictFloat, StrictInteger,
                         StrictString)
 from dispatcher.common.fields import INT_MAX
-from app.requests import parse_json_body, resolve_model, validate
+from app.bodies import parse_json_body
+from app.requests import resolve_model, validate
 from app.schemas import CompletionRequestSchema, doc, in_range
 from dispatcher.common import fields as F, protocol as P
 

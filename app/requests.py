@@ -1,24 +1,16 @@
-"""What a request must be before anything is queued: strict JSON, Unicode text, a valid
-body (the marshmallow schemas), a served model, a route some worker can meet, sizes
-within the limits. Shared by every route that takes a body."""
+"""What a request must be before anything is queued: a valid body (the marshmallow
+schemas; strict JSON and Unicode text are `app.bodies`'), a served model, a route some
+worker can meet, sizes within the limits. Shared by every route that takes a body."""
 from __future__ import annotations
 
 import hashlib
-import json
-import re
-import socket
-
-import gevent
-import gevent.monkey
 
 import msgspec
-from flask import Response, current_app, has_request_context, request
-from gunicorn.http.errors import NoMoreData, ParseException
-from werkzeug.exceptions import ClientDisconnected
+from flask import Response, current_app, request
 from marshmallow import Schema, ValidationError
 
-from app.errors import (ClientClosedRequest, InvalidRequest, NotFound, PayloadTooLarge,
-                        RequestTimeout, ServiceUnavailable, UnsupportedMediaType)
+from app.bodies import BigBodySlots, clipped, off_loop
+from app.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
 from app.schemas import CompletionRequestSchema, first_error, normalize
 from dispatcher.common import protocol as P
 from dispatcher.common.fit import explain_unfit, fits
@@ -30,225 +22,6 @@ PROFILE_HEADER = "X-SIE-MACHINE-PROFILE"
 TIMEOUT_HEADER = "X-Request-Timeout"  # seconds the request may wait in the queue
 SESSION_HEADER = "X-Session-Id"     # a new request of a session supersedes the older ones
 
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def parse_json_body(any_content_type: bool = False) -> object:
-    """The body as strict JSON (no NaN/Infinity), with a JSON content type or none at all
-    (any content type for llama.cpp's native endpoints, which do not look at it)."""
-    mimetype = request.mimetype
-    if mimetype and mimetype != "application/json" and not mimetype.endswith("+json") \
-            and not any_content_type:
-        raise UnsupportedMediaType(f"Content-Type must be application/json, not {mimetype}")
-    encoding = (request.headers.get("Content-Encoding") or "").strip().lower() or "identity"
-    if encoding != "identity":
-        raise UnsupportedMediaType(f"Content-Encoding {encoding[:40]!r} is not accepted: "
-                                   "send the body uncompressed")
-    raw = read_body()
-    if len(raw) > BIG_BODY:
-        big_body_slots.take()       # (given back once validated, or as the request ends)
-    return off_loop(decode_json_body, raw)
-
-
-# Bodies over BIG_BODY bytes are decoded and validated a few at a time per front end:
-# decoded, a body is ten times its size or more (8 MB of two-letter strings: 80 MB), and
-# each decoded one waited for the pool's threads behind every other's decode before
-# validation let it go (a hundred at once: 8 GB and more). The C decoder holds the GIL: more at
-# once would not be sooner.
-BIG_BODY = 1 << 20
-BIG_BODIES_AT_ONCE = 2
-
-
-class BigBodySlots:
-    """The front end's slots for big bodies, taken by `parse_json_body` and given back by
-    `validate` (or, where a request ends before it, the app's teardown)."""
-
-    def __init__(self, at_once: int = BIG_BODIES_AT_ONCE) -> None:
-        self.at_once = at_once
-        self.slots = None                   # (made in the serving process, after forks)
-
-    def take(self) -> None:
-        if self.slots is None:
-            import threading                # (gevent's, where the front end patched it)
-            self.slots = threading.BoundedSemaphore(self.at_once)
-        self.slots.acquire()
-        request.environ["completions.big_body"] = self.slots
-
-    @staticmethod
-    def give_back() -> None:
-        if not has_request_context():
-            return                          # (validate called on its own)
-        taken = request.environ.pop("completions.big_body", None)
-        if taken is not None:
-            taken.release()
-
-
-big_body_slots = BigBodySlots()
-
-
-def read_body() -> bytes:
-    """The whole body within --body-timeout: a client trickling it a byte at a time
-    must not hold a connection (and its greenlet) for ever."""
-    seconds = float(current_app.config.get("BODY_TIMEOUT") or 0)
-    try:
-        with gevent.Timeout(seconds or None, False):
-            return request.get_data(cache=False)
-    except (ClientDisconnected, NoMoreData, ConnectionError):
-        # the client left before its body was whole (werkzeug's reader, bounding the body
-        # by --max-body, says so of any OSError: a generic 400 with no code)
-        _stop_reading()
-        raise ClientClosedRequest("the client closed the connection before the body "
-                                  "arrived") from None
-    except (ParseException, OSError) as exc:
-        # a chunked body whose framing is wrong (a size that is not hex, data past its
-        # size, no CRLF): gunicorn's reader raises, and it was a 500
-        _stop_reading()
-        why = clipped(str(exc) or type(exc).__name__)
-        raise InvalidRequest(f"the body could not be read: {why}",
-                             code="invalid_body") from None
-    _stop_reading()
-    raise RequestTimeout(f"the body did not arrive within {seconds:g} s")
-
-
-def _stop_reading() -> None:
-    """The rest of the body is never read: end the connection (what is left of it could
-    not be parsed as a next request)."""
-    sock = request.environ.get("gunicorn.socket")
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RD)
-        except OSError:
-            pass
-
-
-# Arrays and objects one body may hold, counted in the raw bytes before anything walks
-# them (an 8 MB body of empty lists took 9 s to walk): prompts, stop strings, infill
-# chunks, logit biases and JSON schemas need far fewer.
-MAX_JSON_CONTAINERS = 100_000
-# A string, or what is left of the body after a quote never closed: possessive and
-# always matching, so each quote is read once (where a string had to end with a quote,
-# an unclosed one over 70,000 escaped quotes was scanned again from each of them,
-# quadratic: a 300 KB body held a front end's CPU past its 30 s heartbeat)
-_JSON_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"?', re.S)
-
-
-def check_shape(raw: bytes) -> None:
-    """Refuse, at C speed, a body whose parse and checks would cost more than any
-    request needs."""
-    containers = raw.count(b"[") + raw.count(b"{")
-    if containers > MAX_JSON_CONTAINERS:        # brackets inside strings do not count
-        outside = _JSON_STRING.sub(b'""', raw)
-        containers = outside.count(b"[") + outside.count(b"{")
-    if containers > MAX_JSON_CONTAINERS:
-        raise InvalidRequest(f"The request body has over {MAX_JSON_CONTAINERS} arrays and "
-                             "objects.", code="invalid_json")
-
-
-class _Raised:
-    """An exception caught on a pool thread, to be raised again on the loop."""
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
-def _caught(function, args):
-    try:
-        return function(*args)
-    except Exception as exc:      # (gevent's hub would print it, request text and all)
-        return _Raised(exc)
-
-
-def off_loop(function, *args):
-    """`function(*args)` on a thread of gevent's pool when this process runs under gevent
-    (the front ends): parsing and checking a large body takes the CPU for a while, and
-    the loop's heartbeats and other requests must go on meanwhile. Exceptions are
-    caught on the pool's thread and raised here: left to the pool, gevent's hub prints
-    each with its traceback to stderr, and their messages quote the request."""
-    if gevent.monkey.is_module_patched("socket"):
-        result = gevent.get_hub().threadpool.apply(_caught, (function, args))
-        if isinstance(result, _Raised):
-            raise result.exc
-        return result
-    return function(*args)
-
-
-def decode_json_body(raw: bytes) -> object:
-    check_shape(raw)
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except UnicodeDecodeError:
-        raise InvalidRequest("The request body is not valid UTF-8.", code="invalid_json")
-    except RecursionError:
-        raise InvalidRequest("The request body is nested too deeply.", code="invalid_json")
-    except ValueError as exc:
-        raise InvalidRequest(f"The request body is not valid JSON: {exc}", code="invalid_json")
-    check_encodable(body)
-    return body
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def unencodable_field(body: object) -> tuple[str, str] | None:
-    """(top-level field, path) of the first string, object keys included, that is not
-    Unicode text: a lone UTF-16 surrogate (`"\\ud800"`) is valid JSON but cannot be
-    encoded as UTF-8, so it must never reach a tokenizer or a grammar parser. Iterative
-    (any nesting json accepts), and a path is only built for the string it reports."""
-    stack: list[tuple[object, tuple | None]] = [(body, None)]     # (value, (key, parent))
-    while stack:
-        value, where = stack.pop()
-        if isinstance(value, str):
-            if not _encodable(value):
-                return _report(where)
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if not _encodable(key):
-                    return _report((key, where))
-                if isinstance(item, (str, dict, list)):
-                    stack.append((item, (key, where)))
-        elif isinstance(value, list):
-            stack.extend((item, (i, where)) for i, item in enumerate(value)
-                         if isinstance(item, (str, dict, list)))
-    return None
-
-
-def _report(where: tuple | None) -> tuple[str, str]:
-    path: list = []
-    while where is not None:
-        key, where = where
-        path.append(key)
-    path.reverse()
-    return _path_text(path[:1]), _path_text(path)
-
-
-def _path_text(path: list) -> str:
-    text = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
-    return text.encode("utf-8", "backslashreplace").decode("utf-8") or "_body"
-
-
-def check_encodable(body: object) -> None:
-    found = unencodable_field(body)
-    if found is not None:
-        param, where = found
-        raise InvalidRequest(f"Invalid value for '{where}': the text contains a lone UTF-16 "
-                             "surrogate (\\ud800-\\udfff), which is not a Unicode "
-                             "character and cannot be encoded as UTF-8.", param=param,
-                             code="invalid_unicode")
-
-
-MAX_PARAM = 128          # characters of a name the client chose quoted back to it
-
-
-def clipped(name: str) -> str:
-    """A name the client chose (a field's path, a model), as an error quotes it."""
-    return name if len(name) <= MAX_PARAM else name[:MAX_PARAM] + "…"
 
 
 def json_answer(build, *args, headers: dict | None = None) -> Response:
@@ -264,7 +37,7 @@ def validate(body: object, schema: Schema = _schema) -> dict:
     try:
         data = off_loop(_validate, body, schema)
     finally:
-        big_body_slots.give_back()
+        BigBodySlots.give_back()
     if isinstance(data, dict) and data.get("json_schema") is not None:
         # made into a grammar here, within its budget: a worker only ever gets grammars
         try:

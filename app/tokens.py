@@ -5,7 +5,8 @@ from flask import Blueprint, current_app
 
 from app import access
 from app.client import get_client
-from app.requests import json_answer, parse_json_body, resolve_model, validate
+from app.bodies import parse_json_body
+from app.requests import json_answer, resolve_model, validate
 from app.errors import PayloadTooLarge, from_wire
 from app.schemas import DetokenizeRequestSchema, TokenizeRequestSchema
 from dispatcher.common import protocol as P

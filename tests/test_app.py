@@ -303,7 +303,7 @@ def test_a_longer_prompt_of_the_same_session_keeps_its_adoption_key(client):
 
 
 def test_brackets_inside_strings_do_not_count_as_arrays(client):
-    from app.requests import MAX_JSON_CONTAINERS
+    from app.bodies import MAX_JSON_CONTAINERS
     http, fake = client
     code = "[" * (MAX_JSON_CONTAINERS + 10) + '"\\"{'    # inside the string, escapes too
     response = http.post("/v1/completions", json={"prompt": code, "max_tokens": 1})
@@ -335,7 +335,7 @@ def test_a_quote_never_closed_before_many_escaped_quotes_is_read_once(client):
     gunicorn kills it for, every stream of it lost. Now read once (a millisecond; the
     bound below is thousands of times that)."""
     import time
-    from app.requests import MAX_JSON_CONTAINERS, check_shape
+    from app.bodies import MAX_JSON_CONTAINERS, check_shape
     http, fake = client
     raw = b"[" * (MAX_JSON_CONTAINERS + 1) + b'"' + b'\\"' * 70_000
     started = time.monotonic()
@@ -693,7 +693,7 @@ def test_big_bodies_are_decoded_a_few_at_a_time_and_their_slot_always_given_back
     from before their decode to the end of their validation (or of the request, where
     it ends first), so a burst of them holds a few decoded at once, not all."""
     import threading
-    from app import requests as R
+    from app import bodies as R
     http, fake = client
     monkeypatch.setattr(R, "big_body_slots", R.BigBodySlots(at_once=1))
     big = "a\n" * (R.BIG_BODY // 3)           # (within the prompt's bound, over a MiB as JSON)

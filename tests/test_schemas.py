@@ -2,7 +2,8 @@
 import pytest
 from flask import Flask
 
-from app.requests import parse_json_body, validate
+from app.bodies import parse_json_body
+from app.requests import validate
 from app.errors import InvalidRequest, UnsupportedMediaType
 from app.schemas import CompletionRequestSchema
 
