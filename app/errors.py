@@ -7,7 +7,7 @@ started, or as the next SSE event once a stream has (see `app.sse`).
 """
 from __future__ import annotations
 
-from flask import Flask, jsonify, request
+from flask import Flask, current_app, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from dispatcher.common import protocol as P
@@ -161,10 +161,19 @@ def error_response(error: APIError):
     return response
 
 
-ROUTES = ("POST /v1/completions", "POST /v1/fim/completions", "POST /completion",
-          "POST /completions", "POST /infill", "POST /tokenize", "POST /detokenize",
-          "GET /v1/models", "GET /v1/status", "GET /health", "GET /metrics",
-          "GET /openapi.json", "GET / (the status page)")
+def _routes() -> list[str]:
+    """The routes this app serves, read from its URL map (a list written out by hand
+    fell behind the routes added since): method and path, the status page's files and
+    static files left out."""
+    out = set()
+    for rule in current_app.url_map.iter_rules():
+        if rule.endpoint == "static" or "<" in rule.rule and rule.endpoint != \
+                "status.retrieve_model":
+            continue
+        for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
+            path = rule.rule.replace("<path:model>", "{model}")
+            out.add(f"{method} {path}" + (" (the status page)" if path == "/" else ""))
+    return sorted(out, key=lambda r: (not r.split()[1].startswith("/v1/"), r.split()[1]))
 
 
 def _no_route(path: str) -> str:
@@ -174,7 +183,7 @@ def _no_route(path: str) -> str:
     what = ("This server serves raw-text completions (the prompt passed to the model "
             "verbatim), not chat: send the prompt to POST /v1/completions." if "chat" in path
             else f"There is no route {shown} here.")
-    return f"{what} Routes: {', '.join(ROUTES)}."
+    return f"{what} Routes: {', '.join(_routes())}."
 
 
 def register_error_handlers(app: Flask) -> None:

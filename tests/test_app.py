@@ -408,7 +408,14 @@ def test_an_unknown_route_says_what_this_server_serves(client):
     error = answer.get_json()["error"]
     assert answer.status_code == 404 and error["code"] == "not_found"
     assert "not chat" in error["message"] and "POST /v1/completions" in error["message"]
-    assert "no route /nope" in http.get("/nope").get_json()["error"]["message"]
+    message = http.get("/nope").get_json()["error"]["message"]
+    assert "no route /nope" in message
+    # every route served is named (a list written by hand left out /props, /models and
+    # /v1/health), and none that is not
+    for served in ("GET /props", "GET /models", "GET /v1/health", "POST /infill",
+                   "GET /v1/models/{model}", "POST /v1/fim/completions", "GET /metrics"):
+        assert served in message
+    assert "static" not in message and "<" not in message
 
 
 def test_tokenize_ignores_fields_it_does_not_know_as_llama_server_does(client_of):
