@@ -54,7 +54,9 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
                 cache_prompt=req["cache_prompt"],
                 n_indent=req.get("n_indent"), t_max_predict_ms=req.get("t_max_predict_ms"),
                 t_max_prompt_ms=req.get("t_max_prompt_ms"), n_probs=req.get("n_probs"),
-                return_tokens=req.get("return_tokens"), draft_max=req.get("draft_max"),
+                # (llama-server puts each streamed token's id in its chunk, asked or not)
+                return_tokens=bool(req.get("return_tokens")) or
+                native and bool(req.get("stream")), draft_max=req.get("draft_max"),
                 warm=native, penalize_prompt=native)
             job = P.WorkerJob(
                 id=request_id if fanout == 1 else f"{request_id}.{p}.{c}", model=model,
@@ -114,7 +116,7 @@ def adopt_key(job: P.WorkerJob) -> str | None:
     gen = job.generation
     if not (job.session or job.client) or job.fanout != 1 or not isinstance(job.prompt, str) \
             or gen.echo or gen.logprobs is not None or gen.score \
-            or gen.n_probs or gen.return_tokens \
+            or gen.n_probs \
             or gen.sampling.grammar or gen.sampling.json_schema \
             or (job.infill is not None and job.infill.middle):
         # (a grammar's output minus the typed text no longer matches it; infill's

@@ -266,6 +266,21 @@ def test_native_completion_ignores_openais_best_of_as_llama_server_does(client):
     assert len(fake.jobs) == 1
 
 
+def test_a_native_stream_asks_for_its_tokens_ids_as_llama_server_sends_them(client):
+    """llama-server puts each streamed token's id in its chunk (`tokens`), asked or not:
+    a native stream's job asks for them, and may still take over a running generation
+    (type-along adoption carries the ids); OpenAI's stream and a whole answer do not."""
+    http, fake = client
+    http.post("/completion", json={"prompt": "x", "stream": True},
+              headers={"X-Session-Id": "s"}).get_data()
+    http.post("/completion", json={"prompt": "x"}, headers={"X-Session-Id": "s"})
+    http.post("/v1/completions", json={"prompt": "x", "stream": True},
+              headers={"X-Session-Id": "s"}).get_data()
+    stream, whole, openai = fake.jobs
+    assert stream["return_tokens"] is True and stream["adopt_key"]
+    assert not whole["return_tokens"] and not openai["return_tokens"]
+
+
 def test_tokenize_is_a_job_for_a_worker(client_of):
     http, fake = client_of(lambda job: [{"e": P.EV_END, "s": 0, "result": {"tokens": [7]}}])
     body = http.post("/tokenize", json={"content": "hi"}).get_json()

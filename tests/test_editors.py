@@ -161,6 +161,9 @@ def test_continue_llama_cpp_provider_streams_content(editor_server):
     counts = [e["tokens_predicted"] for e in partials]
     assert counts == sorted(counts) and 0 < counts[-1] <= events[-1]["tokens_predicted"]
     assert {e["tokens_evaluated"] for e in partials} == {events[-1]["tokens_evaluated"]}
+    # and their tokens' ids, as llama-server's chunks carry them, unasked
+    ids = [i for e in partials for i in e["tokens"]]
+    assert all(e["tokens"] for e in partials) and len(ids) == counts[-1]
 
 
 def test_tabby_completion_payload_and_unknown_fields(editor_server):

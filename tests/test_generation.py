@@ -606,3 +606,37 @@ def test_a_superseding_job_read_before_a_reset_never_runs_after_it():
     run(loop)
     assert not events_of(loop, "new") and not loop.active and not loop.held
     assert sorted(loop.free_slots) == [0, 1] and not loop.preparer.superseding
+
+
+def test_an_answer_ended_by_the_context_says_it_was_truncated(loop):
+    """llama-server sets `truncated` when generation stops because the context is full
+    (llama.vim asks for the field to warn of it); a limit of max_tokens is not that."""
+    submit(loop, "full", job("x" * 250, max_tokens=None))       # 251 tokens of 256
+    submit(loop, "short", job("x" * 10, max_tokens=3))
+    run(loop, 100)
+    full, short = events_of(loop, "full")[-1], events_of(loop, "short")[-1]
+    assert full["e"] == "end" and full["stop_type"] == "limit" and full["truncated"] is True
+    assert full["usage"]["completion_tokens"] == 256 - 251
+    assert short["e"] == "end" and short["stop_type"] == "limit" and \
+        not short.get("truncated")       # (a default is left out of the wire)
+
+
+def test_an_adopted_generation_carries_the_token_ids_it_takes_over(loop):
+    """llama.cpp's streamed chunks carry their token ids: the request that takes over a
+    generation sends the ids of the tokens after what was typed, then its own, one for
+    each token it counts (adoption was refused to such requests before)."""
+    submit(loop, "old", job("Once", max_tokens=40, return_tokens=True))
+    run(loop, steps=6)
+    old = loop.active["old"]
+    typed = SCRIPT[:3].decode()
+    assert old.assembler.text.startswith(typed) and old.generated > 3
+    submit(loop, "new", job("Once" + typed, max_tokens=10, id="new", adopt="old",
+                            return_tokens=True))
+    loop._read_inbox(block=False)
+    assert "old" not in loop.active and loop.active["new"].generated == old.generated - 3
+    run(loop)
+    events = events_of(loop, "new")
+    ids = [i for e in events if e["e"] == "text" for i in e.get("ids") or []]
+    text = "".join(e["text"] for e in events if e["e"] == "text")
+    assert events[-1]["e"] == "end" and events[-1]["usage"]["completion_tokens"] == 10
+    assert len(ids) == 10 and bytes(ids).decode() == text == SCRIPT[3:13].decode()

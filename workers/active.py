@@ -62,10 +62,12 @@ class Active:
     limits: "EditorLimits | None" = None   # n_indent, t_max_predict_ms
     n_probs: int = 0                # llama.cpp's completion_probabilities, per token
     return_tokens: bool = False     # llama.cpp's `tokens`: the generated ids
+    ids: list = field(default_factory=list)             # ... all of them (an adopter's)
     pending_ids: list = field(default_factory=list)     # ... waiting for their text
     pending_probs: list = field(default_factory=list)
     dropped_chunks: int = 0         # extra context left out: to fit, or t_max_prompt_ms
-    truncated: bool = False         # an /infill's prefix or suffix cut to fit the context
+    truncated: bool = False         # an /infill's prefix or suffix cut to fit the context,
+                                    # or the answer ended by the context's end
     cached: int = 0                 # prompt tokens reused from the slot's KV cache
     seq: int = 0
     generated: int = 0

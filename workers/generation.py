@@ -454,7 +454,7 @@ class GenerationLoop:
             return None
         typed = prompt[len(old.prompt):]
         if old.echo_text is not None or old.ledger is not None or old.n_probs or old.score \
-                or old.return_tokens or not old.assembler.text.startswith(typed):
+                or not old.assembler.text.startswith(typed):
             return None
         # the tokens whose text lies within what was typed become prompt tokens
         covered = bisect.bisect_right(old.offsets, len(typed))
@@ -475,6 +475,9 @@ class GenerationLoop:
                                gen.max_tokens - new.generated,
                                least=(gen.sampling.min_tokens or 0) - new.generated)
         new.offsets = [offset - len(typed) for offset in old.offsets[covered:]]
+        if old.return_tokens:       # (what it takes over goes out as its own)
+            new.return_tokens, new.ids = True, old.ids[covered:]
+            new.pending_ids = list(new.ids)
         new.first_at = new.started                  # no prefill: it starts generating
         new.limits = EditorLimits.of(gen)
         # the slot changes hands: the engine's sequence goes on as it was

@@ -84,6 +84,7 @@ class Output:
             active.ledger.add(len(active.echo_text or '') + active.assembler.decoded,
                               token_text(piece), out.logprob, top)
         if active.return_tokens:
+            active.ids.append(out.token)
             active.pending_ids.append(out.token)
         if active.n_probs:
             active.pending_probs.append(probs_entry(self.engine, out.token, piece,
@@ -110,6 +111,7 @@ class Output:
         elif active.max_tokens is not None and active.generated >= active.max_tokens:
             self.finish(active, "length", "limit")
         elif active.prompt_tokens + active.generated >= active.n_ctx:
+            active.truncated = True         # (llama-server's `truncated`: out of context)
             self.finish(active, "length", "limit")
 
     def _top_dict(self, top: list[tuple[int, float]]) -> dict:
