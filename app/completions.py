@@ -89,9 +89,7 @@ def serve(req: dict, result_class, native: bool = False, infill: P.Infill | None
     try:
         fanout.submit()
         events = measured(fanout.events(), started, client.recorder, record)
-        first = next(events)
-        if isinstance(first[1], P.Error):
-            raise from_wire(first[1])
+        held = _admitted(events, plans if req["stream"] else plans[:1])
     except BaseException as exc:
         _stop(watcher)
         fanout.close()
@@ -99,7 +97,7 @@ def serve(req: dict, result_class, native: bool = False, infill: P.Infill | None
             record.failed("client_closed")
             return Response(status=499)     # nobody is listening; nginx logs 499 too
         raise
-    events = itertools.chain([first], events)
+    events = itertools.chain(held, events)
     headers = {"X-Request-Id": request_id}
     if req["stream"]:
         body = _stream(result, events, fanout, watcher, record)
@@ -117,6 +115,23 @@ def serve(req: dict, result_class, native: bool = False, infill: P.Infill | None
     finally:
         _stop(watcher)
         fanout.close()
+
+
+def _admitted(events, plans) -> list:
+    """The events up to the first of each prompt's first job among `plans`, once none
+    is an error (else the error is raised: the request's 4xx, before any answer). A
+    stream of several prompts so starts once every prompt has passed the worker's checks
+    (ids outside the vocabulary, a prompt over the context): only the first was awaited,
+    and a refused second prompt was a 200 with an error event after the first's text."""
+    waiting = {i for i, plan in enumerate(plans) if plan.candidate == 0}
+    held = []
+    while waiting:
+        index, event = next(events)
+        if isinstance(event, P.Error):
+            raise from_wire(event)
+        held.append((index, event))
+        waiting.discard(index)
+    return held
 
 
 def _stop(watcher) -> None:

@@ -115,6 +115,27 @@ def test_a_completion_is_assembled_from_the_job_events(client):
     assert job["sampling"]["temperature"] == 0 and job.get("fanout", 1) == 1
 
 
+@pytest.mark.parametrize("order", [("fine", "refused"), ("refused", "fine")])
+def test_a_stream_whose_later_prompt_is_refused_is_a_400_whatever_its_place(client_of, order):
+    """The worker refuses a prompt (over the context, ids outside the vocabulary): a
+    stream of several prompts is a 400 wherever that prompt is, as a whole answer is. It
+    was a 200, the first prompt's text and an error event, when the refused one came
+    second (the openai client raised a bare APIError, no BadRequestError)."""
+    refusal = [{"e": P.EV_ERROR, "s": 0, "status": 400, "type": "invalid_request_error",
+                "code": "context_length_exceeded", "param": "prompt",
+                "message": "This prompt has 9000 tokens; the context holds 4096."}]
+    http, fake = client_of(lambda job: refusal if job.get("prompt") == "refused"
+                           else completion("Hi"))
+    for stream in (True, False):
+        answer = http.post("/v1/completions", json={"prompt": list(order), "n": 2,
+                                                    "stream": stream})
+        assert answer.status_code == 400, answer.get_data(as_text=True)
+        assert answer.get_json()["error"]["code"] == "context_length_exceeded"
+    fine = http.post("/v1/completions", json={"prompt": ["fine", "fine"], "n": 2,
+                                              "stream": True}).get_data(as_text=True)
+    assert fine.replace(' ', '').count('"finish_reason":"length"') == 4 and fine.endswith("data: [DONE]\n\n")
+
+
 def test_prompts_times_choices_become_numbered_jobs(client):
     http, fake = client
     body = http.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2}).get_json()
