@@ -376,3 +376,28 @@ def test_the_bench_measures_the_real_stack(real_server):
         assert row["ok"] == row["requests"] >= 1 and row["errors"] == row["truncated"] == 0
         assert row["ttft_p50_ms"] > 0 and row["aggregate_tok_s"] > 0, row
     assert typing[0]["errors"] == 0 and typing[0]["unanswered"] == 0, typing[0]
+
+
+def test_an_echoed_prompt_with_control_tokens_lines_its_logprobs_up_with_its_text(
+        client, model_id):
+    """A prompt naming control tokens (a chat turn, `<start_of_turn>`) is echoed as
+    sent: each token's text and offset is where it stands in that text (they read "" at
+    0, and the text after them stood at offsets of another string); every entry's top
+    logprobs hold the token itself, as a generated token's do."""
+    prompt = "<start_of_turn>user\nhi<end_of_turn>\n"
+    for stream in (False, True):
+        answer = client.completions.create(model=model_id, prompt=prompt, max_tokens=3,
+                                           temperature=0, echo=True, logprobs=1,
+                                           stream=stream, extra_body=NO_CACHE)
+        chunks = list(answer) if stream else [answer]
+        text = "".join(c.choices[0].text for c in chunks)
+        tokens = [t for c in chunks if c.choices[0].logprobs
+                  for t in c.choices[0].logprobs.tokens]
+        offsets = [o for c in chunks if c.choices[0].logprobs
+                   for o in c.choices[0].logprobs.text_offset]
+        tops = [t for c in chunks if c.choices[0].logprobs
+                for t in c.choices[0].logprobs.top_logprobs]
+        assert text.startswith(prompt) and "".join(tokens) == text
+        assert tokens[1:3] == ["<start_of_turn>", "user"]
+        assert all(text.startswith(t, o) for t, o in zip(tokens, offsets))
+        assert all(t in top for t, top in zip(tokens[1:], tops[1:]))

@@ -40,10 +40,17 @@ class Output:
             offset, ledger = 0, LogprobLedger(active.ledger.k)
             decoder = codecs.getincrementaldecoder("utf-8")("replace")
             entries = [(tokens[0], None, None)] + (prompt_lp or [])
+            text = active.echo_text or ""
             for token, lp, top in entries:
                 piece = self.engine.piece(token)
-                ledger.add(offset, token_text(piece), lp, None if top is None else
-                           self._top_dict(top))
+                if not piece:       # a control token the prompt names ("<start_of_turn>")
+                    named = self.engine.piece(token, special=True)   # is its text there
+                    if named and text.startswith(named.decode("utf-8", "replace"), offset):
+                        piece = named
+                if top is not None:     # (with the token itself, as a generated one's)
+                    top = self._top_dict(top)
+                    top.setdefault(token_text(piece), lp)
+                ledger.add(offset, token_text(piece), lp, top)
                 offset += len(decoder.decode(piece))
             logprobs = ledger.release(None)
         self.text(active, active.echo_text, logprobs)
