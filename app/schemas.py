@@ -265,8 +265,10 @@ class CompletionRequestSchema(Schema):
         prompt = data.get("prompt")
         prompts = len(prompt) if isinstance(prompt, list) else 1
         if prompts * max(n, best_of or 1) > MAX_CHOICES:
+            # (named by the field that set the count)
             raise ValidationError(f"prompts × max(n, best_of) is at most {MAX_CHOICES}.",
-                                  "n")
+                                  "best_of" if (best_of or 1) > n else
+                                  "n_cmpl" if data.get("n_cmpl") else "n")
         samplers = [SAMPLER_ALIASES.get(n, n) for n in data.get("samplers") or []]
         twice = sorted({n for n in samplers if samplers.count(n) > 1})
         if twice:

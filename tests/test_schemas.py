@@ -55,6 +55,7 @@ def test_explicit_null_means_default_but_max_tokens_null_means_unlimited():
     ({"prompt": "p", "n": 2, "best_of": 1}, "best_of"),
     ({"prompt": "p", "best_of": 2, "stream": True}, "best_of"),
     ({"prompt": ["p"] * 10, "n": 20}, "n"),
+    ({"prompt": ["p"] * 10, "n": 1, "best_of": 20}, "best_of"),     # (the one that set it)
     ({"prompt": "p", "logprobs": 6}, "logprobs"),
     ({"prompt": "p", "logprobs": True}, "logprobs"),
     ({"prompt": "p", "logit_bias": {"x": 1}}, "logit_bias"),
