@@ -9,6 +9,7 @@ Validation, queueing, routing, workers and errors are the OpenAI endpoint's.
 from __future__ import annotations
 
 import logging
+import math
 
 from flask import Blueprint, current_app, request
 from marshmallow import EXCLUDE, Schema, fields
@@ -266,9 +267,26 @@ class NativeResult:
         for i, text in enumerate(self.texts):
             summary = self.summary(i, "".join(text))
             if self.req.get("n_probs"):
-                summary["completion_probabilities"] = self.probs[i]
+                summary["completion_probabilities"] = self.probabilities(self.probs[i])
             bodies.append(self.pick(summary))
         return bodies[0] if len(bodies) == 1 else bodies
+
+    def probabilities(self, entries: list) -> list:
+        """`completion_probabilities` in the form the request asked for: llama-server's
+        `logprob`/`top_logprobs`, or with `post_sampling_probs` its `prob`/`top_probs`
+        (clients read those keys). The values here are the model's distribution before
+        the samplers either way (llama-server's post-sampling ones are what its sampler
+        chain kept), as probabilities in the second form."""
+        if not self.req.get("post_sampling_probs"):
+            return entries
+
+        def prob(entry: dict) -> dict:
+            out = {k: v for k, v in entry.items() if k not in ("logprob", "top_logprobs")}
+            logprob = entry.get("logprob")
+            out["prob"] = math.exp(logprob) if logprob is not None else 0.0
+            return out
+        return [{**prob(e), "top_probs": [prob(t) for t in e.get("top_logprobs") or []]}
+                for e in entries]
 
     def pick(self, summary: dict) -> dict:
         """llama.cpp's `response_fields`: only those, by path (`timings/prompt_n`), flat."""
@@ -292,7 +310,7 @@ class NativeResult:
                      "tokens_predicted": event.generated,
                      "tokens_evaluated": start.prompt_tokens}
             if self.req.get("n_probs"):
-                chunk["completion_probabilities"] = event.probs or []
+                chunk["completion_probabilities"] = self.probabilities(event.probs or [])
             return sse.event(chunk)
         if isinstance(event, P.End):                 # llama.cpp's last event: the summary,
             return sse.event(self.pick(self.summary(job_index, "")))  # response_fields too

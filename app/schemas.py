@@ -217,7 +217,9 @@ class CompletionRequestSchema(Schema):
         "Accepted; native answers carry `timings` at the end.", type="boolean",
         default=False))
     post_sampling_probs = StrictBoolean(load_default=False, allow_none=True, metadata=doc(
-        "Accepted; probabilities are the model's, before sampling.", type="boolean",
+        "llama.cpp: completion_probabilities as `prob`/`top_probs` (probabilities) "
+        "instead of `logprob`/`top_logprobs`; here the model's, before the samplers.",
+        type="boolean",
         default=False))
     draft_max = StrictInteger(
         data_key="speculative.n_max", load_default=None, allow_none=True,

@@ -2,6 +2,7 @@
 dispatcher client standing in for the dispatcher and the workers. Routes, validation and
 response assembly; the real stack is tested elsewhere."""
 import json
+import math
 import os
 
 import msgspec
@@ -618,6 +619,36 @@ def test_a_stream_keeps_no_text_or_probabilities_of_what_it_sent(client_of, monk
     assert native_result.texts == [[]] and native_result.probs == [[]]
     assert native_result.ids == [[]]
     assert openai_result.texts == [[]] and openai_result.logprobs == [None]
+
+
+def test_post_sampling_probs_answers_in_llama_servers_probability_keys(client_of):
+    """With `post_sampling_probs` llama-server names the entries `prob` and `top_probs`
+    (probabilities, not logprobs), streamed or whole; a client reading those keys found
+    none."""
+    probs = [{"id": 1, "token": "a", "bytes": [97], "logprob": math.log(0.5),
+              "top_logprobs": [{"id": 1, "token": "a", "bytes": [97],
+                                "logprob": math.log(0.5)},
+                               {"id": 2, "token": "b", "bytes": [98],
+                                "logprob": math.log(0.25)}]}]
+
+    def script(job):
+        events = completion("")
+        return events[:1] + [{"e": P.EV_TEXT, "s": 1, "text": "a", "probs": probs},
+                             {**events[-1], "s": 2}]
+    http, _ = client_of(script)
+    whole = http.post("/completion", json={"prompt": "x", "n_probs": 2,
+                                           "post_sampling_probs": True}).get_json()
+    raw = http.post("/completion", json={"prompt": "x", "n_probs": 2, "stream": True,
+                                         "post_sampling_probs": True}).get_data(as_text=True)
+    streamed = json.loads(raw.split("\n\n")[0][len("data: "):])
+    for entries in (whole["completion_probabilities"], streamed["completion_probabilities"]):
+        (entry,) = entries
+        assert "logprob" not in entry and "top_logprobs" not in entry
+        assert entry["prob"] == pytest.approx(0.5) and entry["bytes"] == [97]
+        assert [(t["token"], round(t["prob"], 6)) for t in entry["top_probs"]] == \
+            [("a", 0.5), ("b", 0.25)]
+    plain = http.post("/completion", json={"prompt": "x", "n_probs": 2}).get_json()
+    assert plain["completion_probabilities"] == probs          # (the default form)
 
 
 def test_token_ids_past_the_context_are_refused_before_any_worker_builds_them(client):
