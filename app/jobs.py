@@ -57,6 +57,8 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
                 # (llama-server puts each streamed token's id in its chunk, asked or not)
                 return_tokens=bool(req.get("return_tokens")) or
                 native and bool(req.get("stream")), draft_max=req.get("draft_max"),
+                timings_per_token=native and bool(req.get("stream")) and
+                bool(req.get("timings_per_token")),
                 warm=native, penalize_prompt=native)
             job = P.WorkerJob(
                 id=request_id if fanout == 1 else f"{request_id}.{p}.{c}", model=model,

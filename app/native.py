@@ -188,6 +188,22 @@ SETTINGS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_last_
             "stream", "cache_prompt", "grammar")
 
 
+def timings(prompt_tokens: int, cached: int, predicted: int, measured: dict | None) -> dict:
+    """llama.cpp's `timings` from a job's counts and its worker's milliseconds (the
+    prompt's, to the first token; the generation's since)."""
+    measured = measured or {}
+    prompt_ms = float(measured.get("prompt_ms", 0.0))
+    predicted_ms = float(measured.get("predicted_ms", 0.0))
+    prompt_n = max(0, prompt_tokens - cached)
+    return {
+        "cache_n": cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": prompt_n * 1000.0 / prompt_ms if prompt_ms else 0.0,
+        "predicted_n": predicted, "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / predicted if predicted else 0.0,
+        "predicted_per_second": predicted * 1000.0 / predicted_ms if predicted_ms else 0.0}
+
+
 class NativeResult:
     """llama.cpp's answer (`content`, `stop`, `stop_type`, `timings`, ...) assembled from
     the jobs' events; a list when the request had several prompts."""
@@ -230,10 +246,6 @@ class NativeResult:
         prompt_tokens = end.usage.prompt_tokens if end.usage else start.prompt_tokens
         cached = start.cached_tokens
         predicted = end.usage.completion_tokens if end.usage else 0
-        timings = end.timings or {}
-        prompt_ms = float(timings.get("prompt_ms", 0.0))
-        predicted_ms = float(timings.get("predicted_ms", 0.0))
-        prompt_n = max(0, prompt_tokens - cached)
         return {
             "index": i, "content": content, "tokens": self.ids[i] if content else [],
             "id_slot": -1, "stop": True,
@@ -245,17 +257,10 @@ class NativeResult:
             "generation_settings": self.settings(), "has_new_line": self.newline[i],
             "truncated": end.truncated, "stop_type": end.stop_type or "limit",
             "stopping_word": end.stopping_word or "",
-            "timings": {
-                "cache_n": cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-                "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
-                "prompt_per_second": prompt_n * 1000.0 / prompt_ms if prompt_ms else 0.0,
-                "predicted_n": predicted, "predicted_ms": predicted_ms,
-                "predicted_per_token_ms": predicted_ms / predicted if predicted else 0.0,
-                "predicted_per_second": predicted * 1000.0 / predicted_ms
-                if predicted_ms else 0.0,
-                # llama.cpp's speculative counts
-                "draft_n": int((end.draft or {}).get("proposed", 0)),
-                "draft_n_accepted": int((end.draft or {}).get("accepted", 0))},
+            "timings": {**timings(prompt_tokens, cached, predicted, end.timings),
+                        # llama.cpp's speculative counts
+                        "draft_n": int((end.draft or {}).get("proposed", 0)),
+                        "draft_n_accepted": int((end.draft or {}).get("accepted", 0))},
             "fingerprint": start.fingerprint,
             # the oldest input_extra chunks left out: to fit the context, or to meet
             # t_max_prompt_ms
@@ -311,6 +316,9 @@ class NativeResult:
                      "tokens_evaluated": start.prompt_tokens}
             if self.req.get("n_probs"):
                 chunk["completion_probabilities"] = self.probabilities(event.probs or [])
+            if event.timings is not None:                # (timings_per_token)
+                chunk["timings"] = timings(start.prompt_tokens, start.cached_tokens,
+                                           event.generated, event.timings)
             return sse.event(chunk)
         if isinstance(event, P.End):                 # llama.cpp's last event: the summary,
             return sse.event(self.pick(self.summary(job_index, "")))  # response_fields too

@@ -214,7 +214,8 @@ class CompletionRequestSchema(Schema):
         "llama.cpp: also return token ids (native endpoints).", type="boolean",
         default=False))
     timings_per_token = StrictBoolean(load_default=False, allow_none=True, metadata=doc(
-        "Accepted; native answers carry `timings` at the end.", type="boolean",
+        "llama.cpp: each streamed chunk carries `timings` so far (native endpoints).",
+        type="boolean",
         default=False))
     post_sampling_probs = StrictBoolean(load_default=False, allow_none=True, metadata=doc(
         "llama.cpp: completion_probabilities as `prob`/`top_probs` (probabilities) "

@@ -164,6 +164,15 @@ def test_continue_llama_cpp_provider_streams_content(editor_server):
     # and their tokens' ids, as llama-server's chunks carry them, unasked
     ids = [i for e in partials for i in e["tokens"]]
     assert all(e["tokens"] for e in partials) and len(ids) == counts[-1]
+    assert not any("timings" in e for e in partials)
+    # llama.cpp's timings_per_token: each chunk with its timings so far
+    status, raw = post_raw(editor_server.port, "/completion", {**body,
+                                                               "timings_per_token": True})
+    partials = data_events(raw)[:-1]
+    assert status == 200 and partials
+    assert all(e["timings"]["predicted_n"] == e["tokens_predicted"] and
+               e["timings"]["prompt_n"] + e["timings"]["cache_n"] == e["tokens_evaluated"]
+               for e in partials)
 
 
 def test_tabby_completion_payload_and_unknown_fields(editor_server):

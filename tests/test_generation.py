@@ -640,3 +640,16 @@ def test_an_adopted_generation_carries_the_token_ids_it_takes_over(loop):
     text = "".join(e["text"] for e in events if e["e"] == "text")
     assert events[-1]["e"] == "end" and events[-1]["usage"]["completion_tokens"] == 10
     assert len(ids) == 10 and bytes(ids).decode() == text == SCRIPT[3:13].decode()
+
+
+def test_timings_per_token_puts_the_timings_so_far_in_every_text_event(loop):
+    """llama.cpp's `timings_per_token`: each streamed chunk says its timings (the
+    prompt's milliseconds, the generation's so far); without it text events carry none."""
+    submit(loop, "t", job("Once", max_tokens=4, timings_per_token=True))
+    submit(loop, "plain", job("Once", max_tokens=4, id="plain"))
+    run(loop)
+    texts = [e for e in events_of(loop, "t") if e["e"] == "text"]
+    assert texts and all(set(e["timings"]) == {"prompt_ms", "predicted_ms"} for e in texts)
+    spent = [e["timings"]["predicted_ms"] for e in texts]
+    assert spent == sorted(spent) and all(e["timings"]["prompt_ms"] >= 0 for e in texts)
+    assert not any("timings" in e for e in events_of(loop, "plain") if e["e"] == "text")

@@ -62,6 +62,7 @@ class Active:
     limits: "EditorLimits | None" = None   # n_indent, t_max_predict_ms
     n_probs: int = 0                # llama.cpp's completion_probabilities, per token
     return_tokens: bool = False     # llama.cpp's `tokens`: the generated ids
+    timings_per_token: bool = False  # llama.cpp's: each text event says its timings
     ids: list = field(default_factory=list)             # ... all of them (an adopter's)
     pending_ids: list = field(default_factory=list)     # ... waiting for their text
     pending_probs: list = field(default_factory=list)
@@ -86,6 +87,14 @@ class Active:
         return P.Usage(prompt_tokens=self.prompt_tokens,
                        completion_tokens=self.generated if completion_tokens is None
                        else completion_tokens)
+
+    def timings(self) -> dict:
+        """llama.cpp's `timings` so far: the prompt's milliseconds (to the first token) and
+        the generation's since."""
+        now = time.monotonic()
+        first = self.first_at or now
+        return {"prompt_ms": round((first - self.started) * 1000, 3),
+                "predicted_ms": round((now - first) * 1000, 3)}
 
     def done(self, **fields) -> P.Done:
         """Its DONE body: this attempt, its last event's number, and `fields`."""

@@ -363,6 +363,7 @@ class GenerationLoop:
         want = logprobs if logprobs is not None else (0 if active.score else None)
         active.n_probs = int(gen.n_probs or 0)
         active.return_tokens = bool(gen.return_tokens)
+        active.timings_per_token = gen.timings_per_token
         active.prompt = body.prompt
         active.source, active.tenant = (body.prompt, body.suffix, body.infill), body.tenant
         active.dropped_chunks = dropped
@@ -479,6 +480,7 @@ class GenerationLoop:
             new.return_tokens, new.ids = True, old.ids[covered:]
             new.pending_ids = list(new.ids)
         new.first_at = new.started                  # no prefill: it starts generating
+        new.timings_per_token = gen.timings_per_token
         new.limits = EditorLimits.of(gen)
         # the slot changes hands: the engine's sequence goes on as it was
         del self.active[old.request_id]

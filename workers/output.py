@@ -132,7 +132,8 @@ class Output:
         if logprobs is None and active.ledger is not None:
             logprobs = active.ledger.release(active.chars_out)
         event = P.Text(text=text, logprobs=logprobs, ids=active.pending_ids or None,
-                       probs=active.pending_probs or None, generated=active.generated)
+                       probs=active.pending_probs or None, generated=active.generated,
+                       timings=active.timings() if active.timings_per_token else None)
         active.pending_ids, active.pending_probs = [], []
         self.publish(active, event)
 
@@ -150,12 +151,8 @@ class Output:
         if tail:
             self.text(active, tail)
         usage = active.usage()
-        now = time.monotonic()
-        first = active.first_at or now
         event = P.End(finish_reason=reason, usage=usage, stop_type=stop_type,
-                      timings={"prompt_ms": round((first - active.started) * 1000, 3),
-                               "predicted_ms": round((now - first) * 1000, 3)},
-                      dropped_chunks=active.dropped_chunks, truncated=active.truncated)
+                      timings=active.timings(), dropped_chunks=active.dropped_chunks, truncated=active.truncated)
         if stop_type == "word":
             event.stopping_word = active.assembler.stop_word
         drafted, accepted = self.engine.draft_stats(active.slot)

@@ -195,6 +195,7 @@ class Generation(Body):
     t_max_prompt_ms: float | None = None
     n_probs: int | None = None
     return_tokens: bool | None = None
+    timings_per_token: bool = False     # llama.cpp's: each streamed chunk says its timings
     draft_max: int | None = None
     warm: bool = False                  # n_predict 0 fills the cache (llama.vim's warm-up)
     # the penalties count the prompt's last tokens too (llama-server's; OpenAI's count
@@ -403,6 +404,7 @@ class Text(Event, tag=EV_TEXT, kw_only=True):
     probs: list | None = None           # llama.cpp's completion_probabilities
     generated: int = 0                  # tokens generated so far (llama.cpp's partials'
                                         # tokens_predicted)
+    timings: dict | None = None         # prompt_ms, predicted_ms so far (timings_per_token)
 
 
 class End(Event, tag=EV_END):
