@@ -229,6 +229,8 @@ class NativeResult:
                 self.probs[job_index] += event.probs or []
         elif isinstance(event, P.End):
             self.ends[job_index] = event
+            if not self.streaming:      # (llama-server's tokens: every one sampled)
+                self.ids[job_index] += event.ids or []
 
     def settings(self) -> dict:
         req = self.req
@@ -247,7 +249,7 @@ class NativeResult:
         cached = start.cached_tokens
         predicted = end.usage.completion_tokens if end.usage else 0
         return {
-            "index": i, "content": content, "tokens": self.ids[i] if content else [],
+            "index": i, "content": content, "tokens": self.ids[i],
             "id_slot": -1, "stop": True,
             "model": self.model, "tokens_predicted": predicted,
             # what the slot holds after it (llama-server's n_tokens of the slot's prompt:

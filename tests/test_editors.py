@@ -486,3 +486,20 @@ def test_tokenize_and_detokenize_give_special_tokens_as_llama_server_does(editor
     assert status == 200 and len(split["tokens"]) > 1, split
     assert all(isinstance(t["piece"], list) for t in split["tokens"]), split
     assert bytes(b for t in split["tokens"] for b in t["piece"]).decode() == "\U0001d518"
+
+
+def test_return_tokens_counts_every_token_sampled_a_stop_strings_too(editor_server):
+    """llama-server's `tokens` with `return_tokens` holds every token it sampled, the
+    ones of a stop string too, so their count is `tokens_predicted` (the stop string's
+    were left out, and an answer stopped at its first token had none)."""
+    body = {"prompt": "def fib(n):", "n_predict": 12, "temperature": 0,
+            "return_tokens": True}
+    status, raw = post_raw(editor_server.port, "/completion", body)
+    whole = json.loads(raw)
+    assert status == 200 and len(whole["tokens"]) == whole["tokens_predicted"] == 12
+    first = whole["content"].strip()[:1]            # a stop at the first visible character
+    status, raw = post_raw(editor_server.port, "/completion", {**body, "stop": [first]})
+    stopped = json.loads(raw)
+    assert status == 200 and stopped["stop_type"] == "word"
+    assert len(stopped["tokens"]) == stopped["tokens_predicted"] >= 1
+    assert stopped["tokens"] == whole["tokens"][:len(stopped["tokens"])]

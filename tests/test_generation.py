@@ -653,3 +653,20 @@ def test_timings_per_token_puts_the_timings_so_far_in_every_text_event(loop):
     spent = [e["timings"]["predicted_ms"] for e in texts]
     assert spent == sorted(spent) and all(e["timings"]["prompt_ms"] >= 0 for e in texts)
     assert not any("timings" in e for e in events_of(loop, "plain") if e["e"] == "text")
+
+
+def test_the_ids_of_a_stop_strings_tokens_go_with_the_end(loop):
+    """llama-server's `tokens` holds every token it sampled, a stop string's too: their
+    ids, whose text never goes out, come with the end event (they were dropped, and an
+    answer stopped at its first token had no ids at all)."""
+    submit(loop, "s", job("x", max_tokens=40, stop=["ick"], return_tokens=True))
+    run(loop)
+    events = events_of(loop, "s")
+    sent = [i for e in events if e["e"] == "text" for i in e.get("ids") or []]
+    end = events[-1]
+    assert end["e"] == "end" and end["stop_type"] == "word"
+    assert bytes(sent) == b"The qu" and bytes(end["ids"]) == b"ick"
+    submit(loop, "t", job("x", max_tokens=40, stop=["T"], return_tokens=True))
+    run(loop)
+    events = events_of(loop, "t")
+    assert [e["e"] for e in events] == ["start", "end"] and events[-1]["ids"] == [ord("T")]

@@ -155,6 +155,8 @@ class Output:
                       timings=active.timings(), dropped_chunks=active.dropped_chunks, truncated=active.truncated)
         if stop_type == "word":
             event.stopping_word = active.assembler.stop_word
+        if active.pending_ids:          # (their text held back, never sent: a stop string)
+            event.ids, active.pending_ids = active.pending_ids, []
         drafted, accepted = self.engine.draft_stats(active.slot)
         if drafted:
             event.draft = {"proposed": drafted, "accepted": accepted}

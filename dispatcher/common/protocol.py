@@ -417,6 +417,8 @@ class End(Event, tag=EV_END):
     truncated: bool = False             # an /infill's prefix or suffix cut to fit
     draft: dict | None = None           # proposed, accepted
     logprobs: dict | None = None
+    ids: list[int] | None = None        # return_tokens: ids no text went out with (a stop
+                                        # string's), llama-server counts them
     score: float | None = None          # mean logprob (best_of)
     result: Any = None                  # an op's answer
 
