@@ -339,6 +339,26 @@ def test_flags_and_variables_override_the_file(tmp_path):
         [("q8_0", 1024, 128), ("q4_0", 1024, 512)]
 
 
+def test_a_model_id_flag_names_the_config_files_model_never_replaces_it(tmp_path):
+    """--model-id (or its variable) beside a file's one model renames it; it put the
+    bundled test model in its place under the production name, silently. Beside several
+    it is refused: which would it name?"""
+    from tiny_gguf import write_tiny_fim_model
+    tiny = write_tiny_fim_model(tmp_path / "tiny.gguf")
+    config = tmp_path / "one.toml"
+    config.write_text(f'[[models]]\nid = "coder"\npath = "{tiny}"\nnctx = 256\n'
+                      '[[workers]]\ndevice = "cpu"\n')
+    for args, env in ((["--model-id", "foo"], None), ([], {"COMPLETIONS_MODEL_ID": "foo"})):
+        out = check_config("--config", str(config), "--json", *args, env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        (model,) = json.loads(out.stdout)["models"]
+        assert (model["id"], model["path"], model["nctx"]) == ("foo", str(tiny), 256)
+    config.write_text(f'[[models]]\nid = "a"\npath = "{tiny}"\n[[models]]\nid = "b"\n'
+                      f'path = "{tiny}"\n[[workers]]\ndevice = "cpu"\nmodel = "a"\n')
+    out = check_config("--config", str(config), "--model-id", "foo")
+    assert out.returncode == 1 and "--model-id" in out.stdout + out.stderr
+
+
 def test_serve_from_a_config_file_with_two_models(tmp_path):
     from dispatcher.common.models import bundled_model_path
     from tiny_gguf import write_tiny_fim_model

@@ -15,7 +15,8 @@
     profile = "interactive"   # SIE machine profile; also name, nctx, ngl, slots
 
 Precedence: option defaults < this file < COMPLETIONS_* variables < flags. A `--model`
-or `--device` flag (or variable) replaces the file's models or workers as a whole.
+or `--device` flag (or variable) replaces the file's models or workers as a whole;
+`--model-id` alone renames the file's one model (refused beside several).
 `python -m dispatcher check-config` reports every problem with its place in the file.
 """
 from __future__ import annotations
@@ -221,10 +222,18 @@ def _plan_models(data: dict, args, resolve_model, model_id_of,
                  problems: list[str]) -> tuple[list[ModelPlan], set[str]]:
     """The models (from flags, or the file's [[models]]) and the ids of those with a
     problem, which is added to `problems`."""
-    if _given(args, "model") or _given(args, "model_id") or not data.get("models"):
+    if _given(args, "model") or not data.get("models"):
         entries = [{k: v for k, v in (("id", args.model_id), ("path", args.model)) if v}]
     else:
         entries = [dict(e) for e in data["models"]]
+        # --model-id alone names the file's model (it put the bundled model in its place)
+        if _given(args, "model_id") and len(entries) == 1:
+            entries[0]["id"] = args.model_id
+        elif _given(args, "model_id"):
+            problems.append(f"--model-id (or COMPLETIONS_MODEL_ID) names one model; the "
+                            f"config file has {len(entries)} [[models]]: give each its id "
+                            "there")
+            return [], set()
     flag_aliases = list(getattr(args, "model_alias", None) or [])
     if flag_aliases and entries:         # --model-alias names the first (or only) model
         entries[0]["aliases"] = list(entries[0].get("aliases") or []) + flag_aliases
