@@ -10,15 +10,22 @@ import os
 import signal
 
 from dispatcher.common import logs as _logs
+from dispatcher.common.config import load_keys as _load_keys
 from dispatcher.common.configfile import SettingError as _SettingError
 from dispatcher.common.configfile import effective as _effective
 
 try:
     _options = _effective(["host", "port", "frontends", "log_level", "log_format",
-                           "max_connections", "stop_grace"])
+                           "max_connections", "stop_grace", "api_key_file"])
+    if _options["api_key_file"]:        # (a file of no keys: refused, not an open server)
+        try:
+            _load_keys(None, _options["api_key_file"])
+        except (OSError, ValueError) as _exc:
+            raise _SettingError(f"COMPLETIONS_API_KEY_FILE: {_exc}") from None
 except _SettingError as _exc:          # one line, not a traceback
     raise SystemExit(str(_exc)) from None
-_host, _port = _options["host"], _options["port"]
+# (an IPv6 address as written in a URL, "[::1]", as well as bare)
+_host, _port = _options["host"].strip("[]"), _options["port"]
 
 wsgi_app = "app:create_app()"
 bind = [f"[{_host}]:{_port}" if ":" in _host else f"{_host}:{_port}"]

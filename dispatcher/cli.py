@@ -121,11 +121,17 @@ def _endpoints(args) -> tuple[Endpoints, str, str | None]:
 
 def _count_keys(args) -> int:
     """The API keys configured (flags, variables, the key file), or one line why not."""
+    if any("," in key for key in args.api_key or []):
+        # (keys reach the front ends comma-separated: one was split into two)
+        raise SystemExit("--api-key: a key holds a comma, which separates keys; put such "
+                         "a key in --api-key-file")
     try:
-        return len(config.load_keys(",".join(args.api_key), args.api_key_file))
+        return len(config.load_keys(",".join(args.api_key or []), args.api_key_file))
     except (OSError, UnicodeDecodeError) as exc:
         raise SystemExit(f"--api-key-file {args.api_key_file}: cannot be read ({exc})") \
             from None
+    except ValueError as exc:
+        raise SystemExit(f"--api-key-file: {exc}") from None
 
 
 def _make_broker(broker_class, base: str, *args, **kwargs):
@@ -159,8 +165,8 @@ def cmd_serve(args) -> int:
     if args.log_content:
         log.warning("--log-content: request content (prompts, grammars) may reach the logs "
                     "of this server and its workers at --log-level debug")
+    n_keys = _count_keys(args)          # (before the ipc directory is made)
     endpoints, base, cleanup = _endpoints(args)
-    n_keys = _count_keys(args)
     keys = _dispatcher_keys(args, base, n_keys > 0)
     supervisor = Supervisor()
     broker = _make_broker(Broker, base, endpoints, supervisor,
@@ -314,6 +320,8 @@ def cmd_check_config(args) -> int:
             problems.append(f"draft_model: {exc}")
     if access_log_problem(args.access_log):
         problems.append(access_log_problem(args.access_log))
+    if args.frontends and _port_problem(args.host, 0):  # (the host; a port in use may
+        problems.append(_port_problem(args.host, 0))    # be free by the time serve runs)
     from dispatcher.common import curve
     base = args.dispatcher or default_dispatcher_address(args.port)
     try:

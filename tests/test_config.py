@@ -241,3 +241,42 @@ def test_check_config_finds_what_serve_would_refuse(tmp_path):
     rc, problems = check("--device", "cpu", "--slots", "8", "--batch", "4", "--ubatch", "4")
     assert rc == 1 and problems == ["workers[0]: batch 4 is below its slots (8): a step "
                                     "holds a row for each generating sequence"]
+    # a key file of no keys left the server open; a key with a comma became two keys;
+    # a host serve cannot listen at passed
+    (tmp_path / "keys").write_text("# keys\n\n")
+    rc, problems = check("--device", "cpu", "--api-key-file", str(tmp_path / "keys"))
+    assert rc == 1 and len(problems) == 1 and "holds no keys" in problems[0]
+    rc, problems = check("--device", "cpu", "--api-key", "sk-with,comma")
+    assert rc == 1 and len(problems) == 1 and "comma" in problems[0]
+    rc, problems = check("--device", "cpu", "--host", "999.1.1.1")
+    assert rc == 1 and len(problems) == 1 and "host 999.1.1.1: not a name" in problems[0]
+    assert check("--device", "cpu", "--host", "[::1]")[0] == 0
+
+
+def test_a_key_files_byte_order_mark_is_not_part_of_its_first_key(tmp_path):
+    """A key file saved by an editor that writes a byte-order mark: its first key was
+    the mark and the key, so the key was refused (401), silently."""
+    keys = tmp_path / "keys"
+    keys.write_bytes(b"\xef\xbb\xbfsk-first alice\nsk-second bob\n")
+    assert config.load_named_keys(None, str(keys)) == [(b"sk-first", "alice"),
+                                                        (b"sk-second", "bob")]
+
+
+def test_a_front_end_takes_an_ipv6_host_as_a_url_writes_it(tmp_path):
+    """--host "[::1]" (as in a URL) passed every check, and then the front end bound
+    "[[::1]]:port" and was respawned for ever."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPLETIONS_")}
+    for host in ("[::1]", "::1"):
+        out = subprocess.run([sys.executable, "-c", "import app.gunicorn_conf as g; "
+                              "print(g.bind)"], capture_output=True, text=True,
+                             env={**env, "COMPLETIONS_HOST": host, "COMPLETIONS_PORT": "8123"})
+        assert out.stdout.strip() == "['[::1]:8123']", out.stderr
+    (tmp_path / "keys").write_text("\n")
+    out = subprocess.run([sys.executable, "-c", "import app.gunicorn_conf"],
+                         capture_output=True, text=True,
+                         env={**env, "COMPLETIONS_API_KEY_FILE": str(tmp_path / "keys")})
+    assert out.returncode != 0 and "holds no keys" in out.stderr and \
+        "Traceback" not in out.stderr

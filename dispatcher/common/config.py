@@ -417,11 +417,16 @@ def load_named_keys(inline: str | None, path: str | None) -> list[tuple[bytes, s
     theirs; any other key goes by `key-` and its fingerprint (never the key itself)."""
     named = [(k.strip(), "") for k in (inline or "").split(",") if k.strip()]
     if path:
-        for line in open(path, encoding="utf-8").read().splitlines():
+        before = len(named)
+        # (utf-8-sig: an editor's byte-order mark made the first key another, silently)
+        for line in open(path, encoding="utf-8-sig").read().splitlines():
             line = line.strip()
             if line and not line.startswith("#"):
                 key, *name = line.split(None, 1)          # (a space or a tab between)
                 named.append((key, name[0].strip() if name else ""))
+        if len(named) == before:    # (a key file that holds none left the server open)
+            raise ValueError(f"the API key file {path} holds no keys: a line is a key, "
+                             "then optionally its name")
     return [(key.encode(), name or f"key-{key_fingerprint(key)}") for key, name in named]
 
 
