@@ -427,6 +427,18 @@ def test_keygen_never_takes_over_a_directory_or_a_reserved_name(tmp_path):
         curve.keygen("")
     assert curve.keygen(str(tmp_path / "keys")) == ["dispatcher", "local", "ops"]
     assert curve.keygen(str(tmp_path / "keys"), workers=["gpu2"]) == ["gpu2"]
+    # a worker's pair is never a front end's too (its host could read every token: it
+    # was copied into authorized/frontends, "nothing new"), nor the other way round
+    keys = tmp_path / "keys" / "authorized"
+    for workers, frontends in ((), ["gpu2"]), (["fe"], ["fe"]):
+        with _pytest.raises(curve.CurveKeyError, match="must be its own"):
+            curve.keygen(str(tmp_path / "keys"), workers=workers, frontends=frontends)
+    assert not (keys / "frontends" / "gpu2.key").exists() and \
+        not (tmp_path / "keys" / "fe.key").exists()
+    assert curve.keygen(str(tmp_path / "keys"), frontends=["web1"]) == ["web1"]
+    with _pytest.raises(curve.CurveKeyError, match="must be its own"):
+        curve.keygen(str(tmp_path / "keys"), workers=["web1"])
+    assert curve.keygen(str(tmp_path / "keys"), workers=["gpu2"]) == []   # (again: fine)
 
 
 def test_a_keyed_workers_name_starts_with_its_keys_name():
