@@ -282,7 +282,9 @@ class Broker:
                 else f"process exited ({child.last_exit})"
             self.deliver(self.core.worker_exited(child.name, pid, reason,
                                                  "worker_stuck" if stuck else None))
-            if child.gave_up:
+            if child.gave_up:           # (why, as it said: status showed an older loss)
+                self.core.note_loss(child.name, "cannot serve: " + (
+                    child.exit_note or f"process exited ({child.last_exit})"), None)
                 self._check_models_loadable()
 
     def _check_models_loadable(self) -> None:

@@ -507,6 +507,13 @@ class DispatcherCore:
         self.stats["requeued"] += 1
         self.queue.push(job, front=True)
 
+    def note_loss(self, name: str, reason: str, code: str | None) -> None:
+        """A worker's latest loss, for `status` (the newest replaces an older one)."""
+        self.losses.pop(name, None)
+        self.losses[name] = {"reason": reason, "code": code, "at": self.now}
+        while len(self.losses) > 256:             # (names with a pid in them come and go)
+            del self.losses[next(iter(self.losses))]
+
     def worker_lost(self, record: WorkerRecord, reason: str, code: str | None = None,
                     silent: bool = False) -> None:
         """Drop a worker; requeue its jobs that had not started (they cannot be what
@@ -520,10 +527,7 @@ class DispatcherCore:
         self.registry.remove(record.identity)
         log.error("worker %s lost (%s) with %d request(s)", record.name, reason,
                   len(record.running))
-        self.losses.pop(record.name, None)
-        self.losses[record.name] = {"reason": reason, "code": lost.code, "at": self.now}
-        while len(self.losses) > 256:             # (names with a pid in them come and go)
-            del self.losses[next(iter(self.losses))]
+        self.note_loss(record.name, reason, lost.code)
         self.metrics.worker_lost(record.name, record.info.device,
                                  len(record.running) + len(record.ops),
                                  "stuck" if lost.code == "worker_stuck" else "lost")

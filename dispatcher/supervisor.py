@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +21,9 @@ from dispatcher.common import config
 log = logging.getLogger(__name__)
 
 STABLE_AFTER = 60.0     # s a child (a worker: since READY) stays up to be no crash loop
+NOTE_CHARS = 1000       # of a worker's exit note read (config.EXIT_NOTE_ENV)
+
+
 @dataclass
 class Child:
     name: str
@@ -35,6 +40,7 @@ class Child:
     restart_now: bool = False            # an asked-for restart: no backoff
     kill_at: float | None = None         # SIGTERMed for a restart: SIGKILL after this
     gave_up: bool = False                # it cannot load its model: not respawned
+    exit_note: str | None = None         # ... its one line why (config.EXIT_NOTE_ENV)
     ever_ready: bool = False             # it has served (so a later failure is not startup)
     ready_at: float | None = None        # when its process last said READY (a worker)
     load_seconds: float | None = None    # ... how long after its start (its model's load)
@@ -53,6 +59,23 @@ class Supervisor:
     def __init__(self) -> None:
         self.children: dict[str, Child] = {}
         self.stopping = False
+        self._notes: str | None = None    # a private directory for the workers' exit notes
+
+    def _note_path(self, child: Child) -> str:
+        if self._notes is None:
+            self._notes = tempfile.mkdtemp(prefix="completions-exit-notes-")   # (0700)
+        return os.path.join(self._notes, f"{child.name}.exit")
+
+    def _read_note(self, child: Child) -> str | None:
+        """The line a worker that gave up wrote for its status (then removed)."""
+        path = self._note_path(child)
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                note = f.read(NOTE_CHARS).strip()
+            os.unlink(path)
+        except OSError:
+            return None
+        return note or None
 
     def add(self, child: Child) -> None:
         self.children[child.name] = child
@@ -64,6 +87,9 @@ class Supervisor:
         # named in the launcher's environment would be read again by each, as its own
         # (a worker looks for its device's [[workers]] entry there)
         env.pop("COMPLETIONS_CONFIG", None)
+        if child.kind == "worker":      # (where it says why it gives up: `status` shows it)
+            env[config.EXIT_NOTE_ENV] = self._note_path(child)
+            self._read_note(child)      # (none left from an earlier process)
         # each child in a session of its own: a signal to the launcher's process group
         # (a terminal's Ctrl-C or hangup, `kill -TERM -PGID`, GNU timeout) reaches the
         # launcher alone, which drains before it stops them (they stopped at once, every
@@ -93,6 +119,7 @@ class Supervisor:
                 if child.kind == "worker" and proc.returncode == config.EXIT_CANNOT_LOAD \
                         and not child.restart_now:
                     child.gave_up = True
+                    child.exit_note = self._read_note(child)
                     log.error("worker %s cannot load its model: not restarting it",
                               child.name)
                     continue
@@ -178,6 +205,8 @@ class Supervisor:
                 proc.wait()
         for child in self.children.values():
             child.process = None
+        if self._notes is not None:
+            shutil.rmtree(self._notes, ignore_errors=True)
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

@@ -136,6 +136,15 @@ def test_restart_and_reload_keep_other_workers_serving(two, tmp_path):
     two.wait_for(lambda: workers_by_name(two)[target]["completed"] >= 1, timeout=30,
                  what="the reloaded worker's count")
     ops(two, "reload", target, "--model", str(ROOT / "no-such.gguf"), check=False)
+    # a file that looks like a GGUF and is not: the worker gives up, and status says why
+    # (it said `failed` with no reason, or the restart's loss before it)
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes([3, 0, 0, 0]) + b"\xff" * 64)
+    ops(two, "reload", target, "--model", str(broken), "--model-id", "broken")
+    two.wait_for(lambda: workers_by_name(two).get(target, {}).get("state") == "failed",
+                 timeout=60, what="the worker giving up")
+    lost = workers_by_name(two)[target]["last_lost"]
+    assert lost["reason"].startswith("cannot serve: ") and "broken.gguf" in lost["reason"], lost
     ops(two, "reload", target, "--model",
         str(__import__("dispatcher.common.models", fromlist=["x"]).bundled_model_path()))
     two.wait_for(lambda: workers_by_name(two).get(target, {}).get("model")

@@ -472,7 +472,7 @@ def serve(launch: Launch, loaded: Loaded, stopping: StopFlag) -> int:
         engine.close()
         context.term()
     if link.refused:                   # one line said why; never started again
-        return EXIT_CANNOT_LOAD
+        return gave_up(f"the dispatcher refused it: {link.refused}")
     log.info("worker %s stopped", name)
     return 0
 
@@ -503,5 +503,18 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load(launch, placement)
     except CannotServe as exc:
         log.error("%s", exc)
-        return EXIT_CANNOT_LOAD
+        return gave_up(str(exc))
     return serve(launch, loaded, stopping)
+
+
+def gave_up(why: str) -> int:
+    """EXIT_CANNOT_LOAD, its line written where the launcher reads it for `status`
+    (config.EXIT_NOTE_ENV: `serve` sets it; a worker on its own has only its log)."""
+    path = os.environ.get(config.EXIT_NOTE_ENV)
+    if path:
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(why[:1000])
+        except OSError as exc:
+            log.warning("could not write why it stops to %s: %s", path, exc)
+    return EXIT_CANNOT_LOAD

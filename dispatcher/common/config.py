@@ -338,6 +338,9 @@ EXIT_STUCK = 70
 # A worker's exit status when its model cannot be loaded on its device (EX_CONFIG): the
 # supervisor does not respawn it, and `serve` stops if no worker of a model is left.
 EXIT_CANNOT_LOAD = 78
+# the variable naming the file where a worker that gives up so writes its one line why,
+# for `status` (its log has it too): `serve` sets it
+EXIT_NOTE_ENV = "COMPLETIONS_EXIT_NOTE"
 # Every process's log lines (the access log has its own, see app/access.py).
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s[%(process)d] %(message)s"
 # /tokenize and /detokenize jobs one worker runs at once (between its decode steps,
