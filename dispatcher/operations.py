@@ -99,6 +99,12 @@ class Operations:
             named = served and not (current and served == _model_id(Path(current)))
             model_id = model_id or (served if named else _model_id(path))
             argv = _replace(argv, "--model", str(path.resolve()))
+        alias_of = next((m for m, known in self.core.known_models.items()
+                         if str(model_id) in (known.get("aliases") or ())), None)
+        if model_id and alias_of is not None:
+            # (requests for it went to that model: the reloaded one answered to no name)
+            return {"error": f"'{model_id}' is an alias of the model '{alias_of}': give "
+                             "the reloaded model another id"}
         if model_id and path is not None and path.is_file():
             clash = self._served_otherwise(name, str(model_id), path)
             if clash:

@@ -1157,6 +1157,10 @@ def test_a_reload_keeps_the_id_given_to_the_model_and_refuses_one_served_otherwi
     refused = ops.restart({"worker": "w0", "model": str(new)})
     assert "w1" in refused["error"] and "another file" in refused["error"]
     assert ops.restart({"worker": "w0", "model": str(other)})["model"] == "coder"
+    # an id that is another model's alias: requests for it went to that model
+    core.known_models["gemma"] = {"n_ctx": 0, "aliases": ["gpt"]}
+    refused = ops.restart({"worker": "w2", "model": str(new), "model_id": "gpt"})
+    assert "alias of the model 'gemma'" in refused["error"]
 
 
 def test_a_dispatch_pass_asks_once_for_the_choices_of_a_request_that_must_wait(monkeypatch):
