@@ -95,7 +95,7 @@ def test_drain_moves_new_work_elsewhere_then_resume(two):
     ops(two, "resume", busy)
     assert workers_by_name(two)[busy]["state"] == "idle"
     out = ops(two, "drain", "no-such-worker", check=False)
-    assert out.returncode == 1 and "no ready worker" in out.stdout
+    assert out.returncode == 1 and "no ready worker" in out.stderr and not out.stdout
 
 
 def test_restart_and_reload_keep_other_workers_serving(two, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import zmq
 
@@ -112,7 +113,9 @@ def format_usage(usage: dict) -> str:
 
 def cmd_usage(args) -> int:
     usage = control_request(_base(args), {"cmd": "usage"}, keys=_keys(args))
-    print(json.dumps(usage, indent=2) if args.json else format_usage(usage))
+    failed = "error" in usage and not args.json          # (a mistake: one line on stderr)
+    print(json.dumps(usage, indent=2) if args.json else format_usage(usage),
+          file=sys.stderr if failed else sys.stdout)
     return 1 if "error" in usage else 0
 
 
@@ -129,7 +132,7 @@ def cmd_worker_action(args) -> int:
     if args.json:
         print(json.dumps(reply, indent=2))
     elif "error" in reply:
-        print(f"error: {reply['error']}")
+        print(f"error: {reply['error']}", file=sys.stderr)
     else:
         details = ", ".join(f"{k} {v}" for k, v in reply.items() if k not in ("ok", "worker"))
         print(f"{args.command}: {reply['worker']}" + (f" ({details})" if details else ""))
