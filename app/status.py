@@ -30,6 +30,12 @@ def health():
     elif state.workers_ready < 1:
         body, status = {"status": "unavailable", "reason": "no worker ready",
                         "workers_ready": 0}, 503
+    elif state.workers_drained >= state.workers_ready:
+        # (an operator drained them all: a balancer should send the work elsewhere; every
+        # request here would wait, then get a 503)
+        body, status = {"status": "unavailable", "reason": "every worker is drained",
+                        "workers_ready": state.workers_ready,
+                        "workers_drained": state.workers_drained}, 503
     else:
         body, status = {"status": "ok", "workers_ready": state.workers_ready,
                         "workers_expected": max(state.expected_workers,

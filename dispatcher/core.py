@@ -641,6 +641,7 @@ class DispatcherCore:
         models = self.models()
         return P.State(
             epoch=self.epoch, workers_ready=len(self.registry),
+            workers_drained=len(self.registry.infos_by_pause(self.paused)[1]),
             models={m: P.ModelState(**info) for m, info in models.items()},
             # what a request without a `model` gets: the config's first model
             default_model=next(iter(models), None),

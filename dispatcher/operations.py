@@ -54,6 +54,7 @@ class Operations:
             return {"error": f"no ready worker named {request.get('worker')!r}"}
         record.draining = True
         self.core.paused.add(record.name)       # (kept if it registers again)
+        self.core.broadcast_state()             # (/health: every worker drained is a 503)
         return {"ok": True, "worker": record.name, "running": len(record.running)}
 
     def resume(self, request: dict) -> dict:
@@ -67,6 +68,7 @@ class Operations:
                                                   else "")}
         record.draining = False
         self.core.paused.discard(record.name)
+        self.core.broadcast_state()
         self.core.dispatch()
         return {"ok": True, "worker": record.name}
 

@@ -88,12 +88,24 @@ def test_drain_moves_new_work_elsewhere_then_resume(two):
     assert events[-1] == "[DONE]" and "error" not in json.loads(events[-2])
     two.wait_for(lambda: workers_by_name(two)[busy]["state"] == "drained", timeout=10,
                  what="drained")
+    assert http_json(two.port, "GET", "/health")[0] == 200     # (one worker still takes work)
     two.wait_for(lambda: workers_by_name(two)[other]["completed"] >= done[other] + 3,
                  timeout=30, what="the other worker's count (its DONEs may trail)")
     after = workers_by_name(two)
     assert after[busy]["completed"] == done[busy] + 1   # only the stream it had
     ops(two, "resume", busy)
     assert workers_by_name(two)[busy]["state"] == "idle"
+    # every worker drained: /health says so (a balancer kept sending work that waited
+    # 30 s for a 503), and is ok again once one takes work
+    for name in two.names:
+        ops(two, "drain", name)
+    two.wait_for(lambda: http_json(two.port, "GET", "/health")[0] == 503, timeout=10,
+                 what="/health's 503")
+    assert http_json(two.port, "GET", "/health")[2]["reason"] == "every worker is drained"
+    ops(two, "resume", busy)
+    two.wait_for(lambda: http_json(two.port, "GET", "/health")[0] == 200, timeout=10,
+                 what="/health's 200")
+    ops(two, "resume", other)
     out = ops(two, "drain", "no-such-worker", check=False)
     assert out.returncode == 1 and "no ready worker" in out.stderr and not out.stdout
 

@@ -368,6 +368,7 @@ class State(Body):
     """STATE: the dispatcher's answer to a PING (and its broadcast on changes)."""
     epoch: str | None = None            # this run of the dispatcher
     workers_ready: int = 0
+    workers_drained: int = 0            # of those, the ones an operator drained (`drain`)
     models: dict[str, ModelState] = {}
     default_model: str | None = None    # a request without a model gets this one
     aliases: dict[str, str] = {}
