@@ -380,6 +380,18 @@ def test_a_model_id_flag_names_the_config_files_model_never_replaces_it(tmp_path
     assert out.returncode == 1 and "--model-id" in out.stdout + out.stderr
 
 
+def test_a_models_or_workers_option_under_server_says_where_it_goes(tmp_path):
+    """`[server] model = ...` was "unknown option": it is one, of [[models]]."""
+    config = tmp_path / "c.toml"
+    config.write_text('[server]\nmodel = "m.gguf"\ndevice = "cpu"\nport = 8000\n')
+    out = check_config("--config", str(config))
+    said = out.stdout + out.stderr
+    assert out.returncode == 1
+    assert "[server] model: not a server option; in this file it is [[models]] path" in \
+        said and "[server] device: not a server option; in this file it is " \
+        "[[workers]] device" in said and "port" not in said
+
+
 def test_serve_from_a_config_file_with_two_models(tmp_path):
     from dispatcher.common.models import bundled_model_path
     from tiny_gguf import write_tiny_fim_model

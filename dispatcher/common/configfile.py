@@ -132,6 +132,14 @@ def read(path: str | None) -> dict:
     problems = [f"unknown section [{key}]" for key in data
                 if key not in ("server", "models", "workers")]
     for key, value in data.get("server", {}).items():
+        if key in NOT_SERVER and key != "config":      # (options of a model or a worker)
+            where = {"device": "[[workers]] device", "name": "[[workers]] name",
+                     "model": "[[models]] path", "model_id": "[[models]] id",
+                     "model_alias": "[[models]] aliases",
+                     "fim_template": "[[models]] fim_template"}[key]
+            problems.append(f"[server] {key}: not a server option; in this file it is "
+                            f"{where}")
+            continue
         if key not in config.OPTIONS or key in NOT_SERVER:
             problems.append(f"[server] {key}: unknown option")
             continue
