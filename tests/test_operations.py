@@ -148,6 +148,8 @@ def test_restart_and_reload_keep_other_workers_serving(two, tmp_path):
     two.wait_for(lambda: workers_by_name(two)[target]["completed"] >= 1, timeout=30,
                  what="the reloaded worker's count")
     ops(two, "reload", target, "--model", str(ROOT / "no-such.gguf"), check=False)
+    empty = ops(two, "reload", target, "--model-id", "", check=False)   # (a plain restart)
+    assert empty.returncode == 1 and "--model-id" in empty.stderr
     # a file that looks like a GGUF and is not: the worker gives up, and status says why
     # (it said `failed` with no reason, or the restart's loss before it)
     broken = tmp_path / "broken.gguf"

@@ -124,6 +124,10 @@ def cmd_worker_action(args) -> int:
     if args.command in ("restart", "reload"):
         request["grace"] = args.grace
     if args.command == "reload":
+        if args.model_id is not None and not args.model_id.strip():
+            # (it was taken for no id: a plain restart, said ok)
+            raise SystemExit("--model-id: an empty id names nothing; leave it out to keep "
+                             "the model's id")
         if args.model:
             request["model"] = str(resolve_model_path(args.model))   # as serve checks it
         if args.model_id:
