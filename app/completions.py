@@ -26,6 +26,10 @@ from dispatcher.common import protocol as P
 
 bp = Blueprint("completions", __name__)
 
+# Wire bytes of events a stream of several prompts holds while it waits for each prompt
+# to pass the worker's checks (see _admitted)
+HOLD_BYTES = 1 << 20
+
 
 def measured(events, started: float, recorder, record: access.RequestRecord):
     """Pass events through, recording time to first text and between texts per job, and
@@ -89,7 +93,7 @@ def serve(req: dict, result_class, native: bool = False, infill: P.Infill | None
     try:
         fanout.submit()
         events = measured(fanout.events(), started, client.recorder, record)
-        held = _admitted(events, plans if req["stream"] else plans[:1])
+        held = _admitted(events, plans if req["stream"] else plans[:1], fanout)
     except BaseException as exc:
         _stop(watcher)
         fanout.close()
@@ -117,19 +121,23 @@ def serve(req: dict, result_class, native: bool = False, infill: P.Infill | None
         fanout.close()
 
 
-def _admitted(events, plans) -> list:
+def _admitted(events, plans, fanout: Fanout) -> list:
     """The events up to the first of each prompt's first job among `plans`, once none
     is an error (else the error is raised: the request's 4xx, before any answer). A
     stream of several prompts so starts once every prompt has passed the worker's checks
     (ids outside the vocabulary, a prompt over the context): only the first was awaited,
-    and a refused second prompt was a 200 with an error event after the first's text."""
+    and a refused second prompt was a 200 with an error event after the first's text.
+    Held so, the others' events are at most HOLD_BYTES (a later prompt waiting for a
+    slot while the earlier generate): past that the stream starts, and a refusal still
+    to come is an error event in it, as before."""
     waiting = {i for i, plan in enumerate(plans) if plan.candidate == 0}
-    held = []
-    while waiting:
+    held, size = [], 0
+    while waiting and size <= HOLD_BYTES:
         index, event = next(events)
         if isinstance(event, P.Error):
             raise from_wire(event)
         held.append((index, event))
+        size += fanout.last_size
         waiting.discard(index)
     return held
 

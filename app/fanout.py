@@ -28,6 +28,7 @@ class Fanout:
         self._readers: list[gevent.Greenlet] = []
         self._gone = False
         self.backlog = 0                # wire bytes of the events in `merged`
+        self.last_size = 0              # ... of the event `events` gave last
         self.overflowed = False         # ... went past MAX_BACKLOG_BYTES: jobs cancelled
 
     def submit(self) -> None:
@@ -79,6 +80,7 @@ class Fanout:
         while open_jobs:
             index, event, size = self.merged.get()
             self.backlog -= size
+            self.last_size = size
             if index is None:
                 raise ClientGone()
             if isinstance(event, P.ENDS):
