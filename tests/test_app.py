@@ -44,7 +44,9 @@ class FakeStream:
         self.last_size = 0               # (RequestStream's: wire bytes of the last event)
 
     def next_event(self) -> dict:
-        return self.events.pop(0)
+        event = self.events.pop(0)
+        self.last_size = len(msgspec.json.encode(event))
+        return event
 
     def close(self) -> None:
         self.closed = True
@@ -135,6 +137,23 @@ def test_a_stream_whose_later_prompt_is_refused_is_a_400_whatever_its_place(clie
     fine = http.post("/v1/completions", json={"prompt": ["fine", "fine"], "n": 2,
                                               "stream": True}).get_data(as_text=True)
     assert fine.replace(' ', '').count('"finish_reason":"length"') == 4 and fine.endswith("data: [DONE]\n\n")
+
+
+def test_a_stream_holds_a_bounded_answer_while_a_later_prompt_waits(client_of, monkeypatch):
+    """While a later prompt waits for its checks (for a slot, behind the earlier ones),
+    the earlier prompts' events are held at most HOLD_BYTES; past that the stream starts,
+    and a refusal still to come is an error event in it (they piled up unbounded)."""
+    from app import completions
+    monkeypatch.setattr(completions, "HOLD_BYTES", 4096)
+    refusal = [{"e": P.EV_ERROR, "s": 0, "status": 400, "type": "invalid_request_error",
+                "code": "context_length_exceeded", "param": "prompt", "message": "too long"}]
+    long = completion("x" * 200)                       # (well over 4 KiB of events)
+    http, _ = client_of(lambda job: refusal if job.get("prompt") == "refused" else long)
+    answer = http.post("/v1/completions", json={"prompt": ["fine", "refused"],
+                                                "stream": True})
+    body = answer.get_data(as_text=True)
+    assert answer.status_code == 200 and '"context_length_exceeded"' in body.replace(" ", "")
+    assert body.endswith("data: [DONE]\n\n")
 
 
 def test_prompts_times_choices_become_numbered_jobs(client):
