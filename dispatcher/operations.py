@@ -87,6 +87,8 @@ class Operations:
             return {"error": "grace must be a finite number of seconds, at least 0"}
         plan = self.pending.get(name)            # (a reload not done yet: its command)
         argv = list(plan["argv"] if plan else child.argv)
+        if request.get("model_id") is not None and not str(request["model_id"]).strip():
+            return {"error": "an empty model id names nothing"}   # (not a plain restart)
         model_id = request.get("model_id") or None
         current = _flag(argv, "--model")
         path = Path(current) if current else None

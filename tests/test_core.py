@@ -1161,6 +1161,7 @@ def test_a_reload_keeps_the_id_given_to_the_model_and_refuses_one_served_otherwi
     core.known_models["gemma"] = {"n_ctx": 0, "aliases": ["gpt"]}
     refused = ops.restart({"worker": "w2", "model": str(new), "model_id": "gpt"})
     assert "alias of the model 'gemma'" in refused["error"]
+    assert "empty model id" in ops.restart({"worker": "w2", "model_id": " "})["error"]
 
 
 def test_a_dispatch_pass_asks_once_for_the_choices_of_a_request_that_must_wait(monkeypatch):

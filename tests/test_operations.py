@@ -149,7 +149,7 @@ def test_restart_and_reload_keep_other_workers_serving(two, tmp_path):
                  what="the reloaded worker's count")
     ops(two, "reload", target, "--model", str(ROOT / "no-such.gguf"), check=False)
     empty = ops(two, "reload", target, "--model-id", "", check=False)   # (a plain restart)
-    assert empty.returncode == 1 and "--model-id" in empty.stderr
+    assert empty.returncode == 2 and "--model-id" in empty.stderr
     # a file that looks like a GGUF and is not: the worker gives up, and status says why
     # (it said `failed` with no reason, or the restart's loss before it)
     broken = tmp_path / "broken.gguf"

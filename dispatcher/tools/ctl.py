@@ -126,8 +126,9 @@ def cmd_worker_action(args) -> int:
     if args.command == "reload":
         if args.model_id is not None and not args.model_id.strip():
             # (it was taken for no id: a plain restart, said ok)
-            raise SystemExit("--model-id: an empty id names nothing; leave it out to keep "
-                             "the model's id")
+            print("--model-id: an empty id names nothing; leave it out to keep the "
+                  "model's id", file=sys.stderr)
+            raise SystemExit(2)                 # (a flag's mistake, as argparse's)
         if args.model:
             request["model"] = str(resolve_model_path(args.model))   # as serve checks it
         if args.model_id:
