@@ -7,6 +7,7 @@ dies (`die_with_parent`), so even `kill -9` of the launcher leaves no orphans.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -64,7 +65,9 @@ class Supervisor:
     def _note_path(self, child: Child) -> str:
         if self._notes is None:
             self._notes = tempfile.mkdtemp(prefix="completions-exit-notes-")   # (0700)
-        return os.path.join(self._notes, f"{child.name}.exit")
+        # (named by a digest: a worker's name is the operator's text, "a/../b" too)
+        digest = hashlib.sha256(child.name.encode("utf-8", "surrogateescape")).hexdigest()
+        return os.path.join(self._notes, f"{digest[:24]}.exit")
 
     def _read_note(self, child: Child) -> str | None:
         """The line a worker that gave up wrote for its status (then removed)."""

@@ -439,6 +439,11 @@ def test_keygen_never_takes_over_a_directory_or_a_reserved_name(tmp_path):
     with _pytest.raises(curve.CurveKeyError, match="must be its own"):
         curve.keygen(str(tmp_path / "keys"), workers=["web1"])
     assert curve.keygen(str(tmp_path / "keys"), workers=["gpu2"]) == []   # (again: fine)
+    (keys / "workers" / "gpu2.key").unlink()          # retired, as deploying.md says
+    for workers, frontends in ((["gpu2"], ()), ((), ["gpu2"])):
+        with _pytest.raises(curve.CurveKeyError, match="not a"):
+            curve.keygen(str(tmp_path / "keys"), workers=workers, frontends=frontends)
+    assert not (keys / "frontends" / "gpu2.key").exists()
 
 
 def test_a_keyed_workers_name_starts_with_its_keys_name():

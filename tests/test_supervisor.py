@@ -66,3 +66,22 @@ def test_children_do_not_read_the_launchers_config_file_again(monkeypatch):
     exited(supervisor, child)
     assert child.last_exit == 0
     supervisor.stop_all(grace=1)
+
+
+def test_a_workers_exit_note_stays_in_the_launchers_own_directory(tmp_path):
+    """A worker that gives up writes its one line why where the launcher reads it; the
+    file is named by a digest of the worker's name (an operator's text: "../x" wrote,
+    and the launcher removed, a file outside its directory)."""
+    import os
+    from dispatcher.supervisor import Child, Supervisor
+    supervisor = Supervisor()
+    for name in ("w0-cpu", "../../evil", "a/b"):
+        path = supervisor._note_path(Child(name=name, argv=[], env={}))
+        assert os.path.dirname(path) == supervisor._notes and path.endswith(".exit")
+        with open(path, "w") as f:
+            f.write(f"cannot load {name}")
+        assert supervisor._read_note(Child(name=name, argv=[], env={})) == f"cannot load {name}"
+        assert not os.path.exists(path)
+    assert oct(os.stat(supervisor._notes).st_mode & 0o777) == "0o700"
+    supervisor.stop_all(grace=0)
+    assert not os.path.exists(supervisor._notes)

@@ -55,13 +55,19 @@ def keygen(directory: str, workers: list[str] = (), frontends: list[str] = ()) -
     root = Path(directory)
     if root.exists() and not root.is_dir():
         raise CurveKeyError(f"{root} is not a directory")
-    # one pair, one role: a worker's pair made a front end's too could read every token
+    # one pair, one role: a worker's pair made a front end's too could read every token;
+    # nor is a pair taken back once retired (its public key removed from authorized/: its
+    # secret is still where it was)
     for name, role in [*((n, "workers") for n in workers), *((n, "frontends") for n in frontends)]:
         other = "frontends" if role == "workers" else "workers"
         if name in (frontends if role == "workers" else ()) or \
                 (root / "authorized" / other / f"{name}.key").exists():
             raise CurveKeyError(f"{name!r} is a {other[:-1]}'s key; a "
                                 f"{role[:-1]}'s must be its own: give it another name")
+        if (root / f"{name}.key_secret").exists() and \
+                not (root / "authorized" / role / f"{name}.key").exists():
+            raise CurveKeyError(f"{name!r} names a key pair that is not a {role[:-1]}'s "
+                                "(retired, or never one): give the new key another name")
     if root.is_dir() and any(root.iterdir()) and not (root / "dispatcher.key_secret").exists():
         raise CurveKeyError(f"{root} holds other files and no keys: give keygen a new or "
                             "empty directory, or an earlier key directory")
