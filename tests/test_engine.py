@@ -755,6 +755,24 @@ def test_a_long_text_is_tokenized_once_for_its_copies(model_path, monkeypatch):
     engine.tokenize("short")                  # short texts are not kept
     engine.tokenize("short")
     assert calls.count(len(text)) == 2 and calls.count(len("short")) == 2
+    # a text kept is its tenant's own: another key's /tokenize or refused prompt of the
+    # same text took half the time (an oracle of the first key's prompt)
+    import msgspec
+
+    from dispatcher.common import protocol as P
+    from workers.prompts import fitted_prompt, vocabulary_op
+    secret = "secret " * 1000
+    calls.clear()
+
+    def job(tenant, **fields):
+        return msgspec.convert({"id": "j", "model": "m", "prompt": secret, "tenant": tenant,
+                                "generation": fields}, P.WorkerJob)
+    fitted_prompt(engine, job("key-a"), None, [])
+    fitted_prompt(engine, job("key-a"), None, [])                # (its own: kept)
+    assert calls == [len(secret)]
+    vocabulary_op(engine, msgspec.structs.replace(job("key-b", content=secret,
+                                                      add_special=True), op="tokenize"))
+    assert calls == [len(secret)] * 2
     engine.close()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from dispatcher.common import protocol as P
@@ -57,8 +58,25 @@ class FimTemplate:
         return out
 
 
+@contextmanager
+def tenant_of(engine, body: P.WorkerJob):
+    """The job's tokenizations as its tenant's (`Vocabulary.tenant`; an engine without
+    kept tokenizations, the fake, has none)."""
+    vocabulary = getattr(engine, "vocabulary", None)
+    if vocabulary is None:
+        yield
+        return
+    with vocabulary.tenant(body.tenant):
+        yield
+
+
 def vocabulary_op(engine, body: P.WorkerJob) -> dict:
     """The answer to a /tokenize or /detokenize job, in llama.cpp's shape."""
+    with tenant_of(engine, body):
+        return _vocabulary_op(engine, body)
+
+
+def _vocabulary_op(engine, body: P.WorkerJob) -> dict:
     gen = body.generation
     if body.op == "tokenize":
         tokens = engine.tokenize(gen.content or "", bool(gen.add_special),
@@ -294,6 +312,12 @@ def fitted_prompt(engine, body: P.WorkerJob, template: FimTemplate | None,
     """A job's prompt tokens; an /infill's (`body.infill`) made to fit its context with
     room for the answer (`InfillParts.fit`), as llama-server does for llama.vim's ring
     of chunks: it grows until it is larger than the context."""
+    with tenant_of(engine, body):
+        return _fitted_prompt(engine, body, template, extra)
+
+
+def _fitted_prompt(engine, body: P.WorkerJob, template: FimTemplate | None,
+                   extra: list[dict]) -> Fitted:
     middle = body.infill.middle if body.infill else ""
     if body.infill is None:
         return Fitted(prompt_tokens(engine, body.prompt, body.suffix, template, extra,

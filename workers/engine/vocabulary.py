@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections import OrderedDict
+from contextlib import contextmanager
 
 from workers.errors import EngineError, InvalidInput
 
@@ -27,6 +28,7 @@ class Vocabulary:
         self.lib, self.vocab, self.n_vocab, self.add_bos = lib, vocab, n_vocab, add_bos
         self._kept_tokens: OrderedDict = OrderedDict()      # the last long texts' tokens
         self._kept_lock = threading.Lock()
+        self._tenant = threading.local()                    # whose texts this thread's are
         self._piece_local = threading.local()               # a piece buffer per thread
         self._longest: int | None = None                    # longest_piece, once read
 
@@ -37,7 +39,9 @@ class Vocabulary:
         if len(text) < LONG_TEXT:
             return self._tokenize(text, add_special, parse_special)
         kept, lock = self._kept_tokens, self._kept_lock
-        key = (text, add_special, parse_special)
+        # (a tenant's own: a kept text of another key's answered sooner, an oracle of
+        # its prompts through /tokenize or a refusal's time)
+        key = (getattr(self._tenant, "name", None), text, add_special, parse_special)
         with lock:
             tokens = kept.get(key)
             if tokens is not None:
@@ -49,6 +53,17 @@ class Vocabulary:
             while len(kept) > KEPT_TOKENIZATIONS:
                 kept.popitem(last=False)
         return list(tokens)
+
+    @contextmanager
+    def tenant(self, name: str | None):
+        """This thread's tokenizations within are `name`'s (the job's tenant): the long
+        texts kept are reused by the same tenant only."""
+        before = getattr(self._tenant, "name", None)
+        self._tenant.name = name
+        try:
+            yield
+        finally:
+            self._tenant.name = before
 
     def _tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         data = text.encode("utf-8")
