@@ -41,7 +41,8 @@ def validate(body: object, schema: Schema = _schema) -> dict:
     if isinstance(data, dict) and data.get("json_schema") is not None:
         # made into a grammar here, within its budget: a worker only ever gets grammars
         try:
-            data["grammar"] = _schema_grammars.grammar(data["json_schema"])
+            data["grammar"] = _schema_grammars.grammar(data["json_schema"],
+                                                       scope=tenant_of(request))
         except SchemaRefused as exc:
             raise InvalidRequest(str(exc), param="json_schema", code="invalid_value") \
                 from None
