@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 
 import msgspec
-from flask import Response, current_app, request
+from flask import Response, current_app, has_request_context, request
 from marshmallow import Schema, ValidationError
 
 from app.bodies import BigBodySlots, clipped, off_loop
@@ -42,7 +42,8 @@ def validate(body: object, schema: Schema = _schema) -> dict:
         # made into a grammar here, within its budget: a worker only ever gets grammars
         try:
             data["grammar"] = _schema_grammars.grammar(data["json_schema"],
-                                                       scope=tenant_of(request))
+                                                       scope=tenant_of(request)
+                                                       if has_request_context() else None)
         except SchemaRefused as exc:
             raise InvalidRequest(str(exc), param="json_schema", code="invalid_value") \
                 from None
