@@ -858,7 +858,7 @@ def test_a_schema_that_finds_every_conversion_busy_is_a_503_to_retry(client, mon
     from app import requests as R
     from dispatcher.common.schemagrammar import SchemaBusy
 
-    def busy(schema):
+    def busy(schema, **_):
         raise SchemaBusy("Every JSON schema conversion of this front end was busy.")
     http, fake = client
     monkeypatch.setattr(R._schema_grammars, "grammar", busy)
