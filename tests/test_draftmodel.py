@@ -195,6 +195,31 @@ def test_the_model_drafting_for_itself_has_its_greedy_drafts_accepted_and_change
     assert same >= 1, same
 
 
+def test_a_slot_given_to_another_tenant_starts_the_draft_models_cache_afresh(model_path):
+    """The draft model's cache of a slot is its last tenant's: a slot handed to another
+    key (no reuse) kept it, so how far the draft model had to catch up, and whether its
+    drafts went in, told whether that key's prompt began as the other's. The same
+    tenant (reuse) keeps it."""
+    from test_engine import first_seen_prompts
+    from workers.engine.llama import LlamaEngine
+    engine = LlamaEngine(model_path, 2048, 1, THREADS, 0, draft_max=16,
+                         step_costs=gpu_like(), draft_model=model_path,
+                         draft_costs=DraftCosts({1: 0.5}, 0.01))
+    try:
+        tokens = engine.tokenize(first_seen_prompts(1)[0])
+        greedy(engine, tokens, 24)
+        model = engine.draft_model
+        assert model.cached[0][:len(tokens)] == tokens       # (it drafted: it caught up)
+        engine.add(0, tokens, GREEDY, reuse=True)            # the same tenant: kept
+        assert model.cached[0][:len(tokens)] == tokens
+        engine.release(0)
+        engine.add(0, tokens, GREEDY, reuse=False)           # another tenant: afresh
+        assert model.cached[0] == [] and model.behind(0, tokens) == len(tokens)
+        engine.release(0)
+    finally:
+        engine.close()
+
+
 @pytest.mark.integration
 def test_a_draft_model_of_another_vocabulary_is_refused_in_one_line(model_path, tmp_path):
     """A worker given a draft model whose vocabulary is not the served model's exits 78

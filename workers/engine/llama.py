@@ -407,6 +407,10 @@ class LlamaEngine:
             n_past = self._shift_chunks(slot, tokens, n_past)
         if not self._truncate(slot, n_past):
             n_past = 0
+        if not reuse and self.draft_model is not None:
+            # (its cache is the slot's last tenant's: how far it had to catch up, whether
+            # its drafts went in, told whether that tenant's prompt began as this one)
+            self.draft_model.forget(slot_id)
         slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
         slot.next_token, slot.row, slot.chain, slot.sampled = None, -1, chain, 0
         slot.line_done, slot.sat_out, slot.budget = False, False, budget
