@@ -84,7 +84,9 @@ def completion_request(data: dict) -> dict:
 
 @bp.post("/v1/fim/completions")
 def create_fim_completion():
-    return serve(completion_request(validate(parse_json_body(), FIM_SCHEMA)), FimResult)
+    req = completion_request(validate(parse_json_body(), FIM_SCHEMA))
+    req["parse_special"] = False        # (code to complete: `<eos>` in it is text, as with
+    return serve(req, FimResult)        # a suffix; Mistral's prompt is text)
 
 
 class FimResult(Result):

@@ -59,7 +59,8 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
                 native and bool(req.get("stream")), draft_max=req.get("draft_max"),
                 timings_per_token=native and bool(req.get("stream")) and
                 bool(req.get("timings_per_token")),
-                warm=native, penalize_prompt=native)
+                warm=native, penalize_prompt=native,
+                parse_special=req.get("parse_special"))
             job = P.WorkerJob(
                 id=request_id if fanout == 1 else f"{request_id}.{p}.{c}", model=model,
                 parent=request_id, fanout=fanout, tokens=generation.max_tokens,

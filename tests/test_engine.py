@@ -1348,3 +1348,25 @@ def test_dry_reads_the_prompt_and_native_penalties_count_it(model_path):
         assert pick(dry, [apple, date, cherry, apple, banana], penalties=False) == cherry
     finally:
         engine.close()
+
+
+def test_a_prompt_parsed_as_text_keeps_control_token_syntax_as_characters(model_path):
+    """Mistral's FIM route sends its prompt as text (`parse_special` false): `<eos>` in
+    code stays characters there; elsewhere a prompt's special-token syntax is parsed."""
+    import msgspec
+
+    from dispatcher.common import protocol as P
+    from workers.prompts import fitted_prompt
+    engine = make(model_path, slots=1)
+    try:
+        eos = engine.tokenize("<eos>", add_special=False)
+        assert len(eos) == 1 and engine.is_eog(eos[0])
+
+        def tokens(**generation):
+            return fitted_prompt(engine, msgspec.convert(
+                {"id": "j", "model": "m", "prompt": "s = '<eos>'", "generation": generation},
+                P.WorkerJob), None, []).tokens
+        assert eos[0] in tokens() and eos[0] not in tokens(parse_special=False)
+        assert engine.piece(tokens(parse_special=False)[-2]) != b""     # (characters)
+    finally:
+        engine.close()

@@ -88,3 +88,16 @@ def test_the_stream_is_delta_chunks_then_usage_then_done():
     assert "".join(d["content"] for d in deltas) == "Hi!"          # always a string
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 3 + ["stop"]
     assert "usage" not in chunks[0] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_the_fim_routes_prompt_is_text_with_or_without_a_suffix():
+    """Mistral's `prompt` is code to complete: `<eos>` in it is text, as it was with a
+    suffix; without one it was parsed as the control token. OpenAI's route keeps
+    llama.cpp's parsing of special-token syntax."""
+    http, fake = fim_client()
+    for body in ({"prompt": "s = '<eos>'"}, {"prompt": "s = '<eos>'", "suffix": "\n"}):
+        assert http.post("/v1/fim/completions", json=body).status_code == 200
+        assert fake.jobs[-1]["parse_special"] is False
+    assert http.post("/v1/completions", json={"prompt": "s = '<eos>'"}).status_code == 200
+    assert fake.jobs[-1].get("parse_special") is None
+

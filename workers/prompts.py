@@ -149,16 +149,18 @@ def check_fits(engine, body: P.WorkerJob, template: FimTemplate | None = None) -
 
 def prompt_tokens(engine, prompt, suffix: str | None,
                   template: FimTemplate | None = None, extra: list | None = None,
-                  middle: str = "") -> list[int]:
+                  middle: str = "", parse_special: bool = True) -> list[int]:
     """Tokens of a prompt given as text, token ids, or llama.cpp's mix of both.
 
     BOS is added (when the model wants one) only in front of text that starts the
     prompt; a prompt that starts with token ids is taken exactly as given. With a
-    `suffix`, the prompt is the prefix of a fill-in-the-middle request (`infill_tokens`).
+    `suffix`, the prompt is the prefix of a fill-in-the-middle request (`infill_tokens`),
+    its texts tokenized as text; without, special-token syntax in it is parsed unless
+    `parse_special` is false (Mistral's FIM route: code to complete, as with a suffix).
     """
     if suffix is not None:
         return infill_tokens(engine, prompt, suffix, template, extra or [], middle)
-    return _tokens(engine, prompt, first_special=True)
+    return _tokens(engine, prompt, first_special=True, parse_special=parse_special)
 
 
 def infill_tokens(engine, prefix, suffix: str, template: FimTemplate | None,
@@ -321,7 +323,7 @@ def _fitted_prompt(engine, body: P.WorkerJob, template: FimTemplate | None,
     middle = body.infill.middle if body.infill else ""
     if body.infill is None:
         return Fitted(prompt_tokens(engine, body.prompt, body.suffix, template, extra,
-                                    middle))
+                                    middle, body.generation.parse_special is not False))
     limit = context_limit(engine, body)
     budget = limit - generation_room(body.generation.max_tokens, limit)
     # a token is at most the longest piece's bytes, so the prefix's last (and the
