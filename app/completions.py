@@ -76,6 +76,8 @@ def serve(req: dict, result_class, native: bool = False, infill: P.Infill | None
     model = resolve_model(req["model"], state)
     known = state.models.get(model)
     n_ctx = known.n_ctx if known is not None else 0     # (0: no worker has said yet)
+    if req.get("nctx") and n_ctx:       # (geniex's nctx: the request's context, at most)
+        n_ctx = min(n_ctx, int(req["nctx"]))
     check_answer_size(req, n_ctx, native)
     check_token_prompts(req, n_ctx)
     request_id = P.new_request_id()

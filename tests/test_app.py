@@ -572,6 +572,18 @@ def test_an_answer_with_too_many_probabilities_is_refused_before_it_runs(
     assert fake.jobs == []
 
 
+def test_a_requests_own_context_bounds_its_answer(client):
+    """geniex's `nctx` caps the request's context (the worker stops there): an answer
+    that fits in it is not refused on the model's whole context."""
+    http, fake = client
+    body = {"prompt": "a", "max_tokens": None, "logprobs": 5, "n": 22}
+    assert http.post("/v1/completions", json=body).get_json()["error"]["code"] == \
+        "answer_too_large"
+    answer = http.post("/v1/completions", json={**body, "nctx": 100})
+    assert answer.status_code == 200, answer.get_data(as_text=True)
+    assert len(fake.jobs) == 22
+
+
 def test_a_stream_counts_only_an_echoed_prompt_and_that_once():
     """A stream keeps nothing, but an echoed prompt's probabilities go out in one chunk."""
     from app.requests import answer_entries
