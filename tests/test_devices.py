@@ -306,3 +306,12 @@ def test_the_amx_probe_runs_for_real_on_the_bundled_model():
             record["exit"] < 0:
         pytest.skip("llama.cpp's AMX code crashes on this machine: " + record["stderr"][-200:])
     assert record["works"] and record["exit"] == 0, record
+
+
+def test_a_worker_is_gpu_only_with_its_output_layer_offloaded_too():
+    """llama.cpp counts n_layer blocks and the output layer: --ngl equal to the blocks
+    leaves the output layer on the CPU, a hybrid (it was reported as gpu)."""
+    from workers.worker import compute_kind
+    assert compute_kind("gpu", 999, 18) == compute_kind("gpu", 19, 18) == "gpu"
+    assert compute_kind("gpu", 18, 18) == compute_kind("gpu", 5, 18) == "hybrid"
+    assert compute_kind("gpu", 0, 18) == compute_kind("cpu", 999, 18) == "cpu"

@@ -239,10 +239,12 @@ def _from_config_file(args, spec, file_data: dict):
 
 
 def compute_kind(device_compute: str, n_gpu_layers: int, n_layer: int) -> str:
-    """cpu, gpu or npu; `hybrid` for an accelerator holding only some of the layers."""
+    """cpu, gpu or npu; `hybrid` for an accelerator holding only some of the layers
+    (llama.cpp counts the output layer after the `n_layer` blocks: --ngl N_LAYER leaves
+    it on the CPU)."""
     if device_compute == "cpu" or n_gpu_layers == 0:
         return "cpu"
-    return device_compute if n_gpu_layers >= n_layer else "hybrid"
+    return device_compute if n_gpu_layers > n_layer else "hybrid"
 
 
 def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: int,
