@@ -17,7 +17,7 @@ from app.errors import RequestTimeout, from_wire
 from app.bodies import parse_json_body
 from app.fanout import MAX_BACKLOG_BYTES, Fanout
 from app.jobs import plan_jobs
-from app.requests import (PROFILE_HEADER, SEQUENCE_HEADER, api_key_fingerprint,
+from app.requests import (SEQUENCE_HEADER, api_key_fingerprint, profile_of,
                           check_answer_size, check_prompt_size, check_route,
                           check_token_prompts, client_of, json_answer, queue_timeout,
                           resolve_model, session_of, session_order, tenant_of, validate)
@@ -81,7 +81,7 @@ def serve(req: dict, result_class, native: bool = False, infill: P.Infill | None
     check_answer_size(req, n_ctx, native)
     check_token_prompts(req, n_ctx)
     request_id = P.new_request_id()
-    plans = plan_jobs(request_id, model, req, request.headers.get(PROFILE_HEADER),
+    plans = plan_jobs(request_id, model, req, profile_of(request),
                       session_of(request), timeout, native, infill, session_order(arrived),
                       tenant_of(request), api_key_fingerprint(request),
                       SEQUENCE_HEADER in request.headers, client_of(request))

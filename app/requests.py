@@ -152,6 +152,24 @@ def tenant_of(req) -> str | None:
     return api_key_fingerprint(req) if current_app.config.get("CACHE_SCOPE") == "key" else None
 
 
+def profile_of(req) -> str | None:
+    """The X-SIE-MACHINE-PROFILE, as UTF-8 (WSGI hands a header over as Latin-1: `é`
+    came as `Ã©`, a name no profile had), at most MAX_SESSION_ID characters (400 above:
+    a 6 KB header was repeated whole in the 400 naming the profiles)."""
+    profile = req.headers.get(PROFILE_HEADER) or None
+    if profile is None:
+        return None
+    try:
+        profile = profile.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        pass                            # (not UTF-8 underneath: as it came)
+    if len(profile) > MAX_SESSION_ID:
+        raise InvalidRequest(f"{PROFILE_HEADER} has {len(profile)} characters; at most "
+                             f"{MAX_SESSION_ID}", param=PROFILE_HEADER,
+                             code="header_too_long")
+    return profile
+
+
 def session_of(req) -> str | None:
     """The X-Session-Id, scoped by API key: with keys configured, one key's clients can
     never supersede (cancel) another key's requests by sending the same value. Bounded:

@@ -584,6 +584,27 @@ def test_a_requests_own_context_bounds_its_answer(client):
     assert len(fake.jobs) == 22
 
 
+def test_a_machine_profile_is_read_as_utf8_and_bounded(client_of, monkeypatch):
+    """X-SIE-MACHINE-PROFILE: a UTF-8 name reaches the worker whose profile it is (WSGI's
+    Latin-1 made `é` into `Ã©`, which no profile was); one past 128 characters is a 400
+    (a 6 KB header was repeated whole in the message naming the profiles)."""
+    import app.completions
+    state = msgspec.structs.replace(STATE, workers=[msgspec.structs.replace(
+        STATE.workers[0], profile="génial")])
+    http, fake = client_of(lambda job: completion("Hi"))
+    monkeypatch.setattr(type(app.completions.get_client(http.application)), "wait_state",
+                        lambda self, timeout=2.0: state)
+    wire = "génial".encode("utf-8").decode("latin-1")         # (as the header arrives)
+    answer = http.post("/v1/completions", json={"prompt": "p"},
+                       headers={"X-SIE-MACHINE-PROFILE": wire})
+    assert answer.status_code == 200 and fake.jobs[-1]["route"]["profile"] == "génial"
+    answer = http.post("/v1/completions", json={"prompt": "p"},
+                       headers={"X-SIE-MACHINE-PROFILE": "x" * 6000})
+    error = answer.get_json()["error"]
+    assert answer.status_code == 400 and error["code"] == "header_too_long"
+    assert len(error["message"]) < 200
+
+
 def test_a_stream_counts_only_an_echoed_prompt_and_that_once():
     """A stream keeps nothing, but an echoed prompt's probabilities go out in one chunk."""
     from app.requests import answer_entries
