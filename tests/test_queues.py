@@ -194,6 +194,15 @@ def test_unfit_requests_are_explained_with_what_is_available():
     assert param == "X-SIE-MACHINE-PROFILE" and "fast" in message
     param, code, _ = explain_unfit("m", P.Route(fim=True), workers)
     assert (param, code) == ("suffix", "fim_unsupported")
+    # two requirements, each met by some worker, both by none: said so (the message
+    # named one and listed values that met it: "no context of 8192; available 8192")
+    workers = [info(n_ctx=8192), info(n_ctx=4096, compute="gpu")]
+    param, code, message = explain_unfit("m", P.Route(n_ctx=8192, compute="gpu"), workers)
+    assert (param, code) == ("nctx", "route_unavailable")
+    assert "nctx, compute at once" in message and "nctx 4096, compute gpu" in message
+    # one met by none alone is the one named
+    param, code, _ = explain_unfit("m", P.Route(n_ctx=9000, compute="gpu"), workers)
+    assert (param, code) == ("nctx", "context_length_unavailable")
 
 
 def test_a_tenant_is_drawn_only_to_the_cache_of_its_own_prompts():

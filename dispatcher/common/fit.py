@@ -6,6 +6,9 @@ from __future__ import annotations
 from dispatcher.common.protocol import Capabilities, Route
 
 REQUIREMENTS = ("n_ctx", "compute", "n_gpu_layers", "profile", "fim")
+# ... as the request names each
+PARAMS = {"n_ctx": "nctx", "compute": "compute", "n_gpu_layers": "ngl",
+          "profile": "X-SIE-MACHINE-PROFILE", "fim": "suffix"}
 
 
 def fits(model: str, route: Route, worker: Capabilities) -> bool:
@@ -29,13 +32,34 @@ def unmet(route: Route, worker: Capabilities) -> str | None:
     return None
 
 
+def _asks(route: Route, name: str) -> bool:
+    value = getattr(route, name)
+    return value is not None if name == "n_gpu_layers" else bool(value)
+
+
+def _only(route: Route, name: str) -> Route:
+    """`route` with only its requirement `name`."""
+    return Route(**{name: getattr(route, name)})
+
+
 def explain_unfit(model: str, route: Route,
                   workers: list[Capabilities]) -> tuple[str, str, str]:
     """(param, code, message) saying why no worker of the job's model can run it and
     what is available instead; `param` is the request's name for the requirement."""
     candidates = [w for w in workers if w.model == model]
-    reasons = {unmet(route, w) for w in candidates}
-    name = next((n for n in REQUIREMENTS if n in reasons), "fim")
+    asked = [n for n in REQUIREMENTS if _asks(route, n)]
+    # the first requirement no worker meets even alone; where each is met by some worker
+    # and none meets them all, that is said (one of them named with every worker's
+    # values read as if it were the only one missing)
+    alone = [n for n in asked if not any(unmet(_only(route, n), w) is None
+                                         for w in candidates)]
+    if candidates and asked and not alone:
+        shown = "; ".join(", ".join(f"{PARAMS[n]} {getattr(w, n)}" for n in asked)
+                          for w in candidates)
+        return PARAMS[asked[0]], "route_unavailable", (
+            f"no worker of '{model}' meets all of {', '.join(PARAMS[n] for n in asked)} "
+            f"at once (each is met by some worker); its workers: {shown}")
+    name = (alone or asked or ["fim"])[0]
     values = lambda key: sorted({str(getattr(w, key)) for w in candidates})  # noqa: E731
     if name == "n_ctx":
         return "nctx", "context_length_unavailable", (
@@ -52,8 +76,8 @@ def explain_unfit(model: str, route: Route,
     if name == "profile":
         profiles = [p for p in values("profile") if p != "None"]
         return "X-SIE-MACHINE-PROFILE", "unknown_profile", (
-            f"unknown machine profile '{route.profile}'; profiles: "
-            + (", ".join(profiles) or "none configured"))
+            f"no worker of '{model}' has the machine profile '{route.profile}'; its "
+            "profiles: " + (", ".join(profiles) or "none configured"))
     return "suffix", "fim_unsupported", (
         f"the model '{model}' has no fill-in-the-middle tokens (fim_pre, fim_suf, fim_mid "
         "in its GGUF metadata), so 'suffix' cannot be used")
