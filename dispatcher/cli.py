@@ -372,6 +372,10 @@ def _config_values(argv: list[str] | None) -> dict:
         raise SystemExit(exc.report())
 
 
+# What the ops commands read to find the dispatcher (the config file's [server] too)
+OPS_OPTIONS = ["config", "dispatcher", "port", "curve_keys", "curve_name"]
+
+
 def main(argv: list[str] | None = None) -> int:
     data = _config_values(argv)
     file_values = configfile.server_defaults(data)
@@ -404,14 +408,14 @@ def main(argv: list[str] | None = None) -> int:
     keygen.set_defaults(func=cmd_keygen, log_level="warning")
     from dispatcher.tools import ctl
     status = sub.add_parser("status", help="show workers, queue and front ends")
-    config.add_options(status, ["dispatcher", "port", "curve_keys", "curve_name"], file_values)
+    config.add_options(status, OPS_OPTIONS, file_values)
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
     status.set_defaults(func=ctl.cmd_status, log_level="warning")
     usage = sub.add_parser("usage", help="show requests, tokens and errors per API key")
-    config.add_options(usage, ["dispatcher", "port", "curve_keys", "curve_name"], file_values)
+    config.add_options(usage, OPS_OPTIONS, file_values)
     usage.add_argument("--json", action="store_true", help="print JSON for scripts")
     usage.set_defaults(func=ctl.cmd_usage, log_level="warning")
-    ctl.add_worker_commands(sub, config, file_values)
+    ctl.add_worker_commands(sub, config, file_values, OPS_OPTIONS)
     bench = sub.add_parser("bench", help="load-test any OpenAI-compatible server (this one "
                                          "by default) and print latency and throughput")
     config.add_options(bench, ["port"], file_values)

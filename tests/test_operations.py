@@ -73,7 +73,7 @@ def test_status_shows_workers_queue_and_front_ends(two):
         assert text in table
 
 
-def test_drain_moves_new_work_elsewhere_then_resume(two):
+def test_drain_moves_new_work_elsewhere_then_resume(two, tmp_path):
     stream = SSEStream(two.port, {"prompt": "Once upon a time", "max_tokens": 60,
                                   "ignore_eos": True, "stream": True})
     stream.next_data()
@@ -106,6 +106,15 @@ def test_drain_moves_new_work_elsewhere_then_resume(two):
     two.wait_for(lambda: http_json(two.port, "GET", "/health")[0] == 200, timeout=10,
                  what="/health's 200")
     ops(two, "resume", other)
+    # the ops commands find the dispatcher by the config file too, as documented
+    config = tmp_path / "ops.toml"
+    config.write_text(f"[server]\nport = {two.port}\n")
+    for command in (["status"], ["drain", "no-such-worker"]):
+        out = subprocess.run([sys.executable, "-m", "dispatcher", *command, "--config",
+                              str(config)], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+        assert "unrecognized" not in out.stderr and "no answer" not in out.stderr, out.stderr
+    assert out.returncode == 1 and "no ready worker" in out.stderr
     out = ops(two, "drain", "no-such-worker", check=False)
     assert out.returncode == 1 and "no ready worker" in out.stderr and not out.stdout
 

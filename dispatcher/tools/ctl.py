@@ -155,7 +155,7 @@ def _keys(args) -> PartKeys | None:
         raise SystemExit(str(exc)) from None
 
 
-def add_worker_commands(sub, config, file_values: dict) -> None:
+def add_worker_commands(sub, config, file_values: dict, options: list[str]) -> None:
     helps = {"drain": "stop giving WORKER new work; it finishes what it runs, then idles",
              "resume": "give a drained WORKER work again",
              "restart": "drain WORKER, then restart its process (other workers serve on)",
@@ -163,8 +163,7 @@ def add_worker_commands(sub, config, file_values: dict) -> None:
     for name, text in helps.items():
         parser = sub.add_parser(name, help=text)
         parser.add_argument("worker", help="worker name, as `status` shows it")
-        config.add_options(parser, ["dispatcher", "port", "curve_keys", "curve_name"],
-                           file_values)
+        config.add_options(parser, options, file_values)
         if name in ("restart", "reload"):
             parser.add_argument("--grace", type=config.non_negative_seconds, default=30.0,
                                 help="seconds to wait for its requests (default 30)")
