@@ -217,7 +217,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "(a decode of at most a batch, and the sampling); past it the worker is stuck: its "
            "requests fail with worker_stuck and it exits to be replaced (0: never; auto: "
            f"{STEP_TIMEOUT_FACTOR:g} times the full-batch step the worker measures on its "
-           f"device at start, at least {STEP_TIMEOUT_FLOOR:g}s)", step_timeout_value),
+           f"device at start, plus {STEP_TIMEOUT_PER_SLOT:g}s a slot, at least "
+           f"{STEP_TIMEOUT_FLOOR:g}s)", step_timeout_value),
     Option("heartbeat_interval", 1.0, "seconds between the heartbeats of every pair of "
            "processes (dispatcher, workers, front ends); a peer silent for 3 of them is gone; "
            "parts started separately must agree", heartbeat_seconds),
