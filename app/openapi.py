@@ -44,9 +44,13 @@ def object_schema(schema: Schema) -> dict:
 
 
 def _error_responses(*statuses: int) -> dict:
-    text = {400: "Invalid request", 401: "No valid API key", 404: "Unknown model or route",
+    text = {400: "Invalid request", 401: "No valid API key (with keys configured)",
+            404: "Unknown model or route", 408: "The body did not arrive in time",
+            409: "Superseded by a newer request of its session",
             413: "Body too large", 415: "Body is not JSON", 429: "Queue full",
-            503: "No worker ready, dispatcher unreachable or worker lost"}
+            500: "The worker failed on this request", 502: "The answer's stream was lost",
+            503: "No worker ready, dispatcher unreachable or worker lost",
+            504: "No worker took it within its queue time"}
     return {str(s): {"description": text[s], "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/Error"}}}} for s in statuses}
 
@@ -121,38 +125,47 @@ def _post(summary: str, request: str, answer: str, description: str, errors: tup
                                    **_error_responses(*errors)}, **extra}}
 
 
+# what a generating route may answer besides 200 (docs/api.md, failures-and-limits.md)
+GENERATING = (400, 401, 404, 408, 409, 413, 415, 429, 500, 502, 503, 504)
+
+
 def _paths() -> dict:
     sse = "as Server-Sent Events ending in `data: [DONE]`"
     native = _post("llama.cpp's native completion (its defaults and answer shape; unknown "
                    "fields ignored; SSE without [DONE] with stream: true)",
-                   "NativeCompletionRequest", "NativeCompletion", "llama.cpp's answer",
-                   (400, 404, 413, 429, 503))
-    infill = _post("llama.cpp's code infill: prefix, suffix, repository context",
-                   "NativeInfillRequest", "NativeCompletion", "llama.cpp's answer",
-                   (400, 404, 413, 429, 503), streamed=False)
+                   "NativeCompletionRequest", "NativeAnswer", "llama.cpp's answer (a "
+                   "list of them for several prompts or n_cmpl)", GENERATING)
+    infill = _post("llama.cpp's code infill: prefix, suffix, repository context (SSE "
+                   "without [DONE] with stream: true)",
+                   "NativeInfillRequest", "NativeAnswer", "llama.cpp's answer", GENERATING)
     infill["post"]["responses"]["501"] = {
         "description": "The model has no fill-in-the-middle tokens and no --fim-template",
         "content": _json("Error")}
     return {
         "/v1/completions": _post(
             "Create a completion (JSON, or SSE with stream: true)", "CompletionRequest",
-            "Completion", f"A completion, or its chunks {sse}", (400, 404, 413, 415, 429, 503),
+            "Completion", f"A completion, or its chunks {sse}", GENERATING,
             parameters=[{"name": "X-SIE-MACHINE-PROFILE", "in": "header", "required": False,
                          "schema": {"type": "string"},
                          "description": "Only workers of this machine profile."}]),
         "/v1/fim/completions": _post(
             "Mistral's fill-in-the-middle completion (JSON, or SSE with stream: true)",
             "FimRequest", "FimCompletion", f"A chat-completion-shaped answer, or its chunks "
-            f"{sse}", (400, 404, 413, 415, 429, 503)),
+            f"{sse}", GENERATING),
         "/v1/models": {"get": {"summary": "Models served (also /models, as llama-server)",
                                "responses": {
             "200": {"description": "Model list", "content": _json("ModelList")},
-            **_error_responses(503)}}},
+            **_error_responses(401, 503)}}},
         "/v1/status": {"get": {
             "summary": "Every worker's state, slots, counters and time-to-first-token "
                        "histogram, and the queue (the status page's data; no request content)",
             "responses": {"200": {"description": "Status", "content": _json("Status")},
-                          **_error_responses(503)}}},
+                          **_error_responses(401, 503)}}},
+        "/metrics": {"get": {
+            "summary": "Prometheus metrics of the whole system, from any front end (who may "
+                       "read it: --status-access)",
+            "responses": {"200": {"description": "Prometheus text format"},
+                          **_error_responses(401, 503)}}},
         "/": {"get": {"summary": "The status page, with a fill-in-the-middle playground "
                                  "(also /ui/)",
                       "responses": {"200": {"description": "HTML"}}}},
@@ -161,26 +174,28 @@ def _paths() -> dict:
                             "responses": {"200": {"description": "Ready"},
                                           "503": {"description": "No worker ready"}}}},
         "/tokenize": _post("Text to token ids (llama.cpp's shape)", "TokenizeRequest",
-                           "TokenizeResponse", "Tokens", (400, 404, 503), streamed=False),
+                           "TokenizeResponse", "Tokens", (400, 401, 404, 413, 429, 503),
+                           streamed=False),
         "/detokenize": _post("Token ids to text (llama.cpp's shape)", "DetokenizeRequest",
-                             "DetokenizeResponse", "Text", (400, 404, 503), streamed=False),
+                             "DetokenizeResponse", "Text", (400, 401, 404, 413, 429, 503),
+                             streamed=False),
         "/v1/models/{model}": {"get": {
             "summary": "One model, by id or alias",
             "parameters": [{"name": "model", "in": "path", "required": True,
                             "schema": {"type": "string"}}],
             "responses": {"200": {"description": "The model"},
-                          **_error_responses(404, 503)}}},
+                          **_error_responses(401, 404, 503)}}},
         "/props": {"get": {
             "summary": "llama-server's server properties: the model (`?model=` or the "
                        "default), its context, its slots and /completion's sampling defaults",
             "parameters": [{"name": "model", "in": "query", "required": False,
                             "schema": {"type": "string"}}],
             "responses": {"200": {"description": "The properties"},
-                          **_error_responses(404, 503)}}},
+                          **_error_responses(401, 404, 503)}}},
         "/models": {"get": {"summary": "Models served (llama-server's name for /v1/models)",
                             "responses": {"200": {"description": "Model list",
                                                   "content": _json("ModelList")},
-                                          **_error_responses(503)}}},
+                                          **_error_responses(401, 503)}}},
         "/v1/health": {"get": {"summary": "As /health (llama-server's other name for it)",
                                "responses": {"200": {"description": "Ready"},
                                              "503": {"description": "No worker ready"}}}},
@@ -210,8 +225,14 @@ def _schemas() -> dict:
         "NativeInfillRequest": {**object_schema(NativeInfillSchema()),
                                 "additionalProperties": True},
         "NativeCompletion": NATIVE_COMPLETION,
-        "TokenizeRequest": object_schema(TokenizeRequestSchema()),
-        "DetokenizeRequest": object_schema(DetokenizeRequestSchema()),
+        "NativeAnswer": {"oneOf": [{"$ref": "#/components/schemas/NativeCompletion"},
+                                   {"type": "array", "items": {
+                                       "$ref": "#/components/schemas/NativeCompletion"}}]},
+        # (other fields are ignored, as llama-server ignores them)
+        "TokenizeRequest": {**object_schema(TokenizeRequestSchema()),
+                            "additionalProperties": True},
+        "DetokenizeRequest": {**object_schema(DetokenizeRequestSchema()),
+                              "additionalProperties": True},
         "Completion": completion,
         "FimRequest": object_schema(FIM_SCHEMA),
         "FimCompletion": FIM_COMPLETION,
@@ -225,7 +246,10 @@ def _schemas() -> dict:
                 "type": "object", "properties": {"id": {"type": "string"},
                                                  "object": {"const": "model"},
                                                  "created": {"type": "integer"},
-                                                 "owned_by": {"type": "string"}}}}}},
+                                                 "owned_by": {"type": "string"},
+                                                 "aliases": {"type": "array", "items": {
+                                                     "type": "string"}},
+                                                 "meta": {"type": "object"}}}}}},
         "TokenizeResponse": {"type": "object", "properties": {"tokens": {
             "type": "array", "items": {"oneOf": [
                 {"type": "integer"},

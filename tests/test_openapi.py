@@ -103,3 +103,28 @@ def test_list_limits_are_documented_as_the_fields_enforce_them():
     assert extra["maxItems"] == MAX_EXTRA_CHUNKS
     tokens = schemas["DetokenizeRequest"]["properties"]["tokens"]
     assert tokens["items"]["maximum"] == INT_MAX
+
+
+def test_every_route_served_is_documented_with_what_it_answers():
+    """Each route the app serves is in the document (the status page's files and static
+    files aside): /metrics was not; a native answer may be a list (several prompts or
+    n_cmpl); /infill streams; a generating route may be superseded (409) or time out in
+    the queue (504); any route but /health needs a key once keys are configured (401);
+    a vocabulary request's other fields are ignored, as llama-server ignores them."""
+    app = create_app({"DISPATCHER": "ipc:///nonexistent"})
+    served = {rule.rule.replace("<path:model>", "{model}") for rule in app.url_map.iter_rules()
+              if rule.endpoint not in ("static", "status.status_page_file")
+              and rule.rule != "/ui/"}
+    assert served <= set(DOC["paths"]), served - set(DOC["paths"])
+    answer = DOC["components"]["schemas"]["NativeAnswer"]["oneOf"]
+    assert {"type": "array", "items": {"$ref": "#/components/schemas/NativeCompletion"}} \
+        in answer
+    infill = DOC["paths"]["/infill"]["post"]["responses"]
+    assert "text/event-stream" in infill["200"]["content"]
+    for path in ("/v1/completions", "/v1/fim/completions", "/completion", "/infill"):
+        assert {"401", "409", "504"} <= set(DOC["paths"][path]["post"]["responses"]), path
+    assert "401" not in DOC["paths"]["/health"]["get"]["responses"]
+    for name in ("TokenizeRequest", "DetokenizeRequest"):
+        assert DOC["components"]["schemas"][name]["additionalProperties"] is True
+    model = DOC["components"]["schemas"]["ModelList"]["properties"]["data"]["items"]
+    assert {"aliases", "meta"} <= set(model["properties"])
