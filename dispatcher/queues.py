@@ -181,6 +181,7 @@ class WorkerRecord:
     last_assigned: float = 0.0
     recent: deque = field(default_factory=deque)      # block hashes of recent prompts
     held: Counter = field(default_factory=Counter)    # ... each with how many hold it
+    held_at: dict = field(default_factory=dict)       # ... and when last given to it
     # the share keys whose prompt fields it was sent lately (protocol.DISPATCHER_SHARED)
     shared_sent: OrderedDict = field(default_factory=OrderedDict)
     history: deque = field(default_factory=lambda: deque(maxlen=512))  # (t, tokens) done
@@ -192,12 +193,23 @@ class WorkerRecord:
         """Note the prompt this worker now holds (or will hold) in a KV cache."""
         self.recent.append(job.blocks)
         self.held.update(job.blocks)
+        now = time.monotonic()
+        self.held_at.update(dict.fromkeys(job.blocks, now))
         while len(self.recent) > 2 * self.slots:
             old = self.recent.popleft()
             self.held.subtract(old)
             for block in old:               # no prompt holds it now
                 if self.held[block] <= 0:
                     self.held.pop(block, None)
+                    self.held_at.pop(block, None)
+
+    def held_since(self, blocks: tuple[int, ...], shared: int) -> float:
+        """When a prompt sharing `blocks`' first `shared` characters (cached_prefix) was
+        last given to this worker (0: none): of two workers sharing as much, the later
+        holds the longer prefix (a keystroke's prompt is the last one's and a character
+        more, in the same last block)."""
+        n = shared // BLOCK_CHARS
+        return self.held_at.get(blocks[n - 1], 0.0) if n else 0.0
 
     def cached_prefix(self, blocks: tuple[int, ...]) -> int:
         """About how many characters of a prompt (its `blocks`) a prompt this worker ran

@@ -1,4 +1,6 @@
 """Request queue, worker registry and routing rules (unit)."""
+import time
+
 import msgspec
 
 from dispatcher.common import protocol as P
@@ -323,3 +325,31 @@ def test_a_slower_workers_cache_does_not_draw_work_from_a_faster_one():
     assert r.choose(job("next", prompt=long + " second")) is gpu
     cpu.info.rates = [300.0] * 4
     assert r.choose(job("next", prompt=long + " second")) is cpu
+
+
+def test_a_typing_session_stays_on_the_worker_that_got_its_last_keystroke():
+    """Each keystroke's prompt is the last one's and a character more: two workers hold
+    as many whole blocks of it once one keystroke went elsewhere (its worker was busy),
+    and the tie went to the least recently used, the one holding the keystroke before
+    last: the session went back and forth for ever, prefilling two keystrokes' text."""
+    r = WorkerRegistry()
+    a = r.add(b"a", info(slots=1), 0.0)
+    b = r.add(b"b", info(slots=1), 0.0)
+    prompt = "def f(x):\n    return x\n" * 60 + "pri"
+
+    def keystroke(name):
+        queued = job(name, prompt=prompt)
+        worker = r.choose(queued)
+        worker.last_assigned = time.monotonic()
+        worker.remember(queued)
+        return worker.identity
+    assert keystroke("k0") == b"a"
+    a.running["other"] = job("other", prompt="unrelated " * 50)    # a busy a moment
+    prompt += "n"
+    assert keystroke("k1") == b"b"
+    del a.running["other"]
+    went = []
+    for i, typed in enumerate("t(x)\nprint(y)\n"):
+        prompt += typed
+        went.append(keystroke(f"k{i + 2}"))
+    assert set(went) == {b"b"}, went
