@@ -202,7 +202,7 @@ def test_a_slot_given_to_another_tenant_starts_the_draft_models_cache_afresh(mod
     tenant (reuse) keeps it."""
     from test_engine import first_seen_prompts
     from workers.engine.llama import LlamaEngine
-    engine = LlamaEngine(model_path, 2048, 1, THREADS, 0, draft_max=16,
+    engine = LlamaEngine(model_path, 2048, 2, THREADS, 0, draft_max=16,
                          step_costs=gpu_like(), draft_model=model_path,
                          draft_costs=DraftCosts({1: 0.5}, 0.01))
     try:
@@ -215,6 +215,11 @@ def test_a_slot_given_to_another_tenant_starts_the_draft_models_cache_afresh(mod
         engine.release(0)
         engine.add(0, tokens, GREEDY, reuse=False)           # another tenant: afresh
         assert model.cached[0] == [] and model.behind(0, tokens) == len(tokens)
+        # a sibling's copy into a slot another tenant's drafts filled: afresh too
+        while len(engine.slots[0].pending) > 1:
+            engine.step()
+        model.cached[1] = list(tokens[:64])                  # (the other tenant's)
+        assert engine.copy_prefix(0, 1, tokens) > 0 and model.cached[1] == []
         engine.release(0)
     finally:
         engine.close()

@@ -369,6 +369,8 @@ class LlamaEngine:
             target.cached = []
             return 0
         target.cached = list(tokens[:n])
+        if self.draft_model is not None:    # (its cache of the slot was the last
+            self.draft_model.forget(dst)    # tenant's, and no longer this text's)
         return n
 
     def joins_run(self, slot_id: int) -> int:
