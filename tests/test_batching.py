@@ -291,7 +291,8 @@ def test_constrained_and_hostile_parts_report_every_run(monkeypatch, capsys):
 
     def constrained(target, *args):
         itl = {"plain + plain": 10.0, "plain + json_schema": 10.0 * (1 + next(runs))}
-        return [Level(name, 2, itl_ms=ms) for name, ms in itl.items()]
+        return [Level(name, 2, itl_ms=ms) for name, ms in itl.items()] + \
+            [Level(f"{name} beside", 1, ok=1) for name in ("plain", "json_schema")]
 
     hostile = iter(["first", "second"])
     monkeypatch.setattr(bench, "HttpTarget", Target)
@@ -401,7 +402,8 @@ def test_bench_editor_workloads(two_fake_workers):
          "--workloads", "edit,fresh,fresh1,sampled,repeat,typing,cold", "--sessions", "2",
          "--bursts", "1", "--burst-len", "3", "--keystroke-gap", "0.05", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
+    # (the cold request below is refused: a bench with a failed request says so, 1)
+    assert out.returncode == 1 and "1 request(s) failed" in out.stderr, out.stderr
     rows = {row["name"]: row for row in json.loads(out.stdout)}
     for name, requests in (("edit", 1), ("fresh", 1), ("fresh1", 1), ("sampled", 1),
                            ("repeat (warm)", 1)):
@@ -463,3 +465,38 @@ def test_a_running_stream_keeps_getting_tokens_while_a_3000_token_prompt_is_pref
     # six chunks of 512: the stream decoded a token beside each (one stall would give 0,
     # or 1 where a reader's timestamp lags its token)
     assert during >= 3, f"{during} tokens of the running stream during the prefill"
+
+
+def test_a_neighbour_that_never_streamed_gets_no_slowdown_and_json_keeps_the_checks(
+        monkeypatch, capsys):
+    """A server that refuses json_schema neighbours (no grammars) got a slowdown ratio
+    beside a stream of 400s; --json dropped the constrained and hostile results."""
+    from dispatcher.tools import bench
+    from dispatcher.tools.bench_checks import constrained_slowdowns
+    rows = [{"target": "t", "name": name, "itl_ms": 10.0, "ok": ok}
+            for name, ok in (("plain + plain", 1), ("plain + json_schema", 1),
+                             ("plain beside", 3), ("json_schema beside", 0))]
+    assert constrained_slowdowns(rows) == {}
+    rows[-1]["ok"] = 2
+    assert constrained_slowdowns(rows) == {"t": {"json_schema": [1.0]}}
+    from dispatcher.tools.bench_targets import Level
+
+    class Target:
+        def __init__(self, url, model, api_key=None):
+            self.name = url
+
+    def level(*args, **kwargs):
+        return Level("stream x1", 1)
+        yield                                         # (a part run in rounds)
+    monkeypatch.setattr(bench, "HttpTarget", Target)
+    monkeypatch.setattr(bench, "level_rounds", level)
+    monkeypatch.setattr(bench, "run_extension", lambda *a, **k: Level("extension", 1))
+    monkeypatch.setattr(bench, "run_hostile", lambda *a: ["  a line"])
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--url", "a", "--concurrency", "1", "--no-fim", "--hostile",
+                              "--json"])
+    assert bench.run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hostile"] == ["a:", "  a line"]
+    assert [r["name"] for r in out["rows"]] == ["stream x1", "extension"]

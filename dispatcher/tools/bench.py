@@ -494,8 +494,12 @@ def run(args) -> int:
             for target, levels_done in zip(targets, results) for run_, result in levels_done]
     slowdowns = constrained_slowdowns(rows)
     if args.json:
-        print(json.dumps({"rows": rows, "profiles": profiles} if args.profile else rows,
-                         indent=2))
+        extras = {"profiles": profiles} if args.profile else {}
+        if args.constrained:
+            extras["constrained"] = slowdowns
+        if args.hostile:
+            extras["hostile"] = hostile_lines
+        print(json.dumps({"rows": rows, **extras} if extras else rows, indent=2))
     else:
         print(table(rows, runs=args.runs > 1))
         if args.runs > 1:
@@ -516,4 +520,10 @@ def run(args) -> int:
                 print(f"  {row['target']} / {row['name']}: {message}")
         for line in hostile_lines:
             print(line)
-    return 0
+    # (a bench whose requests failed measured nothing of what it was asked: scripts and
+    # CI can tell; the hostile part's refusals are its point, not failures)
+    failed = sum(r["errors"] + r["truncated"] for r in rows)
+    if failed:
+        print(f"{failed} request(s) failed or ended early (see the errors above)",
+              file=sys.stderr)
+    return 1 if failed else 0

@@ -52,8 +52,11 @@ def run_constrained(target, requests: int, prompt_chars: int, max_tokens: int,
         def neighbour():
             i = 0
             while not stop.is_set():
-                beside.append(target.complete(prompt(salt + i), max_tokens, extra=extra))
+                sample = target.complete(prompt(salt + i), max_tokens, extra=extra)
+                beside.append(sample)
                 i += 1
+                if not sample.ok:       # (refused, say a server without grammars: no
+                    stop.wait(0.5)      # stream of 400s as fast as it answers)
 
         thread = threading.Thread(target=neighbour, daemon=True)
         started = time.perf_counter()
@@ -100,13 +103,17 @@ def constrained_slowdowns(rows: list[dict]) -> dict[str, dict[str, list[float]]]
     for each run (rows carry their `run`; without one, a single run)."""
     out: dict[str, dict[str, list[float]]] = {}
     for target, run in sorted({(r["target"], r.get("run", 1)) for r in rows}):
-        itl = {r["name"]: r["itl_ms"] for r in rows
-               if r["target"] == target and r.get("run", 1) == run}
+        mine = [r for r in rows if r["target"] == target and r.get("run", 1) == run]
+        itl = {r["name"]: r["itl_ms"] for r in mine}
+        # a neighbour that never streamed (refused: a server without grammars) was no
+        # neighbour: no ratio for it
+        ran = {r["name"][:-len(" beside")] for r in mine
+               if r["name"].endswith(" beside") and r.get("ok")}
         base = itl.get("plain + plain")
-        if not base:
+        if not base or "plain" not in ran:
             continue
         for name in NEIGHBOURS:
-            if name != "plain" and itl.get(f"plain + {name}"):
+            if name != "plain" and name in ran and itl.get(f"plain + {name}"):
                 out.setdefault(target, {}).setdefault(name, []).append(
                     itl[f"plain + {name}"] / base)
     return out
