@@ -500,3 +500,46 @@ def test_a_neighbour_that_never_streamed_gets_no_slowdown_and_json_keeps_the_che
     out = json.loads(capsys.readouterr().out)
     assert out["hostile"] == ["a:", "  a line"]
     assert [r["name"] for r in out["rows"]] == ["stream x1", "extension"]
+
+
+def test_the_benchs_percentiles_and_urls():
+    """p50 is the median (the nearest rank rounded half to even gave the lower or the
+    upper middle value by turns: [100, 200] was 100); an https URL is spoken to as
+    https, on 443 by default (it went in clear to port 80, the key with it); a URL
+    without a scheme is refused in one line (it was a TypeError)."""
+    import http.client
+
+    from dispatcher.tools.bench_targets import HttpTarget, percentile
+    assert percentile([100, 200], 0.5) == 150 and percentile([3, 1, 2], 0.5) == 2
+    assert percentile([1, 2, 3, 4], 0.5) == 2.5 and percentile([5], 0.95) == 5
+    assert percentile(list(range(24)), 0.95) == pytest.approx(21.85)
+    assert percentile([], 0.5) is None
+    secure = HttpTarget("https://example.invalid/v1", "m")
+    assert secure.connection is http.client.HTTPSConnection and secure.port == 443
+    plain = HttpTarget("http://127.0.0.1:9/v1", "m")
+    assert plain.connection is http.client.HTTPConnection and plain.port == 9
+    with pytest.raises(SystemExit, match="http:// or https://"):
+        HttpTarget("127.0.0.1:8080", "m")
+
+
+def test_the_fim_replays_first_keystroke_is_not_its_probes_prompt():
+    """The FIM probe sent the first keystroke's prompt: that keystroke was the probe's
+    again, all cached, in a part not labelled warm. A stream error in a server's own
+    shape (a string) is an error, not a crash of the bench."""
+    from dispatcher.tools.bench import run_fim_replay
+    from dispatcher.tools.bench_targets import Sample
+    sent = []
+
+    class Target:
+        def complete(self, prompt, max_tokens, suffix=None, session=None, **kw):
+            sent.append((prompt, suffix))
+            return Sample(ok=True, ttft=0.01)
+    text = "".join(f"line {i} of a file\n" for i in range(100))
+    run_fim_replay(Target(), 3, 4, 1, 0.0, text)
+    probe, keystrokes = sent[0], sent[1:]
+    assert len(keystrokes) == 3 and probe not in keystrokes
+    assert all(k[0].startswith(probe[0]) for k in keystrokes)
+    from dispatcher.tools.bench_targets import HttpTarget
+    sample = Sample()
+    HttpTarget._read_stream([b'data: {"error": "model overloaded"}\n'], sample, 0.0)
+    assert sample.error == "model overloaded" and not sample.ok

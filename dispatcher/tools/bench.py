@@ -93,7 +93,9 @@ def run_fim_replay(target, keystrokes: int, max_tokens: int, salt: int,
     cut = text.rfind("\n", 0, len(text) // 2) + 1 or len(text) // 2
     end = cut + 3 * keystrokes                   # the suffix: after what is typed
     suffix = text[end:end + 400]
-    probe = target.complete(text[:cut], 1, suffix=suffix)
+    # (a shorter prefix: the first keystroke is the probe's and 3 characters more, as
+    # every later one is the last one's; it was the probe's prompt again, all cached)
+    probe = target.complete(text[:max(1, cut - 3)], 1, suffix=suffix)
     if probe.error and "fim_unsupported" in probe.error or \
             probe.error and "suffix" in probe.error:
         suffix = None              # a model without FIM tokens: the prefix alone grows

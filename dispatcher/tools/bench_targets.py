@@ -81,11 +81,16 @@ class Level:
 
 
 def percentile(values: list[float], q: float) -> float | None:
+    """The q-quantile, linear between the two nearest ranks (numpy's default: p50 is
+    the median; it was the nearest rank, rounded half to even, so p50 of an even count
+    was the lower or the upper middle value by turns)."""
     if not values:
         return None
     values = sorted(values)
-    index = min(len(values) - 1, max(0, round(q * (len(values) - 1))))
-    return values[index]
+    position = min(len(values) - 1.0, max(0.0, q * (len(values) - 1)))
+    below = int(position)
+    above = min(below + 1, len(values) - 1)
+    return values[below] + (values[above] - values[below]) * (position - below)
 
 
 def summarize(name: str, concurrency: int, samples: list[Sample], wall: float) -> Level:
@@ -113,7 +118,14 @@ class HttpTarget:
 
     def __init__(self, url: str, model: str | None, api_key: str | None = None):
         parsed = urllib.parse.urlparse(url)
-        self.host, self.port = parsed.hostname, parsed.port or 80
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise SystemExit(f"--url {url}: an http:// or https:// URL, e.g. "
+                             "http://127.0.0.1:8080")
+        # (https spoken as https: its key went in clear to port 80)
+        self.connection = http.client.HTTPSConnection if parsed.scheme == "https" \
+            else http.client.HTTPConnection
+        self.host = parsed.hostname
+        self.port = parsed.port or (443 if parsed.scheme == "https" else 80)
         self.base = parsed.path.rstrip("/")
         if not self.base.endswith("/v1"):
             self.base += "/v1"
@@ -129,7 +141,7 @@ class HttpTarget:
         return headers
 
     def _first_model(self) -> str | None:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
+        conn = self.connection(self.host, self.port, timeout=30)
         try:
             conn.request("GET", self.base + "/models", headers=self._headers())
             data = json.loads(conn.getresponse().read())["data"]
@@ -141,7 +153,7 @@ class HttpTarget:
 
     def get_root(self, path: str, timeout: float = 30) -> tuple[int, bytes]:
         """GET a path of the server's root (not under /v1), e.g. /metrics."""
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        conn = self.connection(self.host, self.port, timeout=timeout)
         try:
             conn.request("GET", self.base[:-len("/v1")] + path, headers=self._headers())
             resp = conn.getresponse()
@@ -152,7 +164,7 @@ class HttpTarget:
     def post_raw(self, body: bytes, timeout: float = 120,
                  path: str | None = None) -> tuple[int, bytes]:
         """POST these bytes to the completions route (or `path`): (status, answer)."""
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        conn = self.connection(self.host, self.port, timeout=timeout)
         try:
             conn.request("POST", path or self.base + "/completions", body,
                          self._headers({"Content-Type": "application/json"}))
@@ -177,7 +189,7 @@ class HttpTarget:
         headers = self._headers(session_headers or None)
         sample = Sample()
         started = time.perf_counter()
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        conn = self.connection(self.host, self.port, timeout=timeout)
         try:
             if abort is not None:
                 conn.connect()
@@ -214,8 +226,10 @@ class HttpTarget:
                 break
             event = json.loads(data)
             if "error" in event:
-                sample.error = str(event["error"].get("message"))[:200]
-                sample.superseded = event["error"].get("code") == "superseded"
+                error = event["error"] if isinstance(event["error"], dict) else \
+                    {"message": event["error"]}     # (a server's own shape: a string)
+                sample.error = str(error.get("message"))[:200]
+                sample.superseded = error.get("code") == "superseded"
                 return
             if event.get("usage"):
                 usage_tokens = event["usage"].get("completion_tokens")
