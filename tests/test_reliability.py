@@ -615,3 +615,47 @@ def test_short_soak_loses_nothing():
     assert report["completed"] >= 1 and report["clean_errors"] >= 1
     assert report["worker_kills"] >= 2 and report["recovered"] and report["server_exit"] == 0
     assert report["unexpected_restarts"] == 0        # odd and surrogate bodies killed none
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes whose parent is `pid` (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append((int(entry.name),
+                            (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def test_a_soak_soaks_two_workers_and_leaves_nothing_when_interrupted():
+    """The soak's server had one worker (serve's default filled its --device before its
+    own two could apply: every kill took down the only worker), and Ctrl-C left that
+    server running in its own session."""
+    soak = subprocess.Popen([sys.executable, "-m", "dispatcher", "soak", "--engine", "fake",
+                             "--duration", "60", "--rate", "1", "--kill-every", "0"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline, server, workers = time.monotonic() + 60, None, []
+        while time.monotonic() < deadline and len(workers) < 2:
+            time.sleep(0.2)
+            server = next((p for p, cmd in _children(soak.pid) if " serve " in cmd), None)
+            workers = [p for p, cmd in _children(server)
+                       if " workers " in cmd] if server else []
+        assert server is not None and len(workers) == 2, workers
+        time.sleep(1.0)                          # (its first requests under way)
+        soak.send_signal(signal.SIGINT)
+        soak.wait(timeout=90)
+        for _ in range(100):
+            if not Path(f"/proc/{server}").exists():
+                break
+            time.sleep(0.1)
+        assert not Path(f"/proc/{server}").exists(), "the soaked server was left running"
+    finally:
+        if soak.poll() is None:
+            soak.kill()

@@ -117,7 +117,7 @@ class Soak:
         argv = [sys.executable, "-m", "dispatcher", "serve", "--host", "127.0.0.1",
                 "--port", str(self.port), "--engine", self.args.engine,
                 "--log-level", "warning", "--stop-grace", "5"]
-        for device in self.args.device:
+        for device in self.args.devices:
             argv += ["--device", device]
         if self.args.slots:
             argv += ["--slots", str(self.args.slots)]
@@ -134,7 +134,7 @@ class Soak:
             return None
 
     def wait_healthy(self, timeout: float, workers: int | None = None) -> bool:
-        want = workers or len(self.args.device)
+        want = workers or len(self.args.devices)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.server.poll() is not None:
@@ -326,7 +326,15 @@ class Soak:
                     pass
 
     def run(self) -> dict:
-        self.start_server()
+        try:
+            self.start_server()
+            return self._soak()
+        except BaseException:           # (Ctrl-C, a dispatcher answering late: the server
+            if getattr(self, "server", None) is not None:   # it started in a session of
+                self.stop_server()                          # its own was left running)
+            raise
+
+    def _soak(self) -> dict:
         for _ in range(3):                                   # warm up before measuring
             self.plain({"prompt": "warm up", "max_tokens": 4}, 1, 4)
         before = self.rss()
@@ -386,7 +394,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--kill-every", type=config.non_negative_seconds, default=15.0,
                         help="SIGKILL a random worker this often, in seconds (0: never); "
                         "the run lasts until duration / kill-every kills were made")
-    parser.add_argument("--device", action="append", default=None,
+    # (its own name: `device`, the server's option, was filled with serve's default, one
+    # cpu, before this default could apply)
+    parser.add_argument("--device", dest="devices", action="append", default=None,
                         help="worker devices of the soaked server (default: cpu, cpu)")
     parser.add_argument("--engine", default="llama", choices=("llama", "fake"))
     parser.add_argument("--slots", type=int, default=0)
@@ -397,7 +407,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     if not 0 < args.duration <= 3600 or not 0 < args.rate <= 50:
         raise SystemExit("--duration must be in (0, 3600] and --rate in (0, 50]")
-    args.device = args.device or ["cpu", "cpu"]
+    args.devices = args.devices or ["cpu", "cpu"]
     report = Soak(args).run()
     if args.json:
         print(json.dumps(report, indent=2))
@@ -414,4 +424,5 @@ def run(args) -> int:
         for problem in report["problems"]:
             print(f"  problem: {problem}")
     return 0 if report["lost"] == 0 and report["garbled"] == 0 and \
-        report["unexpected_restarts"] == 0 else 1
+        report["unexpected_restarts"] == 0 and report["recovered"] and \
+        report["server_exit"] == 0 else 1
