@@ -494,6 +494,12 @@ def run(args) -> int:
                     results[t_index].append((round_ + 1, level))
     rows = [{"target": target.name, "run": run_, **asdict(result)}
             for target, levels_done in zip(targets, results) for run_, result in levels_done]
+    return report(args, rows, profiles, hostile_lines)
+
+
+def report(args, rows: list[dict], profiles: list[dict], hostile_lines: list[str]) -> int:
+    """Print a bench's figures (a table, or JSON with --json); its exit status: 1 when a
+    request failed."""
     slowdowns = constrained_slowdowns(rows)
     if args.json:
         extras = {"profiles": profiles} if args.profile else {}
