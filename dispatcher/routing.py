@@ -134,17 +134,20 @@ def choose_worker(job: P.Job, free: list, blocks: tuple[int, ...] | None = None)
     least_busy = min(w.busy for w in candidates)
     fast = fastest(candidates)
 
-    def affinity(worker) -> tuple[int, float]:  # (a slower worker's cache does not draw
-        if id(worker) not in fast:              # work from a faster one)
-            return 0, 0.0
+    def affinity(worker) -> int:        # (a slower worker's cache does not draw work
+        if id(worker) not in fast:      # from a faster one)
+            return 0
         shared = worker.cached_prefix(blocks)
-        if not affinity_allowed(shared, worker.busy, least_busy):
-            return 0, 0.0
-        # among equal shares, the one that got such a prompt last: a typing session sent
-        # once to another worker went back and forth between the two for ever (each
-        # next keystroke to the one holding the keystroke before last, the least
-        # recently used), prefilling two keystrokes' text each time
-        return shared, worker.held_since(blocks, shared)
+        return shared if affinity_allowed(shared, worker.busy, least_busy) else 0
 
-    return max(candidates, key=lambda w: (affinity(w), id(w) in fast, w.free_slots,
-                                          -w.last_assigned))
+    def rank(worker) -> tuple:
+        shared = affinity(worker)
+        # among equal shares and loads, the one that got such a prompt last: a typing
+        # session sent once to another worker went back and forth between the two for
+        # ever (each next keystroke to the one holding the keystroke before last, the
+        # least recently used), prefilling two keystrokes' text each time; after the
+        # load, so a prefix every worker holds (a shared header) still spreads the work
+        return (shared, id(worker) in fast, worker.free_slots,
+                worker.held_since(blocks, shared) if shared else 0.0, -worker.last_assigned)
+
+    return max(candidates, key=rank)

@@ -353,3 +353,24 @@ def test_a_typing_session_stays_on_the_worker_that_got_its_last_keystroke():
         prompt += typed
         went.append(keystroke(f"k{i + 2}"))
     assert set(went) == {b"b"}, went
+
+
+def test_a_prefix_every_worker_holds_still_spreads_the_work():
+    """Recency breaks ties of share only after the load: with a long header every worker
+    holds, requests that differ after it went all to the worker given one last."""
+    r = WorkerRegistry()
+    a = r.add(b"a", info(slots=4), 0.0)
+    b = r.add(b"b", info(slots=4), 0.0)
+    line = "# Copyright the authors. Licensed under the terms below.\n"
+    header = (line.rstrip("\n").ljust(63) + "\n") * 100        # (whole 64-char blocks)
+    for worker in (a, b):
+        worker.remember(job(f"warm-{worker.identity.decode()}", prompt=header + "x = 1\n"))
+    went = []
+    for i in range(6):
+        queued = job(f"r{i}", prompt=header + f"def f{i}(): pass\n")
+        worker = r.choose(queued)
+        worker.running[queued.request_id] = queued
+        worker.last_assigned = time.monotonic()
+        worker.remember(queued)
+        went.append(worker.identity)
+    assert went.count(b"a") == went.count(b"b") == 3, went

@@ -545,7 +545,8 @@ def test_system_fingerprint_is_stable_and_served_openapi_lists_every_path(port):
     assert status == 200 and set(doc["paths"]) == {
         "/v1/completions", "/v1/models", "/v1/models/{model}", "/health", "/tokenize",
         "/detokenize", "/openapi.json", "/completion", "/completions", "/infill",
-        "/v1/fim/completions", "/v1/status", "/", "/props", "/models", "/v1/health"}
+        "/v1/fim/completions", "/v1/status", "/", "/props", "/models", "/v1/health",
+        "/metrics"}
 
 
 def test_openai_client_with_the_surface(real_server, model_id):
