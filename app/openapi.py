@@ -146,7 +146,7 @@ def _paths() -> dict:
             "Create a completion (JSON, or SSE with stream: true)", "CompletionRequest",
             "Completion", f"A completion, or its chunks {sse}", GENERATING,
             parameters=[{"name": "X-SIE-MACHINE-PROFILE", "in": "header", "required": False,
-                         "schema": {"type": "string"},
+                         "schema": {"type": "string", "maxLength": 128},
                          "description": "Only workers of this machine profile."}]),
         "/v1/fim/completions": _post(
             "Mistral's fill-in-the-middle completion (JSON, or SSE with stream: true)",

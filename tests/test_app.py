@@ -582,6 +582,17 @@ def test_a_requests_own_context_bounds_its_answer(client):
     answer = http.post("/v1/completions", json={**body, "nctx": 100})
     assert answer.status_code == 200, answer.get_data(as_text=True)
     assert len(fake.jobs) == 22
+    import app.completions                  # (before any worker has said its context)
+    unknown = msgspec.structs.replace(STATE, models={MODEL: msgspec.structs.replace(
+        STATE.models[MODEL], n_ctx=0)})
+    client_type = type(app.completions.get_client(http.application))
+    original = client_type.wait_state
+    client_type.wait_state = lambda self, timeout=2.0: unknown
+    try:
+        answer = http.post("/v1/completions", json={**body, "nctx": 100})
+    finally:
+        client_type.wait_state = original
+    assert answer.status_code == 200, answer.get_data(as_text=True)
 
 
 def test_a_machine_profile_is_read_as_utf8_and_bounded(client_of, monkeypatch):

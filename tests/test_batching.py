@@ -500,6 +500,17 @@ def test_a_neighbour_that_never_streamed_gets_no_slowdown_and_json_keeps_the_che
     out = json.loads(capsys.readouterr().out)
     assert out["hostile"] == ["a:", "  a line"]
     assert [r["name"] for r in out["rows"]] == ["stream x1", "extension"]
+    # a refused neighbour is no neighbour, not a failed bench; a failed plain request is
+    from types import SimpleNamespace
+    args = SimpleNamespace(json=True, profile=False, constrained=True, hostile=False, runs=1)
+    row = {"target": "t", "ok": 1, "itl_ms": 10.0, "errors": 0, "truncated": 0,
+           "error_samples": []}
+    refused = [{**row, "name": "plain + plain"}, {**row, "name": "plain beside"},
+               {**row, "name": "json_schema beside", "ok": 0, "errors": 5}]
+    assert bench.report(args, refused, [], []) == 0
+    refused[0]["errors"] = 1
+    assert bench.report(args, refused, [], []) == 1
+    capsys.readouterr()
 
 
 def test_the_benchs_percentiles_and_urls():

@@ -385,6 +385,12 @@ def test_a_model_id_flag_names_the_config_files_model_never_replaces_it(tmp_path
         assert out.returncode == 0, out.stdout + out.stderr
         (model,) = json.loads(out.stdout)["models"]
         assert (model["id"], model["path"], model["nctx"]) == ("foo", str(tiny), 256)
+    # an entry without an id is named after its file: its workers naming that follow too
+    config.write_text(f'[[models]]\npath = "{tiny}"\n[[workers]]\ndevice = "cpu"\n'
+                      'model = "tiny"\n')
+    out = check_config("--config", str(config), "--json", "--model-id", "foo")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert [w["model"] for w in json.loads(out.stdout)["workers"]] == ["foo"]
     config.write_text(f'[[models]]\nid = "a"\npath = "{tiny}"\n[[models]]\nid = "b"\n'
                       f'path = "{tiny}"\n[[workers]]\ndevice = "cpu"\nmodel = "a"\n')
     out = check_config("--config", str(config), "--model-id", "foo")

@@ -205,6 +205,11 @@ def test_unfit_requests_are_explained_with_what_is_available():
     # one met by none alone is the one named
     param, code, _ = explain_unfit("m", P.Route(n_ctx=9000, compute="gpu"), workers)
     assert (param, code) == ("nctx", "context_length_unavailable")
+    # a large fleet: each kind of worker once, and at most a few of them
+    fleet = [info(n_ctx=8192)] * 30 + [info(n_ctx=512 * k, compute="gpu") for k in range(1, 12)]
+    _, code, message = explain_unfit("m", P.Route(n_ctx=8192, compute="gpu"), fleet)
+    assert code == "route_unavailable" and message.endswith("; and 4 more")
+    assert len(message) < 500
 
 
 def test_a_tenant_is_drawn_only_to_the_cache_of_its_own_prompts():

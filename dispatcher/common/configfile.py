@@ -217,7 +217,7 @@ def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
     """Models and workers from the file, unless flags or variables name them; every
     problem found, each with its place, in one ConfigError."""
     problems: list[str] = []
-    data = _renamed(data, args, problems)
+    data = _renamed(data, args, problems, lambda path: model_id_of(resolve_model(path)))
     models, broken = _plan_models(data, args, resolve_model, model_id_of, problems)
     plans = _plan_workers(data, args, models, broken, problems)
     if not plans and not problems:
@@ -227,7 +227,7 @@ def plan(data: dict, args, resolve_model, model_id_of) -> Plan:
     return Plan(models, plans)
 
 
-def _renamed(data: dict, args, problems: list[str]) -> dict:
+def _renamed(data: dict, args, problems: list[str], id_of_path) -> dict:
     """The file's data with `--model-id` (or its variable) as its one model's id, and its
     workers' `model` following it: the flag put the bundled model in the file model's
     place, under that name. Beside several models it is a problem (which would it name?)."""
@@ -239,6 +239,11 @@ def _renamed(data: dict, args, problems: list[str]) -> dict:
                         f"file has {len(models)} [[models]]: give each its id there")
         return {**data, "models": []}
     old = models[0].get("id") if isinstance(models[0], dict) else None
+    if old is None and isinstance(models[0], dict):     # (its file's name is its id)
+        try:
+            old = id_of_path(str(models[0]["path"]) if models[0].get("path") else None)
+        except (ValueError, TypeError, SystemExit):
+            old = None                  # (the path's problem is said with the model's)
     workers = [{**w, "model": args.model_id} if isinstance(w, dict) and old is not None
                and w.get("model") == old else w for w in data.get("workers") or []]
     return {**data, "models": [{**models[0], "id": args.model_id}],

@@ -7,6 +7,7 @@ from dispatcher.common.protocol import Capabilities, Route
 
 REQUIREMENTS = ("n_ctx", "compute", "n_gpu_layers", "profile", "fim")
 # ... as the request names each
+MAX_SHOWN = 8          # kinds of worker a refusal lists at most
 PARAMS = {"n_ctx": "nctx", "compute": "compute", "n_gpu_layers": "ngl",
           "profile": "X-SIE-MACHINE-PROFILE", "fim": "suffix"}
 
@@ -54,8 +55,10 @@ def explain_unfit(model: str, route: Route,
     alone = [n for n in asked if not any(unmet(_only(route, n), w) is None
                                          for w in candidates)]
     if candidates and asked and not alone:
-        shown = "; ".join(", ".join(f"{PARAMS[n]} {getattr(w, n)}" for n in asked)
-                          for w in candidates)
+        kinds = sorted({", ".join(f"{PARAMS[n]} {getattr(w, n)}" for n in asked)
+                        for w in candidates})
+        shown = "; ".join(kinds[:MAX_SHOWN]) + (f"; and {len(kinds) - MAX_SHOWN} more"
+                                                if len(kinds) > MAX_SHOWN else "")
         return PARAMS[asked[0]], "route_unavailable", (
             f"no worker of '{model}' meets all of {', '.join(PARAMS[n] for n in asked)} "
             f"at once (each is met by some worker); its workers: {shown}")
