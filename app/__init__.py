@@ -19,7 +19,7 @@ def create_app(test_config: dict | None = None) -> Flask:
                                     "body_timeout", "send_timeout", "heartbeat_interval", "cache_scope",
                                     "curve_keys", "curve_name", "insecure_transport",
                                     "any_model_name", "usage_by_key", "log_format",
-                                    "status_access"])
+                                    "status_access", "operator_key"])
     app.config.from_mapping(
         DISPATCHER=options["dispatcher"],
         MAX_BODY=options["max_body"],
@@ -39,6 +39,7 @@ def create_app(test_config: dict | None = None) -> Flask:
         USAGE_BY_KEY=options["usage_by_key"],
         LOG_FORMAT=options["log_format"],
         STATUS_ACCESS=options["status_access"],
+        OPERATOR_KEYS=list(options["operator_key"]),
     )
     if test_config:
         app.config.update(test_config)

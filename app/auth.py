@@ -1,7 +1,9 @@
 """API keys: `Authorization: Bearer KEY` on every route but /health and /metrics.
 
 Keys come from COMPLETIONS_API_KEY (comma-separated) and COMPLETIONS_API_KEY_FILE (one
-per line, `#` comments, each optionally followed by its name). Comparison is
+per line, `#` comments, each optionally followed by its name). Operator keys
+(COMPLETIONS_OPERATOR_KEY), where given, alone read the operator routes when a key is
+asked for there (--status-access), and make no completions. Comparison is
 constant-time and checks every key, so timing tells nothing about how much of a key
 matched. Keys are never logged; a request's key is known further on only by its name
 (`TENANT`: usage per key, app.access).
@@ -50,21 +52,35 @@ def init_app(app: Flask) -> None:
     named = load_named_keys(str(app.config.get("API_KEY") or ""),
                             app.config.get("API_KEY_FILE"))
     keys, names = [key for key, _ in named], [name for _, name in named]
+    operators = [k.strip().encode() for k in app.config.get("OPERATOR_KEYS") or []
+                 if k.strip()]
     app.config["API_KEYS_ENABLED"] = bool(keys)
     # keys are tenants: each reuses only the prompt cache it filled, unless told otherwise
     app.config["CACHE_SCOPE"] = app.config.get("CACHE_SCOPE") or ("key" if keys else "shared")
-    if not keys:
+    if not keys and not operators:
         return
     access = str(app.config.get("STATUS_ACCESS") or "loopback")
+
+    def bearer() -> bytes:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        return token.strip().encode() if scheme.lower() == "bearer" else b""
 
     @app.before_request
     def require_key():
         if request.path in OPEN_PATHS or (request.path in OPERATOR_PATHS
                                           and operator_open(access)):
             return None
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        found = matching_key(token.strip().encode(), keys) \
-            if scheme.lower() == "bearer" else None
+        if request.path in OPERATOR_PATHS and operators:
+            # (an operator's key, not a tenant's: with API keys alone any key read every
+            # key's usage and cache hits there)
+            if matching_key(bearer(), operators) is None:
+                raise Unauthorized("Missing or invalid operator key: send 'Authorization: "
+                                   "Bearer <operator key>'.",
+                                   headers={"WWW-Authenticate": "Bearer"})
+            return None
+        if not keys:
+            return None
+        found = matching_key(bearer(), keys)
         if found is None:
             raise Unauthorized("Missing or invalid API key: send 'Authorization: Bearer "
                                "<key>'.", headers={"WWW-Authenticate": "Bearer"})

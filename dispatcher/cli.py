@@ -20,7 +20,7 @@ from dispatcher.tools.ctl import default_dispatcher_address, dispatcher_answers
 log = logging.getLogger("dispatcher")
 FRONTEND_STOP_GRACE = 3     # seconds gunicorn gets once the dispatcher has drained
 SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "model_alias",
-                 "fim_template", "prefill_chunk", "draft_max", "draft_model", "cache_reuse",
+                 "operator_key", "fim_template", "prefill_chunk", "draft_max", "draft_model", "cache_reuse",
                  "cors_origin", "device",
                  "nctx", "ngl", "slots", "kv_type", "batch", "ubatch", "deterministic",
                  "engine", "dispatcher",
@@ -125,6 +125,8 @@ def _count_keys(args) -> int:
         # (keys reach the front ends comma-separated: one was split into two)
         raise SystemExit("--api-key: a key holds a comma, which separates keys; put such "
                          "a key in --api-key-file")
+    if any("," in key for key in getattr(args, "operator_key", None) or []):
+        raise SystemExit("--operator-key: a key holds a comma, which separates keys")
     try:
         return len(config.load_keys(",".join(args.api_key or []), args.api_key_file))
     except (OSError, UnicodeDecodeError) as exc:
@@ -235,6 +237,7 @@ def _frontend_child(Child, args, base: str, keyed: bool):
            "COMPLETIONS_CURVE_NAME": "local",
            "COMPLETIONS_INSECURE_TRANSPORT": "true" if args.insecure_transport else "",
            "COMPLETIONS_API_KEY": ",".join(args.api_key),
+           "COMPLETIONS_OPERATOR_KEY": ",".join(args.operator_key or []),
            "COMPLETIONS_API_KEY_FILE": args.api_key_file or "",
            "COMPLETIONS_CORS_ORIGIN": ",".join(args.cors_origin),
            "COMPLETIONS_ANY_MODEL_NAME": "true" if args.any_model_name else "",

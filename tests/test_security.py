@@ -457,3 +457,30 @@ def test_a_keyed_workers_name_starts_with_its_keys_name():
     assert worker_name("gpu20-x", "cuda0", "gpu2") == "gpu2-gpu20-x"     # another key's
     for unkeyed in (None, "local"):
         assert worker_name("w0-cuda0", "cuda0", unkeyed) == "w0-cuda0"
+
+
+def test_an_operator_key_reads_the_operators_routes_and_tenants_do_not():
+    """With API keys alone any key read /metrics and /v1/status: every other key's
+    usage, cache hits and busy slots. An --operator-key reads them, and then no tenant
+    key does; an operator key is no tenant's (no completions); a client on this host
+    not through a proxy still reads them under the default --status-access."""
+    from app import create_app
+    keyed = {"TESTING": True, "DISPATCHER": "ipc:///nonexistent", "API_KEY": "sk-a,sk-b",
+             "OPERATOR_KEYS": ["op-1"], "STATUS_ACCESS": "key"}
+
+    def status(app, path, key=None, method="get", **kw):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return getattr(app.test_client(), method)(path, headers=headers, **kw).status_code
+    app = create_app(keyed)
+    for path in ("/metrics", "/v1/status"):
+        assert status(app, path, "sk-a") == status(app, path) == 401
+        assert status(app, path, "op-1") != 401
+    assert status(app, "/v1/completions", "op-1", "post", json={"prompt": "x"}) == 401
+    assert status(app, "/v1/completions", "sk-b", "post", json={"prompt": "x"}) != 401
+    without = create_app({**keyed, "OPERATOR_KEYS": []})         # (as before: any key)
+    assert status(without, "/metrics", "sk-a") != 401
+    alone = create_app({**keyed, "API_KEY": "", "STATUS_ACCESS": "loopback"})
+    assert status(alone, "/metrics") != 401                       # (loopback, no proxy)
+    assert status(alone, "/v1/completions", None, "post", json={"prompt": "x"}) != 401
+    proxied = alone.test_client().get("/metrics", headers={"X-Forwarded-For": "203.0.113.9"})
+    assert proxied.status_code == 401

@@ -261,6 +261,9 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "repeatable", repeat=True),
     Option("api_key_file", None, "file of API keys, one per line, each optionally followed "
            "by its name (`KEY NAME`: usage is counted under the name)"),
+    Option("operator_key", [], "key that may read /metrics and the status page's data "
+           "(/v1/status) where --status-access asks for one; with any, the API keys may not "
+           "(one key's usage is not another's to read); repeatable", repeat=True),
     Option("status_access", "loopback", "who may read /metrics and the status page's data "
            "(/v1/status) without an API key when keys are configured: open (anyone), "
            "loopback (a client on this host, not through a proxy), key (nobody)",
