@@ -691,3 +691,29 @@ def test_groups_around_a_whole_pattern_are_taken_off_in_one_pass():
         sg.estimate(schema)
     assert time.monotonic() - started < 5
     assert unsupported("^(?<$x>a)$") is None and unsupported("(?<n>^a$)") is None
+
+
+def test_keywords_no_grammar_keeps_are_refused_and_bare_array_bounds_kept():
+    """The converter reads `contains`, `minProperties`/`maxProperties` and
+    `uniqueItems` nowhere, and makes an array without `items` its bare rule: each was
+    left out, and the answer broke the schema (`maxItems: 0` wrote `[1]`,
+    `maxProperties: 0` an object of several). The bounds of an array without `items`
+    are kept now; the rest are refused by name (as OpenAI's strict mode does), where
+    their value asks something. Empty `anyOf`/`oneOf`/`type` lists are named as an
+    empty `enum` is (they were a GBNF parse error, or named 'anyOf' for a oneOf)."""
+    grammars = sg.SchemaGrammars()
+    assert _texts_of(grammars.grammar({"type": "array", "maxItems": 0}), "[]1,", 4) == {"[]"}
+    two = _texts_of(grammars.grammar({"type": "array", "maxItems": 2}), "[]1,", 7)
+    assert "[1,1]" in two and "[1,1,1]" not in two
+    for schema, keyword in (({"type": "array", "contains": {"const": 5}}, "contains"),
+                            ({"type": "object", "maxProperties": 0}, "maxProperties"),
+                            ({"type": "object", "minProperties": 2}, "minProperties"),
+                            ({"type": "array", "items": {"type": "integer"},
+                              "uniqueItems": True}, "uniqueItems")):
+        with pytest.raises(sg.SchemaRefused, match=f"'{keyword}' is a keyword"):
+            grammars.grammar(schema)
+    grammars.grammar({"type": "object", "minProperties": 0})         # (asks nothing)
+    grammars.grammar({"type": "array", "items": {"type": "integer"}, "uniqueItems": False})
+    for key in ("anyOf", "oneOf", "type"):
+        with pytest.raises(sg.SchemaRefused, match=f"json_schema.{key} is empty"):
+            grammars.grammar({key: []})

@@ -156,6 +156,9 @@ def estimate(schema: object) -> int:
             if not enum:
                 raise SchemaRefused(f"{path}.enum is empty: no value could match it.")
             work += 4 * len(enum)
+        for key in ("anyOf", "oneOf", "type"):      # (a GBNF parse error, or 'anyOf' for
+            if node.get(key) == []:                 # an empty oneOf, said it before)
+                raise SchemaRefused(f"{path}.{key} is empty: no value could match it.")
         properties = node.get("properties")
         if isinstance(properties, dict):
             required = node.get("required")
@@ -281,6 +284,14 @@ ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$commen
                          "deprecated", "readOnly", "writeOnly", "$schema", "$id"))
 
 
+# keywords the converter reads nowhere, each with the values that ask nothing (those pass):
+# any other value was left out, and the answer broke the schema (`maxProperties: 0`
+# wrote an object of several, `contains` an array without the item)
+NOT_KEPT = {"contains": lambda v: False, "minContains": lambda v: False,
+            "maxContains": lambda v: False, "maxProperties": lambda v: False,
+            "minProperties": lambda v: v == 0, "uniqueItems": lambda v: v is False}
+
+
 # the keywords that say something of a value of one type only
 TYPE_KEYWORDS = {
     "string": ("minLength", "maxLength", "pattern", "format"),
@@ -378,6 +389,15 @@ def normalized(node: object) -> object:
     if not isinstance(node, dict):
         return node
     node = _typed_choices(_merged_all_of(node))
+    for key, kept in NOT_KEPT.items():
+        if key in node and not kept(node[key]):
+            raise ValueError(f"'{key}' is a keyword the grammars here cannot keep (the "
+                             "answer would not meet it); leave it out")
+    if node.get("type") == "array" and "items" not in node and "prefixItems" not in node \
+            and ("minItems" in node or "maxItems" in node):
+        # (the converter makes an array without `items` its bare rule, its bounds left
+        # out: maxItems 0 wrote [1])
+        node = {**node, "items": dict(ANY)}
     for low, high, what in (("minItems", "maxItems", "list"),
                             ("minLength", "maxLength", "string")):
         least, most = node.get(low), node.get(high)
