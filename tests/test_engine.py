@@ -1370,3 +1370,29 @@ def test_a_prompt_parsed_as_text_keeps_control_token_syntax_as_characters(model_
         assert engine.piece(tokens(parse_special=False)[-2]) != b""     # (characters)
     finally:
         engine.close()
+
+
+def test_a_token_logit_bias_bans_is_never_the_grammars_only_way_out(model_path):
+    """`logit_bias` false (or -inf) bans a token: where the grammar allows nothing but
+    banned tokens, the request ends with an error; the chain's pick among them, all at
+    -inf, was a banned token, emitted."""
+    from workers.errors import InvalidInput
+    engine = make(model_path, slots=1)
+    try:
+        a = engine.tokenize("a", add_special=False)
+        byte_a = next(t for t in range(engine.n_vocab) if t not in a and
+                      engine.piece(t) == b"a")
+        banned = SamplingParams.from_job({"temperature": 0, "grammar": 'root ::= "a"',
+                                          "logit_bias": {str(a[0]): float("-inf"),
+                                                         str(byte_a): float("-inf")}})
+        engine.add(0, engine.tokenize("Answer:"), banned, reuse=False)
+        out = None
+        while out is None:
+            out = engine.step().get(0)
+        assert isinstance(out.error, InvalidInput) and out.error.param == "logit_bias", out
+        engine.release(0, keep_cache=False)
+        one_left = SamplingParams.from_job({"temperature": 0, "grammar": 'root ::= "a"',
+                                            "logit_bias": {str(a[0]): float("-inf")}})
+        assert sampled(engine, "Answer:", one_left, 1) == [byte_a]    # (the other "a")
+    finally:
+        engine.close()

@@ -402,6 +402,12 @@ class SamplerChain:
             masked[candidates.data["id"][:size]] = allowed
             array = candidates.whole(masked)
         token = self._pick(array)
+        chosen = candidates.array
+        if chosen.data[chosen.selected].logit == float("-inf"):
+            # every token the grammar left is banned (logit_bias false): the chain's pick
+            # among them all at -inf was a banned token, emitted
+            raise InvalidInput("the grammar allows no token here but ones logit_bias bans",
+                               param="logit_bias")     # (the request's own: a 400)
         if not self._fine(token, logits):
             # llama.cpp's `infill` sampler answers an end token when no other is likely
             # enough, whatever the grammar left (accepted, it aborts the process): the
