@@ -224,3 +224,21 @@ def test_an_end_of_generation_token_asked_for_is_refused():
 def test_errors_say_where():
     with pytest.raises(gbnf.GrammarError, match=r"line 2, column 11"):
         gbnf.check('root ::= a\na ::= "x" )')
+
+
+@pytest.mark.parametrize("grammar", ["root ::= [^\\x00-\\U0010FFFF]",
+                                     "root ::= [^\\x01-\\U0010FFFF]",
+                                     "root ::= [^a-\\U0010FFFF\\x01-b]",
+                                     'root ::= "x" [^\\x00-\\x7f\\x80-\\U0010FFFF]'])
+def test_a_negated_class_that_leaves_no_character_is_refused(grammar):
+    """A class negating every character can never match, as an empty range cannot:
+    llama.cpp let a partial UTF-8 sequence's bytes through it, and the answer (200,
+    finish_reason stop) was not UTF-8."""
+    with pytest.raises(gbnf.GrammarRefused, match="leaves no character"):
+        gbnf.check(grammar)
+
+
+@pytest.mark.parametrize("grammar", ["root ::= [^\\x02-\\U0010FFFF]", "root ::= [^a]",
+                                     "root ::= [^\\x00-\\x7f]"])
+def test_a_negated_class_that_leaves_some_is_fine(grammar):
+    gbnf.check(grammar)

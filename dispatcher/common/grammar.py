@@ -231,13 +231,15 @@ class _Parser:
         if src[pos] == "^":
             pos += 1
             start_type = CHAR_NOT
-        first = len(rule)
+        first, opened = len(rule), pos
+        ranges = []
         while src[pos] != "]":
             if src[pos] == "\x00":
                 raise self.fail("unexpected end of input", pos)
             at = pos
             value, pos = self.char(pos)
             rule.append((CHAR_ALT if first < len(rule) else start_type, value))
+            upper = value
             if src[pos] == "-" and src[pos + 1] != "]":
                 if src[pos + 1] == "\x00":
                     raise self.fail("unexpected end of input", pos + 1)
@@ -246,6 +248,12 @@ class _Parser:
                     raise self.fail("an empty character range (its end comes "
                                     "before its start)", at, GrammarRefused)
                 rule.append((CHAR_RNG_UPPER, upper))
+            ranges.append((value, upper))
+        if start_type == CHAR_NOT and _covers_unicode(ranges):
+            # (nothing but NUL is left, which no token's text holds: llama.cpp let a
+            # partial UTF-8 sequence's bytes through, and the answer was not UTF-8)
+            raise self.fail("a negated class that leaves no character", opened - 1,
+                            GrammarRefused)
         return self.space(pos + 1, nested)
 
     def _group(self, pos: int, rule_name: str, rule: list, nested: bool) -> tuple[int, int]:
@@ -416,3 +424,13 @@ def _check_no_nul(parsed: Grammar) -> None:
             if all(v == 0 for _, v in rule[i + 1:end]):
                 raise GrammarRefused("the grammar asks for a NUL character (\\x00), which "
                                      "no token's text can hold")
+
+
+def _covers_unicode(ranges: list[tuple[int, int]]) -> bool:
+    """Whether the code point ranges cover every character but NUL (U+0001-U+10FFFF)."""
+    reach = 1
+    for low, high in sorted(ranges):
+        if low > reach:
+            return False
+        reach = max(reach, high + 1)
+    return reach > 0x10FFFF
