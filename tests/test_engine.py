@@ -1396,3 +1396,17 @@ def test_a_token_logit_bias_bans_is_never_the_grammars_only_way_out(model_path):
         assert sampled(engine, "Answer:", one_left, 1) == [byte_a]    # (the other "a")
     finally:
         engine.close()
+
+
+def test_mirostat_at_a_tiny_temperature_is_near_greedy(model_path):
+    """Temperature 1e-9 with Mirostat drew nonsense in llama.cpp's sampler (random tokens,
+    "option overloading promoc"); a temperature that small means the greedy text."""
+    engine = make(model_path, slots=1)
+    try:
+        greedy = sampled(engine, "def fib(n):", SamplingParams(temperature=0.0), 6)
+        for mirostat in (1, 2):
+            tiny = SamplingParams.from_job({"temperature": 1e-9, "mirostat": mirostat,
+                                            "seed": 1})
+            assert sampled(engine, "def fib(n):", tiny, 6) == greedy, mirostat
+    finally:
+        engine.close()

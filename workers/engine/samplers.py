@@ -105,6 +105,9 @@ class Candidates:
         return ctypes.byref(one)
 
 
+# The temperature Mirostat gets at least (a positive one below it: near-greedy, as asked)
+MIROSTAT_MIN_TEMPERATURE = 1e-4
+
 # Candidates a refused pick is first sought among (see SamplerChain._refused_pick).
 TOP_CANDIDATES = 256
 
@@ -288,7 +291,10 @@ class SamplerChain:
         if p.greedy:
             samplers.append(lib.llama_sampler_init_greedy())
         elif p.mirostat:
-            samplers.append(lib.llama_sampler_init_temp(p.temperature))
+            # (below MIROSTAT_MIN_TEMPERATURE llama.cpp's Mirostat drew nonsense: at 1e-9,
+            # "option overloading promoc"; at 1e-6 the greedy text, as asked)
+            samplers.append(lib.llama_sampler_init_temp(
+                max(p.temperature, MIROSTAT_MIN_TEMPERATURE)))
             if p.mirostat == 1:
                 samplers.append(lib.llama_sampler_init_mirostat(
                     n_vocab, p.seed32, p.mirostat_tau, p.mirostat_eta, 100))
