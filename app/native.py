@@ -54,8 +54,10 @@ class NativeCompletionSchema(CompletionRequestSchema):
                                validate=in_range(-1, INT_MAX), metadata=doc(
                                    "Tokens to generate (n_predict); -1 or null: until the "
                                    "end of sequence.", type="integer"))
-    temperature = StrictFloat(load_default=0.8, allow_none=True, validate=in_range(0.0, 2.0),
-                              metadata=doc("llama.cpp's default 0.8.", type="number"))
+    # (llama-server takes a negative temperature as greedy, and clients send -1 so)
+    temperature = StrictFloat(load_default=0.8, allow_none=True, validate=in_range(-2.0, 2.0),
+                              metadata=doc("llama.cpp's default 0.8; 0 or below: greedy.",
+                                           type="number"))
     top_k = StrictInteger(load_default=40, allow_none=True, validate=in_range(-1, INT_MAX),
                           metadata=doc("llama.cpp's default 40.", type="integer"))
     top_p = StrictFloat(load_default=0.95, allow_none=True, validate=in_range(0.0, 1.0),

@@ -322,6 +322,16 @@ def test_a_native_stream_asks_for_its_tokens_ids_as_llama_server_sends_them(clie
     assert not whole["return_tokens"] and not openai["return_tokens"]
 
 
+def test_a_negative_temperature_is_greedy_on_llama_cpps_routes(client):
+    """llama-server takes a temperature of 0 or below as greedy (clients send -1); the
+    native route refused it; OpenAI's route keeps OpenAI's 0-2."""
+    http, fake = client
+    assert http.post("/completion", json={"prompt": "x", "temperature": -1}).status_code == 200
+    assert fake.jobs[-1]["sampling"]["temperature"] == -1
+    answer = http.post("/v1/completions", json={"prompt": "x", "temperature": -1})
+    assert answer.status_code == 400 and answer.get_json()["error"]["param"] == "temperature"
+
+
 def test_tokenize_is_a_job_for_a_worker(client_of):
     http, fake = client_of(lambda job: [{"e": P.EV_END, "s": 0, "result": {"tokens": [7]}}])
     body = http.post("/tokenize", json={"content": "hi"}).get_json()

@@ -1408,5 +1408,8 @@ def test_mirostat_at_a_tiny_temperature_is_near_greedy(model_path):
             tiny = SamplingParams.from_job({"temperature": 1e-9, "mirostat": mirostat,
                                             "seed": 1})
             assert sampled(engine, "def fib(n):", tiny, 6) == greedy, mirostat
+        # (llama.cpp's routes take a negative temperature as greedy too)
+        assert sampled(engine, "def fib(n):", SamplingParams.from_job(
+            {"temperature": -1.0, "top_k": 40}), 6) == greedy
     finally:
         engine.close()
