@@ -214,7 +214,12 @@ def test_grammar_and_schema_sizes_that_would_hurt_a_worker_are_refused():
         validate({"prompt": "p", "json_schema": {"type": "object", "properties": {
             "s": {"type": "string", "maxLength": 2_000_000_000}}}})
     assert info.value.param == "json_schema"
-    validate({"prompt": "p", "json_schema": {"type": "array", "maxItems": 2000}})
+    validate({"prompt": "p", "json_schema": {"type": "array", "maxItems": 150}})
+    # (an array's bounds without `items` are kept now: 2,000 of any value is refused as
+    # 2,000 integers always were; the converter's bare array had left the bound out)
+    with pytest.raises(InvalidRequest) as info:
+        validate({"prompt": "p", "json_schema": {"type": "array", "maxItems": 2000}})
+    assert info.value.param == "json_schema"
 
 
 def test_each_request_field_is_declared_once_and_every_layer_follows_it():
