@@ -50,6 +50,8 @@ def create_app(test_config: dict | None = None) -> Flask:
     if problem:
         raise RuntimeError(problem)
     app.config["MAX_CONTENT_LENGTH"] = int(app.config["MAX_BODY"])
+    from app.bodies import close_after
+    app.wsgi_app = close_after(app.wsgi_app)
     app.json.sort_keys = False
     app.json.ensure_ascii = False
 

@@ -14,8 +14,8 @@ from flask import current_app, has_request_context, request
 from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import ClientDisconnected
 
-from app.errors import (ClientClosedRequest, InvalidRequest, RequestTimeout,
-                        UnsupportedMediaType)
+from app.errors import (ClientClosedRequest, InvalidRequest, PayloadTooLarge,
+                        RequestTimeout, UnsupportedMediaType)
 
 
 def _reject_constant(name: str):
@@ -79,8 +79,15 @@ def read_body() -> bytes:
     """The whole body within --body-timeout: a client trickling it a byte at a time
     must not hold a connection (and its greenlet) for ever."""
     seconds = float(current_app.config.get("BODY_TIMEOUT") or 0)
+    limit = current_app.config.get("MAX_CONTENT_LENGTH")
+    if limit and (request.content_length or 0) > limit:
+        _stop_reading()                 # (never read: 75 s of it were, and thrown away)
+        raise PayloadTooLarge(f"the body has {request.content_length:,} bytes; at most "
+                              f"{limit:,} (--max-body)")
     try:
         with gevent.Timeout(seconds or None, False):
+            if request.content_length is None and limit:
+                return _chunked(request.environ["wsgi.input"], limit)
             return request.get_data(cache=False)
     except (ClientDisconnected, NoMoreData, ConnectionError):
         # the client left before its body was whole (werkzeug's reader, bounding the body
@@ -99,15 +106,53 @@ def read_body() -> bytes:
     raise RequestTimeout(f"the body did not arrive within {seconds:g} s")
 
 
+def _chunked(stream, limit: int) -> bytes:
+    """A body without a length (chunked), read to its end or past `limit`: werkzeug's
+    bounded reader stopped at the limit without a word, and the request ran on the body's
+    first 8 MiB (a body that never ended was read on, and thrown away, for 75 s)."""
+    data = bytearray()
+    while True:
+        piece = stream.read(min(CHUNK_READ, limit + 1 - len(data)))
+        if not piece:
+            return bytes(data)
+        data += piece
+        if len(data) > limit:
+            _stop_reading()
+            raise PayloadTooLarge(f"the body is over {limit:,} bytes (--max-body)")
+
+
+CHUNK_READ = 1 << 16
+
+
 def _stop_reading() -> None:
     """The rest of the body is never read: end the connection (what is left of it could
-    not be parsed as a next request)."""
+    not be parsed as a next request), and say so in the answer (CLOSE_KEY: it said
+    keep-alive, and the client's next request on it failed)."""
+    request.environ[CLOSE_KEY] = True
     sock = request.environ.get("gunicorn.socket")
     if sock is not None:
         try:
             sock.shutdown(socket.SHUT_RD)
         except OSError:
             pass
+
+
+# The environ key of a request whose connection ends after its answer (close_after)
+CLOSE_KEY = "completions.close"
+
+
+def close_after(wsgi_app):
+    """WSGI middleware: a request marked CLOSE_KEY is answered `Connection: close` (gunicorn
+    takes no hop-by-hop header from the app; its response, whose method start_response
+    is, closes when told to)."""
+    def app(environ, start_response):
+        def start(status, headers, exc_info=None):
+            owner = getattr(start_response, "__self__", None)
+            if environ.get(CLOSE_KEY) and hasattr(owner, "force_close"):
+                owner.force_close()
+            return start_response(status, headers, exc_info)
+        return wsgi_app(environ, start)
+    return app
 
 
 # Arrays and objects one body may hold, counted in the raw bytes before anything walks

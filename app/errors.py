@@ -198,6 +198,11 @@ def register_error_handlers(app: Flask) -> None:
         if exc.code == 404:
             error.code = "not_found"
             error.message = _no_route(request.path)
+        elif exc.code == 400 and error.code is None:   # (werkzeug's own: a code, always)
+            error.code = "bad_request"
+            if request.headers.get("Upgrade", "").lower() == "websocket":
+                error.message = ("This server speaks HTTP (Server-Sent Events for "
+                                 "streams), not WebSocket.")
         elif exc.code == 405:
             allowed = sorted(getattr(exc, "valid_methods", None) or [])
             error.code = "method_not_allowed"

@@ -303,14 +303,32 @@ def test_two_fake_workers_run_two_streams_at_once():
         assert server.stop() == 0
 
 
-def raw_exchange(port: int, data: bytes) -> tuple[int, dict, bytes]:
-    """Send `data` as it is and read the answer to the close: (status, headers, body)."""
+def raw_exchange(port: int, data: bytes, sending: bool = False) -> tuple[int, dict, bytes]:
+    """Send `data` as it is and read the answer to the close: (status, headers, body);
+    `sending`: from a thread of its own while the answer is read (a server refusing the
+    body midway answers before it has all of it, and stops reading)."""
     import socket
+    import threading
+
+    def send(sock):
+        try:
+            sock.sendall(data)
+        except OSError:
+            pass                        # (refused midway: the answer says why)
     with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
-        sock.sendall(data)
+        sender = threading.Thread(target=send, args=(sock,)) if sending else None
+        if sender is not None:
+            sender.start()
+        else:
+            sock.sendall(data)
         answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except ConnectionResetError:
+            pass                        # (after the answer, for unread data)
+        if sender is not None:
+            sender.join(timeout=20)
     head, _, body = answer.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
@@ -335,6 +353,39 @@ def test_a_chunked_body_framed_wrong_is_a_400_in_the_envelope(fake_server, frami
         assert status == 400, (path, body)
         assert headers["Content-Type"] == "application/json"
         assert json.loads(body)["error"]["code"] == "invalid_body", body
+        # (the rest is never read: the answer says the connection ends, not keep-alive)
+        assert headers["Connection"] == "close"
+
+
+def test_a_body_over_max_body_is_a_413_chunked_or_not_and_ends_the_connection(fake_server):
+    """A chunked body was read to --max-body and the request ran on its first 8 MiB (or a
+    400 invalid_json): a 413 now, as for a Content-Length over it, which is refused before
+    its body is read (it was read, and thrown away, for up to 75 s); both say the
+    connection ends. A WebSocket upgrade is a 400 with a code and a reason."""
+    big = b'{"prompt": "' + b"a" * (9 << 20) + b'", "max_tokens": 2}'
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(big[i:i + 65536]), big[i:i + 65536])
+                       for i in range(0, len(big), 65536)) + b"0\r\n\r\n"
+    status, headers, body = raw_exchange(fake_server.port, (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n") + chunked, sending=True)
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+    assert headers["Connection"] == "close"
+    status, headers, body = raw_exchange(fake_server.port, (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % (9 << 20)))
+    error = json.loads(body)["error"]
+    assert status == 413 and error["code"] == "request_too_large" and "--max-body" in \
+        error["message"] and headers["Connection"] == "close"
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", fake_server.port, timeout=20)
+    conn.request("GET", "/health", headers={
+        "Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13",
+        "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="})
+    answer = conn.getresponse()
+    error = json.loads(answer.read())["error"]
+    conn.close()
+    assert answer.status == 400 and error["code"] == "bad_request" and \
+        "WebSocket" in error["message"]
 
 
 @pytest.mark.parametrize("request_bytes,status,code", [
