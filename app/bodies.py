@@ -81,7 +81,12 @@ def read_body() -> bytes:
     seconds = float(current_app.config.get("BODY_TIMEOUT") or 0)
     limit = current_app.config.get("MAX_CONTENT_LENGTH")
     if limit and (request.content_length or 0) > limit:
-        _stop_reading()                 # (never read: 75 s of it were, and thrown away)
+        # a body up to twice the limit is left to gunicorn to read past (a proxy sending
+        # it, nginx, counts a connection closed under its upload as a failed upstream
+        # and stops sending it requests for a while); a larger one is never read (it
+        # was, and thrown away, for up to 75 s)
+        if request.content_length > 2 * limit:
+            _stop_reading()
         raise PayloadTooLarge(f"the body has {request.content_length:,} bytes; at most "
                               f"{limit:,} (--max-body)")
     try:
