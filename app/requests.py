@@ -163,11 +163,15 @@ def profile_of(req) -> str | None:
         profile = profile.encode("latin-1").decode("utf-8")
     except UnicodeError:
         pass                            # (not UTF-8 underneath: as it came)
-    if len(profile) > MAX_SESSION_ID:
-        raise InvalidRequest(f"{PROFILE_HEADER} has {len(profile)} characters; at most "
-                             f"{MAX_SESSION_ID}", param=PROFILE_HEADER,
-                             code="header_too_long")
-    return profile
+    return _bounded(PROFILE_HEADER, profile)
+
+
+def _bounded(header: str, value: str) -> str:
+    """`value`, or a 400 header_too_long past MAX_SESSION_ID characters."""
+    if len(value) > MAX_SESSION_ID:
+        raise InvalidRequest(f"{header} has {len(value)} characters; at most "
+                             f"{MAX_SESSION_ID}", param=header, code="header_too_long")
+    return value
 
 
 def session_of(req) -> str | None:
@@ -175,12 +179,9 @@ def session_of(req) -> str | None:
     never supersede (cancel) another key's requests by sending the same value. Bounded:
     an id longer than MAX_SESSION_ID characters is a 400."""
     session = req.headers.get(SESSION_HEADER) or None
-    if session is not None and len(session) > MAX_SESSION_ID:
-        raise InvalidRequest(f"{SESSION_HEADER} has {len(session)} characters; at most "
-                             f"{MAX_SESSION_ID}", param=SESSION_HEADER,
-                             code="header_too_long")
     if session is None:
         return None
+    _bounded(SESSION_HEADER, session)
     # (never a name the dispatcher gives an inferred session, `~client:n`: a client
     # cannot join another address's inferred session by forging its id)
     return f"{api_key_fingerprint(req) or 'h'}:{session}"
