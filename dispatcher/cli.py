@@ -20,7 +20,8 @@ from dispatcher.tools.ctl import default_dispatcher_address, dispatcher_answers
 log = logging.getLogger("dispatcher")
 FRONTEND_STOP_GRACE = 3     # seconds gunicorn gets once the dispatcher has drained
 SERVE_OPTIONS = ["config", "host", "port", "frontends", "model", "model_id", "model_alias",
-                 "operator_key", "fim_template", "prefill_chunk", "draft_max", "draft_model", "cache_reuse",
+                 "operator_key", "fim_template", "prefill_chunk", "draft_max", "draft_model",
+                 "cache_reuse",
                  "cors_origin", "device",
                  "nctx", "ngl", "slots", "kv_type", "batch", "ubatch", "deterministic",
                  "engine", "dispatcher",

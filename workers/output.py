@@ -152,7 +152,8 @@ class Output:
             self.text(active, tail)
         usage = active.usage()
         event = P.End(finish_reason=reason, usage=usage, stop_type=stop_type,
-                      timings=active.timings(), dropped_chunks=active.dropped_chunks, truncated=active.truncated)
+                      timings=active.timings(), dropped_chunks=active.dropped_chunks,
+                      truncated=active.truncated)
         if stop_type == "word":
             event.stopping_word = active.assembler.stop_word
         if active.pending_ids:          # (their text held back, never sent: a stop string)
