@@ -119,7 +119,9 @@ def step_profile(workers: list[dict]):
                                 labels=["worker", "device"])
     rows = CounterMetricFamily("completions_worker_step_rows", "Rows decoded, by kind: a "
                                "generating sequence's token, a draft token verified, a "
-                               "prompt token.", labels=["worker", "device", "kind"])
+                               "prompt token, a filler (a free sequence's row joining "
+                               "runs of sequence ids into one batch).",
+                               labels=["worker", "device", "kind"])
     batches = CounterMetricFamily("completions_worker_step_batches", "llama.cpp's "
                                   "sub-batches: runs of consecutive sequence ids in a step.",
                                   labels=["worker", "device"])
@@ -149,8 +151,8 @@ def step_profile(workers: list[dict]):
         if not totals:
             continue
         steps.add_metric(labels, totals["steps"])
-        for kind in ("token", "draft", "prompt"):
-            rows.add_metric(labels + [kind], totals[f"{kind}_rows"])
+        for kind in ("token", "draft", "prompt", "filler"):
+            rows.add_metric(labels + [kind], totals.get(f"{kind}_rows", 0))
         batches.add_metric(labels, totals["batches"])
         sat_out.add_metric(labels, totals["sat_out"])
         accepted.add_metric(labels, totals["accepted"])

@@ -1413,3 +1413,54 @@ def test_mirostat_at_a_tiny_temperature_is_near_greedy(model_path):
             {"temperature": -1.0, "top_k": 40}), 6) == greedy
     finally:
         engine.close()
+
+
+def test_a_free_slot_between_two_streams_joins_their_batch_and_keeps_its_cache(model_path):
+    """Streams in slots 0 and 2, slot 1 free holding a finished prompt: on costs where one
+    batch of three rows is cheaper than two batches of one (a GPU's), slot 1 takes a
+    filler row at the end of its cache every step (llama.cpp would decode the two
+    streams as two batches), counted in the step profile and removed after each step:
+    its cache keeps exactly its tokens, its prompt is reused whole and goes on as
+    before. On the CPU's costs (three rows 35 ms, one 13) no filler goes in."""
+    from workers.engine.llama import LlamaEngine, llama_cpp
+    from workers.engine.stepcosts import SHAPES_EXTRA, StepCosts
+    keep_going = SamplingParams(temperature=0.0, ignore_eos=True)
+    gpu = StepCosts((1, 2, 3), {(s, d): 10.0 + 0.05 * s + 0.02 * d for s in (1, 2, 3)
+                                for d in SHAPES_EXTRA})
+    cpu = StepCosts((1, 2, 3), {k: v for k, v in StepCosts.assumed().table.items()
+                                if k[0] <= 3 and (k[0] in (1, 2) or k[1] == 0)} |
+                    {(3, d): StepCosts.assumed().table[2, d] * 1.4 for d in SHAPES_EXTRA})
+    for name, costs in (("gpu", gpu), ("cpu", cpu)):
+        engine = LlamaEngine(model_path, 1024, 3, THREADS, 0, draft_max=16, step_costs=costs)
+        try:
+            prompt = engine.tokenize("import os\n\n\ndef list_files(path):\n")
+
+            def run_alone() -> list[int]:
+                engine.add(1, prompt, keep_going, draft_max=0)
+                made: list[int] = []
+                while len(made) < 8:
+                    out = engine.step().get(1)
+                    made += [] if out is None else [t.token for t in (
+                        out if isinstance(out, list) else [out])]
+                engine.release(1)
+                return made[:8]
+            first = run_alone()
+            cached = list(engine.slots[1].cached)
+            engine.add(0, engine.tokenize("class Stack:\n    def push(self, item):\n"),
+                       keep_going, draft_max=0)
+            engine.add(2, engine.tokenize("SELECT name FROM users WHERE"), keep_going,
+                       draft_max=0)
+            for _ in range(12):
+                engine.step()
+                assert llama_cpp.llama_memory_seq_pos_max(engine.memory, 1) == len(cached) - 1
+            assert (engine.totals.filler_rows >= 8) == (name == "gpu"), \
+                (name, engine.totals.filler_rows)
+            engine.release(0)
+            engine.release(2)
+            assert engine.slots[1].cached == cached
+            reused = engine.add(1, prompt, keep_going, draft_max=0)
+            assert reused == len(prompt) - 1
+            engine.release(1)
+            assert run_alone() == first
+        finally:
+            engine.close()

@@ -759,3 +759,48 @@ def test_every_tenants_history_together_is_bounded_by_entries(monkeypatch):
     assert list(histories.tenants) == ["f"]
     histories.of("f").add(list(range(3000, 6000)), 100)
     assert list(histories.of("f").lookup(list(range(3000, 3012)))[0][:2]) == [3000, 3001]
+
+
+def test_free_sequences_join_runs_where_one_batch_costs_less():
+    """llama.cpp decodes each run of consecutive sequence ids as a batch of its own:
+    free slots between runs take filler rows where one batch of the span is cheaper on
+    the measured costs. On the CPU's (eight rows cost less than five, six or seven; one
+    13 ms) rows of 0, 1, 3, 5, 6, 7 go as one batch of eight (46 ms, not 74), three lone
+    rows stay three batches (39 ms, not 62 for five); on a GPU's (rows nearly free) any
+    gap is filled. A lone run is never padded, even where eight rows cost less than seven
+    (its own cost is what its steps observe), nor past a slot that cannot take a row."""
+    from workers.engine.scheduling import bridged, spans_cost
+    cpu = StepCosts.assumed()
+    gpu = gpu_like()
+    assert bridged([0, 1, 3, 5, 6, 7], {2, 4}, cpu.plain_cost) == [(0, 7)]
+    assert spans_cost([(0, 7)], cpu.plain_cost) < 0.7 * spans_cost(
+        [(0, 1), (3, 3), (5, 7)], cpu.plain_cost)
+    assert bridged([1, 3, 5, 7], {0, 2, 4, 6}, cpu.plain_cost) == [(0, 7)]
+    assert bridged([3, 5, 7], {0, 1, 2, 4, 6}, cpu.plain_cost) == [(3, 3), (5, 5), (7, 7)]
+    assert bridged([0, 1, 3, 5, 6, 7], set(), cpu.plain_cost) == [(0, 1), (3, 3), (5, 7)]
+    assert bridged([0, 1, 3, 5, 6, 7], {2}, cpu.plain_cost) == [(0, 3), (5, 7)] or \
+        spans_cost(bridged([0, 1, 3, 5, 6, 7], {2}, cpu.plain_cost), cpu.plain_cost) <= \
+        spans_cost([(0, 1), (3, 3), (5, 7)], cpu.plain_cost)
+    assert bridged(list(range(7)), {7}, cpu.plain_cost) == [(0, 6)]     # a lone run
+    assert bridged([0, 7], set(range(1, 7)), gpu.plain_cost) == [(0, 7)]
+    assert bridged([0, 7], {1, 2, 3, 4, 5}, gpu.plain_cost) == [(0, 0), (7, 7)]  # 6 busy
+    assert bridged([2], {0, 1, 3}, gpu.plain_cost) == [(2, 2)]
+    assert bridged([], {0, 1}, gpu.plain_cost) == []
+
+
+def test_drafts_alike_across_a_gap_cost_one_batch_with_fillers():
+    """Seven sequences with a free slot among them (0-2 and 4-7): drafts alike cost two
+    batches (57 + 44 ms for one row each on the CPU's costs); with the free slot filling
+    the gap, one batch of eight (57 ms), and the step's rate is better."""
+    from workers.engine.scheduling import bridged
+    cpu = StepCosts.assumed()
+    likely = [Proposal("history", 0, list(range(16)), 0.8)] * 7
+    seqs = [0, 1, 2, 4, 5, 6, 7]
+
+    def layout(k):
+        cost_of = cpu.plain_cost if k == 0 else (lambda n: cpu.each_cost(n, k))
+        return [b - a + 1 for a, b in bridged(seqs, {3}, cost_of)]
+    assert layout(1) == [8] and layout(0) == [8]
+    _, apart = each_plan(cpu, [3, 4], likely)
+    k, rate = each_plan(cpu, [3, 4], likely, layout=layout)
+    assert k >= 1 and rate > 1.2 * apart

@@ -332,6 +332,7 @@ class StepTotals(msgspec.Struct, kw_only=True):
     token_rows: int = 0                 # one per generating sequence a step
     draft_rows: int = 0                 # speculative tokens verified
     prompt_rows: int = 0                # prompt tokens decoded
+    filler_rows: int = 0                # rows of free sequences joining runs (bridged)
     batches: int = 0                    # llama.cpp's sub-batches: runs of consecutive
                                         # sequence ids (a KV stream per sequence)
     sat_out: int = 0                    # sequences that sat a step out (first line first)

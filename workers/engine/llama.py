@@ -37,10 +37,10 @@ from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.draftmodel import DraftCosts, DraftModel
 from dispatcher.common.repacking import repacking_answer
-from workers.engine.scheduling import FIRST_LINE_MAX, Scheduler, seq_runs
+from workers.engine.scheduling import FIRST_LINE_MAX, Scheduler, bridged, seq_runs
 from workers.engine.history import Histories
 from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
-from workers.engine.stepcosts import StepCosts, draft_rows
+from workers.engine.stepcosts import EACH, StepCosts, draft_rows
 from workers.engine.vocabulary import Vocabulary
 from workers.engine.drysamplers import DryTemplates
 from workers.engine.samplers import Candidates, SamplerChain
@@ -131,6 +131,7 @@ class LlamaEngine:
         # prompt-lookup speculation; 0: off. Never in deterministic mode: verification rows
         # decoded beside the token's row change logprobs in their last bits (measured)
         drops = self._drops_positions()
+        self.drops_positions = drops     # (filler rows are removed after their step too)
         self.draft_max = 0 if deterministic or not drops else draft_max
         if self.draft_max and self.n_batch < draft_rows(slots):
             log.warning("drafts off: --batch %d is below the %d rows measuring their step "
@@ -230,6 +231,8 @@ class LlamaEngine:
         """The vocabulary's special tokens (end of generation, FIM, BOS), the tokenizer,
         and the candidate buffers every slot's sampling shares."""
         self.candidates = Candidates(llama_cpp, self.n_vocab)
+        # a filler row's token (`_fillers`): any will do, its row is removed after the step
+        self.filler_token = max(0, llama_cpp.llama_vocab_bos(self.vocab))
         self.candidates.dry = DryTemplates(llama_cpp, self.vocab)
         self.eog_tokens = [t for t in range(self.n_vocab)
                            if llama_cpp.llama_vocab_is_eog(self.vocab, t)]
@@ -515,24 +518,29 @@ class LlamaEngine:
             return self._drawn_aside(block=True)   # nothing else to decode: wait for one
         planning = time.perf_counter()
         generating, grant, planning = self._plan(planning)
-        n, logprob_rows = self._fill_batch(generating, grant)
+        fillers = self._fillers(generating, grant)
+        n, logprob_rows = self._fill_batch(generating, grant, fillers)
         if n == 0:              # nothing to decode but draws made aside: wait for one
             return self._drawn_aside(block=bool(self.aside.pending))
         self.batch.n_tokens = n
         started = time.perf_counter()
-        rc = llama_cpp.llama_decode(self.ctx, self.batch)
-        if rc != 0:
-            raise EngineError(f"llama_decode returned {rc}")
-        llama_cpp.llama_synchronize(self.ctx)     # (a GPU's decode returns before its end)
+        try:
+            rc = llama_cpp.llama_decode(self.ctx, self.batch)
+            if rc != 0:
+                raise EngineError(f"llama_decode returned {rc}")
+            llama_cpp.llama_synchronize(self.ctx)     # (a GPU's decode returns before its end)
+        finally:
+            for seq, (start, _) in fillers.items():   # (their caches as they were)
+                llama_cpp.llama_memory_seq_rm(self.memory, seq, start, -1)
         decoded = time.perf_counter()
-        self._count_step(generating, grant, started - planning, decoded - started)
+        self._count_step(generating, grant, started - planning, decoded - started, fillers)
         ms = 1000 * (decoded - started)
         self.step_ms = 0.9 * self.step_ms + 0.1 * ms if self.step_ms else ms
         if logprob_rows:        # (every row's share of the step: an upper bound of one's)
             each = 1000 * (time.perf_counter() - started) / n
             self.logprob_device_ms = 0.8 * self.logprob_device_ms + 0.2 * each \
                 if self.logprob_device_ms else each
-        self._observe_costs(generating, grant, 1000 * (decoded - started))
+        self._observe_costs(generating, grant, 1000 * (decoded - started), fillers)
         out = self._sample_all()
         self.totals.sample_seconds += time.perf_counter() - decoded
         return out
@@ -554,11 +562,12 @@ class LlamaEngine:
             running = [s for s in self.slots if s.busy and s.next_token is not None]
             generating = self.scheduler.first_line_first(
                 running, prefilling, self.step_costs, self._prompt_rows_at_least(
-                    prefilling, min(self.n_batch - len(running), self.prefill_chunk)))
+                    prefilling, min(self.n_batch - len(running), self.prefill_chunk)),
+                self._free_seqs())
         self.calibration.step()
         drafting = self.draft_model.seconds if self.draft_model is not None else 0.0
         self.scheduler.draft(self.slots, generating, prefilling, self.n_ctx, self.n_batch,
-                             self.step_costs, self.draft_model)
+                             self.step_costs, self.draft_model, self._free_seqs())
         if self.draft_model is not None:
             drafting = self.draft_model.seconds - drafting
             self.totals.draft_seconds += drafting
@@ -581,10 +590,54 @@ class LlamaEngine:
             take = min(take, self._logprob_rows())
         return take
 
-    def _fill_batch(self, generating: list, grant: dict[int, int]) -> tuple[int, int]:
+    def _free_seqs(self) -> frozenset[int]:
+        """The free slots whose caches have room for a filler row beside every
+        sequence's drafts (`_fillers`); none in deterministic mode or without costs."""
+        if self.deterministic or self.step_costs is None or not self.drops_positions:
+            return frozenset()
+        return frozenset(s.seq for s in self.slots
+                         if not s.busy and len(s.cached) + 1 + EACH[-1] < self.n_ctx)
+
+    def _fillers(self, generating: list, grant: dict[int, int]) -> dict[int, tuple[int, int]]:
+        """The slots without rows in this step that get filler rows ({seq: (first
+        position, rows)}): llama.cpp decodes each run of consecutive sequence ids as a
+        batch of its own, so a free sequence between runs takes as many rows as each
+        generating one (at the end of its cache, removed after the decode) where one
+        batch of the whole span costs less on the measured step costs
+        (`scheduling.bridged`). Nothing where the step costs are not measured, in
+        deterministic mode, where the model's memory cannot drop positions (a recurrent
+        one), or where the batch has no room for them."""
+        if self.deterministic or self.step_costs is None or not generating or \
+                not self.drops_positions:
+            return {}
+        counts = {1 + len(s.draft) for s in generating}
+        rows = counts.pop() if len(counts) == 1 else 1
+        costs = self.step_costs
+        cost_of = costs.plain_cost if rows == 1 else (lambda n: costs.each_cost(n, rows - 1))
+        present = {s.seq for s in generating} | set(grant)
+        free: dict[int, int] = {}
+        for slot in self.slots:
+            if slot.seq in present:
+                continue
+            start = llama_cpp.llama_memory_seq_pos_max(self.memory, slot.seq) + 1
+            if start + rows < self.n_ctx and len(slot.cached) + rows < self.n_ctx:
+                free[slot.seq] = start
+        if not free:
+            return {}
+        spans = bridged(sorted(present), free.keys(), cost_of)
+        fill = {q: (free[q], rows) for first, last in spans for q in range(first, last + 1)
+                if q not in present}
+        used = sum(1 + len(s.draft) for s in generating) + sum(grant.values())
+        return fill if used + rows * len(fill) <= self.n_batch else {}
+
+    def _fill_batch(self, generating: list, grant: dict[int, int],
+                    fillers: dict[int, tuple[int, int]] | None = None) -> tuple[int, int]:
         """The batch's rows, in slot order: each generating slot's token and draft, each
-        granted prompt piece. Returns (rows, prompt rows with logprobs)."""
+        granted prompt piece, each filler (`_fillers`: rows of a token at the end of
+        a free slot's cache, with logits as the step costs were measured; its state
+        untouched). Returns (rows, prompt rows with logprobs)."""
         batch, n, logprob_rows = self.batch, 0, 0
+        fillers = fillers or {}
 
         def add_row(slot: _Slot, token: int, logits: bool) -> int:
             nonlocal n
@@ -617,19 +670,32 @@ class LlamaEngine:
                         slot.prompt_rows.append((row, position))
                     if last:
                         slot.row = row
+            elif slot.seq in fillers:
+                start, rows = fillers[slot.seq]
+                for i in range(rows):
+                    batch.token[n] = self.filler_token
+                    batch.pos[n] = start + i
+                    batch.n_seq_id[n] = 1
+                    batch.seq_id[n][0] = slot.seq
+                    batch.logits[n] = True
+                    n += 1
         return n, logprob_rows
 
-    def _observe_costs(self, generating: list, grant: dict[int, int], ms: float) -> None:
+    def _observe_costs(self, generating: list, grant: dict[int, int], ms: float,
+                       fillers: dict[int, tuple[int, int]] | None = None) -> None:
         """A step of a measured shape (no prompt rows, one run of consecutive sequences,
-        drafts on one of them or alike on all) keeps the step costs current."""
+        fillers counted, drafts on one of them or alike on all) keeps the step costs
+        current."""
+        fillers = fillers or {}
         if not (self.learn_costs and self.step_costs is not None and not grant and
-                generating and len(seq_runs(sorted(s.seq for s in generating))) == 1):
+                generating and len(seq_runs(sorted({s.seq for s in generating} |
+                                                   set(fillers)))) == 1):
             return
-        drafts = [len(s.draft) for s in generating]
-        each = len(generating) > 1 and min(drafts) > 0 and len(set(drafts)) == 1
+        drafts = [len(s.draft) for s in generating] + [rows - 1 for _, rows in fillers.values()]
+        each = len(drafts) > 1 and min(drafts) > 0 and len(set(drafts)) == 1
         measured = each or sum(1 for d in drafts if d) <= 1
         if measured and self.step_costs.observe(
-                len(generating), drafts[0] if each else sum(drafts), ms, each) and \
+                len(drafts), drafts[0] if each else sum(drafts), ms, each) and \
                 self.step_costs.observed % COSTS_LOG_EVERY == 0:
             log.info("step costs now (ms by sequences, draft rows): %s",
                      self.step_costs.summary())
@@ -666,14 +732,16 @@ class LlamaEngine:
         slot.prompt_rows = []
 
     def _count_step(self, generating: list, grant: dict[int, int], plan: float,
-                    decode: float) -> None:
+                    decode: float, fillers: dict[int, tuple[int, int]] | None = None) -> None:
         """The step profile's counters (protocol.StepTotals)."""
         totals = self.totals
         totals.steps += 1
         totals.token_rows += len(generating)
         totals.draft_rows += sum(len(s.draft) for s in generating)
         totals.prompt_rows += sum(grant.values())
-        totals.batches += len(seq_runs(sorted({s.seq for s in generating} | set(grant))))
+        totals.filler_rows += sum(rows for _, rows in (fillers or {}).values())
+        totals.batches += len(seq_runs(sorted({s.seq for s in generating} | set(grant) |
+                                              set(fillers or {}))))
         totals.sat_out += sum(1 for s in self.slots if s.busy and s.sat_out)
         totals.plan_seconds += plan
         totals.decode_seconds += decode

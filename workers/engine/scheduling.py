@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable, Collection
 
 from workers.engine.speculation import find_draft
 from workers.errors import EngineError
-from workers.engine.stepcosts import EACH, StepCosts, each_plan, plan, step_rate
+from workers.engine.stepcosts import EACH, PLAIN_MAX, StepCosts, each_plan, plan, step_rate
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,8 @@ SIT_OUT_SAVING = 0.1    # ... and has some sit out only for a step this much che
 WAIT_STRETCH = 0.1      # while a user waits (a first line, a prompt, a new arrival), a step
                         # with drafts may take at most this much longer than the plain one
 JOIN_ROWS = 16          # rows of whole prompts that may always join a step finishing one
+BRIDGE_SAVING = 0.05    # free sequences' filler rows join runs only for a step this much
+                        # cheaper (see bridged)
 
 
 class Scheduler:
@@ -43,7 +46,8 @@ class Scheduler:
         self.arrivals.append((time.monotonic(), slot, others_running))
 
     def first_line_first(self, generating: list, prefilling: list,
-                         costs: StepCosts | None = None, prompt_rows: int = 0) -> list:
+                         costs: StepCosts | None = None, prompt_rows: int = 0,
+                         fillable: frozenset[int] = frozenset()) -> list:
         """A user waits for a suggestion's first line: while some sequence is still short
         of its first line (or still prefilling), sequences deep in a long completion
         (past their first line and DEEP_AFTER tokens) sit out a step, so that it is
@@ -65,8 +69,10 @@ class Scheduler:
         characters of code, past what style guides allow a line (79-120); a longer one
         is prose or a line nobody waits on the end of, and eight streams beside one that
         never wrote a newline sat out every other step of its life (93 steps for 64
-        tokens each, 20% longer than without, measured). Returns the sequences that get
-        a row in this step."""
+        tokens each, 20% longer than without, measured). Runs are joined with filler
+        rows where that is cheaper (`bridged`: `fillable`, the free sequences, and
+        those sitting out), so sitting out between others saves nothing. Returns the
+        sequences that get a row in this step."""
         waiting = bool(prefilling) or any(not s.line_done for s in generating)
         may = sorted((s for s in generating if waiting and not s.sat_out and s.line_done
                       and s.sampled >= DEEP_AFTER), key=lambda s: -s.sampled)
@@ -74,23 +80,25 @@ class Scheduler:
         if costs is not None and may:
             sitting = set(self._cheapest_out(
                 tuple(s.seq for s in generating), tuple(s.seq for s in may),
-                tuple(s.seq for s in prefilling), costs, prompt_rows))
+                tuple(s.seq for s in prefilling), costs, prompt_rows, fillable))
         for slot in generating:
             slot.sat_out = slot.seq in sitting
         return [s for s in generating if not s.sat_out]
 
     def _cheapest_out(self, generating: tuple, may: tuple, prefilling: tuple,
-                      costs: StepCosts, prompt_rows: int = 0) -> tuple:
+                      costs: StepCosts, prompt_rows: int = 0,
+                      fillable: frozenset[int] = frozenset()) -> tuple:
         """The sequences of `may` (deepest first) whose sitting out makes the step's
         plain rows cheapest, runs counted; fewest, then deepest, among equals; none where
         the step, its `prompt_rows` included, would be less than SIT_OUT_SAVING cheaper.
         Every subset is tried (eight sequences: 256), once per shape of the batch (the
         prompt piece adds the same to every subset: it only moves the threshold)."""
-        key = (generating, may, prefilling, id(costs))
+        key = (generating, may, prefilling, id(costs), fillable)
         if key not in self._sit_out:
             if len(self._sit_out) > 4096:
                 self._sit_out.clear()
-            self._sit_out[key] = self._cheapest_subset(generating, may, prefilling, costs)
+            self._sit_out[key] = self._cheapest_subset(generating, may, prefilling, costs,
+                                                       fillable)
         best, cost, everyone = self._sit_out[key]
         # (the prompt's first row is in its run: its other rows are what they add)
         piece = costs.cost(1, prompt_rows - 1) - costs.plain_cost(1) if prompt_rows > 1 \
@@ -101,18 +109,21 @@ class Scheduler:
 
     @staticmethod
     def _cheapest_subset(generating: tuple, may: tuple, prefilling: tuple,
-                         costs: StepCosts) -> tuple[tuple, float, float]:
+                         costs: StepCosts, fillable: frozenset[int] = frozenset()
+                         ) -> tuple[tuple, float, float]:
         """The subset of `may` whose sitting out makes the plain rows cheapest (see
         `_cheapest_out`), what they then cost, and what they cost with everyone in."""
         best, best_rank = (), None
         subsets = range(1 << len(may)) if len(may) <= SIT_OUT_EXACT else \
             [(1 << k) - 1 for k in range(len(may) + 1)]       # (the k deepest)
         present = set(generating) | set(prefilling)
-        everyone = sum(costs.plain_cost(r) for r in seq_runs(sorted(present)))
+        everyone = spans_cost(bridged(sorted(present), fillable, costs.plain_cost),
+                              costs.plain_cost)
         for mask in subsets:
             out = [(i, q) for i, q in enumerate(may) if mask >> i & 1]
             seqs = sorted(present - {q for _, q in out})
-            cost = sum(costs.plain_cost(r) for r in seq_runs(seqs))
+            cost = spans_cost(bridged(seqs, fillable | {q for _, q in out},
+                                      costs.plain_cost), costs.plain_cost)
             rank = (round(cost, 3), len(out), sum(i for i, _ in out))
             if best_rank is None or rank < best_rank:
                 best, best_rank = tuple(q for _, q in out), rank
@@ -168,7 +179,8 @@ class Scheduler:
         return grant
 
     def draft(self, slots: list, generating: list, prefilling: list, n_ctx: int,
-              n_batch: int, step_costs: StepCosts | None, model=None) -> None:
+              n_batch: int, step_costs: StepCosts | None, model=None,
+              fillable: frozenset[int] = frozenset()) -> None:
         """Sets each generating sequence's `draft` for this step: its best proposal, where
         it pays (stepcosts.plan, on the step costs). While another sequence is prefilling
         or short of its first line (`line_done`), or within ARRIVAL_QUIET s of another
@@ -188,7 +200,8 @@ class Scheduler:
         `model` (a `workers.engine.draftmodel.DraftModel`): a sequence may draft with it
         instead of its best lookup, where the step's plan with the draft model's drafts
         (their making counted) gives a better rate than without; its tokens are made
-        once the lengths are chosen (`_model_drafts`)."""
+        once the lengths are chosen (`_model_drafts`). `fillable`: the free sequences
+        that may take filler rows (`bridged`), beside the busy ones without rows."""
         proposals, alike, stretch = self._proposals(slots, generating, prefilling, n_ctx)
         if step_costs is None:
             return
@@ -203,7 +216,8 @@ class Scheduler:
         if alike and len(generating) * (1 + EACH[-1]) <= n_batch and \
                 not any(by_seq[q].source == "model" for q in chosen) and \
                 self._drafts_alike(generating, proposals, by_seq, chosen, step_costs,
-                                   stretch):
+                                   stretch, fillable | {s.seq for s in slots if s.busy
+                                                        and s not in generating}):
             return
         rows = n_batch - len(generating)
         made = self._model_drafts(model, slots, by_seq, chosen)
@@ -255,17 +269,26 @@ class Scheduler:
 
     @staticmethod
     def _drafts_alike(generating: list, proposals: list, by_seq: dict, chosen: dict,
-                      step_costs: StepCosts, stretch: float | None) -> bool:
+                      step_costs: StepCosts, stretch: float | None,
+                      fillable: frozenset[int] = frozenset()) -> bool:
         """Drafts of one length on every sequence (each_plan: one batch, not one per
-        count of rows), where that beats the plan's drafts; True if they were set."""
-        runs = seq_runs(sorted(s.seq for s in generating))
-        plain = sum(step_costs.plain_cost(r) for r in runs)
+        count of rows), where that beats the plan's drafts; True if they were set. The
+        runs of sequence ids are joined with filler rows where that is cheaper
+        (`bridged`, a filler taking as many rows as each sequence)."""
+        seqs = sorted(s.seq for s in generating)
+        runs = seq_runs(seqs)
+
+        def layout(k: int) -> list[int]:
+            cost_of = step_costs.plain_cost if k == 0 else \
+                (lambda n: step_costs.each_cost(n, k))
+            return [last - first + 1 for first, last in bridged(seqs, fillable, cost_of)]
+        plain = sum(step_costs.plain_cost(r) for r in layout(0))
         drafted = sum(chosen.values())
         one_rate = (len(generating) + sum(by_seq[q].gain(n) for q, n in chosen.items())) \
             / (plain + step_costs.cost(len(generating), drafted) -
                step_costs.cost(len(generating), 0))
         lookups = dict(proposals)       # (a draft model's proposal has no tokens yet)
-        k, rate = each_plan(step_costs, runs, list(lookups.values()), stretch)
+        k, rate = each_plan(step_costs, runs, list(lookups.values()), stretch, layout)
         if not k or rate <= one_rate:
             return False
         for slot in generating:
@@ -345,6 +368,108 @@ class Scheduler:
             log.warning("the draft model failed, no drafts from it this step: %s", exc)
             model.forget()
             return {seq: [] for seq in wants}
+
+
+def bridged(seqs: list[int], fillable: Collection[int], cost_of: Callable[[int], float]
+            ) -> list[tuple[int, int]]:
+    """The batches llama.cpp decodes `seqs` (sorted, distinct sequence ids with rows in
+    a step) in, as (first, last) spans of ids. With a KV stream per sequence it decodes
+    each run of consecutive ids as a batch of its own, each paying the weights' pass
+    again; so free sequences (`fillable`: ids with no rows in the step whose caches can
+    take rows past their end) may be given filler rows, removed after the step, that
+    join runs into one span, where the spans cost at least BRIDGE_SAVING less by
+    `cost_of(n)` (a batch of n sequences' rows) than the runs alone. Measured on the
+    2-core EPYC, rows of sequences 0, 1, 3, 5, 6, 7: 70-77 ms as three batches, 47-51 ms
+    as one of all eight (two filler rows). A span may also take free ids beside the runs
+    (rows of 1, 3, 5 and 7 as one span 0-7 where eight rows cost less than seven), but a
+    lone run is never padded: its own shape is then run and observed (`StepCosts.observe`),
+    so a cost measured too high on a busy start-up is corrected, not avoided for ever. A
+    span is at most PLAIN_MAX ids long (the plain steps measured)."""
+    runs: list[tuple[int, int]] = []
+    for seq in seqs:
+        if runs and seq == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], seq)
+        else:
+            runs.append((seq, seq))
+    present, free = set(seqs), set(fillable) - set(seqs)
+    if len(runs) < 2 or not free:       # (one run stays as it is: its own shape is
+        return runs                     # what the steps observe, keeping its cost true)
+    top = max(max(seqs), max(free)) + 1
+    price = tuple([0.0] + [cost_of(n) for n in range(1, top + 1)])
+    key = (tuple(seqs), frozenset(free), price)
+    if key not in _BRIDGED:
+        if len(_BRIDGED) > BRIDGED_KEPT:
+            _BRIDGED.clear()
+        spans = _cheapest_spans(runs, present, free, top, price) if top <= BRIDGE_EXACT \
+            else _merged_spans(runs, free, price)
+        _BRIDGED[key] = runs if spans_cost(spans, price.__getitem__) > \
+            (1 - BRIDGE_SAVING) * spans_cost(runs, price.__getitem__) else spans
+    return _BRIDGED[key]
+
+
+_BRIDGED: dict[tuple, list[tuple[int, int]]] = {}   # bridged's answers by shape and costs
+BRIDGED_KEPT = 8192     # ... at most this many
+BRIDGE_EXACT = 16       # ids up to which bridged tries every span; past them it joins
+                        # neighbouring runs one by one (a step's planning stays short)
+
+
+def _merged_spans(runs: list[tuple[int, int]], free: set[int], price: tuple
+                  ) -> list[tuple[int, int]]:
+    """Runs joined left to right with the next one wherever the gap between them is
+    free and the joined span costs less than the two apart (`price[n]`)."""
+    spans = [runs[0]]
+    for first, last in runs[1:]:
+        start, end = spans[-1]
+        if last - start < PLAIN_MAX and all(q in free for q in range(end + 1, first)) and \
+                price[last - start + 1] < price[end - start + 1] + price[last - first + 1]:
+            spans[-1] = (start, last)
+        else:
+            spans.append((first, last))
+    return spans
+
+
+def _cheapest_spans(runs: list[tuple[int, int]], present: set[int], free: set[int],
+                    top: int, price: tuple) -> list[tuple[int, int]]:
+    """Every way of covering the runs with spans over free ids (at most PLAIN_MAX ids
+    each), the cheapest by `price[n]`, fewest filler ids among equals."""
+    # best[i]: (cost, filler ids) of the cheapest spans covering the ids in seqs below i;
+    # came[i]: where the span ending at i - 1 began (None: no span covers i - 1)
+    best: list[tuple[float, int] | None] = [(0.0, 0)] + [None] * top
+    came: list[int | None] = [None] * (top + 1)
+
+    def better(a: tuple[float, int], b: tuple[float, int] | None) -> bool:
+        return b is None or (round(a[0], 6), a[1]) < (round(b[0], 6), b[1])
+    for i in range(top):
+        if best[i] is None:
+            continue
+        if i not in present and better(best[i], best[i + 1]):
+            best[i + 1], came[i + 1] = best[i], None
+        fillers, covers = 0, False
+        for j in range(i, min(top, i + PLAIN_MAX)):
+            if j not in present and j not in free:
+                break
+            fillers += j not in present
+            covers = covers or j in present
+            total = (best[i][0] + price[j - i + 1], best[i][1] + fillers)
+            if covers and better(total, best[j + 1]):
+                best[j + 1], came[j + 1] = total, i
+    end = min((e for e in range(runs[-1][1] + 1, top + 1) if best[e] is not None),
+              key=lambda e: (round(best[e][0], 6), best[e][1]))
+    spans: list[tuple[int, int]] = []
+    while end > 0:
+        start = came[end]
+        if start is None:
+            end -= 1
+        else:
+            spans.append((start, end - 1))
+            end = start
+    spans.reverse()
+    return spans
+
+
+def spans_cost(spans: list[tuple[int, int]], cost_of: Callable[[int], float]) -> float:
+    """What a step's batches (`bridged`'s spans) cost by `cost_of(n)`."""
+    return sum(cost_of(last - first + 1) for first, last in spans)
 
 
 def seq_runs(seqs: list[int]) -> list[int]:

@@ -13,6 +13,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 from workers.engine.speculation import Proposal
 
@@ -378,21 +379,24 @@ def step_rate(costs: StepCosts, sequences: int, proposals: dict[object, Proposal
 
 
 def each_plan(costs: StepCosts, runs: list[int], proposals: list[Proposal],
-              stretch: float | None = None) -> tuple[int, float]:
+              stretch: float | None = None, layout: Callable[[int], list[int]] | None = None
+              ) -> tuple[int, float]:
     """How many draft rows every generating sequence gets alike (k in EACH, 0: none) and
     the rate (tokens a millisecond) that gives the step: the plain step's when no k beats
     it. `runs`: the lengths of the runs of consecutive sequence ids (each is a batch of its
     own in llama.cpp); `proposals`: the sequences' drafts (a sequence without one carries
     a guess, counted as adding nothing). On a CPU with repacked weights eight sequences
     with one draft row each (16 outputs) cost ~1.25 times the plain step: likely drafts
-    on most of them pay, where a draft on one alone (a batch of its own) does not."""
+    on most of them pay, where a draft on one alone (a batch of its own) does not.
+    `layout(k)`: the batches' sizes with k draft rows each (runs joined by filler rows:
+    `scheduling.bridged`); without it, the runs."""
     sequences = sum(runs)
-    plain = sum(costs.plain_cost(r) for r in runs)
+    plain = sum(costs.plain_cost(r) for r in (layout(0) if layout else runs))
     best = (0, sequences / plain if plain > 0 else 0.0)
     if sequences < 2 or plain <= 0:
         return best
     for k in EACH:
-        step = sum(costs.each_cost(r, k) for r in runs)
+        step = sum(costs.each_cost(r, k) for r in (layout(k) if layout else runs))
         if stretch is not None and step > (1 + stretch) * plain:
             continue
         rate = (sequences + sum(p.gain(k) for p in proposals)) / step
