@@ -778,9 +778,11 @@ def test_free_sequences_join_runs_where_one_batch_costs_less():
     assert bridged([1, 3, 5, 7], {0, 2, 4, 6}, cpu.plain_cost) == [(0, 7)]
     assert bridged([3, 5, 7], {0, 1, 2, 4, 6}, cpu.plain_cost) == [(3, 3), (5, 5), (7, 7)]
     assert bridged([0, 1, 3, 5, 6, 7], set(), cpu.plain_cost) == [(0, 1), (3, 3), (5, 7)]
-    assert bridged([0, 1, 3, 5, 6, 7], {2}, cpu.plain_cost) == [(0, 3), (5, 7)] or \
-        spans_cost(bridged([0, 1, 3, 5, 6, 7], {2}, cpu.plain_cost), cpu.plain_cost) <= \
-        spans_cost([(0, 1), (3, 3), (5, 7)], cpu.plain_cost)
+    # 0-3 and 5-7 would cost 72 ms against 74: under 5% less, not worth the fillers
+    assert bridged([0, 1, 3, 5, 6, 7], {2}, cpu.plain_cost) == [(0, 1), (3, 3), (5, 7)]
+    # spans never touch (llama.cpp would decode 0 and 1-4 as one batch of five, 57 ms,
+    # where 0 alone and 1-4 were counted 13 + 37)
+    assert bridged([0, 1, 3, 4], {2}, cpu.plain_cost) == [(0, 1), (3, 4)]
     assert bridged(list(range(7)), {7}, cpu.plain_cost) == [(0, 6)]     # a lone run
     assert bridged([0, 7], set(range(1, 7)), gpu.plain_cost) == [(0, 7)]
     assert bridged([0, 7], {1, 2, 3, 4, 5}, gpu.plain_cost) == [(0, 0), (7, 7)]  # 6 busy

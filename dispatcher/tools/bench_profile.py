@@ -92,7 +92,7 @@ def profile_row(target_name: str, part: str, before: dict | None,
     steps = d.get("steps", 0.0)
     if steps <= 0:
         return None
-    rows = d["token_rows"] + d["draft_rows"] + d["prompt_rows"]
+    rows = d["token_rows"] + d["draft_rows"] + d["prompt_rows"] + d.get("filler_rows", 0.0)
     return {
         "target": target_name, "part": part, "steps": int(steps),
         "token rows/step": round(d["token_rows"] / steps, 2),

@@ -431,19 +431,25 @@ def _merged_spans(runs: list[tuple[int, int]], free: set[int], price: tuple
 def _cheapest_spans(runs: list[tuple[int, int]], present: set[int], free: set[int],
                     top: int, price: tuple) -> list[tuple[int, int]]:
     """Every way of covering the runs with spans over free ids (at most PLAIN_MAX ids
-    each), the cheapest by `price[n]`, fewest filler ids among equals."""
-    # best[i]: (cost, filler ids) of the cheapest spans covering the ids in seqs below i;
-    # came[i]: where the span ending at i - 1 began (None: no span covers i - 1)
+    each, two spans never touching: llama.cpp would decode them as one), the cheapest
+    by `price[n]`, fewest filler ids among equals."""
+    # best[i]: (cost, filler ids) of the cheapest spans covering the ids in seqs below i
+    # and not i - 1 (so a span may start at i); ended[i]: the same with a span ending at
+    # i - 1, and where it began (came)
     best: list[tuple[float, int] | None] = [(0.0, 0)] + [None] * top
-    came: list[int | None] = [None] * (top + 1)
+    ended: list[tuple[float, int] | None] = [None] * (top + 1)
+    came: list[int] = [0] * (top + 1)
+    skipped_from: list[bool] = [False] * (top + 1)   # best[i + 1] came from ended[i]
 
     def better(a: tuple[float, int], b: tuple[float, int] | None) -> bool:
         return b is None or (round(a[0], 6), a[1]) < (round(b[0], 6), b[1])
     for i in range(top):
+        if i not in present:                    # i left out: from either state
+            for state, after_span in ((best[i], False), (ended[i], True)):
+                if state is not None and better(state, best[i + 1]):
+                    best[i + 1], skipped_from[i + 1] = state, after_span
         if best[i] is None:
             continue
-        if i not in present and better(best[i], best[i + 1]):
-            best[i + 1], came[i + 1] = best[i], None
         fillers, covers = 0, False
         for j in range(i, min(top, i + PLAIN_MAX)):
             if j not in present and j not in free:
@@ -451,18 +457,21 @@ def _cheapest_spans(runs: list[tuple[int, int]], present: set[int], free: set[in
             fillers += j not in present
             covers = covers or j in present
             total = (best[i][0] + price[j - i + 1], best[i][1] + fillers)
-            if covers and better(total, best[j + 1]):
-                best[j + 1], came[j + 1] = total, i
-    end = min((e for e in range(runs[-1][1] + 1, top + 1) if best[e] is not None),
-              key=lambda e: (round(best[e][0], 6), best[e][1]))
+            if covers and better(total, ended[j + 1]):
+                ended[j + 1], came[j + 1] = total, i
+    ends = [(state, e, True) for e in range(runs[-1][1] + 1, top + 1)
+            for state in [ended[e]] if state is not None] + \
+        [(state, e, False) for e in range(runs[-1][1] + 1, top + 1)
+         for state in [best[e]] if state is not None]
+    _, end, in_span = min(ends, key=lambda x: (round(x[0][0], 6), x[0][1]))
     spans: list[tuple[int, int]] = []
     while end > 0:
-        start = came[end]
-        if start is None:
-            end -= 1
-        else:
+        if in_span:
+            start = came[end]
             spans.append((start, end - 1))
-            end = start
+            end, in_span = start, False
+        else:
+            end, in_span = end - 1, skipped_from[end]
     spans.reverse()
     return spans
 
