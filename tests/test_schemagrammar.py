@@ -717,3 +717,23 @@ def test_keywords_no_grammar_keeps_are_refused_and_bare_array_bounds_kept():
     for key in ("anyOf", "oneOf", "type"):
         with pytest.raises(sg.SchemaRefused, match=f"json_schema.{key} is empty"):
             grammars.grammar({key: []})
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string"}, {"type": "string", "maxLength": 4},
+    {"type": "array", "items": {"type": "string"}}, {"type": "object"}])
+def test_strings_never_hold_a_raw_control_character(schema):
+    """JSON writes a control character inside a string escaped: the converter's string
+    characters (`[^"\\\\]`) let the model end a line inside one (seen under load: a
+    `maxLength: 20` name with a line break in it, and the answer was not JSON). Every
+    text of up to 5 characters the grammar takes is JSON, with no raw control
+    character or DEL; escapes still are (`\\n`)."""
+    import json
+    grammar = sg.SchemaGrammars().grammar(schema)
+    texts = _texts_of(grammar, '"a\n\t\x7f\x00\\n{}[]:', 5)
+    assert texts
+    for text in texts:
+        json.loads(text)                    # (strict: a raw control character fails)
+        assert not any(ord(c) < 0x20 or c == "\x7f" for c in text), repr(text)
+    if schema.get("type") == "string":
+        assert '"\\n"' in texts

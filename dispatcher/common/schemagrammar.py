@@ -191,6 +191,9 @@ def _too_large(path: str) -> SchemaRefused:
                          f"{path}: at most {MAX_WORK:,} conversion steps).")
 
 
+JSON_CHAR = r'[^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})'
+
+
 def _converter():
     """llama-cpp-python's json_schema_to_gbnf, loaded from its file alone, its literals
     escaping backslashes too: it escaped only quotes and line breaks, so an `enum` or
@@ -208,6 +211,12 @@ def _converter():
         module.GRAMMAR_LITERAL_ESCAPES = {**module.GRAMMAR_LITERAL_ESCAPES, "\\": "\\\\"}
     if hasattr(module, "_build_repetition"):
         module._build_repetition = gbnf_repetition
+    rules = getattr(module, "PRIMITIVE_RULES", {})
+    if "char" in rules and hasattr(module, "BuiltinRule"):
+        # a string's characters: never a control character (JSON writes those escaped;
+        # the converter's `[^"\\]` let the model end a line inside a string, and the
+        # answer was not JSON), nor DEL, as llama.cpp's own converter has them
+        rules["char"] = module.BuiltinRule(JSON_CHAR, [])
     converter = getattr(module, "SchemaConverter", None)
     if converter is not None and hasattr(module, "RESERVED_NAMES"):
         converter.visit = _bounded_numbers(converter.visit, module.RESERVED_NAMES)
