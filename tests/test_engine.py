@@ -1467,3 +1467,28 @@ def test_a_free_slot_between_two_streams_joins_their_batch_and_keeps_its_cache(m
     # the same decodes for slot 1 on both: its cache after the fillers decodes as the
     # one that never had any
     assert again["gpu"] == again["cpu"]
+
+
+def test_with_filler_rows_a_new_sequence_keeps_the_cached_slots(model_path):
+    """Where free slots' filler rows join runs of busy slots (measured costs), a gap
+    costs a row, not a pass over the weights: a new prompt takes the slot with the least
+    cached, not the one beside the busy slots that holds another prompt (under load a
+    repeated prompt found its cache 4 times in 39). Without costs, beside comes first."""
+    from workers.engine.llama import LlamaEngine
+    from workers.engine.stepcosts import SHAPES_EXTRA, StepCosts
+    gpu = StepCosts((1, 2, 6), {(s, d): 10.0 + 0.05 * s + 0.02 * d for s in (1, 2, 6)
+                                for d in SHAPES_EXTRA} |
+                    {(s, 0): 10.0 + 0.05 * s for s in range(1, 7)})
+    engine = LlamaEngine(model_path, 1024, 6, THREADS, 0, draft_max=16, step_costs=gpu)
+    try:
+        prompt = engine.tokenize("def handler(event):\n    return event\n")
+        for slot in (1, 2):
+            engine.add(slot, engine.tokenize(f"# busy {slot}"), GREEDY)
+        engine.slots[3].cached = engine.tokenize("an idle editor's file " * 8)
+        assert engine.best_slot(prompt, [3, 4, 5]) in (4, 5)      # not the cached one
+        engine.slots[5].cached = list(prompt)
+        assert engine.best_slot(prompt, [0, 3, 4, 5]) == 5        # its own cache
+    finally:
+        for slot in range(6):
+            engine.release(slot, keep_cache=False)
+        engine.close()

@@ -330,7 +330,13 @@ class LlamaEngine:
         Among slots equally worth taking, one that keeps the busy slots one run of
         consecutive ids comes first: llama.cpp decodes a step of per-sequence KV caches as
         one sub-batch per such run, each a pass over the weights, so scattered slots
-        split every step of the request's life (`joins_run`)."""
+        split every step of the request's life (`joins_run`). Where free slots' filler
+        rows join the runs (`_fillers`: measured costs), a gap costs a row, not a pass,
+        and the least cached comes first: under load a slot beside the busy ones was
+        taken from the cached prompt it held (4 hits of 39 repeats of one prompt)."""
+        if self._free_seqs():
+            return max(free, key=lambda i: (self._worth(i, tokens),
+                                            -len(self.slots[i].cached), self.joins_run(i)))
         return max(free, key=lambda i: (self._worth(i, tokens), self.joins_run(i),
                                         -len(self.slots[i].cached)))
 
