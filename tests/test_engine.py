@@ -1492,3 +1492,23 @@ def test_with_filler_rows_a_new_sequence_keeps_the_cached_slots(model_path):
         for slot in range(6):
             engine.release(slot, keep_cache=False)
         engine.close()
+
+
+def test_on_the_cpus_costs_a_new_sequence_still_joins_the_busy_run(model_path):
+    """On the CPU's measured costs a filler in a gap seldom pays (four rows 37 ms, three
+    and a lone one 48): beside 0-2 busy, slot 3 is taken though it holds another prompt,
+    rather than an empty slot whose gap no filler closes."""
+    from workers.engine.llama import LlamaEngine
+    from workers.engine.stepcosts import StepCosts
+    engine = LlamaEngine(model_path, 1024, 8, THREADS, 0, draft_max=16,
+                         step_costs=StepCosts.assumed())
+    try:
+        prompt = engine.tokenize("def handler(event):\n    return event\n")
+        for slot in (0, 1, 2):
+            engine.add(slot, engine.tokenize(f"# busy {slot}"), GREEDY)
+        engine.slots[3].cached = engine.tokenize("an idle editor's file " * 8)
+        assert engine.best_slot(prompt, [3, 4, 5, 6, 7]) == 3
+    finally:
+        for slot in range(8):
+            engine.release(slot, keep_cache=False)
+        engine.close()

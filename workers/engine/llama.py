@@ -37,7 +37,8 @@ from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.draftmodel import DraftCosts, DraftModel
 from dispatcher.common.repacking import repacking_answer
-from workers.engine.scheduling import FIRST_LINE_MAX, Scheduler, bridged, seq_runs
+from workers.engine.scheduling import (BRIDGE_SAVING, FIRST_LINE_MAX, Scheduler, bridged,
+                                       seq_runs, spans_cost)
 from workers.engine.history import Histories
 from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
 from workers.engine.stepcosts import EACH, StepCosts, draft_rows
@@ -331,14 +332,27 @@ class LlamaEngine:
         consecutive ids comes first: llama.cpp decodes a step of per-sequence KV caches as
         one sub-batch per such run, each a pass over the weights, so scattered slots
         split every step of the request's life (`joins_run`). Where free slots' filler
-        rows join the runs (`_fillers`: measured costs), a gap costs a row, not a pass,
-        and the least cached comes first: under load a slot beside the busy ones was
-        taken from the cached prompt it held (4 hits of 39 repeats of one prompt)."""
-        if self._free_seqs():
-            return max(free, key=lambda i: (self._worth(i, tokens),
-                                            -len(self.slots[i].cached), self.joins_run(i)))
-        return max(free, key=lambda i: (self._worth(i, tokens), self.joins_run(i),
-                                        -len(self.slots[i].cached)))
+        rows may join the runs (`_fillers`: measured costs), the steps' measured plain
+        cost with each slot taken decides instead, fillers counted: the slots within
+        BRIDGE_SAVING of the cheapest, then the least cached among them (a gap a filler
+        closes costs a row, not a pass, and the cached prompt beside the busy slots
+        survives: under load a repeated prompt had found its cache 4 times in 39)."""
+        fillable = self._free_seqs()
+        if not fillable:
+            return max(free, key=lambda i: (self._worth(i, tokens), self.joins_run(i),
+                                            -len(self.slots[i].cached)))
+        busy = [s.seq for s in self.slots if s.busy]
+        costs = self.step_costs
+
+        def step_cost(i: int) -> float:
+            seqs = sorted(busy + [i])
+            return spans_cost(bridged(seqs, fillable - {i}, costs.plain_cost),
+                              costs.plain_cost)
+        cost = {i: step_cost(i) for i in free}
+        cheapest = min(cost.values())
+        return max(free, key=lambda i: (self._worth(i, tokens),
+                                        cost[i] <= (1 + BRIDGE_SAVING) * cheapest,
+                                        -len(self.slots[i].cached), self.joins_run(i)))
 
     def prefill_left(self, slot_id: int) -> int:
         """Prompt tokens the busy slot has still to decode (0: free, or decoded)."""
