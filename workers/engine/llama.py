@@ -37,8 +37,7 @@ from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.draftmodel import DraftCosts, DraftModel
 from dispatcher.common.repacking import repacking_answer
-from workers.engine.scheduling import (BRIDGE_SAVING, FIRST_LINE_MAX, Scheduler, bridged,
-                                       seq_runs, spans_cost)
+from workers.engine.scheduling import FIRST_LINE_MAX, Scheduler, bridged, seq_runs
 from workers.engine.history import Histories
 from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
 from workers.engine.stepcosts import EACH, StepCosts, draft_rows
@@ -332,26 +331,23 @@ class LlamaEngine:
         consecutive ids comes first: llama.cpp decodes a step of per-sequence KV caches as
         one sub-batch per such run, each a pass over the weights, so scattered slots
         split every step of the request's life (`joins_run`). Where free slots' filler
-        rows may join the runs (`_fillers`: measured costs), the steps' measured plain
-        cost with each slot taken decides instead, fillers counted: the slots within
-        BRIDGE_SAVING of the cheapest, then the least cached among them (a gap a filler
-        closes costs a row, not a pass, and the cached prompt beside the busy slots
-        survives: under load a repeated prompt had found its cache 4 times in 39)."""
+        rows may join the runs (`_fillers`: measured costs), a slot whose gap a filler
+        would close adds no batch either, and then the least cached of those comes
+        first (a cached prompt beside the busy slots survives: under load a repeated
+        prompt had found its cache 4 times in 39). On a CPU, where a filler seldom pays,
+        that is still mostly the slot beside the busy ones."""
         fillable = self._free_seqs()
         if not fillable:
             return max(free, key=lambda i: (self._worth(i, tokens), self.joins_run(i),
                                             -len(self.slots[i].cached)))
-        busy = [s.seq for s in self.slots if s.busy]
-        costs = self.step_costs
+        busy = sorted(s.seq for s in self.slots if s.busy)
+        plain = self.step_costs.plain_cost
+        batches = len(bridged(busy, fillable, plain))
 
-        def step_cost(i: int) -> float:
-            seqs = sorted(busy + [i])
-            return spans_cost(bridged(seqs, fillable - {i}, costs.plain_cost),
-                              costs.plain_cost)
-        cost = {i: step_cost(i) for i in free}
-        cheapest = min(cost.values())
-        return max(free, key=lambda i: (self._worth(i, tokens),
-                                        cost[i] <= (1 + BRIDGE_SAVING) * cheapest,
+        def adds_none(i: int) -> bool:
+            return self.joins_run(i) or \
+                len(bridged(sorted(busy + [i]), fillable - {i}, plain)) <= batches
+        return max(free, key=lambda i: (self._worth(i, tokens), adds_none(i),
                                         -len(self.slots[i].cached), self.joins_run(i)))
 
     def prefill_left(self, slot_id: int) -> int:
