@@ -565,6 +565,7 @@ class LlamaEngine:
         """Who gets rows in this step (`workers.engine.scheduling`): the generating slots
         (each with its draft) and the prompt rows granted by slot; and when planning
         began, moved on by the draft model's time (the plan's time is the host's alone)."""
+        fillable = self._free_seqs()     # (the free slots a filler row may go in)
         # Prefill priority: the prompts with the least left to decode first (the next
         # keystroke of a session, mostly cached) take the room before cold ones; a
         # warm-up (nothing to generate nor score: llama.vim's ring updates, whose answers
@@ -579,11 +580,11 @@ class LlamaEngine:
             generating = self.scheduler.first_line_first(
                 running, prefilling, self.step_costs, self._prompt_rows_at_least(
                     prefilling, min(self.n_batch - len(running), self.prefill_chunk)),
-                self._free_seqs())
+                fillable)
         self.calibration.step()
         drafting = self.draft_model.seconds if self.draft_model is not None else 0.0
         self.scheduler.draft(self.slots, generating, prefilling, self.n_ctx, self.n_batch,
-                             self.step_costs, self.draft_model, self._free_seqs())
+                             self.step_costs, self.draft_model, fillable)
         if self.draft_model is not None:
             drafting = self.draft_model.seconds - drafting
             self.totals.draft_seconds += drafting
@@ -655,17 +656,20 @@ class LlamaEngine:
         batch, n, logprob_rows = self.batch, 0, 0
         fillers = fillers or {}
 
-        def add_row(slot: _Slot, token: int, logits: bool) -> int:
+        def put(seq: int, position: int, token: int, logits: bool) -> int:
             nonlocal n
             batch.token[n] = token
-            batch.pos[n] = slot.n_past
+            batch.pos[n] = position
             batch.n_seq_id[n] = 1
-            batch.seq_id[n][0] = slot.seq
+            batch.seq_id[n][0] = seq
             batch.logits[n] = logits
-            slot.n_past += 1
-            slot.cached.append(token)
             n += 1
             return n - 1
+
+        def add_row(slot: _Slot, token: int, logits: bool) -> int:
+            slot.n_past += 1
+            slot.cached.append(token)
+            return put(slot.seq, slot.n_past - 1, token, logits)
 
         for slot in self.slots:
             if slot in generating:
@@ -689,12 +693,7 @@ class LlamaEngine:
             elif slot.seq in fillers:
                 start, rows = fillers[slot.seq]
                 for i in range(rows):
-                    batch.token[n] = self.filler_token
-                    batch.pos[n] = start + i
-                    batch.n_seq_id[n] = 1
-                    batch.seq_id[n][0] = slot.seq
-                    batch.logits[n] = True
-                    n += 1
+                    put(slot.seq, start + i, self.filler_token, True)
         return n, logprob_rows
 
     def _observe_costs(self, generating: list, grant: dict[int, int], ms: float,
