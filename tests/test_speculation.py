@@ -289,17 +289,17 @@ def test_first_line_first_sits_out_only_what_makes_the_step_cheaper():
     """On the CPU's costs 8 plain rows cost less than 5, 6 or 7: with two deep sequences
     beside six others (one still short of its first line) none sits out, since that
     would lengthen the step; with seven deep ones all seven do (one row), the deepest
-    first when fewer pay; none sits out two steps in a row; without costs every one that
-    may does."""
+    first when fewer pay; none sits out more than SIT_OUT_RUN steps in a row; without
+    costs every one that may does."""
     from types import SimpleNamespace
 
-    from workers.engine.scheduling import DEEP_AFTER, Scheduler
+    from workers.engine.scheduling import DEEP_AFTER, SIT_OUT_RUN, Scheduler
 
     def slots(deep: int, total: int = 8):
-        return [SimpleNamespace(seq=i, line_done=i < deep or i == total - 1, sat_out=False,
+        return [SimpleNamespace(seq=i, line_done=i < deep or i == total - 1, sat_out=0,
                                 sampled=DEEP_AFTER + (100 - i if i < deep else 0))
                 for i in range(total - 1)] + [SimpleNamespace(
-                    seq=total - 1, line_done=False, sat_out=False, sampled=1)]
+                    seq=total - 1, line_done=False, sat_out=0, sampled=1)]
     cpu = StepCosts.assumed()
     assert cpu.plain_cost(8) < cpu.plain_cost(6) and cpu.plain_cost(4) < cpu.plain_cost(8)
     two = slots(2)
@@ -307,13 +307,17 @@ def test_first_line_first_sits_out_only_what_makes_the_step_cheaper():
     seven = slots(7)
     first = Scheduler().first_line_first(seven, [], cpu)
     assert [s.seq for s in first] == [7]
-    assert Scheduler().first_line_first(seven, [], cpu) == seven     # never two in a row
+    for _ in range(SIT_OUT_RUN - 1):                  # (what they sat out is on the slots)
+        assert [s.seq for s in Scheduler().first_line_first(seven, [], cpu)] == [7]
+    assert Scheduler().first_line_first(seven, [], cpu) == seven     # then a step in
+    assert [s.seq for s in Scheduler().first_line_first(seven, [], cpu)] == [7]
     five = slots(5, total=6)                        # 6 rows cost more than 4 or 1
     ran = [s.seq for s in Scheduler().first_line_first(five, [], cpu)]
     assert len(ran) < 6 and cpu.plain_cost(len(ran)) < cpu.plain_cost(6)
     assert 5 in ran and all(s.sat_out for s in five if s.seq not in ran)
     none = slots(2)
     assert [s.seq for s in Scheduler().first_line_first(none, [], None)] == [2, 3, 4, 5, 6, 7]
+    assert Scheduler().first_line_first(none, [], None) == none    # no costs: one in a row
 
 
 def test_first_line_first_counts_each_run_of_sequence_ids_as_a_decode():

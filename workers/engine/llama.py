@@ -37,7 +37,8 @@ from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.draftmodel import DraftCosts, DraftModel
 from dispatcher.common.repacking import repacking_answer
-from workers.engine.scheduling import FIRST_LINE_MAX, Scheduler, bridged, seq_runs
+from workers.engine.scheduling import (FIRST_LINE_MAX, SIT_OUT_RUN, Scheduler, bridged,
+                                        seq_runs)
 from workers.engine.history import Histories
 from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
 from workers.engine.stepcosts import EACH, StepCosts, draft_rows
@@ -90,7 +91,7 @@ class _Slot:
     draft_rows: list[int] = field(default_factory=list)
     policy: Drafter | None = None                       # None: no speculation
     line_done: bool = False             # its output has a newline, or FIRST_LINE_MAX tokens
-    sat_out: bool = False                               # first line first: last step
+    sat_out: int = 0                    # first line first: steps sat out in a row
     passed_over: bool = False                           # its prompt got no piece: last step
     budget: int | None = None                           # tokens it may generate
     sample_ms: float = 0.0              # its sampling's measured time a token (average)
@@ -434,7 +435,7 @@ class LlamaEngine:
             self.draft_model.forget(slot_id)
         slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
         slot.next_token, slot.row, slot.chain, slot.sampled = None, -1, chain, 0
-        slot.line_done, slot.sat_out, slot.budget = False, False, budget
+        slot.line_done, slot.sat_out, slot.budget = False, 0, budget
         slot.sample_ms, slot.sampled_aside = 0.0, False
         slot.passed_over = False
         self.scheduler.arrived(slot_id, any(s.busy for s in self.slots if s is not slot))
@@ -814,7 +815,8 @@ class LlamaEngine:
                           slot.ignore_eos or slot.sampled < slot.min_tokens, slot.logprobs)
         # (it sits out the step its draw is made beside: first line first does not ask
         # it to sit out the next one too)
-        slot.row, slot.next_token, slot.sampled_aside, slot.sat_out = -1, None, True, True
+        slot.row, slot.next_token, slot.sampled_aside = -1, None, True
+        slot.sat_out = SIT_OUT_RUN
         return True
 
     def _drawn_aside(self, block: bool = False) -> dict[int, TokenOut]:

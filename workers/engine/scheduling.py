@@ -26,6 +26,8 @@ TRAFFIC_WINDOW = 2.0    # s after another request arrives that drafts are held s
 TRAFFIC_STRETCH = 1.0   # ... to a step at most this much longer than the plain one
 SIT_OUT_EXACT = 10      # first line first tries every subset of at most this many
 SIT_OUT_SAVING = 0.1    # ... and has some sit out only for a step this much cheaper
+SIT_OUT_RUN = 7         # ... and none more steps in a row than this (it runs one in 8 at
+                        # worst while someone waits); without measured costs, one
 WAIT_STRETCH = 0.1      # while a user waits (a first line, a prompt, a new arrival), a step
                         # with drafts may take at most this much longer than the plain one
 JOIN_ROWS = 16          # rows of whole prompts that may always join a step finishing one
@@ -51,7 +53,12 @@ class Scheduler:
         """A user waits for a suggestion's first line: while some sequence is still short
         of its first line (or still prefilling), sequences deep in a long completion
         (past their first line and DEEP_AFTER tokens) sit out a step, so that it is
-        shorter for those waiting; none waits two steps in a row. Which sit out is what
+        shorter for those waiting; none more than SIT_OUT_RUN steps in a row (without
+        measured costs, one: there nobody knows that the step is cheaper for it). A
+        waiting first line of a dozen tokens so pays for a full step about once where
+        it paid every other step: on the typing trace (eight users, four seeds, two runs
+        each) first line p50 305-808 ms against 504-1,366 with one in a row, 453-1,053
+        with two, 324-1,003 with four (design.md). Which sit out is what
         makes the step cheapest on the measured costs, counting each run of consecutive
         sequence ids in the batch as a decode of its own (llama.cpp with a KV stream per
         sequence: four rows of sequences 0, 2, 4, 6 took 88 ms here, of 0-3 37 ms, all
@@ -74,7 +81,8 @@ class Scheduler:
         those sitting out), so sitting out between others saves nothing. Returns the
         sequences that get a row in this step."""
         waiting = bool(prefilling) or any(not s.line_done for s in generating)
-        may = sorted((s for s in generating if waiting and not s.sat_out and s.line_done
+        run = SIT_OUT_RUN if costs is not None else 1
+        may = sorted((s for s in generating if waiting and s.sat_out < run and s.line_done
                       and s.sampled >= DEEP_AFTER), key=lambda s: -s.sampled)
         sitting = {s.seq for s in may}
         if costs is not None and may:
@@ -82,8 +90,8 @@ class Scheduler:
                 tuple(s.seq for s in generating), tuple(s.seq for s in may),
                 tuple(s.seq for s in prefilling), costs, prompt_rows, fillable))
         for slot in generating:
-            slot.sat_out = slot.seq in sitting
-        return [s for s in generating if not s.sat_out]
+            slot.sat_out = slot.sat_out + 1 if slot.seq in sitting else 0
+        return [s for s in generating if s.seq not in sitting]
 
     def _cheapest_out(self, generating: tuple, may: tuple, prefilling: tuple,
                       costs: StepCosts, prompt_rows: int = 0,
