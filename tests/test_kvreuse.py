@@ -77,7 +77,7 @@ def test_engine_shifts_a_context_ring_that_dropped_its_oldest_chunk():
         reused = engine.add(0, second, greedy)
         engine.release(0)
         assert reused >= moved - 2                       # the two chunks (joins may differ)
-        assert engine.tokens_shifted >= moved - 3
+        assert engine.caches.tokens_shifted >= moved - 3
         # the slot's cache is coherent: positions and tokens agree, so the same prompt
         # again reuses all but its last token, and generation goes on from there
         assert len(run(engine, second)) == 8
@@ -93,7 +93,7 @@ def test_deterministic_mode_never_shifts_the_cache():
     engine = LlamaEngine(str(bundled_model_path()), 512, 1, THREADS, 0, deterministic=True,
                          cache_reuse=16)
     try:
-        assert engine.cache_reuse == 0
+        assert engine.caches.cache_reuse == 0
     finally:
         engine.close()
 

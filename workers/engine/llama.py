@@ -7,8 +7,9 @@ One context holds `slots` sequences (one KV stream each). Each `step` builds one
 `workers.engine.stepcosts`) and prompt pieces of the admitted ones, decodes it in a single
 `llama_decode`, times it after `llama_synchronize`, then samples each slot from its own
 rows (`workers.engine.samplers`, `workers.engine.draws`) and verifies its draft. The
-vocabulary is `workers.engine.vocabulary`, KV reuse across requests
-`workers.engine.kvreuse`, the optional draft model `workers.engine.draftmodel`. llama.cpp
+vocabulary is `workers.engine.vocabulary`, the slots and what their caches hold (KV reuse
+across requests) `workers.engine.slots`, the optional draft model
+`workers.engine.draftmodel`. llama.cpp
 releases the GIL, so the worker's IO thread heartbeats during a long decode. API facts
 relied on (shared notes): exact-size piece buffers, `llama_sampler_sample` accepts the
 token, `n_batch` is a hard assert, a grammar only accepts tokens its chain sampled.
@@ -20,7 +21,6 @@ import collections
 import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
 
 import llama_cpp
 import numpy as np
@@ -28,7 +28,6 @@ import numpy as np
 from dispatcher.common import protocol as P
 from workers.errors import EngineError
 from workers.engine.backends import model_shape
-from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.llamalog import RECENT, LlamaLog, last_lines, set_llama_log
 from workers.engine.alphabet import TokenTexts
 from workers.engine.aside import AsideDraws, log_sum_exp, top_of
@@ -40,6 +39,7 @@ from dispatcher.common.repacking import repacking_answer
 from workers.engine.scheduling import (FIRST_LINE_MAX, SIT_OUT_RUN, Scheduler, bridged,
                                         seq_runs)
 from workers.engine.history import Histories
+from workers.engine.slots import COPY_AT_LEAST, Slot, SlotCaches
 from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
 from workers.engine.stepcosts import EACH, StepCosts, draft_rows
 from workers.engine.vocabulary import Vocabulary
@@ -51,11 +51,6 @@ log = logging.getLogger(__name__)
 
 BANNED = -1e30           # a logit no token wins with, yet finite: a grammar stays satisfiable
 COSTS_LOG_EVERY = 5000  # steps that corrected the step costs between two logs of them
-SLOT_SIMILARITY = 0.1   # the share of a prompt a slot's cache must hold to be chosen for it
-# The least prompt a sibling choice copies (copy_prefix) rather than prefills: a copy
-# moves the whole KV stream (n_ctx × layers, twice with a full SWA cache), some tens of
-# ms on a CPU at 4k, about what this many tokens take to prefill there
-COPY_AT_LEAST = 128
 PROMPT_LOGPROB_CHUNK = 64   # prompt rows per step when every row's logits are kept (1 MiB each)
 # ... fewer where this device's measured cost of a row with logits (its output layer over
 # the whole vocabulary, draft rows measured at start-up) and the host's log-softmax and
@@ -69,41 +64,6 @@ def model_fingerprint(model_path: str, build: str) -> str:
     `system_fingerprint`."""
     return "fp_" + hashlib.sha256(f"{model_file_digest(model_path)}:{build}".encode()
                                   ).hexdigest()[:12]
-
-
-@dataclass(eq=False)
-class _Slot:
-    seq: int
-    pending: list[int] = field(default_factory=list)   # prompt tokens still to decode
-    prompt: list[int] = field(default_factory=list)
-    n_past: int = 0                                     # tokens in this slot's KV cache
-    next_token: int | None = None                       # sampled, to be decoded next step
-    chain: SamplerChain | None = None                   # while in use
-    row: int = -1                                       # batch row to sample from
-    logprobs: int | None = None                         # top-k to report, None: none
-    prompt_rows: list[tuple[int, int]] = field(default_factory=list)  # (row, position)
-    prompt_logprobs: list | None = None
-    sampled: int = 0
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    cached: list[int] = field(default_factory=list)     # the tokens in this slot's KV cache
-    draft: list[int] = field(default_factory=list)      # speculative tokens in this step
-    draft_rows: list[int] = field(default_factory=list)
-    policy: Drafter | None = None                       # None: no speculation
-    line_done: bool = False             # its output has a newline, or FIRST_LINE_MAX tokens
-    sat_out: int = 0                    # first line first: steps sat out in a row
-    passed_over: bool = False                           # its prompt got no piece: last step
-    budget: int | None = None                           # tokens it may generate
-    sample_ms: float = 0.0              # its sampling's measured time a token (average)
-    sampled_aside: bool = False         # ... more than the step's share: drawn aside
-
-    @property
-    def busy(self) -> bool:
-        return self.chain is not None
-
-    def timed_sampling(self, seconds: float) -> None:
-        """One token's sampling took `seconds` (in place or aside): into its average."""
-        self.sample_ms = 0.7 * self.sample_ms + 0.3 * 1000 * seconds
 
 
 class LlamaEngine:
@@ -138,20 +98,20 @@ class LlamaEngine:
             log.warning("drafts off: --batch %d is below the %d rows measuring their step "
                         "costs takes with %d slots", self.n_batch, draft_rows(slots), slots)
             self.draft_max = 0
-        # a sibling choice may copy a decoded prompt (copy_prefix): a memory that can
-        # drop positions, and no deterministic mode
-        self.copies = drops and not deterministic
         self.copy_at_least = COPY_AT_LEAST
         self.totals = P.StepTotals()     # the step profile (bench --profile, /metrics)
         self.histories = Histories()     # recent sequences per tenant: a draft source
         self.calibration = Calibration()  # each source's measured acceptance, all sequences
         self.scheduler = Scheduler()     # first line first, who drafts (scheduling.py)
         # KV chunk reuse (workers/engine/kvreuse.py) needs position shifts; never in
-        # deterministic mode (shifted keys differ from prefilled ones in their last bits)
-        self.cache_reuse = cache_reuse if (
-            not deterministic and llama_cpp.llama_memory_can_shift(self.memory)) else 0
-        self.tokens_shifted = 0
-        self.slots = [_Slot(seq) for seq in range(slots)]
+        # deterministic mode (shifted keys differ from prefilled ones in their last bits).
+        # A sibling choice may copy a decoded prompt (copy_prefix): a memory that can
+        # drop positions, and no deterministic mode.
+        self.caches = SlotCaches(
+            llama_cpp, self.memory, slots,
+            cache_reuse if not deterministic and llama_cpp.llama_memory_can_shift(self.memory)
+            else 0, copies=drops and not deterministic)
+        self.slots = self.caches.slots
         self._read_vocabulary()
         # costly sampling goes beside the next step (workers/engine/aside.py), judged
         # against the device's measured step (an average of the decodes' times)
@@ -313,43 +273,14 @@ class LlamaEngine:
 
     def cached_prefix(self, tokens: list[int], free: list[int]) -> int:
         """The most of `tokens` that the free slot `best_slot` would choose holds."""
-        return max((self._worth(i, tokens) for i in free), default=0)
-
-    def _worth(self, slot_id: int, tokens: list[int]) -> int:
-        held = reusable(self.slots[slot_id].cached, tokens, self.cache_reuse)
-        return held if held >= SLOT_SIMILARITY * len(tokens) else 0
+        return self.caches.cached_prefix(tokens, free)
 
     def best_slot(self, tokens: list[int], free: list[int]) -> int:
-        """The free slot whose cache holds the most of `tokens` (the shared prefix, plus
-        the chunks KV chunk reuse would shift into place), counted only where that is at
-        least SLOT_SIMILARITY of the prompt; otherwise, and on ties, the one with the least
-        cached, so long caches survive. (Two editors' files that differ from their first
-        line share a few tokens: taking the slot whose cache holds the other's file for
-        those would throw away what that editor's next keystroke reuses. llama-server's
-        slot similarity rule, 0.1 too.)
-
-        Among slots equally worth taking, one that keeps the busy slots one run of
-        consecutive ids comes first: llama.cpp decodes a step of per-sequence KV caches as
-        one sub-batch per such run, each a pass over the weights, so scattered slots
-        split every step of the request's life (`joins_run`). Where free slots' filler
-        rows may join the runs (`_fillers`: measured costs), a slot whose gap a filler
-        would close adds no batch either, and then the least cached of those comes
-        first (a cached prompt beside the busy slots survives: under load a repeated
-        prompt had found its cache 4 times in 39). On a CPU, where a filler seldom pays,
-        that is still mostly the slot beside the busy ones."""
+        """The free slot to start `tokens` in (`SlotCaches.best`: the one whose cache
+        holds most of them, then one that adds no sub-batch to the steps)."""
         fillable = self._free_seqs()
-        if not fillable:
-            return max(free, key=lambda i: (self._worth(i, tokens), self.joins_run(i),
-                                            -len(self.slots[i].cached)))
-        busy = sorted(s.seq for s in self.slots if s.busy)
-        plain = self.step_costs.plain_cost
-        batches = len(bridged(busy, fillable, plain))
-
-        def adds_none(i: int) -> bool:
-            return self.joins_run(i) or \
-                len(bridged(sorted(busy + [i]), fillable - {i}, plain)) <= batches
-        return max(free, key=lambda i: (self._worth(i, tokens), adds_none(i),
-                                        -len(self.slots[i].cached), self.joins_run(i)))
+        return self.caches.best(tokens, free, fillable,
+                                self.step_costs.plain_cost if fillable else None)
 
     def prefill_left(self, slot_id: int) -> int:
         """Prompt tokens the busy slot has still to decode (0: free, or decoded)."""
@@ -366,41 +297,13 @@ class LlamaEngine:
         slot.min_tokens = slot.sampled + max(0, least)
 
     def copy_prefix(self, src: int, dst: int, tokens: list[int]) -> int:
-        """Into free slot `dst`'s cache, the start of `tokens` that slot `src` holds,
-        its prompt decoded (llama_memory_seq_cp): a sibling choice of one prompt (`n`,
-        llama.vscode's `n_cmpl`) then decodes only its last token instead of the whole
-        prompt again, as llama-server copies a parent's state to its children. Returns
-        the tokens now cached in `dst` (0: nothing copied; never in deterministic mode,
-        where a prefix decoded in other pieces changes the numbers)."""
-        source, target = self.slots[src], self.slots[dst]
-        # (a source with its last prompt token left holds all a copy takes)
-        if target.busy or len(source.pending) > 1 or not self.copies:
-            return 0
-        n = min(common_prefix(source.cached, tokens), len(tokens) - 1)
-        if n < COPY_AT_LEAST or n <= reusable(target.cached, tokens, self.cache_reuse):
-            return 0                     # (short: as cheap to prefill; or held already)
-        # one KV stream per slot: llama.cpp copies a sequence across streams whole (the
-        # buffer, at its next update; a part of one is refused with an abort), so the
-        # whole of it, then what follows the shared prefix is dropped
-        llama_cpp.llama_memory_seq_rm(self.memory, target.seq, -1, -1)
-        llama_cpp.llama_memory_seq_cp(self.memory, source.seq, target.seq, -1, -1)
-        if not llama_cpp.llama_memory_seq_rm(self.memory, target.seq, n, -1):
-            llama_cpp.llama_memory_seq_rm(self.memory, target.seq, -1, -1)
-            target.cached = []
-            return 0
-        target.cached = list(tokens[:n])
-        if self.draft_model is not None:    # (its cache of the slot was the last
-            self.draft_model.forget(dst)    # tenant's, and no longer this text's)
+        """Into free slot `dst`'s cache, the start of `tokens` that slot `src` holds
+        (`SlotCaches.copy_prefix`: a sibling choice decodes only its last prompt token);
+        returns the tokens now cached there."""
+        n = self.caches.copy_prefix(src, dst, tokens)
+        if n and self.draft_model is not None:  # (its cache of the slot was the last
+            self.draft_model.forget(dst)        # tenant's, and no longer this text's)
         return n
-
-    def joins_run(self, slot_id: int) -> int:
-        """1 if taking this slot adds no run of consecutive busy slots: none is busy, or
-        a neighbour is; 0 if it starts a run of its own."""
-        busy = [s.busy for s in self.slots]
-        if not any(busy):
-            return 1
-        return int((slot_id > 0 and busy[slot_id - 1]) or
-                   (slot_id + 1 < len(busy) and busy[slot_id + 1]))
 
     def add(self, slot_id: int, tokens: list[int], sampling: SamplingParams,
             logprobs: int | None = None, prompt_logprobs: bool = False,
@@ -421,14 +324,14 @@ class LlamaEngine:
         chain.accept_prompt(tokens, penalties=penalize_prompt)
         # At least the last prompt token is decoded again: its logits start generation.
         # Prompt logprobs need every prompt row's logits, so nothing is reused then.
-        n_past = 0
         # Decoding a prompt in other pieces changes its numbers: deterministic mode
         # never reuses a cached prefix.
         if reuse and not prompt_logprobs and not self.deterministic:
-            n_past = min(common_prefix(slot.cached, tokens), len(tokens) - 1)
-            n_past = self._shift_chunks(slot, tokens, n_past)
-        if not self._truncate(slot, n_past):
+            n_past = self.caches.reuse(slot, tokens, min(common_prefix(slot.cached, tokens),
+                                                         len(tokens) - 1))
+        else:
             n_past = 0
+            self.caches.forget(slot)
         if not reuse and self.draft_model is not None:
             # (its cache is the slot's last tenant's: how far it had to catch up, whether
             # its drafts went in, told whether that tenant's prompt began as this one)
@@ -473,31 +376,9 @@ class LlamaEngine:
 
     def clear_caches(self) -> None:
         """Forget every idle slot's cached prefix (after a failed decode, say)."""
-        for slot in self.slots:
-            if not slot.busy:
-                llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
-                slot.cached = []
+        self.caches.forget_idle()
         if self.draft_model is not None:
             self.draft_model.forget()
-
-    def _shift_chunks(self, slot: _Slot, tokens: list[int], n_past: int) -> int:
-        """Shift cached chunks that the prompt repeats further along into place
-        (workers/engine/kvreuse.py); `_truncate` then drops every cell past them."""
-        slot.cached, in_place, shifted = shift_into_place(
-            llama_cpp, self.memory, slot.seq, slot.cached, tokens, n_past, self.cache_reuse)
-        self.tokens_shifted += shifted
-        return in_place
-
-    def _truncate(self, slot: _Slot, n_past: int) -> bool:
-        """Keep the first `n_past` cached tokens of the slot, drop the rest."""
-        ok = n_past > 0 and llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, n_past, -1) \
-            and llama_cpp.llama_memory_seq_pos_max(self.memory, slot.seq) == n_past - 1
-        if not ok:
-            llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
-            slot.cached = []
-            return False
-        del slot.cached[n_past:]
-        return True
 
     def release(self, slot_id: int, keep_cache: bool = True) -> None:
         """End the slot's sequence; the slot is free at once. Its KV cache stays for
@@ -511,8 +392,7 @@ class LlamaEngine:
             slot.policy.learn(slot.cached)       # (the model's tokens since its last draft)
             slot.policy.history = None           # (once per sequence)
         if not keep_cache:
-            llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, -1, -1)
-            slot.cached = []
+            self.caches.forget(slot)
         slot.chain, slot.pending, slot.n_past, slot.next_token, slot.row = None, [], 0, None, -1
         slot.prompt_rows, slot.prompt_logprobs = [], None
         slot.draft, slot.draft_rows = [], []     # (a step that failed leaves its drafts)
@@ -667,7 +547,7 @@ class LlamaEngine:
             n += 1
             return n - 1
 
-        def add_row(slot: _Slot, token: int, logits: bool) -> int:
+        def add_row(slot: Slot, token: int, logits: bool) -> int:
             slot.n_past += 1
             slot.cached.append(token)
             return put(slot.seq, slot.n_past - 1, token, logits)
@@ -735,7 +615,7 @@ class LlamaEngine:
                 out[slot_id] = TokenOut(-1, error=exc)
         return out
 
-    def _prompt_logprobs(self, slot: _Slot) -> None:
+    def _prompt_logprobs(self, slot: Slot) -> None:
         started = time.perf_counter()
         for row, position in slot.prompt_rows:
             following = slot.prompt[position + 1]
@@ -767,7 +647,7 @@ class LlamaEngine:
         policy = self.slots[slot_id].policy
         return (policy.proposed, policy.accepted) if policy else (0, 0)
 
-    def _verify(self, slot: _Slot) -> list[TokenOut]:
+    def _verify(self, slot: Slot) -> list[TokenOut]:
         """Sample the token row, then each draft row while the sample equals the draft;
         keep the accepted positions in the KV cache, drop the rest."""
         draft, rows = slot.draft, [slot.row] + slot.draft_rows
@@ -803,7 +683,7 @@ class LlamaEngine:
         logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
         return log_sum_exp(logits), logits
 
-    def _set_aside(self, slot_id: int, slot: _Slot) -> bool:
+    def _set_aside(self, slot_id: int, slot: Slot) -> bool:
         """Hand the slot's row to the side thread (True) where its sampling is dear
         beside the device's step (aside.py); it sits out until its token is drawn."""
         if self.deterministic or not slot.chain.drawn_by_llama or \
@@ -833,7 +713,7 @@ class LlamaEngine:
             out[slot_id] = self._took(slot, draw.token, draw.logprob, draw.top)
         return out
 
-    def _sample(self, slot: _Slot) -> TokenOut:
+    def _sample(self, slot: Slot) -> TokenOut:
         lse = logits = top = None
         if slot.logprobs is not None:
             lse, logits = self._row(slot.row)
@@ -859,7 +739,7 @@ class LlamaEngine:
         return self._took(slot, token, None if lse is None else float(logits[token] - lse),
                           top)
 
-    def _took(self, slot: _Slot, token: int, logprob: float | None,
+    def _took(self, slot: Slot, token: int, logprob: float | None,
               top: list | None) -> TokenOut:
         """The slot's sampled `token` (with its logprob and the top ones, where asked):
         decoded next step."""
