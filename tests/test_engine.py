@@ -802,6 +802,37 @@ def test_first_line_first_a_deep_sequence_yields_steps(model_path):
         engine.close()
 
 
+def test_first_line_first_with_costs_a_deep_sequence_runs_one_step_in_eight(model_path):
+    """With measured step costs (a CPU's: one row costs half of two), a deep sequence
+    sits out up to SIT_OUT_RUN steps in a row while another writes its first line (a
+    grammar keeps it from writing a newline: FIRST_LINE_MAX tokens), then gets a step,
+    and sits out again; no longer run of sit-outs; every step again once the line is
+    done."""
+    from workers.engine.llama import LlamaEngine
+    from workers.engine.scheduling import DEEP_AFTER, SIT_OUT_RUN
+    from workers.engine.stepcosts import StepCosts
+    from workers.sampling import SamplingParams
+    costs = StepCosts.assumed()
+    engine = LlamaEngine(model_path, 1024, 2, THREADS, 0, step_costs=costs)
+    keep_going = SamplingParams(temperature=0.0, ignore_eos=True)
+    one_line = SamplingParams(temperature=0.0, ignore_eos=True, grammar="root ::= [^\\n]*")
+    try:
+        engine.add(0, engine.tokenize("def f():\n    return 1\n\n\ndef g():\n"), keep_going)
+        while not (engine.slots[0].line_done and engine.slots[0].sampled >= DEEP_AFTER):
+            engine.step()
+        engine.add(1, engine.tokenize("The history of the Roman Empire, part one, is"),
+                   one_line)
+        ran = ""
+        while not engine.slots[1].line_done:
+            ran += "T" if 0 in engine.step() else "F"
+        assert len(ran) > 2 * (SIT_OUT_RUN + 1), ran
+        assert "F" * SIT_OUT_RUN in ran and "F" * (SIT_OUT_RUN + 1) not in ran, ran
+        assert ran.count("T") <= len(ran) // (SIT_OUT_RUN + 1) + 2, ran
+        assert all(0 in engine.step() for _ in range(4))          # no one waits: every step
+    finally:
+        engine.close()
+
+
 def test_a_first_line_without_a_newline_ends_after_first_line_max_tokens(model_path):
     """A sequence that writes no newline (a grammar forbids it) counts as short of its
     first line for FIRST_LINE_MAX tokens and then as past it: the deep streams beside
