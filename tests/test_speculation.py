@@ -329,7 +329,7 @@ def test_first_line_first_counts_each_run_of_sequence_ids_as_a_decode():
     from workers.engine.scheduling import DEEP_AFTER, Scheduler, seq_runs
 
     def batch(deep: list[int], waiting: int):
-        return [SimpleNamespace(seq=i, line_done=i != waiting, sat_out=False,
+        return [SimpleNamespace(seq=i, line_done=i != waiting, sat_out=0,
                                 sampled=DEEP_AFTER + 10 * i if i in deep else 3)
                 for i in range(8)]
     cpu = StepCosts.assumed()
@@ -645,7 +645,7 @@ def test_sit_outs_only_where_the_measured_step_is_a_tenth_cheaper():
     from workers.engine.scheduling import DEEP_AFTER, Scheduler
 
     def seven_deep():
-        return [SimpleNamespace(seq=i, line_done=i < 7, sat_out=False,
+        return [SimpleNamespace(seq=i, line_done=i < 7, sat_out=0,
                                 sampled=DEEP_AFTER + 100 - i if i < 7 else 1)
                 for i in range(8)]
     assert [s.seq for s in Scheduler().first_line_first(seven_deep(), [],
@@ -664,7 +664,7 @@ def test_sit_outs_count_the_prompt_piece_the_step_takes():
     from workers.engine.scheduling import DEEP_AFTER, Scheduler
 
     def seven_deep():
-        return [SimpleNamespace(seq=i, line_done=True, sat_out=False,
+        return [SimpleNamespace(seq=i, line_done=True, sat_out=0,
                                 sampled=DEEP_AFTER + 100 - i) for i in range(7)]
     prompt = [SimpleNamespace(seq=7)]
     cpu = StepCosts.assumed()

@@ -266,7 +266,7 @@ class GenerationLoop:
         (last in line for prefill room)."""
         gen = body.generation
         if gen.cache_prompt is False or (gen.echo and gen.logprobs is not None) or \
-                not getattr(self.engine, "copies", False):
+                not self.engine.copies:
             return None
         for active in self.active.values():
             if active.source is None or active.tenant != body.tenant or \

@@ -271,6 +271,11 @@ class LlamaEngine:
     def n_slots(self) -> int:
         return len(self.slots)
 
+    @property
+    def copies(self) -> bool:
+        """Whether a sibling choice may copy a decoded prompt (`copy_prefix`)."""
+        return self.caches.copies
+
     def cached_prefix(self, tokens: list[int], free: list[int]) -> int:
         """The most of `tokens` that the free slot `best_slot` would choose holds."""
         return self.caches.cached_prefix(tokens, free)
