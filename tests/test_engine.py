@@ -1500,6 +1500,43 @@ def test_a_free_slot_between_two_streams_joins_their_batch_and_keeps_its_cache(m
     assert again["gpu"] == again["cpu"]
 
 
+def test_a_lone_run_of_seven_is_padded_to_eight_and_now_and_then_not(model_path):
+    """On the CPU's costs seven rows cost more than eight: seven streams in slots 0-6 and
+    a free slot 7 holding a finished prompt, slot 7 takes a filler row every step but
+    one in PAD_PROBE_EVERY (whose unpadded step keeps seven rows' cost observed); its
+    cache keeps exactly its tokens. With four streams, no filler (four rows cost least)."""
+    from workers.engine.llama import LlamaEngine, llama_cpp
+    from workers.engine.scheduling import PAD_PROBE_EVERY
+    from workers.engine.stepcosts import StepCosts
+    engine = LlamaEngine(model_path, 1024, 8, THREADS, 0, draft_max=16,
+                         step_costs=StepCosts.assumed())
+    keep_going = SamplingParams(temperature=0.0, ignore_eos=True)
+    try:
+        engine.add(7, engine.tokenize("import os\n\n\ndef list_files(path):\n"), GREEDY)
+        while engine.slots[7].pending or engine.slots[7].sampled < 2:
+            engine.step()
+        engine.release(7)
+        cached = list(engine.slots[7].cached)
+        for count in (7, 4):
+            for slot in range(count):
+                engine.add(slot, engine.tokenize(f"# stream {slot}\nx = {slot}"), keep_going,
+                           draft_max=0)
+            while any(engine.slots[i].pending for i in range(count)):
+                engine.step()
+            before = engine.totals.filler_rows
+            steps = 2 * PAD_PROBE_EVERY
+            for _ in range(steps):
+                engine.step()
+                assert llama_cpp.llama_memory_seq_pos_max(engine.memory, 7) == len(cached) - 1
+            padded = engine.totals.filler_rows - before
+            assert padded == (steps - 2 if count == 7 else 0), (count, padded)
+            for slot in range(count):
+                engine.release(slot)
+        assert engine.slots[7].cached == cached
+    finally:
+        engine.close()
+
+
 def test_with_filler_rows_a_new_sequence_keeps_the_cached_slots(model_path):
     """Where free slots' filler rows join runs of busy slots (measured costs), a gap
     costs a row, not a pass over the weights: a new prompt takes the slot with the least

@@ -771,8 +771,9 @@ def test_free_sequences_join_runs_where_one_batch_costs_less():
     the measured costs. On the CPU's (eight rows cost less than five, six or seven; one
     13 ms) rows of 0, 1, 3, 5, 6, 7 go as one batch of eight (46 ms, not 74), three lone
     rows stay three batches (39 ms, not 62 for five); on a GPU's (rows nearly free) any
-    gap is filled. A lone run is never padded, even where eight rows cost less than seven
-    (its own cost is what its steps observe), nor past a slot that cannot take a row."""
+    gap is filled. A lone run is padded where that is cheaper too (seven rows 62 ms, eight
+    46), not where it is not (four rows, or a GPU's costs), nor past a slot that cannot
+    take a row."""
     from workers.engine.scheduling import bridged, spans_cost
     cpu = StepCosts.assumed()
     gpu = gpu_like()
@@ -787,7 +788,12 @@ def test_free_sequences_join_runs_where_one_batch_costs_less():
     # spans never touch (llama.cpp would decode 0 and 1-4 as one batch of five, 57 ms,
     # where 0 alone and 1-4 were counted 13 + 37)
     assert bridged([0, 1, 3, 4], {2}, cpu.plain_cost) == [(0, 1), (3, 4)]
-    assert bridged(list(range(7)), {7}, cpu.plain_cost) == [(0, 6)]     # a lone run
+    assert bridged(list(range(7)), {7}, cpu.plain_cost) == [(0, 7)]     # a lone run
+    assert bridged(list(range(1, 8)), {0}, cpu.plain_cost) == [(0, 7)]
+    assert bridged(list(range(5)), {5, 6, 7}, cpu.plain_cost) == [(0, 7)]
+    assert bridged(list(range(4)), {4, 5, 6, 7}, cpu.plain_cost) == [(0, 3)]
+    assert bridged(list(range(7)), set(), cpu.plain_cost) == [(0, 6)]
+    assert bridged(list(range(7)), {7}, gpu.plain_cost) == [(0, 6)]
     assert bridged([0, 7], set(range(1, 7)), gpu.plain_cost) == [(0, 7)]
     assert bridged([0, 7], {1, 2, 3, 4, 5}, gpu.plain_cost) == [(0, 0), (7, 7)]  # 6 busy
     assert bridged([2], {0, 1, 3}, gpu.plain_cost) == [(2, 2)]

@@ -36,8 +36,8 @@ from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.draftmodel import DraftCosts, DraftModel
 from dispatcher.common.repacking import repacking_answer
-from workers.engine.scheduling import (FIRST_LINE_MAX, SIT_OUT_RUN, Scheduler, bridged,
-                                        seq_runs)
+from workers.engine.scheduling import (FIRST_LINE_MAX, PAD_PROBE_EVERY, SIT_OUT_RUN,
+                                        Scheduler, bridged, seq_runs)
 from workers.engine.history import Histories
 from workers.engine.slots import COPY_AT_LEAST, Slot, SlotCaches
 from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
@@ -100,6 +100,7 @@ class LlamaEngine:
             self.draft_max = 0
         self.copy_at_least = COPY_AT_LEAST
         self.totals = P.StepTotals()     # the step profile (bench --profile, /metrics)
+        self.padded = 0                  # steps whose lone run fillers padded (_fillers)
         self.histories = Histories()     # recent sequences per tenant: a draft source
         self.calibration = Calibration()  # each source's measured acceptance, all sequences
         self.scheduler = Scheduler()     # first line first, who drafts (scheduling.py)
@@ -531,7 +532,13 @@ class LlamaEngine:
         fill = {q: (free[q], rows) for first, last in spans for q in range(first, last + 1)
                 if q not in present}
         used = sum(1 + len(s.draft) for s in generating) + sum(grant.values())
-        return fill if used + rows * len(fill) <= self.n_batch else {}
+        if not fill or used + rows * len(fill) > self.n_batch:
+            return {}
+        if len(seq_runs(sorted(present))) == 1:   # (a lone run padded: now and then not,
+            self.padded += 1                      # so that its own cost stays observed)
+            if self.padded % PAD_PROBE_EVERY == 0:
+                return {}
+        return fill
 
     def _fill_batch(self, generating: list, grant: dict[int, int],
                     fillers: dict[int, tuple[int, int]] | None = None) -> tuple[int, int]:

@@ -33,6 +33,8 @@ WAIT_STRETCH = 0.1      # while a user waits (a first line, a prompt, a new arri
 JOIN_ROWS = 16          # rows of whole prompts that may always join a step finishing one
 BRIDGE_SAVING = 0.05    # free sequences' filler rows join runs only for a step this much
                         # cheaper (see bridged)
+PAD_PROBE_EVERY = 32    # ... and one step in this many that fillers would pad a lone run
+                        # goes without them, its own cost observed (see bridged)
 
 
 class Scheduler:
@@ -388,11 +390,14 @@ def bridged(seqs: list[int], fillable: Collection[int], cost_of: Callable[[int],
     join runs into one span, where the spans cost at least BRIDGE_SAVING less by
     `cost_of(n)` (a batch of n sequences' rows) than the runs alone. Measured on the
     2-core EPYC, rows of sequences 0, 1, 3, 5, 6, 7: 70-77 ms as three batches, 47-51 ms
-    as one of all eight (two filler rows). A span may also take free ids beside the runs
-    (rows of 1, 3, 5 and 7 as one span 0-7 where eight rows cost less than seven), but a
-    lone run is never padded: its own shape is then run and observed (`StepCosts.observe`),
-    so a cost measured too high on a busy start-up is corrected, not avoided for ever. A
-    span is at most PLAIN_MAX ids long (the plain steps measured)."""
+    as one of all eight (two filler rows). A span may also take free ids beside the runs,
+    a lone run too: there a batch's rows go through the weights four at a time and the
+    rows left over one by one, so five, six or seven rows cost more than eight (56, 62 and
+    66 ms against 51 in this machine's start-up measurement), and 0-6 take a filler in 7.
+    (The engine leaves one such padded step in PAD_PROBE_EVERY as it is, so the lone
+    run's own cost stays observed, `StepCosts.observe`: one measured too high on a busy
+    start-up is corrected, not avoided for ever.) A span is at most PLAIN_MAX ids long
+    (the plain steps measured); past BRIDGE_EXACT ids runs are only joined, not padded."""
     runs: list[tuple[int, int]] = []
     for seq in seqs:
         if runs and seq == runs[-1][1] + 1:
@@ -400,8 +405,8 @@ def bridged(seqs: list[int], fillable: Collection[int], cost_of: Callable[[int],
         else:
             runs.append((seq, seq))
     present, free = set(seqs), set(fillable) - set(seqs)
-    if len(runs) < 2 or not free:       # (one run stays as it is: its own shape is
-        return runs                     # what the steps observe, keeping its cost true)
+    if not runs or not free:
+        return runs
     top = max(max(seqs), max(free)) + 1
     price = tuple([0.0] + [cost_of(n) for n in range(1, top + 1)])
     key = (tuple(seqs), frozenset(free), price)
