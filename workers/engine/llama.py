@@ -36,8 +36,8 @@ from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.draftmodel import DraftCosts, DraftModel
 from dispatcher.common.repacking import repacking_answer
-from workers.engine.scheduling import (FIRST_LINE_MAX, PAD_PROBE_EVERY, SIT_OUT_RUN,
-                                        Scheduler, bridged, seq_runs)
+from workers.engine.scheduling import (FIRST_LINE_MAX, PAD_PROBE_EVERY, PROBE_AGAIN_BELOW,
+                                        SIT_OUT_RUN, Scheduler, bridged, seq_runs)
 from workers.engine.history import Histories
 from workers.engine.slots import COPY_AT_LEAST, Slot, SlotCaches
 from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
@@ -101,6 +101,8 @@ class LlamaEngine:
         self.copy_at_least = COPY_AT_LEAST
         self.totals = P.StepTotals()     # the step profile (bench --profile, /metrics)
         self.padded = 0                  # steps whose lone run fillers padded (_fillers)
+        self.probing = False             # ... this step would have been: it is observed
+        self.probe_again = False         # ... and came out cheaper than its cost said
         self.histories = Histories()     # recent sequences per tenant: a draft source
         self.calibration = Calibration()  # each source's measured acceptance, all sequences
         self.scheduler = Scheduler()     # first line first, who drafts (scheduling.py)
@@ -534,9 +536,12 @@ class LlamaEngine:
         used = sum(1 + len(s.draft) for s in generating) + sum(grant.values())
         if not fill or used + rows * len(fill) > self.n_batch:
             return {}
-        if len(seq_runs(sorted(present))) == 1:   # (a lone run padded: now and then not,
-            self.padded += 1                      # so that its own cost stays observed)
-            if self.padded % PAD_PROBE_EVERY == 0:
+        if len(seq_runs(sorted(present))) == 1:
+            if grant:           # (a prompt piece's rows make the step: its count of
+                return {}       # sequences is not what it costs)
+            self.padded += 1    # (the first, and now and then, not: so that its own
+            if self.probe_again or self.padded % PAD_PROBE_EVERY == 1:  # cost is observed)
+                self.probing = True
                 return {}
         return fill
 
@@ -595,6 +600,7 @@ class LlamaEngine:
         fillers counted, drafts on one of them or alike on all) keeps the step costs
         current."""
         fillers = fillers or {}
+        probing, self.probing = self.probing, False
         if not (self.learn_costs and self.step_costs is not None and not grant and
                 generating and len(seq_runs(sorted({s.seq for s in generating} |
                                                    set(fillers)))) == 1):
@@ -602,9 +608,12 @@ class LlamaEngine:
         drafts = [len(s.draft) for s in generating] + [rows - 1 for _, rows in fillers.values()]
         each = len(drafts) > 1 and min(drafts) > 0 and len(set(drafts)) == 1
         measured = each or sum(1 for d in drafts if d) <= 1
-        if measured and self.step_costs.observe(
-                len(drafts), drafts[0] if each else sum(drafts), ms, each) and \
-                self.step_costs.observed % COSTS_LOG_EVERY == 0:
+        if not (measured and self.step_costs.observe(
+                len(drafts), drafts[0] if each else sum(drafts), ms, each)):
+            return
+        if probing:             # (a lone run left unpadded: cheaper than its cost said?)
+            self.probe_again = self.step_costs.last_ratio < PROBE_AGAIN_BELOW
+        if self.step_costs.observed % COSTS_LOG_EVERY == 0:
             log.info("step costs now (ms by sequences, draft rows): %s",
                      self.step_costs.summary())
 

@@ -34,7 +34,9 @@ JOIN_ROWS = 16          # rows of whole prompts that may always join a step fini
 BRIDGE_SAVING = 0.05    # free sequences' filler rows join runs only for a step this much
                         # cheaper (see bridged)
 PAD_PROBE_EVERY = 32    # ... and one step in this many that fillers would pad a lone run
-                        # goes without them, its own cost observed (see bridged)
+                        # goes without them, its own cost observed (see bridged), and
+PROBE_AGAIN_BELOW = 0.9  # ... the next one too where that step took less than this share
+                        # of its shape's cost (a start-up measured too high, corrected)
 
 
 class Scheduler:
@@ -395,8 +397,9 @@ def bridged(seqs: list[int], fillable: Collection[int], cost_of: Callable[[int],
     rows left over one by one, so five, six or seven rows cost more than eight (56, 62 and
     66 ms against 51 in this machine's start-up measurement), and 0-6 take a filler in 7.
     (The engine leaves one such padded step in PAD_PROBE_EVERY as it is, so the lone
-    run's own cost stays observed, `StepCosts.observe`: one measured too high on a busy
-    start-up is corrected, not avoided for ever.) A span is at most PLAIN_MAX ids long
+    run's own cost stays observed, `StepCosts.observe`, and the next one too while such
+    a step comes out under PROBE_AGAIN_BELOW of its cost: one measured too high on a
+    busy start-up is corrected, not avoided for ever.) A span is at most PLAIN_MAX ids long
     (the plain steps measured); past BRIDGE_EXACT ids runs are only joined, not padded."""
     runs: list[tuple[int, int]] = []
     for seq in seqs:

@@ -93,6 +93,7 @@ class StepCosts:
         self.plain = sorted(s for s, d in table if d == 0)
         self.each = each or {}          # (S, k): S sequences with k draft rows each
         self.observed = 0               # steps that corrected the table
+        self.last_ratio = 1.0           # ... the last one's time over its shape's cost then
         # seconds of a full batch's prompt chunk, measured with the table (the watchdog's
         # --step-timeout auto, costprobe.full_step_seconds); None: not measured
         self.full_step_s = full_step_s
@@ -185,6 +186,7 @@ class StepCosts:
             predicted = self.each.get((sequences, extra), 0.0)
             if predicted <= 0 or ms <= 0:
                 return False
+            self.last_ratio = ms / predicted
             ratio = min(max(ms / predicted, 1 / OBSERVED_CLAMP), OBSERVED_CLAMP)
             self.each[sequences, extra] = predicted * ratio ** (
                 OBSERVED_DOWN if ratio < 1 else OBSERVED_UP)
@@ -194,6 +196,7 @@ class StepCosts:
         predicted = self.cost(sequences, extra)
         if not weights or predicted <= 0 or ms <= 0:
             return False
+        self.last_ratio = ms / predicted
         ratio = min(max(ms / predicted, 1 / OBSERVED_CLAMP), OBSERVED_CLAMP)
         rate = OBSERVED_DOWN if ratio < 1 else OBSERVED_UP
         for shape, weight in weights:
