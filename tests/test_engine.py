@@ -786,25 +786,35 @@ def test_first_line_first_a_deep_sequence_yields_steps(model_path):
     while another is short of its first line (no step costs here: every one that may
     sits out), never two in a row; once that one has its line, both get a row every
     step again."""
-    from workers.engine.scheduling import DEEP_AFTER
     from workers.sampling import SamplingParams
     engine = make(model_path, slots=2)
-    keep_going = SamplingParams(temperature=0.0, ignore_eos=True)
     try:
-        engine.add(0, engine.tokenize("def f():\n    return 1\n\n\ndef g():\n"), keep_going)
-        while not (engine.slots[0].line_done and engine.slots[0].sampled >= DEEP_AFTER):
-            engine.step()
-        engine.add(1, engine.tokenize("x = [1, 2, 3]\nprint(len(x))  # a comment that goes on"),
-                   keep_going)
-        pattern = []
-        while not engine.slots[1].line_done:        # (a newline, or FIRST_LINE_MAX tokens)
-            pattern.append(0 in engine.step())
-        assert len(pattern) >= 3
-        assert "FF" not in "".join("T" if p else "F" for p in pattern)
-        assert pattern.count(False) >= len(pattern) // 2 - 1
+        ran = deep_beside_a_first_line(
+            engine, "x = [1, 2, 3]\nprint(len(x))  # a comment that goes on",
+            SamplingParams(temperature=0.0, ignore_eos=True))
+        assert len(ran) >= 3
+        assert "FF" not in ran, ran
+        assert ran.count("F") >= len(ran) // 2 - 1
         assert all(0 in engine.step() for _ in range(4))          # no one waits: every step
     finally:
         engine.close()
+
+
+def deep_beside_a_first_line(engine, prompt: str, sampling) -> str:
+    """Slot 0 generates past its first line and DEEP_AFTER tokens, then slot 1 starts
+    `prompt`: whether slot 0 got a token in each step until slot 1's first line is done
+    (a newline, or FIRST_LINE_MAX tokens), as T and F."""
+    from workers.engine.scheduling import DEEP_AFTER
+    from workers.sampling import SamplingParams
+    engine.add(0, engine.tokenize("def f():\n    return 1\n\n\ndef g():\n"),
+               SamplingParams(temperature=0.0, ignore_eos=True))
+    while not (engine.slots[0].line_done and engine.slots[0].sampled >= DEEP_AFTER):
+        engine.step()
+    engine.add(1, engine.tokenize(prompt), sampling)
+    ran = ""
+    while not engine.slots[1].line_done:
+        ran += "T" if 0 in engine.step() else "F"
+    return ran
 
 
 def test_first_line_first_with_costs_a_deep_sequence_runs_one_step_in_eight(model_path):
@@ -814,22 +824,14 @@ def test_first_line_first_with_costs_a_deep_sequence_runs_one_step_in_eight(mode
     and sits out again; no longer run of sit-outs; every step again once the line is
     done."""
     from workers.engine.llama import LlamaEngine
-    from workers.engine.scheduling import DEEP_AFTER, SIT_OUT_RUN
+    from workers.engine.scheduling import SIT_OUT_RUN
     from workers.engine.stepcosts import StepCosts
     from workers.sampling import SamplingParams
-    costs = StepCosts.assumed()
-    engine = LlamaEngine(model_path, 1024, 2, THREADS, 0, step_costs=costs)
-    keep_going = SamplingParams(temperature=0.0, ignore_eos=True)
-    one_line = SamplingParams(temperature=0.0, ignore_eos=True, grammar="root ::= [^\\n]*")
+    engine = LlamaEngine(model_path, 1024, 2, THREADS, 0, step_costs=StepCosts.assumed())
     try:
-        engine.add(0, engine.tokenize("def f():\n    return 1\n\n\ndef g():\n"), keep_going)
-        while not (engine.slots[0].line_done and engine.slots[0].sampled >= DEEP_AFTER):
-            engine.step()
-        engine.add(1, engine.tokenize("The history of the Roman Empire, part one, is"),
-                   one_line)
-        ran = ""
-        while not engine.slots[1].line_done:
-            ran += "T" if 0 in engine.step() else "F"
+        ran = deep_beside_a_first_line(
+            engine, "The history of the Roman Empire, part one, is",
+            SamplingParams(temperature=0.0, ignore_eos=True, grammar="root ::= [^\\n]*"))
         assert len(ran) > 2 * (SIT_OUT_RUN + 1), ran
         assert "F" * SIT_OUT_RUN in ran and "F" * (SIT_OUT_RUN + 1) not in ran, ran
         assert ran.count("T") <= len(ran) // (SIT_OUT_RUN + 1) + 2, ran
