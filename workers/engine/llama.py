@@ -510,9 +510,12 @@ class LlamaEngine:
         batch of its own, so a free sequence between runs takes as many rows as each
         generating one (at the end of its cache, removed after the decode) where one
         batch of the whole span costs less on the measured step costs
-        (`scheduling.bridged`). Nothing where the step costs are not measured, in
-        deterministic mode, where the model's memory cannot drop positions (a recurrent
-        one), or where the batch has no room for them."""
+        (`scheduling.bridged`); so does one beside a lone run where more rows cost less
+        (seven padded to eight), except beside a prompt piece and on the steps that
+        observe the lone run's own cost (the first, one in PAD_PROBE_EVERY, and the next
+        while one comes out under PROBE_AGAIN_BELOW of its cost). Nothing where the step
+        costs are not measured, in deterministic mode, where the model's memory cannot
+        drop positions (a recurrent one), or where the batch has no room for them."""
         if self.deterministic or self.step_costs is None or not generating or \
                 not self.drops_positions:
             return {}
