@@ -840,6 +840,45 @@ def test_first_line_first_with_costs_a_deep_sequence_runs_one_step_in_eight(mode
         engine.close()
 
 
+def test_a_prompt_finishing_beside_generating_sequences_is_decoded_first(model_path):
+    """Prompt first, on the CPU's costs with a host of 1 ms a round: the step that
+    finishes a new prompt of several rows beside two generating sequences decodes that
+    prompt alone (its first token out, theirs not), the next step is theirs and the new
+    one's, without prompt rows; a one-row piece (the same prompt again, cached but its
+    last token) goes beside them; with a host of 50 ms a round (more than their decode)
+    a new prompt goes beside them too."""
+    from workers.engine.llama import LlamaEngine
+    from workers.engine.scheduling import HOST_GAPS
+    from workers.engine.stepcosts import StepCosts
+    engine = LlamaEngine(model_path, 1024, 4, THREADS, 0, step_costs=StepCosts.assumed())
+    keep_going = SamplingParams(temperature=0.0, ignore_eos=True)
+    prompt = engine.tokenize("import json\n\n\nclass Settings:\n    def __init__(self):\n")
+    try:
+        for slot, text in enumerate(("def f():\n", "x = [")):
+            engine.add(slot, engine.tokenize(text), keep_going, draft_max=0)
+        while any(engine.slots[i].pending for i in (0, 1)):
+            engine.step()
+        engine.host_gaps.extend([1.0] * HOST_GAPS)
+        engine.add(2, prompt, GREEDY, draft_max=0)
+        assert len(engine.slots[2].pending) > 1
+        rows = engine.totals.prompt_rows
+        assert sorted(engine.step()) == [2]
+        assert engine.totals.prompt_rows == rows + len(prompt)
+        assert sorted(engine.step()) == [0, 1, 2]
+        assert engine.totals.prompt_rows == rows + len(prompt)
+        engine.release(2)
+        engine.add(2, prompt, GREEDY, draft_max=0)
+        assert len(engine.slots[2].pending) == 1
+        assert sorted(engine.step()) == [0, 1, 2]
+        engine.release(2)
+        engine.host_gaps.extend([50.0] * HOST_GAPS)
+        engine.add(2, engine.tokenize("import os\nimport sys\n\n\ndef main(argv):\n"),
+                   GREEDY, draft_max=0)
+        assert sorted(engine.step()) == [0, 1, 2]
+    finally:
+        engine.close()
+
+
 def test_a_first_line_without_a_newline_ends_after_first_line_max_tokens(model_path):
     """A sequence that writes no newline (a grammar forbids it) counts as short of its
     first line for FIRST_LINE_MAX tokens and then as past it: the deep streams beside

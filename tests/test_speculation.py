@@ -678,6 +678,27 @@ def test_sit_outs_count_the_prompt_piece_the_step_takes():
     assert Scheduler().first_line_first(batch, prompt, gpu_like(), prompt_rows=8) == batch
 
 
+def test_a_finishing_prompt_goes_before_the_generating_rows_where_their_decode_outweighs_the_host():
+    """Prompt first: a prompt piece of two rows or more is a sub-batch of its own beside
+    one-row sequences, so decoding it alone first gives its first token their decode
+    sooner and costs them one host round. On the CPU's costs (seven rows 62 ms) and a
+    host of 2 ms a round it goes first; a one-row piece never (it shares their
+    sub-batch); where the host's round on each of them outweighs their decode (a GPU's
+    10 ms step beside seven sequences, or a host of 10 ms beside eight on the CPU), or
+    without measured costs, together."""
+    from workers.engine.scheduling import prompt_first
+
+    cpu, gpu = StepCosts.assumed(), gpu_like()
+    assert prompt_first(7, 12, cpu, 2.0) and prompt_first(7, 230, cpu, 2.0)
+    assert prompt_first(1, 2, cpu, 2.0)
+    assert not prompt_first(7, 1, cpu, 2.0)
+    assert not prompt_first(8, 12, cpu, 10.0)
+    assert not prompt_first(0, 12, cpu, 2.0)
+    assert not prompt_first(7, 12, None, 0.5)
+    assert not prompt_first(7, 12, gpu, 2.0)
+    assert prompt_first(2, 12, gpu, 2.0)
+
+
 def test_drafts_run_beside_a_waiting_user_only_where_rows_are_nearly_free():
     """One sequence with a confident proposal, another still short of its first line:
     on the CPU's costs (a draft row about a plain step) it drafts nothing, since the

@@ -36,8 +36,9 @@ from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.draftmodel import DraftCosts, DraftModel
 from dispatcher.common.repacking import repacking_answer
-from workers.engine.scheduling import (FIRST_LINE_MAX, PAD_PROBE_EVERY, PROBE_AGAIN_BELOW,
-                                        SIT_OUT_RUN, Scheduler, bridged, seq_runs)
+from workers.engine.scheduling import (FIRST_LINE_MAX, HOST_GAPS, PAD_PROBE_EVERY,
+                                        PROBE_AGAIN_BELOW, SIT_OUT_RUN, Scheduler, bridged,
+                                        prompt_first, seq_runs)
 from workers.engine.history import Histories
 from workers.engine.slots import COPY_AT_LEAST, Slot, SlotCaches
 from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
@@ -103,6 +104,11 @@ class LlamaEngine:
         self.padded = 0                  # steps whose lone run fillers padded (_fillers)
         self.probing = False             # ... this step would have been: it is observed
         self.probe_again = False         # ... and came out cheaper than its cost said
+        self.generating_turn = False     # the last step decoded a prompt alone: this one
+                                         # is the generating sequences' (prompt_first)
+        self.host_gaps: collections.deque = collections.deque(maxlen=HOST_GAPS)
+        self.decoded_at: float | None = None   # the host's time between two decodes is
+                                               # measured from this one's end (_time_host)
         self.histories = Histories()     # recent sequences per tenant: a draft source
         self.calibration = Calibration()  # each source's measured acceptance, all sequences
         self.scheduler = Scheduler()     # first line first, who drafts (scheduling.py)
@@ -438,6 +444,7 @@ class LlamaEngine:
             for seq, (start, _) in fillers.items():   # (their caches as they were)
                 llama_cpp.llama_memory_seq_rm(self.memory, seq, start, -1)
         decoded = time.perf_counter()
+        self._time_host(started, decoded)
         self._count_step(generating, grant, started - planning, decoded - started, fillers)
         ms = 1000 * (decoded - started)
         self.step_ms = 0.9 * self.step_ms + 0.1 * ms if self.step_ms else ms
@@ -450,10 +457,30 @@ class LlamaEngine:
         self.totals.sample_seconds += time.perf_counter() - decoded
         return out
 
+    @property
+    def host_ms(self) -> float:
+        """The host's milliseconds between two decodes (planning, sampling, the worker's
+        messages): the median of the last HOST_GAPS where the worker went on at once."""
+        gaps = sorted(self.host_gaps)
+        return gaps[len(gaps) // 2] if gaps else 0.0
+
+    def _time_host(self, started: float, decoded: float) -> None:
+        """The gap between the last decode and this one, where a sequence was still
+        generating or prefilling after it (the worker went on at once; a gap it waited
+        out idle is one of many in the median); then whether the next gap counts."""
+        if self.decoded_at is not None:
+            self.host_gaps.append(1000 * (started - self.decoded_at))
+        self.decoded_at = decoded if any(s.busy and (s.pending or s.next_token is not None
+                                                     or s.row >= 0)
+                                         for s in self.slots) else None
+
     def _plan(self, planning: float) -> tuple[list, dict[int, int], float]:
         """Who gets rows in this step (`workers.engine.scheduling`): the generating slots
         (each with its draft) and the prompt rows granted by slot; and when planning
-        began, moved on by the draft model's time (the plan's time is the host's alone)."""
+        began, moved on by the draft model's time (the plan's time is the host's alone).
+        A step that would finish a waiting prompt beside them decodes the prompt alone
+        where that pays (`prompt_first`); the next is then theirs, without prompt rows."""
+        turn, self.generating_turn = self.generating_turn, False
         fillable = self._free_seqs()     # (the free slots a filler row may go in)
         # Prefill priority: the prompts with the least left to decode first (the next
         # keystroke of a session, mostly cached) take the room before cold ones; a
@@ -470,6 +497,8 @@ class LlamaEngine:
                 running, prefilling, self.step_costs, self._prompt_rows_at_least(
                     prefilling, min(self.n_batch - len(running), self.prefill_chunk)),
                 fillable)
+            if not turn and self._prompt_first(generating, prefilling):
+                generating, self.generating_turn = [], True
         self.calibration.step()
         drafting = self.draft_model.seconds if self.draft_model is not None else 0.0
         self.scheduler.draft(self.slots, generating, prefilling, self.n_ctx, self.n_batch,
@@ -482,8 +511,24 @@ class LlamaEngine:
         # so a long prompt holds the running streams back by one chunk a step at most.
         rows = sum(1 + len(s.draft) for s in generating)
         room = min(self.n_batch - rows, self.prefill_chunk)
+        if turn and generating:
+            return generating, {}, planning
         return generating, self.scheduler.prefill(prefilling, room, self._logprob_rows(),
                                                   rows), planning
+
+    def _prompt_first(self, generating: list, prefilling: list) -> bool:
+        """Whether the first prompt in line, one a user waits on, finishes in this step's
+        room and goes alone before the generating sequences (`prompt_first`)."""
+        if not generating or not prefilling or self.step_costs is None:
+            return False
+        first = prefilling[0]
+        if first.budget == 0 and first.prompt_logprobs is None:
+            return False                # (a warm-up: nobody reads its tokens)
+        room = min(self.n_batch, self.prefill_chunk)
+        if self._prompt_rows_at_least(prefilling, room) < len(first.pending):
+            return False
+        return prompt_first(len(generating), len(first.pending), self.step_costs,
+                            self.host_ms)
 
     def _prompt_rows_at_least(self, prefilling: list, room: int) -> int:
         """The prompt rows this step will take at least: the first prompt's piece (it

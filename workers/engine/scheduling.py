@@ -37,6 +37,7 @@ PAD_PROBE_EVERY = 32    # ... and one step in this many that fillers would pad a
                         # goes without them, its own cost observed (see bridged), and
 PROBE_AGAIN_BELOW = 0.9  # ... the next one too where that step took less than this share
                         # of its shape's cost (a start-up measured too high, corrected)
+HOST_GAPS = 15          # gaps between decodes whose median is the host's time (prompt_first)
 
 
 class Scheduler:
@@ -380,6 +381,26 @@ class Scheduler:
             log.warning("the draft model failed, no drafts from it this step: %s", exc)
             model.forget()
             return {seq: [] for seq in wants}
+
+
+def prompt_first(sequences: int, piece: int, costs: StepCosts | None, host_ms: float
+                 ) -> bool:
+    """Whether a step that finishes a waiting prompt (`piece` rows left) decodes it
+    alone, the `sequences` generating beside it in the next step (and no prompt rows
+    there). llama.cpp decodes a batch whose sequences have unequal rows as sub-batches
+    of equal rows (with a KV stream per sequence), so a prompt piece of two rows or
+    more beside one-row sequences is two decodes already: measured in-process, seven
+    rows and a 3-row piece 67.9 ms together, 55.1 + 13.2 apart; with a 230-row piece
+    287.8 against 55.3 + 229.8. Apart, prompt first, the prompt's first token comes the
+    generating rows' decode sooner and theirs one host round (plan, sampling, the
+    worker's messages) later: so where that round on every generating sequence costs
+    less than their decode (`host_ms` measured, their plain step's measured cost). A
+    one-row piece joins their sub-batch (eight rows 39 ms against seven 55 + one 13):
+    never apart. On a GPU, whose plain step is a few milliseconds, the host's round on
+    several sequences outweighs it: together. Without measured costs, together."""
+    if costs is None or sequences <= 0 or piece < 2:
+        return False
+    return sequences * host_ms < costs.plain_cost(sequences)
 
 
 def bridged(seqs: list[int], fillable: Collection[int], cost_of: Callable[[int], float]
