@@ -843,38 +843,87 @@ def test_first_line_first_with_costs_a_deep_sequence_runs_one_step_in_eight(mode
 def test_a_prompt_finishing_beside_generating_sequences_is_decoded_first(model_path):
     """Prompt first, on the CPU's costs with a host of 1 ms a round: the step that
     finishes a new prompt of several rows beside two generating sequences decodes that
-    prompt alone (its first token out, theirs not), the next step is theirs and the new
-    one's, without prompt rows; a one-row piece (the same prompt again, cached but its
-    last token) goes beside them; with a host of 50 ms a round (more than their decode)
-    a new prompt goes beside them too."""
+    prompt alone (its first token out, theirs not); the next step is theirs and the new
+    one's, without the rows of a prompt that arrived meanwhile, which goes alone the
+    step after; a prompt passed over beside the one going first gets its piece in their
+    step; a one-row piece (a prompt cached but its last token) goes beside them; with a
+    host of 50 ms a round (more than their decode) a new prompt goes beside them too."""
     from workers.engine.llama import LlamaEngine
     from workers.engine.scheduling import HOST_GAPS
     from workers.engine.stepcosts import StepCosts
     engine = LlamaEngine(model_path, 1024, 4, THREADS, 0, step_costs=StepCosts.assumed())
     keep_going = SamplingParams(temperature=0.0, ignore_eos=True)
-    prompt = engine.tokenize("import json\n\n\nclass Settings:\n    def __init__(self):\n")
+    texts = ["import json\n\n\nclass Settings:\n    def __init__(self):\n",
+             "import os\nimport sys\n\n\ndef main(argv):\n",
+             "total = 0\nfor n in x:\n",
+             "# Copyright the authors. Licensed under the Apache License, Version 2.0; you may "
+             "not use this file except in compliance with the License.\n\nimport re\n"]
+    prompts = [engine.tokenize(text) for text in texts]
+    assert 2 < len(prompts[2]) < len(prompts[3]) and len(prompts[3]) > 16
     try:
         for slot, text in enumerate(("def f():\n", "x = [")):
             engine.add(slot, engine.tokenize(text), keep_going, draft_max=0)
         while any(engine.slots[i].pending for i in (0, 1)):
             engine.step()
         engine.host_gaps.extend([1.0] * HOST_GAPS)
-        engine.add(2, prompt, GREEDY, draft_max=0)
-        assert len(engine.slots[2].pending) > 1
+        engine.add(2, prompts[0], GREEDY, draft_max=0)
         rows = engine.totals.prompt_rows
         assert sorted(engine.step()) == [2]
-        assert engine.totals.prompt_rows == rows + len(prompt)
+        assert engine.totals.prompt_rows == rows + len(prompts[0])
+        engine.add(3, prompts[1], GREEDY, draft_max=0)
         assert sorted(engine.step()) == [0, 1, 2]
-        assert engine.totals.prompt_rows == rows + len(prompt)
+        assert engine.totals.prompt_rows == rows + len(prompts[0])
+        assert sorted(engine.step()) == [3]
+        assert engine.totals.prompt_rows == rows + len(prompts[0]) + len(prompts[1])
+        assert sorted(engine.step()) == [0, 1, 2, 3]
+        for slot in (2, 3):
+            engine.release(slot)
+        engine.add(2, prompts[2], GREEDY, draft_max=0)
+        engine.add(3, prompts[3], GREEDY, draft_max=0)
+        assert sorted(engine.step()) == [2]
+        assert engine.slots[3].passed_over
+        assert sorted(engine.step()) == [0, 1, 2, 3]
         engine.release(2)
-        engine.add(2, prompt, GREEDY, draft_max=0)
+        engine.add(2, prompts[2], GREEDY, draft_max=0)
         assert len(engine.slots[2].pending) == 1
-        assert sorted(engine.step()) == [0, 1, 2]
+        assert sorted(engine.step()) == [0, 1, 2, 3]
         engine.release(2)
         engine.host_gaps.extend([50.0] * HOST_GAPS)
-        engine.add(2, engine.tokenize("import os\nimport sys\n\n\ndef main(argv):\n"),
-                   GREEDY, draft_max=0)
-        assert sorted(engine.step()) == [0, 1, 2]
+        engine.add(2, engine.tokenize("class Point:\n    x: int\n    y: int\n"), GREEDY,
+                   draft_max=0)
+        assert sorted(engine.step()) == [0, 1, 2, 3]
+    finally:
+        engine.close()
+
+
+def test_prompts_going_first_hold_a_deep_sequence_back_seven_steps_at_most(model_path):
+    """A deep sequence beside a stream of new prompts, a new one as soon as the last is
+    decoded (the CPU's costs, a host of 1 ms a round): whether it sits out for them or
+    would be held back for their first tokens, it gets a row at least once in
+    SIT_OUT_RUN + 1 steps (held back with its count of steps sat out reset, it once got
+    none in 60)."""
+    from workers.engine.llama import LlamaEngine
+    from workers.engine.scheduling import DEEP_AFTER, HOST_GAPS, SIT_OUT_RUN
+    from workers.engine.stepcosts import StepCosts
+    engine = LlamaEngine(model_path, 2048, 4, THREADS, 0, step_costs=StepCosts.assumed())
+    try:
+        engine.add(0, engine.tokenize("def f():\n    return 1\n\n\ndef g():\n"),
+                   SamplingParams(temperature=0.0, ignore_eos=True), draft_max=0)
+        while not (engine.slots[0].line_done and engine.slots[0].sampled >= DEEP_AFTER):
+            engine.step()
+        without, longest = 0, 0
+        for n in range(60):
+            for slot in (1,):
+                if not engine.slots[slot].busy or not engine.slots[slot].pending:
+                    if engine.slots[slot].busy:
+                        engine.release(slot)
+                    engine.add(slot, engine.tokenize(f"# part {n} of {slot}\nvalue_{n} = "),
+                               GREEDY, draft_max=0)
+            engine.host_gaps.extend([1.0] * HOST_GAPS)
+            out = engine.step()
+            without = 0 if 0 in out else without + 1
+            longest = max(longest, without)
+        assert longest <= SIT_OUT_RUN, longest
     finally:
         engine.close()
 

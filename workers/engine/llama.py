@@ -104,9 +104,10 @@ class LlamaEngine:
         self.padded = 0                  # steps whose lone run fillers padded (_fillers)
         self.probing = False             # ... this step would have been: it is observed
         self.probe_again = False         # ... and came out cheaper than its cost said
-        self.generating_turn = False     # the last step decoded a prompt alone: this one
-                                         # is the generating sequences' (prompt_first)
+        self.held: frozenset[int] = frozenset()  # sequences held back from the last step
+                                                # for a prompt's first token (_generating)
         self.host_gaps: collections.deque = collections.deque(maxlen=HOST_GAPS)
+        self.drafted = 0.0                     # s of the draft model's decodes in a plan
         self.decoded_at: float | None = None   # the host's time between two decodes is
                                                # measured from this one's end (_time_host)
         self.histories = Histories()     # recent sequences per tenant: a draft source
@@ -410,6 +411,8 @@ class LlamaEngine:
         slot.chain, slot.pending, slot.n_past, slot.next_token, slot.row = None, [], 0, None, -1
         slot.prompt_rows, slot.prompt_logprobs = [], None
         slot.draft, slot.draft_rows = [], []     # (a step that failed leaves its drafts)
+        if not any(s.busy for s in self.slots):
+            self.decoded_at = None      # (the worker may wait idle now: no host gap)
 
     # -- decoding ----------------------------------------------------------------------
     def step(self) -> dict[int, TokenOut]:
@@ -460,16 +463,17 @@ class LlamaEngine:
     @property
     def host_ms(self) -> float:
         """The host's milliseconds between two decodes (planning, sampling, the worker's
-        messages): the median of the last HOST_GAPS where the worker went on at once."""
+        messages; not a draft model's decodes): the median of the last HOST_GAPS where
+        the worker went on at once; not yet known (infinite) before half as many."""
         gaps = sorted(self.host_gaps)
-        return gaps[len(gaps) // 2] if gaps else 0.0
+        return gaps[len(gaps) // 2] if len(gaps) >= HOST_GAPS // 2 else float("inf")
 
     def _time_host(self, started: float, decoded: float) -> None:
         """The gap between the last decode and this one, where a sequence was still
         generating or prefilling after it (the worker went on at once; a gap it waited
         out idle is one of many in the median); then whether the next gap counts."""
         if self.decoded_at is not None:
-            self.host_gaps.append(1000 * (started - self.decoded_at))
+            self.host_gaps.append(1000 * (started - self.decoded_at - self.drafted))
         self.decoded_at = decoded if any(s.busy and (s.pending or s.next_token is not None
                                                      or s.row >= 0)
                                          for s in self.slots) else None
@@ -480,7 +484,7 @@ class LlamaEngine:
         began, moved on by the draft model's time (the plan's time is the host's alone).
         A step that would finish a waiting prompt beside them decodes the prompt alone
         where that pays (`prompt_first`); the next is then theirs, without prompt rows."""
-        turn, self.generating_turn = self.generating_turn, False
+        held, self.held = self.held, frozenset()
         fillable = self._free_seqs()     # (the free slots a filler row may go in)
         # Prefill priority: the prompts with the least left to decode first (the next
         # keystroke of a session, mostly cached) take the room before cold ones; a
@@ -492,13 +496,7 @@ class LlamaEngine:
         if self.deterministic and prefilling:
             generating, prefilling = [], prefilling[:1]
         else:
-            running = [s for s in self.slots if s.busy and s.next_token is not None]
-            generating = self.scheduler.first_line_first(
-                running, prefilling, self.step_costs, self._prompt_rows_at_least(
-                    prefilling, min(self.n_batch - len(running), self.prefill_chunk)),
-                fillable)
-            if not turn and self._prompt_first(generating, prefilling):
-                generating, self.generating_turn = [], True
+            generating = self._generating(prefilling, fillable, held)
         self.calibration.step()
         drafting = self.draft_model.seconds if self.draft_model is not None else 0.0
         self.scheduler.draft(self.slots, generating, prefilling, self.n_ctx, self.n_batch,
@@ -507,14 +505,43 @@ class LlamaEngine:
             drafting = self.draft_model.seconds - drafting
             self.totals.draft_seconds += drafting
             planning += drafting
+        self.drafted = drafting
         # Every generating slot has its rows; prompts share at most `prefill_chunk` more,
         # so a long prompt holds the running streams back by one chunk a step at most.
         rows = sum(1 + len(s.draft) for s in generating)
         room = min(self.n_batch - rows, self.prefill_chunk)
-        if turn and generating:
-            return generating, {}, planning
+        if held and generating:         # (theirs: a prompt passed over keeps its pace)
+            prefilling = [s for s in prefilling if s.passed_over][:1]
         return generating, self.scheduler.prefill(prefilling, room, self._logprob_rows(),
                                                   rows), planning
+
+    def _generating(self, prefilling: list, fillable: frozenset[int],
+                    held: frozenset[int]) -> list:
+        """The generating slots with rows in this step: first line first's choice, or
+        none where the prompt first in line goes before them (`_prompt_first`; not while
+        one of them has sat out SIT_OUT_RUN steps). Those are then `held`, counted as
+        sitting out, and the next step is theirs: none of them sits out there, and no
+        prompt rows go beside them but the piece of one passed over."""
+        running = [s for s in self.slots if s.busy and s.next_token is not None]
+        if held:
+            chosen = {s.seq for s in self.scheduler.first_line_first(
+                running, [], self.step_costs, 0, fillable)}
+            for slot in running:
+                if slot.seq in held:
+                    slot.sat_out = 0
+            return [s for s in running if s.seq in chosen or s.seq in held]
+        before = {s.seq: s.sat_out for s in running}
+        generating = self.scheduler.first_line_first(
+            running, prefilling, self.step_costs, self._prompt_rows_at_least(
+                prefilling, min(self.n_batch - len(running), self.prefill_chunk)),
+            fillable)
+        if not self._prompt_first(generating, prefilling) or \
+                any(before[s.seq] >= SIT_OUT_RUN for s in generating):
+            return generating
+        for slot in generating:
+            slot.sat_out = before[slot.seq] + 1
+        self.held = frozenset(s.seq for s in generating)
+        return []
 
     def _prompt_first(self, generating: list, prefilling: list) -> bool:
         """Whether the first prompt in line, one a user waits on, finishes in this step's
