@@ -849,7 +849,7 @@ def test_a_prompt_finishing_beside_generating_sequences_is_decoded_first(model_p
     step; a one-row piece (a prompt cached but its last token) goes beside them; with a
     host of 50 ms a round (more than their decode) a new prompt goes beside them too."""
     from workers.engine.llama import LlamaEngine
-    from workers.engine.scheduling import HOST_GAPS
+    from workers.engine.stepcosts import HOST_GAPS
     from workers.engine.stepcosts import StepCosts
     engine = LlamaEngine(model_path, 1024, 4, THREADS, 0, step_costs=StepCosts.assumed())
     keep_going = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -865,7 +865,7 @@ def test_a_prompt_finishing_beside_generating_sequences_is_decoded_first(model_p
             engine.add(slot, engine.tokenize(text), keep_going, draft_max=0)
         while any(engine.slots[i].pending for i in (0, 1)):
             engine.step()
-        engine.host_gaps.extend([1.0] * HOST_GAPS)
+        engine.host.gaps.extend([1.0] * HOST_GAPS)
         engine.add(2, prompts[0], GREEDY, draft_max=0)
         rows = engine.totals.prompt_rows
         assert sorted(engine.step()) == [2]
@@ -888,7 +888,7 @@ def test_a_prompt_finishing_beside_generating_sequences_is_decoded_first(model_p
         assert len(engine.slots[2].pending) == 1
         assert sorted(engine.step()) == [0, 1, 2, 3]
         engine.release(2)
-        engine.host_gaps.extend([50.0] * HOST_GAPS)
+        engine.host.gaps.extend([50.0] * HOST_GAPS)
         engine.add(2, engine.tokenize("class Point:\n    x: int\n    y: int\n"), GREEDY,
                    draft_max=0)
         assert sorted(engine.step()) == [0, 1, 2, 3]
@@ -903,7 +903,8 @@ def test_prompts_going_first_hold_a_deep_sequence_back_seven_steps_at_most(model
     SIT_OUT_RUN + 1 steps (held back with its count of steps sat out reset, it once got
     none in 60)."""
     from workers.engine.llama import LlamaEngine
-    from workers.engine.scheduling import DEEP_AFTER, HOST_GAPS, SIT_OUT_RUN
+    from workers.engine.scheduling import DEEP_AFTER, SIT_OUT_RUN
+    from workers.engine.stepcosts import HOST_GAPS
     from workers.engine.stepcosts import StepCosts
     engine = LlamaEngine(model_path, 2048, 4, THREADS, 0, step_costs=StepCosts.assumed())
     try:
@@ -919,7 +920,7 @@ def test_prompts_going_first_hold_a_deep_sequence_back_seven_steps_at_most(model
                         engine.release(slot)
                     engine.add(slot, engine.tokenize(f"# part {n} of {slot}\nvalue_{n} = "),
                                GREEDY, draft_max=0)
-            engine.host_gaps.extend([1.0] * HOST_GAPS)
+            engine.host.gaps.extend([1.0] * HOST_GAPS)
             out = engine.step()
             without = 0 if 0 in out else without + 1
             longest = max(longest, without)

@@ -1,6 +1,8 @@
 """The drafter's sources (workers/engine/speculation.py) and the step costs and per-step
 plan (workers/engine/stepcosts.py), as units: token lists stand in for a sequence's
 context, and step costs are given tables."""
+import pytest
+
 from workers.engine.speculation import (CALIBRATION_MAX, LONG_KEY, Calibration, Drafter,
                                        Proposal, find_draft, matched)
 from workers.engine.stepcosts import SHAPES_EXTRA, StepCosts, each_plan, plan
@@ -697,6 +699,31 @@ def test_a_finishing_prompt_goes_before_the_generating_rows_where_their_decode_o
     assert not prompt_first(7, 12, None, 0.5)
     assert not prompt_first(7, 12, gpu, 2.0)
     assert prompt_first(2, 12, gpu, 2.0)
+
+
+def test_the_hosts_time_between_decodes_counts_only_gaps_the_worker_went_straight_on():
+    """HostTime: a gap counts after a decode some sequence still needed, less the draft
+    model's decodes; none after an idle wait; unknown (infinite) before HOST_GAPS // 2,
+    then the median."""
+    from workers.engine.stepcosts import HOST_GAPS, HostTime
+
+    host, t = HostTime(), 0.0
+    for gap in [0.002] * (HOST_GAPS // 2 - 1):
+        host.decoded(t, t + 0.05, goes_on=True)
+        t += 0.05 + gap
+    assert host.ms == float("inf")
+    host.decoded(t, t + 0.05, goes_on=False)        # the last sequence ended there
+    t += 30.0                                       # ... and the worker waited idle
+    host.decoded(t, t + 0.05, goes_on=True)
+    assert host.ms == float("inf")                  # (the idle wait not counted)
+    t += 0.05 + 0.003
+    host.drafted = 0.010
+    host.decoded(t + 0.010, t + 0.06, goes_on=True)  # (a draft model decoded 10 ms)
+    host.idle()
+    host.decoded(t + 99.0, t + 99.05, goes_on=True)
+    assert len(host.gaps) == HOST_GAPS // 2
+    assert host.ms == pytest.approx(2.0)
+    assert max(host.gaps) == pytest.approx(3.0)
 
 
 def test_drafts_run_beside_a_waiting_user_only_where_rows_are_nearly_free():

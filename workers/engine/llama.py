@@ -36,13 +36,13 @@ from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.draftmodel import DraftCosts, DraftModel
 from dispatcher.common.repacking import repacking_answer
-from workers.engine.scheduling import (FIRST_LINE_MAX, HOST_GAPS, PAD_PROBE_EVERY,
-                                        PROBE_AGAIN_BELOW, SIT_OUT_RUN, Scheduler, bridged,
-                                        prompt_first, seq_runs)
+from workers.engine.scheduling import (FIRST_LINE_MAX, PAD_PROBE_EVERY, PROBE_AGAIN_BELOW,
+                                        SIT_OUT_RUN, Scheduler, bridged, prompt_first,
+                                        seq_runs)
 from workers.engine.history import Histories
 from workers.engine.slots import COPY_AT_LEAST, Slot, SlotCaches
 from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
-from workers.engine.stepcosts import EACH, StepCosts, draft_rows
+from workers.engine.stepcosts import EACH, HostTime, StepCosts, draft_rows
 from workers.engine.vocabulary import Vocabulary
 from workers.engine.drysamplers import DryTemplates
 from workers.engine.samplers import Candidates, SamplerChain
@@ -106,10 +106,7 @@ class LlamaEngine:
         self.probe_again = False         # ... and came out cheaper than its cost said
         self.held: frozenset[int] = frozenset()  # sequences held back from the last step
                                                 # for a prompt's first token (_generating)
-        self.host_gaps: collections.deque = collections.deque(maxlen=HOST_GAPS)
-        self.drafted = 0.0                     # s of the draft model's decodes in a plan
-        self.decoded_at: float | None = None   # the host's time between two decodes is
-                                               # measured from this one's end (_time_host)
+        self.host = HostTime()           # the host's time between two decodes
         self.histories = Histories()     # recent sequences per tenant: a draft source
         self.calibration = Calibration()  # each source's measured acceptance, all sequences
         self.scheduler = Scheduler()     # first line first, who drafts (scheduling.py)
@@ -412,7 +409,7 @@ class LlamaEngine:
         slot.prompt_rows, slot.prompt_logprobs = [], None
         slot.draft, slot.draft_rows = [], []     # (a step that failed leaves its drafts)
         if not any(s.busy for s in self.slots):
-            self.decoded_at = None      # (the worker may wait idle now: no host gap)
+            self.host.idle()
 
     # -- decoding ----------------------------------------------------------------------
     def step(self) -> dict[int, TokenOut]:
@@ -447,7 +444,9 @@ class LlamaEngine:
             for seq, (start, _) in fillers.items():   # (their caches as they were)
                 llama_cpp.llama_memory_seq_rm(self.memory, seq, start, -1)
         decoded = time.perf_counter()
-        self._time_host(started, decoded)
+        self.host.decoded(started, decoded, any(
+            s.busy and (s.pending or s.next_token is not None or s.row >= 0)
+            for s in self.slots))
         self._count_step(generating, grant, started - planning, decoded - started, fillers)
         ms = 1000 * (decoded - started)
         self.step_ms = 0.9 * self.step_ms + 0.1 * ms if self.step_ms else ms
@@ -459,24 +458,6 @@ class LlamaEngine:
         out = self._sample_all()
         self.totals.sample_seconds += time.perf_counter() - decoded
         return out
-
-    @property
-    def host_ms(self) -> float:
-        """The host's milliseconds between two decodes (planning, sampling, the worker's
-        messages; not a draft model's decodes): the median of the last HOST_GAPS where
-        the worker went on at once; not yet known (infinite) before half as many."""
-        gaps = sorted(self.host_gaps)
-        return gaps[len(gaps) // 2] if len(gaps) >= HOST_GAPS // 2 else float("inf")
-
-    def _time_host(self, started: float, decoded: float) -> None:
-        """The gap between the last decode and this one, where a sequence was still
-        generating or prefilling after it (the worker went on at once; a gap it waited
-        out idle is one of many in the median); then whether the next gap counts."""
-        if self.decoded_at is not None:
-            self.host_gaps.append(1000 * (started - self.decoded_at - self.drafted))
-        self.decoded_at = decoded if any(s.busy and (s.pending or s.next_token is not None
-                                                     or s.row >= 0)
-                                         for s in self.slots) else None
 
     def _plan(self, planning: float) -> tuple[list, dict[int, int], float]:
         """Who gets rows in this step (`workers.engine.scheduling`): the generating slots
@@ -505,7 +486,7 @@ class LlamaEngine:
             drafting = self.draft_model.seconds - drafting
             self.totals.draft_seconds += drafting
             planning += drafting
-        self.drafted = drafting
+        self.host.drafted = drafting
         # Every generating slot has its rows; prompts share at most `prefill_chunk` more,
         # so a long prompt holds the running streams back by one chunk a step at most.
         rows = sum(1 + len(s.draft) for s in generating)
@@ -555,7 +536,7 @@ class LlamaEngine:
         if self._prompt_rows_at_least(prefilling, room) < len(first.pending):
             return False
         return prompt_first(len(generating), len(first.pending), self.step_costs,
-                            self.host_ms)
+                            self.host.ms)
 
     def _prompt_rows_at_least(self, prefilling: list, room: int) -> int:
         """The prompt rows this step will take at least: the first prompt's piece (it

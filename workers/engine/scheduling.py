@@ -37,7 +37,6 @@ PAD_PROBE_EVERY = 32    # ... and one step in this many that fillers would pad a
                         # goes without them, its own cost observed (see bridged), and
 PROBE_AGAIN_BELOW = 0.9  # ... the next one too where that step took less than this share
                         # of its shape's cost (a start-up measured too high, corrected)
-HOST_GAPS = 15          # gaps between decodes whose median is the host's time (prompt_first)
 
 
 class Scheduler:
@@ -394,7 +393,8 @@ def prompt_first(sequences: int, piece: int, costs: StepCosts | None, host_ms: f
     287.8 against 55.3 + 229.8. Apart, prompt first, the prompt's first token comes the
     generating rows' decode sooner and theirs one host round (plan, sampling, the
     worker's messages) later: so where that round on every generating sequence costs
-    less than their decode (`host_ms` measured, their plain step's measured cost). A
+    less than their decode (`host_ms`: stepcosts.HostTime; their plain step's measured
+    cost). A
     one-row piece joins their sub-batch (eight rows 39 ms against seven 55 + one 13):
     never apart. On a GPU, whose plain step is a few milliseconds, the host's round on
     several sequences outweighs it: together. Without measured costs, together."""

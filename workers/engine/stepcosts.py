@@ -9,6 +9,7 @@ are long and likely.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 import time
@@ -61,6 +62,39 @@ ASSUMED_EACH: dict[tuple[int, int], float] = {
     (5, 1): 62.3, (5, 2): 80.3, (6, 1): 54.7, (6, 2): 80.2, (7, 1): 78.0, (7, 2): 90.3,
     (8, 1): 57.2, (8, 2): 80.9,
 }
+
+
+HOST_GAPS = 15          # gaps between decodes whose median is the host's time (HostTime)
+
+
+class HostTime:
+    """The host's milliseconds between two decodes (planning, sampling, the worker's
+    messages; not a draft model's decodes, `drafted` seconds): the median of the last
+    HOST_GAPS gaps after a decode that some sequence still needed (the worker went on
+    at once; one it waited out idle is one of many in the median); not yet known
+    (infinite) before half as many. What holding generating sequences back a step
+    costs each of them (`scheduling.prompt_first`)."""
+
+    def __init__(self) -> None:
+        self.gaps: collections.deque = collections.deque(maxlen=HOST_GAPS)
+        self.since: float | None = None     # the last decode's end, if the next counts
+        self.drafted = 0.0                  # s of the draft model's decodes since then
+
+    @property
+    def ms(self) -> float:
+        gaps = sorted(self.gaps)
+        return gaps[len(gaps) // 2] if len(gaps) >= HOST_GAPS // 2 else float("inf")
+
+    def decoded(self, started: float, ended: float, goes_on: bool) -> None:
+        """A decode ran from `started` to `ended`; `goes_on`: a sequence still needs
+        the next (so the gap to it is the host's)."""
+        if self.since is not None:
+            self.gaps.append(1000 * (started - self.since - self.drafted))
+        self.since = ended if goes_on else None
+
+    def idle(self) -> None:
+        """No sequence left: the worker may wait for the next request."""
+        self.since = None
 
 
 def draft_rows(slots: int) -> int:
