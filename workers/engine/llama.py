@@ -27,15 +27,14 @@ import numpy as np
 
 from dispatcher.common import protocol as P
 from workers.errors import EngineError
-from workers.engine.backends import model_shape
-from workers.engine.llamalog import RECENT, LlamaLog, last_lines, set_llama_log
+from workers.engine.llamalog import RECENT, LlamaLog, set_llama_log
+from workers.engine.loading import drops_positions, load_weights, make_context
 from workers.engine.alphabet import TokenTexts
 from workers.engine.aside import AsideDraws, log_sum_exp, top_of
 from dispatcher.common.models import model_file_digest
 from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.draftmodel import DraftCosts, DraftModel
-from dispatcher.common.repacking import repacking_answer
 from workers.engine.scheduling import (FIRST_LINE_MAX, PAD_PROBE_EVERY, PROBE_AGAIN_BELOW,
                                         SIT_OUT_RUN, Scheduler, bridged, prompt_first,
                                         seq_runs)
@@ -84,15 +83,23 @@ class LlamaEngine:
         self.log.recent = collections.deque(maxlen=RECENT)
         self.deterministic = deterministic
         try:
-            repacking = self._load_model(model_path, n_gpu_layers)
-            self._make_context(n_ctx, slots, n_threads, shape)
+            weights = load_weights(llama_cpp, model_path, n_gpu_layers, deterministic, self.log)
+            context = make_context(llama_cpp, weights.model, n_ctx, slots, n_threads, shape,
+                                   self.log)
         finally:
             self.log.recent = None
+        self.model, self.vocab, self.n_vocab, self.n_layer = (
+            weights.model, weights.vocab, weights.n_vocab, weights.n_layer)
+        self.layers_offloaded, self.layers_total = weights.layers_offloaded, weights.layers_total
+        repacking = weights.repacking
+        self.ctx, self.memory, self.batch = context.ctx, context.memory, context.batch
+        self.n_ctx, self.n_ctx_train = context.n_ctx, context.n_ctx_train
+        self.n_batch, self.n_ubatch, self.kv_type = context.n_batch, context.n_ubatch, shape.kv_type
         # prompt tokens decoded per step, all prompts together (0: as many as fit)
         self.prefill_chunk = prefill_chunk if prefill_chunk > 0 else self.n_batch
         # prompt-lookup speculation; 0: off. Never in deterministic mode: verification rows
         # decoded beside the token's row change logprobs in their last bits (measured)
-        drops = self._drops_positions()
+        drops = drops_positions(llama_cpp, self.model)
         self.drops_positions = drops     # (filler rows are removed after their step too)
         self.draft_max = 0 if deterministic or not drops else draft_max
         if self.draft_max and self.n_batch < draft_rows(slots):
@@ -134,66 +141,6 @@ class LlamaEngine:
             self, slots, n_threads, n_gpu_layers, repacking) if self.draft_max else None)
         self.draft_model = self._draft_model(draft_model, n_ctx, slots, n_threads,
                                              n_gpu_layers, shape, repacking, draft_costs)
-
-    def _drops_positions(self) -> bool:
-        """Whether the model's memory can drop its last positions, as a rejected draft
-        needs: a recurrent or hybrid model's (Mamba, RWKV, Granite-H, LFM2) cannot, with
-        llama.cpp's default context, so such a model serves without drafts."""
-        if llama_cpp.llama_model_is_recurrent(self.model) or \
-                llama_cpp.llama_model_is_hybrid(self.model):
-            log.warning("a recurrent or hybrid model: no speculative drafts (its memory "
-                        "cannot drop rejected draft tokens)")
-            return False
-        return True
-
-    def _load_model(self, model_path: str, n_gpu_layers: int) -> bool:
-        """The weights, on the device as asked (EngineError where llama.cpp put none of the
-        layers asked for there); returns whether CPU weight repacking is on."""
-        llama_cpp.llama_backend_init()
-        mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = n_gpu_layers
-        # CPU weight repacking makes matmul results depend on how many rows a batch has;
-        # where llama.cpp's AMX path crashes, it is off too (dispatcher.common.repacking)
-        # (a model whose every layer is offloaded leaves no product's weights to the CPU)
-        offloads_all = n_gpu_layers > 0 and n_gpu_layers > model_shape(model_path)["n_layer"]
-        repacking = None if self.deterministic else repacking_answer(model_path, offloads_all)
-        mparams.use_extra_bufts = bool(repacking and repacking.works)
-        if repacking and not repacking.works:
-            log.warning("CPU weight repacking is off: %s (COMPLETIONS_EXTRA_BUFFERS=on "
-                        "forces it)", repacking.why)
-        self.model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mparams)
-        if not self.model:
-            raise EngineError(f"llama.cpp could not load {model_path}{last_lines(self.log)}")
-        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
-        self.n_layer = llama_cpp.llama_model_n_layer(self.model)
-        # where the layers went, as llama.cpp's load said (its count has the output layer)
-        self.layers_offloaded, self.layers_total = self.log.offloaded or (0, self.n_layer + 1)
-        if n_gpu_layers > 0 and self.layers_offloaded == 0:
-            llama_cpp.llama_model_free(self.model)
-            raise EngineError(
-                "asked to offload layers, llama.cpp put none on an accelerator "
-                + ("(it sees none)" if llama_cpp.llama_supports_gpu_offload() else
-                   "(this llama-cpp-python build has no GPU backend: reinstall it with "
-                   "CMAKE_ARGS='-DGGML_CUDA=on', docs/deploying.md)"))
-        return bool(mparams.use_extra_bufts)
-
-    def _make_context(self, n_ctx: int, slots: int, n_threads: int,
-                      shape: ContextShape) -> None:
-        """One context of `slots` sequences of `n_ctx` tokens, and the batch of a step."""
-        cparams = shape.context_params(llama_cpp, n_ctx, slots, n_threads)
-        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
-        if not self.ctx:
-            llama_cpp.llama_model_free(self.model)
-            raise EngineError(f"llama.cpp could not create a context of {n_ctx * slots} "
-                              f"tokens{last_lines(self.log)}")
-        self.n_ctx = n_ctx
-        self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
-        self.n_batch = llama_cpp.llama_n_batch(self.ctx)
-        self.n_ubatch = llama_cpp.llama_n_ubatch(self.ctx)
-        self.kv_type = shape.kv_type
-        self.memory = llama_cpp.llama_get_memory(self.ctx)
-        self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
 
     def _read_vocabulary(self) -> None:
         """The vocabulary's special tokens (end of generation, FIM, BOS), the tokenizer,
