@@ -142,3 +142,30 @@ def test_a_part_may_ask_for_files_of_a_least_size():
     assert not set(cold) & set(corpus.files_for("fresh", 6))          # no file twice
     later = RunFiles(corpus, 1).files_for("cold", 6, COLD_CHARS)
     assert all(len(text) >= COLD_CHARS for text in later) and not set(later) & set(cold)
+
+
+def test_the_in_process_round_decodes_each_stream_as_its_own(reference_llm):
+    """`--in-process` at a concurrency above 1 is `reference.BatchedGreedy`: the prompts
+    prefilled together, then one batch a step of each stream's greedy token, nothing
+    else (the kernels' figure). A row read for the wrong sequence or position writes
+    another prompt's text or repeats one; a round's cache left behind shifts the next."""
+    from dispatcher.tools.reference import BatchedGreedy
+    prompts = ["1, 2, 3, 4, 5, 6,", "Monday, Tuesday, Wednesday,", "a b c d e f g",
+               "def add(a, b):\n    return"]
+    llm = reference_llm.llm
+    batched = BatchedGreedy(llm, 4, 256, 2)
+    try:
+        streams = batched.round(prompts, 6)
+        reversed_round = batched.round(prompts[::-1], 6)
+        with pytest.raises(ValueError):
+            batched.round(prompts + ["x"], 6)
+    finally:
+        batched.close()
+    texts = [llm.detokenize(s.ids).decode() for s in streams]
+    assert texts[0].startswith(" 7, 8") and texts[1].startswith(" Thursday, Friday")
+    assert texts[2].startswith(" h i j") and texts[3].startswith(" a + b")
+    assert texts == [reference_llm.create_completion(p, max_tokens=6, temperature=0)
+                     ["choices"][0]["text"] for p in prompts]
+    assert [llm.detokenize(s.ids).decode() for s in reversed_round] == texts[::-1]
+    assert all(len(s.ids) == 6 and s.finish_reason == "length" and 0 < s.ttft and
+               0 < s.decode_s for s in streams)

@@ -47,11 +47,15 @@ def level_rounds(target, concurrency: int, prompts: list[str], max_tokens: int):
             results[i] = target.complete(prompts[i], max_tokens)
 
         started = time.perf_counter()
-        threads = [threading.Thread(target=stream, args=(i,)) for i in batch]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        if isinstance(target, InProcessTarget) and concurrency > 1:
+            results.update(zip(batch, target.complete_round([prompts[i] for i in batch],
+                                                            max_tokens)))
+        else:
+            threads = [threading.Thread(target=stream, args=(i,)) for i in batch]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         wall += time.perf_counter() - started
         samples += [results.get(i) or Sample(error="the stream's thread failed")
                     for i in batch]
@@ -332,8 +336,6 @@ def parts(args, target, levels: list[int], workloads: list[str], single: dict,
         return [(yield from rounds)]
 
     for level in levels:
-        if in_process and level > 1:
-            continue                           # one Llama runs one request at a time
         count = args.requests or max(4, 2 * level)
         prompts = corpus.prompts(f"x{level}", count,
                                  lambda text: opening(text, args.prompt_chars))

@@ -254,16 +254,33 @@ class HttpTarget:
 
 
 class InProcessTarget:
-    """llama-cpp-python's `Llama` in this process, one request at a time."""
+    """llama-cpp-python's `Llama` in this process, one request at a time; a round of
+    concurrent streams through its batch API with no server work at all
+    (`reference.BatchedGreedy`: the kernels' figure for that many streams)."""
 
     def __init__(self, model_path: str, n_ctx: int, n_threads: int | None):
         import os
 
         from dispatcher.tools.reference import reference_llama
         self.name = "llama-cpp-python in-process"
-        self.llm = reference_llama(model_path, n_ctx,
-                                   n_threads or len(os.sched_getaffinity(0)))
+        self.n_ctx = n_ctx
+        self.n_threads = n_threads or len(os.sched_getaffinity(0))
+        self.llm = reference_llama(model_path, n_ctx, self.n_threads)
         self.lock = threading.Lock()
+        self.batched = None
+
+    def complete_round(self, prompts: list[str], max_tokens: int) -> list[Sample]:
+        """Greedy streams of `prompts` started together, decoded as one batch a step."""
+        from dispatcher.tools.reference import BatchedGreedy
+        with self.lock:
+            if self.batched is None or self.batched.sequences < len(prompts):
+                if self.batched is not None:
+                    self.batched.close()
+                self.batched = BatchedGreedy(self.llm, len(prompts), self.n_ctx,
+                                             self.n_threads)
+            streams = self.batched.round(prompts, max_tokens)
+        return [Sample(ok=True, ttft=s.ttft, tokens=len(s.ids), decode_s=s.decode_s,
+                       finish_reason=s.finish_reason) for s in streams]
 
     def complete(self, prompt: str, max_tokens: int, suffix: str | None = None,
                  session: str | None = None, timeout: float = 600,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
+from dataclasses import dataclass, field
 
 from dispatcher.common.repacking import extra_buffers_work
 
@@ -41,3 +43,107 @@ def reference_llama(model_path: str, n_ctx: int, n_threads: int, **kwargs):
     with llama_loads_like_workers(model_path):
         return Llama(str(model_path), n_ctx=n_ctx, n_batch=512, flash_attn=True,
                      n_threads=n_threads, verbose=False, **kwargs)
+
+
+@dataclass
+class Stream:
+    """One of `BatchedGreedy.round`'s streams, times in seconds from the round's start."""
+    ttft: float | None = None
+    decode_s: float = 0.0           # its first token to its last
+    ids: list[int] = field(default_factory=list)    # the tokens written (an end not)
+    finish_reason: str | None = None
+
+
+class BatchedGreedy:
+    """A server with no work of its own: llama-cpp-python's batch API on `llm`'s weights,
+    a context of `sequences` sequences shaped as the workers' (a KV stream each, a batch
+    of 512, flash attention), each round's prompts prefilled together and then every
+    sequence's greedy token decoded in one batch a step. No HTTP, no scheduling, no
+    sampler chain, no text: the kernels' figure for concurrent streams on this library,
+    which a server on it can pass only by drafting (the bench's in-process target at a
+    concurrency level above 1)."""
+
+    def __init__(self, llm, sequences: int, n_ctx: int, n_threads: int):
+        import llama_cpp as lib
+        import numpy
+        self.lib, self.numpy, self.llm, self.sequences = lib, numpy, llm, sequences
+        self.n_ctx = n_ctx
+        params = lib.llama_context_default_params()
+        params.n_ctx, params.n_seq_max = n_ctx * sequences, sequences
+        params.n_batch = params.n_ubatch = 512
+        params.n_threads = params.n_threads_batch = n_threads
+        params.kv_unified = False
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.no_perf = True
+        self.ctx = lib.llama_init_from_model(llm.model, params)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp refused a context of "
+                               f"{sequences} sequences of {n_ctx} tokens")
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.vocab = lib.llama_model_get_vocab(llm.model)
+        self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
+        self.batch = lib.llama_batch_init(512, 0, 1)
+
+    def _decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
+        batch = self.batch
+        for n, (seq, position, token, logits) in enumerate(rows):
+            batch.token[n], batch.pos[n] = token, position
+            batch.n_seq_id[n], batch.seq_id[n][0] = 1, seq
+            batch.logits[n] = logits
+        batch.n_tokens = len(rows)
+        if self.lib.llama_decode(self.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def _greedy(self, row: int) -> int:
+        logits = self.lib.llama_get_logits_ith(self.ctx, row)
+        return int(self.numpy.argmax(self.numpy.ctypeslib.as_array(
+            logits, shape=(self.n_vocab,))))
+
+    def round(self, prompts: list[str], max_tokens: int) -> list[Stream]:
+        """Each prompt's stream, all started at once (tokenizing counted)."""
+        if len(prompts) > self.sequences or max_tokens < 1:
+            raise ValueError(f"{len(prompts)} prompts for {self.sequences} sequences, "
+                             f"{max_tokens} tokens each")
+        started = time.perf_counter()
+        tokens = [self.llm.tokenize(p.encode(), add_bos=True)[:self.n_ctx - max_tokens]
+                  for p in prompts]
+        self.lib.llama_memory_clear(self.memory, True)
+        streams = [Stream() for _ in prompts]
+        rows = [(seq, pos, token, pos == len(ids) - 1)
+                for seq, ids in enumerate(tokens) for pos, token in enumerate(ids)]
+        last: dict[int, int] = {}
+        for start in range(0, len(rows), 512):
+            piece = rows[start:start + 512]
+            self._decode(piece)
+            for i, (seq, _, _, logits) in enumerate(piece):
+                if logits:
+                    last[seq] = self._greedy(i)
+                    streams[seq].ttft = time.perf_counter() - started
+        position = {seq: len(ids) for seq, ids in enumerate(tokens)}
+        while last:
+            for seq, token in list(last.items()):
+                if self._ends(streams[seq], token, max_tokens, started):
+                    del last[seq]
+            order = sorted(last)
+            if order:
+                self._decode([(seq, position[seq], last[seq], True) for seq in order])
+            for i, seq in enumerate(order):
+                position[seq] += 1
+                last[seq] = self._greedy(i)
+        return streams
+
+    def _ends(self, stream: Stream, token: int, max_tokens: int, started: float) -> bool:
+        """`token` into `stream`'s count; whether the stream ends there."""
+        if self.lib.llama_vocab_is_eog(self.vocab, token):     # not text: never sent
+            stream.finish_reason = "stop"
+            return True
+        stream.ids.append(token)
+        stream.decode_s = time.perf_counter() - started - stream.ttft
+        if len(stream.ids) < max_tokens:
+            return False
+        stream.finish_reason = "length"
+        return True
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch)
+        self.lib.llama_free(self.ctx)
