@@ -718,6 +718,30 @@ def test_step_costs_are_measured_on_this_device_and_kept(tiny_model, tmp_path, m
         again.close()
 
 
+def test_a_worker_without_drafts_still_measures_its_step_costs(tiny_model, tmp_path,
+                                                                monkeypatch):
+    """The costs decide more than drafts (prompt first, which sequences sit out, filler
+    rows, the dispatcher's routing): a worker with `--draft-max 0` measures them too, so
+    turning drafts off turns off drafts only. Never in deterministic mode; an engine
+    made without asking (a test's, a tool's) measures only for its drafts."""
+    from workers.worker import load_engine
+    from workers.engine.llama import LlamaEngine
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    worker = load_engine("llama", tiny_model, 256, 2, THREADS, 0, False, draft_max=0)
+    try:
+        assert worker.draft_max == 0 and worker.step_costs.table[1, 0] > 0
+        assert worker.step_costs.rates(2)
+    finally:
+        worker.close()
+    for engine in (load_engine("llama", tiny_model, 256, 2, THREADS, 0, False,
+                               deterministic=True),
+                   LlamaEngine(tiny_model, 256, 2, THREADS, 0, draft_max=0)):
+        try:
+            assert engine.step_costs is None
+        finally:
+            engine.close()
+
+
 def test_step_costs_are_measured_after_a_cached_context_in_every_slot(model_path):
     """The measured steps attend over an editor's context (up to CONTEXT tokens, as
     many as fit beside the measured rows), copied into every slot, and cleared after."""

@@ -260,7 +260,8 @@ def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: i
         from workers.engine.llama import LlamaEngine      # imported only after pinning
         return LlamaEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose,
                            deterministic, prefill_chunk, draft_max, cache_reuse,
-                           log_content, shape=shape, draft_model=draft_model)
+                           log_content, shape=shape, draft_model=draft_model,
+                           measure_costs=True)
     raise ValueError(f"unknown engine {kind!r}: use llama or fake")
 
 

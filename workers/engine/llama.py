@@ -74,7 +74,7 @@ class LlamaEngine:
                  prefill_chunk: int = 0, draft_max: int = 0, cache_reuse: int = 0,
                  log_content: bool = False, step_costs: StepCosts | None = None,
                  shape: ContextShape = ContextShape(), draft_model: str | None = None,
-                 draft_costs: DraftCosts | None = None):
+                 draft_costs: DraftCosts | None = None, measure_costs: bool = False):
         if shape.n_batch < slots:       # (llama_batch_init's arrays hold n_batch rows)
             raise EngineError(f"--batch {shape.n_batch} is below the slots ({slots}): a "
                               "step holds a row for each generating sequence")
@@ -102,10 +102,16 @@ class LlamaEngine:
         drops = drops_positions(llama_cpp, self.model)
         self.drops_positions = drops     # (filler rows are removed after their step too)
         self.draft_max = 0 if deterministic or not drops else draft_max
-        if self.draft_max and self.n_batch < draft_rows(slots):
+        probe_fits = self.n_batch >= draft_rows(slots)
+        if self.draft_max and not probe_fits:
             log.warning("drafts off: --batch %d is below the %d rows measuring their step "
                         "costs takes with %d slots", self.n_batch, draft_rows(slots), slots)
             self.draft_max = 0
+        # the device's step costs decide drafts, and the schedule beside them (prompt
+        # first, sit-outs, filler rows, routing): measured with drafts off too where
+        # asked (a worker always asks), never in deterministic mode
+        measure = bool(self.draft_max or (measure_costs and drops and probe_fits and
+                                          not deterministic))
         self.copy_at_least = COPY_AT_LEAST
         self.totals = P.StepTotals()     # the step profile (bench --profile, /metrics)
         self.padded = 0                  # steps whose lone run fillers padded (_fillers)
@@ -138,7 +144,7 @@ class LlamaEngine:
         # measured here and kept current by the steps (given ones stay as given)
         self.learn_costs = step_costs is None
         self.step_costs = step_costs or (device_step_costs(
-            self, slots, n_threads, n_gpu_layers, repacking) if self.draft_max else None)
+            self, slots, n_threads, n_gpu_layers, repacking) if measure else None)
         self.draft_model = self._draft_model(draft_model, n_ctx, slots, n_threads,
                                              n_gpu_layers, shape, repacking, draft_costs)
 
