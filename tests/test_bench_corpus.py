@@ -144,11 +144,14 @@ def test_a_part_may_ask_for_files_of_a_least_size():
     assert all(len(text) >= COLD_CHARS for text in later) and not set(later) & set(cold)
 
 
-def test_the_in_process_round_decodes_each_stream_as_its_own(reference_llm):
+def test_the_in_process_round_decodes_each_stream_as_its_own(reference_llm, monkeypatch):
     """`--in-process` at a concurrency above 1 is `reference.BatchedGreedy`: the prompts
     prefilled together, then one batch a step of each stream's greedy token, nothing
     else (the kernels' figure). A row read for the wrong sequence or position writes
-    another prompt's text or repeats one; a round's cache left behind shifts the next."""
+    another prompt's text or repeats one; a round's cache left behind shifts the next;
+    a stream that ends mid-round must leave the others reading their own rows."""
+    import llama_cpp
+
     from dispatcher.tools.reference import BatchedGreedy
     prompts = ["1, 2, 3, 4, 5, 6,", "Monday, Tuesday, Wednesday,", "a b c d e f g",
                "def add(a, b):\n    return"]
@@ -157,8 +160,16 @@ def test_the_in_process_round_decodes_each_stream_as_its_own(reference_llm):
     try:
         streams = batched.round(prompts, 6)
         reversed_round = batched.round(prompts[::-1], 6)
-        with pytest.raises(ValueError):
-            batched.round(prompts + ["x"], 6)
+        for wrong in ((prompts + ["x"], 6), (prompts, 0), (prompts, 256)):
+            with pytest.raises(ValueError):
+                batched.round(*wrong)
+        ids = [s.ids for s in streams]
+        end = ids[1][2]                   # Wednesday's third token, as if it ended there
+        assert end not in ids[1][:2] and not any(end in ids[i] for i in (0, 2, 3))
+        is_eog = llama_cpp.llama_vocab_is_eog
+        monkeypatch.setattr(llama_cpp, "llama_vocab_is_eog",
+                            lambda vocab, token: token == end or is_eog(vocab, token))
+        ended = batched.round(prompts, 6)
     finally:
         batched.close()
     texts = [llm.detokenize(s.ids).decode() for s in streams]
@@ -169,3 +180,5 @@ def test_the_in_process_round_decodes_each_stream_as_its_own(reference_llm):
     assert [llm.detokenize(s.ids).decode() for s in reversed_round] == texts[::-1]
     assert all(len(s.ids) == 6 and s.finish_reason == "length" and 0 < s.ttft and
                0 < s.decode_s for s in streams)
+    assert [s.ids for s in ended] == [ids[0], ids[1][:2], ids[2], ids[3]]
+    assert [s.finish_reason for s in ended] == ["length", "stop", "length", "length"]

@@ -723,7 +723,7 @@ def test_a_worker_without_drafts_still_measures_its_step_costs(tiny_model, tmp_p
     """The costs decide more than drafts (prompt first, which sequences sit out, filler
     rows, the dispatcher's routing): a worker with `--draft-max 0` measures them too, so
     turning drafts off turns off drafts only. Never in deterministic mode; an engine
-    made without asking (a test's, a tool's) measures only for its drafts."""
+    made without asking (a test's, selftest's) measures only for its drafts."""
     from workers.worker import load_engine
     from workers.engine.llama import LlamaEngine
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -735,6 +735,8 @@ def test_a_worker_without_drafts_still_measures_its_step_costs(tiny_model, tmp_p
         worker.close()
     for engine in (load_engine("llama", tiny_model, 256, 2, THREADS, 0, False,
                                deterministic=True),
+                   load_engine("llama", tiny_model, 256, 2, THREADS, 0, False,
+                               measure_costs=False),              # (selftest's)
                    LlamaEngine(tiny_model, 256, 2, THREADS, 0, draft_max=0)):
         try:
             assert engine.step_costs is None
@@ -1333,6 +1335,13 @@ def test_a_batch_smaller_than_a_step_is_refused_or_turns_drafts_off(model_path, 
         assert "drafts off: --batch 32 is below the 68 rows" in caplog.text
         engine.add(0, engine.tokenize("def f(x):\n    return"), GREEDY)
         assert any(engine.step().get(0) is not None for _ in range(3))
+    finally:
+        engine.close()
+    caplog.clear()                      # a worker with drafts off: no costs, and says so
+    engine = LlamaEngine(model_path, 1024, 4, THREADS, 0, draft_max=0, measure_costs=True,
+                         shape=ContextShape(n_batch=32, n_ubatch=32))
+    try:
+        assert engine.step_costs is None and "routing by cost off" in caplog.text
     finally:
         engine.close()
 

@@ -55,7 +55,7 @@ def load_with_log(args, placement):
     try:
         engine = load_engine("llama", args.model, args.nctx, args.slots, placement.n_threads,
                              placement.n_gpu_layers, True, args.deterministic, 0, 0,
-                             shape=ContextShape.of(args))
+                             shape=ContextShape.of(args), measure_costs=False)
     except Exception as exc:
         tail = [line for line in captured.getvalue().splitlines() if line.strip()][-3:]
         quoted = "(llama.cpp: " in str(exc)          # the engine quoted llama.cpp's log

@@ -251,7 +251,7 @@ def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: i
                 n_gpu_layers: int, verbose: bool, deterministic: bool = False,
                 prefill_chunk: int = 0, draft_max: int = 0, cache_reuse: int = 0,
                 log_content: bool = False, shape: ContextShape = ContextShape(),
-                draft_model: str | None = None):
+                draft_model: str | None = None, measure_costs: bool = True):
     if kind == "fake":
         from workers.fake_engine import FakeEngine
         return FakeEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose,
@@ -261,7 +261,7 @@ def load_engine(kind: str, model_path: str, n_ctx: int, slots: int, n_threads: i
         return LlamaEngine(model_path, n_ctx, slots, n_threads, n_gpu_layers, verbose,
                            deterministic, prefill_chunk, draft_max, cache_reuse,
                            log_content, shape=shape, draft_model=draft_model,
-                           measure_costs=True)
+                           measure_costs=measure_costs)
     raise ValueError(f"unknown engine {kind!r}: use llama or fake")
 
 

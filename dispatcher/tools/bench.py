@@ -46,8 +46,11 @@ def level_rounds(target, concurrency: int, prompts: list[str], max_tokens: int):
         def stream(i: int) -> None:
             results[i] = target.complete(prompts[i], max_tokens)
 
+        batched = isinstance(target, InProcessTarget) and concurrency > 1
+        if batched:
+            target.make_room(concurrency)
         started = time.perf_counter()
-        if isinstance(target, InProcessTarget) and concurrency > 1:
+        if batched:
             results.update(zip(batch, target.complete_round([prompts[i] for i in batch],
                                                             max_tokens)))
         else:

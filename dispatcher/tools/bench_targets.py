@@ -269,15 +269,21 @@ class InProcessTarget:
         self.lock = threading.Lock()
         self.batched = None
 
-    def complete_round(self, prompts: list[str], max_tokens: int) -> list[Sample]:
-        """Greedy streams of `prompts` started together, decoded as one batch a step."""
+    def make_room(self, streams: int) -> None:
+        """A context for rounds of `streams` (made before a round is timed: llama.cpp
+        clears a KV cache of every sequence's context when it makes one)."""
         from dispatcher.tools.reference import BatchedGreedy
         with self.lock:
-            if self.batched is None or self.batched.sequences < len(prompts):
-                if self.batched is not None:
-                    self.batched.close()
-                self.batched = BatchedGreedy(self.llm, len(prompts), self.n_ctx,
-                                             self.n_threads)
+            if self.batched is None or self.batched.sequences < streams:
+                old, self.batched = self.batched, None
+                if old is not None:
+                    old.close()
+                self.batched = BatchedGreedy(self.llm, streams, self.n_ctx, self.n_threads)
+
+    def complete_round(self, prompts: list[str], max_tokens: int) -> list[Sample]:
+        """Greedy streams of `prompts` started together, decoded as one batch a step."""
+        self.make_room(len(prompts))
+        with self.lock:
             streams = self.batched.round(prompts, max_tokens)
         return [Sample(ok=True, ttft=s.ttft, tokens=len(s.ids), decode_s=s.decode_s,
                        finish_reason=s.finish_reason) for s in streams]

@@ -58,10 +58,12 @@ class BatchedGreedy:
     """A server with no work of its own: llama-cpp-python's batch API on `llm`'s weights,
     a context of `sequences` sequences shaped as the workers' (a KV stream each, a batch
     of 512, flash attention), each round's prompts prefilled together and then every
-    sequence's greedy token decoded in one batch a step. No HTTP, no scheduling, no
-    sampler chain, no text: the kernels' figure for concurrent streams on this library,
-    which a server on it can pass only by drafting (the bench's in-process target at a
-    concurrency level above 1)."""
+    sequence's greedy token decoded in one batch a step. No HTTP, no sampler chain, no
+    text, no scheduling: the kernels' figure for concurrent streams on this library (the
+    bench's in-process target at a concurrency level above 1, on the CPU as `llm` is).
+    A server passes it by drafting, or where its schedule beats this plain one (a
+    stream ending mid-round leaves a gap in the sequence ids, which llama.cpp decodes
+    as two sub-batches; the workers' filler rows close such gaps)."""
 
     def __init__(self, llm, sequences: int, n_ctx: int, n_threads: int):
         import llama_cpp as lib
@@ -94,55 +96,55 @@ class BatchedGreedy:
         if self.lib.llama_decode(self.ctx, batch) != 0:
             raise RuntimeError("llama_decode failed")
 
-    def _greedy(self, row: int) -> int:
-        logits = self.lib.llama_get_logits_ith(self.ctx, row)
-        return int(self.numpy.argmax(self.numpy.ctypeslib.as_array(
-            logits, shape=(self.n_vocab,))))
-
     def round(self, prompts: list[str], max_tokens: int) -> list[Stream]:
-        """Each prompt's stream, all started at once (tokenizing counted)."""
-        if len(prompts) > self.sequences or max_tokens < 1:
-            raise ValueError(f"{len(prompts)} prompts for {self.sequences} sequences, "
-                             f"{max_tokens} tokens each")
+        """Each prompt's stream, all started at once (tokenizing counted), the prompts
+        with the fewest tokens prefilled first, as the workers order them."""
         started = time.perf_counter()
-        tokens = [self.llm.tokenize(p.encode(), add_bos=True)[:self.n_ctx - max_tokens]
-                  for p in prompts]
+        tokens = [self.llm.tokenize(p.encode(), add_bos=True, special=True) for p in prompts]
+        if len(prompts) > self.sequences or max_tokens < 1 or \
+                any(len(ids) + max_tokens > self.n_ctx for ids in tokens):
+            raise ValueError(f"{len(prompts)} prompts for {self.sequences} sequences of "
+                             f"{self.n_ctx} tokens, {max_tokens} tokens each")
         self.lib.llama_memory_clear(self.memory, True)
         streams = [Stream() for _ in prompts]
-        rows = [(seq, pos, token, pos == len(ids) - 1)
-                for seq, ids in enumerate(tokens) for pos, token in enumerate(ids)]
-        last: dict[int, int] = {}
+        rows = [(seq, pos, token, pos == len(tokens[seq]) - 1)
+                for seq in sorted(range(len(tokens)), key=lambda seq: len(tokens[seq]))
+                for pos, token in enumerate(tokens[seq])]
+        live: set[int] = set()                   # the streams still writing
         for start in range(0, len(rows), 512):
             piece = rows[start:start + 512]
             self._decode(piece)
-            for i, (seq, _, _, logits) in enumerate(piece):
+            for row, (seq, _, _, logits) in enumerate(piece):
                 if logits:
-                    last[seq] = self._greedy(i)
-                    streams[seq].ttft = time.perf_counter() - started
-        position = {seq: len(ids) for seq, ids in enumerate(tokens)}
-        while last:
-            for seq, token in list(last.items()):
-                if self._ends(streams[seq], token, max_tokens, started):
-                    del last[seq]
-            order = sorted(last)
-            if order:
-                self._decode([(seq, position[seq], last[seq], True) for seq in order])
-            for i, seq in enumerate(order):
-                position[seq] += 1
-                last[seq] = self._greedy(i)
+                    self._take(streams[seq], seq, row, live, max_tokens, started)
+        while live:
+            order = sorted(live)
+            self._decode([(seq, len(tokens[seq]) + len(streams[seq].ids) - 1,
+                           streams[seq].ids[-1], True) for seq in order])
+            for row, seq in enumerate(order):
+                self._take(streams[seq], seq, row, live, max_tokens, started)
         return streams
 
-    def _ends(self, stream: Stream, token: int, max_tokens: int, started: float) -> bool:
-        """`token` into `stream`'s count; whether the stream ends there."""
-        if self.lib.llama_vocab_is_eog(self.vocab, token):     # not text: never sent
+    def _take(self, stream: Stream, seq: int, row: int, live: set[int], max_tokens: int,
+              started: float) -> None:
+        """The greedy token of the batch's `row` into `stream`; `seq` leaves `live`
+        where the stream ends there (an end of generation: never sent, not counted)."""
+        logits = self.lib.llama_get_logits_ith(self.ctx, row)
+        token = int(self.numpy.argmax(self.numpy.ctypeslib.as_array(
+            logits, shape=(self.n_vocab,))))
+        now = time.perf_counter() - started
+        if self.lib.llama_vocab_is_eog(self.vocab, token):
             stream.finish_reason = "stop"
-            return True
-        stream.ids.append(token)
-        stream.decode_s = time.perf_counter() - started - stream.ttft
-        if len(stream.ids) < max_tokens:
-            return False
-        stream.finish_reason = "length"
-        return True
+        else:
+            stream.ids.append(token)
+            if stream.ttft is None:
+                stream.ttft = now
+            stream.decode_s = now - stream.ttft
+            if len(stream.ids) < max_tokens:
+                live.add(seq)
+                return
+            stream.finish_reason = "length"
+        live.discard(seq)
 
     def close(self) -> None:
         self.lib.llama_batch_free(self.batch)

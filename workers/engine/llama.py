@@ -101,17 +101,7 @@ class LlamaEngine:
         # decoded beside the token's row change logprobs in their last bits (measured)
         drops = drops_positions(llama_cpp, self.model)
         self.drops_positions = drops     # (filler rows are removed after their step too)
-        self.draft_max = 0 if deterministic or not drops else draft_max
-        probe_fits = self.n_batch >= draft_rows(slots)
-        if self.draft_max and not probe_fits:
-            log.warning("drafts off: --batch %d is below the %d rows measuring their step "
-                        "costs takes with %d slots", self.n_batch, draft_rows(slots), slots)
-            self.draft_max = 0
-        # the device's step costs decide drafts, and the schedule beside them (prompt
-        # first, sit-outs, filler rows, routing): measured with drafts off too where
-        # asked (a worker always asks), never in deterministic mode
-        measure = bool(self.draft_max or (measure_costs and drops and probe_fits and
-                                          not deterministic))
+        measure = self._probe_fits(slots, draft_max, measure_costs)
         self.copy_at_least = COPY_AT_LEAST
         self.totals = P.StepTotals()     # the step profile (bench --profile, /metrics)
         self.padded = 0                  # steps whose lone run fillers padded (_fillers)
@@ -147,6 +137,23 @@ class LlamaEngine:
             self, slots, n_threads, n_gpu_layers, repacking) if measure else None)
         self.draft_model = self._draft_model(draft_model, n_ctx, slots, n_threads,
                                              n_gpu_layers, shape, repacking, draft_costs)
+
+    def _probe_fits(self, slots: int, draft_max: int, measure_costs: bool) -> bool:
+        """Sets `draft_max` (0 in deterministic mode, on a memory that cannot drop
+        positions, or where the batch cannot hold the shapes measuring step costs takes);
+        whether to measure the device's step costs. They decide the drafts and the
+        schedule beside them (prompt first, sit-outs, filler rows, routing): measured
+        with drafts off too where asked (a worker always asks), never in deterministic
+        mode."""
+        able = self.drops_positions and not self.deterministic
+        self.draft_max = draft_max if able else 0
+        if (self.draft_max or measure_costs and able) and self.n_batch < draft_rows(slots):
+            log.warning("drafts off: --batch %d is below the %d rows measuring the step "
+                        "costs takes with %d slots (prompt first, filler rows and routing "
+                        "by cost off too)", self.n_batch, draft_rows(slots), slots)
+            self.draft_max = 0
+            return False
+        return bool(self.draft_max or measure_costs and able)
 
     def _read_vocabulary(self) -> None:
         """The vocabulary's special tokens (end of generation, FIM, BOS), the tokenizer,
