@@ -3,8 +3,8 @@ batch shape, timed after llama.cpp has finished it, each sequence after a cached
 of an editor's size; kept in the cache directory per model, build, devices, offload,
 engine shape and CPU (`table_key`).
 
-Called by `LlamaEngine` at load in a worker (drafts on or off) or where drafts are on; llama.cpp is reached through the
-engine's `lib` (llama.py stays the only module that imports llama_cpp)."""
+Called by `LlamaEngine` at load in a worker (drafts on or off) or wherever drafts are
+on; llama.cpp is reached through the engine's `lib` (llama.py stays the only module that imports llama_cpp)."""
 from __future__ import annotations
 
 import hashlib

@@ -101,7 +101,7 @@ class LlamaEngine:
         # decoded beside the token's row change logprobs in their last bits (measured)
         drops = drops_positions(llama_cpp, self.model)
         self.drops_positions = drops     # (filler rows are removed after their step too)
-        measure = self._probe_fits(slots, draft_max, measure_costs)
+        measure = self._drafts_and_costs(slots, draft_max, measure_costs)
         self.copy_at_least = COPY_AT_LEAST
         self.totals = P.StepTotals()     # the step profile (bench --profile, /metrics)
         self.padded = 0                  # steps whose lone run fillers padded (_fillers)
@@ -138,7 +138,7 @@ class LlamaEngine:
         self.draft_model = self._draft_model(draft_model, n_ctx, slots, n_threads,
                                              n_gpu_layers, shape, repacking, draft_costs)
 
-    def _probe_fits(self, slots: int, draft_max: int, measure_costs: bool) -> bool:
+    def _drafts_and_costs(self, slots: int, draft_max: int, measure_costs: bool) -> bool:
         """Sets `draft_max` (0 in deterministic mode, on a memory that cannot drop
         positions, or where the batch cannot hold the shapes measuring step costs takes);
         whether to measure the device's step costs. They decide the drafts and the
@@ -147,13 +147,14 @@ class LlamaEngine:
         mode."""
         able = self.drops_positions and not self.deterministic
         self.draft_max = draft_max if able else 0
-        if (self.draft_max or measure_costs and able) and self.n_batch < draft_rows(slots):
+        wanted = bool(self.draft_max or measure_costs and able)
+        if wanted and self.n_batch < draft_rows(slots):
             log.warning("drafts off: --batch %d is below the %d rows measuring the step "
                         "costs takes with %d slots (prompt first, filler rows and routing "
                         "by cost off too)", self.n_batch, draft_rows(slots), slots)
             self.draft_max = 0
             return False
-        return bool(self.draft_max or measure_costs and able)
+        return wanted
 
     def _read_vocabulary(self) -> None:
         """The vocabulary's special tokens (end of generation, FIM, BOS), the tokenizer,
