@@ -4,7 +4,8 @@ of an editor's size; kept in the cache directory per model, build, devices, offl
 engine shape and CPU (`table_key`).
 
 Called by `LlamaEngine` at load in a worker (drafts on or off) or wherever drafts are
-on; llama.cpp is reached through the engine's `lib` (llama.py stays the only module that imports llama_cpp)."""
+on; llama.cpp is reached through the engine's `lib` (llama.py stays the only module
+that imports llama_cpp)."""
 from __future__ import annotations
 
 import hashlib
