@@ -535,9 +535,12 @@ def test_the_models_own_earlier_tokens_draft_first_seen_code_where_rows_are_chea
     """Function bodies of files never seen, one after another for one tenant, on a
     GPU-like cost table (a draft row nearly free): the `recycled` source (what the
     model wrote after the last two tokens in the tenant's earlier answers) drafts, and
-    some of its tokens hold; the source counts reach the step profile."""
+    some of its tokens hold; the source counts reach the step profile. Each sequence's
+    floor is the device's share (`StepCosts.floor_share`: one in a hundred), not a
+    quarter."""
     from dispatcher.tools.bench_corpus import Corpus, function_start
     from workers.engine.llama import LlamaEngine
+    from workers.engine.speculation import FLOOR_LEAST
     from workers.engine.stepcosts import SHAPES_EXTRA, StepCosts
     gpu = StepCosts((1, 2), {(s, d): 10.0 + 0.3 * s + 0.05 * d for s in (1, 2)
                              for d in SHAPES_EXTRA})
@@ -545,6 +548,7 @@ def test_the_models_own_earlier_tokens_draft_first_seen_code_where_rows_are_chea
     try:
         for prompt in Corpus(seed=37).prompts("fresh", 4, function_start):
             engine.add(0, engine.tokenize(prompt), GREEDY, history="tenant", budget=48)
+            assert engine.slots[0].policy.floor == gpu.floor_share() == FLOOR_LEAST
             made = 0
             while made < 48:
                 out = engine.step().get(0)

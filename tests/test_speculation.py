@@ -121,7 +121,7 @@ def test_a_source_that_keeps_a_quarter_of_its_tokens_stays():
         assert proposal is not None
         drafter.started(proposal, len(context))
         drafter.record(8, 2)                        # a quarter kept
-    assert not drafter.records[proposal.source].below_floor
+    assert not drafter.records[proposal.source].below_floor()
 
 
 def test_calibration_scales_a_sources_gains_by_what_verification_kept():
@@ -770,6 +770,36 @@ def test_the_shortest_draft_offered_is_decided_on_the_measured_costs():
     assert Drafter(16, min_len=cpu.shortest_draft()).propose(context, 16) is None
     one = Drafter(16, min_len=gpu.shortest_draft()).propose(context, 16)
     assert one is not None and one.tokens == [7]
+
+
+def test_the_floor_is_the_share_a_draft_must_keep_to_pay_on_the_device():
+    """Where a draft row costs ~0.2 of a plain step even 63 at a time (the CPU table) a
+    source must keep about a fifth of its tokens, as the fixed quarter asked; where rows
+    are nearly free (GPU-like) one in a hundred, so a source keeping 2 tokens of each
+    32-token draft goes on (it pays there) where the quarter had stopped it; where
+    rows cost more than they could ever give, the quarter. A source keeping nothing
+    stops on every device."""
+    from workers.engine.speculation import FLOOR, FLOOR_LEAST
+    cpu, gpu = StepCosts.assumed(), gpu_like()
+    assert 0.2 < cpu.floor_share() < FLOOR
+    assert gpu.floor_share() == FLOOR_LEAST
+    dear = StepCosts((1,), {(1, d): 10.0 + 20.0 * d for d in SHAPES_EXTRA})
+    assert dear.floor_share() == FLOOR
+    context = [1, 2, 3, 4, 5, 6, 7, 8] * 3 + [1, 2, 3, 4]
+
+    def after(floor, kept):
+        drafter = Drafter(32, floor=floor)
+        for _ in range(4):
+            proposal = drafter.propose(context, 32)
+            if proposal is None:
+                return None
+            drafter.started(proposal, len(context))
+            drafter.record(32, kept)
+        return drafter.propose(context, 32)
+    assert after(gpu.floor_share(), 2) is not None      # 2 of 32 kept: pays there
+    assert after(cpu.floor_share(), 2) is None
+    assert after(FLOOR, 2) is None
+    assert after(gpu.floor_share(), 0) is None
 
 
 def test_a_sequence_sampled_aside_gets_no_draft_from_the_draft_model_either():

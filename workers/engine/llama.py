@@ -40,7 +40,7 @@ from workers.engine.scheduling import (FIRST_LINE_MAX, PAD_PROBE_EVERY, PROBE_AG
                                         seq_runs)
 from workers.engine.history import Histories
 from workers.engine.slots import COPY_AT_LEAST, Slot, SlotCaches
-from workers.engine.speculation import DRAFT_MIN, Calibration, Drafter, common_prefix
+from workers.engine.speculation import DRAFT_MIN, FLOOR, Calibration, Drafter, common_prefix
 from workers.engine.stepcosts import EACH, HostTime, StepCosts, draft_rows
 from workers.engine.vocabulary import Vocabulary
 from workers.engine.drysamplers import DryTemplates
@@ -319,9 +319,11 @@ class LlamaEngine:
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
         limit = self.draft_max if draft_max is None else min(draft_max, self.draft_max)
+        costs = self.step_costs
         slot.policy = Drafter(limit, proven_only=sampling.wide, calibration=self.calibration,
-                              min_len=self.step_costs.shortest_draft() if self.step_costs
-                              else DRAFT_MIN) if limit else None
+                              min_len=costs.shortest_draft() if costs else DRAFT_MIN,
+                              floor=costs.floor_share() if costs else FLOOR) \
+            if limit else None
         if slot.policy is not None and history is not None:
             slot.policy.history = self.histories.of(history)
             slot.policy.output_from = len(tokens)

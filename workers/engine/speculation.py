@@ -38,8 +38,10 @@ source with the most expected accepted tokens is tried. A draft of length L with
 per-token acceptance a is expected to add sum(a**i, i=1..L) tokens, scaled by how the
 engine's recent drafts from that source fared against such expectations (`Calibration`:
 the gain is `Proposal.gain`); a source that keeps fewer than a quarter of its tokens in
-a sequence stops drafting there until its misses fade (`Record.below_floor`). Whether a
-draft goes into the step, and how long, is `workers.engine.stepcosts`'s to decide.
+a sequence (or fewer than pay for their rows on the device, where that is less:
+`Drafter.floor`) stops drafting there until its misses fade (`Record.below_floor`).
+Whether a draft goes into the step, and how long, is `workers.engine.stepcosts`'s to
+decide.
 """
 from __future__ import annotations
 
@@ -145,12 +147,13 @@ class Record:
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.cut)
 
-    @property
-    def below_floor(self) -> bool:
+    def below_floor(self, floor: float | None = None) -> bool:
         """Its drafts in this sequence are mostly refused: FLOOR_AFTER tokens tried and
-        fewer than FLOOR of them kept (it drafts no more in this sequence until the faded
-        count of tokens tried falls below FLOOR_AFTER again: a few to ~35 steps)."""
-        return self.tried >= FLOOR_AFTER and self.kept < FLOOR * self.tried
+        fewer than `floor` of them kept (default FLOOR; it drafts no more in this sequence
+        until the faded count of tokens tried falls below FLOOR_AFTER again: a few to ~35
+        steps)."""
+        floor = FLOOR if floor is None else floor
+        return self.tried >= FLOOR_AFTER and self.kept < floor * self.tried
 
 
 class Calibration:
@@ -196,6 +199,8 @@ MATCH_WINDOW = 64       # how far back a lookup's match is measured
 CUT_WEIGHT = 8          # a lookup's miss counts against it as much as 8 matched tokens
 FLOOR = 0.25            # a source keeping fewer of its draft tokens than this in a
 FLOOR_AFTER = 16        # sequence, once it has tried this many, drafts no more there
+FLOOR_LEAST = 0.01      # ... or than what pays on the device, where less (Drafter.floor),
+                        # but never less than this: one kept in a hundred
 CALIBRATION_PRIOR = 8.0     # tokens: a source's gains count as expected until measured
 CALIBRATION_FADE = 0.97     # per draft: a source's drafts of ~25 drafts ago count half
 CALIBRATION_STEP_FADE = 0.995   # ... and per step: of ~140 steps ago, half
@@ -261,6 +266,10 @@ class Drafter:
     output_from: int | None = None  # `recycled`: where the model's tokens start (the
     learned: int = 0                # prompt's length), and how far they are learned
     min_len: int = DRAFT_MIN        # the shortest draft offered (StepCosts.shortest_draft)
+    # the share of its draft tokens a source must keep in the sequence to go on drafting
+    # there (StepCosts.floor_share: where rows are nearly free, a draft pays keeping far
+    # less than a quarter); a draft model's, whose tokens cost decodes to make, FLOOR
+    floor: float = FLOOR
 
     def __post_init__(self) -> None:
         self.records = {name: Record(*prior) for name, prior in PRIORS.items()}
@@ -299,7 +308,7 @@ class Drafter:
                     (tokens is context and n - start < self.min_len):
                 continue
             record = self.records[source]
-            if record.below_floor:
+            if record.below_floor(self.floor):
                 continue
             rate, length = record.rate, limit
             if source not in ("copy", "resume", "recycled") and \
@@ -331,7 +340,7 @@ class Drafter:
         (which fades the records) in the same step."""
         room = min(limit, self.max_len)
         record = self.records["model"]
-        if room < self.min_len or record.below_floor:
+        if room < self.min_len or record.below_floor():
             return None
         return Proposal("model", 0, [0] * min(room, self.allowance), record.rate,
                         scale=self.calibration.factor("model")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from workers.engine.speculation import Proposal
+from workers.engine.speculation import FLOOR, FLOOR_LEAST, Proposal
 
 # Draft rows measured beside the plain rows at start-up: both sides of each multiple of 4,
 # since on a CPU with repacked weights a batch's output rows cost by their count modulo 4
@@ -342,6 +342,21 @@ class StepCosts:
             if (1 + length) * plain >= (1 + margin) * self.cost(1, length):
                 return length
         return SHAPES_EXTRA[-1]
+
+    def floor_share(self) -> float:
+        """The share of a source's draft tokens kept in a sequence below which it drafts
+        no more there (`speculation.Drafter.floor`): the least share a lone sequence's
+        draft must keep to pay for its rows, over the measured lengths, at most FLOOR and
+        at least FLOOR_LEAST. A CPU's rows cost ~0.2 of a plain step each even 63 at a
+        time: about FLOOR. Where rows are nearly free (a GPU), a source keeping a few
+        tokens of its 64-token drafts still pays, and a fixed quarter stopped it (first-
+        seen answers replayed on a GPU-like table: eight streams 1.2x faster than without
+        drafts under the quarter, 1.5x under the device's share; docs/design.md)."""
+        plain = self.cost(1, 0)
+        if plain <= 0:
+            return FLOOR
+        share = min((self.cost(1, n) - plain) / (n * plain) for n in SHAPES_EXTRA[1:])
+        return min(FLOOR, max(FLOOR_LEAST, share))
 
     def each_cost(self, sequences: int, rows: int) -> float:
         """A step of `sequences` sequences with `rows` draft rows on each (one sequence:
