@@ -42,6 +42,8 @@ def recorded(count: int, tokens: int) -> list[tuple[list[int], list[int]]]:
             prompt = llm.tokenize(text.encode(), add_bos=True, special=True)
             answer = []
             for token in llm.generate(prompt, temp=0.0):
+                if token == llm.token_eos():
+                    break
                 answer.append(token)
                 if len(answer) == tokens:
                     break
@@ -51,12 +53,12 @@ def recorded(count: int, tokens: int) -> list[tuple[list[int], list[int]]]:
     return out
 
 
-def replay(answers, costs: StepCosts, floor: float) -> list[float]:
-    """Each answer's speed with the engine's drafts over its speed without, in order, as
+def replay(answers, costs: StepCosts, floor: float) -> list[tuple[float, float]]:
+    """Each answer's time without drafts and with the engine's drafts (ms), in order, as
     one tenant (its history and the engine's calibration carried from one to the next)."""
     calibration, history = Calibration(), Histories().of("tenant")
     plain = costs.cost(1, 0)
-    speedups = []
+    times = []
     for prompt, answer in answers:
         drafter = Drafter(64, calibration=calibration, min_len=costs.shortest_draft(),
                           floor=floor)
@@ -79,25 +81,31 @@ def replay(answers, costs: StepCosts, floor: float) -> list[float]:
             made += kept + 1
         history.add(prompt + answer, len(prompt))
         drafter.learn(prompt + answer)
-        speedups.append((len(answer) - 1) * plain / ms)
-    return speedups
+        times.append((max(0, len(answer) - 1) * plain, ms))
+    return times
 
 
-def overall(speedups: list[float]) -> float:
-    """The set's speed over its speed without drafts (answers of equal length)."""
-    return len(speedups) / sum(1 / s for s in speedups)
+def overall(times: list[tuple[float, float]]) -> float:
+    """The set's speed with drafts over its speed without."""
+    return sum(without for without, _ in times) / sum(ms for _, ms in times)
+
+
+def worst(times: list[tuple[float, float]]) -> float:
+    """The lowest of the answers' speeds with drafts over without."""
+    return min(without / ms for without, ms in times if ms)
 
 
 def test_drafts_pay_on_both_tables_and_the_floor_follows_the_device(answers):
     """On the CPU's table (a draft row ~0.2-1 plain step) drafts go in where matches are
-    long, so the set gains and no answer loses much; on a GPU-like one (rows nearly free)
-    they gain several times more, and the device's floor (one kept token in a hundred)
-    lets sources that pay go on where a fixed quarter stopped them."""
+    long, so the set gains and no answer loses more than a fifth; on a GPU-like one (rows
+    nearly free) the set gains over 1.5x and every answer gains, and the device's floor
+    (one kept token in a hundred) lets sources that pay go on where a fixed quarter
+    stopped them. (On this 2-core EPYC: CPU table 1.10x, worst answer 0.98x; GPU-like
+    2.05x, worst 1.49x, 1.68x under the quarter.)"""
     cpu, gpu = StepCosts.assumed(), gpu_like()
     on_cpu = replay(answers, cpu, cpu.floor_share())
-    assert overall(on_cpu) > 1.0, on_cpu
-    assert min(on_cpu) > 0.85, on_cpu
+    assert overall(on_cpu) > 1.0 and worst(on_cpu) > 0.8, on_cpu
     on_gpu = replay(answers, gpu, gpu.floor_share())
     quarter = replay(answers, gpu, FLOOR)
-    assert overall(on_gpu) > 1.5 and min(on_gpu) > 1.0, on_gpu
+    assert overall(on_gpu) > 1.5 and worst(on_gpu) > 1.0, on_gpu
     assert overall(on_gpu) > 1.05 * overall(quarter), (on_gpu, quarter)

@@ -548,7 +548,7 @@ def test_the_models_own_earlier_tokens_draft_first_seen_code_where_rows_are_chea
     try:
         for prompt in Corpus(seed=37).prompts("fresh", 4, function_start):
             engine.add(0, engine.tokenize(prompt), GREEDY, history="tenant", budget=48)
-            assert engine.slots[0].policy.floor == gpu.floor_share() == FLOOR_LEAST
+            assert engine.slots[0].policy.floor == gpu.floor_share(16) == FLOOR_LEAST
             made = 0
             while made < 48:
                 out = engine.step().get(0)

@@ -774,17 +774,23 @@ def test_the_shortest_draft_offered_is_decided_on_the_measured_costs():
 
 def test_the_floor_is_the_share_a_draft_must_keep_to_pay_on_the_device():
     """Where a draft row costs ~0.2 of a plain step even 63 at a time (the CPU table) a
-    source must keep about a fifth of its tokens, as the fixed quarter asked; where rows
-    are nearly free (GPU-like) one in a hundred, so a source keeping 2 tokens of each
-    32-token draft goes on (it pays there) where the quarter had stopped it; where
-    rows cost more than they could ever give, the quarter. A source keeping nothing
-    stops on every device."""
+    source must keep about a fifth of its tokens (a quarter where its drafts are held to
+    16 tokens: shorter ones need more kept); where rows are nearly free (GPU-like) one in
+    a hundred, so a source keeping 2 tokens of each 32-token draft goes on (it pays
+    there) where the quarter had stopped it; where rows cost more than they could ever
+    give, or nothing is known, the quarter; where rows seem to cost nothing, one in a
+    hundred still. A source keeping nothing stops on every device."""
     from workers.engine.speculation import FLOOR, FLOOR_LEAST
     cpu, gpu = StepCosts.assumed(), gpu_like()
     assert 0.2 < cpu.floor_share() < FLOOR
-    assert gpu.floor_share() == FLOOR_LEAST
+    assert cpu.floor_share(16) == FLOOR == cpu.floor_share(0)
+    assert gpu.floor_share() == FLOOR_LEAST == gpu.floor_share(3)
     dear = StepCosts((1,), {(1, d): 10.0 + 20.0 * d for d in SHAPES_EXTRA})
     assert dear.floor_share() == FLOOR
+    unknown = StepCosts((1,), {(1, d): 0.0 for d in SHAPES_EXTRA})
+    assert unknown.floor_share() == FLOOR
+    odd = StepCosts((1,), {(1, d): 10.0 - 0.01 * d for d in SHAPES_EXTRA})
+    assert odd.floor_share() == FLOOR_LEAST
     context = [1, 2, 3, 4, 5, 6, 7, 8] * 3 + [1, 2, 3, 4]
 
     def after(floor, kept):

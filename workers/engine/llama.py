@@ -322,7 +322,7 @@ class LlamaEngine:
         costs = self.step_costs
         slot.policy = Drafter(limit, proven_only=sampling.wide, calibration=self.calibration,
                               min_len=costs.shortest_draft() if costs else DRAFT_MIN,
-                              floor=costs.floor_share() if costs else FLOOR) \
+                              floor=costs.floor_share(limit) if costs else FLOOR) \
             if limit else None
         if slot.policy is not None and history is not None:
             slot.policy.history = self.histories.of(history)

@@ -343,19 +343,22 @@ class StepCosts:
                 return length
         return SHAPES_EXTRA[-1]
 
-    def floor_share(self) -> float:
+    def floor_share(self, longest: int = SHAPES_EXTRA[-1]) -> float:
         """The share of a source's draft tokens kept in a sequence below which it drafts
         no more there (`speculation.Drafter.floor`): the least share a lone sequence's
-        draft must keep to pay for its rows, over the measured lengths, at most FLOOR and
-        at least FLOOR_LEAST. A CPU's rows cost ~0.2 of a plain step each even 63 at a
-        time: about FLOOR. Where rows are nearly free (a GPU), a source keeping a few
-        tokens of its 64-token drafts still pays, and a fixed quarter stopped it (first-
-        seen answers replayed on a GPU-like table: eight streams 1.2x faster than without
-        drafts under the quarter, 1.5x under the device's share; docs/design.md)."""
+        draft of at most `longest` tokens (its `--draft-max`) must keep to pay for its
+        rows, over the measured lengths, at most FLOOR and at least FLOOR_LEAST. A CPU's
+        rows cost ~0.2 of a plain step each even 63 at a time: about a fifth (a quarter
+        where drafts are held to 16 or fewer). Where rows are nearly free (a GPU), a
+        source keeping a few tokens of its 64-token drafts still pays, and a fixed
+        quarter stopped it (first-seen answers replayed on a GPU-like table: eight
+        streams 1.2x faster than without drafts under the quarter, 1.5x under the
+        device's share; docs/design.md)."""
         plain = self.cost(1, 0)
-        if plain <= 0:
+        lengths = [n for n in SHAPES_EXTRA[1:] if n <= longest]
+        if plain <= 0 or not lengths:
             return FLOOR
-        share = min((self.cost(1, n) - plain) / (n * plain) for n in SHAPES_EXTRA[1:])
+        share = min((self.cost(1, n) - plain) / (n * plain) for n in lengths)
         return min(FLOOR, max(FLOOR_LEAST, share))
 
     def each_cost(self, sequences: int, rows: int) -> float:
