@@ -411,6 +411,57 @@ def test_plain_steps_correct_only_the_plain_shapes_around_them(tmp_path):
     assert StepCosts.load(tmp_path / "kept.json").each == costs.each
 
 
+def test_a_plain_step_moves_the_drafts_beside_it_as_much_as_itself():
+    """Plain steps of eight sequences a fifth cheaper than the start-up measured (its
+    contexts longer than an editor's openings): the drafts of eight rows, on one or on
+    each, keep their measured ratio to the plain step, so the plan weighs them as at
+    start-up (moving the plain shape alone made one row on each look 1.8 plain steps
+    and kept it out); other counts' shapes do not move."""
+    costs = StepCosts.assumed()
+    before_table, before_each = dict(costs.table), dict(costs.each)
+    for _ in range(40):
+        assert costs.observe(8, 0, 0.8 * before_table[8, 0])
+    assert costs.table[8, 0] < 0.85 * before_table[8, 0]
+    shrunk = costs.table[8, 0] / before_table[8, 0]
+    for d in SHAPES_EXTRA[1:]:
+        assert costs.table[8, d] == pytest.approx(shrunk * before_table[8, d])
+    for k in (1, 2):
+        assert costs.each[8, k] == pytest.approx(shrunk * before_each[8, k])
+        assert costs.each[7, k] == before_each[7, k]
+    assert costs.table[2, 4] == before_table[2, 4] and costs.table[1, 0] == before_table[1, 0]
+
+
+def test_drafts_alike_just_short_of_the_margin_are_probed_one_step_in_sixteen():
+    """One row on each of eight sequences that would raise the step's rate by less than
+    the margin: each_plan's probe takes it, the plain plan does not; one that would
+    lower the rate never goes in. The scheduler probes one step in ALIKE_PROBE_EVERY of
+    those that weigh drafts alike, so the shape's cost and the sources' acceptance are
+    measured by real steps, not left at the start-up's figure for good."""
+    from types import SimpleNamespace
+
+    from workers.engine.scheduling import ALIKE_PROBE_EVERY, Scheduler
+    cpu = StepCosts.assumed()
+    plain = 8 / cpu.plain_cost(8)
+    # a rate per proposal whose gains lift the step's rate by ~5%: past 1, short of 1.1
+    rate = (1.05 * plain * cpu.each_cost(8, 1) - 8) / 8
+    near = [Proposal("short", 0, list(range(16)), rate)] * 8
+    assert each_plan(cpu, [8], near) == (0, plain)
+    k, probed = each_plan(cpu, [8], near, probe=True)
+    assert k == 1 and plain < probed < 1.1 * plain
+    assert each_plan(cpu, [8], [Proposal("short", 0, list(range(16)), 0.05)] * 8,
+                     probe=True)[0] == 0
+    scheduler, drafted = Scheduler(), 0
+    for _ in range(3 * ALIKE_PROBE_EVERY):
+        generating = [SimpleNamespace(seq=i, cached=[1, 2, 3], next_token=4, draft=[],
+                                      policy=Drafter(16)) for i in range(8)]
+        by_seq = {s.seq: near[0] for s in generating}
+        probed = scheduler._drafts_alike(generating, list(by_seq.items()), by_seq, {},
+                                         cpu, None)
+        assert [len(s.draft) for s in generating] == [1 if probed else 0] * 8
+        drafted += probed
+    assert drafted == 3
+
+
 def test_a_guess_that_fills_drafts_alike_leaves_the_allowance():
     """A sequence without a proposal carries a guess in a step of drafts alike; its miss
     is no source's and does not shorten the drafts its sources earned."""

@@ -213,9 +213,15 @@ class StepCosts:
         """A real step of this shape took `ms`: move the shapes it lies between toward it,
         in log, each by its interpolation weight times OBSERVED_DOWN (faster) or
         OBSERVED_UP (slower), the ratio clamped to OBSERVED_CLAMP, and the other draft
-        shapes of the same rows by OBSERVED_SPREAD of that; then a step with drafts never
-        costs less than without. False: a shape outside the measured range,
-        left alone."""
+        shapes of the same rows by OBSERVED_SPREAD of that; a plain step moves the draft
+        shapes of its rows (drafts alike included) as much as itself: their ratio to it,
+        measured together at start-up, stands until a step with them runs (what made the
+        plain step cheaper, shorter contexts than the probe's or a quieter machine, makes
+        them cheaper too; moving the plain shape alone made every draft beside it look
+        dearer step by step, one row on each of eight sequences from 1.39 to 1.8 plain
+        steps here, and kept such drafts out for good). Then a step with drafts never
+        costs less than without. False: a shape outside the measured range, left
+        alone."""
         if each:                # `extra` draft rows on each sequence: that shape alone
             predicted = self.each.get((sequences, extra), 0.0)
             if predicted <= 0 or ms <= 0:
@@ -235,12 +241,15 @@ class StepCosts:
         rate = OBSERVED_DOWN if ratio < 1 else OBSERVED_UP
         for shape, weight in weights:
             self.table[shape] *= ratio ** (rate * weight)
-        if extra > 0:          # the other draft shapes of those rows by OBSERVED_SPREAD of it
-            for s in {s for (s, _), _ in weights}:
-                row_weight = sum(w for (r, _), w in weights if r == s)
-                for d in SHAPES_EXTRA[1:]:
-                    if all(shape != (s, d) for shape, _ in weights):
-                        self.table[s, d] *= ratio ** (rate * OBSERVED_SPREAD * row_weight)
+        spread = OBSERVED_SPREAD if extra > 0 else 1.0
+        for s in {s for (s, _), _ in weights}:     # the other draft shapes of those rows
+            factor = ratio ** (rate * spread * sum(w for (r, _), w in weights if r == s))
+            for d in SHAPES_EXTRA[1:]:
+                if (s, d) in self.table and all(shape != (s, d) for shape, _ in weights):
+                    self.table[s, d] *= factor
+            if extra == 0:
+                for shape in [shape for shape in self.each if shape[0] == s]:
+                    self.each[shape] *= factor
         for s in {s for (s, _), _ in weights} & set(self.sequences):
             self._floor(s)
         self.observed += 1
@@ -434,8 +443,8 @@ def step_rate(costs: StepCosts, sequences: int, proposals: dict[object, Proposal
 
 
 def each_plan(costs: StepCosts, runs: list[int], proposals: list[Proposal],
-              stretch: float | None = None, layout: Callable[[int], list[int]] | None = None
-              ) -> tuple[int, float]:
+              stretch: float | None = None, layout: Callable[[int], list[int]] | None = None,
+              probe: bool = False) -> tuple[int, float]:
     """How many draft rows every generating sequence gets alike (k in EACH, 0: none) and
     the rate (tokens a millisecond) that gives the step: the plain step's when no k beats
     it. `runs`: the lengths of the runs of consecutive sequence ids (each is a batch of its
@@ -444,7 +453,9 @@ def each_plan(costs: StepCosts, runs: list[int], proposals: list[Proposal],
     with one draft row each (16 outputs) cost ~1.25 times the plain step: likely drafts
     on most of them pay, where a draft on one alone (a batch of its own) does not.
     `layout(k)`: the batches' sizes with k draft rows each (runs joined by filler rows:
-    `scheduling.bridged`); without it, the runs."""
+    `scheduling.bridged`); without it, the runs. `probe`: where no k clears the margin,
+    one row each if that raises the rate at all (its cost and acceptance measured by
+    the step: `scheduling.Scheduler._drafts_alike`)."""
     sequences = sum(runs)
     plain = sum(costs.plain_cost(r) for r in (layout(0) if layout else runs))
     best = (0, sequences / plain if plain > 0 else 0.0)
@@ -455,6 +466,7 @@ def each_plan(costs: StepCosts, runs: list[int], proposals: list[Proposal],
         if stretch is not None and step > (1 + stretch) * plain:
             continue
         rate = (sequences + sum(p.gain(k) for p in proposals)) / step
-        if rate > best[1] and rate > (1 + DRAFT_MARGIN) * sequences / plain:
+        margin = 0.0 if probe and k == EACH[0] else DRAFT_MARGIN
+        if rate > best[1] and rate > (1 + margin) * sequences / plain:
             best = (k, rate)
     return best
