@@ -415,8 +415,9 @@ def test_a_plain_step_moves_the_drafts_beside_it_as_much_as_itself():
     """Plain steps of eight sequences a fifth cheaper than the start-up measured (its
     contexts longer than an editor's openings): the drafts of eight rows, on one or on
     each, keep their measured ratio to the plain step, so the plan weighs them as at
-    start-up (moving the plain shape alone made one row on each look 1.8 plain steps
-    and kept it out); other counts' shapes do not move."""
+    start-up (moving the plain shape alone made one row on each look 1.6-1.8 plain
+    steps and kept it out), and never below the plain step; other counts' shapes do not
+    move, nor does a step with drafts move the drafts alike."""
     costs = StepCosts.assumed()
     before_table, before_each = dict(costs.table), dict(costs.each)
     for _ in range(40):
@@ -429,6 +430,14 @@ def test_a_plain_step_moves_the_drafts_beside_it_as_much_as_itself():
         assert costs.each[8, k] == pytest.approx(shrunk * before_each[8, k])
         assert costs.each[7, k] == before_each[7, k]
     assert costs.table[2, 4] == before_table[2, 4] and costs.table[1, 0] == before_table[1, 0]
+    alike = dict(costs.each)
+    for _ in range(5):
+        assert costs.observe(8, 3, 0.5 * costs.cost(8, 3))
+    assert costs.each == alike
+    costs.each[8, 1] = 1.01 * costs.table[8, 0]      # one row each, nearly free
+    for _ in range(10):
+        costs.observe(8, 0, 0.5 * costs.table[8, 0])
+    assert costs.each[8, 1] >= costs.plain_cost(8)
 
 
 def test_drafts_alike_just_short_of_the_margin_are_probed_one_step_in_sixteen():

@@ -297,9 +297,10 @@ class Scheduler:
         (the start-up measures at 1,024 cached tokens; an editor's eight openings are a
         few hundred) kept it out for good. Probed, its cost and acceptance are the steps'
         own, and the margin decides again on them: eight first-seen openings at once,
-        in-process, the probe's start-up table, 166.5-179.8 tok/s against 154.6-166.9
-        without the probe over six sets of files (one row on each from 1.39 plain
-        steps, as measured at start-up, to the 1.32-1.36 the steps measured)."""
+        in-process, a fresh engine on such a kept table, 146.8-177.2 tok/s against
+        134.5-166.8 without the probe over six sets of files, each set faster (one row on
+        each from 1.39 plain steps, as measured at start-up, to the 1.27-1.36 the steps
+        measured; docs/design.md)."""
         self.alike_asked += 1
         seqs = sorted(s.seq for s in generating)
         runs = seq_runs(seqs)

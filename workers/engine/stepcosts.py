@@ -218,9 +218,9 @@ class StepCosts:
         measured together at start-up, stands until a step with them runs (what made the
         plain step cheaper, shorter contexts than the probe's or a quieter machine, makes
         them cheaper too; moving the plain shape alone made every draft beside it look
-        dearer step by step, one row on each of eight sequences from 1.39 to 1.8 plain
-        steps here, and kept such drafts out for good). Then a step with drafts never
-        costs less than without. False: a shape outside the measured range, left
+        dearer step by step, one row on each of eight sequences from 1.39 to 1.6-1.8
+        plain steps here, and kept such drafts out for good). Then a step with drafts
+        never costs less than without. False: a shape outside the measured range, left
         alone."""
         if each:                # `extra` draft rows on each sequence: that shape alone
             predicted = self.each.get((sequences, extra), 0.0)
@@ -249,7 +249,7 @@ class StepCosts:
                     self.table[s, d] *= factor
             if extra == 0:
                 for shape in [shape for shape in self.each if shape[0] == s]:
-                    self.each[shape] *= factor
+                    self.each[shape] = max(self.each[shape] * factor, self.plain_cost(s))
         for s in {s for (s, _), _ in weights} & set(self.sequences):
             self._floor(s)
         self.observed += 1
