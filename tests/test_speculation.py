@@ -322,6 +322,38 @@ def test_first_line_first_sits_out_only_what_makes_the_step_cheaper():
     assert Scheduler().first_line_first(none, [], None) == none    # no costs: one in a row
 
 
+def test_a_deep_sequence_sits_out_no_longer_than_a_third_of_a_second(monkeypatch):
+    """Seven steps sat out are ~0.1-0.4 s where steps are a keystroke's, but a prompt's
+    logprob rows make steps of 150 ms and more: a stream beside one paused 1.1 s. The
+    run sat out ends at SIT_OUT_SECONDS too, whichever comes first, and a new one
+    starts its own count."""
+    from types import SimpleNamespace
+
+    from workers.engine import scheduling
+    from workers.engine.scheduling import DEEP_AFTER, SIT_OUT_RUN, SIT_OUT_SECONDS, Scheduler
+    clock = [100.0]
+    monkeypatch.setattr(scheduling.time, "monotonic", lambda: clock[0])
+    seven = [SimpleNamespace(seq=i, line_done=True, sat_out=0, sampled=DEEP_AFTER + 100)
+             for i in range(7)] + [SimpleNamespace(seq=7, line_done=False, sat_out=0,
+                                                   sampled=1)]
+    cpu = StepCosts.assumed()
+
+    def ran() -> list[int]:
+        return [s.seq for s in Scheduler().first_line_first(seven, [], cpu)]
+    step = SIT_OUT_SECONDS / 2.5                      # long steps: two and a half fit
+    runs = []
+    for _ in range(12):
+        runs.append(len(ran()))
+        clock[0] += step
+    assert runs == [1, 1, 1, 8, 1, 1, 1, 8, 1, 1, 1, 8], runs
+    clock[0] += 10
+    runs = []
+    for _ in range(2 * (SIT_OUT_RUN + 1)):            # short steps: the count ends it
+        runs.append(len(ran()))
+        clock[0] += 0.001
+    assert runs == ([1] * SIT_OUT_RUN + [8]) * 2, runs
+
+
 def test_first_line_first_counts_each_run_of_sequence_ids_as_a_decode():
     """llama.cpp decodes each run of consecutive sequence ids on its own: deep sequences
     sitting out between others would split the step into runs that together cost more

@@ -37,7 +37,7 @@ from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.draftmodel import DraftCosts, DraftModel
 from workers.engine.scheduling import (FIRST_LINE_MAX, PAD_PROBE_EVERY, PROBE_AGAIN_BELOW,
                                         SIT_OUT_RUN, Scheduler, bridged, prompt_first,
-                                        seq_runs)
+                                        sat, sat_out_enough, seq_runs)
 from workers.engine.history import Histories
 from workers.engine.slots import COPY_AT_LEAST, Slot, SlotCaches
 from workers.engine.speculation import DRAFT_MIN, FLOOR, Calibration, Drafter, common_prefix
@@ -463,7 +463,7 @@ class LlamaEngine:
                     held: frozenset[int]) -> list:
         """The generating slots with rows in this step: first line first's choice, or
         none where the prompt first in line goes before them (`_prompt_first`; not while
-        one of them has sat out SIT_OUT_RUN steps). Those are then `held`, counted as
+        one of them has sat out enough, `sat_out_enough`). Those are then `held`, counted as
         sitting out, and the next step is theirs: none of them sits out there, and no
         prompt rows go beside them but the piece of one passed over."""
         running = [s for s in self.slots if s.busy and s.next_token is not None]
@@ -474,16 +474,22 @@ class LlamaEngine:
                 if slot.seq in held:
                     slot.sat_out = 0
             return [s for s in running if s.seq in chosen or s.seq in held]
-        before = {s.seq: s.sat_out for s in running}
+        before = {s.seq: (s.sat_out, s.sat_out_since) for s in running}
         generating = self.scheduler.first_line_first(
             running, prefilling, self.step_costs, self._prompt_rows_at_least(
                 prefilling, min(self.n_batch - len(running), self.prefill_chunk)),
             fillable)
-        if not self._prompt_first(generating, prefilling) or \
-                any(before[s.seq] >= SIT_OUT_RUN for s in generating):
+        if not self._prompt_first(generating, prefilling):
             return generating
+        for slot in generating:         # (the runs they had sat out before this step)
+            slot.sat_out, slot.sat_out_since = before[slot.seq]
+        if any(sat_out_enough(s) for s in generating):
+            for slot in generating:
+                slot.sat_out = 0
+            return generating
+        now = time.monotonic()
         for slot in generating:
-            slot.sat_out = before[slot.seq] + 1
+            sat(slot, True, now)
         self.held = frozenset(s.seq for s in generating)
         return []
 

@@ -28,6 +28,9 @@ SIT_OUT_EXACT = 10      # first line first tries every subset of at most this ma
 SIT_OUT_SAVING = 0.1    # ... and has some sit out only for a step this much cheaper
 SIT_OUT_RUN = 7         # ... and none more steps in a row than this (it runs one in 8 at
                         # worst while someone waits); without measured costs, one
+SIT_OUT_SECONDS = 0.3   # ... nor once its steps sat out in a row have taken this long: a
+                        # reader of its stream sees no longer pause (steps of a prompt's
+                        # logprob rows take 150 ms and more: seven were over a second)
 WAIT_STRETCH = 0.1      # while a user waits (a first line, a prompt, a new arrival), a step
                         # with drafts may take at most this much longer than the plain one
 JOIN_ROWS = 16          # rows of whole prompts that may always join a step finishing one
@@ -39,6 +42,25 @@ PROBE_AGAIN_BELOW = 0.9  # ... the next one too where that step took less than t
                         # of its shape's cost (a start-up measured too high, corrected)
 ALIKE_PROBE_EVERY = 16  # one step in this many where drafts alike would raise the step's
                         # rate, but by less than the margin, takes them (see _drafts_alike)
+
+
+def sat_out_enough(slot, run: int = SIT_OUT_RUN, now: float | None = None) -> bool:
+    """Whether a generating sequence has sat out enough steps in a row to have a row in
+    the next: `run` of them, or steps that took SIT_OUT_SECONDS together. Counted in
+    steps alone, a sequence deep in a long completion sat out seven steps of a prompt's
+    logprob rows beside it (150 ms each and their sampling): its stream paused for 1.1 s
+    on a slower 2-core machine, for a request whose first token was seconds away."""
+    if slot.sat_out >= run:
+        return True
+    now = time.monotonic() if now is None else now
+    return slot.sat_out > 0 and now - slot.sat_out_since >= SIT_OUT_SECONDS
+
+
+def sat(slot, out: bool, now: float) -> None:
+    """A generating sequence sits out the coming step (`out`) or has its row in it."""
+    if out and not slot.sat_out:
+        slot.sat_out_since = now
+    slot.sat_out = slot.sat_out + 1 if out else 0
 
 
 class Scheduler:
@@ -61,7 +83,8 @@ class Scheduler:
         of its first line (or still prefilling), sequences deep in a long completion
         (past their first line and DEEP_AFTER tokens) sit out a step, so that it is
         shorter for those waiting; none more than SIT_OUT_RUN steps in a row (without
-        measured costs, one: there nobody knows that the step is cheaper for it). A
+        measured costs, one: there nobody knows that the step is cheaper for it), nor
+        past SIT_OUT_SECONDS of them (`sat_out_enough`). A
         waiting first line of a dozen tokens so pays for a full step about once where
         it paid every other step: on the typing trace (eight users, four seeds, two runs
         each) first line p50 305-808 ms against 504-1,366 with one in a row, 453-1,053
@@ -89,15 +112,16 @@ class Scheduler:
         sequences that get a row in this step."""
         waiting = bool(prefilling) or any(not s.line_done for s in generating)
         run = SIT_OUT_RUN if costs is not None else 1
-        may = sorted((s for s in generating if waiting and s.sat_out < run and s.line_done
-                      and s.sampled >= DEEP_AFTER), key=lambda s: -s.sampled)
+        now = time.monotonic()
+        may = sorted((s for s in generating if waiting and not sat_out_enough(s, run, now)
+                      and s.line_done and s.sampled >= DEEP_AFTER), key=lambda s: -s.sampled)
         sitting = {s.seq for s in may}
         if costs is not None and may:
             sitting = set(self._cheapest_out(
                 tuple(s.seq for s in generating), tuple(s.seq for s in may),
                 tuple(s.seq for s in prefilling), costs, prompt_rows, fillable))
         for slot in generating:
-            slot.sat_out = slot.sat_out + 1 if slot.seq in sitting else 0
+            sat(slot, slot.seq in sitting, now)
         return [s for s in generating if s.seq not in sitting]
 
     def _cheapest_out(self, generating: tuple, may: tuple, prefilling: tuple,

@@ -42,6 +42,7 @@ class Slot:
     policy: Drafter | None = None                       # None: no speculation
     line_done: bool = False             # its output has a newline, or FIRST_LINE_MAX tokens
     sat_out: int = 0                    # first line first: steps sat out in a row
+    sat_out_since: float = 0.0          # ... since when (time.monotonic())
     passed_over: bool = False                           # its prompt got no piece: last step
     budget: int | None = None                           # tokens it may generate
     sample_ms: float = 0.0              # its sampling's measured time a token (average)
