@@ -287,7 +287,7 @@ def test_step_costs_measured_keep_the_fastest_run_and_a_cheaper_longer_draft():
     assert costs.table[1, 1] == 12.0                               # not below the plain 12
 
 
-def test_first_line_first_sits_out_only_what_makes_the_step_cheaper():
+def test_first_line_first_sits_out_only_what_makes_the_step_cheaper(monkeypatch):
     """On the CPU's costs 8 plain rows cost less than 5, 6 or 7: with two deep sequences
     beside six others (one still short of its first line) none sits out, since that
     would lengthen the step; with seven deep ones all seven do (one row), the deepest
@@ -295,7 +295,9 @@ def test_first_line_first_sits_out_only_what_makes_the_step_cheaper():
     costs every one that may does."""
     from types import SimpleNamespace
 
+    from workers.engine import scheduling
     from workers.engine.scheduling import DEEP_AFTER, SIT_OUT_RUN, Scheduler
+    monkeypatch.setattr(scheduling, "time", SimpleNamespace(monotonic=lambda: 100.0))
 
     def slots(deep: int, total: int = 8):
         return [SimpleNamespace(seq=i, line_done=i < deep or i == total - 1, sat_out=0,
@@ -322,17 +324,18 @@ def test_first_line_first_sits_out_only_what_makes_the_step_cheaper():
     assert Scheduler().first_line_first(none, [], None) == none    # no costs: one in a row
 
 
-def test_a_deep_sequence_sits_out_no_longer_than_a_third_of_a_second(monkeypatch):
+def test_a_run_of_steps_sat_out_ends_at_the_first_step_a_third_of_a_second_on(monkeypatch):
     """Seven steps sat out are ~0.1-0.4 s where steps are a keystroke's, but a prompt's
-    logprob rows make steps of 150 ms and more: a stream beside one paused 1.1 s. The
-    run sat out ends at SIT_OUT_SECONDS too, whichever comes first, and a new one
+    logprob rows make steps of 150 ms and more: a stream beside one paused 1.1 s. A run
+    sat out also ends at the first step planned SIT_OUT_SECONDS or more after it began
+    (so it lasts at most that and one step), whichever comes first, and a new one
     starts its own count."""
     from types import SimpleNamespace
 
     from workers.engine import scheduling
     from workers.engine.scheduling import DEEP_AFTER, SIT_OUT_RUN, SIT_OUT_SECONDS, Scheduler
     clock = [100.0]
-    monkeypatch.setattr(scheduling.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(scheduling, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     seven = [SimpleNamespace(seq=i, line_done=True, sat_out=0, sampled=DEEP_AFTER + 100)
              for i in range(7)] + [SimpleNamespace(seq=7, line_done=False, sat_out=0,
                                                    sampled=1)]
