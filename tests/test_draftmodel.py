@@ -260,7 +260,7 @@ def test_a_draft_models_pick_is_a_token_the_served_model_has():
 def test_a_failing_draft_model_costs_its_drafts_not_the_step():
     """A draft model whose decode fails gives no drafts this step and forgets its
     caches; the step and every sequence in it go on."""
-    from workers.engine.scheduling import Scheduler
+    from workers.engine.drafting import DraftPlanner
     from workers.errors import EngineError
 
     class Failing:
@@ -272,7 +272,7 @@ def test_a_failing_draft_model_costs_its_drafts_not_the_step():
         def forget(self, seq=None):
             Failing.forgotten = True
     slots = [SimpleNamespace(cached=[1, 2, 3], next_token=4)]
-    made = Scheduler._model_drafts(Failing(), slots, {0: model_proposal(0.9, 1.0)}, {0: 8})
+    made = DraftPlanner._model_drafts(Failing(), slots, {0: model_proposal(0.9, 1.0)}, {0: 8})
     assert made == {0: []} and Failing.forgotten
 
 

@@ -448,9 +448,9 @@ def test_llama_vscode_infill_payload(editor_server):
 
 
 def test_speculative_drafts_are_counted_in_the_timings(editor_server):
-    from workers.engine.scheduling import TRAFFIC_WINDOW
+    from workers.engine.drafting import TRAFFIC_WINDOW
     editor_server.wait_idle()           # nothing runs, and then no request for the length of
-    time.sleep(TRAFFIC_WINDOW)          # the scheduler's traffic window: the worker is quiet
+    time.sleep(TRAFFIC_WINDOW)          # drafting's traffic window: the worker is quiet
     code = "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n" * 3
     answer = complete_native(editor_server.port, prompt=code + "def add(a, b):\n",
                              n_predict=32, ignore_eos=True)

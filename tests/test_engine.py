@@ -570,9 +570,9 @@ def test_drafts_are_held_short_while_another_sequence_shares_the_worker(model_pa
     nothing to draft) that is no draft, on a GPU's (cheap rows) the drafts stay; alone
     again, the sequence drafts on the CPU too. (The quiet time after an arrival is
     another rule, off here: the test does not depend on the clock.)"""
-    from workers.engine import scheduling
+    from workers.engine import drafting
     from workers.engine.llama import LlamaEngine
-    monkeypatch.setattr(scheduling, "ARRIVAL_QUIET", 0.0)
+    monkeypatch.setattr(drafting, "ARRIVAL_QUIET", 0.0)
     from workers.engine.stepcosts import SHAPES_EXTRA, StepCosts
     keep_going = SamplingParams(temperature=0.0, ignore_eos=True)
     gpu = StepCosts((1, 2), {(s, d): 10.0 + s + 0.05 * d for s in (1, 2)
@@ -608,20 +608,20 @@ def test_sequences_that_repeat_draft_alike_on_the_cpu(model_path, monkeypatch):
     beside the other does not pay, the same number of draft rows on both (one batch)
     does: both draft and have drafts accepted, in steps where their drafts are equally
     long."""
-    from workers.engine import scheduling
+    from workers.engine import drafting
     from workers.engine.llama import LlamaEngine
     from workers.engine.stepcosts import StepCosts
-    monkeypatch.setattr(scheduling, "ARRIVAL_QUIET", 0.0)
+    monkeypatch.setattr(drafting, "ARRIVAL_QUIET", 0.0)
     keep_going = SamplingParams(temperature=0.0, ignore_eos=True)
     engine = LlamaEngine(model_path, 1024, 2, THREADS, 0, draft_max=16,
                          step_costs=StepCosts.assumed())
     lengths = []
-    original = scheduling.Scheduler.draft
+    original = drafting.DraftPlanner.draft
 
     def draft(self, slots, generating, *args):
         original(self, slots, generating, *args)
         lengths.append(tuple(len(s.draft) for s in generating))
-    monkeypatch.setattr(scheduling.Scheduler, "draft", draft)
+    monkeypatch.setattr(drafting.DraftPlanner, "draft", draft)
     try:
         engine.add(0, engine.tokenize(REPEATING_CODE), keep_going)
         engine.add(1, engine.tokenize("# b\n" + REPEATING_CODE), keep_going)
@@ -1648,7 +1648,7 @@ def test_a_lone_run_of_seven_is_padded_to_eight_and_now_and_then_not(model_path)
     one in PAD_PROBE_EVERY (whose unpadded step keeps seven rows' cost observed); its
     cache keeps exactly its tokens. With four streams, no filler (four rows cost least)."""
     from workers.engine.llama import LlamaEngine, llama_cpp
-    from workers.engine.scheduling import PAD_PROBE_EVERY
+    from workers.engine.spans import PAD_PROBE_EVERY
     from workers.engine.stepcosts import StepCosts
     engine = LlamaEngine(model_path, 1024, 8, THREADS, 0, draft_max=16,
                          step_costs=StepCosts.assumed())

@@ -363,7 +363,8 @@ def test_first_line_first_counts_each_run_of_sequence_ids_as_a_decode():
     than all eight rows; deep ones at the end sit out together, leaving one run."""
     from types import SimpleNamespace
 
-    from workers.engine.scheduling import DEEP_AFTER, Scheduler, seq_runs
+    from workers.engine.scheduling import DEEP_AFTER, Scheduler
+    from workers.engine.spans import seq_runs
 
     def batch(deep: list[int], waiting: int):
         return [SimpleNamespace(seq=i, line_done=i != waiting, sat_out=0,
@@ -413,7 +414,7 @@ def test_drafts_alike_on_every_sequence_where_one_batch_pays():
     46 plain on the CPU's costs): likely drafts on most of them pay, unlikely ones do not,
     and a draft on one alone beside seven others does not either (a batch of its own);
     runs of sequences with a gap between them cost a batch each."""
-    from workers.engine.scheduling import seq_runs
+    from workers.engine.spans import seq_runs
     cpu = StepCosts.assumed()
     likely = [Proposal("history", 0, list(range(16)), 0.8)] * 8
     k, rate = each_plan(cpu, [8], likely)
@@ -483,7 +484,7 @@ def test_drafts_alike_just_short_of_the_margin_are_probed_one_step_in_sixteen():
     measured by real steps, not left at the start-up's figure for good."""
     from types import SimpleNamespace
 
-    from workers.engine.scheduling import ALIKE_PROBE_EVERY, Scheduler
+    from workers.engine.drafting import ALIKE_PROBE_EVERY, DraftPlanner
     cpu = StepCosts.assumed()
     plain = 8 / cpu.plain_cost(8)
     # a rate per proposal whose gains lift the step's rate by ~5%: past 1, short of 1.1
@@ -494,12 +495,12 @@ def test_drafts_alike_just_short_of_the_margin_are_probed_one_step_in_sixteen():
     assert k == 1 and plain < probed < 1.1 * plain
     assert each_plan(cpu, [8], [Proposal("short", 0, list(range(16)), 0.05)] * 8,
                      probe=True)[0] == 0
-    scheduler, drafted = Scheduler(), 0
+    planner, drafted = DraftPlanner(), 0
     for _ in range(3 * ALIKE_PROBE_EVERY):
         generating = [SimpleNamespace(seq=i, cached=[1, 2, 3], next_token=4, draft=[],
                                       policy=Drafter(16)) for i in range(8)]
         by_seq = {s.seq: near[0] for s in generating}
-        probed = scheduler._drafts_alike(generating, list(by_seq.items()), by_seq, {},
+        probed = planner._drafts_alike(generating, list(by_seq.items()), by_seq, {},
                                          cpu, None)
         assert [len(s.draft) for s in generating] == [1 if probed else 0] * 8
         drafted += probed
@@ -827,7 +828,7 @@ def test_drafts_run_beside_a_waiting_user_only_where_rows_are_nearly_free():
     waiting user's step would grow past 1 + WAIT_STRETCH; on a GPU-like table it drafts."""
     from types import SimpleNamespace
 
-    from workers.engine.scheduling import Scheduler
+    from workers.engine.drafting import DraftPlanner
     from workers.engine.speculation import Proposal
 
     class Confident:
@@ -846,7 +847,7 @@ def test_drafts_run_beside_a_waiting_user_only_where_rows_are_nearly_free():
                  SimpleNamespace(seq=1, busy=True, line_done=False, n_past=50, budget=None,
                                  sampled=2, policy=None, cached=[1] * 50, next_token=3,
                                  draft=None, sampled_aside=False)]
-        Scheduler().draft(slots, slots, [], 4096, 512, costs)
+        DraftPlanner().draft(slots, slots, [], 4096, 512, costs)
         return len(slots[0].draft)
     assert drafted(StepCosts.assumed()) == 0
     assert drafted(gpu_like()) > 0
@@ -910,18 +911,18 @@ def test_a_sequence_sampled_aside_gets_no_draft_from_the_draft_model_either():
 
     import pytest
 
-    from workers.engine.scheduling import Scheduler
+    from workers.engine.drafting import DraftPlanner
 
     class Untouchable:
         def __getattr__(self, name):
             raise AssertionError(f"the draft model was asked for {name}")
     slot = SimpleNamespace(seq=0, policy=SimpleNamespace(allowance=4), sampled_aside=True,
                            cached=[1], next_token=2, n_past=1, budget=None, sampled=0)
-    assert Scheduler._with_model(Untouchable(), [slot], {}, {}, 4096,
+    assert DraftPlanner._with_model(Untouchable(), [slot], {}, {}, 4096,
                                  StepCosts.assumed(), None) == ({}, {})
     slot.sampled_aside = False
     with pytest.raises(AssertionError, match="draft model"):
-        Scheduler._with_model(Untouchable(), [slot], {}, {}, 4096, StepCosts.assumed(),
+        DraftPlanner._with_model(Untouchable(), [slot], {}, {}, 4096, StepCosts.assumed(),
                               None)
 
 
@@ -953,7 +954,7 @@ def test_free_sequences_join_runs_where_one_batch_costs_less():
     gap is filled. A lone run is padded where that is cheaper too (seven rows 62 ms, eight
     46), not where it is not (four rows, or a GPU's costs), nor past a slot that cannot
     take a row."""
-    from workers.engine.scheduling import bridged, spans_cost
+    from workers.engine.spans import bridged, spans_cost
     cpu = StepCosts.assumed()
     gpu = gpu_like()
     assert bridged([0, 1, 3, 5, 6, 7], {2, 4}, cpu.plain_cost) == [(0, 7)]
@@ -983,7 +984,7 @@ def test_drafts_alike_across_a_gap_cost_one_batch_with_fillers():
     """Seven sequences with a free slot among them (0-2 and 4-7): drafts alike cost two
     batches (57 + 44 ms for one row each on the CPU's costs); with the free slot filling
     the gap, one batch of eight (57 ms), and the step's rate is better."""
-    from workers.engine.scheduling import bridged
+    from workers.engine.spans import bridged
     cpu = StepCosts.assumed()
     likely = [Proposal("history", 0, list(range(16)), 0.8)] * 7
     seqs = [0, 1, 2, 4, 5, 6, 7]

@@ -339,9 +339,9 @@ SPECULATED = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return 
 
 def test_speculation_keeps_a_confident_copy_and_is_off_in_deterministic_mode(
         real_server, port, det_port):
-    from workers.engine.scheduling import TRAFFIC_WINDOW
+    from workers.engine.drafting import TRAFFIC_WINDOW
     real_server.wait_idle()             # nothing runs, and then no request for the length of
-    time.sleep(TRAFFIC_WINDOW)          # the scheduler's traffic window: the worker is quiet
+    time.sleep(TRAFFIC_WINDOW)          # drafting's traffic window: the worker is quiet
     body = {"prompt": SPECULATED, "n_predict": 24, "temperature": 0, "cache_prompt": False}
     _, _, with_drafts = http_json(port, "POST", "/completion", body)
     _, _, without = http_json(port, "POST", "/completion", {**body, "speculative.n_max": 0})

@@ -3,7 +3,7 @@ C API (not `Llama`), the engine the generation loop (`workers.generation`) drive
 
 One context holds `slots` sequences (one KV stream each). Each `step` builds one
 `llama_batch`: a token for every generating slot (plus its speculative draft, chosen by
-`workers.engine.scheduling` from `workers.engine.speculation`'s proposals on the measured
+`workers.engine.drafting` from `workers.engine.speculation`'s proposals on the measured
 `workers.engine.stepcosts`) and prompt pieces of the admitted ones, decodes it in a single
 `llama_decode`, times it after `llama_synchronize`, then samples each slot from its own
 rows (`workers.engine.samplers`, `workers.engine.draws`) and verifies its draft. The
@@ -35,9 +35,10 @@ from dispatcher.common.models import model_file_digest
 from workers.engine.contextshape import ContextShape
 from workers.engine.costprobe import device_step_costs, full_step_seconds
 from workers.engine.draftmodel import DraftCosts, DraftModel
-from workers.engine.scheduling import (FIRST_LINE_MAX, PAD_PROBE_EVERY, PROBE_AGAIN_BELOW,
-                                        SIT_OUT_RUN, Scheduler, bridged, prompt_first,
-                                        sat, sat_out_enough, seq_runs)
+from workers.engine.drafting import DraftPlanner
+from workers.engine.scheduling import (FIRST_LINE_MAX, SIT_OUT_RUN, Scheduler, prompt_first,
+                                        sat, sat_out_enough)
+from workers.engine.spans import PAD_PROBE_EVERY, PROBE_AGAIN_BELOW, bridged, seq_runs
 from workers.engine.history import Histories
 from workers.engine.slots import COPY_AT_LEAST, Slot, SlotCaches
 from workers.engine.speculation import DRAFT_MIN, FLOOR, Calibration, Drafter, common_prefix
@@ -112,7 +113,8 @@ class LlamaEngine:
         self.host = HostTime()           # the host's time between two decodes
         self.histories = Histories()     # recent sequences per tenant: a draft source
         self.calibration = Calibration()  # each source's measured acceptance, all sequences
-        self.scheduler = Scheduler()     # first line first, who drafts (scheduling.py)
+        self.scheduler = Scheduler()     # first line first, prompt pieces (scheduling.py)
+        self.draft_planner = DraftPlanner()  # who drafts, and how long (drafting.py)
         # KV chunk reuse (workers/engine/kvreuse.py) needs position shifts; never in
         # deterministic mode (shifted keys differ from prefilled ones in their last bits).
         # A sibling choice may copy a decoded prompt (copy_prefix): a memory that can
@@ -314,7 +316,7 @@ class LlamaEngine:
         slot.line_done, slot.sat_out, slot.budget = False, 0, budget
         slot.sample_ms, slot.sampled_aside = 0.0, False
         slot.passed_over = False
-        self.scheduler.arrived(slot_id, any(s.busy for s in self.slots if s is not slot))
+        self.draft_planner.arrived(slot_id, any(s.busy for s in self.slots if s is not slot))
         slot.logprobs = logprobs
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
@@ -443,8 +445,8 @@ class LlamaEngine:
             generating = self._generating(prefilling, fillable, held)
         self.calibration.step()
         drafting = self.draft_model.seconds if self.draft_model is not None else 0.0
-        self.scheduler.draft(self.slots, generating, prefilling, self.n_ctx, self.n_batch,
-                             self.step_costs, self.draft_model, fillable)
+        self.draft_planner.draft(self.slots, generating, prefilling, self.n_ctx, self.n_batch,
+                                 self.step_costs, self.draft_model, fillable)
         if self.draft_model is not None:
             drafting = self.draft_model.seconds - drafting
             self.totals.draft_seconds += drafting
@@ -532,7 +534,7 @@ class LlamaEngine:
         batch of its own, so a free sequence between runs takes as many rows as each
         generating one (at the end of its cache, removed after the decode) where one
         batch of the whole span costs less on the measured step costs
-        (`scheduling.bridged`); so does one beside a lone run where more rows cost less
+        (`spans.bridged`); so does one beside a lone run where more rows cost less
         (seven padded to eight), except beside a prompt piece and on the steps that
         observe the lone run's own cost (the first, one in PAD_PROBE_EVERY, and the next
         while one comes out under PROBE_AGAIN_BELOW of its cost). Nothing where the step

@@ -11,7 +11,7 @@ from typing import Callable, Collection
 
 from workers.engine.kvreuse import reusable, shift_into_place
 from workers.engine.samplers import SamplerChain
-from workers.engine.scheduling import bridged
+from workers.engine.spans import bridged
 from workers.engine.speculation import Drafter, common_prefix
 
 SLOT_SIMILARITY = 0.1   # the share of a prompt a slot's cache must hold to be chosen for it

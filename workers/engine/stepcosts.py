@@ -453,9 +453,9 @@ def each_plan(costs: StepCosts, runs: list[int], proposals: list[Proposal],
     with one draft row each (16 outputs) cost ~1.25 times the plain step: likely drafts
     on most of them pay, where a draft on one alone (a batch of its own) does not.
     `layout(k)`: the batches' sizes with k draft rows each (runs joined by filler rows:
-    `scheduling.bridged`); without it, the runs. `probe`: where no k clears the margin,
+    `spans.bridged`); without it, the runs. `probe`: where no k clears the margin,
     one row each if that raises the rate at all (its cost and acceptance measured by
-    the step: `scheduling.Scheduler._drafts_alike`)."""
+    the step: `drafting.DraftPlanner._drafts_alike`)."""
     sequences = sum(runs)
     plain = sum(costs.plain_cost(r) for r in (layout(0) if layout else runs))
     best = (0, sequences / plain if plain > 0 else 0.0)
