@@ -479,7 +479,7 @@ def test_a_plain_step_moves_the_drafts_beside_it_as_much_as_itself():
 def test_drafts_alike_just_short_of_the_margin_are_probed_one_step_in_sixteen():
     """One row on each of eight sequences that would raise the step's rate by less than
     the margin: each_plan's probe takes it, the plain plan does not; one that would
-    lower the rate never goes in. The scheduler probes one step in ALIKE_PROBE_EVERY of
+    lower the rate never goes in. The draft planner probes one step in ALIKE_PROBE_EVERY of
     those that weigh drafts alike, so the shape's cost and the sources' acceptance are
     measured by real steps, not left at the start-up's figure for good."""
     from types import SimpleNamespace
@@ -501,7 +501,7 @@ def test_drafts_alike_just_short_of_the_margin_are_probed_one_step_in_sixteen():
                                       policy=Drafter(16)) for i in range(8)]
         by_seq = {s.seq: near[0] for s in generating}
         probed = planner._drafts_alike(generating, list(by_seq.items()), by_seq, {},
-                                         cpu, None)
+                                       cpu, None)
         assert [len(s.draft) for s in generating] == [1 if probed else 0] * 8
         drafted += probed
     assert drafted == 3
@@ -919,11 +919,11 @@ def test_a_sequence_sampled_aside_gets_no_draft_from_the_draft_model_either():
     slot = SimpleNamespace(seq=0, policy=SimpleNamespace(allowance=4), sampled_aside=True,
                            cached=[1], next_token=2, n_past=1, budget=None, sampled=0)
     assert DraftPlanner._with_model(Untouchable(), [slot], {}, {}, 4096,
-                                 StepCosts.assumed(), None) == ({}, {})
+                                    StepCosts.assumed(), None) == ({}, {})
     slot.sampled_aside = False
     with pytest.raises(AssertionError, match="draft model"):
         DraftPlanner._with_model(Untouchable(), [slot], {}, {}, 4096, StepCosts.assumed(),
-                              None)
+                                 None)
 
 
 def test_every_tenants_history_together_is_bounded_by_entries(monkeypatch):

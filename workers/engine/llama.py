@@ -426,7 +426,7 @@ class LlamaEngine:
 
     def _plan(self, planning: float) -> tuple[list, dict[int, int], float]:
         """Who gets rows in this step (`workers.engine.scheduling`): the generating slots
-        (each with its draft) and the prompt rows granted by slot; and when planning
+        (each with its draft, `workers.engine.drafting`) and the prompt rows granted by slot; and when planning
         began, moved on by the draft model's time (the plan's time is the host's alone).
         A step that would finish a waiting prompt beside them decodes the prompt alone
         where that pays (`prompt_first`); the next is then theirs, without prompt rows."""
