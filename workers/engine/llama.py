@@ -426,8 +426,9 @@ class LlamaEngine:
 
     def _plan(self, planning: float) -> tuple[list, dict[int, int], float]:
         """Who gets rows in this step (`workers.engine.scheduling`): the generating slots
-        (each with its draft, `workers.engine.drafting`) and the prompt rows granted by slot; and when planning
-        began, moved on by the draft model's time (the plan's time is the host's alone).
+        (each with its draft, `workers.engine.drafting`) and the prompt rows granted by
+        slot; and when planning began, moved on by the draft model's time (the plan's time
+        is the host's alone).
         A step that would finish a waiting prompt beside them decodes the prompt alone
         where that pays (`prompt_first`); the next is then theirs, without prompt rows."""
         held, self.held = self.held, frozenset()
@@ -485,13 +486,12 @@ class LlamaEngine:
             return generating
         for slot in generating:         # (the runs they had sat out before this step)
             slot.sat_out, slot.sat_out_since = before[slot.seq]
-        if any(sat_out_enough(s) for s in generating):
-            for slot in generating:
-                slot.sat_out = 0
-            return generating
         now = time.monotonic()
+        hold = not any(sat_out_enough(s, now=now) for s in generating)
         for slot in generating:
-            sat(slot, True, now)
+            sat(slot, hold, now)
+        if not hold:
+            return generating
         self.held = frozenset(s.seq for s in generating)
         return []
 
