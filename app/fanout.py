@@ -68,9 +68,15 @@ class Fanout:
                 return
 
     def client_gone(self) -> None:
+        """The HTTP client left (or fell too far behind): every job is cancelled now,
+        and its reader stops. Not when the handler next reads: one blocked writing a
+        backlog to a slow client would first write all of it (8 MB at 10 KB/s: 800 s)
+        while the jobs generated on into their readers' queues."""
         self._gone = True
         for job in self.jobs:
             self.client.client_gone(job.id)
+        for stream in self.streams:
+            stream.close()              # (CANCEL, forgotten: nothing more is queued)
         self.merged.put((None, None, 0))
 
     def events(self):

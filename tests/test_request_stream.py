@@ -187,6 +187,8 @@ def test_a_request_whose_events_wait_unwritten_past_the_backlog_is_ended():
     fanout._readers = [gevent.spawn(fanout._read, 0, stream)]
     gevent.joinall(fanout._readers, timeout=5)
     assert fanout.overflowed and ("gone", "cmpl-1") in client.sent
+    # cancelled at once, not once the handler has written the backlog (a slow reader)
+    assert (P.CANCEL, "cmpl-1") in client.sent and client.forgotten == ["cmpl-1"]
     assert fanout.backlog == 9 * chunk                    # it stopped at the first past
     events = fanout.events()
     assert [next(events)[1].seq for _ in range(9)] == list(range(9))
