@@ -106,7 +106,7 @@ def inference_client(client: str | None, req: dict) -> str | None:
 
 # What may differ between a running request and the one that adopts its generation.
 ADOPT_FREE = {"id", "prompt", "prompt_work", "session_order", "parent", "timeout",
-              "adopt_key"}
+              "adopt_key", "tokens"}      # (`tokens`: the job's max_tokens, for the queue)
 ADOPT_FREE_GENERATION = {"max_tokens", "t_max_predict_ms", "t_max_prompt_ms"}
 
 

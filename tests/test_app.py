@@ -368,6 +368,20 @@ def test_a_longer_prompt_of_the_same_session_keeps_its_adoption_key(client):
     assert first["adopt_key"] and first["adopt_key"] == second["adopt_key"]
 
 
+def test_a_keystroke_asking_another_max_tokens_keeps_its_adoption_key(client):
+    """max_tokens may differ between a request and the one that adopts its generation
+    (the worker holds the new one to its own limit); the job's copy of it for the queue
+    (`tokens`) was in the key, so a client varying it never adopted."""
+    http, fake = client
+    for max_tokens in (16, 32):
+        assert http.post("/v1/completions", json={"prompt": "def f(", "max_tokens":
+                                                  max_tokens},
+                         headers={"X-Session-Id": "s"}).status_code == 200
+    first, second = fake.jobs
+    assert first["tokens"] != second["tokens"]
+    assert first["adopt_key"] and first["adopt_key"] == second["adopt_key"]
+
+
 def test_brackets_inside_strings_do_not_count_as_arrays(client):
     from app.bodies import MAX_JSON_CONTAINERS
     http, fake = client
@@ -897,6 +911,33 @@ def test_an_infill_context_too_large_is_named_by_its_largest_part(client, monkey
         answer = http.post("/infill", json=body)
         assert answer.status_code == 413 and answer.get_json()["error"]["param"] == param
     assert not fake.jobs
+
+
+def test_llama_cpps_default_seed_draws_a_random_one_on_its_routes(client):
+    """llama-server reads a seed as a uint32: -1 and 4294967295 (LLAMA_DEFAULT_SEED, the
+    seed it reports as its default) both mean a random one there; OpenAI's route keeps
+    4294967295 as a seed of its own."""
+    http, fake = client
+    for path, seed in (("/completion", -1), ("/completion", 4294967295),
+                       ("/v1/completions", -1), ("/v1/completions", 4294967295),
+                       ("/completion", 4294967294)):
+        assert http.post(path, json={"prompt": "p", "seed": seed}).status_code == 200
+    assert [job["sampling"].get("seed") for job in fake.jobs] == \
+        [None, None, None, 4294967295, 4294967294]
+
+
+def test_an_infill_sampler_with_top_k_null_takes_the_routes_default(client, monkeypatch):
+    """null is the default: top_k 40 on llama.cpp's routes, which the infill sampler
+    needs before it (it was read as 0 and refused)."""
+    http, fake = client
+    state = msgspec.structs.replace(STATE, workers=[
+        msgspec.structs.replace(STATE.workers[0], fim=True)])
+    monkeypatch.setattr(fake, "wait_state", lambda timeout=2.0: state)
+    body = {"input_prefix": "a", "samplers": ["top_k", "top_p", "infill"], "top_k": None}
+    assert http.post("/infill", json=body).status_code == 200
+    assert fake.jobs[-1]["sampling"]["top_k"] == 40
+    refused = http.post("/infill", json={**body, "top_k": 0})
+    assert refused.status_code == 400 and refused.get_json()["error"]["param"] == "samplers"
 
 
 def test_llama_cpp_routes_penalize_the_prompt_and_openai_routes_do_not(client):
