@@ -5,7 +5,7 @@ import pytest
 
 from workers.engine.speculation import (CALIBRATION_MAX, LONG_KEY, Calibration, Drafter,
                                        Proposal, find_draft, matched)
-from workers.engine.stepcosts import SHAPES_EXTRA, StepCosts, each_plan, plan
+from workers.engine.stepcosts import EACH, SHAPES_EXTRA, StepCosts, each_plan, plan
 
 # an "edit": the same block again with one token changed (a number), as a token list
 BLOCK = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25]
@@ -996,3 +996,25 @@ def test_drafts_alike_across_a_gap_cost_one_batch_with_fillers():
     _, apart = each_plan(cpu, [3, 4], likely)
     k, rate = each_plan(cpu, [3, 4], likely, layout=layout)
     assert k >= 1 and rate > 1.2 * apart
+
+
+def test_a_sequence_near_its_budget_keeps_a_step_from_drafts_alike():
+    """Drafts alike give every sequence the same rows: one with fewer tokens left to its
+    max_tokens than that would decode rows past its end, for nothing (its own drafts
+    stop short of it), so such a step has no drafts alike. (Where the measured costs
+    let a draft be one token long, as on a GPU: a longer shortest draft keeps such a
+    sequence out already.)"""
+    from types import SimpleNamespace
+
+    from workers.engine.drafting import DraftPlanner
+
+    def slot(i):
+        return SimpleNamespace(seq=i, cached=[1, 2, 3], next_token=4, draft=[], busy=True,
+                               line_done=True, n_past=4, budget=None, sampled=10,
+                               sampled_aside=False, policy=Drafter(16, min_len=1))
+    planner, generating = DraftPlanner(), [slot(i) for i in range(8)]
+    assert planner._proposals(generating, generating, [], 4096)[1]
+    generating[3].budget = 10 + 1 + EACH[-1]          # room for EACH[-1] rows: alike
+    assert planner._proposals(generating, generating, [], 4096)[1]
+    generating[3].budget -= 1                          # one row fewer: not alike
+    assert not planner._proposals(generating, generating, [], 4096)[1]

@@ -119,8 +119,8 @@ class DraftPlanner:
                                                proven=traffic)
                 if proposal is not None:
                     proposals.append((slot.seq, proposal))
-                if slot.policy.max_len < EACH[-1]:      # its request asked for fewer
-                    alike = False
+                if slot.policy.max_len < EACH[-1] or room < EACH[-1]:
+                    alike = False       # (its request asked for fewer, or ends sooner)
             else:
                 alike = False
         stretch = WAIT_STRETCH if someone_waits else TRAFFIC_STRETCH if traffic else None
