@@ -282,9 +282,11 @@ MAX_BIAS_TEXTS = 16_384    # ... and of all of them (a worker tokenizes them, ~5
 class LogitBiasField(fields.Field):
     """OpenAI's `{"token id": bias}` or llama.cpp's `[[id, bias], ...]`, where llama.cpp
     also takes a text for the id (`[["Hello", -0.5]]`: each of its tokens); bias
-    -100..100, or `false` (llama.cpp: never this token). With `text_keys` (llama.cpp's
-    own routes, as llama-server) an object's key that is not a token id is a text too
-    (`{"Hello": -0.5}`); on OpenAI's route such a key is a 400."""
+    -100..100 (-100: never this token, as OpenAI's ban), or `false` (llama.cpp's ban).
+    In the list form an id is a JSON integer and a string is always a text, digits too
+    (as llama-server: `[["1", false]]` bans the text "1", not token 1). With `text_keys`
+    (llama.cpp's own routes, as llama-server) an object's key that is not a token id is
+    a text too (`{"Hello": -0.5}`); on OpenAI's route such a key is a 400."""
 
     default_error_messages = {
         "invalid": "Must map token ids (or, in llama.cpp's [[token, bias]] form and on its "
@@ -315,7 +317,8 @@ class LogitBiasField(fields.Field):
             raise self.make_error("too_much_text")
         for token, bias in pairs:
             text = False
-            if isinstance(token, str) and _TOKEN_ID.fullmatch(token.strip()):
+            if isinstance(token, str) and not isinstance(value, list) and \
+                    _TOKEN_ID.fullmatch(token.strip()):
                 token = int(token)       # ASCII digits only ("²" is a digit to isdigit)
             elif isinstance(token, str) and texts_allowed and \
                     0 < len(token) <= MAX_BIAS_TEXT:

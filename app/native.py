@@ -50,6 +50,12 @@ class NativeCompletionSchema(CompletionRequestSchema):
         unknown = EXCLUDE
         exclude = OPENAI_ONLY
 
+    @staticmethod
+    def random_seed(seed: int) -> bool:
+        """llama-server reads the seed as a uint32: -1 and LLAMA_DEFAULT_SEED (the seed
+        it reports as its default), both draw a random one."""
+        return seed % 2 ** 32 == 0xFFFFFFFF
+
     max_tokens = StrictInteger(load_default=None, allow_none=True,
                                validate=in_range(-1, INT_MAX), metadata=doc(
                                    "Tokens to generate (n_predict); -1 or null: until the "

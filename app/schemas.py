@@ -254,6 +254,11 @@ class CompletionRequestSchema(Schema):
             raise ValidationError("The request body must be a JSON object.", "_body")
         return data
 
+    @staticmethod
+    def random_seed(seed: int) -> bool:
+        """Whether the seed asks for a random one: -1, llama.cpp's (its default)."""
+        return seed == -1
+
     @validates_schema(pass_original=True)
     def check_combinations(self, data, original, **kwargs):
         if data.get("stream_options") is not None and not data.get("stream"):
@@ -265,6 +270,10 @@ class CompletionRequestSchema(Schema):
                                   "best_of")
         if best_of is not None and best_of > 1 and data.get("stream"):
             raise ValidationError("best_of cannot be used with stream.", "best_of")
+        if data.get("echo") and data.get("suffix") is not None:
+            # (the prompt the model reads is the fill-in-the-middle layout, suffix and
+            # all: echoed, its text and its logprobs would not be the prompt sent)
+            raise ValidationError("echo is not supported with suffix.", "echo")
         prompt = data.get("prompt")
         prompts = len(prompt) if isinstance(prompt, list) else 1
         if prompts * max(n, best_of or 1) > MAX_CHOICES:
@@ -282,7 +291,9 @@ class CompletionRequestSchema(Schema):
         if "infill" in samplers:
             # llama.cpp's infill sampler compares every pair of candidates: over a whole
             # vocabulary that is minutes a token, so a top_k before it bounds the pairs
-            top_k = data.get("top_k") or 0
+            top_k = data.get("top_k")
+            if top_k is None:                   # (null: the route's default)
+                top_k = self.fields["top_k"].load_default or 0
             if "top_k" not in samplers[:samplers.index("infill")] \
                     or not 0 < top_k <= MAX_INFILL_CANDIDATES:
                 raise ValidationError(
@@ -323,7 +334,7 @@ def normalize(schema: Schema, data: dict, raw: dict) -> dict:
     for knob in F.SAMPLING:
         if knob.alias and data.get(knob.name) is None:
             data[knob.name] = knob.default
-    if data.get("seed") == -1:          # llama.cpp's "a random seed" (its default)
+    if data.get("seed") is not None and schema.random_seed(data["seed"]):
         data["seed"] = None
     if data.get("grammar") == "":       # llama.cpp's "no grammar"
         data["grammar"] = None

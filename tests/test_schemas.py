@@ -61,6 +61,8 @@ def test_explicit_null_means_default_but_max_tokens_null_means_unlimited():
     ({"prompt": "p", "logit_bias": {"x": 1}}, "logit_bias"),
     ({"prompt": "p", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"prompt": "p", "logit_bias": [[5]]}, "logit_bias"),
+    # echoed, the fill-in-the-middle layout (suffix and all) is not the prompt sent
+    ({"prompt": "p", "suffix": "s", "echo": True}, "echo"),
     # texts a worker tokenizes: 16 Ki characters of them in all (1,024 of 256 were seconds)
     ({"prompt": "p", "logit_bias": [["%04d" % i + "x" * 252, -1] for i in range(65)]},
      "logit_bias"),
@@ -195,6 +197,19 @@ def test_logit_bias_forms():
         {"5": -100.0, "7": 2.5}
     assert validate({"prompt": "p", "logit_bias": [[5, False], [7, 1]]})["logit_bias"] == \
         {"5": -100.0, "7": 1.0}
+    # in the list form a string is a text, digits too (llama-server's [["1", false]] bans
+    # the text "1"; token 1 is an end token on many vocabularies)
+    from dispatcher.common.fields import TEXT_BIAS
+    assert validate({"prompt": "p", "logit_bias": [["1", False], [" 7", 2]]})[
+        "logit_bias"] == {TEXT_BIAS + "1": -100.0, TEXT_BIAS + " 7": 2.0}
+
+
+def test_a_bias_of_minus_100_is_a_ban_to_the_sampler():
+    """OpenAI's -100 and llama.cpp's `false` ban their token: -inf to the chain (a grammar
+    that then allows only banned tokens ends the request with a 400)."""
+    from workers.sampling import SamplingParams
+    params = SamplingParams.from_job({"logit_bias": {"5": -100.0, "6": -99.5, "7": 3}})
+    assert params.logit_bias == {5: float("-inf"), 6: -99.5, 7: 3.0}
 
 
 def test_every_openai_completions_field_is_declared():

@@ -199,6 +199,25 @@ def test_logit_bias_bans_and_forces_tokens(port):
         assert status == 200 and native["content"] == " Paris" * 3, native
     status, error = error_of(port, {"prompt": PROMPT, "logit_bias": {" Paris": 100}})
     assert status == 400 and error["param"] == "logit_bias"
+    # in the list form a string is always a text, digits too, as llama-server reads it
+    # (token 1 is this vocabulary's end token: read as an id, nothing would be written)
+    text = greedy(port, PROMPT, 3, logit_bias=[["1", 100]])["choices"][0]["text"]
+    assert text == "111"
+
+
+def test_a_bias_of_minus_100_bans_even_the_grammars_only_token(port):
+    """-100 (OpenAI's ban) and `false` (llama.cpp's) ban their token: where the grammar
+    allows only that token, the answer is a 400 naming logit_bias, never the token."""
+    only = tokens_of(port, " Paris", add_special=False)[0]
+    grammar = f"root ::= <[{only}]>"
+    status, error = error_of(port, {"prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+                                    "grammar": grammar, "logit_bias": {str(only): -100}})
+    assert status == 400 and error["param"] == "logit_bias", error
+    status, error = error_of(port, {"prompt": PROMPT, "n_predict": 2, "grammar": grammar,
+                                    "logit_bias": [[only, False]]}, path="/completion")
+    assert status == 400 and error["param"] == "logit_bias", error
+    ok = greedy(port, PROMPT, 1, grammar=grammar)["choices"][0]["text"]
+    assert ok == " Paris"
 
 
 def test_ignore_eos_and_min_tokens_keep_generating(port):

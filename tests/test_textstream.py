@@ -240,3 +240,18 @@ def test_stop_strings_are_found_and_held_back_as_trying_every_place_would():
     assert len(automaton.depth) == 1 + 62 + 1 + 256        # (the stops share a trunk)
     assert "".join(worst.feed(("a" * 61 + "c").encode()) for _ in range(50)) == \
         ("a" * 61 + "c") * 50
+
+
+def test_top_logprobs_of_two_tokens_of_one_text_keep_the_likelier():
+    """OpenAI's top_logprobs maps a text to its logprob: where two tokens write the same
+    text (a byte token and its character's, control tokens written as ""), the likelier
+    token's figure stands, as the list comes likeliest first (lm-eval reads a greedy
+    token by the largest value)."""
+    from types import SimpleNamespace
+    from workers.output import Output
+    pieces = {3: b"a", 9: b"a", 4: b"b", 5: b"", 6: b""}
+    engine = SimpleNamespace(piece=pieces.__getitem__)
+    output = Output(engine, None, None, None, None, None)
+    top = output._top_dict([(3, -0.1), (9, -2.0), (5, -2.5), (4, -3.0), (6, -4.0)])
+    assert top == {"a": -0.1, "": -2.5, "b": -3.0}
+    assert list(top) == ["a", "", "b"]

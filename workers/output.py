@@ -122,7 +122,13 @@ class Output:
             self.finish(active, "length", "limit")
 
     def _top_dict(self, top: list[tuple[int, float]]) -> dict:
-        return {token_text(self.engine.piece(t)): lp for t, lp in top}
+        """OpenAI's top_logprobs: text -> logprob, likeliest first; two tokens of one
+        text (a byte token and its character's, two control tokens written as "") keep
+        the likelier's figure."""
+        out: dict[str, float] = {}
+        for t, lp in top:
+            out.setdefault(token_text(self.engine.piece(t)), lp)
+        return out
 
     def text(self, active: Active, text: str, logprobs: dict | None = None) -> None:
         if not active.text_sent:

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field, fields, make_dataclass
 from dispatcher.common.fields import DEFAULT_ORDER, SAMPLER_ALIASES, SAMPLING
 
 RANDOM_SEED = 0xFFFFFFFF     # llama.cpp's LLAMA_DEFAULT_SEED: draw a random seed
+BAN = -100.0                 # a bias this low bans its token (OpenAI's -100, llama.cpp's
+                             # `false`, which the front end sends as -100): -inf to the
+                             # chain, made here (JSON has no -inf: msgspec writes null)
 
 # The worker's value where a request leaves a field out: its declared default
 # (dispatcher.common.fields), in the form the sampler chain takes.
@@ -29,7 +32,8 @@ class SamplingParams(_Values):
         names = {f.name for f in fields(cls)}
         values = {k: v for k, v in sampling.items() if k in names and v is not None}
         if "logit_bias" in values:
-            values["logit_bias"] = {int(k): float(v) for k, v in values["logit_bias"].items()}
+            values["logit_bias"] = {int(k): float(v) if float(v) > BAN else float("-inf")
+                                    for k, v in values["logit_bias"].items()}
         for name in ("dry_sequence_breakers", "samplers"):
             if name in values:
                 values[name] = tuple(values[name])
