@@ -46,7 +46,7 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
         for c in range(candidates):
             sampling = F.sampling_of(req)
             if sampling.get("seed") is not None:
-                sampling["seed"] += c
+                sampling["seed"] = choice_seed(sampling["seed"], c)
             generation = P.Generation(
                 max_tokens=None if max_tokens is None or max_tokens < 0 else max_tokens,
                 stop=req["stop"], echo=req["echo"], logprobs=req.get("logprobs"),
@@ -73,6 +73,18 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
             plans.append(JobPlan(msgspec.structs.replace(job, adopt_key=adopt_key(job)),
                                  p, c))
     return plans
+
+
+def choice_seed(seed: int, c: int) -> int:
+    """Choice c's seed: the request's plus c, passing over the seeds llama.cpp's uint32
+    reads as 'random' (4294967295 mod 2^32: the worker draws such a seed as the one
+    before it, so two choices of one request, -2 and -1, drew the same text)."""
+    while True:
+        if seed % 2 ** 32 != 0xFFFFFFFF:
+            if c == 0:
+                return seed
+            c -= 1
+        seed += 1
 
 
 CHARS_PER_TOKEN = 4         # of text, about (code runs 3-4): a low estimate of its tokens

@@ -53,7 +53,8 @@ class NativeCompletionSchema(CompletionRequestSchema):
     @staticmethod
     def random_seed(seed: int) -> bool:
         """llama-server reads the seed as a uint32: -1 and LLAMA_DEFAULT_SEED (the seed
-        it reports as its default), both draw a random one."""
+        it reports as its default), any seed that is 4294967295 mod 2^32, draw a random
+        one."""
         return seed % 2 ** 32 == 0xFFFFFFFF
 
     max_tokens = StrictInteger(load_default=None, allow_none=True,
@@ -75,9 +76,10 @@ class NativeCompletionSchema(CompletionRequestSchema):
                                   metadata=doc("llama.cpp's default 64.", type="integer"))
     logit_bias = LogitBiasField(text_keys=True, load_default=None, allow_none=True,
                                 metadata=doc(
-        "Token id → bias (-100..100, or `false`), as an object or `[[id, bias]]`; as "
-        "llama-server, a key or id that is not a token id is a text, its bias given to "
-        "each of its tokens (`{\"Hello\": -0.5}`).",
+        "Token id → bias (-100..100, or `false`; -100 and `false` ban), as an object or "
+        "`[[id, bias]]`; as llama-server, an object's key that is not a token id is a "
+        "text, and in the list form a string always is (`\"1\"` too), its bias given to "
+        "each of its tokens (`{\"Hello\": -0.5}`, `[[\"Hello\", -0.5]]`).",
         oneOf=[{"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
                                                            "maximum": 100}},
                {"type": "array", "items": {"type": "array"}}]))

@@ -915,15 +915,29 @@ def test_an_infill_context_too_large_is_named_by_its_largest_part(client, monkey
 
 def test_llama_cpps_default_seed_draws_a_random_one_on_its_routes(client):
     """llama-server reads a seed as a uint32: -1 and 4294967295 (LLAMA_DEFAULT_SEED, the
-    seed it reports as its default) both mean a random one there; OpenAI's route keeps
-    4294967295 as a seed of its own."""
+    seed it reports as its default) both mean a random one there; on OpenAI's route it
+    is a fixed seed (the worker's uint32 draws it as another: seeds are mod 2^32)."""
     http, fake = client
     for path, seed in (("/completion", -1), ("/completion", 4294967295),
                        ("/v1/completions", -1), ("/v1/completions", 4294967295),
                        ("/completion", 4294967294)):
         assert http.post(path, json={"prompt": "p", "seed": seed}).status_code == 200
     assert [job["sampling"].get("seed") for job in fake.jobs] == \
-        [None, None, None, 4294967295, 4294967294]
+        [None, None, None, 4294967296, 4294967294]
+
+
+def test_the_choices_of_one_request_never_share_a_seed(client):
+    """Choice c draws with the seed plus c, passing over 4294967295 (mod 2^32), which
+    the worker's uint32 draws as the seed before it: seed -2 with n 2 gave the choices
+    -2 and -1, the same draws."""
+    from app.jobs import choice_seed
+    assert [choice_seed(-2, c) for c in range(3)] == [-2, 0, 1]
+    assert [choice_seed(7, c) for c in range(3)] == [7, 8, 9]
+    assert choice_seed(2 ** 33 - 1, 0) == 2 ** 33
+    http, fake = client
+    assert http.post("/v1/completions", json={"prompt": "p", "seed": 4294967294,
+                                              "n": 2}).status_code == 200
+    assert [job["sampling"]["seed"] for job in fake.jobs] == [4294967294, 4294967296]
 
 
 def test_an_infill_sampler_with_top_k_null_takes_the_routes_default(client, monkeypatch):

@@ -1404,6 +1404,24 @@ def test_the_infill_sampler_never_ends_a_request_that_may_not_end_yet(model_path
         engine.close()
 
 
+def test_the_infill_samplers_way_out_of_an_end_is_never_a_banned_token():
+    """Where the infill sampler answers an end a request may not take yet, the likeliest
+    other token stands in: over the raw row, which the chain's logit bias never saw, so a
+    token banned with -100 or `false` was that stand-in."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from workers.engine.samplers import SamplerChain
+    chain = SimpleNamespace(infill=True, grammar=None, banned=np.array([1]))
+    row = np.array([0.0, 5.0, 3.0, -1e30], dtype=np.float32)       # 3: the end token
+    assert SamplerChain.ends_ok(chain, 3, row, lambda t: t == 3) == 2
+    assert row[1] == 5.0                                # (the row itself is left alone)
+    chain.banned = np.array([], dtype=np.int64)
+    assert SamplerChain.ends_ok(chain, 3, row, lambda t: t == 3) == 1
+    assert SamplerChain.ends_ok(chain, 2, row, lambda t: t == 3) == 2
+
+
 def test_a_grammar_that_can_only_end_still_ends_with_ignore_eos(model_path):
     """With the end tokens banned (ignore_eos, min_tokens) a complete grammar still
     ends there (docs/api.md): the infill sampler's fallback must not turn that end into

@@ -76,8 +76,9 @@ SAMPLING: tuple[Knob, ...] = (
     Knob("mirostat", int, 0, "0 off, 1 Mirostat, 2 Mirostat 2.0.", enum=(0, 1, 2)),
     Knob("mirostat_tau", float, 5.0, "Mirostat target entropy.", 0.0, 100.0, low_open=True),
     Knob("mirostat_eta", float, 0.1, "Mirostat learning rate.", 0.0, 1.0, low_open=True),
-    Knob("logit_bias", "logit_bias", None, "Token id → bias (-100..100); llama.cpp's "
-         "[[id, bias]] form too, bias false bans."),
+    Knob("logit_bias", "logit_bias", None, "Token id → bias (-100..100; -100 bans); "
+         "llama.cpp's [[id, bias]] form too (a string there is a text, digits too), bias "
+         "false bans."),
     Knob("grammar", "grammar", None, "GBNF grammar (root rule `root`) the output must "
          "follow."),
     Knob("json_schema", "json_schema", None, "JSON schema the output must validate "

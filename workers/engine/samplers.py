@@ -198,6 +198,10 @@ class SamplerChain:
         # the model fights: alphabet.py): drawn from and checked alone, the same outcome
         self.allowed = None
         self.biased = bool(p.logit_bias)    # (see _refused_pick: llama.cpp's bias by index)
+        # the tokens logit_bias bans (-100, false: -inf), kept out of the argmaxes made
+        # over rows the chain's bias never saw (the infill sampler's ways out, below)
+        self.banned = np.array([t for t, b in p.logit_bias.items() if b == float("-inf")],
+                               dtype=np.int64)
         # llama.cpp's `infill` sampler answers an end token when no other is likely
         # enough, whatever it was given (banned ends too): see _refused_pick, ends_ok
         self.infill = "infill" in p.order
@@ -395,8 +399,12 @@ class SamplerChain:
         allowed = candidates.data["logit"][:size]
         likeliest = None                    # (the infill sampler's way out, below)
         if self.infill and size:
-            best = int(allowed.argmax())
-            if np.isfinite(allowed[best]):
+            unbanned = allowed
+            if self.banned.size:
+                unbanned = np.where(np.isin(candidates.data["id"][:size], self.banned),
+                                    -np.inf, allowed)
+            best = int(unbanned.argmax())
+            if np.isfinite(unbanned[best]):
                 likeliest = int(candidates.data["id"][best])
         if ids is not None and self.biased:
             # llama.cpp's logit bias finds a token by its index where the array is the
@@ -438,6 +446,9 @@ class SamplerChain:
         (a request that may not end yet, ignore_eos or min_tokens, ended); a grammar's
         chain has its own way (_refused_pick)."""
         if self.infill and self.grammar is None and is_eog(token):
+            if self.banned.size:                # (nor a token logit_bias bans)
+                logits = logits.copy()
+                logits[self.banned] = -np.inf
             return int(np.argmax(logits))
         return token
 
