@@ -167,9 +167,26 @@ class DispatcherCore:
             if now < self.draining_until:
                 log.info("drained")
             else:
-                log.info("grace period over with %d requests in flight", self.in_flight())
+                log.info("grace period over with %d requests in flight and %d queued",
+                         self.in_flight(), len(self.queue))
+                self._end_at_grace()
             self.stopped = True
         return self._take()
+
+    def _end_at_grace(self) -> None:
+        """--stop-grace is over: every request still queued or running gets its answer
+        now, a 503 `shutting_down` (a stream that started: an error event), and the
+        workers drop the running ones; left alone, they waited on a dispatcher that had
+        stopped reading until the front ends lost it (a cut connection, or a late 503)."""
+        for job in self.queue:
+            self.queue.remove(job.request_id)
+            self._forget(job)
+            self._reject(job.frontend, job.request_id, refusals.shutting_down())
+        for record in self.registry.workers.values():
+            for jobs in (record.running, record.ops):
+                for job in list(jobs.values()):
+                    self._fail(job, refusals.shutting_down(running=True))
+                    self._to_worker(record.identity, P.CANCEL, job.request_id)
 
     def expire_workers(self, now: float) -> None:
         for record in self.registry.expired(now):

@@ -23,9 +23,7 @@ def admission(request_id: str, body: P.SubmittedJob | None, models: dict, infos:
     if not request_id:
         return P.WireError(status=400, code="bad_job", message="the job lacks an id")
     if draining:
-        return P.WireError(status=503, code="shutting_down",
-                           message="the server is shutting down",
-                           retry_after=config.RETRY_AFTER_SECONDS)
+        return shutting_down()
     if not models:
         return no_worker_ready("no worker is ready")
     model = body.model
@@ -63,6 +61,15 @@ def superseded(by_newer_first: bool) -> P.WireError:
     return P.WireError(status=409, code="superseded", message=(
         "superseded: the session sent a newer request first" if by_newer_first else
         "superseded by a newer request of the same session"))
+
+
+def shutting_down(running: bool = False) -> P.WireError:
+    """The server is stopping: a new request is refused; one still queued or running
+    when --stop-grace ends is ended (`running`: it had started)."""
+    message = "the server stopped before this request finished (--stop-grace)" \
+        if running else "the server is shutting down"
+    return P.WireError(status=503, code="shutting_down", message=message,
+                       retry_after=config.RETRY_AFTER_SECONDS)
 
 
 def queue_timeout(waited: float) -> P.WireError:

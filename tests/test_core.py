@@ -368,6 +368,25 @@ def test_a_graceful_stop_waits_for_work_in_flight():
     assert core.stopped
 
 
+def test_a_graceful_stop_answers_what_is_left_when_its_grace_ends():
+    """Past --stop-grace, every request still queued or running gets its 503 (a stream
+    that started, an error event) and the worker drops the running ones: nothing waits
+    on a dispatcher that stopped reading."""
+    core = DispatcherCore()
+    ready(core, slots=1)
+    submit(core, "a")
+    submit(core, "b")                                       # queued behind it
+    core.drain(1.0, now=0.5)
+    assert not core.stopped and not [s for s in core.tick(1.0) if s.cmd == P.REJECTED]
+    sends = core.tick(1.6)
+    assert core.stopped
+    assert [(P.command_name(s.cmd), s.request_id, s.body.code) for s in sends
+            if s.cmd in (P.REJECTED, P.FAILED)] == [("REJECTED", "b", "shutting_down"),
+                                                     ("FAILED", "a", "shutting_down")]
+    assert [(s.peer, s.request_id) for s in sends if s.cmd == P.CANCEL] == [(b"w0", "a")]
+    assert len(core.queue) == 0
+
+
 def test_an_undeliverable_request_requeues_it_on_another_worker():
     core = DispatcherCore()
     ready(core, b"w0")
