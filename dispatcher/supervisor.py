@@ -98,10 +98,25 @@ class Supervisor:
         # launcher alone, which drains before it stops them (they stopped at once, every
         # stream cut); the launcher's death still ends them (die_with_parent)
         child.process = subprocess.Popen(child.argv, env=env, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         start_new_session=True)      # (see _restart)
         child.started_at = time.monotonic()
         child.respawn_at, child.ready_at = None, None
         log.info("started %s %s (pid %d)", child.kind, child.name, child.process.pid)
+
+    def _restart(self, child: Child, now: float) -> None:
+        """Start a child again (a respawn, a restart): where the process cannot be made
+        (fork or exec failing: EAGAIN at the service's pids limit, the interpreter
+        replaced mid-deploy), it is tried again after the backoff, as after a crash. The
+        error reached the launcher's loop and stopped the whole server, every stream cut,
+        for one worker that could not be started again."""
+        try:
+            self._start(child)
+        except OSError as exc:
+            child.process = None
+            child.respawn_at = now + child.backoff
+            log.error("%s %s could not be started (%s); trying again in %.1fs", child.kind,
+                      child.name, exc, child.backoff)
+            child.backoff = min(child.backoff * 2, config.RESPAWN_BACKOFF[1])
 
     def poll(self, respawn: bool = True) -> list[tuple[Child, int]]:
         """Reap exited children and schedule their respawn; start those whose time came.
@@ -131,7 +146,7 @@ class Supervisor:
                     child.restarts += 1
                     log.info("%s %s (pid %d) stopped for a restart", child.kind, child.name,
                              proc.pid)
-                    self._start(child)
+                    self._restart(child, now)
                     continue
                 # up for a while (a worker: since its READY) before it died: not a crash
                 # loop, so the shortest backoff again; one that dies soon after, each
@@ -152,7 +167,7 @@ class Supervisor:
             elif proc is None and child.respawn_at is not None and now >= child.respawn_at \
                     and not self.stopping and respawn:
                 child.restarts += 1
-                self._start(child)
+                self._restart(child, now)
         return exited
 
     def mark_healthy(self, name: str) -> None:
@@ -174,11 +189,12 @@ class Supervisor:
         command line if given."""
         child = self.children[name]
         child.gave_up, child.died_loading = False, 0
-        if argv is not None:
+        if argv is not None and argv != child.argv:
             child.argv = argv
+            child.load_seconds = None   # (another model's load: not the last one's time)
         if child.process is None:
             child.restarts += 1
-            self._start(child)
+            self._restart(child, time.monotonic())
             return
         child.restart_now = True
         child.kill_at = time.monotonic() + config.RESTART_KILL_AFTER

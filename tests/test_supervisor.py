@@ -85,3 +85,26 @@ def test_a_workers_exit_note_stays_in_the_launchers_own_directory(tmp_path):
     assert oct(os.stat(supervisor._notes).st_mode & 0o777) == "0o700"
     supervisor.stop_all(grace=0)
     assert not os.path.exists(supervisor._notes)
+
+
+def test_a_child_that_cannot_be_started_again_is_tried_after_the_backoff(tmp_path):
+    """fork or exec failing at a respawn or a restart (a pids limit, the interpreter
+    replaced mid-deploy) raised out of the launcher's loop and stopped the whole server;
+    it is now tried again after the backoff, as after a crash, and starts once it can.
+    A restart on another command line (a reload's model) forgets the last load's time:
+    the queue waited three times the old model's load for the new one, then refused."""
+    supervisor, child = Supervisor(), dies_at_once()
+    supervisor.add(child)
+    exited(supervisor, child)
+    good = child.argv
+    child.argv = [str(tmp_path / "gone" / "python")]          # (what exec cannot find)
+    child.respawn_at = time.monotonic()
+    supervisor.poll()                                        # no exception
+    assert child.process is None and child.respawn_at > time.monotonic()
+    supervisor.restart("w0", [str(tmp_path / "still-gone")])  # nor from a restart
+    assert child.process is None and child.respawn_at is not None
+    child.load_seconds = 3.0          # the last model's load; another's is not known
+    supervisor.restart("w0", good)
+    assert child.process is not None and child.load_seconds is None
+    exited(supervisor, child)
+    supervisor.stop_all(grace=1)
