@@ -545,9 +545,7 @@ class DispatcherCore:
         log.error("worker %s lost (%s) with %d request(s)", record.name, reason,
                   len(record.running))
         self.note_loss(record.name, reason, lost.code)
-        self.metrics.worker_lost(record.name, record.info.device,
-                                 len(record.running) + len(record.ops),
-                                 "stuck" if lost.code == "worker_stuck" else "lost")
+        failed = 0                           # (requeued and cancelled ones are no loss)
         for job in record.running.values():
             job.worker = None
             if job.cancelled:                # nobody waits for it any more
@@ -557,10 +555,13 @@ class DispatcherCore:
                 self._requeue(job)
             else:
                 self.stats["failed"] += 1
+                failed += 1
                 self._forget(job)
                 self._fail(job, lost)
         for job in record.ops.values():
             self._fail(job, lost)
+        self.metrics.worker_lost(record.name, record.info.device, failed + len(record.ops),
+                                 "stuck" if lost.code == "worker_stuck" else "lost")
         record.running.clear()
         record.ops.clear()
         self.broadcast_state()

@@ -166,7 +166,9 @@ class Operations:
     def tick(self, now: float) -> None:
         for name, plan in list(self.pending.items()):
             record = self._record(name)
-            if record is None or not record.running or now >= plan["deadline"]:
+            # (its tokenize/detokenize too: a restart drops their answers, a 503 each)
+            if record is None or not (record.running or record.ops) or \
+                    now >= plan["deadline"]:
                 del self.pending[name]
                 self.supervisor.restart(name, plan["argv"])
 

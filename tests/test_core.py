@@ -490,6 +490,10 @@ def test_a_stuck_worker_fails_its_started_requests_as_stuck_and_is_remembered():
     assert [j.request_id for j in core.queue] == ["waiting"]        # not started: requeued
     assert core.losses["w0"]["code"] == "worker_stuck"
     assert "301s" in core.losses["w0"]["reason"]
+    # the metric counts the request that ended stuck, not the one requeued (which a
+    # second worker may complete: counted twice, once as stuck)
+    assert sum(n for (outcome, worker, _), n in core.metrics.outcomes.items()
+               if (outcome, worker) == ("stuck", "w0")) == 1
 
 
 def test_a_prompt_crosses_each_hop_once():
@@ -971,6 +975,28 @@ def test_a_drain_holds_across_the_worker_registering_again_and_resume_waits_a_re
     assert ops.pending and "w0" not in core.paused                       # (coming back:
     refused = ops.handle({"cmd": "resume", "worker": "w0"})            # its work waits)
     assert "waiting to restart" in refused["error"] and ops.pending
+
+
+def test_a_restart_waits_for_the_workers_tokenize_requests_too():
+    """A restart went ahead once no generation ran, with a /tokenize still on the worker:
+    the worker's stop dropped its answer, a 503 `worker_lost` and a loss in `status`."""
+    from dispatcher.operations import Operations
+    from dispatcher.supervisor import Child, Supervisor
+    core = DispatcherCore()
+    ready(core, b"w0")
+    restarted = []
+    supervisor = Supervisor()
+    supervisor.restart = lambda name, argv=None: restarted.append(name)
+    supervisor.children["w0"] = Child("w0", ["python", "-m", "workers"], {},
+                                      extra={"model": "m"})
+    ops = Operations(core, supervisor)
+    submit(core, "t", op="tokenize", content="x")
+    assert ops.handle({"cmd": "restart", "worker": "w0", "grace": 60})["ok"]
+    ops.tick(1.0)
+    assert not restarted and ops.pending
+    from_worker(core, P.DONE, "t", attempt=1, last_seq=0)
+    ops.tick(2.0)
+    assert restarted == ["w0"] and not ops.pending
 
 
 def test_a_restart_refused_for_its_grace_changes_nothing_and_a_new_id_alone_is_applied():
