@@ -143,8 +143,10 @@ class Operations:
                    record.info.model_path) for record in self.core.registry.workers.values()]
         coming = [(other, plan["argv"]) for other, plan in self.pending.items()]
         coming += [(child.name, child.argv) for child in self._children()
-                   if getattr(child, "process", None) is not None and child.ready_at is None
-                   and not child.gave_up]           # (loading: not registered yet)
+                   if (getattr(child, "process", None) is not None and child.ready_at is None
+                       or getattr(child, "respawn_at", None) is not None)
+                   and not child.gave_up]
+        # (loading: not registered yet; or crashed, waiting out its respawn backoff)
         for other, argv in coming:
             model = _flag(argv, "--model")
             if model and Path(model).is_file():

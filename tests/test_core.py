@@ -1409,3 +1409,5 @@ def test_the_file_check_sees_registered_pending_and_loading_workers_alike(tmp_pa
     children["A"].process = object()
     ready(core, name=b"B", model="x", model_digest=model_file_digest(b), model_path=str(b))
     assert "worker A" in ops.restart({"worker": "B", "model_id": "y"})["error"]
+    children["A"].process, children["A"].respawn_at = None, 5.0   # crashed, coming back
+    assert "worker A" in ops.restart({"worker": "B", "model_id": "y"})["error"]
