@@ -28,6 +28,7 @@ from dispatcher.common.process import StopFlag
 
 log = logging.getLogger(__name__)
 
+LAST_WORDS_MS = 1000    # ms the front-end and worker sockets may take to send at close
 LOAD_GUESS = 600.0      # s a worker's first load may take before the queue stops waiting
 READ_BUDGET = 0.25      # s one socket's messages may take before the loop goes on
 LOAD_TRIES = 2          # loads in a row that may die (one OOM kill) and still be waited for
@@ -371,7 +372,9 @@ class Broker:
         self._proxy_thread.join(timeout=2)
         for sock in (self.frontend, self.backend, self.control, self.beats,
                      self._proxy_control):
-            sock.close(0)
+            # (the front ends' and workers' last answers, a stop's `shutting_down` and
+            # CANCELs among them, get a second to leave: at 0 ZeroMQ drops them unsent)
+            sock.close(LAST_WORDS_MS if sock in (self.frontend, self.backend) else 0)
         if self.auth is not None:
             self.auth.stop()
         self._wake_r.close()

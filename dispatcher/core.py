@@ -185,7 +185,9 @@ class DispatcherCore:
         for record in self.registry.workers.values():
             for jobs in (record.running, record.ops):
                 for job in list(jobs.values()):
-                    self._fail(job, refusals.shutting_down(running=True))
+                    if not job.cancelled:        # (a superseded one was told already)
+                        self._fail(job, refusals.shutting_down(running=True))
+                    job.cancelled = True         # (nor requeued, if its worker is lost)
                     self._to_worker(record.identity, P.CANCEL, job.request_id)
 
     def expire_workers(self, now: float) -> None:

@@ -90,6 +90,8 @@ class Operations:
         if request.get("model_id") is not None and not str(request["model_id"]).strip():
             return {"error": "an empty model id names nothing"}   # (not a plain restart)
         model_id = request.get("model_id") or None
+        if model_id is not None and any(ord(c) < 32 or ord(c) == 127 for c in str(model_id)):
+            return {"error": "a model id has no control characters"}   # (nor NUL: exec)
         current = _flag(argv, "--model")
         path = Path(current) if current else None
         if request.get("model"):

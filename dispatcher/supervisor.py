@@ -54,6 +54,11 @@ class Child:
         return self.process.pid if self.process else None
 
 
+def _model_of(argv: list[str]) -> str | None:
+    """A worker command line's --model (None: none there)."""
+    return argv[argv.index("--model") + 1] if "--model" in argv[:-1] else None
+
+
 class Supervisor:
     """Owns the child processes; `poll()` reports those that exited since the last call."""
 
@@ -117,6 +122,11 @@ class Supervisor:
             log.error("%s %s could not be started (%s); trying again in %.1fs", child.kind,
                       child.name, exc, child.backoff)
             child.backoff = min(child.backoff * 2, config.RESPAWN_BACKOFF[1])
+        except ValueError as exc:         # a command line no exec takes (a NUL in it)
+            child.process, child.gave_up = None, True
+            child.exit_note = f"cannot be started: {exc}"
+            log.error("%s %s cannot be started (%s): not retried", child.kind, child.name,
+                      exc)
 
     def poll(self, respawn: bool = True) -> list[tuple[Child, int]]:
         """Reap exited children and schedule their respawn; start those whose time came.
@@ -190,8 +200,9 @@ class Supervisor:
         child = self.children[name]
         child.gave_up, child.died_loading = False, 0
         if argv is not None and argv != child.argv:
+            if _model_of(argv) != _model_of(child.argv):
+                child.load_seconds = None   # (another model's load: not the last one's)
             child.argv = argv
-            child.load_seconds = None   # (another model's load: not the last one's time)
         if child.process is None:
             child.restarts += 1
             self._restart(child, time.monotonic())

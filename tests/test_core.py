@@ -387,6 +387,20 @@ def test_a_graceful_stop_answers_what_is_left_when_its_grace_ends():
     assert len(core.queue) == 0
 
 
+def test_a_graceful_stop_tells_no_cancelled_request_again():
+    """A request its client cancelled (or a newer keystroke superseded) was told: the
+    grace's end does not fail it a second time, only drops it at the worker."""
+    core = DispatcherCore()
+    ready(core, slots=2)
+    submit(core, "a")
+    submit(core, "gone")
+    core.cancel("gone")
+    core.drain(1.0, now=0.5)
+    sends = core.tick(1.6)
+    assert [s.request_id for s in sends if s.cmd == P.FAILED] == ["a"]
+    assert {s.request_id for s in sends if s.cmd == P.CANCEL} == {"a", "gone"}
+
+
 def test_an_undeliverable_request_requeues_it_on_another_worker():
     core = DispatcherCore()
     ready(core, b"w0")
@@ -1011,6 +1025,8 @@ def test_a_restart_refused_for_its_grace_changes_nothing_and_a_new_id_alone_is_a
     supervisor.children["w0"] = Child("w0", ["python", "-m", "workers", "--model-id", "m"],
                                       {}, extra={"model": "m"})
     ops = Operations(core, supervisor)
+    assert "control" in ops.handle({"cmd": "reload", "worker": "w0",
+                                    "model_id": "a\x00b"})["error"]  # (exec refuses it)
     for grace in ("soon", -1, float("nan")):
         assert "grace" in ops.handle({"cmd": "restart", "worker": "w0", "grace": grace})["error"]
         assert not core.registry.workers[b"w0"].draining

@@ -371,7 +371,8 @@ def test_grace_period_ends_streams_cleanly_when_they_run_too_long():
     stream.next_data()
     server.proc.send_signal(signal.SIGTERM)
     events = read_all(stream)
-    assert events[-1] == "[DONE]" and "error" in events[-2]
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down", \
+        events[-3:]
     assert server.stop() == 0
 
 

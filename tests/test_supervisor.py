@@ -104,7 +104,13 @@ def test_a_child_that_cannot_be_started_again_is_tried_after_the_backoff(tmp_pat
     supervisor.restart("w0", [str(tmp_path / "still-gone")])  # nor from a restart
     assert child.process is None and child.respawn_at is not None
     child.load_seconds = 3.0          # the last model's load; another's is not known
-    supervisor.restart("w0", good)
+    supervisor.restart("w0", good + ["--model", "a.gguf"])
     assert child.process is not None and child.load_seconds is None
     exited(supervisor, child)
+    child.load_seconds = 3.0          # the same model under a new id: the same load
+    supervisor.restart("w0", good + ["--model", "a.gguf", "--model-id", "renamed"])
+    assert child.process is not None and child.load_seconds == 3.0
+    exited(supervisor, child)
+    supervisor.restart("w0", good + ["x\x00y"])    # no exec takes it: not retried
+    assert child.process is None and child.gave_up and "null" in child.exit_note
     supervisor.stop_all(grace=1)
