@@ -28,6 +28,7 @@ from flask import Flask, request
 from app.auth import TENANT
 from app.metrics import QUIET_PATHS
 from dispatcher.common.config import key_fingerprint as fingerprint
+from dispatcher.common.logs import one_line_json
 
 ENVIRON_KEY = "completions.access"
 FIELDS = ("time", "request_id", "method", "route", "status", "duration_ms", "ttft_ms",
@@ -119,8 +120,7 @@ class RequestRecord(dict):
                   or None, "key": self.get("key"), "client": self.get("client"),
                   "user_agent": (self.get("user_agent") or "")[:MAX_VALUE] or None,
                   "error": self.get("error")}
-        return json.dumps({k: v for k, v in fields.items() if v is not None},
-                          ensure_ascii=False)
+        return one_line_json({k: v for k, v in fields.items() if v is not None})
 
 
 def current() -> RequestRecord:
@@ -166,8 +166,9 @@ def init_app(app: Flask) -> None:
     @app.after_request
     def close_record(response):
         record = request.environ.get(ENVIRON_KEY)
-        if request.path == "/v1/status":   # (the status page reads it every 1.5 s)
-            return response
+        if request.path == "/v1/status" and response.status_code < 400:
+            return response         # (the status page reads it every 1.5 s; a refusal
+                                    # is logged: key guessing there is seen)
         if record is not None and not record.get("_closing"):
             record["_closing"] = True
             status = response.status_code

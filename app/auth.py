@@ -33,9 +33,23 @@ def operator_open(access: str) -> bool:
     if access == "open":
         return True
     if access == "loopback":
+        # (and asked for by a loopback name: a page a browser on this host loaded from
+        # elsewhere, its name rebound to 127.0.0.1, sends its own name as Host)
         return request.remote_addr in LOOPBACK and \
-            not any(request.headers.get(h) for h in PROXY_HEADERS)
+            not any(request.headers.get(h) for h in PROXY_HEADERS) and \
+            _host_name(request.host) in LOOPBACK_NAMES
     return False
+
+
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+
+
+def _host_name(host: str) -> str:
+    """The Host header's name, its port and an IPv6 address's brackets left off."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 TENANT = "completions.tenant"            # the environ key of the request's key's name
 
 

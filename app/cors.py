@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from flask import Flask, request
 
+from app.auth import OPERATOR_PATHS
+
 REQUEST_HEADERS = ("Authorization, Content-Type, X-Session-Id, X-Request-Timeout, "
                    "X-SIE-MACHINE-PROFILE")
 EXPOSED_HEADERS = "X-Request-Id, Retry-After"
@@ -39,7 +41,13 @@ def init_app(app: Flask) -> None:
     @app.after_request
     def allow_origin(response):
         origin = request.headers.get("Origin")
-        if allowed(origin) and "Access-Control-Allow-Origin" not in response.headers:
+        # (an operator path answered without a key, to a client on this host, is not
+        # for another origin's page to read: a page a browser here loaded could read
+        # every key's usage off /metrics)
+        unkeyed_operator = request.path in OPERATOR_PATHS and \
+            not request.headers.get("Authorization")
+        if allowed(origin) and not unkeyed_operator and \
+                "Access-Control-Allow-Origin" not in response.headers:
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Access-Control-Expose-Headers"] = EXPOSED_HEADERS
         response.vary.add("Origin")

@@ -1,12 +1,12 @@
 """POST /tokenize and POST /detokenize, in llama.cpp's shapes, answered by a worker."""
 from __future__ import annotations
 
-from flask import Blueprint, current_app
+from flask import Blueprint, current_app, request
 
 from app import access
 from app.client import get_client
 from app.bodies import parse_json_body
-from app.requests import json_answer, resolve_model, validate
+from app.requests import api_key_fingerprint, json_answer, resolve_model, tenant_of, validate
 from app.errors import PayloadTooLarge, from_wire
 from app.schemas import DetokenizeRequestSchema, TokenizeRequestSchema
 from dispatcher.common import protocol as P
@@ -47,7 +47,10 @@ def _run(op: str, req: dict) -> dict:
     _check_size(op, req)
     client = get_client(current_app)
     model = resolve_model(req.pop("model"), client.wait_state(), any_name=True)
+    # (its key's: a worker keeps long texts' tokenizations per tenant, so another key's
+    # same text is never answered sooner, and the dispatcher counts it to the key)
     job = P.WorkerJob(id=P.new_request_id(), model=model, op=op,
+                      tenant=tenant_of(request), api_key=api_key_fingerprint(request),
                       generation=P.Generation(**req))
     access.current().update(request_id=job.id, model=model)
     stream = client.submit(job)

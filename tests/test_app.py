@@ -467,6 +467,41 @@ def test_with_keys_only_the_health_routes_are_open():
         assert http.get(path, headers={"Authorization": "Bearer ka"}).status_code == 200
 
 
+def test_a_tokenize_job_carries_its_keys_tenant():
+    """A worker keeps long texts' tokenizations per tenant (--cache-scope key): /tokenize
+    and /detokenize jobs went without a tenant, so one key's text tokenized came back
+    sooner to another key asking for the same (a timing oracle), and the dispatcher
+    could not count them to a key."""
+    app = create_app({"TESTING": True, "DISPATCHER": "ipc:///nonexistent",
+                      "API_KEY": "ka,kb", "CACHE_SCOPE": "key"})
+    fake = FakeDispatcherClient(lambda job: [{"e": P.EV_END, "s": 0,
+                                              "result": {"tokens": [7]}}])
+    app.extensions["dispatcher_client"] = fake
+    http = app.test_client()
+    for key in ("ka", "kb"):
+        assert http.post("/tokenize", json={"content": "hi"},
+                         headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    first, second = fake.jobs
+    assert first["tenant"] and second["tenant"] and first["tenant"] != second["tenant"]
+    assert first["api_key"] and first["api_key"] != second["api_key"]
+
+
+def test_a_refused_status_read_is_in_the_access_log(tmp_path):
+    """/v1/status is left out of the access log (the status page reads it every 1.5 s),
+    but a refusal there is logged: a key guessed against it was seen nowhere."""
+    log = tmp_path / "access.log"
+    app = create_app({"TESTING": True, "DISPATCHER": "ipc:///nonexistent",
+                      "API_KEY": "ka", "STATUS_ACCESS": "key", "ACCESS_LOG": str(log)})
+    app.extensions["dispatcher_client"] = FakeDispatcherClient(lambda job: completion("x"))
+    http = app.test_client()
+    for _ in range(2):
+        response = http.get("/v1/status", headers={"Authorization": "Bearer kz"})
+        response.close()                        # (the line is written as it ends)
+        assert response.status_code == 401
+    lines = [line for line in log.read_text().splitlines() if "/v1/status" in line]
+    assert len(lines) == 2 and all("401" in line for line in lines), lines
+
+
 def test_any_model_name_serves_the_one_model_when_switched_on(client_of):
     from app import create_app
     app = create_app({"TESTING": True, "DISPATCHER": "ipc:///nonexistent",

@@ -91,6 +91,14 @@ def test_cors_answers_echo_allowed_origins_only(editor_server):
     status, headers, _ = http_json(editor_server.port, "POST", "/v1/completions",
                                    {"prompt": "x"}, headers={"Origin": ORIGIN})
     assert status == 401 and headers["Access-Control-Allow-Origin"] == ORIGIN  # readable
+    # /metrics answered without a key (this host's client, --status-access loopback) is
+    # not for a page of another origin to read: every key's usage is there
+    status, headers, _ = http_json(editor_server.port, "GET", "/metrics",
+                                   headers={"Origin": ORIGIN})
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    status, headers, _ = http_json(editor_server.port, "GET", "/metrics",
+                                   headers={**auth, "Origin": ORIGIN})
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == ORIGIN
 
 
 def test_no_cors_headers_without_configured_origins(real_server):

@@ -95,3 +95,19 @@ def test_every_part_logs_json_objects_with_log_format_json():
                    line["status"] == 400)
     assert refused["error"] == "invalid_value"
     assert "SECRET-PROMPT-TEXT" not in output
+
+
+def test_a_json_log_line_stays_one_line_for_every_reader():
+    """json.dumps without ASCII escapes leaves NEL, U+2028 and U+2029 raw, where Python's
+    splitlines and some log viewers break a line: a client's User-Agent or path carrying
+    one cut an access-log record in two. They are escaped; other text stays as it is."""
+    import json
+    import logging
+
+    from dispatcher.common.logs import JsonFormatter, json_line, one_line_json
+    value = {"user_agent": "a\x85b\u2028c\u2029d é"}
+    line = one_line_json(value)
+    assert len(line.splitlines()) == 1 and "é" in line and json.loads(line) == value
+    assert len(json_line("worker", "info", "x\u2028y").splitlines()) == 1
+    record = logging.LogRecord("t", logging.INFO, __file__, 1, "p\u2029q", None, None)
+    assert len(JsonFormatter("worker").format(record).splitlines()) == 1

@@ -319,7 +319,8 @@ def test_status_access_decides_who_reads_metrics_and_status_without_a_key(access
     """With keys configured, /metrics and /v1/status need none (open), none from this
     host straight (loopback, the default: a proxied request, as nginx sends them, needs
     one; /metrics names every key's usage), or always one (key); with the key both
-    always answer; the page's files are always open (they hold no data)."""
+    always answer; the page's files are always open (they hold no data). Loopback's
+    trust also wants a loopback name in Host (DNS rebinding)."""
     flags = ("--status-access", access) if access else ()
     server = ServerProcess("--engine", "fake", "--api-key", "sk-ops", *flags,
                            log_name=f"status-{access or 'default'}").start()
@@ -328,6 +329,12 @@ def test_status_access_decides_who_reads_metrics_and_status_without_a_key(access
             assert http_json(server.port, "GET", path)[0] == bare, path
             assert http_json(server.port, "GET", path,
                              headers={"X-Forwarded-For": "203.0.113.9"})[0] == proxied
+            # a name rebound to 127.0.0.1 (a page a browser here loaded from elsewhere)
+            # asks by its own name: loopback's trust is for loopback's names
+            assert http_json(server.port, "GET", path, headers={
+                "Host": f"rebound.example:{server.port}"})[0] == proxied, path
+            assert http_json(server.port, "GET", path, headers={
+                "Host": f"localhost:{server.port}"})[0] == bare, path
             assert http_json(server.port, "GET", path,
                              headers={"Authorization": "Bearer sk-ops"})[0] == 200
         for path in ("/", "/ui/", "/ui/status.js"):

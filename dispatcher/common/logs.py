@@ -43,7 +43,7 @@ class JsonFormatter(logging.Formatter):
         out["message"] = message
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, ensure_ascii=False)
+        return one_line_json(out)
 
 
 def formatter(log_format: str, part: str, worker: str | None = None) -> logging.Formatter:
@@ -71,4 +71,16 @@ def json_line(part: str, level: str, message: str, worker: str | None = None) ->
     if worker:
         out["worker"] = worker
     out["message"] = message
-    return json.dumps(out, ensure_ascii=False) + "\n"
+    return one_line_json(out) + "\n"
+
+
+# characters json.dumps leaves raw that some readers split lines at (Python's
+# str.splitlines, log viewers): NEL, LINE SEPARATOR, PARAGRAPH SEPARATOR
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def one_line_json(value) -> str:
+    """`value` as JSON on one line for every reader: other text as it is (not \\u
+    escapes), but the characters some split lines at escaped (a client's User-Agent or
+    path carrying U+2028 broke a record in two)."""
+    return json.dumps(value, ensure_ascii=False).translate(_LINE_BREAKS)
