@@ -45,8 +45,13 @@ def create_app(test_config: dict | None = None) -> Flask:
         app.config.update(test_config)
     if not app.config["DISPATCHER"]:
         raise RuntimeError(f"set {config.ENV_PREFIX}DISPATCHER to the dispatcher's address")
+    # (with API keys, an unkeyed loopback tcp dispatcher is refused here as the
+    # dispatcher refuses it: another local user's process on that port would be sent
+    # every key's prompts)
     problem = curve.transport_problem(app.config["DISPATCHER"], app.config["CURVE_KEYS"],
-                                      app.config["INSECURE_TRANSPORT"])
+                                      app.config["INSECURE_TRANSPORT"],
+                                      tenants=bool(app.config.get("API_KEY") or
+                                                   app.config.get("API_KEY_FILE")))
     if problem:
         raise RuntimeError(problem)
     app.config["MAX_CONTENT_LENGTH"] = int(app.config["MAX_BODY"])

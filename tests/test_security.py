@@ -171,6 +171,19 @@ def test_a_dispatcher_reachable_from_other_hosts_needs_keys(tmp_path):
     assert check.returncode != 0 and "--insecure-transport" in check.stdout
 
 
+def test_a_front_end_with_api_keys_refuses_an_unkeyed_loopback_tcp_dispatcher():
+    """A front end run on its own (gunicorn with the app) checked only that its tcp
+    dispatcher was on loopback: with API keys it sent every key's prompts to whatever
+    local process held that port. It refuses it as the dispatcher does."""
+    from app import create_app
+    base = "tcp://127.0.0.1:5999"
+    with pytest.raises(RuntimeError, match="open to every local user"):
+        create_app({"TESTING": True, "DISPATCHER": base, "API_KEY": "ka"})
+    create_app({"TESTING": True, "DISPATCHER": base})                  # no tenants
+    create_app({"TESTING": True, "DISPATCHER": base, "API_KEY": "ka",
+                "INSECURE_TRANSPORT": True})                           # forced
+
+
 def test_with_api_keys_a_loopback_tcp_dispatcher_needs_keys_too(tmp_path):
     """API keys make tenants; any local user reaches a loopback port, and the
     dispatcher's sockets take jobs without a key and carry every key's tokens: serve,
