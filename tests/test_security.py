@@ -409,8 +409,9 @@ def test_a_worker_key_takes_only_names_no_longer_key_name_holds(tmp_path):
 
 
 def test_key_files_others_could_read_or_change_are_refused(tmp_path):
-    """A secret readable by others, or an authorized/ directory others may write into
-    (they could authorize their own key), is refused in one line saying which."""
+    """A secret readable by others, or an authorized/ directory or public key file others
+    may write (they could authorize their own key, or swap the dispatcher's), is refused
+    in one line saying which."""
     import pytest as _pytest
     from dispatcher.common import curve
     root = tmp_path / "k"
@@ -424,6 +425,18 @@ def test_key_files_others_could_read_or_change_are_refused(tmp_path):
     (root / "authorized" / "workers").chmod(0o777)
     with _pytest.raises(curve.CurveKeyError, match="workers: mode 0777 lets others write"):
         curve.DispatcherKeys.load(str(root))
+    (root / "authorized" / "workers").chmod(0o700)
+    # a public key others may write is theirs to swap: an authorized one (their own key
+    # let in) or the dispatcher's (a part then speaks to whoever holds the other pair)
+    authorized = next((root / "authorized" / "workers").glob("*.key"))
+    assert authorized.stat().st_mode & 0o777 == 0o644        # (keygen's, not the umask's)
+    authorized.chmod(0o666)
+    with _pytest.raises(curve.CurveKeyError, match=f"{authorized.name}: mode 0666"):
+        curve.DispatcherKeys.load(str(root))
+    authorized.chmod(0o644)
+    (root / "dispatcher.key").chmod(0o664)
+    with _pytest.raises(curve.CurveKeyError, match="dispatcher.key: mode 0664"):
+        curve.PartKeys.load(str(root))
 
 
 def test_keygen_never_takes_over_a_directory_or_a_reserved_name(tmp_path):

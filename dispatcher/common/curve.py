@@ -88,8 +88,11 @@ def keygen(directory: str, workers: list[str] = (), frontends: list[str] = ()) -
             zmq.auth.create_certificates(str(root), name)
             os.chmod(root / f"{name}.key_secret", 0o600)
             written.append(name)
-        for role in authorized:
-            shutil.copyfile(root / f"{name}.key", root / "authorized" / role / f"{name}.key")
+        os.chmod(root / f"{name}.key", 0o644)    # (not as the umask says: others may not
+        for role in authorized:                  # write a key a part trusts, _private)
+            copy = root / "authorized" / role / f"{name}.key"
+            shutil.copyfile(root / f"{name}.key", copy)
+            os.chmod(copy, 0o644)
     return written
 
 
@@ -136,6 +139,7 @@ class PartKeys:
     def load(cls, directory: str, name: str = LOCAL) -> "PartKeys":
         root = Path(directory)
         public, secret = _secret(root / f"{name}.key_secret")
+        _private(root / "dispatcher.key", "key")   # (swapped, a part speaks to another)
         return cls(public, secret, _public(root / "dispatcher.key"))
 
     def apply(self, sock: zmq.Socket) -> None:
@@ -166,6 +170,7 @@ class DispatcherKeys:
                                 "(python -m dispatcher keygen DIR writes one)")
             _private(root / "authorized" / role, "directory")
             for path in (root / "authorized" / role).glob("*.key"):
+                _private(path, "key")       # (its directory's mode does not cover it)
                 keys.names[_public(path).decode()] = path.stem
                 if role == "workers":
                     keys.worker_names.add(path.stem)
