@@ -737,3 +737,43 @@ def test_strings_never_hold_a_raw_control_character(schema):
         assert not any(ord(c) < 0x20 or c == "\x7f" for c in text), repr(text)
     if schema.get("type") == "string":
         assert '"\\n"' in texts
+
+
+def test_one_key_converting_schema_after_schema_leaves_a_slot_to_the_others(monkeypatch):
+    """The front end converts two schemas at once: one key sending new schema after new
+    schema held both, and every other key's waited CONVERT_WAIT s for a 503. A key's
+    conversions go one at a time, so another key's finds a slot."""
+    import threading
+    monkeypatch.setattr(sg, "CONVERT_WAIT", 0.5)
+    release, started = threading.Event(), []
+
+    def run(text):
+        started.append(text)
+        release.wait(10)
+        return 'root ::= "x"'
+    grammars = sg.SchemaGrammars(run=run)
+    schemas = [{"type": "string", "description": f"flood {i}"} for i in range(2)]
+    busy = []
+
+    def convert(schema):
+        try:
+            grammars.grammar(schema, scope="key-a")
+        except sg.SchemaBusy:
+            busy.append(schema)             # (its own second waits its turn, then 503)
+    flood = [threading.Thread(target=convert, args=(s,)) for s in schemas]
+    for thread in flood:
+        thread.start()
+    deadline = time.monotonic() + 5
+    while not started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    other = []
+    neighbour = threading.Thread(target=lambda: other.append(grammars.grammar(
+        {"type": "integer"}, scope="key-b")))
+    neighbour.start()
+    while len(started) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert any("integer" in text for text in started)      # key-b got the second slot
+    release.set()
+    for thread in (*flood, neighbour):
+        thread.join(10)
+    assert other == ['root ::= "x"'] and len(busy) <= 1

@@ -30,6 +30,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections import OrderedDict
 
 from dispatcher.common import grammar as gbnf, intrange
@@ -499,6 +500,10 @@ class SchemaGrammars:
         self.run = run
         self.off_loop = off_loop            # the CPU-bound steps, off a gevent loop
         self.slots = threading.BoundedSemaphore(at_once)   # child processes at once
+        # ... and one at a time for each tenant (a key's scope): a key sending schema
+        # after new schema took every slot, and every other key's waited CONVERT_WAIT s
+        # for a 503 (the dispatcher's shares come after the front end's conversion)
+        self.own: dict[str, threading.BoundedSemaphore] = {}
         self.kept: OrderedDict[bytes, tuple[str | None, str | None]] = OrderedDict()   # by
         # scope and digest
 
@@ -518,13 +523,7 @@ class SchemaGrammars:
         if key not in self.kept:
             try:
                 self.off_loop(estimate, schema)
-                if not self.slots.acquire(timeout=CONVERT_WAIT):
-                    raise SchemaBusy(f"Every JSON schema conversion of this front end was "
-                                     f"busy for {CONVERT_WAIT:g} s: try again.")
-                try:
-                    grammar = self.run(text)
-                finally:
-                    self.slots.release()
+                grammar = self._converted(text, scope)
                 self.off_loop(gbnf.check, grammar, n_vocab)
                 self.kept[key] = (grammar, None)
             except gbnf.GrammarError as exc:
@@ -539,6 +538,27 @@ class SchemaGrammars:
         if problem is not None:
             raise SchemaRefused(problem)
         return grammar
+
+    def _converted(self, text: str, scope: str | None) -> str:
+        """`text` converted by a child process, within a slot of the front end's and,
+        for a tenant's scope, its own one; SchemaBusy past CONVERT_WAIT s of waiting."""
+        own = self.own.setdefault(scope, threading.BoundedSemaphore(1)) \
+            if scope is not None else None
+        busy = SchemaBusy(f"Every JSON schema conversion of this front end was busy for "
+                          f"{CONVERT_WAIT:g} s: try again.")
+        deadline = time.monotonic() + CONVERT_WAIT
+        if own is not None and not own.acquire(timeout=CONVERT_WAIT):
+            raise busy
+        try:
+            if not self.slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise busy
+            try:
+                return self.run(text)
+            finally:
+                self.slots.release()
+        finally:
+            if own is not None:
+                own.release()
 
 
 if __name__ == "__main__":
