@@ -39,6 +39,11 @@ PERSON = {"type": "object", "properties": {
     # token's check took 1.1 s before the request was ended)
     ({"type": "string", "pattern": "^(a{0,100}){0,100}$"}, "nested repetitions"),
     ({"type": "string", "pattern": "^((a{0,10}){0,10}){0,30}$"}, "3,751 ways"),
+    # counts the converter reads with int() though they are not digits alone (48 bytes
+    # made the child write 250 MB)
+    ({"type": "string", "pattern": "^ab{250_000_000}$"}, "digits alone"),
+    ({"type": "string", "pattern": "^a{+1000}$"}, "digits alone"),
+    ({"type": "string", "pattern": "^(a{0,1_00}){0,1_00}$"}, "digits alone"),
 ])
 def test_schemas_whose_conversion_explodes_are_refused_before_converting(schema, named):
     ran = []
@@ -91,9 +96,13 @@ def test_any_value_subschemas_convert_to_any_value(schema, rule):
         assert 'item ("," space item)+' in rules["root"]      # two, then any more
     assert sg.normalized({"enum": [True, {"items": {}}], "const": True}) == \
         {"enum": [True, {"items": {}}], "const": True}       # (values are left alone)
+    # (extra properties beside declared ones are not written: see
+    # test_extra_properties_beside_declared_ones_are_not_written)
     assert sg.normalized({"type": "object", "properties": {"a": {}},
                           "additionalProperties": True}) == \
-        {"type": "object", "properties": {"a": {}}, "additionalProperties": True}
+        {"type": "object", "properties": {"a": {}}, "additionalProperties": False}
+    assert sg.normalized({"type": "object", "additionalProperties": True}) == \
+        {"type": "object", "additionalProperties": True}           # (no properties)
 
 
 def test_references_beside_definitions_and_annotation_only_schemas_convert():
@@ -114,9 +123,12 @@ def test_references_beside_definitions_and_annotation_only_schemas_convert():
     # (the review's cases: a $ref beside a oneOf or under allOf with a dict default means
     # what it meant before; the tuple form of items takes `true`; `true` counts as much
     # as a sub-schema in the estimate)
+    # (a $ref beside a oneOf wrote the reference and left the oneOf out, an integer
+    # where the schema asks for a string too: a 400 naming it)
     before = {"$ref": "#/$defs/A", "oneOf": [{"type": "string"}],
               "$defs": {"A": {"type": "integer"}}}
-    assert "root ::= integer" in sg.SchemaGrammars().grammar(before)
+    with pytest.raises(sg.SchemaRefused, match=r"beside a \$ref \(oneOf\)"):
+        sg.SchemaGrammars().grammar(before)
     required = {"allOf": [{"$ref": "#/$defs/A", "default": {"x": 1}}], "$defs": {"A": {
         "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
     # (an allOf of one is that schema: the object A, its x required)
@@ -777,3 +789,96 @@ def test_one_key_converting_schema_after_schema_leaves_a_slot_to_the_others(monk
     for thread in (*flood, neighbour):
         thread.join(10)
     assert other == ['root ::= "x"'] and len(busy) <= 1
+
+
+def _takes(grammar: str, text: str) -> bool:
+    """Whether the grammar takes `text` whole (the reading `_texts_of` makes)."""
+    import functools
+    from dispatcher.common.grammar_rules import alternatives, ends
+    parsed = gbnf.check(grammar)
+    rules = parsed.rules
+    expanded = functools.lru_cache(None)(lambda stack: _expanded(rules, stack))
+    stacks = set().union(*(expanded(((parsed.root, start),))
+                           for start, _ in alternatives(rules[parsed.root])))
+    for c in text:
+        following = set()
+        for stack in stacks:
+            if stack and _matches(rules[stack[-1][0]], stack[-1][1], ord(c)):
+                rule_id, i = stack[-1]
+                after = _after_char(rules[rule_id], i)
+                following |= expanded(stack[:-1] + ((() if ends(rules[rule_id][after])
+                                                     else ((rule_id, after),))))
+        stacks = following
+    return () in stacks
+
+
+@pytest.mark.parametrize("extra", [True, {"type": "string"}])
+def test_extra_properties_beside_declared_ones_are_not_written(extra):
+    """pydantic's extra="allow" (`additionalProperties: true` beside `properties`): the
+    converter's rule for extra properties after an optional one had no comma, so once
+    the model wrote that property it could only go on to invalid JSON ({"name": "x",
+    "age": 1} refused, {"name": "x", "age": 1 "k": {}} taken). Extra properties are
+    not written: every answer is the schema's."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name"], "additionalProperties": extra}
+    grammar = sg.SchemaGrammars().grammar(schema)
+    assert _takes(grammar, '{"name": "x", "age": 1}') and _takes(grammar, '{"name": "x"}')
+    assert not _takes(grammar, '{"name": "x", "age": 1 "k": "v"}')
+
+
+def test_a_required_name_not_declared_is_a_property_of_any_value():
+    """`required` naming a property `properties` does not declare: the converter left it
+    out, and every answer broke the schema."""
+    grammar = sg.SchemaGrammars().grammar({"type": "object", "properties": {
+        "a": {"type": "integer"}}, "required": ["a", "z"]})
+    assert _takes(grammar, '{"a": 1, "z": null}') and not _takes(grammar, '{"a": 1}')
+
+
+@pytest.mark.parametrize("schema, named", [
+    ({"type": "string", "not": {"const": "a"}}, "'not'"),
+    ({"type": "integer", "not": {"enum": [1, 2]}}, "'not'"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}, "'if'"),
+    ({"type": "object", "properties": {"a": {}}, "dependentRequired": {"a": ["b"]}},
+     "'dependentRequired'"),
+    ({"type": "object", "propertyNames": {"pattern": "^x"}}, "'propertyNames'"),
+    ({"$ref": "#/$defs/x", "maximum": 2, "$defs": {"x": {"type": "integer"}}},
+     r"beside a \$ref \(maximum\)"),
+    ({"type": "object", "properties": {"size": {"allOf": [{"$ref": "#/$defs/S"}],
+                                                "maximum": 9}},
+      "$defs": {"S": {"type": "integer"}}}, r"beside an allOf of references \(maximum\)"),
+    ({"allOf": [{"type": "integer"}, {"type": "string"}]}, "different 'type'"),
+    ({"type": "object", "properties": {"": {"type": "integer"}}}, 'named ""'),
+])
+def test_keywords_the_grammar_would_leave_out_are_refused(schema, named):
+    """Beside a type, `not`, `if`/`then`, `dependentRequired`, `propertyNames`, keywords
+    beside a `$ref` and an allOf the converter cannot merge were left out, and the
+    answer broke the schema (`not: {const: "a"}` wrote "a"; an allOf of an integer and
+    a bound wrote `{}`): a 400 naming them. A property named "" took the root's rule."""
+    with pytest.raises(sg.SchemaRefused, match=named):
+        sg.SchemaGrammars().grammar(schema)
+
+
+def test_an_allof_of_bounds_keeps_the_tightest():
+    """Parts bounding one value each their own way are merged to the tightest bounds
+    (they wrote `{}`)."""
+    grammar = sg.SchemaGrammars().grammar({"allOf": [{"type": "integer", "maximum": 5},
+                                                     {"maximum": 3, "minimum": 1}]})
+    assert [n for n in range(8) if _takes(grammar, str(n))] == [1, 2, 3]
+    text = sg.SchemaGrammars().grammar({"allOf": [{"type": "string", "maxLength": 5},
+                                                  {"maxLength": 2}]})
+    assert _takes(text, '"ab"') and not _takes(text, '"abc"')
+
+
+def test_a_grammar_past_the_limit_is_refused_by_the_child_not_sent():
+    """A schema whose conversion copies its parts at every use (allOf references) made a
+    37 MB grammar that crossed the pipe and was parsed on the front end's loop before
+    the check refused it: the child says so instead."""
+    part = {"type": "object", "properties": {f"property_{i}": {"type": "integer"}
+                                             for i in range(600)},
+            "required": [f"property_{i}" for i in range(600)]}
+    schema = {"$defs": {"A": part}, "type": "array", "prefixItems": [
+        {"allOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/A"}]} for _ in range(40)]}
+    with pytest.raises(sg.SchemaRefused, match="grammar it makes has [0-9,]+ characters"):
+        sg.SchemaGrammars().grammar(schema)

@@ -55,6 +55,9 @@ VALUES = ("enum", "const", "default", "examples")   # JSON values, not schemas
 # an escape is read whole first, so `\{3}` is a brace and `\\{0,2400}` a backslash
 # repeated, which a look-behind at one backslash read as a brace)
 _QUANTIFIER = re.compile(r"\\.|\{\s*+(\d*+)\s*+(?:,\s*+(\d*+)\s*+)?\}", re.S)
+# ... and one the converter reads though it is not digits alone (it takes a count with
+# int(): `{250_000_000}` and `{+1000}` passed every count here, and the child wrote 250 MB)
+_LOOSE_QUANTIFIER = re.compile(r"\\.|\{\s*+[\d_+]*+\s*+(?:,\s*+[\d_+]*+\s*+)?\}", re.S)
 _LITERAL = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789\\")
 
 
@@ -91,6 +94,11 @@ def pattern_work(pattern: str, where: str) -> int:
     if problem is not None:
         raise SchemaRefused(f"{where} uses {problem}, which no grammar here can write; "
                             "say it with characters, classes, groups and repetitions.")
+    for match in _LOOSE_QUANTIFIER.finditer(pattern):
+        if not match.group(0).startswith("\\") and ("_" in match.group(0) or
+                                                     "+" in match.group(0)):
+            raise SchemaRefused(f"{where}: write the quantifier {_short(match.group(0), 24)}"
+                                "'s counts with digits alone.")
     work = len(pattern)
     for match in _QUANTIFIER.finditer(pattern):
         if match.group(0).startswith("\\"):
@@ -299,7 +307,16 @@ ANNOTATIONS = frozenset(("title", "description", "default", "examples", "$commen
 # wrote an object of several, `contains` an array without the item)
 NOT_KEPT = {"contains": lambda v: False, "minContains": lambda v: False,
             "maxContains": lambda v: False, "maxProperties": lambda v: False,
-            "minProperties": lambda v: v == 0, "uniqueItems": lambda v: v is False}
+            "minProperties": lambda v: v == 0, "uniqueItems": lambda v: v is False,
+            # (beside a type these were left out: `{"type": "string", "not": {"const":
+            # "a"}}` wrote "a", an `if`/`then` never asked for what `then` requires)
+            **{key: (lambda v: False) for key in (
+                "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+                "dependencies", "propertyNames", "unevaluatedProperties",
+                "unevaluatedItems")}}
+# what several parts of an allOf may each bound: the merged bound is the tightest
+TIGHTEST = {"maximum": min, "exclusiveMaximum": min, "maxLength": min, "maxItems": min,
+            "minimum": max, "exclusiveMinimum": max, "minLength": max, "minItems": max}
 
 
 # the keywords that say something of a value of one type only
@@ -370,11 +387,52 @@ def _merged_all_of(node: dict) -> dict:
     merged: dict = {}
     for part in [rest] + parts:
         for key, value in part.items():
-            if key == "$ref" or (key in merged and merged[key] != value
-                                 and key not in ANNOTATIONS):
-                return node
+            if key in merged and merged[key] != value and key in TIGHTEST and \
+                    all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                        for v in (merged[key], value)):
+                value = TIGHTEST[key](merged[key], value)   # (both bounds hold)
+            elif key == "$ref" or (key in merged and merged[key] != value
+                                   and key not in ANNOTATIONS):
+                return _unmerged_all_of(node, parts, rest, key)
             merged[key] = value
     return merged
+
+
+def _unmerged_all_of(node: dict, parts: list, rest: dict, key: str) -> dict:
+    """An allOf left to the converter, which merges only its parts' object properties
+    (through references too) and reads nothing beside it: where that is not what it
+    says, a 400 (it wrote `{}` for an integer, or left a bound out)."""
+    if not any("$ref" in part for part in parts):
+        raise ValueError(f"allOf's parts ask for different '{key}' values: no value meets "
+                         "them all")
+    beside = sorted(set(rest) - ANNOTATIONS - {"$defs", "definitions"})
+    if beside:
+        raise ValueError(f"keywords beside an allOf of references ({', '.join(beside)}) "
+                         "are not kept here: put them in the definition")
+    return node
+
+
+def _object_keywords(node: dict) -> dict:
+    """An object's keywords as the converter writes them right: extra properties beside
+    declared ones (`additionalProperties` true or a schema: pydantic's extra="allow")
+    are not written (the converter's rule for them after an optional property had no
+    comma: it could only write invalid JSON once it wrote that property); a `required`
+    name not among `properties` is a property of any value (left out, every answer
+    broke the schema). A property named "" is refused (its rule took the root's name)."""
+    properties, required = node.get("properties"), node.get("required")
+    if not isinstance(properties, dict):
+        return node
+    if "" in properties:
+        raise ValueError("a property named \"\" is not supported here")
+    if properties and node.get("additionalProperties") not in (None, False):
+        node = {**node, "additionalProperties": False}
+    if isinstance(required, list):
+        missing = [name for name in required if isinstance(name, str)
+                   and name not in properties]
+        if missing:
+            node = {**node, "properties": {**properties,
+                                           **{name: dict(ANY) for name in missing}}}
+    return node
 
 
 def normalized(node: object) -> object:
@@ -399,6 +457,13 @@ def normalized(node: object) -> object:
     if not isinstance(node, dict):
         return node
     node = _typed_choices(_merged_all_of(node))
+    node = _object_keywords(node)
+    beside = sorted(set(node) - ANNOTATIONS - {"$ref", "$defs", "definitions"}) \
+        if "$ref" in node else []
+    if beside:
+        raise ValueError(f"keywords beside a $ref ({', '.join(beside)}) are not kept here "
+                         "(the reference is written as defined): put them in the "
+                         "definition")
     for key, kept in NOT_KEPT.items():
         if key in node and not kept(node[key]):
             raise ValueError(f"'{key}' is a keyword the grammars here cannot keep (the "
@@ -455,7 +520,12 @@ def child_main() -> int:
     text = sys.stdin.buffer.read().decode("utf-8")
     try:
         schema = normalized(json.loads(text))
-        result = {"grammar": _converter()(json.dumps(schema, ensure_ascii=False))}
+        grammar = _converter()(json.dumps(schema, ensure_ascii=False))
+        # (said here, not sent: a grammar past the limit, megabytes, crossed the pipe
+        # and was parsed by the front end's loop before the check refused it)
+        result = {"grammar": grammar} if len(grammar) <= gbnf.MAX_GRAMMAR_CHARS else {
+            "error": f"the grammar it makes has {len(grammar):,} characters; at most "
+                     f"{gbnf.MAX_GRAMMAR_CHARS:,}"}
     except MemoryError:
         result = {"error": "the JSON schema needs more memory to convert than allowed"}
     except RecursionError:
