@@ -28,7 +28,11 @@ from dispatcher.common.grammar_rules import (  # noqa: F401  (names the callers 
 
 MAX_GRAMMAR_CHARS = 256 * 1024      # the text (JSON-schema grammars run to tens of KB)
 MAX_ELEMENTS = 500_000              # what llama.cpp allocates: 8 bytes each, ~16 with copies
-MAX_RULES = 100_000                 # rules, those repetitions generate included
+MAX_RULES = 32_768                  # rules, those repetitions generate included: the
+                                    # checks take ~20 us a rule, and each grammar is
+                                    # checked three times (front end; the worker's tokens
+                                    # and alphabet): 49 x `"a"{0,2000}` (596 characters,
+                                    # 98,001 rules) took 2.7 s a check
 MAX_NESTING = 100                   # ( ) groups inside each other (this parser recurses too)
 MAX_REPETITION = 2000               # llama.cpp's MAX_REPETITION_THRESHOLD
 
@@ -72,7 +76,8 @@ class _Parser:
         self.symbols[f"{base}_{next_id}"] = next_id
         if next_id >= MAX_RULES:
             raise GrammarTooLarge(f"the grammar has more than {MAX_RULES} rules, those "
-                                  "its repetitions and groups generate included")
+                                  "its repetitions and groups generate included (a "
+                                  "repetition {m,n} makes one rule a count)")
         return next_id
 
     def add_rule(self, rule_id: int, rule: list) -> None:
