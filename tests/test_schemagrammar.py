@@ -882,3 +882,21 @@ def test_a_grammar_past_the_limit_is_refused_by_the_child_not_sent():
         {"allOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/A"}]} for _ in range(40)]}
     with pytest.raises(sg.SchemaRefused, match="grammar it makes has [0-9,]+ characters"):
         sg.SchemaGrammars().grammar(schema)
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "object", "properties": {"y": {"$ref": "#/$defs/space"}}, "required": ["y"],
+      "$defs": {"space": {"enum": ["a", "b"]}}}, '{"y": "a"}', '{"y": }'),
+    ({"type": "object", "properties": {"n": {"type": "string"},
+                                       "y": {"$ref": "#/definitions/string"}},
+      "required": ["n", "y"], "definitions": {"string": {"enum": ["a", "b"]}}},
+     '{"n": "zz", "y": "a"}', '{"n": "zz", "y": "q"}'),
+    ({"$defs": {"": {"type": "integer"}}, "type": "object",
+      "properties": {"a": {"$ref": "#/$defs/"}}, "required": ["a"]}, '{"a": 7}', "7"),
+])
+def test_a_definition_named_as_a_built_in_rule_keeps_its_own(schema, good, bad):
+    """The converter's references take an existing rule of the definition's name: one
+    named `space` or `string` took the built-in rule (`{"y": }` written), one named ""
+    the root (an integer where an object was asked for). They are renamed first."""
+    grammar = sg.SchemaGrammars().grammar(schema)
+    assert _takes(grammar, good) and not _takes(grammar, bad)

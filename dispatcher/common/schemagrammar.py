@@ -507,6 +507,59 @@ def normalized(node: object) -> object:
     return out
 
 
+# the converter's own rules: a definition named so took that rule for its references
+# (`"$defs": {"space": {"enum": ["a", "b"]}}` wrote `{"y": }`), and one named "" the root
+BUILT_IN_RULES = frozenset((
+    "root", "space", "boolean", "decimal-part", "integral-part", "number", "integer",
+    "value", "object", "array", "uuid", "char", "string", "null", "dot", "date", "time",
+    "date-time", "date-string", "time-string", "date-time-string"))
+
+
+def _pointer(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def renamed_definitions(schema: object) -> object:
+    """`schema` with each definition whose rule would be a built-in one's (or none)
+    renamed, its references too (the output's text is the same: rule names are the
+    grammar's own)."""
+    if not isinstance(schema, dict):
+        return schema
+    renames: dict[str, str] = {}                  # old reference prefix -> new one
+    out = dict(schema)
+    for where in ("$defs", "definitions"):
+        definitions = schema.get(where)
+        if not isinstance(definitions, dict):
+            continue
+        renamed = {}
+        for name, value in definitions.items():
+            rule = re.sub(r"[^a-zA-Z0-9-]+", "-", name)
+            new = name
+            while (rule in BUILT_IN_RULES or not rule) and new == name or \
+                    new != name and new in definitions:
+                new, rule = f"{new}-defined", "-"
+            if new != name:
+                renames[f"#/{where}/{_pointer(name)}"] = f"#/{where}/{_pointer(new)}"
+            renamed[new] = value
+        out[where] = renamed
+    if not renames:
+        return schema
+
+    def visit(node):
+        if isinstance(node, dict):
+            node = {k: visit(v) for k, v in node.items()}
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                for old, new in renames.items():
+                    if ref == old or ref.startswith(old + "/"):
+                        node["$ref"] = new + ref[len(old):]
+            return node
+        if isinstance(node, list):
+            return [visit(v) for v in node]
+        return node
+    return visit(out)
+
+
 def _limit_child() -> None:
     import resource
     resource.setrlimit(resource.RLIMIT_AS, (CONVERT_MEMORY, CONVERT_MEMORY))
@@ -519,7 +572,7 @@ def child_main() -> int:
     _limit_child()
     text = sys.stdin.buffer.read().decode("utf-8")
     try:
-        schema = normalized(json.loads(text))
+        schema = normalized(renamed_definitions(json.loads(text)))
         grammar = _converter()(json.dumps(schema, ensure_ascii=False))
         # (said here, not sent: a grammar past the limit, megabytes, crossed the pipe
         # and was parsed by the front end's loop before the check refused it)
