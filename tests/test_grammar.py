@@ -206,9 +206,22 @@ def test_a_nul_asked_for_is_refused(grammar):
 
 @pytest.mark.parametrize("grammar", ["root ::= [\\x00-\\x1f]", "root ::= [^\\x00]",
                                      "root ::= [a\\x00]", 'root ::= "\\x01"',
-                                     "root ::= [\\x00-\\x00a]"])
+                                     "root ::= [\\x00-\\x00a]", "root ::= [a\\uD800]",
+                                     "root ::= [^\\uD800-\\uDFFF]+",
+                                     'root ::= "\\U0001F600"'])
 def test_a_class_that_allows_more_than_nul_is_not(grammar):
     gbnf.check(grammar)
+
+
+@pytest.mark.parametrize("grammar", ['root ::= "\\uD83D\\uDE00"',
+                                     "root ::= [\\uD800-\\uDFFF]+",
+                                     'root ::= "a" [\\uDC00]'])
+def test_a_surrogate_asked_for_is_refused(grammar):
+    """No UTF-8 text holds a UTF-16 surrogate: a grammar that needs one could be met
+    only by byte tokens that are not UTF-8 (the answer's text broken). Refused, saying
+    to write the character itself."""
+    with pytest.raises(gbnf.GrammarRefused, match="surrogate U\\+D[89A-F]"):
+        gbnf.check(grammar)
 
 
 def test_an_end_of_generation_token_asked_for_is_refused():

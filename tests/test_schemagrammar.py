@@ -900,3 +900,10 @@ def test_a_definition_named_as_a_built_in_rule_keeps_its_own(schema, good, bad):
     the root (an integer where an object was asked for). They are renamed first."""
     grammar = sg.SchemaGrammars().grammar(schema)
     assert _takes(grammar, good) and not _takes(grammar, bad)
+
+
+def test_a_patterns_surrogate_pair_is_its_character():
+    """ECMA patterns write a character past U+FFFF as a surrogate pair's escapes: the
+    converter made two classes of one surrogate each, which no UTF-8 text meets."""
+    grammar = sg.SchemaGrammars().grammar({"type": "string", "pattern": "^\\uD83D\\uDE00$"})
+    assert _takes(grammar, '"\U0001F600"')

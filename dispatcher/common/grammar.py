@@ -415,20 +415,34 @@ def check(grammar: str, n_vocab: int | None = None,
     return parsed
 
 
+def _unwritable(low: int, high: int) -> bool:
+    """Code points no token's text holds as such: NUL (llama.cpp reads a text up to it)
+    and the UTF-16 surrogates (no UTF-8 text holds one: only bytes that are not UTF-8)."""
+    return low == high == 0 or 0xD800 <= low <= high <= 0xDFFF
+
+
 def _check_no_nul(parsed: Grammar) -> None:
-    """Refuse a NUL asked for as such (`"\\x00"`, `[\\x00]`): llama.cpp reads a token's
-    text up to a NUL, so none can match it and generation would fail midway. A class
-    with other characters (`[\\x00-\\x1f]`) or a negated one is fine."""
+    """Refuse a character no token can write asked for as such (`"\\x00"`, `[\\x00]`,
+    `"\\uD83D\\uDE00"`, `[\\uD800-\\uDFFF]`): no token matches it, and generation
+    fails midway, or a surrogate is met by bytes that are not UTF-8. A class with other
+    characters (`[\\x00-\\x1f]`) or a negated one is fine."""
     for rule in parsed.rules:
         for i, (kind, value) in enumerate(rule):
-            if kind != CHAR or value != 0:
+            if kind != CHAR or not (value == 0 or 0xD800 <= value <= 0xDFFF):
                 continue
-            end = i + 1               # the class's other alternatives and range ends
+            end, ranges = i + 1, []   # the class's other alternatives and range ends
             while end < len(rule) and rule[end][0] in (CHAR_ALT, CHAR_RNG_UPPER):
                 end += 1
-            if all(v == 0 for _, v in rule[i + 1:end]):
-                raise GrammarRefused("the grammar asks for a NUL character (\\x00), which "
-                                     "no token's text can hold")
+            for j in range(i, end):
+                if rule[j][0] == CHAR_RNG_UPPER:
+                    ranges[-1] = (ranges[-1][0], rule[j][1])
+                else:
+                    ranges.append((rule[j][1], rule[j][1]))
+            if all(_unwritable(low, high) for low, high in ranges):
+                what = "a NUL character (\\x00)" if ranges[0][0] == 0 else \
+                    f"the surrogate U+{ranges[0][0]:04X} (write the character itself)"
+                raise GrammarRefused(f"the grammar asks for {what}, which no token's text "
+                                     "can hold")
 
 
 def _covers_unicode(ranges: list[tuple[int, int]]) -> bool:

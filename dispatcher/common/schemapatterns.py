@@ -363,6 +363,12 @@ def length_bounded(pattern: str, least: int, most: int | None) -> str | None:
     return f"^{match.group(1)}{{{low},{'' if high is None else high}}}$"
 
 
+# a surrogate pair's escapes, or any other escape (read whole: `\\\\uD83D` is an escaped
+# backslash, then text)
+_SURROGATE_PAIR = re.compile(r"\\u(D[89AB][0-9A-F]{2})\\u(D[C-F][0-9A-F]{2})|\\.",
+                             re.I | re.S)
+
+
 def converter_pattern(pattern: str) -> str:
     """A JSON Schema `pattern` in the forms llama-cpp-python's converter turns into a
     grammar that parses and writes JSON text: `\\d`, `\\w`, `\\s` (and their negations
@@ -375,7 +381,13 @@ def converter_pattern(pattern: str) -> str:
     negated class (`[^@]`) leaves it out: written as they are, they ended the string
     early or made it invalid JSON. For the same reason `\\s` is a space (a tab or a line
     break is an escape in JSON text). Anything else is left for the converter to take
-    or refuse."""
+    or refuse. A surrogate pair's escapes (`\\uD83D\\uDE00`, as JSON Schema's ECMA
+    patterns write a character past U+FFFF) are that character (two classes of one
+    surrogate each no text could meet)."""
+    pattern = _SURROGATE_PAIR.sub(
+        lambda m: chr(0x10000 + ((int(m.group(1), 16) - 0xD800) << 10)
+                      + int(m.group(2), 16) - 0xDC00) if m.group(1) else m.group(0),
+        pattern)
     out, i = [], 0
     while i < len(pattern):
         c = pattern[i]
