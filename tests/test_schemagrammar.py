@@ -146,7 +146,8 @@ def test_references_beside_definitions_and_annotation_only_schemas_convert():
 @pytest.mark.parametrize("pattern, made", [
     ("^\\d{3}-\\d{4}$", "^[0-9]{3}-[0-9]{4}$"),
     ("^[\\w.-]+@\\w+\\.com$", "^[0-9A-Z_a-z.\\x2D]+@[0-9A-Za-z_]+[.]com$"),
-    ("^\\s\\S\\D\\W$", "^[ ][^{N} ][^{N}0-9][^{N}0-9A-Za-z_]$"),
+    ("^\\s\\S\\D\\W$", "^[ ][^{N} \\xA0\\u1680\\u2000-\\u200A\\u2028-\\u2029\\u202F\\u205F"
+                       "\\u3000\\uFEFF][^{N}0-9][^{N}0-9A-Za-z_]$"),
     ("^(?:ab|cd)+$", "^(ab|cd)+$"),
     ("^[^\\]\\\\]+\\/$", "^[^{N}\\x5D\\x5C]+[/]$"),
     ("^.{1,3}@[^@]+$", "^[^{N}]{1,3}@[^{N}@]+$"),
@@ -907,3 +908,16 @@ def test_a_patterns_surrogate_pair_is_its_character():
     converter made two classes of one surrogate each, which no UTF-8 text meets."""
     grammar = sg.SchemaGrammars().grammar({"type": "string", "pattern": "^\\uD83D\\uDE00$"})
     assert _takes(grammar, '"\U0001F600"')
+
+
+def test_lazy_quantifiers_and_non_spaces_mean_what_they_say():
+    """A lazy quantifier matches, whole, what the greedy one does: its `?` was read as
+    "optional" (`^a+?$` took ""). `\\S` leaves out every space JavaScript's `\\s` names
+    (it wrote a no-break space, U+2028, U+3000)."""
+    lazy = sg.SchemaGrammars().grammar({"type": "string", "pattern": "^a+?$"})
+    assert _takes(lazy, '"aa"') and not _takes(lazy, '""')
+    counted = sg.SchemaGrammars().grammar({"type": "string", "pattern": "^\\d{2,3}?$"})
+    assert _takes(counted, '"12"') and not _takes(counted, '"1"')
+    word = sg.SchemaGrammars().grammar({"type": "string", "pattern": "^\\S+$"})
+    assert _takes(word, '"ab"')
+    assert not any(_takes(word, f'"a{space}b"') for space in "\u00a0\u2028\u3000 ")

@@ -68,11 +68,16 @@ CLASS_ESCAPES = {"d": "[0-9]", "w": "[0-9A-Za-z_]",
                  "s": "[ ]",             # (a tab or line break is an escape in JSON text)
                  "D": f"[^{NOT_IN_JSON_STRING}0-9]",
                  "W": f"[^{NOT_IN_JSON_STRING}0-9A-Za-z_]",
-                 "S": f"[^{NOT_IN_JSON_STRING} ]"}
+                 "S": None}
 # JavaScript's \\s (\\S is everything else)
 WHITESPACE = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
               (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000),
               (0xFEFF, 0xFEFF))
+# (\\S leaves out every space JavaScript's \\s names, not the ASCII ones alone: it wrote
+# a no-break space, U+2028, U+3000 where the schema asked for none)
+CLASS_ESCAPES["S"] = "[^" + NOT_IN_JSON_STRING + "".join(
+    _grammar_char(low) + (f"-{_grammar_char(high)}" if high > low else "")
+    for low, high in WHITESPACE if low >= 0x20) + "]"
 
 
 def _complement(ranges) -> tuple[tuple[int, int], ...]:
@@ -369,6 +374,11 @@ _SURROGATE_PAIR = re.compile(r"\\u(D[89AB][0-9A-F]{2})\\u(D[C-F][0-9A-F]{2})|\\.
                              re.I | re.S)
 
 
+# a lazy quantifier (`+?`, `*?`, `??`, `{2,3}?`): in a whole match the same strings as
+# the greedy one, and the converter read its `?` as "optional" (`^a+?$` took "")
+_LAZY = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]|([*+?]|\{\d+(?:,\d*)?\})\?", re.S)
+
+
 def converter_pattern(pattern: str) -> str:
     """A JSON Schema `pattern` in the forms llama-cpp-python's converter turns into a
     grammar that parses and writes JSON text: `\\d`, `\\w`, `\\s` (and their negations
@@ -388,6 +398,7 @@ def converter_pattern(pattern: str) -> str:
         lambda m: chr(0x10000 + ((int(m.group(1), 16) - 0xD800) << 10)
                       + int(m.group(2), 16) - 0xDC00) if m.group(1) else m.group(0),
         pattern)
+    pattern = _LAZY.sub(lambda m: m.group(1) or m.group(0), pattern)
     out, i = [], 0
     while i < len(pattern):
         c = pattern[i]
