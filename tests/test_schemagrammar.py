@@ -921,3 +921,32 @@ def test_lazy_quantifiers_and_non_spaces_mean_what_they_say():
     word = sg.SchemaGrammars().grammar({"type": "string", "pattern": "^\\S+$"})
     assert _takes(word, '"ab"')
     assert not any(_takes(word, f'"a{space}b"') for space in "\u00a0\u2028\u3000 ")
+
+
+@pytest.mark.parametrize("schema, said", [
+    ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "no object fits"),
+    ({"enum": {}}, "'enum' must be a list"),
+    ({"anyOf": {}}, "'anyOf' must be a list"),
+    ({"type": "array", "items": [], "maxItems": 1.5}, "'maxItems' must be a whole number"),
+    ({"type": "string", "pattern": "^?a$"}, "the converter could not read it"),
+])
+def test_schemas_the_converter_misread_are_refused_in_their_own_words(schema, said):
+    """The converter's own Python errors were the message ('prefixItems', "'bool' object
+    has no attribute 'get'", a GBNF parse error about a newline)."""
+    with pytest.raises(sg.SchemaRefused, match=said):
+        sg.SchemaGrammars().grammar(schema)
+
+
+def test_false_items_and_properties_and_a_tuple_with_items_mean_what_they_say():
+    """`"items": false` is no item (past the tuple), a property `false` is never there,
+    and beside `prefixItems` an `items` schema is left out (the converter wrote only
+    `items`: a string where the tuple asked for an integer)."""
+    empty = sg.SchemaGrammars().grammar({"type": "array", "items": False})
+    assert _takes(empty, "[]") and not _takes(empty, "[1]")
+    absent = sg.SchemaGrammars().grammar({"type": "object", "properties": {
+        "a": False, "b": {"type": "integer"}}})
+    assert _takes(absent, '{"b": 1}') and not _takes(absent, '{"a": 1}')
+    assert sg.normalized({"type": "array", "maxItems": 2.0})["maxItems"] == 2
+    tuple_ = sg.SchemaGrammars().grammar({"type": "array", "prefixItems": [
+        {"type": "integer"}], "items": {"type": "string"}})
+    assert _takes(tuple_, "[1]") and not _takes(tuple_, '["x"]')

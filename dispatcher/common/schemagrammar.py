@@ -412,6 +412,20 @@ def _unmerged_all_of(node: dict, parts: list, rest: dict, key: str) -> dict:
     return node
 
 
+def _array_keywords(node: dict) -> dict:
+    """An array's `items` as the converter reads it: `false` (no item past
+    `prefixItems`) is the tuple alone, or the empty list; beside `prefixItems`, an
+    `items` schema is left out (the converter wrote only `items`, an integer's place
+    taken by a string): the tuple is written, and no item past it."""
+    if "items" not in node or isinstance(node["items"], list):
+        return node
+    if "prefixItems" in node:
+        return {k: v for k, v in node.items() if k != "items"}
+    if node["items"] is False:
+        return {**{k: v for k, v in node.items() if k != "items"}, "maxItems": 0}
+    return node
+
+
 def _object_keywords(node: dict) -> dict:
     """An object's keywords as the converter writes them right: extra properties beside
     declared ones (`additionalProperties` true or a schema: pydantic's extra="allow")
@@ -419,11 +433,28 @@ def _object_keywords(node: dict) -> dict:
     comma: it could only write invalid JSON once it wrote that property); a `required`
     name not among `properties` is a property of any value (left out, every answer
     broke the schema). A property named "" is refused (its rule took the root's name)."""
+    node = _array_keywords(node)
+    for key in ("enum", "anyOf", "oneOf", "allOf", "prefixItems", "required"):
+        if key in node and not isinstance(node[key], list):
+            raise ValueError(f"'{key}' must be a list")
+    for key in COUNTS:
+        value = node.get(key)
+        if isinstance(value, float) and value.is_integer():
+            node = {**node, key: int(value)}          # (2.0 is JSON Schema's 2)
+        elif key in node and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"'{key}' must be a whole number")
     properties, required = node.get("properties"), node.get("required")
     if not isinstance(properties, dict):
         return node
     if "" in properties:
         raise ValueError("a property named \"\" is not supported here")
+    absent = [name for name, sub in properties.items() if sub is False]
+    if absent:                          # (`false`: no value may be there)
+        if isinstance(required, list) and set(absent) & set(required):
+            raise ValueError(f"the property {sorted(set(absent) & set(required))[0]!r} is "
+                             "required and may have no value (false): no object fits")
+        properties = {name: sub for name, sub in properties.items() if sub is not False}
+        node = {**node, "properties": properties}
     if properties and node.get("additionalProperties") not in (None, False):
         node = {**node, "additionalProperties": False}
     if isinstance(required, list):
@@ -583,6 +614,9 @@ def child_main() -> int:
         result = {"error": "the JSON schema needs more memory to convert than allowed"}
     except RecursionError:
         result = {"error": "the JSON schema is nested too deeply to convert"}
+    except (KeyError, AttributeError, IndexError, TypeError) as exc:   # (its own Python)
+        result = {"error": "unsupported or invalid JSON schema: the converter could not "
+                           f"read it ({type(exc).__name__} {_short(str(exc), 80)})"}
     except Exception as exc:             # the converter asserts and raises many kinds
         said = str(exc)
         if said.startswith("Fetching remote schemas is not allowed"):
