@@ -950,3 +950,25 @@ def test_false_items_and_properties_and_a_tuple_with_items_mean_what_they_say():
     tuple_ = sg.SchemaGrammars().grammar({"type": "array", "prefixItems": [
         {"type": "integer"}], "items": {"type": "string"}})
     assert _takes(tuple_, "[1]") and not _takes(tuple_, '["x"]')
+
+
+def test_a_long_enum_of_strings_converts_and_writes_only_its_values():
+    """The converter writes an enum as one alternative a value, each beginning with a
+    quote: the grammar held a parse stack for each, and past ~255 values (time zones)
+    it was refused. Written as a trie of the values' beginnings it converts, and takes
+    exactly those values (others of the enum's beside them)."""
+    zones = [f"{region}/{city}_{i}" for i, (region, city) in enumerate(
+        (r, c) for r in ("Africa", "America", "Asia", "Europe", "Pacific")
+        for c in ("Abidjan", "Accra", "Adak", "Aden", "Almaty", "Amman", "Anadyr", "Aqtau",
+                  "Athens", "Auckland", "Azores", "Bahia") * 10)]
+    assert len(zones) == 600
+    grammar = sg.SchemaGrammars().grammar({"type": "object", "properties": {
+        "tz": {"enum": zones}}, "required": ["tz"]})
+    for zone in zones[::37] + [zones[-1]]:
+        assert _takes(grammar, f'{{"tz": "{zone}"}}'), zone
+    for wrong in ("Europe/Athens", "Europe/Athens_1x", "europe/Athens_8", "", zones[0][:-1]):
+        assert not _takes(grammar, f'{{"tz": "{wrong}"}}'), wrong
+    mixed = sg.SchemaGrammars().grammar({"enum": [f"v{i}" for i in range(100)]
+                                         + [1, None, 'a"b']})
+    assert all(_takes(mixed, text) for text in ('"v7"', '"v99"', "1", "null", '"a\\"b"'))
+    assert not _takes(mixed, '"v100"') and not _takes(mixed, '"v"')

@@ -412,6 +412,54 @@ def _unmerged_all_of(node: dict, parts: list, rest: dict, key: str) -> dict:
     return node
 
 
+ENUM_AS_TRIE = 64          # string values of an enum past which it is written as a trie
+
+
+def _enum_as_trie(node: dict) -> dict:
+    """A long enum of strings as one pattern of their shared beginnings (a trie): the
+    converter writes an enum as one alternative a value, each beginning with a quote,
+    so the grammar held a parse stack for each at once, and past ~255 (time zones,
+    currencies with names) it was refused. Written so, the stacks at a position are the
+    characters that may come next. Other values stay an enum beside it (anyOf)."""
+    values = node.get("enum")
+    if not isinstance(values, list) or node.get("type") not in (None, "string") or \
+            sum(isinstance(v, str) for v in values) <= ENUM_AS_TRIE:
+        return node
+    trie: dict = {}
+    for value in dict.fromkeys(v for v in values if isinstance(v, str)):
+        at = trie
+        for c in value:
+            at = at.setdefault(c, {})
+        at[None] = {}                              # (a value ends here)
+
+    def char(c: str) -> str:
+        if c.isascii() and c.isalnum():
+            return c
+        point = ord(c)
+        return f"\\x{point:02X}" if point < 0x100 else \
+            f"\\u{point:04X}" if point < 0x10000 else f"\\U{point:08X}"
+
+    def written(at: dict) -> str:
+        parts = []
+        for c, after in at.items():               # (a chain of single branches: a loop)
+            if c is None:
+                continue
+            text = char(c)
+            while len(after) == 1 and None not in after:
+                (c, after), = after.items()
+                text += char(c)
+            parts.append(text + written(after))
+        if not parts:
+            return ""
+        return parts[0] if len(parts) == 1 and None not in at else \
+            "(?:" + "|".join(parts) + ")" + ("?" if None in at else "")
+    rest = {k: v for k, v in node.items() if k not in ("enum", "type")}
+    strings = {"type": "string", "pattern": "^" + written(trie) + "$"}
+    others = [v for v in values if not isinstance(v, str)]
+    return {**rest, **strings} if not others else \
+        {**rest, "anyOf": [strings, {"enum": others}]}
+
+
 def _array_keywords(node: dict) -> dict:
     """An array's `items` as the converter reads it: `false` (no item past
     `prefixItems`) is the tuple alone, or the empty list; beside `prefixItems`, an
@@ -488,7 +536,7 @@ def normalized(node: object) -> object:
     if not isinstance(node, dict):
         return node
     node = _typed_choices(_merged_all_of(node))
-    node = _object_keywords(node)
+    node = _object_keywords(_enum_as_trie(node))
     beside = sorted(set(node) - ANNOTATIONS - {"$ref", "$defs", "definitions"}) \
         if "$ref" in node else []
     if beside:
