@@ -1477,7 +1477,7 @@ def test_a_draw_made_aside_never_ends_a_request_that_may_not_end_yet():
     draws = AsideDraws(None, 8, [7], -1e30)
     row = np.array([0.5, 3.0, 1.0, 0, 0, 0, 0, 9.0], dtype=np.float32)
     for infill, expected in ((True, 1), (False, 7)):
-        chain = SimpleNamespace(infill=infill, grammar=None,
+        chain = SimpleNamespace(infill=infill, grammar=None, banned=np.array([], dtype=int),
                                 sample_row=lambda view, candidates: 7)   # (infill's EOT)
         chain.ends_ok = lambda token, view, is_eog, c=chain: SamplerChain.ends_ok(
             c, token, view, is_eog)

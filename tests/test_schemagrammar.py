@@ -848,7 +848,7 @@ def test_a_required_name_not_declared_is_a_property_of_any_value():
      r"beside a \$ref \(maximum\)"),
     ({"type": "object", "properties": {"size": {"allOf": [{"$ref": "#/$defs/S"}],
                                                 "maximum": 9}},
-      "$defs": {"S": {"type": "integer"}}}, r"beside an allOf of references \(maximum\)"),
+      "$defs": {"S": {"type": "integer"}}}, r"beside an allOf that cannot be merged \(maximum\)"),
     ({"allOf": [{"type": "integer"}, {"type": "string"}]}, "different 'type'"),
     ({"type": "object", "properties": {"": {"type": "integer"}}}, 'named ""'),
 ])
@@ -972,3 +972,68 @@ def test_a_long_enum_of_strings_converts_and_writes_only_its_values():
                                          + [1, None, 'a"b']})
     assert all(_takes(mixed, text) for text in ('"v7"', '"v99"', "1", "null", '"a\\"b"'))
     assert not _takes(mixed, '"v100"') and not _takes(mixed, '"v"')
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    # an allOf of inline objects (the converter merges their properties)
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"type": "object", "properties": {"b": {"type": "string"}},
+                 "required": ["b"]}]}, '{"a": 1, "b": "x"}', '{"a": 1}'),
+    # "type": "object" beside an allOf of references (OpenAPI's composition)
+    ({"$defs": {"A": {"type": "object", "properties": {"a": {"type": "integer"}},
+                      "required": ["a"]},
+                "B": {"type": "object", "properties": {"b": {"type": "string"}},
+                      "required": ["b"]}},
+      "type": "object", "allOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]},
+     '{"a": 1, "b": "x"}', '{"a": 1}'),
+    # a part requiring a name another part declares (it was added to it as any value)
+    ({"$defs": {"Base": {"type": "object", "properties": {"id": {"type": "integer"}},
+                         "required": ["id"]}},
+      "allOf": [{"$ref": "#/$defs/Base"}, {"type": "object", "properties": {
+          "name": {"type": "string"}}, "required": ["id", "name"]}]},
+     '{"id": 1, "name": "x"}', '{"id": "x", "name": "x"}'),
+    # a keyword of no validation beside a $ref (pydantic's json_schema_extra)
+    ({"type": "object", "properties": {"s": {"$ref": "#/$defs/S", "x-order": 1}},
+      "required": ["s"], "$defs": {"S": {"type": "integer"}}}, '{"s": 1}', '{"s": "x"}'),
+    # a required name not declared takes additionalProperties' schema
+    ({"properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "integer"},
+      "required": ["a", "b"]}, '{"a": 1, "b": 2}', '{"a": 1, "b": "s"}'),
+    # unevaluatedProperties false beside properties is what is written anyway
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+      "unevaluatedProperties": False}, '{"a": 1}', '{"a": 1, "b": 2}'),
+    # draft 3's `required: true` inside a property is left out, as before
+    ({"properties": {"name": {"type": "string", "required": True}}}, '{"name": "x"}',
+     '{"name": 1}'),
+    # ECMA's surrogate classes for characters past U+FFFF, beside others
+    ({"type": "string", "pattern": "^(?:[^\\uD800-\\uDFFF]|[\\uD800-\\uDBFF][\\uDC00-\\uDFFF])+$"},
+     '"a\U0001F600"', '""'),
+    ({"type": "string", "pattern": "^(?:[a-z]|\\uD83D[\\uDE00-\\uDE4F])+$"},
+     '"a\U0001F600"', '"A"'),
+    # a brace inside a class is no quantifier
+    ({"type": "string", "pattern": "^[{+}]+$"}, '"{+}"', '"a"'),
+    # an enum whose trie would nest past the grammar's bound stays an enum
+    ({"enum": ["x" * n for n in range(1, 151)]}, '"xxx"', '"y"'),
+])
+def test_what_the_fixes_must_not_refuse_converts_as_before(schema, good, bad):
+    """A second read's cases: each converted before the schema fixes of this stop, and
+    must convert and mean the same after them."""
+    grammar = sg.SchemaGrammars().grammar(schema)
+    assert _takes(grammar, good) and not _takes(grammar, bad)
+
+
+def test_a_required_name_that_no_object_can_have_is_refused():
+    with pytest.raises(sg.SchemaRefused, match="no object fits"):
+        sg.SchemaGrammars().grammar({"properties": {"a": {"type": "integer"}},
+                                     "additionalProperties": False, "required": ["a", "b"]})
+
+
+def test_a_recursive_definition_with_a_name_no_rule_can_have_converts():
+    """OpenAI's own structured-output example, a linked list: the converter wrote the
+    recursive reference to `linked_list_node` as that name, and the grammar did not
+    parse. Such definitions are renamed first, their references too."""
+    node = {"type": "object", "properties": {"value": {"type": "number"}, "next": {
+        "anyOf": [{"$ref": "#/$defs/linked_list_node"}, {"type": "null"}]}},
+        "required": ["value", "next"], "additionalProperties": False}
+    grammar = sg.SchemaGrammars().grammar({**node, "$defs": {"linked_list_node": node}})
+    assert _takes(grammar, '{"value": 1, "next": {"value": 2, "next": null}}')
+    assert not _takes(grammar, '{"value": 1}')

@@ -57,7 +57,8 @@ VALUES = ("enum", "const", "default", "examples")   # JSON values, not schemas
 _QUANTIFIER = re.compile(r"\\.|\{\s*+(\d*+)\s*+(?:,\s*+(\d*+)\s*+)?\}", re.S)
 # ... and one the converter reads though it is not digits alone (it takes a count with
 # int(): `{250_000_000}` and `{+1000}` passed every count here, and the child wrote 250 MB)
-_LOOSE_QUANTIFIER = re.compile(r"\\.|\{\s*+[\d_+]*+\s*+(?:,\s*+[\d_+]*+\s*+)?\}", re.S)
+_LOOSE_QUANTIFIER = re.compile(r"\\.|\[(?:\\.|[^\]\\])*\]|"
+                               r"\{\s*+[\d_+]*+\s*+(?:,\s*+[\d_+]*+\s*+)?\}", re.S)
 _LITERAL = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789\\")
 
 
@@ -95,7 +96,7 @@ def pattern_work(pattern: str, where: str) -> int:
         raise SchemaRefused(f"{where} uses {problem}, which no grammar here can write; "
                             "say it with characters, classes, groups and repetitions.")
     for match in _LOOSE_QUANTIFIER.finditer(pattern):
-        if not match.group(0).startswith("\\") and ("_" in match.group(0) or
+        if match.group(0)[0] not in "\\[" and ("_" in match.group(0) or
                                                      "+" in match.group(0)):
             raise SchemaRefused(f"{where}: write the quantifier {_short(match.group(0), 24)}"
                                 "'s counts with digits alone.")
@@ -314,6 +315,14 @@ NOT_KEPT = {"contains": lambda v: False, "minContains": lambda v: False,
                 "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
                 "dependencies", "propertyNames", "unevaluatedProperties",
                 "unevaluatedItems")}}
+# ... and those a node meets already as it is written (`unevaluatedProperties: false`
+# beside `properties`: no undeclared one is written; `unevaluatedItems: false` beside
+# `prefixItems`: no item past the tuple is)
+MET_BY = {"unevaluatedProperties": "properties", "unevaluatedItems": "prefixItems"}
+# keywords that ask something of a value (left out beside a $ref, the answer broke them)
+VALIDATION_KEYWORDS = frozenset((
+    "type", "enum", "const", "anyOf", "oneOf", "allOf", "not", "properties", "required",
+    "additionalProperties", "patternProperties", "items", "prefixItems"))
 # what several parts of an allOf may each bound: the merged bound is the tightest
 TIGHTEST = {"maximum": min, "exclusiveMaximum": min, "maxLength": min, "maxItems": min,
             "minimum": max, "exclusiveMinimum": max, "minLength": max, "minItems": max}
@@ -398,21 +407,29 @@ def _merged_all_of(node: dict) -> dict:
     return merged
 
 
+# keywords of a value that are not an object's (which the converter's allOf merges)
+SCALAR_KEYWORDS = frozenset(k for kind in ("string", "number", "array")
+                            for k in TYPE_KEYWORDS[kind]) | {"const", "enum", "format"}
+
+
 def _unmerged_all_of(node: dict, parts: list, rest: dict, key: str) -> dict:
-    """An allOf left to the converter, which merges only its parts' object properties
-    (through references too) and reads nothing beside it: where that is not what it
-    says, a 400 (it wrote `{}` for an integer, or left a bound out)."""
-    if not any("$ref" in part for part in parts):
+    """An allOf left to the converter, which merges its parts' object properties
+    (through references too) and reads nothing else: where its parts are no objects
+    and ask for different values of one keyword, or a scalar's keyword stands beside
+    it, a 400 (it wrote `{}` for an integer, or left a bound out)."""
+    if key in SCALAR_KEYWORDS | {"type"} and not any("$ref" in part for part in parts) \
+            and not any("properties" in part for part in parts):
         raise ValueError(f"allOf's parts ask for different '{key}' values: no value meets "
                          "them all")
-    beside = sorted(set(rest) - ANNOTATIONS - {"$defs", "definitions"})
+    beside = sorted(set(rest) & SCALAR_KEYWORDS)
     if beside:
-        raise ValueError(f"keywords beside an allOf of references ({', '.join(beside)}) "
-                         "are not kept here: put them in the definition")
+        raise ValueError(f"keywords beside an allOf that cannot be merged ({', '.join(beside)}) "
+                         "are not kept here: put them in its parts")
     return node
 
 
 ENUM_AS_TRIE = 64          # string values of an enum past which it is written as a trie
+TRIE_DEPTH = 90            # ... unless its groups nest deeper (the grammar's bound: 100)
 
 
 def _enum_as_trie(node: dict) -> dict:
@@ -453,6 +470,13 @@ def _enum_as_trie(node: dict) -> dict:
             return ""
         return parts[0] if len(parts) == 1 and None not in at else \
             "(?:" + "|".join(parts) + ")" + ("?" if None in at else "")
+    def depth(at: dict) -> int:                   # (groups one inside another)
+        while len(at) == 1 and None not in at:
+            (_, at), = at.items()
+        return 0 if not at or set(at) == {None} else \
+            1 + max(depth(after) for c, after in at.items() if c is not None)
+    if depth(trie) > TRIE_DEPTH:                   # (past the grammar's nesting bound:
+        return node                                # as an enum, refused past ~255 values)
     rest = {k: v for k, v in node.items() if k not in ("enum", "type")}
     strings = {"type": "string", "pattern": "^" + written(trie) + "$"}
     others = [v for v in values if not isinstance(v, str)]
@@ -474,7 +498,7 @@ def _array_keywords(node: dict) -> dict:
     return node
 
 
-def _object_keywords(node: dict) -> dict:
+def _object_keywords(node: dict, add_required: bool = True) -> dict:
     """An object's keywords as the converter writes them right: extra properties beside
     declared ones (`additionalProperties` true or a schema: pydantic's extra="allow")
     are not written (the converter's rule for them after an optional property had no
@@ -482,6 +506,9 @@ def _object_keywords(node: dict) -> dict:
     name not among `properties` is a property of any value (left out, every answer
     broke the schema). A property named "" is refused (its rule took the root's name)."""
     node = _array_keywords(node)
+    if "required" in node and not isinstance(node["required"], list) and \
+            "properties" not in node:
+        node = {k: v for k, v in node.items() if k != "required"}  # (draft 3's `true`)
     for key in ("enum", "anyOf", "oneOf", "allOf", "prefixItems", "required"):
         if key in node and not isinstance(node[key], list):
             raise ValueError(f"'{key}' must be a list")
@@ -503,18 +530,24 @@ def _object_keywords(node: dict) -> dict:
                              "required and may have no value (false): no object fits")
         properties = {name: sub for name, sub in properties.items() if sub is not False}
         node = {**node, "properties": properties}
-    if properties and node.get("additionalProperties") not in (None, False):
-        node = {**node, "additionalProperties": False}
-    if isinstance(required, list):
+    extra = node.get("additionalProperties")
+    if isinstance(required, list) and add_required:
+        # (not in an allOf's part: the name may be another part's property)
         missing = [name for name in required if isinstance(name, str)
                    and name not in properties]
+        if missing and extra is False:
+            raise ValueError(f"{missing[0]!r} is required, not among properties, and "
+                             "additionalProperties is false: no object fits")
         if missing:
+            value = extra if isinstance(extra, dict) else dict(ANY)
             node = {**node, "properties": {**properties,
-                                           **{name: dict(ANY) for name in missing}}}
+                                           **{name: value for name in missing}}}
+    if properties and extra not in (None, False):
+        node = {**node, "additionalProperties": False}
     return node
 
 
-def normalized(node: object) -> object:
+def normalized(node: object, in_all_of: bool = False) -> object:
     """`node` as llama-cpp-python's converter takes it, meaning what JSON Schema says:
     `true` (any value) where a schema goes, `"items": {}` (any items), and a schema of
     annotations alone (pydantic's `Any`: `{"title": "Anything", "default": null}`), as
@@ -536,14 +569,18 @@ def normalized(node: object) -> object:
     if not isinstance(node, dict):
         return node
     node = _typed_choices(_merged_all_of(node))
-    node = _object_keywords(_enum_as_trie(node))
-    beside = sorted(set(node) - ANNOTATIONS - {"$ref", "$defs", "definitions"}) \
+    node = _object_keywords(_enum_as_trie(node), add_required=not in_all_of)
+    # (a keyword of no validation beside it, `x-order` or OpenAPI's `nullable`, is left
+    # out, as the converter does: what is written still meets the schema)
+    beside = sorted(set(node) & (SCALAR_KEYWORDS | VALIDATION_KEYWORDS)) \
         if "$ref" in node else []
     if beside:
         raise ValueError(f"keywords beside a $ref ({', '.join(beside)}) are not kept here "
                          "(the reference is written as defined): put them in the "
                          "definition")
     for key, kept in NOT_KEPT.items():
+        if key in MET_BY and node.get(key) is False and MET_BY[key] in node:
+            continue
         if key in node and not kept(node[key]):
             raise ValueError(f"'{key}' is a keyword the grammars here cannot keep (the "
                              "answer would not meet it); leave it out")
@@ -569,7 +606,7 @@ def normalized(node: object) -> object:
         elif key in SCHEMA_MAPS and isinstance(value, dict):
             value = {name: normalized(sub) for name, sub in value.items()}
         elif key in SCHEMA_LISTS and isinstance(value, list):
-            value = [normalized(sub) for sub in value]
+            value = [normalized(sub, in_all_of=key == "allOf") for sub in value]
         elif key == "items" and value == {}:
             value = dict(ANY)
         elif key == "items" and isinstance(value, list):      # (the tuple form)
@@ -599,8 +636,8 @@ def _pointer(name: str) -> str:
 
 
 def renamed_definitions(schema: object) -> object:
-    """`schema` with each definition whose rule would be a built-in one's (or none)
-    renamed, its references too (the output's text is the same: rule names are the
+    """`schema` with each definition whose rule would be a built-in one's (or none), or
+    whose name a rule cannot have, renamed, its references too (the output's text is the same: rule names are the
     grammar's own)."""
     if not isinstance(schema, dict):
         return schema
@@ -610,13 +647,15 @@ def renamed_definitions(schema: object) -> object:
         definitions = schema.get(where)
         if not isinstance(definitions, dict):
             continue
-        renamed = {}
+        renamed: dict = {}
         for name, value in definitions.items():
-            rule = re.sub(r"[^a-zA-Z0-9-]+", "-", name)
-            new = name
-            while (rule in BUILT_IN_RULES or not rule) and new == name or \
-                    new != name and new in definitions:
-                new, rule = f"{new}-defined", "-"
+            new = re.sub(r"[^a-zA-Z0-9-]+", "-", name).strip("-") or "defined"
+            if new != name or new in BUILT_IN_RULES:
+                # (and a name a rule cannot have: the converter wrote a recursive
+                # reference to `linked_list_node` as that name, a grammar that did not
+                # parse)
+                while new in BUILT_IN_RULES or new in definitions or new in renamed:
+                    new += "-defined"
             if new != name:
                 renames[f"#/{where}/{_pointer(name)}"] = f"#/{where}/{_pointer(new)}"
             renamed[new] = value

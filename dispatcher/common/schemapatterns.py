@@ -368,6 +368,28 @@ def length_bounded(pattern: str, least: int, most: int | None) -> str | None:
     return f"^{match.group(1)}{{{low},{'' if high is None else high}}}$"
 
 
+# ECMA's idioms for characters past U+FFFF as surrogate classes: a high surrogate and a
+# range of low ones (`\uD83D[\uDE00-\uDE4F]`: U+1F600-U+1F64F), and every high one
+# before every low one (`[\uD800-\uDBFF][\uDC00-\uDFFF]`: U+10000-U+10FFFF)
+_SURROGATE_RANGE = re.compile(
+    r"\\u(D[89AB][0-9A-F]{2})\[\\u(D[C-F][0-9A-F]{2})-\\u(D[C-F][0-9A-F]{2})\]"
+    r"|\[\\u(D[89AB][0-9A-F]{2})-\\u(D[89AB][0-9A-F]{2})\]\[\\u(DC00)-\\u(DFFF)\]", re.I)
+
+
+def _astral(high: str, low: str) -> int:
+    return 0x10000 + ((int(high, 16) - 0xD800) << 10) + int(low, 16) - 0xDC00
+
+
+def _astral_range(match: re.Match) -> str:
+    if match.group(1):
+        low, high = _astral(match.group(1), match.group(2)), \
+            _astral(match.group(1), match.group(3))
+    else:
+        low, high = _astral(match.group(4), match.group(6)), \
+            _astral(match.group(5), match.group(7))
+    return f"[\\U{low:08X}-\\U{high:08X}]"
+
+
 # a surrogate pair's escapes, or any other escape (read whole: `\\\\uD83D` is an escaped
 # backslash, then text)
 _SURROGATE_PAIR = re.compile(r"\\u(D[89AB][0-9A-F]{2})\\u(D[C-F][0-9A-F]{2})|\\.",
@@ -398,6 +420,7 @@ def converter_pattern(pattern: str) -> str:
         lambda m: chr(0x10000 + ((int(m.group(1), 16) - 0xD800) << 10)
                       + int(m.group(2), 16) - 0xDC00) if m.group(1) else m.group(0),
         pattern)
+    pattern = _SURROGATE_RANGE.sub(_astral_range, pattern)
     pattern = _LAZY.sub(lambda m: m.group(1) or m.group(0), pattern)
     out, i = [], 0
     while i < len(pattern):
