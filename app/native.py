@@ -257,7 +257,10 @@ class NativeResult:
         start, end = self.starts[i] or P.Start(), self.ends[i] or P.End()
         prompt_tokens = end.usage.prompt_tokens if end.usage else start.prompt_tokens
         cached = start.cached_tokens
-        predicted = end.usage.completion_tokens if end.usage else 0
+        written = end.usage.completion_tokens if end.usage else 0
+        # (llama-server counts the end token it sampled among the predicted, as its
+        # n_decoded does; OpenAI's usage does not, nor does the cache, which never holds it)
+        predicted = written + (1 if end.stop_type == "eos" else 0)
         return {
             "index": i, "content": content, "tokens": self.ids[i],
             "id_slot": -1, "stop": True,
@@ -265,7 +268,7 @@ class NativeResult:
             # what the slot holds after it (llama-server's n_tokens of the slot's prompt:
             # llama.vim shows it, and warns of a full context by it); the reused prefix
             # is timings.cache_n
-            "tokens_evaluated": prompt_tokens, "tokens_cached": prompt_tokens + predicted,
+            "tokens_evaluated": prompt_tokens, "tokens_cached": prompt_tokens + written,
             "generation_settings": self.settings(), "has_new_line": self.newline[i],
             "truncated": end.truncated, "stop_type": end.stop_type or "limit",
             "stopping_word": end.stopping_word or "",

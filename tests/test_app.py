@@ -467,6 +467,24 @@ def test_with_keys_only_the_health_routes_are_open():
         assert http.get(path, headers={"Authorization": "Bearer ka"}).status_code == 200
 
 
+def test_llama_cpps_predicted_count_takes_the_end_token_it_sampled(client_of):
+    """llama-server counts the end-of-generation token among `tokens_predicted` and
+    `timings.predicted_n` (its n_decoded is counted before the end is seen); OpenAI's
+    usage and `tokens_cached` (the cache never holds it) do not."""
+    def ended(job):
+        events = completion("Hi", reason="stop")
+        events[-1]["stop_type"] = "eos"
+        return events
+    http, _ = client_of(ended)
+    answer = http.post("/completion", json={"prompt": "x"}).get_json()
+    assert answer["stop_type"] == "eos" and answer["tokens_predicted"] == 3
+    assert answer["timings"]["predicted_n"] == 3 and answer["tokens_cached"] == 3 + 2
+    usage = http.post("/v1/completions", json={"prompt": "x"}).get_json()["usage"]
+    assert usage["completion_tokens"] == 2
+    http, _ = client_of(lambda job: completion("Hi"))           # (a limit: no end token)
+    assert http.post("/completion", json={"prompt": "x"}).get_json()["tokens_predicted"] == 2
+
+
 def test_a_tokenize_job_carries_its_keys_tenant():
     """A worker keeps long texts' tokenizations per tenant (--cache-scope key): /tokenize
     and /detokenize jobs went without a tenant, so one key's text tokenized came back
