@@ -43,17 +43,7 @@ def create_app(test_config: dict | None = None) -> Flask:
     )
     if test_config:
         app.config.update(test_config)
-    if not app.config["DISPATCHER"]:
-        raise RuntimeError(f"set {config.ENV_PREFIX}DISPATCHER to the dispatcher's address")
-    # (with API keys, an unkeyed loopback tcp dispatcher is refused here as the
-    # dispatcher refuses it: another local user's process on that port would be sent
-    # every key's prompts)
-    problem = curve.transport_problem(app.config["DISPATCHER"], app.config["CURVE_KEYS"],
-                                      app.config["INSECURE_TRANSPORT"],
-                                      tenants=bool(app.config.get("API_KEY") or
-                                                   app.config.get("API_KEY_FILE")))
-    if problem:
-        raise RuntimeError(problem)
+    _check_dispatcher(app.config)
     app.config["MAX_CONTENT_LENGTH"] = int(app.config["MAX_BODY"])
     from app.bodies import close_after
     app.wsgi_app = close_after(app.wsgi_app)
@@ -93,3 +83,17 @@ def create_app(test_config: dict | None = None) -> Flask:
     for module in (completions, fim, native, status, tokens, openapi, metrics):
         app.register_blueprint(module.bp)
     return app
+
+
+def _check_dispatcher(settings) -> None:
+    """The dispatcher's address is set, and keyed where it must be: beyond loopback, and
+    with API keys on loopback too (another local user's process on that port would be
+    sent every key's prompts; the dispatcher refuses it so)."""
+    if not settings["DISPATCHER"]:
+        raise RuntimeError(f"set {config.ENV_PREFIX}DISPATCHER to the dispatcher's address")
+    problem = curve.transport_problem(settings["DISPATCHER"], settings["CURVE_KEYS"],
+                                      settings["INSECURE_TRANSPORT"],
+                                      tenants=bool(settings.get("API_KEY") or
+                                                   settings.get("API_KEY_FILE")))
+    if problem:
+        raise RuntimeError(problem)
