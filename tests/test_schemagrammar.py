@@ -115,7 +115,7 @@ def test_references_beside_definitions_and_annotation_only_schemas_convert():
         "kids": {"type": "array", "items": {"$ref": "#/definitions/node"}}}}},
         "$ref": "#/definitions/node"}
     grammar = sg.SchemaGrammars().grammar(tree)
-    assert "node-kids" in grammar and "node ::=" in grammar
+    assert "-kids" in grammar and _takes(grammar, '{"kids": [{"kids": []}]}')
     anything = sg.SchemaGrammars().grammar({"type": "object", "properties": {
         "a": {"title": "Anything", "default": None}}, "required": ["a"]})
     rules = dict(line.split(" ::= ", 1) for line in anything.splitlines() if " ::= " in line)
@@ -1037,3 +1037,55 @@ def test_a_recursive_definition_with_a_name_no_rule_can_have_converts():
     grammar = sg.SchemaGrammars().grammar({**node, "$defs": {"linked_list_node": node}})
     assert _takes(grammar, '{"value": 1, "next": {"value": 2, "next": null}}')
     assert not _takes(grammar, '{"value": 1}')
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    # OpenAPI's nullable reference: an annotation beside a one-part allOf (it wrote {})
+    ({"type": "object", "properties": {"color": {"nullable": True, "allOf": [
+        {"$ref": "#/$defs/Color"}]}}, "required": ["color"],
+      "$defs": {"Color": {"type": "string", "enum": ["red", "green"]}}},
+     '{"color": "red"}', '{"color": {}}'),
+    # a definition named as a property's rule (`a_b` and `a-b`) keeps its own
+    ({"type": "object", "properties": {"a_b": {"type": "string", "maxLength": 3},
+                                       "c": {"$ref": "#/$defs/a_b"}},
+      "required": ["a_b", "c"], "$defs": {"a_b": {"type": "integer"}}},
+     '{"a_b": "x", "c": 1}', '{"a_b": "x", "c": "y"}'),
+    # `type` said again beside a $ref
+    ({"type": "object", "properties": {"s": {"$ref": "#/$defs/S", "type": "object"}},
+      "required": ["s"], "$defs": {"S": {"type": "object", "properties": {
+          "q": {"type": "integer"}}, "required": ["q"]}}}, '{"s": {"q": 1}}', '{"s": {}}'),
+    # draft 7: a $ref's siblings are ignored, as the draft says
+    ({"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+      "properties": {"s": {"$ref": "#/definitions/S", "maximum": 3}}, "required": ["s"],
+      "definitions": {"S": {"type": "integer"}}}, '{"s": 7}', '{"s": "x"}'),
+    # names required of an object that declares none
+    ({"type": "object", "required": ["a"]}, '{"a": 1}', "{}"),
+    # a tuple cut to maxItems (a shorter one is valid)
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}],
+      "maxItems": 1}, "[1]", '[1, "x"]'),
+    # `type: string` beside a long enum: its other values are not written
+    ({"type": "string", "enum": [f"v{i}" for i in range(70)] + [None]}, '"v1"', "null"),
+])
+def test_a_final_reads_cases_mean_what_they_say(schema, good, bad):
+    grammar = sg.SchemaGrammars().grammar(schema)
+    assert _takes(grammar, good) and not _takes(grammar, bad)
+
+
+@pytest.mark.parametrize("schema, said", [
+    ({"type": "object", "additionalProperties": False, "required": ["a"]}, "no object fits"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "string"},
+      "minItems": 3}, "past prefixItems"),
+    ({"type": "string", "pattern": "^\\\\uD83D[\\uDE00-\\uDE4F]$"}, "surrogate U\\+DE00"),
+    ({"type": "object", "properties": {"extra": {"type": "integer"}}, "required": ["extra"],
+      "allOf": [{"$ref": "#/$defs/Pet"}], "$defs": {"Pet": {"type": "object", "properties": {
+          "name": {"type": "string"}}, "required": ["name"]}}},
+     r"beside an allOf that cannot be merged \(properties, required\)"),
+    ({"allOf": [{"$ref": "#/$defs/P"}, {"oneOf": [{"type": "object"}]}],
+      "$defs": {"P": {"type": "object"}}}, "an allOf part with oneOf"),
+])
+def test_what_would_be_written_wrong_is_refused(schema, said):
+    """Keywords beside an allOf the converter cannot merge, parts it does not merge, a
+    tuple shorter than minItems with no item past it, names no object can have, and a
+    pattern's escaped backslash before a low-surrogate class: a 400, not a wrong answer."""
+    with pytest.raises(sg.SchemaRefused, match=said):
+        sg.SchemaGrammars().grammar(schema)

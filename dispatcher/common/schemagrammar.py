@@ -391,7 +391,10 @@ def _merged_all_of(node: dict) -> dict:
         return node
     rest = {k: v for k, v in node.items() if k != "allOf"}
     definitions = {k: v for k, v in rest.items() if k in ("$defs", "definitions")}
-    if len(parts) == 1 and ANNOTATIONS.union(definitions).issuperset(rest):
+    # (a keyword that asks nothing of the value, OpenAPI's `nullable` or `example`
+    # too, is an annotation here: beside a one-part allOf it made `{}`)
+    validating = SCALAR_KEYWORDS | VALIDATION_KEYWORDS | {"$ref"}
+    if len(parts) == 1 and not set(rest) & validating:
         return {**parts[0], **definitions}
     merged: dict = {}
     for part in [rest] + parts:
@@ -400,8 +403,9 @@ def _merged_all_of(node: dict) -> dict:
                     all(isinstance(v, (int, float)) and not isinstance(v, bool)
                         for v in (merged[key], value)):
                 value = TIGHTEST[key](merged[key], value)   # (both bounds hold)
-            elif key == "$ref" or (key in merged and merged[key] != value
-                                   and key not in ANNOTATIONS):
+            elif key in merged and merged[key] != value and key not in validating:
+                continue                          # (an annotation: the first kept)
+            elif key == "$ref" or (key in merged and merged[key] != value):
                 return _unmerged_all_of(node, parts, rest, key)
             merged[key] = value
     return merged
@@ -421,10 +425,16 @@ def _unmerged_all_of(node: dict, parts: list, rest: dict, key: str) -> dict:
             and not any("properties" in part for part in parts):
         raise ValueError(f"allOf's parts ask for different '{key}' values: no value meets "
                          "them all")
-    beside = sorted(set(rest) & SCALAR_KEYWORDS)
-    if beside:
-        raise ValueError(f"keywords beside an allOf that cannot be merged ({', '.join(beside)}) "
-                         "are not kept here: put them in its parts")
+    beside = sorted(set(rest) & (SCALAR_KEYWORDS | VALIDATION_KEYWORDS) - {"type"})
+    if beside or rest.get("type") not in (None, "object"):
+        raise ValueError(f"keywords beside an allOf that cannot be merged "
+                         f"({', '.join(beside or ['type'])}) are not kept here: put them "
+                         "in its parts")
+    for part in parts:                          # (it merges objects' properties alone)
+        unkept = sorted(set(part) & ({"oneOf", "anyOf", "enum", "const"} | SCALAR_KEYWORDS))
+        if unkept or part.get("type") not in (None, "object"):
+            raise ValueError(f"an allOf part with {', '.join(unkept or ['type'])} cannot "
+                             "be merged here with its other parts")
     return node
 
 
@@ -440,7 +450,8 @@ def _enum_as_trie(node: dict) -> dict:
     characters that may come next. Other values stay an enum beside it (anyOf)."""
     values = node.get("enum")
     if not isinstance(values, list) or node.get("type") not in (None, "string") or \
-            sum(isinstance(v, str) for v in values) <= ENUM_AS_TRIE:
+            sum(isinstance(v, str) for v in values) <= ENUM_AS_TRIE or \
+            set(node) & {"pattern", "anyOf", "oneOf", "allOf", "const"}:
         return node
     trie: dict = {}
     for value in dict.fromkeys(v for v in values if isinstance(v, str)):
@@ -470,16 +481,23 @@ def _enum_as_trie(node: dict) -> dict:
             return ""
         return parts[0] if len(parts) == 1 and None not in at else \
             "(?:" + "|".join(parts) + ")" + ("?" if None in at else "")
-    def depth(at: dict) -> int:                   # (groups one inside another)
-        while len(at) == 1 and None not in at:
-            (_, at), = at.items()
-        return 0 if not at or set(at) == {None} else \
-            1 + max(depth(after) for c, after in at.items() if c is not None)
+    def depth(top: dict) -> int:                  # (groups one inside another)
+        deepest, todo = 0, [(top, 0)]
+        while todo:
+            at, groups = todo.pop()
+            while len(at) == 1 and None not in at:
+                (_, at), = at.items()
+            if at and set(at) != {None}:
+                groups += 1
+                todo += [(after, groups) for c, after in at.items() if c is not None]
+            deepest = max(deepest, groups)
+        return deepest
     if depth(trie) > TRIE_DEPTH:                   # (past the grammar's nesting bound:
         return node                                # as an enum, refused past ~255 values)
     rest = {k: v for k, v in node.items() if k not in ("enum", "type")}
     strings = {"type": "string", "pattern": "^" + written(trie) + "$"}
-    others = [v for v in values if not isinstance(v, str)]
+    others = [v for v in values if not isinstance(v, str)] \
+        if node.get("type") != "string" else []   # (`type: string`: those are not kept)
     return {**rest, **strings} if not others else \
         {**rest, "anyOf": [strings, {"enum": others}]}
 
@@ -489,6 +507,14 @@ def _array_keywords(node: dict) -> dict:
     `prefixItems`) is the tuple alone, or the empty list; beside `prefixItems`, an
     `items` schema is left out (the converter wrote only `items`, an integer's place
     taken by a string): the tuple is written, and no item past it."""
+    prefix = node.get("prefixItems")
+    if isinstance(prefix, list):
+        least, most = node.get("minItems"), node.get("maxItems")
+        if isinstance(least, int) and least > len(prefix):
+            raise ValueError(f"minItems ({least}) past prefixItems ({len(prefix)}) is not "
+                             "kept here (the tuple is written, and no item past it)")
+        if isinstance(most, int) and most < len(prefix):
+            node = {**node, "prefixItems": prefix[:most]}   # (a shorter tuple is valid)
     if "items" not in node or isinstance(node["items"], list):
         return node
     if "prefixItems" in node:
@@ -519,6 +545,9 @@ def _object_keywords(node: dict, add_required: bool = True) -> dict:
         elif key in node and (isinstance(value, bool) or not isinstance(value, int)):
             raise ValueError(f"'{key}' must be a whole number")
     properties, required = node.get("properties"), node.get("required")
+    if properties is None and isinstance(required, list) and required and add_required \
+            and (node.get("type") == "object" or "additionalProperties" in node):
+        properties = {}                 # (names required of an object none declares)
     if not isinstance(properties, dict):
         return node
     if "" in properties:
@@ -547,6 +576,11 @@ def _object_keywords(node: dict, add_required: bool = True) -> dict:
     return node
 
 
+# whether the schema being converted is of a draft whose $ref ignores its siblings (4-7)
+_REF_SIBLINGS_IGNORED = [False]
+_OLD_DRAFT = re.compile(r"json-schema\.org/(draft-0[4-7]|schema)\b")
+
+
 def normalized(node: object, in_all_of: bool = False) -> object:
     """`node` as llama-cpp-python's converter takes it, meaning what JSON Schema says:
     `true` (any value) where a schema goes, `"items": {}` (any items), and a schema of
@@ -572,8 +606,10 @@ def normalized(node: object, in_all_of: bool = False) -> object:
     node = _object_keywords(_enum_as_trie(node), add_required=not in_all_of)
     # (a keyword of no validation beside it, `x-order` or OpenAPI's `nullable`, is left
     # out, as the converter does: what is written still meets the schema)
-    beside = sorted(set(node) & (SCALAR_KEYWORDS | VALIDATION_KEYWORDS)) \
-        if "$ref" in node else []
+    # (nor `type`, a reference's type said again; nor anything under drafts 4-7, whose
+    # $ref says its siblings are ignored)
+    beside = sorted(set(node) & (SCALAR_KEYWORDS | VALIDATION_KEYWORDS) - {"type"}) \
+        if "$ref" in node and not _REF_SIBLINGS_IGNORED[0] else []
     if beside:
         raise ValueError(f"keywords beside a $ref ({', '.join(beside)}) are not kept here "
                          "(the reference is written as defined): put them in the "
@@ -649,13 +685,13 @@ def renamed_definitions(schema: object) -> object:
             continue
         renamed: dict = {}
         for name, value in definitions.items():
-            new = re.sub(r"[^a-zA-Z0-9-]+", "-", name).strip("-") or "defined"
-            if new != name or new in BUILT_IN_RULES:
-                # (and a name a rule cannot have: the converter wrote a recursive
-                # reference to `linked_list_node` as that name, a grammar that did not
-                # parse)
-                while new in BUILT_IN_RULES or new in definitions or new in renamed:
-                    new += "-defined"
+            # every definition: the converter's reference takes any rule already of its
+            # name, a property's too (`a_b`'s rule is `a-b`), and writes a recursive one
+            # as the name itself (`linked_list_node`: a grammar that did not parse); a
+            # digest of the name is no property's rule
+            tag = hashlib.sha256(f"{where}/{name}".encode("utf-8", "surrogatepass"))
+            new = (re.sub(r"[^a-zA-Z0-9-]+", "-", name).strip("-")[:40] or "defined") + \
+                f"-d{tag.hexdigest()[:8]}"
             if new != name:
                 renames[f"#/{where}/{_pointer(name)}"] = f"#/{where}/{_pointer(new)}"
             renamed[new] = value
@@ -690,7 +726,10 @@ def child_main() -> int:
     _limit_child()
     text = sys.stdin.buffer.read().decode("utf-8")
     try:
-        schema = normalized(renamed_definitions(json.loads(text)))
+        raw = json.loads(text)
+        _REF_SIBLINGS_IGNORED[0] = isinstance(raw, dict) and bool(
+            _OLD_DRAFT.search(str(raw.get("$schema", ""))))
+        schema = normalized(renamed_definitions(raw))
         grammar = _converter()(json.dumps(schema, ensure_ascii=False))
         # (said here, not sent: a grammar past the limit, megabytes, crossed the pipe
         # and was parsed by the front end's loop before the check refused it)

@@ -373,7 +373,8 @@ def length_bounded(pattern: str, least: int, most: int | None) -> str | None:
 # before every low one (`[\uD800-\uDBFF][\uDC00-\uDFFF]`: U+10000-U+10FFFF)
 _SURROGATE_RANGE = re.compile(
     r"\\u(D[89AB][0-9A-F]{2})\[\\u(D[C-F][0-9A-F]{2})-\\u(D[C-F][0-9A-F]{2})\]"
-    r"|\[\\u(D[89AB][0-9A-F]{2})-\\u(D[89AB][0-9A-F]{2})\]\[\\u(DC00)-\\u(DFFF)\]", re.I)
+    r"|\[\\u(D[89AB][0-9A-F]{2})-\\u(D[89AB][0-9A-F]{2})\]\[\\u(DC00)-\\u(DFFF)\]"
+    r"|\\.", re.I | re.S)                          # (any other escape, read whole)
 
 
 def _astral(high: str, low: str) -> int:
@@ -381,6 +382,8 @@ def _astral(high: str, low: str) -> int:
 
 
 def _astral_range(match: re.Match) -> str:
+    if not match.group(1) and not match.group(4):
+        return match.group(0)
     if match.group(1):
         low, high = _astral(match.group(1), match.group(2)), \
             _astral(match.group(1), match.group(3))
