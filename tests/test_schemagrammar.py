@@ -9,6 +9,7 @@ import pytest
 
 from dispatcher.common import grammar as gbnf
 from dispatcher.common import schemagrammar as sg
+from dispatcher.common import schemashapes as shapes
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer"},
@@ -94,14 +95,14 @@ def test_any_value_subschemas_convert_to_any_value(schema, rule):
     assert all(kind in union for kind in ("array", "string", "number", "boolean", "null"))
     if isinstance(schema, dict) and schema.get("minItems") == 2:
         assert 'item ("," space item)+' in rules["root"]      # two, then any more
-    assert sg.normalized({"enum": [True, {"items": {}}], "const": True}) == \
+    assert shapes.normalized({"enum": [True, {"items": {}}], "const": True}) == \
         {"enum": [True, {"items": {}}], "const": True}       # (values are left alone)
     # (extra properties beside declared ones are not written: see
     # test_extra_properties_beside_declared_ones_are_not_written)
-    assert sg.normalized({"type": "object", "properties": {"a": {}},
+    assert shapes.normalized({"type": "object", "properties": {"a": {}},
                           "additionalProperties": True}) == \
         {"type": "object", "properties": {"a": {}}, "additionalProperties": False}
-    assert sg.normalized({"type": "object", "additionalProperties": True}) == \
+    assert shapes.normalized({"type": "object", "additionalProperties": True}) == \
         {"type": "object", "additionalProperties": True}           # (no properties)
 
 
@@ -341,7 +342,7 @@ def test_random_patterns_of_json_escaped_characters_write_only_json_they_match()
         pattern = "^" + "".join(chooser.choice(PATTERN_ATOMS) + chooser.choice(["", "?", "{1,2}"])
                                 for _ in range(chooser.randint(2, 3))) + "$"
         # (converted in this process: the child's limits are not what is tested here)
-        grammar = convert(json.dumps(sg.normalized({"type": "string", "pattern": pattern})))
+        grammar = convert(json.dumps(shapes.normalized({"type": "string", "pattern": pattern})))
         for text in _texts_of(grammar, 'a1 "\\ntu05c\n-_', 6):
             value = json.loads(text)
             assert re.fullmatch(pattern[1:-1], value), (pattern, text)
@@ -504,7 +505,7 @@ def test_what_a_repetition_takes_is_what_it_took():
                    {"type": "array", "items": {"enum": [1]}, "minItems": 1, "maxItems": 3},
                    {"type": "array", "items": {"enum": [1]}, "maxItems": 2},
                    {"type": "string", "pattern": "^(ab){1,2}c{2}d{2,}$"}):
-        texts = _texts_of(convert(json.dumps(sg.normalized(schema))), 'ab1cd"[], ', 9)
+        texts = _texts_of(convert(json.dumps(shapes.normalized(schema))), 'ab1cd"[], ', 9)
         assert texts and all(json.loads(text) is not None for text in texts)
         bounds = schema.get("maxLength") or schema.get("maxItems")
         for text in texts:
@@ -667,7 +668,7 @@ def test_random_schemas_write_only_json_valid_against_them():
     for _ in range(60):
         schema = _random_schema(rng)
         try:
-            grammar = convert(json.dumps(sg.normalized(schema)))
+            grammar = convert(json.dumps(shapes.normalized(schema)))
         except ValueError:                       # (bounds nothing meets: refused)
             continue
         for text in _texts_of(grammar, '{}[]":,a1-0.5tnul', 5):
@@ -946,7 +947,7 @@ def test_false_items_and_properties_and_a_tuple_with_items_mean_what_they_say():
     absent = sg.SchemaGrammars().grammar({"type": "object", "properties": {
         "a": False, "b": {"type": "integer"}}})
     assert _takes(absent, '{"b": 1}') and not _takes(absent, '{"a": 1}')
-    assert sg.normalized({"type": "array", "maxItems": 2.0})["maxItems"] == 2
+    assert shapes.normalized({"type": "array", "maxItems": 2.0})["maxItems"] == 2
     tuple_ = sg.SchemaGrammars().grammar({"type": "array", "prefixItems": [
         {"type": "integer"}], "items": {"type": "string"}})
     assert _takes(tuple_, "[1]") and not _takes(tuple_, '["x"]')
