@@ -80,7 +80,7 @@ def choice_seed(seed: int, c: int) -> int:
     reads as 'random' (4294967295 mod 2^32: the worker draws such a seed as the one
     before it, so two choices of one request, -2 and -1, drew the same text)."""
     while True:
-        if seed % 2 ** 32 != 0xFFFFFFFF:
+        if not F.random_seed(seed):
             if c == 0:
                 return seed
             c -= 1

@@ -55,7 +55,7 @@ class NativeCompletionSchema(CompletionRequestSchema):
         """llama-server reads the seed as a uint32: -1 and LLAMA_DEFAULT_SEED (the seed
         it reports as its default), any seed that is 4294967295 mod 2^32, draw a random
         one."""
-        return seed % 2 ** 32 == 0xFFFFFFFF
+        return F.random_seed(seed)
 
     max_tokens = StrictInteger(load_default=None, allow_none=True,
                                validate=in_range(-1, INT_MAX), metadata=doc(

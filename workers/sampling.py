@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, make_dataclass
 
-from dispatcher.common.fields import DEFAULT_ORDER, SAMPLER_ALIASES, SAMPLING
+from dispatcher.common.fields import DEFAULT_ORDER, RANDOM_SEED, SAMPLER_ALIASES, SAMPLING
 
-RANDOM_SEED = 0xFFFFFFFF     # llama.cpp's LLAMA_DEFAULT_SEED: draw a random seed
 BAN = -100.0                 # a bias this low bans its token (OpenAI's -100, llama.cpp's
                              # `false`, which the front end sends as -100): -inf to the
                              # chain, made here (JSON has no -inf: msgspec writes null)

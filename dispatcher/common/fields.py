@@ -15,6 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 INT_MAX = 2 ** 31 - 1      # token counts and the like: anything larger is a mistake
+RANDOM_SEED = 0xFFFFFFFF   # llama.cpp's LLAMA_DEFAULT_SEED: its uint32 seed meaning "draw one"
+
+
+def random_seed(seed: int) -> bool:
+    """Whether llama.cpp, reading `seed` as a uint32, draws a random seed for it."""
+    return seed % 2 ** 32 == RANDOM_SEED
 COMPUTE_KINDS = ("cpu", "gpu", "npu", "hybrid")
 
 # llama.cpp's sampler names, in its order, as a request's `samplers` list may give them;
