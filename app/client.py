@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 # pings in a row; then one per heartbeat interval (see _heartbeat).
 UNANSWERED_PING_INTERVAL = 0.1
 UNANSWERED_FAST_PINGS = 30
+# CANCELs the DEALER could not take (its queue full, or no connection) wait here and are
+# sent again, first after this many seconds, then twice as long each time up to the
+# heartbeat interval; at most this many wait (the oldest give way).
+CANCEL_RETRY_FIRST = 0.02
+MAX_UNSENT_CANCELS = 10_000
 
 
 class ClientGone(Exception):
@@ -192,7 +197,7 @@ class RequestStream:
         self.client.forget(self.request_id)
         if not self.finished or self._still_running:
             self.finished, self._still_running = True, False
-            self.client.send(P.CANCEL, self.request_id)
+            self.client.cancel(self.request_id)
 
 
 class DispatcherClient:
@@ -225,6 +230,8 @@ class DispatcherClient:
         self.epoch = None           # the dispatcher's run, from its state
         self.state_event = gevent.event.Event()
         self._send_lock = gevent.lock.Semaphore()
+        self._unsent_cancels: dict[str, None] = {}  # (ordered: the oldest first)
+        self._cancel_retry: gevent.Greenlet | None = None
         self._alive = False
         self.recorder = LatencyRecorder()      # increments for the dispatcher's metrics
         self.served = 0
@@ -240,6 +247,34 @@ class DispatcherClient:
             except zmq.Again:
                 return False
 
+    def cancel(self, request_id: str) -> None:
+        """Cancel a job at the dispatcher. One the DEALER cannot take now is kept and
+        sent again: a job left running for a client that is gone holds a worker's slot
+        until its max_tokens (a CANCEL for a job the dispatcher no longer knows is
+        dropped there)."""
+        if self.send(P.CANCEL, request_id):
+            return
+        self._unsent_cancels[request_id] = None
+        while len(self._unsent_cancels) > MAX_UNSENT_CANCELS:
+            del self._unsent_cancels[next(iter(self._unsent_cancels))]
+        if self._cancel_retry is None:
+            self._cancel_retry = gevent.spawn(self._send_unsent_cancels)
+            self._greenlets.append(self._cancel_retry)
+
+    def _send_unsent_cancels(self) -> None:
+        delay = CANCEL_RETRY_FIRST
+        try:
+            while self._unsent_cancels:
+                gevent.sleep(delay)
+                for request_id in list(self._unsent_cancels):
+                    if not self.send(P.CANCEL, request_id):
+                        break
+                    self._unsent_cancels.pop(request_id, None)
+                delay = min(delay * 2, self.heartbeat.interval)
+        finally:
+            self._greenlets.remove(self._cancel_retry)
+            self._cancel_retry = None
+
     def submit(self, job: P.WorkerJob) -> RequestStream:
         stream = RequestStream(self, job.id)
         self.streams[job.id] = stream
@@ -251,7 +286,7 @@ class DispatcherClient:
         except (APIError, ClientGone):
             stream.finished = True
             self.forget(job.id)
-            self.send(P.CANCEL, job.id)
+            self.cancel(job.id)
             raise
         return stream
 
@@ -377,7 +412,7 @@ class DispatcherClient:
             stream.inbox.put(Lost())
 
     def close(self) -> None:
-        gevent.killall(self._greenlets)
+        gevent.killall(list(self._greenlets))
         self.dealer.close(0)
         self.sub.close(0)
         self.context.term()

@@ -31,6 +31,7 @@ class ScriptedDispatcher:
         self.beats = True
         self.beat_epoch = STATE.epoch
         self.pings = []
+        self.received = []          # (command, request id) of every other message
         self._greenlet = None
 
     def start(self) -> "ScriptedDispatcher":
@@ -42,7 +43,9 @@ class ScriptedDispatcher:
     def _answer(self) -> None:
         while True:
             frames = self.router.recv_multipart()
-            if P.decode(frames[1:]).cmd != P.PING:
+            msg = P.decode(frames[1:])
+            if msg.cmd != P.PING:
+                self.received.append((msg.cmd, msg.request_id))
                 continue
             self.pings.append(time.monotonic())
             self.router.send_multipart([frames[0]] + P.encode(P.STATE, body=self.state))
@@ -174,6 +177,30 @@ def test_a_silent_dispatcher_gets_a_few_quick_pings_then_one_per_interval(monkey
         context.term()
     # the first may go before the link is up; then quiet: the next is 60 s away
     assert 3 <= len(pings) <= 5, pings
+
+
+def test_a_cancel_the_dealer_cannot_take_is_sent_when_it_can(monkeypatch, endpoints):
+    """A CANCEL the DEALER refuses (no connection to the dispatcher for a moment, or its
+    queue full) must not be lost: the job would run on for nobody to its max_tokens."""
+    monkeypatch.setattr(client_module, "UNANSWERED_FAST_PINGS", 10_000)
+    dispatcher = ScriptedDispatcher(endpoints).start()
+    client = client_module.DispatcherClient(endpoints, config.Heartbeat(0.5, 1000))
+    try:
+        open_request_when_ready(client)
+        dispatcher.close()                      # the connection goes: the DEALER refuses
+        with gevent.Timeout(20):
+            while client.send(P.CANCEL, "probe"):
+                gevent.sleep(0.05)
+        client.cancel("cmpl-gone")
+        gevent.sleep(0.3)                       # retried meanwhile: still nobody there
+        dispatcher = ScriptedDispatcher(endpoints).start()
+        with gevent.Timeout(20):
+            while (P.CANCEL, "cmpl-gone") not in dispatcher.received:
+                gevent.sleep(0.05)
+        assert dispatcher.received.count((P.CANCEL, "cmpl-gone")) == 1
+    finally:
+        client.close()
+        dispatcher.close()
 
 
 @pytest.fixture

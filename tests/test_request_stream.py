@@ -18,6 +18,9 @@ class FakeClient:
         self.sent.append((cmd, request_id))
         return True
 
+    def cancel(self, request_id):
+        self.send(P.CANCEL, request_id)
+
     def forget(self, request_id):
         self.forgotten.append(request_id)
 
