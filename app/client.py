@@ -40,6 +40,9 @@ UNANSWERED_FAST_PINGS = 30
 # sent again, first after this many seconds, then twice as long each time up to the
 # heartbeat interval; at most this many wait (the oldest give way).
 CANCEL_RETRY_FIRST = 0.02
+# Times a request's grace after FINISHED is renewed because token events wait unread in
+# the socket when it runs out (a process held past it); progress renews it anyway.
+MAX_GRACE_EXTENSIONS = 5
 MAX_UNSENT_CANCELS = 10_000
 
 
@@ -100,6 +103,7 @@ class RequestStream:
         self._still_running = False     # ended here while its worker runs on (_end)
         self._complete_by: float | None = None
         self._finished_attempt: int | None = None   # the attempt a FINISHED was for
+        self._extensions = 0            # of the grace, for events waiting in the socket
         self._early: list[StreamItem] = []
         self.last_size = 0              # wire bytes of the event next_event last returned
 
@@ -131,6 +135,13 @@ class RequestStream:
             try:
                 item = self._early.pop(0) if self._early else self.inbox.get(timeout=timeout)
             except gevent.queue.Empty:
+                if self._extensions < MAX_GRACE_EXTENSIONS and self.client.events_waiting():
+                    # the process was held (a long write, a parse): the events may be
+                    # in the socket behind the timer that fired first
+                    self._extensions += 1
+                    self._complete_by = time.monotonic() + config.DONE_GRACE
+                    gevent.sleep(0)
+                    continue
                 return self._end(error_event(
                     502, "the token stream lost messages: the worker finished but not all "
                     "of its output arrived", "stream_incomplete"))
@@ -168,6 +179,10 @@ class RequestStream:
                 502, f"the token stream skipped messages {self.next_seq}..{event.seq - 1}",
                 "stream_gap"), running=True)
         self.next_seq += 1
+        if self._complete_by is not None:   # the grace counts from the last progress:
+            # events drain behind the word of the end under a deep backlog
+            self._complete_by = time.monotonic() + config.DONE_GRACE
+            self._extensions = 0
         if isinstance(event, P.Text):
             self.text_seen = True
         if isinstance(event, P.ENDS):
@@ -274,6 +289,13 @@ class DispatcherClient:
         finally:
             self._greenlets.remove(self._cancel_retry)
             self._cancel_retry = None
+
+    def events_waiting(self) -> bool:
+        """Whether token events wait in the SUB socket, not yet read."""
+        try:
+            return bool(self.sub.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        except zmq.ZMQError:
+            return False
 
     def submit(self, job: P.WorkerJob) -> RequestStream:
         stream = RequestStream(self, job.id)

@@ -21,6 +21,9 @@ class FakeClient:
     def cancel(self, request_id):
         self.send(P.CANCEL, request_id)
 
+    def events_waiting(self):
+        return False
+
     def forget(self, request_id):
         self.forgotten.append(request_id)
 
@@ -103,6 +106,50 @@ def test_finished_overtaking_the_last_events_is_fine(monkeypatch):
     stream = make(ev(0, "start"), ctl(P.FINISHED, {"attempt": 1, "last_seq": 1}),
                   ev(1, "end", finish_reason="length"))
     assert drain(stream)[-1]["e"] == "end"
+
+
+def test_events_still_arriving_after_finished_renew_the_grace(monkeypatch):
+    """Under a deep backlog a job's events drain well behind the word that it finished
+    (the dispatcher's FINISHED): while they keep coming nothing is lost, and the request
+    must not end in stream_incomplete two seconds after that word."""
+    import gevent
+    monkeypatch.setattr(config, "DONE_GRACE", 0.2)
+    stream = make(ev(0, "start"), ctl(P.FINISHED, {"attempt": 1, "last_seq": 7}))
+
+    def trickle():
+        for s in range(1, 7):
+            gevent.sleep(0.1)
+            stream.inbox.put(ev(s, "text", text="x"))
+        gevent.sleep(0.1)
+        stream.inbox.put(ev(7, "end", finish_reason="length"))
+
+    gevent.spawn(trickle)
+    events = drain(stream)
+    assert events[-1]["e"] == "end" and len(events) == 8
+
+
+def test_events_waiting_in_the_socket_when_the_grace_runs_out_are_read(monkeypatch):
+    """A process held past the grace (a long write) wakes with the grace's timer and the
+    socket both ready: the events waiting in the socket are read, not declared lost; with
+    nothing ever arriving the grace is renewed only a few times."""
+    monkeypatch.setattr(config, "DONE_GRACE", 0.05)
+    stream = make(ev(0, "start"), ctl(P.FINISHED, {"attempt": 1, "last_seq": 1}))
+    waiting = [ev(1, "end", finish_reason="stop")]
+
+    def events_waiting():        # the SUB reader takes it at the next turn of the loop
+        if waiting:
+            stream.inbox.put(waiting.pop())
+            return True
+        return False
+
+    stream.client.events_waiting = events_waiting
+    assert drain(stream)[-1]["e"] == "end"
+
+    stuck = make(ev(0, "start"), ctl(P.FINISHED, {"attempt": 1, "last_seq": 1}))
+    calls = []
+    stuck.client.events_waiting = lambda: calls.append(1) or True
+    assert drain(stuck)[-1]["code"] == "stream_incomplete"
+    assert len(calls) == 5                       # five renewals, then the end
 
 
 def test_lost_dispatcher_fails_the_request():
