@@ -1018,3 +1018,39 @@ def test_a_sequence_near_its_budget_keeps_a_step_from_drafts_alike():
     assert planner._proposals(generating, generating, [], 4096)[1]
     generating[3].budget -= 1                          # one row fewer: not alike
     assert not planner._proposals(generating, generating, [], 4096)[1]
+
+
+def test_a_sample_that_fails_midway_through_a_draft_keeps_the_tokens_before_it(monkeypatch):
+    """Verifying a draft samples its rows in turn; one that fails (a grammar past its
+    cost, a ban that leaves nothing) at the third row must not take the two samples
+    before it with it: plain decoding would have sent them in earlier steps. They come
+    back, then the error; the KV cache keeps only the confirmed positions. (A stand-in
+    engine around LlamaEngine._verify: no model.)"""
+    from types import SimpleNamespace
+
+    import workers.engine.llama as llama_module
+    from dispatcher.common.protocol import StepTotals
+    from workers.sampling import TokenOut
+
+    removed = []
+    monkeypatch.setattr(llama_module.llama_cpp, "llama_memory_seq_rm",
+                        lambda memory, seq, keep, end: removed.append((seq, keep)) or True)
+    samples = iter([TokenOut(7), TokenOut(8)])
+
+    def sample(slot):
+        token = next(samples, None)
+        if token is None:
+            raise ValueError("the grammar allows no token here")
+        slot.row = -1
+        return token
+
+    engine = SimpleNamespace(_sample=sample, is_eog=lambda t: False, memory=None,
+                             totals=StepTotals())
+    policy = SimpleNamespace(tried=None, record=lambda drafted, accepted: None)
+    slot = SimpleNamespace(draft=[7, 8, 9, 10], draft_rows=[1, 2, 3, 4], row=0, seq=3,
+                           n_past=14, cached=list(range(14)), policy=policy)
+    outs = llama_module.LlamaEngine._verify(engine, slot)
+    assert [o.token for o in outs[:2]] == [7, 8] and outs[2].token == -1
+    assert isinstance(outs[2].error, ValueError) and slot.row == -1
+    # draft 7 confirmed (position 10); 8 is the next token to decode: positions 11- go
+    assert removed == [(3, 11)] and slot.n_past == 11 and len(slot.cached) == 11

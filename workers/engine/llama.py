@@ -702,12 +702,23 @@ class LlamaEngine:
         slot.draft, slot.draft_rows = [], []
         start = slot.n_past - len(draft)          # position of the first draft token
         outs: list[TokenOut] = []
-        for i, row in enumerate(rows):
-            slot.row = row
-            outs.append(self._sample(slot))
-            if i == len(draft) or outs[-1].token != draft[i] or self.is_eog(outs[-1].token):
-                break
-        accepted = len(outs) - 1                  # draft tokens confirmed by a sample
+        failed = None
+        try:
+            for i, row in enumerate(rows):
+                slot.row = row
+                outs.append(self._sample(slot))
+                if i == len(draft) or outs[-1].token != draft[i] or \
+                        self.is_eog(outs[-1].token):
+                    break
+        except Exception as exc:
+            if not outs:
+                raise
+            # (the tokens sampled before it stand: plain decoding would have sent them
+            # in the steps before the one that failed)
+            failed, slot.row = exc, -1
+        # draft tokens confirmed by a sample; the last sample is decoded next step (after
+        # a failure, a confirmed draft token: its KV entry goes like a rejected one's)
+        accepted = len(outs) - 1
         keep = start + accepted
         if keep < slot.n_past:
             if not llama_cpp.llama_memory_seq_rm(self.memory, slot.seq, keep, -1):
@@ -724,7 +735,7 @@ class LlamaEngine:
                 counts[1] += kept
         slot.policy.record(len(draft), accepted)
         self.totals.accepted += accepted
-        return outs
+        return outs if failed is None else outs + [TokenOut(-1, error=failed)]
 
     def _row(self, row: int) -> tuple[float, np.ndarray]:
         ptr = llama_cpp.llama_get_logits_ith(self.ctx, row)
