@@ -192,12 +192,14 @@ def test_bench_reports_every_workload(two_fake_workers):
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     rows = {row["name"]: row for row in json.loads(out.stdout)}
-    assert set(rows) == {"stream x1", "stream x2", "extend prompt (warm)", "FIM keystrokes"}
+    # (the fake engine has no FIM tokens: the replay's prefix grows alone, named so)
+    fim_name = "keystrokes (prefix only: suffix refused)"
+    assert set(rows) == {"stream x1", "stream x2", "extend prompt (warm)", fim_name}
     for name in ("stream x1", "stream x2", "extend prompt (warm)"):
         row = rows[name]
         assert row["ok"] == row["requests"] and row["errors"] == row["truncated"] == 0
         assert row["ttft_p50_ms"] > 0 and row["aggregate_tok_s"] > 0
-    fim = rows["FIM keystrokes"]
+    fim = rows[fim_name]
     assert fim["ok"] >= 1 and fim["superseded"] >= 1 and fim["errors"] == 0
     table = subprocess.run(
         [sys.executable, "-m", "dispatcher", "bench", "--url", two_fake_workers.url,
@@ -257,23 +259,30 @@ def test_bench_runs_each_part_on_every_target_round_by_round(monkeypatch):
                               "--no-fim", "--workloads", "edit,fresh,typing"])
     assert bench.run(args) == 0
     ab, ba = ("a", "b"), ("b", "a")
-    assert calls == [("level0", "a"), ("level0", "b"), ("level1", "b"), ("level1", "a")] * 2 + \
-        [("extension", "a"), ("extension", "b")] + \
-        [(f"single{i}", t) for i, order in enumerate((ab, ba, ab)) for t in order] * 2 + \
-        [("typing", "a"), ("typing", "b")]
+    # each part's first round starts one target later than the part before it (a part
+    # that runs whole, typing, goes first on each target in turn, by part and by run)
+    two = [(name, t) for name, order in (
+        ("level0", ab), ("level1", ba),                               # x1
+        ("level0", ba), ("level1", ab),                               # x8
+        ("extension", ab),
+        ("single0", ba), ("single1", ab), ("single2", ba),            # edit
+        ("single0", ab), ("single1", ba), ("single2", ab),            # fresh
+        ("typing", ba)) for t in order]
+    assert calls == two
     calls.clear()            # the in-process target has no typing: it runs each part
     args.in_process = "bundled"          # it has beside the others' same part
     assert bench.run(args) == 0
     three = [("a", "b", "in-process"), ("b", "in-process", "a"), ("in-process", "a", "b")]
-    assert calls == [(f"level{i}", t) for i in range(2) for t in three[i]] * 2 + \
-        [("extension", t) for t in three[0]] + \
-        [(f"single{i}", t) for i in range(3) for t in three[i]] * 2 + \
-        [("typing", "a"), ("typing", "b")]
-    one_run = list(calls)
+    assert calls == [(name, t) for name, r in (
+        ("level0", 0), ("level1", 1), ("level0", 1), ("level1", 2), ("extension", 2),
+        ("single0", 0), ("single1", 1), ("single2", 2),
+        ("single0", 1), ("single1", 2), ("single2", 0)) for t in three[r]] + \
+        [("typing", "b"), ("typing", "a")]
     calls.clear()
-    args.runs = 2                       # everything again, after the first run
+    args.in_process, args.runs = None, 2  # everything again: each part's order turned
     assert bench.run(args) == 0
-    assert calls == one_run * 2
+    swap = {"a": "b", "b": "a"}
+    assert calls == two + [(name, swap[t]) for name, t in two]
 
 
 def test_constrained_and_hostile_parts_report_every_run(monkeypatch, capsys):
@@ -324,7 +333,10 @@ def test_each_run_of_the_bench_takes_files_of_its_own():
     assert RunFiles(corpus, 1).files_for("x8", 4) == second      # the same when asked again
     rows = [{"target": "t", "name": "edit", "stream_tok_s": v, "ttft_p50_ms": None}
             for v in (30.0, 10.0, 20.0)]
-    assert medians(rows) == [{"target": "t", "workload": "edit", "runs": 3,
+    for row in rows:
+        row["errors"], row["truncated"] = 0, 0
+    rows[0]["truncated"] = 1                                 # (a failed stream, told)
+    assert medians(rows) == [{"target": "t", "workload": "edit", "runs": 3, "failed": 1,
                               "stream_tok_s": "20.0 (10.0-30.0)"}]
 
 

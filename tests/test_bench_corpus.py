@@ -85,6 +85,7 @@ def test_a_fresh_prompt_stops_where_the_body_begins():
 class Recorder:
     """A target that answers at once and keeps every prompt it was sent."""
     sent: list = []
+    extras: list = []
     lock = threading.Lock()
 
     def __init__(self, url, model=None, api_key=None):
@@ -94,6 +95,7 @@ class Recorder:
                  extra=None, seq=None, abort=None):
         with self.lock:
             self.sent.append((self.name, prompt))
+            self.extras.append((prompt, extra))
         return Sample(ok=True, ttft=0.01, tokens=max_tokens, decode_s=0.01,
                       finish_reason="length", first_line=0.01)
 
@@ -116,6 +118,13 @@ def test_no_target_is_sent_a_first_seen_prompt_twice_and_each_gets_the_same(monk
         assert len(prompts) == len(set(prompts)) > 30, "a prompt sent twice"
     assert sorted(p for n, p in Recorder.sent if n == "a") == \
         sorted(p for n, p in Recorder.sent if n == "b")
+    # every throughput request asks the same work of any server: its whole max_tokens
+    # (no end token), from the whole distribution (servers' sampler defaults differ)
+    measured = [extra for prompt, extra in Recorder.extras if extra is not None]
+    assert len(measured) > 30 and all(
+        {k: extra.get(k) for k in bench.SAME_WORK} == bench.SAME_WORK for extra in measured)
+    assert {extra.get("temperature") for extra in measured} >= {0.0, 1.0}
+    Recorder.extras = []
     Recorder.sent = []
     args = parser.parse_args(["--url", "a", "--concurrency", "1", "--requests", "3",
                               "--no-fim", "--workloads", "repeat", "--json"])
@@ -170,6 +179,7 @@ def test_the_in_process_round_decodes_each_stream_as_its_own(reference_llm, monk
         monkeypatch.setattr(llama_cpp, "llama_vocab_is_eog",
                             lambda vocab, token: token == end or is_eog(vocab, token))
         ended = batched.round(prompts, 6)
+        kept_on = batched.round(prompts, 6, ignore_eos=True)    # as the servers are asked
     finally:
         batched.close()
     texts = [llm.detokenize(s.ids).decode() for s in streams]
@@ -182,3 +192,32 @@ def test_the_in_process_round_decodes_each_stream_as_its_own(reference_llm, monk
                0 < s.decode_s for s in streams)
     assert [s.ids for s in ended] == [ids[0], ids[1][:2], ids[2], ids[3]]
     assert [s.finish_reason for s in ended] == ["length", "stop", "length", "length"]
+    assert all(len(s.ids) == 6 and s.finish_reason == "length" for s in kept_on)
+    assert end not in kept_on[1].ids and kept_on[1].ids[:2] == ids[1][:2]
+
+
+def test_a_one_line_answer_ends_its_first_line_and_an_empty_one_is_told():
+    """An answer with no newline is one line, shown whole: its first line ends with it
+    (it was left out of the first-line figures). A stream cut by an error counts once,
+    as truncated. An answer with no text is in no TTFT or first-line figure, so the
+    typing level counts it (`empty`)."""
+    from dispatcher.tools.bench_targets import HttpTarget, summarize
+    one_line = Sample()
+    HttpTarget._read_stream([b'data: {"choices": [{"text": "x = 1"}]}\n',
+                             b'data: {"choices": [{"text": "", "finish_reason": "stop"}]}\n',
+                             b'data: [DONE]\n'], one_line, 0.0)
+    assert one_line.ok and one_line.first_line is not None and one_line.first_line > 0
+    cut = Sample(error="OSError: reset", truncated=True, ttft=0.1)
+    level = summarize("x", 1, [cut, Sample(error="HTTP 500: no")], 1.0)
+    assert level.truncated == 1 and level.errors == 1
+
+
+def test_typing_counts_answers_with_nothing_to_show(monkeypatch):
+    answers = iter([Sample(ok=True, ttft=0.1, tokens=3, first_line=0.2),
+                    Sample(ok=True, tokens=0, finish_reason="stop")] * 2)
+
+    class Target:
+        def complete(self, prompt, max_tokens, **kw):
+            return next(answers)
+    level = bench.run_typing(Target(), 2, 1, 1, 0.0, 8, 1, files=["a = 1\n" * 400] * 2)
+    assert level.unanswered == 0 and level.empty == 1 and level.ok == 2

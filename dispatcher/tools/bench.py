@@ -17,13 +17,19 @@ import time
 from dataclasses import asdict
 
 from dispatcher.common.config import non_negative_seconds
-from dispatcher.tools.bench_checks import constrained_slowdowns, run_constrained, run_hostile
+from dispatcher.tools.bench_checks import (NEIGHBOURS, constrained_slowdowns, run_constrained,
+                                           run_hostile)
 from dispatcher.tools.bench_corpus import Corpus, CorpusError, edit, function_start, opening
 from dispatcher.tools import bench_profile
 from dispatcher.tools.bench_targets import (Abort, HttpTarget, InProcessTarget, Level, Sample,
                                             percentile, summarize)
 
 COLD_CHARS = 12_000     # `cold`: a file's first characters, about 3,000 tokens of code
+# What every throughput request is sent, so that no server stops earlier (an end token)
+# or samples from another distribution (servers' defaults for top_k, top_p and min_p
+# differ: llama.cpp's 40, 0.95, 0.05; OpenAI's none): each writes its max_tokens, from
+# the whole distribution where it samples at all.
+SAME_WORK = {"ignore_eos": True, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 
 
 def run_level(target, concurrency: int, prompts: list[str], max_tokens: int) -> Level:
@@ -44,7 +50,7 @@ def level_rounds(target, concurrency: int, prompts: list[str], max_tokens: int):
         results: dict[int, Sample] = {}
 
         def stream(i: int) -> None:
-            results[i] = target.complete(prompts[i], max_tokens)
+            results[i] = target.complete(prompts[i], max_tokens, extra=SAME_WORK)
 
         batched = isinstance(target, InProcessTarget) and concurrency > 1
         if batched:
@@ -52,7 +58,7 @@ def level_rounds(target, concurrency: int, prompts: list[str], max_tokens: int):
         started = time.perf_counter()
         if batched:
             results.update(zip(batch, target.complete_round([prompts[i] for i in batch],
-                                                            max_tokens)))
+                                                            max_tokens, ignore_eos=True)))
         else:
             threads = [threading.Thread(target=stream, args=(i,)) for i in batch]
             for t in threads:
@@ -87,7 +93,8 @@ def run_extension(target, base: str, max_tokens: int, steps: int = 5) -> Level:
     purpose: the cache holds all but the last few)."""
     target.complete(base, 1)                              # warm the cache
     started = time.perf_counter()
-    samples = [target.complete(base + "x" * (3 * (i + 1)), max_tokens) for i in range(steps)]
+    samples = [target.complete(base + "x" * (3 * (i + 1)), max_tokens, extra=SAME_WORK)
+               for i in range(steps)]
     return summarize("extend prompt (warm)", 1, samples, time.perf_counter() - started)
 
 
@@ -105,7 +112,10 @@ def run_fim_replay(target, keystrokes: int, max_tokens: int, salt: int,
     probe = target.complete(text[:max(1, cut - 3)], 1, suffix=suffix)
     if probe.error and "fim_unsupported" in probe.error or \
             probe.error and "suffix" in probe.error:
-        suffix = None              # a model without FIM tokens: the prefix alone grows
+        # a model without FIM tokens, or a server without `suffix` on this route
+        # (llama-server: /infill only): the prefix alone grows, a workload of its own,
+        # named so (its figures are not the FIM ones of a server that took the suffix)
+        suffix = None
     session = f"bench-{salt}"
     samples: list[Sample] = []
     threads = []
@@ -124,7 +134,9 @@ def run_fim_replay(target, keystrokes: int, max_tokens: int, salt: int,
         time.sleep(interval)
     for t in threads:
         t.join()
-    return summarize("FIM keystrokes", 1, samples, time.perf_counter() - started)
+    return summarize("FIM keystrokes" if suffix is not None else
+                     "keystrokes (prefix only: suffix refused)", 1, samples,
+                     time.perf_counter() - started)
 
 
 COLUMNS = [("target", "target", "{}"), ("workload", "name", "{}"),
@@ -135,7 +147,8 @@ COLUMNS = [("target", "target", "{}"), ("workload", "name", "{}"),
            ("aggregate tok/s", "aggregate_tok_s", "{:.1f}"),
            ("1st line p50 ms", "first_line_p50_ms", "{:.1f}"),
            ("1st line p95 ms", "first_line_p95_ms", "{:.1f}"),
-           ("unanswered", "unanswered", "{}"), ("closed", "closed", "{}")]
+           ("unanswered", "unanswered", "{}"), ("empty", "empty", "{}"),
+           ("closed", "closed", "{}")]
 
 
 def table(rows: list[dict], runs: bool = False) -> str:
@@ -166,8 +179,7 @@ def single_rounds(target, name: str, prompts: list[str], repeats: int,
         for _ in range(repeats):
             started = time.perf_counter()
             samples.append(target.complete(prompt, max_tokens,
-                                           extra={"temperature": temperature,
-                                                  "ignore_eos": True}))
+                                           extra={**SAME_WORK, "temperature": temperature}))
             wall += time.perf_counter() - started
             yield
     return summarize(name, 1, samples, wall)
@@ -241,6 +253,9 @@ def run_typing(target, sessions: int, bursts: int, burst_len: int, gap: float,
     level.first_line_p50_ms = percentile(lines, 0.5)
     level.first_line_p95_ms = percentile(lines, 0.95)
     level.unanswered = sum(1 for s in waited if not s.ok)
+    # (answered with nothing to show: in no TTFT or first line figure, so counted here;
+    # a server answering empty under load must not look faster for it)
+    level.empty = sum(1 for s in waited if s.ok and s.ttft is None)
     level.closed = closed
     return level
 
@@ -320,7 +335,7 @@ def add_arguments(parser) -> None:
 
 
 def parts(args, target, levels: list[int], workloads: list[str], single: dict,
-          salt: int, corpus: Corpus) -> list[tuple[str, object]]:
+          salt: int, corpus: Corpus, run: int = 0) -> list[tuple[str, object]]:
     """What `run` measures on one target, in order, as (part, start) pairs: the part
     names what is measured (the same part on every target that has it: an in-process
     target has fewer); `start()` returns the part's rounds (a generator that yields
@@ -371,9 +386,12 @@ def parts(args, target, levels: list[int], workloads: list[str], single: dict,
     if args.hostile and not in_process:
         out.append(("hostile", whole(lambda: run_hostile(target, args.max_tokens))))
     if args.constrained and not in_process:
+        plain = [corpus.prompts(f"constrained-{k}", args.requests or 4,
+                                lambda text: opening(text, args.prompt_chars))
+                 for k in range(1 + len(NEIGHBOURS))]
         out.append(("constrained", whole(lambda salt=salt: run_constrained(
-            target, args.requests or 4, args.prompt_chars, args.max_tokens,
-            salt + 2 + args.fim_keystrokes))))
+            target, plain, args.max_tokens, salt + 2 + args.fim_keystrokes, run,
+            SAME_WORK))))
     return out
 
 
@@ -404,12 +422,14 @@ def run_parts(args, targets, plans, profiles: list[dict], run: int) -> list[dict
                 order.append(name)
     done: list[dict] = [{} for _ in targets]
     in_process = [isinstance(t, InProcessTarget) for t in targets]
-    for name in order:
+    for p_index, name in enumerate(order):
         running = [(t_index, start()) for t_index, plan in enumerate(plans)
                    for part_name, start in plan if part_name == name]
         before = {t: bench_profile.read_totals(targets[t]) for t, _ in running
                   if args.profile and not in_process[t]}
-        turn = 0
+        # the first target of a part's first round rotates by part and by run: a part
+        # that runs whole (typing, the FIM replay) goes first on each target in turn
+        turn = run - 1 + p_index
         while running:
             first = turn % len(running)
             for t_index, rounds in running[first:] + running[:first]:
@@ -435,7 +455,8 @@ def medians(rows: list[dict]) -> list[dict]:
         groups.setdefault((row["target"], row["name"]), []).append(row)
     out = []
     for (target, name), group in groups.items():
-        summary = {"target": target, "workload": name, "runs": len(group)}
+        summary = {"target": target, "workload": name, "runs": len(group),
+                   "failed": sum(r["errors"] + r["truncated"] for r in group)}
         for key in ("stream_tok_s", "aggregate_tok_s", "ttft_p50_ms", "ttft_p95_ms",
                     "first_line_p50_ms"):
             values = sorted(r[key] for r in group if r.get(key) is not None)
@@ -483,7 +504,7 @@ def run(args) -> int:
         try:
             plans = [parts(args, target, levels, extra_workloads, single,
                            1000 * (t_index + 1) + int(time.time()) % 1000 * 10_000
-                           + round_, view)
+                           + round_, view, round_)
                      for t_index, target in enumerate(targets)]
         except CorpusError as exc:
             raise SystemExit(f"--corpus: {exc}") from None

@@ -8,7 +8,6 @@ import json
 import threading
 import time
 
-from dispatcher.tools.bench_prompts import prompt_of
 from dispatcher.tools.bench_targets import Level, Sample, summarize
 
 
@@ -32,20 +31,26 @@ NEIGHBOURS = {
 }
 
 
-def run_constrained(target, requests: int, prompt_chars: int, max_tokens: int,
-                    salt: int) -> list[Level]:
+def run_constrained(target, prompts: list[list[str]], max_tokens: int, salt: int,
+                    run: int = 0, same_work: dict | None = None) -> list[Level]:
     """A plain stream's speed alone, then with a plain, a json_schema and a fighting-
     grammar stream running beside it the whole time: grammar sampling must not slow the
-    rest of the batch more than another plain stream does."""
-    def plain_run(name: str, offset: int) -> Level:
+    rest of the batch more than another plain stream does. The plain stream's requests
+    are `prompts`' (first-seen files: one list for each of the four conditions), sent
+    `same_work` (ignore_eos: each writes its max_tokens); the three neighbours go in an
+    order that turns with `run` (a later condition meets a server warmer by the ones
+    before it)."""
+    def plain_run(name: str, mine: list[str]) -> Level:
         samples, started = [], time.perf_counter()
-        for i in range(requests):
-            samples.append(target.complete(prompt_of(prompt_chars, salt + offset + i),
-                                           max_tokens))
+        for prompt in mine:
+            samples.append(target.complete(prompt, max_tokens, extra=same_work))
         return summarize(name, 1, samples, time.perf_counter() - started)
 
-    levels = [plain_run("plain alone", 0)]
-    for k, (name, (prompt, extra)) in enumerate(NEIGHBOURS.items(), start=1):
+    levels = [plain_run("plain alone", prompts[0])]
+    names = list(NEIGHBOURS)
+    turned = names[run % len(names):] + names[:run % len(names)]
+    for k, name in enumerate(turned, start=1):
+        prompt, extra = NEIGHBOURS[name]
         stop = threading.Event()
         beside: list[Sample] = []
 
@@ -62,7 +67,7 @@ def run_constrained(target, requests: int, prompt_chars: int, max_tokens: int,
         started = time.perf_counter()
         thread.start()
         time.sleep(0.5)                 # the neighbour is decoding by now
-        levels.append(plain_run(f"plain + {name}", requests * k))
+        levels.append(plain_run(f"plain + {name}", prompts[k]))
         stop.set()
         thread.join(timeout=600)
         levels.append(summarize(f"{name} beside", 1, beside, time.perf_counter() - started))

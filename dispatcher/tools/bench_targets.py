@@ -76,6 +76,7 @@ class Level:
     first_line_p50_ms: float | None = None
     first_line_p95_ms: float | None = None
     unanswered: int | None = None   # typing: requests the user waited for and never saw
+    empty: int | None = None        # typing: ... answered with no text (nothing shown)
     closed: int | None = None       # typing: stale requests the client closed at once
     error_samples: list[str] = field(default_factory=list)
 
@@ -97,7 +98,9 @@ def summarize(name: str, concurrency: int, samples: list[Sample], wall: float) -
     level = Level(name, concurrency, requests=len(samples), wall_s=round(wall, 3))
     good = [s for s in samples if s.ok]
     level.ok = len(good)
-    level.errors = sum(1 for s in samples if s.error and not s.superseded)
+    # (a stream cut short by an error counts once, as truncated)
+    level.errors = sum(1 for s in samples if s.error and not s.superseded
+                       and not s.truncated)
     level.truncated = sum(1 for s in samples if s.truncated)
     level.superseded = sum(1 for s in samples if s.superseded)
     level.tokens = sum(s.tokens for s in good)
@@ -249,6 +252,8 @@ class HttpTarget:
         sample.tokens = usage_tokens if usage_tokens is not None else chunks
         if sample.ttft is not None:
             sample.decode_s = last_text - started - sample.ttft
+            if sample.first_line is None and done:   # an answer of one line: all of it
+                sample.first_line = last_text - started
         sample.truncated = not done or sample.finish_reason is None
         sample.ok = not sample.truncated and sample.error is None
 
@@ -268,6 +273,16 @@ class InProcessTarget:
         self.llm = reference_llama(model_path, n_ctx, self.n_threads)
         self.lock = threading.Lock()
         self.batched = None
+        self.eog: list[int] | None = None
+
+    def _eog_tokens(self) -> list[int]:
+        """The vocabulary's end-of-generation tokens (read once)."""
+        if self.eog is None:
+            import llama_cpp
+            vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
+            self.eog = [t for t in range(llama_cpp.llama_vocab_n_tokens(vocab))
+                        if llama_cpp.llama_vocab_is_eog(vocab, t)]
+        return self.eog
 
     def make_room(self, streams: int) -> None:
         """A context for rounds of `streams` (made before a round is timed: llama.cpp
@@ -280,24 +295,31 @@ class InProcessTarget:
                     old.close()
                 self.batched = BatchedGreedy(self.llm, streams, self.n_ctx, self.n_threads)
 
-    def complete_round(self, prompts: list[str], max_tokens: int) -> list[Sample]:
+    def complete_round(self, prompts: list[str], max_tokens: int,
+                       ignore_eos: bool = False) -> list[Sample]:
         """Greedy streams of `prompts` started together, decoded as one batch a step."""
         self.make_room(len(prompts))
         with self.lock:
-            streams = self.batched.round(prompts, max_tokens)
+            streams = self.batched.round(prompts, max_tokens, ignore_eos)
         return [Sample(ok=True, ttft=s.ttft, tokens=len(s.ids), decode_s=s.decode_s,
                        finish_reason=s.finish_reason) for s in streams]
 
     def complete(self, prompt: str, max_tokens: int, suffix: str | None = None,
                  session: str | None = None, timeout: float = 600,
                  extra: dict | None = None) -> Sample:
-        temperature = float((extra or {}).get("temperature", 0))
+        extra = extra or {}
+        # the samplers as the HTTP targets are sent them (the library's own defaults
+        # differ: top_k 40, top_p 0.95, min_p 0.05), and `ignore_eos` as a ban
+        sampling = {key: extra[key] for key in ("top_k", "top_p", "min_p") if key in extra}
+        if extra.get("ignore_eos"):
+            sampling["logit_bias"] = {token: -float("inf") for token in self._eog_tokens()}
         sample = Sample()
         with self.lock:
             started = time.perf_counter()
             last = started
-            for chunk in self.llm.create_completion(prompt, max_tokens=max_tokens,
-                                                    temperature=temperature, stream=True):
+            for chunk in self.llm.create_completion(
+                    prompt, max_tokens=max_tokens, stream=True,
+                    temperature=float(extra.get("temperature", 0)), **sampling):
                 choice = chunk["choices"][0]
                 now = time.perf_counter()
                 if choice["text"]:

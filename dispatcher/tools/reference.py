@@ -85,6 +85,7 @@ class BatchedGreedy:
         self.vocab = lib.llama_model_get_vocab(llm.model)
         self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
         self.batch = lib.llama_batch_init(512, 0, 1)
+        self.ignore_eos = False
 
     def _decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
         batch = self.batch
@@ -96,9 +97,13 @@ class BatchedGreedy:
         if self.lib.llama_decode(self.ctx, batch) != 0:
             raise RuntimeError("llama_decode failed")
 
-    def round(self, prompts: list[str], max_tokens: int) -> list[Stream]:
+    def round(self, prompts: list[str], max_tokens: int,
+              ignore_eos: bool = False) -> list[Stream]:
         """Each prompt's stream, all started at once (tokenizing counted), the prompts
-        with the fewest tokens prefilled first, as the workers order them."""
+        with the fewest tokens prefilled first, as the workers order them; `ignore_eos`:
+        each writes its max_tokens, an end of generation never chosen (as the servers'
+        `ignore_eos`)."""
+        self.ignore_eos = ignore_eos
         started = time.perf_counter()
         tokens = [self.llm.tokenize(p.encode(), add_bos=True, special=True) for p in prompts]
         if len(prompts) > self.sequences or max_tokens < 1 or \
@@ -129,9 +134,14 @@ class BatchedGreedy:
               started: float) -> None:
         """The greedy token of the batch's `row` into `stream`; `seq` leaves `live`
         where the stream ends there (an end of generation: never sent, not counted)."""
-        logits = self.lib.llama_get_logits_ith(self.ctx, row)
-        token = int(self.numpy.argmax(self.numpy.ctypeslib.as_array(
-            logits, shape=(self.n_vocab,))))
+        logits = self.numpy.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, row),
+                                               shape=(self.n_vocab,))
+        token = int(self.numpy.argmax(logits))
+        if self.ignore_eos and self.lib.llama_vocab_is_eog(self.vocab, token):
+            logits = logits.copy()
+            while self.lib.llama_vocab_is_eog(self.vocab, token):
+                logits[token] = -self.numpy.inf
+                token = int(self.numpy.argmax(logits))
         now = time.perf_counter() - started
         if self.lib.llama_vocab_is_eog(self.vocab, token):
             stream.finish_reason = "stop"
