@@ -205,8 +205,12 @@ def deployed(tmp_path_factory):
     stack.start("dispatcher", *unit_command(UNITS / "completions-dispatcher.service", "", config))
     stack.start("worker", *unit_command(UNITS / "completions-worker@.service", "cpu", config))
     for name, port in (("fe1", fe1), ("fe2", fe2)):
-        stack.start(name, *unit_command(UNITS / "completions-frontend@.service", str(port),
-                                        config))
+        command, env = unit_command(UNITS / "completions-frontend@.service", str(port),
+                                    config)
+        # as a COMPLETIONS_PORT in /etc/completions/env would be: systemd puts an
+        # EnvironmentFile's values over Environment=; each instance keeps its own port
+        env["COMPLETIONS_PORT"] = str(fe1)
+        stack.start(name, command, env)
     text = (DEPLOY / "nginx.conf").read_text()
     text = text.replace("127.0.0.1:8081", f"127.0.0.1:{fe1}").replace(
         "127.0.0.1:8082", f"127.0.0.1:{fe2}").replace("listen 8080;", f"listen 127.0.0.1:{edge};")
@@ -267,6 +271,30 @@ def test_a_body_over_the_limit_is_refused_in_the_api_envelope_through_nginx(depl
         assert status == 413, (size, data[:200])
         assert kind.startswith("application/json"), (size, kind)
         assert json.loads(data)["error"]["code"] == "request_too_large"
+
+
+def test_the_operator_paths_answer_this_host_only_through_nginx(deployed):
+    """/metrics and /v1/status (every key's usage, the workers) through nginx: served to
+    a client on this host, refused in the API's envelope to any other (here a client
+    from 127.0.0.2, which nginx does not count as this host)."""
+    for path in ("/metrics", "/v1/status"):
+        conn = http.client.HTTPConnection("127.0.0.1", deployed["edge"], timeout=30)
+        conn.request("GET", path)
+        assert conn.getresponse().status == 200
+        conn.close()
+        conn = http.client.HTTPConnection("127.0.0.1", deployed["edge"], timeout=30,
+                                          source_address=("127.0.0.2", 0))
+        conn.request("GET", path)
+        response = conn.getresponse()
+        assert response.status == 403
+        assert response.getheader("Content-Type").startswith("application/json")
+        assert json.loads(response.read())["error"]["code"] == "forbidden"
+        conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", deployed["edge"], timeout=30,
+                                      source_address=("127.0.0.2", 0))
+    conn.request("GET", "/v1/models")                   # the API itself is for everyone
+    assert conn.getresponse().status == 200
+    conn.close()
 
 
 def test_load_spreads_over_both_front_ends(deployed):

@@ -87,6 +87,70 @@ def test_engine_shifts_a_context_ring_that_dropped_its_oldest_chunk():
         engine.close()
 
 
+@pytest.mark.integration
+def test_a_prefix_whose_sliding_window_was_overwritten_is_not_kept():
+    """The bundled Gemma 3 has a sliding window (512). A chunk shift leaves a gap that
+    the next prompt outgrows; llama.cpp then overwrites cells out of the window and drops
+    the window's cells below them, while the sequence's last position still looks right.
+    A later prompt sharing a shorter prefix kept it over that hole and wrote other text
+    than the same prompt decoded afresh (it parted at the fifth token)."""
+    import llama_cpp
+
+    from dispatcher.common.models import bundled_model_path
+    from workers.engine.llama import LlamaEngine
+    greedy = SamplingParams(temperature=0)
+
+    def chunk(k, n):
+        return "".join(f"def helper_{k}_{i}(value):\n    return value * {i} + {k}\n\n"
+                       for i in range(n))
+
+    engine = LlamaEngine(str(bundled_model_path()), 4096, 1, THREADS, 0, cache_reuse=64)
+
+    def run(prompt, n):
+        reused = engine.add(0, prompt, greedy)
+        out = []
+        while len(out) < n:
+            result = engine.step().get(0)
+            for one in result if isinstance(result, list) else [result] if result else []:
+                out.append(one.token)
+        engine.release(0)
+        return reused, out[:n]
+
+    try:
+        n_swa = llama_cpp.llama_model_n_swa(engine.model)
+        assert n_swa == 512
+        run(engine.tokenize(chunk(0, 20) + chunk(1, 40)), 1)        # ~1,280 tokens
+        shifted, _ = run(engine.tokenize(chunk(1, 40) + chunk(2, 30)), 1)
+        assert shifted > 800                   # chunk 1 moved down, chunk 2 outgrew the gap
+        third = engine.tokenize(chunk(1, 20) + "def main():\n    total =")
+        reused, kept = run(third, 8)
+        assert llama_cpp.llama_memory_seq_pos_min(engine.memory, 0) <= max(0, reused - n_swa) \
+            or reused == 0
+        engine.caches.forget(engine.slots[0])
+        assert run(third, 8) == (0, kept)                    # as decoded afresh
+    finally:
+        engine.close()
+
+
+def test_a_chunk_move_the_memory_refuses_empties_the_cache():
+    """A memory that cannot drop the text between two chunks (a recurrent model's state)
+    refuses the removal: the moves stop and the caller empties the slot, rather than
+    shift a chunk over text still in the state."""
+    from workers.engine.kvreuse import shift_into_place
+
+    class Lib:
+        def llama_memory_seq_rm(self, memory, seq, start, end):
+            return False
+
+        def llama_memory_seq_add(self, *args):
+            raise AssertionError("moved after a refused removal")
+    cache = list(range(100, 140)) + list(range(40))
+    tokens = list(range(40)) + [7]
+    assert shift_into_place(Lib(), None, 0, cache, tokens, 0, 16) == (cache, 0, 0)
+    cache = [1, 2] + list(range(100, 140)) + list(range(40))
+    assert shift_into_place(Lib(), None, 0, cache, [1, 2] + tokens, 2, 16) == ([], 0, 0)
+
+
 def test_deterministic_mode_never_shifts_the_cache():
     from dispatcher.common.models import bundled_model_path
     from workers.engine.llama import LlamaEngine

@@ -74,7 +74,8 @@ def shift_into_place(lib, memory, seq: int, cached: list[int], tokens: list[int]
     kept = cached[:n_past]
     for source, target, length in moves:
         # drop what lies between, then move the chunk down onto it
-        lib.llama_memory_seq_rm(memory, seq, target, source)
+        if not lib.llama_memory_seq_rm(memory, seq, target, source):
+            return [], 0, 0     # (a memory that cannot drop a part: the caller empties it)
         lib.llama_memory_seq_add(memory, seq, source, source + length, target - source)
         kept += cached[source:source + length]
     return kept, in_place, sum(length for _, _, length in moves)

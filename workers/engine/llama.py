@@ -119,10 +119,13 @@ class LlamaEngine:
         # deterministic mode (shifted keys differ from prefilled ones in their last bits).
         # A sibling choice may copy a decoded prompt (copy_prefix): a memory that can
         # drop positions, and no deterministic mode.
+        # (a recurrent or hybrid model's memory says it can shift, but its state cannot
+        # drop the text between two chunks: no chunk reuse there)
         self.caches = SlotCaches(
             llama_cpp, self.memory, slots,
-            cache_reuse if not deterministic and llama_cpp.llama_memory_can_shift(self.memory)
-            else 0, copies=drops and not deterministic)
+            cache_reuse if not deterministic and drops and
+            llama_cpp.llama_memory_can_shift(self.memory) else 0,
+            copies=drops and not deterministic, n_swa=llama_cpp.llama_model_n_swa(self.model))
         self.slots = self.caches.slots
         self._read_vocabulary()
         # costly sampling goes beside the next step (workers/engine/aside.py), judged

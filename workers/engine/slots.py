@@ -63,8 +63,10 @@ class SlotCaches:
     sibling choice may copy a decoded prompt (a memory that can drop positions, no
     deterministic mode)."""
 
-    def __init__(self, lib, memory, count: int, cache_reuse: int, copies: bool) -> None:
+    def __init__(self, lib, memory, count: int, cache_reuse: int, copies: bool,
+                 n_swa: int = 0) -> None:
         self.lib, self.memory = lib, memory
+        self.n_swa = n_swa              # the model's sliding window (0: none)
         self.slots = [Slot(seq) for seq in range(count)]
         self.cache_reuse = cache_reuse
         self.copies = copies
@@ -156,12 +158,24 @@ class SlotCaches:
         self.tokens_shifted += shifted
         ok = in_place > 0 and \
             self.lib.llama_memory_seq_rm(self.memory, slot.seq, in_place, -1) and \
-            self.lib.llama_memory_seq_pos_max(self.memory, slot.seq) == in_place - 1
+            self.lib.llama_memory_seq_pos_max(self.memory, slot.seq) == in_place - 1 and \
+            self._window_held(slot, in_place)
         if not ok:
             self.forget(slot)
             return 0
         del slot.cached[in_place:]
         return in_place
+
+    def _window_held(self, slot: Slot, in_place: int) -> bool:
+        """Whether a sliding-window model's cache still holds the window the token at
+        `in_place` attends to. llama.cpp overwrites a cell that is out of its sequence's
+        window when a decode needs room (a chunk shift leaves a gap the next prompt
+        outgrows) and then drops every window cell below it: the positions are gone from
+        the window layers though the sequence's last position looks right. A prefix kept
+        over such a hole gave other text than the same prompt decoded afresh (the
+        bundled Gemma 3, its window 512). llama-server's check."""
+        return not self.n_swa or self.lib.llama_memory_seq_pos_min(
+            self.memory, slot.seq) <= max(0, in_place - self.n_swa)
 
     def forget(self, slot: Slot) -> None:
         """Empty the slot's cache."""
