@@ -40,9 +40,14 @@ UNANSWERED_FAST_PINGS = 30
 # sent again, first after this many seconds, then twice as long each time up to the
 # heartbeat interval; at most this many wait (the oldest give way).
 CANCEL_RETRY_FIRST = 0.02
-# Times a request's grace after FINISHED is renewed because token events wait unread in
-# the socket when it runs out (a process held past it); progress renews it anyway.
-MAX_GRACE_EXTENSIONS = 5
+# Seconds a request waits, once its grace after FINISHED has run out, for the events its
+# SUB reader takes from the socket when woken (a process held past the grace).
+READER_WAKE_WAIT = 0.05
+
+
+def wake_readers(sock) -> int:
+    """A zmq.green socket's events, read the way that wakes its waiting readers."""
+    return sock.get(zmq.EVENTS)
 MAX_UNSENT_CANCELS = 10_000
 
 
@@ -103,7 +108,7 @@ class RequestStream:
         self._still_running = False     # ended here while its worker runs on (_end)
         self._complete_by: float | None = None
         self._finished_attempt: int | None = None   # the attempt a FINISHED was for
-        self._extensions = 0            # of the grace, for events waiting in the socket
+        self._woken = False             # the reader woken since the last progress
         self._early: list[StreamItem] = []
         self.last_size = 0              # wire bytes of the event next_event last returned
 
@@ -135,12 +140,13 @@ class RequestStream:
             try:
                 item = self._early.pop(0) if self._early else self.inbox.get(timeout=timeout)
             except gevent.queue.Empty:
-                if self._extensions < MAX_GRACE_EXTENSIONS and self.client.events_waiting():
+                if not self._woken:
                     # the process was held (a long write, a parse): the events may be
-                    # in the socket behind the timer that fired first
-                    self._extensions += 1
-                    self._complete_by = time.monotonic() + config.DONE_GRACE
-                    gevent.sleep(0)
+                    # in the socket behind the timer that fired first; the reader takes
+                    # whatever waits there before the stream counts them lost
+                    self._woken = True
+                    self.client.wake_reader()
+                    self._complete_by = time.monotonic() + READER_WAKE_WAIT
                     continue
                 return self._end(error_event(
                     502, "the token stream lost messages: the worker finished but not all "
@@ -182,7 +188,7 @@ class RequestStream:
         if self._complete_by is not None:   # the grace counts from the last progress:
             # events drain behind the word of the end under a deep backlog
             self._complete_by = time.monotonic() + config.DONE_GRACE
-            self._extensions = 0
+            self._woken = False
         if isinstance(event, P.Text):
             self.text_seen = True
         if isinstance(event, P.ENDS):
@@ -290,12 +296,15 @@ class DispatcherClient:
             self._greenlets.remove(self._cancel_retry)
             self._cancel_retry = None
 
-    def events_waiting(self) -> bool:
-        """Whether token events wait in the SUB socket, not yet read."""
+    def wake_reader(self) -> None:
+        """Have the SUB's reader take what waits in the socket: zmq.green's `get` of
+        EVENTS wakes it (`getsockopt`, pyzmq's plain one, reads the same flag and leaves
+        the reader asleep until pyzmq's fallback timeout, ~11 s, every stream of the
+        process with it)."""
         try:
-            return bool(self.sub.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            wake_readers(self.sub)
         except zmq.ZMQError:
-            return False
+            pass
 
     def submit(self, job: P.WorkerJob) -> RequestStream:
         stream = RequestStream(self, job.id)

@@ -279,6 +279,11 @@ MAX_BIAS_TEXT = 256        # characters of such a text
 MAX_BIAS_TEXTS = 16_384    # ... and of all of them (a worker tokenizes them, ~5 µs each)
 
 
+def add_biases(a: float, b: float) -> float:
+    """Two biases of one token together: their sum, a ban (-100) if either bans."""
+    return -100.0 if min(a, b) <= -100 else a + b
+
+
 class LogitBiasField(fields.Field):
     """OpenAI's `{"token id": bias}` or llama.cpp's `[[id, bias], ...]`, where llama.cpp
     also takes a text for the id (`[["Hello", -0.5]]`: each of its tokens); bias
@@ -330,5 +335,7 @@ class LogitBiasField(fields.Field):
             if isinstance(bias, bool) or not isinstance(bias, numbers.Real) \
                     or not -100 <= bias <= 100:      # (NaN fails it too; never float())
                 raise self.make_error("invalid")
-            out[str(token)] = float(bias)
+            # (one token named twice, by id and by a text, or twice in one text: the
+            # biases add up, as llama-server applies every pair)
+            out[str(token)] = add_biases(out.get(str(token), 0.0), float(bias))
         return out

@@ -12,7 +12,7 @@ import logging
 import math
 
 from flask import Blueprint, current_app, request
-from marshmallow import EXCLUDE, Schema, fields
+from marshmallow import EXCLUDE, Schema, fields, pre_load
 from marshmallow.validate import Length
 
 from app import sse
@@ -49,6 +49,19 @@ class NativeCompletionSchema(CompletionRequestSchema):
     class Meta:
         unknown = EXCLUDE
         exclude = OPENAI_ONLY
+
+    @pre_load
+    def logprobs_as_n_probs(self, data, **kwargs):
+        """OpenAI's `logprobs` count is llama-server's `n_probs` where that is not given
+        (as llama-server reads it; it was taken as OpenAI's, its probabilities never
+        shown, and a count over 5 refused)."""
+        if isinstance(data, dict) and "logprobs" in data:
+            count = data["logprobs"]
+            if count is None or (isinstance(count, int) and not isinstance(count, bool)):
+                data = {k: v for k, v in data.items() if k != "logprobs"}
+                if count is not None and data.get("n_probs") is None:
+                    data["n_probs"] = count
+        return data
 
     @staticmethod
     def random_seed(seed: int) -> bool:

@@ -132,6 +132,36 @@ def test_a_prefix_whose_sliding_window_was_overwritten_is_not_kept():
         engine.close()
 
 
+def test_a_prefix_is_kept_only_where_its_sliding_window_is_held():
+    """The boundary (llama-server's): a prefix of 600 tokens on a window of 512 needs
+    the sequence's cells from position 88 on; one whose lowest position is 89 is emptied.
+    Without a window any prefix stays. (A stand-in for llama.cpp's memory.)"""
+    from workers.engine.slots import SlotCaches
+
+    class Memory:
+        def __init__(self, low):
+            self.low, self.removed = low, []
+
+        def llama_memory_seq_rm(self, memory, seq, start, end):
+            self.removed.append((start, end))
+            return True
+
+        def llama_memory_seq_pos_max(self, memory, seq):
+            return 599
+
+        def llama_memory_seq_pos_min(self, memory, seq):
+            return self.low
+
+    tokens = list(range(1000))
+    for low, n_swa, kept in ((88, 512, 600), (89, 512, 0), (400, 0, 600), (0, 512, 600)):
+        lib = Memory(low)
+        caches = SlotCaches(lib, None, 1, 0, False, n_swa=n_swa)
+        slot = caches.slots[0]
+        slot.cached = tokens[:700]
+        assert caches.reuse(slot, tokens, 600) == kept, (low, n_swa)
+        assert len(slot.cached) == kept and (kept or lib.removed[-1] == (-1, -1))
+
+
 def test_a_chunk_move_the_memory_refuses_empties_the_cache():
     """A memory that cannot drop the text between two chunks (a recurrent model's state)
     refuses the removal: the moves stop and the caller empties the slot, rather than

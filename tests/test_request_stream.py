@@ -1,4 +1,6 @@
 """RequestStream: ordering and completeness checks of a front end's token stream (unit)."""
+import time
+
 import msgspec
 import pytest
 
@@ -21,8 +23,8 @@ class FakeClient:
     def cancel(self, request_id):
         self.send(P.CANCEL, request_id)
 
-    def events_waiting(self):
-        return False
+    def wake_reader(self):
+        pass
 
     def forget(self, request_id):
         self.forgotten.append(request_id)
@@ -130,26 +132,63 @@ def test_events_still_arriving_after_finished_renew_the_grace(monkeypatch):
 
 def test_events_waiting_in_the_socket_when_the_grace_runs_out_are_read(monkeypatch):
     """A process held past the grace (a long write) wakes with the grace's timer and the
-    socket both ready: the events waiting in the socket are read, not declared lost; with
-    nothing ever arriving the grace is renewed only a few times."""
+    socket both ready: the reader is woken and what waited in the socket is read, not
+    declared lost; with nothing there the stream ends a moment later."""
     monkeypatch.setattr(config, "DONE_GRACE", 0.05)
     stream = make(ev(0, "start"), ctl(P.FINISHED, {"attempt": 1, "last_seq": 1}))
     waiting = [ev(1, "end", finish_reason="stop")]
-
-    def events_waiting():        # the SUB reader takes it at the next turn of the loop
-        if waiting:
-            stream.inbox.put(waiting.pop())
-            return True
-        return False
-
-    stream.client.events_waiting = events_waiting
+    stream.client.wake_reader = lambda: stream.inbox.put(waiting.pop())
     assert drain(stream)[-1]["e"] == "end"
 
     stuck = make(ev(0, "start"), ctl(P.FINISHED, {"attempt": 1, "last_seq": 1}))
-    calls = []
-    stuck.client.events_waiting = lambda: calls.append(1) or True
+    wakes = []
+    stuck.client.wake_reader = lambda: wakes.append(1)
+    started = time.monotonic()
     assert drain(stuck)[-1]["code"] == "stream_incomplete"
-    assert len(calls) == 5                       # five renewals, then the end
+    assert wakes == [1] and time.monotonic() - started < 1.0     # woken once, not waited
+
+
+def test_waking_the_reader_does_not_put_it_to_sleep():
+    """pyzmq's plain getsockopt(EVENTS) on a zmq.green socket takes the wake-up a reader
+    blocked in recv waits for: the next message then waited ~11 s (pyzmq's fallback
+    timeout), every stream of the front end with it. The wake used reads it as
+    zmq.green does. (Real sockets: a PUB and a SUB over inproc.)"""
+    import gevent
+    import zmq.green as gzmq
+
+    from app.client import wake_readers
+    context = gzmq.Context()
+    pub, sub = context.socket(gzmq.PUB), context.socket(gzmq.SUB)
+    try:
+        pub.bind("inproc://wake")
+        sub.setsockopt(gzmq.SUBSCRIBE, b"")
+        sub.connect("inproc://wake")
+        got = []
+
+        def reader():
+            while True:
+                got.append((sub.recv(), time.monotonic()))
+        greenlet = gevent.spawn(reader)
+        with gevent.Timeout(10):
+            while not got:                          # (the subscription goes through)
+                pub.send(b"hello")
+                gevent.sleep(0.05)
+        gevent.sleep(0.1)
+        got.clear()
+        pub.send(b"one")
+        wake_readers(sub)
+        gevent.sleep(0.05)
+        sent = time.monotonic()
+        pub.send(b"two")
+        with gevent.Timeout(10):
+            while not any(m == b"two" for m, _ in got):
+                gevent.sleep(0.01)
+        assert [t for m, t in got if m == b"two"][0] - sent < 2.0
+        greenlet.kill()
+    finally:
+        pub.close(0)
+        sub.close(0)
+        context.term()
 
 
 def test_lost_dispatcher_fails_the_request():

@@ -293,3 +293,48 @@ def test_a_sampler_nobody_knows_is_named_in_the_400(given, says):
     with pytest.raises(InvalidRequest) as info:
         validate({"prompt": "p", "samplers": given})
     assert info.value.param == "samplers" and says in info.value.message
+
+
+def test_a_token_named_twice_gets_both_biases_and_a_ban_stays_one():
+    """llama-server applies every pair of `logit_bias`: one token named by id and by a
+    text, or twice, gets the sum (the last one won here). A ban with anything is a ban."""
+    assert validate({"prompt": "p", "logit_bias": [[5, 1.5], [5, 2]]})["logit_bias"] == \
+        {"5": 3.5}
+    assert validate({"prompt": "p", "logit_bias": [[5, False], [5, 50]]})["logit_bias"] == \
+        {"5": -100.0}
+    from types import SimpleNamespace
+
+    from dispatcher.common import protocol as P
+    from dispatcher.common.fields import TEXT_BIAS
+    from workers.preparation import sampling_of
+
+    class Vocabulary:                     # a text is its characters' codes, as tokens
+        def tokenize(self, text, add_special, parse_special):
+            return [ord(c) for c in text]
+    biases = {TEXT_BIAS + "aab": 1.0, "97": 0.5, TEXT_BIAS + "b": -100.0}
+    gen = SimpleNamespace(sampling=P.Sampling(logit_bias=biases))
+    assert sampling_of(gen, Vocabulary())["logit_bias"] == {"97": 2.5, "98": -100.0}
+
+
+def test_the_native_routes_read_logprobs_as_n_probs():
+    """As llama-server: OpenAI's `logprobs` count is n_probs where n_probs is not sent (it
+    was taken as OpenAI's, never shown in the native answer, and over 5 a 400)."""
+    from app.native import NativeCompletionSchema
+    schema = NativeCompletionSchema()
+    loaded = validate({"prompt": "p", "logprobs": 10}, schema)
+    assert loaded["n_probs"] == 10 and loaded.get("logprobs") is None
+    loaded = validate({"prompt": "p", "logprobs": 3, "n_probs": 2}, schema)
+    assert loaded["n_probs"] == 2 and loaded.get("logprobs") is None
+    with pytest.raises(InvalidRequest):
+        validate({"prompt": "p", "logprobs": "3"}, schema)
+
+
+def test_mirostat_leaves_out_the_penalties_and_dry():
+    """llama.cpp's Mirostat chain is logit bias, temperature, Mirostat: a request's
+    repeat_penalty or DRY beside it was applied here, never there."""
+    from workers.sampling import SamplingParams
+    params = SamplingParams.from_job({"mirostat": 2, "repetition_penalty": 1.3,
+                                      "presence_penalty": 0.5, "dry_multiplier": 0.8})
+    assert not params.penalized and params.dry_multiplier == 0.0
+    plain = SamplingParams.from_job({"repetition_penalty": 1.3, "dry_multiplier": 0.8})
+    assert plain.penalized and plain.dry_multiplier == 0.8

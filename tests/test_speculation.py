@@ -1054,3 +1054,4 @@ def test_a_sample_that_fails_midway_through_a_draft_keeps_the_tokens_before_it(m
     assert isinstance(outs[2].error, ValueError) and slot.row == -1
     # draft 7 confirmed (position 10); 8 is the next token to decode: positions 11- go
     assert removed == [(3, 11)] and slot.n_past == 11 and len(slot.cached) == 11
+    assert engine.totals.accepted == 2                   # both samples matched their drafts

@@ -28,7 +28,7 @@ from dispatcher.common.fields import TEXT_BIAS
 from workers import inbox
 from workers.errors import EngineError, InvalidInput
 from workers.prompts import Fitted, check_fits, fitted_prompt
-from workers.sampling import SamplingParams
+from workers.sampling import BAN, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,10 @@ def sampling_of(gen: P.Generation, engine=None) -> dict:
             tokens = engine.tokenize(key[len(TEXT_BIAS):], add_special=False,
                                      parse_special=False) \
                 if key.startswith(TEXT_BIAS) else [int(key)]
-            ids.update((str(t), bias) for t in tokens)
+            for t in tokens:        # (a token met twice: the biases add up, as in
+                # llama-server; a ban stays one)
+                ids[str(t)] = bias if str(t) not in ids else \
+                    BAN if min(ids[str(t)], bias) <= BAN else ids[str(t)] + bias
         sampling["logit_bias"] = ids
     if sampling.get("json_schema") is not None:
         # the front end makes schemas into grammars, within their budget

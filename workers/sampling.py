@@ -36,6 +36,11 @@ class SamplingParams(_Values):
         for name in ("dry_sequence_breakers", "samplers"):
             if name in values:
                 values[name] = tuple(values[name])
+        if values.get("mirostat"):
+            # llama.cpp's Mirostat chain is the logit bias, the temperature and Mirostat:
+            # no penalties, no DRY (common_sampler_init builds them only without it)
+            values.update(repetition_penalty=1.0, frequency_penalty=0.0,
+                          presence_penalty=0.0, dry_multiplier=0.0)
         return cls(**values)
 
     @property

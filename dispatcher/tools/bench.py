@@ -387,7 +387,8 @@ def parts(args, target, levels: list[int], workloads: list[str], single: dict,
         out.append(("hostile", whole(lambda: run_hostile(target, args.max_tokens))))
     if args.constrained and not in_process:
         plain = [corpus.prompts(f"constrained-{k}", args.requests or 4,
-                                lambda text: opening(text, args.prompt_chars))
+                                lambda text: opening(text, args.prompt_chars),
+                                args.prompt_chars)
                  for k in range(1 + len(NEIGHBOURS))]
         out.append(("constrained", whole(lambda salt=salt: run_constrained(
             target, plain, args.max_tokens, salt + 2 + args.fim_keystrokes, run,

@@ -312,7 +312,15 @@ class InProcessTarget:
         # differ: top_k 40, top_p 0.95, min_p 0.05), and `ignore_eos` as a ban
         sampling = {key: extra[key] for key in ("top_k", "top_p", "min_p") if key in extra}
         if extra.get("ignore_eos"):
-            sampling["logit_bias"] = {token: -float("inf") for token in self._eog_tokens()}
+            # (in place on the scores: the library's logit_bias copies the whole
+            # vocabulary's row every token, ~0.24 ms of a step here)
+            from llama_cpp import LogitsProcessorList
+            eog = self._eog_tokens()
+
+            def ban(input_ids, scores):
+                scores[eog] = -float("inf")
+                return scores
+            sampling["logits_processor"] = LogitsProcessorList([ban])
         sample = Sample()
         with self.lock:
             started = time.perf_counter()

@@ -728,6 +728,8 @@ class LlamaEngine:
                 raise EngineError("the KV cache could not drop a rejected draft")
             del slot.cached[keep:]
             slot.n_past = keep
+        if failed is not None:
+            accepted = len(outs)          # (every sample matched its draft token: counted)
         tried = slot.policy.tried           # (a guess filling drafts alike: no source's)
         own = min(len(draft), len(tried.tokens)) if tried else 0
         for source, drafted, kept in ((tried.source if tried else "", own, min(accepted, own)),
