@@ -124,3 +124,70 @@ def test_the_page_shows_the_worker_runs_a_completion_and_sees_a_drain(browser, s
     table = browser.execute_script("return document.getElementById('workers').textContent")
     page = browser.execute_script("return document.body.textContent")
     assert "sk-page" not in page and "def add" not in table   # no key; no content there
+
+
+def test_the_page_sends_a_key_once_it_is_applied_and_stops_reading_when_refused(browser):
+    """With `--status-access key` the status reads need a key. A read refused stops the
+    reads until the key changes (an idle tab sent one a second and a half, each logged);
+    the reads send the key field's value once it is applied (Enter), never a key half
+    typed (each read sent the key typed so far, and each refusal logged its
+    fingerprint: the key's prefixes). A refused key is logged as `invalid`."""
+    import re
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    server = ServerProcess("--api-key", "sk-page", "--status-access", "key", "--slots", "1",
+                           "--nctx", "512", log_name="statuskey").start()
+    try:
+        def refusals() -> list[str]:
+            return re.findall(r"route=/v1/status status=401 .*? key=(\S+)",
+                              server.log_path.read_text())
+        browser.get(server.url + "/")
+        wait(browser, lambda d: "needs a key" in d.find_element(By.ID, "summary").text,
+             "the page to say the status needs a key")
+        time.sleep(4.0)                            # (reads every 1.5 s before)
+        assert refusals() == ["-"]
+        field = browser.find_element(By.ID, "key")
+        field.send_keys("sk-pa")                   # typed, not applied
+        time.sleep(3.5)
+        assert refusals() == ["-"]
+        field.send_keys("wrong" + Keys.ENTER)      # applied: one read, refused, logged so
+        wait(browser, lambda d: len(refusals()) == 2, "the applied key's read", 20)
+        assert refusals() == ["-", "invalid"]
+        field.clear()
+        field.send_keys("sk-page" + Keys.ENTER)
+        cells = wait(browser, worker_cells, "the workers table with the key")
+        assert cells["name"].startswith("w0")
+        assert "sk-pa" not in server.log_path.read_text()
+    finally:
+        assert server.stop() == 0
+
+
+def test_the_pages_latency_after_a_restart_between_two_reads_is_the_newer_reads(tmp_path):
+    """The page's TTFT quantile is the difference of two reads' histograms; after the
+    dispatcher restarted between them (its histogram begun again) the differences went
+    negative and the quantile was wrong or empty: then the newer read alone counts.
+    (status.js's own function, run by node with a stand-in document.)"""
+    from test_clients import ensure_node
+    script = tmp_path / "quantile.js"
+    script.write_text("""
+const vm = require("vm");
+const fs = require("fs");
+const element = { addEventListener() {}, value: "", textContent: "" };
+const context = { document: { getElementById: () => element },
+                  fetch: () => new Promise(() => {}), setTimeout: () => 0, console };
+vm.createContext(context);
+vm.runInContext(fs.readFileSync(process.argv[2], "utf8"), context);
+const buckets = [0.1, 0.2, 0.4, Infinity];
+const older = { buckets, counts: [50, 40, 10, 0] };        // each bucket's count
+const newer = { buckets, counts: [0, 10, 0, 0] };          // begun again: 10 in 0.1-0.2
+const plain = { buckets, counts: [60, 40, 10, 0] };        // 10 more, all under 0.1
+console.log(JSON.stringify([context.quantile(older, newer, 0.5),
+                            context.quantile(older, plain, 0.5)]));
+""")
+    out = subprocess.run([ensure_node(), str(script), str(ROOT / "app" / "static" / "status.js")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    after_restart, plain = __import__("json").loads(out.stdout)
+    assert after_restart is not None and 0.1 <= after_restart <= 0.2
+    assert plain is not None and 0 < plain <= 0.1

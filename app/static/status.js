@@ -5,31 +5,58 @@
 "use strict";
 
 const POLL_MS = 1500;
+const MAX_POLL_MS = 30000;    // reads that fail wait twice as long each time, to this
 const WINDOW_MS = 60000;
 const history = [];           // [{t, workers: {name: worker}}], the last WINDOW_MS
 let models = {};
 
 const $ = (id) => document.getElementById(id);
 
-function keyHeaders() {
-  const key = $("key").value.trim();
+function keyHeaders(key = $("key").value.trim()) {
   return key ? { Authorization: "Bearer " + key } : {};
 }
 
 // -- status ---------------------------------------------------------------------------
+// The status reads send the key field's value once it is applied (Enter, or leaving the
+// field), never while it is typed: every read sent the key typed so far, and a refused
+// read is logged. A read refused for its key stops the reads until the key changes;
+// one that fails otherwise waits twice as long each time.
+let statusKey = "";
+let pollDelay = POLL_MS;
+let refused = false;
+
 async function poll() {
   try {
-    const response = await fetch("/v1/status", { cache: "no-store", headers: keyHeaders() });
+    const response = await fetch("/v1/status", { cache: "no-store",
+                                                 headers: keyHeaders(statusKey) });
     const status = await response.json();
+    if (response.status === 401 || response.status === 403) {
+      refused = true;
+      $("summary").textContent = "status needs a key: " +
+        (status.error ? status.error.message : response.status) +
+        " (type it above and press Enter)";
+      return;
+    }
     if (!response.ok) throw new Error(status.error ? status.error.message : response.status);
+    pollDelay = POLL_MS;
     record(status);
     render(status);
   } catch (err) {
+    pollDelay = Math.min(2 * pollDelay, MAX_POLL_MS);
     $("summary").textContent = "status unavailable: " + err.message;
   } finally {
-    setTimeout(poll, POLL_MS);
+    if (!refused) setTimeout(poll, pollDelay);
   }
 }
+
+$("key").addEventListener("change", () => {
+  statusKey = $("key").value.trim();
+  if (refused) {
+    refused = false;
+    pollDelay = POLL_MS;
+    poll();
+  }
+});
 
 function record(status) {
   const now = status.time * 1000;
@@ -51,7 +78,10 @@ function rate(older, newer, name, field) {
 // counts, the last one +Inf), interpolated within its bucket as Prometheus does.
 function quantile(older, newer, q) {
   if (!newer || !newer.counts) return null;
-  const counts = newer.counts.map((c, i) => c - (older && older.counts ? older.counts[i] : 0));
+  let counts = newer.counts.map((c, i) => c - (older && older.counts ? older.counts[i] : 0));
+  // (a count that went down: the dispatcher restarted between the reads, its histogram
+  // begun again; the newer read alone is the window's)
+  if (counts.some((c) => c < 0)) counts = newer.counts.slice();
   const total = counts.reduce((a, b) => a + b, 0);
   if (total <= 0) return null;
   let seen = 0;
