@@ -40,6 +40,8 @@ UNANSWERED_FAST_PINGS = 30
 # sent again, first after this many seconds, then twice as long each time up to the
 # heartbeat interval; at most this many wait (the oldest give way).
 CANCEL_RETRY_FIRST = 0.02
+# Seconds a front end's last counts may take to reach the dispatcher as it exits.
+FINAL_COUNTS_LINGER = 0.5
 # Seconds a request waits, once its grace after FINISHED has run out, for the events its
 # SUB reader takes from the socket when woken (a process held past the grace).
 READER_WAKE_WAIT = 0.05
@@ -442,9 +444,16 @@ class DispatcherClient:
         for stream in list(self.streams.values()):
             stream.inbox.put(Lost())
 
-    def close(self) -> None:
+    def close(self, send_counts: bool = False) -> None:
+        """Close the sockets; `send_counts`: first send the counts since the last
+        heartbeat, given up to FINAL_COUNTS_LINGER seconds to go out."""
         gevent.killall(list(self._greenlets))
-        self.dealer.close(0)
+        linger = 0
+        delta = self.recorder.take() if send_counts else None
+        if delta and self.send(P.PING, body=P.Ping(open=len(self.streams), pid=self.pid,
+                                                   served=self.served, metrics=delta)):
+            linger = int(FINAL_COUNTS_LINGER * 1000)
+        self.dealer.close(linger)
         self.sub.close(0)
         self.context.term()
 

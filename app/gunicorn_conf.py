@@ -80,3 +80,11 @@ def post_worker_init(worker):
     # Connect and subscribe at start-up, not on the first request.
     from app.client import get_client
     get_client(worker.wsgi)
+
+
+def worker_exit(server, worker):
+    # The counts since the last heartbeat (requests, latency, each key's usage) go to the
+    # dispatcher before the process ends: a restart lost up to an interval of them.
+    client = getattr(worker, "wsgi", None) and worker.wsgi.extensions.get("dispatcher_client")
+    if client is not None and client.pid == os.getpid():
+        client.close(send_counts=True)

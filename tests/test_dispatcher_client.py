@@ -32,6 +32,7 @@ class ScriptedDispatcher:
         self.beat_epoch = STATE.epoch
         self.pings = []
         self.received = []          # (command, request id) of every other message
+        self.ping_bodies = []
         self._greenlet = None
 
     def start(self) -> "ScriptedDispatcher":
@@ -48,6 +49,7 @@ class ScriptedDispatcher:
                 self.received.append((msg.cmd, msg.request_id))
                 continue
             self.pings.append(time.monotonic())
+            self.ping_bodies.append(msg.body)
             self.router.send_multipart([frames[0]] + P.encode(P.STATE, body=self.state))
             if self.beats:
                 self.xpub.send_multipart(P.encode_event(
@@ -200,6 +202,27 @@ def test_a_cancel_the_dealer_cannot_take_is_sent_when_it_can(monkeypatch, endpoi
         assert dispatcher.received.count((P.CANCEL, "cmpl-gone")) == 1
     finally:
         client.close()
+        dispatcher.close()
+
+
+def test_a_front_end_sends_its_last_counts_as_it_exits(monkeypatch, endpoints):
+    """The counts since the last heartbeat (requests, latency, each key's usage) go to
+    the dispatcher when the process exits (gunicorn's worker_exit): a restart lost up to
+    an interval of them. (Here the interval is a minute: only the last ping carries it.)"""
+    monkeypatch.setattr(client_module, "UNANSWERED_FAST_PINGS", 10_000)
+    dispatcher = ScriptedDispatcher(endpoints).start()
+    client = client_module.DispatcherClient(endpoints, config.Heartbeat(60.0))
+    try:
+        open_request_when_ready(client)
+        client.recorder.used("alice", 12, 34, False)
+        before = len(dispatcher.ping_bodies)
+        client.close(send_counts=True)
+        with gevent.Timeout(20):
+            while not any(body.metrics for body in dispatcher.ping_bodies[before:]):
+                gevent.sleep(0.05)
+        last = [b.metrics for b in dispatcher.ping_bodies[before:] if b.metrics][-1]
+        assert last["usage"] == [["alice", 1, 12, 34, 0]]
+    finally:
         dispatcher.close()
 
 
