@@ -172,10 +172,6 @@ def init_app(app: Flask) -> None:
         if record is not None and not record.get("_closing"):
             record["_closing"] = True
             status = response.status_code
-            if status == 401 and record.get("key") not in (None, "-"):
-                # (a key refused is logged as such: a fingerprint of each guess, or of
-                # a key typed a few characters at a time, tells its prefixes)
-                record["key"] = "invalid"
             code = _error_code(response) if status >= 400 else None
             if code:
                 record.failed(code)

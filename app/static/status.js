@@ -24,12 +24,23 @@ function keyHeaders(key = $("key").value.trim()) {
 let statusKey = "";
 let pollDelay = POLL_MS;
 let refused = false;
+let reading = false;
+let timer = null;
+
+function schedule(ms) {
+  clearTimeout(timer);
+  timer = setTimeout(poll, ms);
+}
 
 async function poll() {
+  timer = null;
+  if (reading) return;                 // (one read at a time)
+  reading = true;
+  const key = statusKey;
   try {
-    const response = await fetch("/v1/status", { cache: "no-store",
-                                                 headers: keyHeaders(statusKey) });
+    const response = await fetch("/v1/status", { cache: "no-store", headers: keyHeaders(key) });
     const status = await response.json();
+    if (key !== statusKey) return;     // the key changed meanwhile: read again with it
     if (response.status === 401 || response.status === 403) {
       refused = true;
       $("summary").textContent = "status needs a key: " +
@@ -42,20 +53,24 @@ async function poll() {
     record(status);
     render(status);
   } catch (err) {
-    pollDelay = Math.min(2 * pollDelay, MAX_POLL_MS);
-    $("summary").textContent = "status unavailable: " + err.message;
+    if (key === statusKey) {
+      pollDelay = Math.min(2 * pollDelay, MAX_POLL_MS);
+      $("summary").textContent = "status unavailable: " + err.message;
+    }
   } finally {
-    if (!refused) setTimeout(poll, pollDelay);
+    reading = false;
+    if (key !== statusKey) schedule(0);
+    else if (!refused) schedule(pollDelay);
   }
 }
 
 $("key").addEventListener("change", () => {
-  statusKey = $("key").value.trim();
-  if (refused) {
-    refused = false;
-    pollDelay = POLL_MS;
-    poll();
-  }
+  const key = $("key").value.trim();
+  if (key === statusKey) return;
+  statusKey = key;
+  refused = false;
+  pollDelay = POLL_MS;
+  if (!reading) schedule(0);           // (a read in flight reads again when it ends)
 });
 
 function record(status) {

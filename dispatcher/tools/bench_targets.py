@@ -273,16 +273,7 @@ class InProcessTarget:
         self.llm = reference_llama(model_path, n_ctx, self.n_threads)
         self.lock = threading.Lock()
         self.batched = None
-        self.eog: list[int] | None = None
-
-    def _eog_tokens(self) -> list[int]:
-        """The vocabulary's end-of-generation tokens (read once)."""
-        if self.eog is None:
-            import llama_cpp
-            vocab = llama_cpp.llama_model_get_vocab(self.llm.model)
-            self.eog = [t for t in range(llama_cpp.llama_vocab_n_tokens(vocab))
-                        if llama_cpp.llama_vocab_is_eog(vocab, t)]
-        return self.eog
+        self.end_ban = None             # `ignore_eos` (reference.end_ban), made once
 
     def make_room(self, streams: int) -> None:
         """A context for rounds of `streams` (made before a round is timed: llama.cpp
@@ -312,15 +303,10 @@ class InProcessTarget:
         # differ: top_k 40, top_p 0.95, min_p 0.05), and `ignore_eos` as a ban
         sampling = {key: extra[key] for key in ("top_k", "top_p", "min_p") if key in extra}
         if extra.get("ignore_eos"):
-            # (in place on the scores: the library's logit_bias copies the whole
-            # vocabulary's row every token, ~0.24 ms of a step here)
-            from llama_cpp import LogitsProcessorList
-            eog = self._eog_tokens()
-
-            def ban(input_ids, scores):
-                scores[eog] = -float("inf")
-                return scores
-            sampling["logits_processor"] = LogitsProcessorList([ban])
+            from dispatcher.tools.reference import end_ban
+            if self.end_ban is None:
+                self.end_ban = end_ban(self.llm)
+            sampling["logits_processor"] = self.end_ban
         sample = Sample()
         with self.lock:
             started = time.perf_counter()

@@ -54,6 +54,21 @@ class Stream:
     finish_reason: str | None = None
 
 
+def end_ban(llm):
+    """A logits processor for `llm.create_completion` that bans the vocabulary's
+    end-of-generation tokens (`ignore_eos`), in place on the scores: the library's
+    `logit_bias` copies the whole vocabulary's row every token (~0.24 ms a step here)."""
+    import llama_cpp
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    eog = [t for t in range(llama_cpp.llama_vocab_n_tokens(vocab))
+           if llama_cpp.llama_vocab_is_eog(vocab, t)]
+
+    def ban(input_ids, scores):
+        scores[eog] = -float("inf")
+        return scores
+    return llama_cpp.LogitsProcessorList([ban])
+
+
 class BatchedGreedy:
     """A server with no work of its own: llama-cpp-python's batch API on `llm`'s weights,
     a context of `sequences` sequences shaped as the workers' (a KV stream each, a batch
