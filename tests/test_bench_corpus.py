@@ -86,16 +86,19 @@ class Recorder:
     """A target that answers at once and keeps every prompt it was sent."""
     sent: list = []
     extras: list = []
+    keys: list = []
     lock = threading.Lock()
 
     def __init__(self, url, model=None, api_key=None):
         self.name = url
+        self.api_key = api_key
 
     def complete(self, prompt, max_tokens, suffix=None, session=None, timeout=600,
                  extra=None, seq=None, abort=None):
         with self.lock:
             self.sent.append((self.name, prompt))
             self.extras.append((prompt, extra))
+            self.keys.append((self.name, self.api_key))
         return Sample(ok=True, ttft=0.01, tokens=max_tokens, decode_s=0.01,
                       finish_reason="length", first_line=0.01)
 
@@ -221,3 +224,24 @@ def test_typing_counts_answers_with_nothing_to_show(monkeypatch):
             return next(answers)
     level = bench.run_typing(Target(), 2, 1, 1, 0.0, 8, 1, files=["a = 1\n" * 400] * 2)
     assert level.unanswered == 0 and level.empty == 1 and level.ok == 2
+
+
+def test_each_part_of_each_run_sends_a_key_of_its_own(monkeypatch):
+    """With several --api-key, each part of each run sends the next key, the same on
+    every target: a server that keeps what it learns per key (this one with API keys: a
+    key's recent answers, its recycled table) starts every part cold."""
+    monkeypatch.setattr(bench, "HttpTarget", Recorder)
+    Recorder.keys = []
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    keys = [f"k{i}" for i in range(20)]
+    args = parser.parse_args(["--url", "a", "--url", "b", "--concurrency", "1",
+                              "--no-fim", "--max-tokens", "4", "--workloads",
+                              "edit,fresh", "--requests", "2", "--runs", "2",
+                              "--seed", "3"] + [x for k in keys for x in ("--api-key", k)])
+    assert bench.run(args) == 0
+    for target in ("a", "b"):
+        sent = [key for name, key in Recorder.keys if name == target]
+        parts = [k for i, k in enumerate(sent) if i == 0 or sent[i - 1] != k]
+        # x1, extension, edit, fresh; two runs: eight parts, eight keys, in order
+        assert parts == keys[:8], parts

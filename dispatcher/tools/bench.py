@@ -266,7 +266,12 @@ def add_arguments(parser) -> None:
                              "server, http://127.0.0.1:PORT)")
     parser.add_argument("--model", default=None, help="model name to send (default: the "
                                                      "first of /v1/models)")
-    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--api-key", action="append", default=[],
+                        help="the key to send; repeatable: then each part of each run "
+                             "sends the next one (wrapping round), the same on every "
+                             "target, so a server that keeps what it learns per key "
+                             "(this one with API keys: a key's recent answers, its "
+                             "recycled table, its prompt cache) starts every part cold")
     parser.add_argument("--in-process", metavar="GGUF", default=None,
                         help="also measure llama-cpp-python in this process on this model "
                              "('bundled' for the bundled one)")
@@ -431,6 +436,11 @@ def run_parts(args, targets, plans, profiles: list[dict], run: int) -> list[dict
         # the first target of a part's first round rotates by part and by run: a part
         # that runs whole (typing, the FIM replay) goes first on each target in turn
         turn = run - 1 + p_index
+        if len(args.api_key) > 1:         # each part of each run under a key of its own
+            key = args.api_key[((run - 1) * len(order) + p_index) % len(args.api_key)]
+            for t, _ in running:
+                if not in_process[t]:
+                    targets[t].api_key = key
         while running:
             first = turn % len(running)
             for t_index, rounds in running[first:] + running[:first]:
@@ -471,7 +481,7 @@ def medians(rows: list[dict]) -> list[dict]:
 def run(args) -> int:
     targets = []
     for url in args.url or [f"http://127.0.0.1:{args.port}"]:
-        targets.append(HttpTarget(url, args.model, args.api_key))
+        targets.append(HttpTarget(url, args.model, args.api_key[0] if args.api_key else None))
     if args.in_process:
         from dispatcher.common.models import resolve_model_path
         path = None if args.in_process == "bundled" else args.in_process
@@ -497,6 +507,9 @@ def run(args) -> int:
         raise SystemExit(f"--corpus: {exc}") from None
     print(f"first-seen prompts: files of {corpus.root}, shuffled by seed {corpus.seed} "
           f"(--seed {corpus.seed} repeats this run's choice)", file=sys.stderr)
+    if len(args.api_key) > 1:
+        print(f"{len(args.api_key)} API keys: each part of each run sends the next one",
+              file=sys.stderr)
     results: list[list] = [[] for _ in targets]
     hostile_lines: list[str] = []
     profiles: list[dict] = []
