@@ -19,10 +19,6 @@ import gevent
 import gevent.event
 import gevent.lock
 import gevent.queue
-import gevent.monkey
-import gevent.socket
-import select
-import socket
 import zmq.green as zmq
 
 from app.errors import APIError, ServiceUnavailable, from_wire
@@ -40,6 +36,7 @@ UNANSWERED_FAST_PINGS = 30
 # sent again, first after this many seconds, then twice as long each time up to the
 # heartbeat interval; at most this many wait (the oldest give way).
 CANCEL_RETRY_FIRST = 0.02
+MAX_UNSENT_CANCELS = 10_000
 # Seconds a front end's last counts may take to reach the dispatcher as it exits.
 FINAL_COUNTS_LINGER = 0.5
 # Seconds a request waits, once its grace after FINISHED has run out, for the events its
@@ -50,7 +47,6 @@ READER_WAKE_WAIT = 0.05
 def wake_readers(sock) -> int:
     """A zmq.green socket's events, read the way that wakes its waiting readers."""
     return sock.get(zmq.EVENTS)
-MAX_UNSENT_CANCELS = 10_000
 
 
 class ClientGone(Exception):
@@ -421,8 +417,7 @@ class DispatcherClient:
         fast = UNANSWERED_FAST_PINGS
         while True:
             delta = self.recorder.take()
-            body = P.Ping(open=len(self.streams), pid=self.pid, served=self.served,
-                          metrics=delta)
+            body = self._ping(delta)
             if not self.send(P.PING, body=body) and delta:
                 self.recorder.restore(delta)          # the dispatcher is away: keep them
             # Until the dispatcher answers, ask again soon: the DEALER (IMMEDIATE) drops
@@ -438,6 +433,10 @@ class DispatcherClient:
             if self._alive and not self.dispatcher_alive:
                 self._lose("lost the dispatcher")
 
+    def _ping(self, metrics: dict | None) -> P.Ping:
+        return P.Ping(open=len(self.streams), pid=self.pid, served=self.served,
+                      metrics=metrics)
+
     def _lose(self, why: str) -> None:
         self._alive = False
         log.error("%s: failing %d open requests", why, len(self.streams))
@@ -450,52 +449,11 @@ class DispatcherClient:
         gevent.killall(list(self._greenlets))
         linger = 0
         delta = self.recorder.take() if send_counts else None
-        if delta and self.send(P.PING, body=P.Ping(open=len(self.streams), pid=self.pid,
-                                                   served=self.served, metrics=delta)):
+        if delta and self.send(P.PING, body=self._ping(delta)):
             linger = int(FINAL_COUNTS_LINGER * 1000)
         self.dealer.close(linger)
         self.sub.close(0)
         self.context.term()
-
-
-HANGUP_POLL = 0.25
-_poll = gevent.monkey.get_original("select", "poll")
-
-
-def _hung_up(fd: int) -> bool:
-    """Whether the peer has closed its side (or the connection failed), unread bytes or
-    not: a poll that does not wait."""
-    poller = _poll()
-    poller.register(fd, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
-    return bool(poller.poll(0))
-
-
-def watch_disconnect(environ: dict, on_gone) -> gevent.Greenlet | None:
-    """Call `on_gone()` as soon as the HTTP client closes its connection.
-
-    Waits for the client socket to become readable and peeks: end of file means the client
-    left. This notices a disconnect while the request is still queued or prefilling,
-    not only at the next failed write. Bytes waiting after the request (a pipelined
-    request, or one stray byte before a close) are left unread, and from then on the
-    socket is polled for the peer's FIN (POLLRDHUP) every HANGUP_POLL seconds: a byte
-    and a close must not leave a generation running for nobody.
-    """
-    sock = environ.get("gunicorn.socket")
-    if sock is None:
-        return None
-
-    def watch() -> None:
-        try:
-            gevent.socket.wait_read(sock.fileno())
-            while sock.recv(1, socket.MSG_PEEK) != b"":
-                if _hung_up(sock.fileno()):
-                    break
-                gevent.sleep(HANGUP_POLL)
-        except (OSError, ValueError):
-            pass
-        on_gone()
-
-    return gevent.spawn(watch)
 
 
 def get_client(app) -> DispatcherClient:

@@ -12,7 +12,8 @@ from flask import Blueprint, Response, current_app, request, stream_with_context
 
 from app import access, sse
 from app.writes import SEND_RATE_FLOOR, allow_write
-from app.client import ClientGone, get_client, watch_disconnect
+from app.client import ClientGone, get_client
+from app.disconnect import watch_disconnect
 from app.errors import RequestTimeout, from_wire
 from app.bodies import parse_json_body
 from app.fanout import MAX_BACKLOG_BYTES, Fanout
