@@ -16,6 +16,7 @@ import logging
 import socket
 import threading
 import time
+from collections import deque
 
 import zmq
 
@@ -31,6 +32,10 @@ log = logging.getLogger(__name__)
 LAST_WORDS_MS = 1000    # ms the front-end and worker sockets may take to send at close
 LOAD_GUESS = 600.0      # s a worker's first load may take before the queue stops waiting
 READ_BUDGET = 0.25      # s one socket's messages may take before the loop goes on
+ENDINGS = (P.FAILED, P.REJECTED)    # a request's end from the dispatcher: never dropped
+MAX_UNSENT = 10_000     # ... while fewer than this wait for a full pipe (then counted lost)
+UNSENT_FOR = 60.0       # ... nor for longer than this (s; a front end stalled that long is
+                        # past its heartbeats' expiry many times over)
 LOAD_TRIES = 2          # loads in a row that may die (one OOM kill) and still be waited for
 
 
@@ -76,6 +81,12 @@ class Broker:
         self.bound_keys: dict[str, str] = {}      # worker name -> the key it registered with
         # messages of peers that are no front end (_stranger), and when last logged
         self.strangers, self._stranger_logged = 0, -60.0
+        # messages whose handling raised (_handler_failed): when the last minute's first
+        # was logged, and how many of that minute's were
+        self._fault_logged, self._faults_logged = -60.0, 0
+        # the ends of requests (FAILED, REJECTED) a front end's full pipe refused: sent
+        # again each turn of the loop (resend)
+        self.unsent: deque[tuple[float, Send]] = deque()    # (first refused at, send)
         self.supervisor = supervisor
         self.core = DispatcherCore(SupervisedFleet(supervisor) if supervisor else None,
                                    known_models, max_queue, queue_timeout, time.time(),
@@ -164,9 +175,41 @@ class Broker:
                 try:
                     sock.send_multipart([send.peer] + P.encode(send.cmd, send.request_id,
                                                                send.body), zmq.NOBLOCK)
-                except zmq.ZMQError:      # EHOSTUNREACH (ROUTER_MANDATORY) or EAGAIN
-                    failed.append(send)
+                except zmq.ZMQError as exc:   # EHOSTUNREACH (ROUTER_MANDATORY) or EAGAIN
+                    if exc.errno == zmq.EAGAIN and send.to == "frontend" and \
+                            send.cmd in ENDINGS and len(self.unsent) < MAX_UNSENT:
+                        self.unsent.append((time.monotonic(), send))
+                    else:
+                        failed.append(send)
             sends = [more for send in failed for more in self.core.send_failed(send)]
+
+    def resend(self) -> None:
+        """Send again the ends of requests a front end's full pipe refused (`unsent`):
+        a FAILED or REJECTED dropped left its stream waiting for an end that no worker
+        would send (its job was over), until its client gave up. In order for each front
+        end, one still full passing over the others' turn; given up (counted as
+        undelivered) once its front end has gone, or after UNSENT_FOR s of a full pipe."""
+        pending, self.unsent = self.unsent, deque()
+        kept, lost, full = deque(), [], set()
+        now = time.monotonic()
+        for since, send in pending:
+            if send.peer in full:
+                kept.append((since, send))
+                continue
+            try:
+                self.frontend.send_multipart([send.peer] + P.encode(
+                    send.cmd, send.request_id, send.body), zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EAGAIN and now - since < UNSENT_FOR:
+                    full.add(send.peer)
+                    kept.append((since, send))
+                else:
+                    lost.append(send)
+                continue
+            self.core.stats["frontend_resent"] += 1
+        kept.extend(self.unsent)
+        self.unsent = kept
+        self.deliver([more for send in lost for more in self.core.send_failed(send)])
 
     # -- the loop ----------------------------------------------------------------------
     # stop() and drain() are safe in a signal handler: they set attributes and write to a
@@ -218,6 +261,7 @@ class Broker:
                 self._read(self.frontend, self.process_frontend)
             if self.control in ready:
                 self._read(self.control, self.process_control)
+            self.resend()
             now = time.monotonic()
             self.reap_children()
             if self._drain_requested is not None:
@@ -250,7 +294,30 @@ class Broker:
                 if sock is self.backend and not self._key_holds_name(frames):
                     continue
                 frames = [frame.bytes for frame in frames]
-            handler(frames)
+            try:
+                handler(frames)
+            except Exception:       # (a fault one message meets: not the end of the loop)
+                self._handler_failed(sock, frames)
+
+    def _handler_failed(self, sock: zmq.Socket, frames: list[bytes]) -> None:
+        """A message's handling raised: logged (its first few a minute with the trace),
+        counted, and a front end's job answered 500 rather than left waiting. The loop
+        goes on: every other stream, queue and worker outlives one message's fault (an
+        escape here ended `serve`, and it stopped every worker with it)."""
+        self.core.stats["loop_faults"] += 1
+        now = time.monotonic()
+        if now - self._fault_logged >= 60:
+            self._fault_logged, self._faults_logged = now, 0
+        if self._faults_logged < 3:
+            self._faults_logged += 1
+            log.exception("handling a message failed (%d so far); the dispatcher goes on",
+                          self.core.stats["loop_faults"])
+        if sock is self.frontend and len(frames) == 5:
+            request_id = P.malformed_request(frames[1:], P.SUBMIT)
+            if request_id:
+                self.deliver([Send("frontend", frames[0], P.REJECTED, request_id, P.WireError(
+                    status=500, code="dispatcher_fault",
+                    message="the dispatcher failed on this job (its log says how)"))])
 
     def _key_holds_name(self, frames: list) -> bool:
         """A keyed worker speaks only under a name its key holds (curve.may_register);
@@ -281,8 +348,9 @@ class Broker:
             stuck = child.last_exit == config.EXIT_STUCK
             reason = "stuck: its step ran past --step-timeout" if stuck \
                 else f"process exited ({child.last_exit})"
-            self.deliver(self.core.worker_exited(child.name, pid, reason,
-                                                 "worker_stuck" if stuck else None))
+            self.deliver(self.core.worker_exited(
+                child.name, pid, reason, "worker_stuck" if stuck else None,
+                crashed=not stuck and child.last_exit != 0))
             if child.gave_up:           # (why, as it said: status showed an older loss)
                 self.core.note_loss(child.name, "cannot serve: " + (
                     child.exit_note or f"process exited ({child.last_exit})"), None)

@@ -36,6 +36,11 @@ UNSERVABLE_CHECK = 1.0      # s between looks for queued jobs no worker can run 
                             # looks at every queued job against every worker)
 # A job that never started is requeued when its worker is lost, up to this many attempts.
 MAX_ATTEMPTS = 3
+# A job on a worker that crashed before it said the job started is requeued; on a second
+# worker that crashes so, it is failed: it may be what crashed them (a job's STARTED
+# travels behind its prefill's first step, and a crash there is never said), and a third
+# worker, with every request running on it, is not risked on it.
+MAX_CRASHES = 2
 # Requests a choice of which was served are remembered this long (this many at most): a
 # later choice of theirs is not timed out in the queue (a finished first choice freed
 # its slot for another key's turn, and the next tick 504'd the rest)
@@ -103,7 +108,8 @@ class DispatcherCore:
         self.units = Units()                       # requests admitted job by job
         self.stats = {"submitted": 0, "rejected": 0, "requeued": 0, "failed": 0,
                       "completed": 0, "cancelled": 0, "superseded": 0, "queue_full": 0,
-                      "timed_out": 0, "adopted": 0, "frontend_undelivered": 0}
+                      "timed_out": 0, "adopted": 0, "frontend_undelivered": 0,
+                      "frontend_resent": 0, "loop_faults": 0}
         self.metrics = SystemMetrics()
         # worker name -> {reason, code, at}: why it was last lost (status shows it)
         self.losses: dict[str, dict] = {}
@@ -493,11 +499,12 @@ class DispatcherCore:
         self.dispatch()
 
     def worker_exited(self, name: str, pid: int, reason: str,
-                      code: str | None = None) -> list[Send]:
-        """The launcher saw a worker's process exit."""
+                      code: str | None = None, crashed: bool = False) -> list[Send]:
+        """The launcher saw a worker's process exit (`crashed`: by a signal or an error,
+        not a stop: its unstarted jobs count the crash, MAX_CRASHES)."""
         record = self.registry.get(name.encode())
         if record is not None and record.info.pid == pid:
-            self.worker_lost(record, reason, code)
+            self.worker_lost(record, reason, code, crashed=crashed)
             self.dispatch()
         return self._take()
 
@@ -534,14 +541,15 @@ class DispatcherCore:
             del self.losses[next(iter(self.losses))]
 
     def worker_lost(self, record: WorkerRecord, reason: str, code: str | None = None,
-                    silent: bool = False) -> None:
+                    silent: bool = False, crashed: bool = False) -> None:
         """Drop a worker; requeue its jobs that had not started (they cannot be what
         killed it), fail the others: a request that was being prefilled or generated when
         its worker died is never handed to a second worker to kill. A worker lost by
         going `silent` (no heartbeats: its IO thread could not run, as when its
         generation thread held the GIL) may not have been able to say a job started
-        either, so none of its jobs is requeued. `code` is the error its failed requests
-        get (worker_lost, or worker_stuck from the watchdog)."""
+        either, so none of its jobs is requeued. A job unstarted on a worker that
+        `crashed` is requeued only until its MAX_CRASHES-th such crash. `code` is the
+        error its failed requests get (worker_lost, or worker_stuck from the watchdog)."""
         lost = refusals.worker_lost(code, reason)
         self.registry.remove(record.identity)
         log.error("worker %s lost (%s) with %d request(s)", record.name, reason,
@@ -550,9 +558,11 @@ class DispatcherCore:
         failed = 0                           # (requeued and cancelled ones are no loss)
         for job in record.running.values():
             job.worker = None
+            if crashed and not job.started:
+                job.crashes += 1
             if job.cancelled:                # nobody waits for it any more
                 self._forget(job)
-            elif not job.started and not silent and \
+            elif not job.started and not silent and job.crashes < MAX_CRASHES and \
                     job.attempt - job.handed_back < MAX_ATTEMPTS:
                 self._requeue(job)
             else:

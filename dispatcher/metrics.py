@@ -54,8 +54,8 @@ class SystemMetrics:
                 totals = self.usage.setdefault(row[0], [0, 0, 0, 0])
                 for i, n in enumerate(counts):
                     totals[i] += n
-        except (TypeError, ValueError, KeyError):
-            pass
+        except (TypeError, ValueError, KeyError, RecursionError):
+            pass                # (RecursionError: a label nested too deep to print)
 
     def job_done(self, worker: str, device: str, body) -> None:
         """A worker's DONE (protocol.Done)."""

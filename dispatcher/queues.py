@@ -21,6 +21,7 @@ class QueuedJob:
     body: P.SubmittedJob         # the job as the front end sent it (prompt filled in)
     attempt: int = 1
     handed_back: int = 0         # attempts a stopping worker handed back unstarted
+    crashes: int = 0             # workers that crashed while it was on them unstarted
     enqueued_at: float = field(default_factory=time.monotonic)
     worker: bytes | None = None  # the worker running it, once dispatched
     started: bool = False        # the worker took it into a slot (prefill began)

@@ -218,6 +218,32 @@ def test_a_lost_worker_requeues_what_it_had_not_started_and_fails_the_rest():
     assert request.request_id == "waiting" and request.body.attempt == 2
 
 
+def test_a_job_unstarted_on_two_workers_that_crashed_is_failed_not_sent_to_a_third():
+    """A job's STARTED travels behind its prefill's first step, so a prompt that crashes
+    a worker there looks unstarted: requeued once, it is failed when its second worker
+    crashes so too (a third, with every request running on it, is not risked on it).
+    A worker that exits without a crash (a stop) counts nothing."""
+    core = DispatcherCore()
+    ready(core, b"w0", slots=1)
+    submit(core, "poison")
+    core.worker_exited("w0", 1, "process exited (-11)", crashed=True)
+    assert [(j.request_id, j.attempt) for j in core.queue] == [("poison", 2)]   # requeued
+    ready(core, b"w1", slots=1)
+    sends = core.worker_exited("w1", 1, "process exited (-11)", crashed=True)
+    failed = {s.request_id: s.body.code for s in sends if s.cmd == P.FAILED}
+    assert failed == {"poison": "worker_lost"} and len(core.queue) == 0  # (attempt 2 of 3)
+    ready(core, b"w2", slots=1)
+    submit(core, "stopped")
+    core.worker_exited("w2", 1, "process exited (0)")                 # a stop: no crash
+    assert [(j.request_id, j.crashes) for j in core.queue] == [("stopped", 0)]
+    core.queue.remove("stopped")
+    ready(core, b"w3", slots=1)
+    submit(core, "started")
+    from_worker(core, P.STARTED, "started", attempt=1, name=b"w3")
+    sends = core.worker_exited("w3", 1, "process exited (-11)", crashed=True)
+    assert {s.request_id for s in sends if s.cmd == P.FAILED} == {"started"}
+
+
 def test_a_worker_lost_by_going_silent_has_none_of_its_jobs_requeued():
     """A worker whose heartbeats stopped (its generation thread held the GIL, so its IO
     thread could neither beat nor say the job it was busy with had started): that job

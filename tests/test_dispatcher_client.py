@@ -291,3 +291,84 @@ def test_a_peer_without_a_front_ends_identity_is_dropped_and_the_dispatcher_serv
         stranger.close(0)
         dealer.close(0)
         context.term()
+
+
+def test_a_fault_handling_one_message_fails_that_job_and_the_loop_goes_on(
+        endpoints, broker, monkeypatch):
+    """A message whose handling raises (a bug one job meets) gets its job a 500, and the
+    dispatcher serves on: an exception that escaped the loop ended `serve`, and it
+    stopped every worker and stream with it."""
+    submit = broker.core.submit
+
+    def faulty(fe_id, request_id, body):
+        if body.prompt == "fault":
+            raise RuntimeError("a bug met by this job alone")
+        return submit(fe_id, request_id, body)
+
+    monkeypatch.setattr(broker.core, "submit", faulty)
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, P.new_frontend_id())
+    dealer.connect(endpoints.frontend)
+    try:
+        for _ in range(2):          # (the second: the loop still reads and answers)
+            job = P.WorkerJob(id=P.new_request_id(), model="m", prompt="fault",
+                              generation=P.Generation(max_tokens=3))
+            dealer.send_multipart(P.encode(P.SUBMIT, job.id, job))
+            assert dealer.poll(10_000)
+            msg = P.decode(dealer.recv_multipart())
+            assert (msg.cmd, msg.request_id) == (P.REJECTED, job.id)
+            assert (msg.body.status, msg.body.code) == (500, "dispatcher_fault")
+        assert broker.core.stats["loop_faults"] == 2
+        dealer.send_multipart(P.encode(P.PING, body=P.Ping(open=0)))
+        assert dealer.poll(10_000)
+        assert P.decode(dealer.recv_multipart()).cmd == P.STATE
+    finally:
+        dealer.close(0)
+        context.term()
+
+
+def test_a_requests_end_a_full_front_end_pipe_refuses_is_sent_when_it_can_take_it(
+        endpoints, broker, monkeypatch):
+    """A REJECTED or FAILED that meets a front end's full pipe (EAGAIN: 1,000 messages
+    behind) is sent again once it drains: dropped, it left the stream waiting for an end
+    that would never come (its job was over: no worker sends one)."""
+    submit = broker.core.submit
+
+    def faulty(fe_id, request_id, body):
+        if body.prompt == "fault":
+            raise RuntimeError("ends the job with a REJECTED")
+        return submit(fe_id, request_id, body)
+
+    monkeypatch.setattr(broker.core, "submit", faulty)
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.IDENTITY, P.new_frontend_id())
+    dealer.setsockopt(zmq.RCVHWM, 1)
+    dealer.setsockopt(zmq.RCVBUF, 4096)
+    dealer.connect(endpoints.frontend)
+    try:
+        for count in (5000, 100):   # each answered with ~300 bytes nobody reads yet;
+            for _ in range(count):  # the second lot once the pipes have settled full
+                dealer.send_multipart(P.encode(P.METRICS, "m"))
+            time.sleep(0.5)
+        job = P.WorkerJob(id=P.new_request_id(), model="m", prompt="fault",
+                          generation=P.Generation(max_tokens=3))
+        dealer.send_multipart(P.encode(P.SUBMIT, job.id, job))
+        deadline = time.monotonic() + 30
+        while broker.core.stats["loop_faults"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ends = []
+        while not ends and time.monotonic() < deadline:
+            if dealer.poll(200):
+                msg = P.decode(dealer.recv_multipart())
+                if msg.cmd != P.METRICS:
+                    ends.append(msg)
+        assert [(m.request_id, m.body.code) for m in ends] == [(job.id, "dispatcher_fault")]
+        while broker.core.stats["frontend_resent"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)        # (counted by the loop's thread right after the send)
+        assert broker.core.stats["frontend_resent"] == 1, "it went at once: no full pipe"
+        assert broker.core.stats["frontend_undelivered"] == 0
+    finally:
+        dealer.close(0)
+        context.term()

@@ -154,6 +154,20 @@ def test_a_message_nested_too_deeply_is_refused_not_the_end_of_the_dispatcher(tw
         msg = P.decode(raw.dealer.recv_multipart())
         assert msg.cmd == P.REJECTED and msg.body.code == "bad_job", msg
         assert "nested too deeply" in msg.body.message
+        # nested less deep than msgspec's limit, but deeper than json.dumps goes from the
+        # loop's stack: a prompt that deep (routing's json.dumps) ended the loop; a front
+        # end's metrics label (absorb's str()) is sent at depths round the same edge
+        shallower = "[" * 950 + "]" * 950
+        job = {**job, "id": P.new_request_id(), "prompt": None}
+        raw.dealer.send_multipart([P.PROTO, P.SUBMIT, job["id"].encode(),
+                                   json.dumps(job).replace("null", shallower).encode()])
+        assert raw.dealer.poll(10_000), "the dispatcher did not answer"
+        msg = P.decode(raw.dealer.recv_multipart())
+        assert msg.cmd == P.REJECTED and msg.body.code == "bad_job", msg
+        for depth in range(940, 1000, 3):   # (where it fails moves with the stack)
+            label = "[" * depth + "]" * depth
+            raw.dealer.send_multipart([P.PROTO, P.PING, b"", (
+                '{"metrics": {"requests": [[%s, "200", 1]]}}' % label).encode()])
         worker = raw.context.socket(zmq.DEALER)      # a worker's socket takes anyone
         worker.connect(Endpoints.from_base(two.dispatcher).worker)
         worker.send_multipart([P.PROTO, P.READY, b"",

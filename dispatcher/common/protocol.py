@@ -236,7 +236,10 @@ class Job(Body, Generic[G], kw_only=True):
     tenant: str | None = None           # whose prompt cache it may reuse (None: shared)
     api_key: str | None = None          # its API key's fingerprint: fair shares per key
     op: str | None = None               # tokenize / detokenize: no queue, no slot
-    prompt: str | list | None = None    # text, token ids, or llama.cpp's mix
+    # text, or token ids mixed with text as llama.cpp takes them: one level, never deeper
+    # (a peer's list nested a thousand deep passed a bare `list` and ended the
+    # dispatcher's loop in a json.dumps of it)
+    prompt: str | list[int | str] | None = None
     suffix: str | None = None           # fill in the middle
     infill: Infill | None = None
     same_as: str | None = None          # the prompt fields are those of this job
