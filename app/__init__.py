@@ -62,9 +62,14 @@ def create_app(test_config: dict | None = None) -> Flask:
             gevent.getcurrent(), "completions_arrived_ns", None) or time.time_ns()
 
     app.after_request(bound_the_writes)
-    # a big body's decoding slot, where the request ended before its validation did
-    from app.bodies import big_body_slots
-    app.teardown_request(lambda exc: big_body_slots.give_back())
+    # a big body's decoding slot, where the request ended before its validation did,
+    # and its share of the bytes of big bodies held at once
+    from app import bodies
+
+    @app.teardown_request
+    def give_back_body(exc):
+        bodies.big_body_slots.give_back()
+        bodies.body_bytes.give_back()
 
     @app.after_request
     def name_the_request(response):

@@ -15,7 +15,7 @@ from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import ClientDisconnected
 
 from app.errors import (ClientClosedRequest, InvalidRequest, PayloadTooLarge,
-                        RequestTimeout, UnsupportedMediaType)
+                        RequestTimeout, ServiceUnavailable, UnsupportedMediaType)
 
 
 def _reject_constant(name: str):
@@ -37,6 +37,60 @@ def parse_json_body(any_content_type: bool = False) -> object:
     if len(raw) > BIG_BODY:
         big_body_slots.take()       # (given back once validated, or as the request ends)
     return off_loop(decode_json_body, raw)
+
+
+# Bytes of bodies over BIG_BODY read at once per front end: at most BIG_BODY_BYTES, taken
+# a MiB at a time as a body arrives (a client announcing 8 MiB and sending a byte a
+# second holds what it sent, not what it announced) and given back once the body is
+# validated (or as the request ends). Read first, each body waited for its decode slot
+# with its bytes in hand, so 4,096 connections could hold 8 MiB each: 32 GiB. A body
+# that cannot have its next MiB within BODY_BYTES_WAIT s is a 503 server_busy.
+BIG_BODY_BYTES = 64 << 20
+BODY_BYTES_STEP = 1 << 20
+BODY_BYTES_WAIT = 15.0
+BODY_BYTES_KEY = "completions.body_bytes"
+
+
+class BodyBytes:
+    """The front end's bytes of big bodies held at once (a body larger than the whole
+    budget is read alone)."""
+
+    def __init__(self, budget: int = BIG_BODY_BYTES) -> None:
+        self.budget = budget
+        self.held = 0
+        self.changed = None                 # (made in the serving process, after forks)
+
+    def cover(self, size: int, wait: float | None = None) -> None:
+        """Hold at least `size` bytes for this request's body (what it holds already,
+        then whole steps of BODY_BYTES_STEP), waiting up to `wait` s for room."""
+        have = request.environ.get(BODY_BYTES_KEY, 0)
+        if size <= have:
+            return
+        more = -(-(size - have) // BODY_BYTES_STEP) * BODY_BYTES_STEP
+        wait = BODY_BYTES_WAIT if wait is None else wait
+        if self.changed is None:
+            import threading                # (gevent's, where the front end patched it)
+            self.changed = threading.Condition()
+        with self.changed:
+            if not self.changed.wait_for(
+                    lambda: self.held == have or self.held + more <= self.budget, wait):
+                raise ServiceUnavailable(
+                    f"this front end is reading {self.held:,} bytes of large bodies; "
+                    f"{more:,} more waited {wait:g} s for room", code="server_busy")
+            self.held += more
+        request.environ[BODY_BYTES_KEY] = have + more
+
+    def give_back(self) -> None:
+        if not has_request_context():
+            return
+        size = request.environ.pop(BODY_BYTES_KEY, 0)
+        if size:
+            with self.changed:
+                self.held -= size
+                self.changed.notify_all()
+
+
+body_bytes = BodyBytes()
 
 
 # Bodies over BIG_BODY bytes are decoded and validated a few at a time per front end:
@@ -92,8 +146,13 @@ def read_body() -> bytes:
     try:
         with gevent.Timeout(seconds or None, False):
             if request.content_length is None and limit:
-                return _chunked(request.environ["wsgi.input"], limit)
+                return _pieces(request.environ["wsgi.input"], limit)
+            if request.content_length > BIG_BODY:
+                return _pieces(request.stream, limit, request.content_length)
             return request.get_data(cache=False)
+    except ServiceUnavailable:
+        _stop_reading()             # (the rest of the body is not read: it was, unbounded)
+        raise
     except (ClientDisconnected, NoMoreData, ConnectionError):
         # the client left before its body was whole (werkzeug's reader, bounding the body
         # by --max-body, says so of any OSError: a generic 400 with no code)
@@ -111,19 +170,28 @@ def read_body() -> bytes:
     raise RequestTimeout(f"the body did not arrive within {seconds:g} s")
 
 
-def _chunked(stream, limit: int) -> bytes:
-    """A body without a length (chunked), read to its end or past `limit`: werkzeug's
-    bounded reader stopped at the limit without a word, and the request ran on the body's
-    first 8 MiB (a body that never ended was read on, and thrown away, for 75 s)."""
+def _pieces(stream, limit: int, length: int | None = None) -> bytes:
+    """A body read piece by piece: its `length` bytes, or without one (chunked) to its
+    end or past `limit`, its bytes past BIG_BODY covered by the front end's budget
+    (`body_bytes`) before they are read. Without a length, werkzeug's bounded reader
+    stopped at the limit without a word, and the request ran on the body's first 8 MiB
+    (a body that never ended was read on, and thrown away, for 75 s)."""
     data = bytearray()
-    while True:
-        piece = stream.read(min(CHUNK_READ, limit + 1 - len(data)))
+    want = length if length is not None else limit + 1
+    while len(data) < want:
+        size = min(CHUNK_READ, want - len(data))
+        if len(data) + size > BIG_BODY:
+            body_bytes.cover(len(data) + size)
+        piece = stream.read(size)
         if not piece:
+            if length is not None:
+                raise ClientDisconnected()
             return bytes(data)
         data += piece
-        if len(data) > limit:
-            _stop_reading()
-            raise PayloadTooLarge(f"the body is over {limit:,} bytes (--max-body)")
+    if length is None:              # (past the limit)
+        _stop_reading()
+        raise PayloadTooLarge(f"the body is over {limit:,} bytes (--max-body)")
+    return bytes(data)
 
 
 CHUNK_READ = 1 << 16

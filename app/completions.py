@@ -76,6 +76,12 @@ def serve(req: dict, result_class, native: bool = False, infill: P.Infill | None
     state = client.wait_state()
     model = resolve_model(req["model"], state)
     known = state.models.get(model)
+    if req.get("suffix") == "" and infill is None and known is not None and known.ready \
+            and not known.fim:
+        # nothing after the cursor, on a model with no fill-in-the-middle: a completion
+        # of the prompt (refused as fim_unsupported, a client that always sends the
+        # suffix failed at the end of every file)
+        req["suffix"] = None
     n_ctx = known.n_ctx if known is not None else 0     # (0: no worker has said yet)
     if req.get("nctx"):                 # (geniex's nctx: the request's context, at most)
         n_ctx = min(n_ctx, int(req["nctx"])) if n_ctx else int(req["nctx"])

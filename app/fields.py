@@ -139,6 +139,10 @@ class PromptField(fields.Field):
             return prompt
         if not prompt or all(isinstance(p, str) and p == "" for p in prompt):
             raise self.make_error("empty")
+        if all(type(p) is int for p in prompt):     # token ids alone: one pass at C speed
+            if min(prompt) < 0:                     # (a million took 1.1 s item by item)
+                raise self.make_error("negative")
+            return list(prompt)
         for part in prompt:
             if _is_int(part):
                 if part < 0:

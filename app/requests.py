@@ -9,6 +9,7 @@ import msgspec
 from flask import Response, current_app, has_request_context, request
 from marshmallow import Schema, ValidationError
 
+from app import bodies
 from app.bodies import BigBodySlots, clipped, off_loop
 from app.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
 from app.schemas import CompletionRequestSchema, first_error, normalize
@@ -38,6 +39,7 @@ def validate(body: object, schema: Schema = _schema) -> dict:
         data = off_loop(_validate, body, schema)
     finally:
         BigBodySlots.give_back()
+        bodies.body_bytes.give_back()   # (the raw body is gone: its bytes are free)
     if isinstance(data, dict) and data.get("json_schema") is not None:
         # made into a grammar here, within its budget: a worker only ever gets grammars
         try:

@@ -75,8 +75,7 @@ class Result:
     def _logprobs(self, i: int) -> dict | None:
         if not self.want_logprobs:
             return None
-        return self.logprobs[i] or {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                                    "text_offset": []}
+        return self.logprobs[i] or no_logprobs()
 
     def trailer(self, error: bool) -> list[bytes]:
         """What ends a stream: the usage chunk if asked (not after an error), [DONE]."""
@@ -96,12 +95,20 @@ class Result:
         else:
             return None
         if self.want_logprobs:
-            choice["logprobs"] = event.logprobs
+            # a chunk with no token of its own (the finish, text held back for a possible
+            # stop string and sent at the end) says so with empty lists, not null: a
+            # client reading chunk.choices[0].logprobs.tokens met None at the end
+            choice["logprobs"] = event.logprobs or no_logprobs()
         obj = sse.completion(self.request_id, self.created, self.model, [choice], None,
                              system_fingerprint=self.fingerprint)
         if not include_usage:
             del obj["usage"]
         return sse.event(obj)
+
+
+def no_logprobs() -> dict:
+    """OpenAI's logprobs object of no tokens."""
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
 def merge_logprobs(into: dict | None, more: dict) -> dict:

@@ -6,6 +6,8 @@ OpenAPI description (`app.openapi` builds /openapi.json from these declarations)
 """
 from __future__ import annotations
 
+import hashlib
+
 from marshmallow import (EXCLUDE, RAISE, Schema, ValidationError, fields, pre_load, validate,
                          validates_schema)
 
@@ -268,8 +270,10 @@ class CompletionRequestSchema(Schema):
         if best_of is not None and best_of < n:
             raise ValidationError(f"best_of ({best_of}) must be at least n ({n}).",
                                   "best_of")
-        if best_of is not None and best_of > 1 and data.get("stream"):
-            raise ValidationError("best_of cannot be used with stream.", "best_of")
+        if best_of is not None and best_of > n and data.get("stream"):
+            # (best_of equal to n chooses nothing: every candidate is a choice, streamed)
+            raise ValidationError("best_of greater than n cannot be used with stream.",
+                                  "best_of")
         if data.get("echo") and data.get("suffix") is not None:
             # (the prompt the model reads is the fill-in-the-middle layout, suffix and
             # all: echoed, its text and its logprobs would not be the prompt sent)
@@ -304,15 +308,42 @@ class CompletionRequestSchema(Schema):
         if data.get("grammar") and data.get("json_schema") is not None:
             raise ValidationError("Use grammar or json_schema, not both.", "json_schema")
         if data.get("grammar"):
-            try:
-                gbnf.check(data["grammar"])      # as llama.cpp parses it, bounded
-            except gbnf.GrammarError as exc:
-                raise ValidationError(f"The grammar cannot be used: {exc}.", "grammar")
+            refusal = grammar_refusal(data["grammar"])   # as llama.cpp parses it, bounded
+            if refusal is not None:
+                raise ValidationError(f"The grammar cannot be used: {refusal}.", "grammar")
         for alias, name in ALIASES.items():
             if data.get(alias) is not None and original.get(name) is not None \
                     and data[alias] != data[name]:
                 raise ValidationError(f"{alias} and {name} are the same setting and "
                                       "differ here.", alias)
+
+
+# Grammars checked lately, by digest: what was wrong with each (None: nothing). A client
+# sends the same grammar with every request, and a check takes up to ~0.8 s of a pool
+# thread (32,768 rules): each was checked again.
+GRAMMARS_KEPT = 256
+_checked: dict[bytes, str | None] = {}
+
+
+def grammar_refusal(grammar: str) -> str | None:
+    """What makes `grammar` unusable (`gbnf.check`), None if nothing; remembered for the
+    last GRAMMARS_KEPT grammars (validation runs on several threads: a lost race only
+    checks one twice)."""
+    key = hashlib.blake2b(grammar.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    if key in _checked:
+        return _checked[key]
+    try:
+        gbnf.check(grammar)
+        refusal = None
+    except gbnf.GrammarError as exc:
+        refusal = str(exc)
+    _checked[key] = refusal
+    while len(_checked) > GRAMMARS_KEPT:
+        try:
+            del _checked[next(iter(_checked))]         # (the oldest)
+        except (KeyError, RuntimeError, StopIteration):
+            break
+    return refusal
 
 
 # another name a field is sent under -> the field: llama.cpp's names for OpenAI's, and the

@@ -65,9 +65,11 @@ def _model_object(model_id: str, info, aliases: dict) -> dict:
 @bp.get("/models")                      # (llama-server's other name for it)
 def list_models():
     state = _state()
+    # the model a request without `model` gets first (clients take `data[0]` for the
+    # default), then the others in the config's order
+    models = sorted(state.models.items(), key=lambda item: item[0] != state.default_model)
     return jsonify({"object": "list", "data": [
-        _model_object(model_id, info, state.aliases)
-        for model_id, info in sorted(state.models.items())]})
+        _model_object(model_id, info, state.aliases) for model_id, info in models]})
 
 
 @bp.get("/v1/models/<path:model>")

@@ -261,22 +261,30 @@ class Broker:
                 self._read(self.frontend, self.process_frontend)
             if self.control in ready:
                 self._read(self.control, self.process_control)
-            self.resend()
-            now = time.monotonic()
-            self.reap_children()
-            if self._drain_requested is not None:
-                if self._drain_because:
-                    log.info("%s: finishing in-flight requests (up to %.0fs; again to stop "
-                             "now)", self._drain_because, self._drain_requested)
-                self.deliver(self.core.drain(self._drain_requested, now))
-                self._drain_requested = None
-            self.deliver(self.core.tick(now))
-            self.end_silent_workers()
-            self.ops.tick(now)
+            try:
+                self._tend()
+            except Exception:       # (a fault of the tick's: logged and counted, as a
+                self._handler_failed(None, [])          # message's; the loop goes on)
             if self.core.stopped:
                 self.stop()
         if self._stop_because:
             log.info("%s: stopping", self._stop_because)
+
+    def _tend(self) -> None:
+        """What the loop does after each read: resends, reaping, a drain asked for, the
+        core's tick (expiries, heartbeats, dispatch), silent workers, the ops."""
+        self.resend()
+        now = time.monotonic()
+        self.reap_children()
+        if self._drain_requested is not None:
+            if self._drain_because:
+                log.info("%s: finishing in-flight requests (up to %.0fs; again to stop "
+                         "now)", self._drain_because, self._drain_requested)
+            grace, self._drain_requested = self._drain_requested, None
+            self.deliver(self.core.drain(grace, now))
+        self.deliver(self.core.tick(now))
+        self.end_silent_workers()
+        self.ops.tick(now)
 
     def _read(self, sock: zmq.Socket, handler) -> None:
         """Up to 1000 messages, for READ_BUDGET s at most: the loop then reads the
@@ -299,11 +307,13 @@ class Broker:
             except Exception:       # (a fault one message meets: not the end of the loop)
                 self._handler_failed(sock, frames)
 
-    def _handler_failed(self, sock: zmq.Socket, frames: list[bytes]) -> None:
-        """A message's handling raised: logged (its first few a minute with the trace),
-        counted, and a front end's job answered 500 rather than left waiting. The loop
-        goes on: every other stream, queue and worker outlives one message's fault (an
-        escape here ended `serve`, and it stopped every worker with it)."""
+    def _handler_failed(self, sock: zmq.Socket | None, frames: list[bytes]) -> None:
+        """A message's handling raised (or the tick's: `sock` None): logged (the first
+        few a minute with the trace), counted, and a front end's job cancelled wherever
+        it got to (queued, sent to a worker: it would run for nobody) and answered 500
+        rather than left waiting. The loop goes on: every other stream, queue and worker
+        outlives one message's fault (an escape here ended `serve`, and it stopped every
+        worker with it)."""
         self.core.stats["loop_faults"] += 1
         now = time.monotonic()
         if now - self._fault_logged >= 60:
@@ -315,6 +325,10 @@ class Broker:
         if sock is self.frontend and len(frames) == 5:
             request_id = P.malformed_request(frames[1:], P.SUBMIT)
             if request_id:
+                try:
+                    self.deliver(self.core.abandon(request_id))
+                except Exception:           # (counted once: the message's fault)
+                    log.debug("abandoning %s failed too", request_id, exc_info=True)
                 self.deliver([Send("frontend", frames[0], P.REJECTED, request_id, P.WireError(
                     status=500, code="dispatcher_fault",
                     message="the dispatcher failed on this job (its log says how)"))])
@@ -350,7 +364,7 @@ class Broker:
                 else f"process exited ({child.last_exit})"
             self.deliver(self.core.worker_exited(
                 child.name, pid, reason, "worker_stuck" if stuck else None,
-                crashed=not stuck and child.last_exit != 0))
+                crashed=not (stuck or child.exited_as_asked) and child.last_exit != 0))
             if child.gave_up:           # (why, as it said: status showed an older loss)
                 self.core.note_loss(child.name, "cannot serve: " + (
                     child.exit_note or f"process exited ({child.last_exit})"), None)

@@ -36,10 +36,12 @@ UNSERVABLE_CHECK = 1.0      # s between looks for queued jobs no worker can run 
                             # looks at every queued job against every worker)
 # A job that never started is requeued when its worker is lost, up to this many attempts.
 MAX_ATTEMPTS = 3
-# A job on a worker that crashed before it said the job started is requeued; on a second
-# worker that crashes so, it is failed: it may be what crashed them (a job's STARTED
-# travels behind its prefill's first step, and a crash there is never said), and a third
-# worker, with every request running on it, is not risked on it.
+# A job on a worker that crashed before it said the job started is requeued, and goes
+# to a worker where no other such job waits to start; when that one crashes too before
+# it started, it is failed: it may be what crashed them (a job's STARTED travels behind
+# its prefill's first step, and a crash there is never said), and a third worker, with
+# every request running on it, is not risked on it. (Jobs unstarted beside it there
+# count one crash, as it did at its first.)
 MAX_CRASHES = 2
 # Requests a choice of which was served are remembered this long (this many at most): a
 # later choice of theirs is not timed out in the queue (a finished first choice freed
@@ -360,6 +362,12 @@ class DispatcherCore:
                 self._to_worker(record.identity, P.CANCEL, request_id)
                 self.dispatch()             # its slot is as good as free (WorkerRecord.busy)
                 return
+
+    def abandon(self, request_id: str) -> list[Send]:
+        """A job whose handling failed midway (the broker's `_handler_failed`): whatever
+        of it was queued or sent to a worker is cancelled, so it runs for nobody."""
+        self.cancel(request_id)
+        return self._take()
 
     def frontend_lost(self, fe_id: bytes) -> None:
         """A front end stopped heartbeating: its clients are gone with it."""

@@ -190,6 +190,11 @@ class WorkerRecord:
     steps: P.StepTotals | None = None    # its step profile, as of its last heartbeat
     heartbeats: int = 0          # heartbeats received (`bench --profile` waits for them)
 
+    def suspect(self) -> bool:
+        """Whether a job that was on a crashed worker unstarted waits here to start."""
+        return any(job.crashes and not job.started and not job.cancelled
+                   for job in self.running.values())
+
     def remember(self, job: QueuedJob) -> None:
         """Note the prompt this worker now holds (or will hold) in a KV cache."""
         self.recent.append(job.blocks)
@@ -288,9 +293,11 @@ class WorkerRegistry:
 
     def choose(self, job: QueuedJob) -> WorkerRecord | None:
         """Where a queued job should run now (`routing.choose_worker`), among the workers
-        with a free slot that take work."""
+        with a free slot that take work; a job that was on a crashed worker unstarted,
+        only where no other such job waits to start (so that the next crash names it)."""
         return choose_worker(job.body, [w for w in self.workers.values()
-                                        if w.free_slots > 0 and not w.draining],
+                                        if w.free_slots > 0 and not w.draining and
+                                        not (job.crashes and w.suspect())],
                              job.blocks)
 
     def with_free_slots(self) -> list[WorkerRecord]:

@@ -37,6 +37,7 @@ class Child:
     respawn_at: float | None = None
     started_at: float = 0.0
     last_exit: int | None = None
+    exited_as_asked: bool = False        # its last exit followed a stop or restart asked for
     stopping: bool = False
     restart_now: bool = False            # an asked-for restart: no backoff
     kill_at: float | None = None         # SIGTERMed for a restart: SIGKILL after this
@@ -138,6 +139,8 @@ class Supervisor:
             if proc is not None and proc.poll() is not None:
                 exited.append((child, proc.pid))
                 child.last_exit = proc.returncode
+                child.exited_as_asked = bool(self.stopping or child.stopping or
+                                             child.restart_now)
                 child.died_loading = child.died_loading + 1 \
                     if child.ready_at is None and not child.restart_now else 0
                 child.kill_at = None

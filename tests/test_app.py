@@ -1,6 +1,7 @@
 """The HTTP front end in-process, flaskr style: `create_app(test_config)` with a fake
 dispatcher client standing in for the dispatcher and the workers. Routes, validation and
 response assembly; the real stack is tested elsewhere."""
+import io
 import json
 import math
 import os
@@ -180,6 +181,21 @@ def test_best_of_keeps_the_candidates_with_the_best_mean_logprob(client_of):
     assert body["usage"]["completion_tokens"] == 3 + 4 + 3      # discarded ones count
 
 
+def test_best_of_equal_to_n_streams_every_candidate_as_a_choice(client_of):
+    texts = iter(["one", "two"])
+    http, fake = client_of(lambda job: completion(next(texts)))
+    response = http.post("/v1/completions", json={"prompt": "p", "n": 2, "best_of": 2,
+                                                  "stream": True})
+    frames = [f for f in response.get_data(as_text=True).split("\n\n") if f]
+    assert response.status_code == 200 and frames[-1] == "data: [DONE]"
+    chunks = [json.loads(f[len("data: "):]) for f in frames[:-1]]
+    by_index = {0: "", 1: ""}
+    for chunk in chunks:
+        by_index[chunk["choices"][0]["index"]] += chunk["choices"][0]["text"]
+    assert sorted(by_index.values()) == ["one", "two"] and len(fake.jobs) == 2
+    assert not any(j.get("score") for j in fake.jobs)          # (nothing to choose)
+
+
 def test_a_stream_is_sse_chunks_then_done(client):
     http, _ = client
     response = http.post("/v1/completions", json={
@@ -272,6 +288,38 @@ def test_a_wrong_method_is_405_with_allow(client):
     response = http.get("/v1/completions")
     assert response.status_code == 405 and response.headers["Allow"] == "OPTIONS, POST"
     assert response.get_json()["error"]["code"] == "method_not_allowed"
+
+
+def test_the_model_a_request_without_one_gets_is_listed_first(client_of, monkeypatch):
+    """Clients take the list's first model for the server's default: the config's first
+    (alphabetical order put `alpha` before the default `zeta`)."""
+    state = msgspec.structs.replace(STATE, models={
+        name: STATE.models[MODEL] for name in ("zeta", "alpha", "mid")},
+        default_model="zeta")
+    http, fake = client_of(lambda job: completion("Hi"))
+    monkeypatch.setattr(fake, "wait_state", lambda timeout=2.0: state)
+    assert [m["id"] for m in http.get("/v1/models").get_json()["data"]] == \
+        ["zeta", "alpha", "mid"]
+    from app.requests import resolve_model
+    assert resolve_model(None, state) == "zeta"
+
+
+def test_an_empty_suffix_on_a_model_without_fim_is_a_plain_completion(client_of,
+                                                                     monkeypatch):
+    """Nothing after the cursor: on a model with no fill-in-the-middle tokens the request
+    completes the prompt (it was a 400 fim_unsupported at the end of every file for a
+    client that always sends `suffix`); a model with them reads the FIM layout."""
+    http, fake = client_of(lambda job: completion("Hi"))
+    answer = http.post("/v1/completions", json={"prompt": "def f(", "suffix": "",
+                                                "max_tokens": 2})
+    assert answer.status_code == 200, answer.get_json()
+    assert fake.jobs[-1].get("suffix") is None and not fake.jobs[-1]["route"].get("fim")
+    fim = msgspec.structs.replace(STATE, models={
+        MODEL: msgspec.structs.replace(STATE.models[MODEL], fim=True)}, workers=[
+        msgspec.structs.replace(STATE.workers[0], fim=True)])
+    monkeypatch.setattr(fake, "wait_state", lambda timeout=2.0: fim)
+    http.post("/v1/completions", json={"prompt": "def f(", "suffix": "", "max_tokens": 2})
+    assert fake.jobs[-1]["suffix"] == "" and fake.jobs[-1]["route"]["fim"] is True
 
 
 def test_models_and_health_come_from_the_dispatcher_state(client):
@@ -932,6 +980,60 @@ def test_big_bodies_are_decoded_a_few_at_a_time_and_their_slot_always_given_back
     R.big_body_slots.slots.release()
     waiting.join(10)
     assert not waiting.is_alive() and len(fake.jobs) == jobs + 1
+    small = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert small.status_code == 200
+
+
+def test_big_bodies_hold_a_bounded_share_of_bytes_while_they_are_read(client_of,
+                                                                       monkeypatch):
+    """A big body read first waited for its decode slot with its bytes in hand (4,096
+    connections: 32 GiB): a body's bytes past a MiB are covered by the front end's
+    budget a MiB at a time as they arrive, a body with no room waits, and is a 503
+    server_busy (its connection closed: the rest is not read) after BODY_BYTES_WAIT;
+    its share is given back once it is validated (before its job runs), whatever the
+    request's end, chunked bodies (no length) included."""
+    import threading
+    from app import bodies as R
+    budget = R.BodyBytes(budget=3 * R.BIG_BODY)
+    monkeypatch.setattr(R, "body_bytes", budget)
+    held_at_submit = []
+    http, fake = client_of(lambda job: held_at_submit.append(budget.held) or
+                           completion("Hi"))
+    covered = []
+    cover = budget.cover
+    monkeypatch.setattr(budget, "cover", lambda size, wait=None: covered.append(size) or
+                        cover(size, wait))
+    big = json.dumps({"prompt": "a\n" * (R.BIG_BODY // 3), "max_tokens": 1})
+    assert R.BIG_BODY < len(big) < 2 * R.BIG_BODY
+    for data in (big, big.replace('"max_tokens": 1', '"max_tokens": "many"'), "[" + big):
+        http.post("/v1/completions", data=data, content_type="application/json")
+        assert covered and budget.held == 0              # (given back, whatever the end)
+        covered.clear()
+    assert held_at_submit == [0]                         # (given back once validated)
+    chunked = http.post("/v1/completions", input_stream=io.BytesIO(big.encode()),
+                        content_type="application/json")      # (no Content-Length)
+    assert chunked.status_code == 200 and covered and budget.held == 0
+    jobs = len(fake.jobs)
+    with budget.changed:
+        budget.held = 3 * R.BIG_BODY                 # (other big bodies being read)
+    monkeypatch.setattr(R, "BODY_BYTES_WAIT", 0.3)
+    stopped = []
+    monkeypatch.setattr(R, "_stop_reading", lambda: stopped.append(True))
+    refused = http.post("/v1/completions", data=big, content_type="application/json")
+    assert refused.status_code == 503 and refused.headers["Retry-After"]
+    assert refused.get_json()["error"]["code"] == "server_busy" and len(fake.jobs) == jobs
+    assert stopped == [True]                        # (its connection ends: not read on)
+    monkeypatch.setattr(R, "BODY_BYTES_WAIT", 60.0)
+    waiting = threading.Thread(target=http.post, args=("/v1/completions",), kwargs={
+        "data": big, "content_type": "application/json"})
+    waiting.start()
+    waiting.join(0.3)
+    assert waiting.is_alive() and len(fake.jobs) == jobs
+    with budget.changed:
+        budget.held = 0
+        budget.changed.notify_all()
+    waiting.join(30)
+    assert not waiting.is_alive() and len(fake.jobs) == jobs + 1 and budget.held == 0
     small = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert small.status_code == 200
 

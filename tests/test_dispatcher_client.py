@@ -1,6 +1,7 @@
 """A front end's connection to the dispatcher (app.client.DispatcherClient): when it counts
 the dispatcher as there. Against a scripted dispatcher (a ROUTER and an XPUB at the
 dispatcher's addresses) and against the real broker."""
+import os
 import threading
 import time
 
@@ -295,36 +296,64 @@ def test_a_peer_without_a_front_ends_identity_is_dropped_and_the_dispatcher_serv
 
 def test_a_fault_handling_one_message_fails_that_job_and_the_loop_goes_on(
         endpoints, broker, monkeypatch):
-    """A message whose handling raises (a bug one job meets) gets its job a 500, and the
-    dispatcher serves on: an exception that escaped the loop ended `serve`, and it
-    stopped every worker and stream with it."""
-    submit = broker.core.submit
+    """A message whose handling raises (a bug one job meets) gets its job a 500, and what
+    of it got queued is cancelled (it would run for nobody); the dispatcher serves on,
+    through a fault of its tick's too: an exception that escaped the loop ended
+    `serve`, and it stopped every worker and stream with it."""
+    submit, tick = broker.core.submit, broker.core.tick
+    ticks = []
 
     def faulty(fe_id, request_id, body):
+        submit(fe_id, request_id, body)         # (queued: no worker yet) ... then a bug
         if body.prompt == "fault":
             raise RuntimeError("a bug met by this job alone")
-        return submit(fe_id, request_id, body)
+
+    def faulty_tick(now):
+        ticks.append(now)
+        if len(ticks) == 1:
+            raise RuntimeError("a bug met by the tick")
+        return tick(now)
 
     monkeypatch.setattr(broker.core, "submit", faulty)
+    monkeypatch.setattr(broker.core, "tick", faulty_tick)
     context = zmq.Context()
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.IDENTITY, P.new_frontend_id())
     dealer.connect(endpoints.frontend)
+    worker = context.socket(zmq.DEALER)            # a worker the jobs are sent to
+    worker.setsockopt(zmq.IDENTITY, b"w-test")
+    worker.connect(endpoints.worker)
+    worker.send_multipart(P.encode(P.READY, body=P.WorkerInfo(
+        model="m", slots=4, n_ctx=4096, compute="cpu", pid=os.getpid())))
+    deadline = time.monotonic() + 20
+    while not broker.core.registry.workers and time.monotonic() < deadline:
+        time.sleep(0.01)
     try:
         for _ in range(2):          # (the second: the loop still reads and answers)
             job = P.WorkerJob(id=P.new_request_id(), model="m", prompt="fault",
                               generation=P.Generation(max_tokens=3))
             dealer.send_multipart(P.encode(P.SUBMIT, job.id, job))
-            assert dealer.poll(10_000)
-            msg = P.decode(dealer.recv_multipart())
+            msg = None
+            while msg is None or msg.cmd in (P.ACCEPTED, P.STATE):   # (it got that far)
+                assert dealer.poll(10_000)
+                msg = P.decode(dealer.recv_multipart())
             assert (msg.cmd, msg.request_id) == (P.REJECTED, job.id)
             assert (msg.body.status, msg.body.code) == (500, "dispatcher_fault")
-        assert broker.core.stats["loop_faults"] == 2
+            to_worker = []          # (it got to the worker: cancelled there, not left to
+            while (P.CANCEL, job.id) not in to_worker and worker.poll(10_000):  # run on)
+                sent = P.decode(worker.recv_multipart())
+                to_worker.append((sent.cmd, sent.request_id))
+            assert (P.REQUEST, job.id) in to_worker and (P.CANCEL, job.id) in to_worker
         dealer.send_multipart(P.encode(P.PING, body=P.Ping(open=0)))
         assert dealer.poll(10_000)
         assert P.decode(dealer.recv_multipart()).cmd == P.STATE
+        deadline = time.monotonic() + 20    # (a turn reads on while messages come: its
+        while len(ticks) < 2 and time.monotonic() < deadline:      # tick is after them)
+            time.sleep(0.01)
+        assert broker.core.stats["loop_faults"] == 3 and len(ticks) > 1    # (and the tick)
     finally:
         dealer.close(0)
+        worker.close(0)
         context.term()
 
 

@@ -670,3 +670,23 @@ def test_the_ids_of_a_stop_strings_tokens_go_with_the_end(loop):
     run(loop)
     events = events_of(loop, "t")
     assert [e["e"] for e in events] == ["start", "end"] and events[-1]["ids"] == [ord("T")]
+
+
+def test_detokenized_text_is_bounded_in_bytes_not_only_in_ids(monkeypatch):
+    """The front end bounds /detokenize's ids, but their text is as long as the
+    vocabulary's pieces (a million of a 128-byte token: 128 MB made, sent and parsed
+    again): past MAX_DETOKENIZED_BYTES the job is a 400 naming `tokens`."""
+    from workers import prompts
+    from workers.errors import InvalidInput
+    monkeypatch.setattr(prompts, "MAX_DETOKENIZED_BYTES", 8)    # (the fake: a byte a token)
+    engine = FakeEngine("fake.gguf", 64, 1, step_delay=0.0)
+
+    def detokenize(tokens):
+        return prompts.vocabulary_op(engine, msgspec.convert(
+            {"id": "j", "model": "m", "op": "detokenize", "generation": {"tokens": tokens}},
+            P.WorkerJob))
+
+    assert detokenize(list(b"12345678")) == {"content": "12345678"}
+    with pytest.raises(InvalidInput) as info:
+        detokenize(list(b"123456789"))
+    assert (info.value.code, info.value.param) == ("text_too_large", "tokens")

@@ -48,6 +48,17 @@ def test_bounds_no_integer_lies_within_are_refused():
         intrange.integer_bounds({"minimum": 1e300})
     # bounds past what is written are no bounds
     assert intrange.integer_bounds({"minimum": -1e300, "maximum": 10 ** 400}) == (None, None)
+    # 1e400 reads as infinity: beyond every integer and number, not no bound (it was)
+    inf = float("inf")
+    for bound in ({"minimum": inf}, {"exclusiveMinimum": inf}, {"maximum": -inf},
+                  {"exclusiveMaximum": -inf, "minimum": 0}):
+        with pytest.raises(intrange.EmptyRange):
+            intrange.integer_bounds(bound)
+        with pytest.raises(intrange.EmptyRange):
+            intrange.number_bounds(bound)
+    assert intrange.integer_bounds({"minimum": -inf, "maximum": inf}) == (None, None)
+    assert intrange.number_bounds({"minimum": -inf, "maximum": inf}) == \
+        (None, False, None, False)
 
 
 NUMBER_BOUNDS = [{"minimum": 0, "maximum": 1}, {"exclusiveMinimum": 0, "maximum": 2},

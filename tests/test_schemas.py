@@ -34,6 +34,11 @@ def test_stop_string_becomes_a_list_without_empties_or_duplicates():
     assert validate({"prompt": "p", "stop": ["a", "", "a", "b"]})["stop"] == ["a", "b"]
 
 
+def test_best_of_equal_to_n_streams_it_chooses_nothing():
+    req = validate({"prompt": "p", "n": 2, "best_of": 2, "stream": True})
+    assert (req["n"], req["best_of"], req["stream"]) == (2, 2, True)
+
+
 def test_explicit_null_means_default_but_max_tokens_null_means_unlimited():
     req = validate({"prompt": "p", "temperature": None, "max_tokens": None, "stop": None})
     assert req["temperature"] == 1.0 and req["stop"] == []
@@ -54,6 +59,7 @@ def test_explicit_null_means_default_but_max_tokens_null_means_unlimited():
     ({"prompt": "p", "n": 0}, "n"),
     ({"prompt": "p", "n": 2, "best_of": 1}, "best_of"),
     ({"prompt": "p", "best_of": 2, "stream": True}, "best_of"),
+    ({"prompt": "p", "n": 2, "best_of": 3, "stream": True}, "best_of"),
     ({"prompt": ["p"] * 10, "n": 20}, "n"),
     ({"prompt": ["p"] * 10, "n": 1, "best_of": 20}, "best_of"),     # (the one that set it)
     ({"prompt": "p", "logprobs": 6}, "logprobs"),
@@ -235,6 +241,30 @@ def test_grammar_and_schema_sizes_that_would_hurt_a_worker_are_refused():
     with pytest.raises(InvalidRequest) as info:
         validate({"prompt": "p", "json_schema": {"type": "array", "maxItems": 2000}})
     assert info.value.param == "json_schema"
+
+
+def test_a_grammar_is_checked_once_however_often_it_is_sent(monkeypatch):
+    """Clients send one grammar with every request, and its check costs up to ~0.8 s of a
+    pool thread: what the check said of each of the last grammars is kept by digest,
+    refusals too, a bounded number of them."""
+    from app import schemas as S
+    from dispatcher.common import grammar as gbnf
+    calls = []
+    check = gbnf.check
+    monkeypatch.setattr(gbnf, "check", lambda g: calls.append(g) or check(g))
+    monkeypatch.setattr(S, "_checked", {})
+    good, bad = 'root ::= "yes" | "no"', 'root ::= undefined-rule'
+    for _ in range(3):
+        validate({"prompt": "p", "grammar": good})
+        with pytest.raises(InvalidRequest) as info:
+            validate({"prompt": "p", "grammar": bad})
+        assert info.value.param == "grammar" and "undefined" in str(info.value)
+    assert calls == [good, bad]
+    for i in range(S.GRAMMARS_KEPT + 10):
+        S.grammar_refusal(f'root ::= "{i}"')
+    assert len(S._checked) == S.GRAMMARS_KEPT
+    validate({"prompt": "p", "grammar": good})              # (pushed out: checked again)
+    assert calls.count(good) == 2
 
 
 def test_each_request_field_is_declared_once_and_every_layer_follows_it():

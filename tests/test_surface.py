@@ -156,8 +156,9 @@ def test_streamed_logprobs_add_up_to_the_plain_ones(port):
         if data == "[DONE]":
             break
         lp = json.loads(data)["choices"][0]["logprobs"]
+        assert isinstance(lp, dict), data    # (the finish's chunk too: lists, not null)
         for key in merged:
-            merged[key] += (lp or {}).get(key, [])
+            merged[key] += lp[key]
     assert merged == plain
 
 

@@ -70,6 +70,12 @@ def tenant_of(engine, body: P.WorkerJob):
         yield
 
 
+# The text /detokenize makes at most: the front end bounds the ids (--max-prompt-chars),
+# but their text is as long as the vocabulary's pieces (a million of a 128-byte token:
+# 128 MB made, sent and parsed again)
+MAX_DETOKENIZED_BYTES = 16 << 20
+
+
 def vocabulary_op(engine, body: P.WorkerJob) -> dict:
     """The answer to a /tokenize or /detokenize job, in llama.cpp's shape."""
     with tenant_of(engine, body):
@@ -86,8 +92,15 @@ def _vocabulary_op(engine, body: P.WorkerJob) -> dict:
                 if gen.with_pieces else tokens}
     if body.op == "detokenize":
         engine.check_tokens(gen.tokens or [], param="tokens")
-        data = b"".join(engine.piece(t, True) for t in gen.tokens or [])
-        return {"content": data.decode("utf-8", "replace")}
+        pieces, size = [], 0
+        for t in gen.tokens or []:
+            pieces.append(engine.piece(t, True))
+            size += len(pieces[-1])
+            if size > MAX_DETOKENIZED_BYTES:
+                raise InvalidInput(f"the text of these tokens is over "
+                                   f"{MAX_DETOKENIZED_BYTES:,} bytes", code="text_too_large",
+                                   param="tokens")
+        return {"content": b"".join(pieces).decode("utf-8", "replace")}
     raise InvalidInput(f"unknown operation {body.op!r}")
 
 

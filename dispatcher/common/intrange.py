@@ -23,10 +23,22 @@ def _number(value) -> float | None:
     return value if isinstance(value, int) or math.isfinite(value) else None
 
 
+def _refuse_infinite_bounds(schema: dict, kind: str) -> None:
+    """EmptyRange for a lower bound of +inf or an upper one of -inf (1e400 in JSON reads
+    as infinity: such a bound was taken for none, and `minimum: 1e400` allowed -5);
+    the other infinities are no bound."""
+    for name, beyond in (("minimum", math.inf), ("exclusiveMinimum", math.inf),
+                         ("maximum", -math.inf), ("exclusiveMaximum", -math.inf)):
+        value = schema.get(name)
+        if isinstance(value, float) and value == beyond:
+            raise EmptyRange(f"no {kind} lies beyond its {name} ({beyond})")
+
+
 def integer_bounds(schema: dict) -> tuple[int | None, int | None]:
     """The least and greatest integers `schema` allows (None: no bound). Draft 4's
     boolean `exclusiveMinimum`/`exclusiveMaximum` make `minimum`/`maximum` exclusive;
     later drafts give them as numbers."""
+    _refuse_infinite_bounds(schema, "integer")
     low, high = _number(schema.get("minimum")), _number(schema.get("maximum"))
     ex_low, ex_high = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
     least = None if low is None else (math.floor(low) + 1 if ex_low is True else math.ceil(low))
@@ -110,6 +122,7 @@ def number_bounds(schema: dict):
     """A number's bounds as (least, least exclusive, most, most exclusive), each bound
     a Decimal or None (a bound past 16 whole digits is none; one with more than 16
     after the point is the nearest number written with 16 within it)."""
+    _refuse_infinite_bounds(schema, "number")
     bounds = []
     for inclusive, exclusive in (("minimum", "exclusiveMinimum"),
                                  ("maximum", "exclusiveMaximum")):
