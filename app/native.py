@@ -63,6 +63,17 @@ class NativeCompletionSchema(CompletionRequestSchema):
                     data["n_probs"] = count
         return data
 
+    @pre_load
+    def max_completion_tokens(self, data, **kwargs):
+        """llama-server's limit is `n_predict`, else `max_completion_tokens`, else
+        `max_tokens` (dropped as an unknown field, it left an answer unlimited)."""
+        if isinstance(data, dict) and "max_completion_tokens" in data:
+            data = dict(data)
+            limit = data.pop("max_completion_tokens")
+            if limit is not None and data.get("n_predict") is None:
+                data["max_tokens"] = limit
+        return data
+
     @staticmethod
     def random_seed(seed: int) -> bool:
         """llama-server reads the seed as a uint32: -1 and LLAMA_DEFAULT_SEED (the seed

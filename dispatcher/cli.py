@@ -128,6 +128,12 @@ def _count_keys(args) -> int:
                          "a key in --api-key-file")
     if any("," in key for key in getattr(args, "operator_key", None) or []):
         raise SystemExit("--operator-key: a key holds a comma, which separates keys")
+    for flag, keys in (("--api-key", args.api_key), ("--operator-key",
+                                                      getattr(args, "operator_key", None))):
+        if any(not key.strip() for key in keys or []):
+            # (`--api-key "$KEY"` with KEY unset: no key at all, and an open server)
+            raise SystemExit(f"{flag}: a key is empty (an unset variable?); without keys "
+                             "leave the option out")
     try:
         return len(config.load_keys(",".join(args.api_key or []), args.api_key_file))
     except (OSError, UnicodeDecodeError) as exc:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import msgspec
 
+from dispatcher.common.process import flag_value, with_flag
+
 log = logging.getLogger(__name__)
 RATE_WINDOW = 10.0          # seconds over which status reports tokens/s
 
@@ -92,7 +94,7 @@ class Operations:
         model_id = request.get("model_id") or None
         if model_id is not None and any(ord(c) < 32 or ord(c) == 127 for c in str(model_id)):
             return {"error": "a model id has no control characters"}   # (nor NUL: exec)
-        current = _flag(argv, "--model")
+        current = flag_value(argv, "--model")
         path = Path(current) if current else None
         if request.get("model"):
             path = Path(request["model"]).expanduser()
@@ -101,10 +103,10 @@ class Operations:
             # an id given to the model stays unless a new one is given (it became the
             # file's name: a reload of `coder`'s file made `coder` a 404); one that was
             # the file's name follows the new file's, as `serve` would name it
-            served = _flag(argv, "--model-id") or child.extra.get("model")
+            served = flag_value(argv, "--model-id") or child.extra.get("model")
             named = served and not (current and served == _model_id(Path(current)))
             model_id = model_id or (served if named else _model_id(path))
-            argv = _replace(argv, "--model", str(path.resolve()))
+            argv = with_flag(argv, "--model", str(path.resolve()))
         alias_of = next((m for m, known in self.core.known_models.items()
                          if str(model_id) in (known.get("aliases") or ())), None)
         if model_id and alias_of is not None:
@@ -116,7 +118,7 @@ class Operations:
             if clash:
                 return {"error": clash}
         if model_id:                               # (a new id alone renames the model)
-            argv = _replace(argv, "--model-id", str(model_id))
+            argv = with_flag(argv, "--model-id", str(model_id))
             self.core.known_models.setdefault(str(model_id), {"n_ctx": 0})
             child.extra["model"] = str(model_id)
         child.extra["operated"] = True          # (its failure no longer stops `serve`)
@@ -150,9 +152,9 @@ class Operations:
                    and not child.gave_up]
         # (loading: not registered yet; or crashed, waiting out its respawn backoff)
         for other, argv in coming:
-            model = _flag(argv, "--model")
+            model = flag_value(argv, "--model")
             if model and Path(model).is_file():
-                others.append((other, _flag(argv, "--model-id") or _model_id(Path(model)),
+                others.append((other, flag_value(argv, "--model-id") or _model_id(Path(model)),
                                model_file_digest(Path(model)), model))
         for other, served, their_digest, their_path in others:
             if other != name and served == model_id and their_digest is not None \
@@ -286,17 +288,6 @@ def tokens_per_second(history, now: float) -> float:
     return round(recent / RATE_WINDOW, 1)
 
 
-def _flag(argv: list[str], flag: str) -> str | None:
-    return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
-
-
-def _replace(argv: list[str], flag: str, value: str) -> list[str]:
-    argv = list(argv)
-    if flag in argv:
-        argv[argv.index(flag) + 1] = value
-    else:
-        argv += [flag, value]
-    return argv
 
 
 def _model_id(path: Path) -> str:

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from dispatcher.common import config
+from dispatcher.common.process import flag_value
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class Child:
 
 def _model_of(argv: list[str]) -> str | None:
     """A worker command line's --model (None: none there)."""
-    return argv[argv.index("--model") + 1] if "--model" in argv[:-1] else None
+    return flag_value(argv, "--model")
 
 
 class Supervisor:

@@ -142,9 +142,11 @@ def test_step_timeout_is_auto_seconds_or_refused(monkeypatch):
                  names=("step_timeout",)).step_timeout == 12.5
     assert parse([], {"COMPLETIONS_STEP_TIMEOUT": "AUTO"}, monkeypatch,
                  names=("step_timeout",)).step_timeout == "auto"
-    for bad in ("soon", "-1", "nan"):
+    for bad in ("soon", "-1", "nan", "0.001"):   # (under a second: stuck at every step)
         with pytest.raises(SystemExit):
             parse(["--step-timeout", bad], {}, monkeypatch, names=("step_timeout",))
+    assert parse(["--step-timeout", "0"], {}, monkeypatch,
+                 names=("step_timeout",)).step_timeout == 0
 
 
 @pytest.mark.parametrize("full_step_s, slots, expected", [
@@ -251,6 +253,42 @@ def test_check_config_finds_what_serve_would_refuse(tmp_path):
     rc, problems = check("--device", "cpu", "--host", "999.1.1.1")
     assert rc == 1 and len(problems) == 1 and "host 999.1.1.1: not a name" in problems[0]
     assert check("--device", "cpu", "--host", "[::1]")[0] == 0
+    # an empty key (`--api-key "$KEY"`, KEY unset) left the server open; a key given
+    # twice made one client two tenants (half the queue each, its usage split)
+    rc, problems = check("--device", "cpu", "--api-key", "")
+    assert rc == 1 and len(problems) == 1 and "a key is empty" in problems[0]
+    (tmp_path / "keys").write_text("sk-aaa alice\nsk-aaa bob\n")
+    rc, problems = check("--device", "cpu", "--api-key-file", str(tmp_path / "keys"))
+    assert rc == 1 and len(problems) == 1 and "given twice" in problems[0]
+    assert "sk-aaa" not in problems[0]                      # (a fingerprint, not the key)
+    # a template the workers refuse passed, and each worker was started again for ever
+    cfg.write_text('[[models]]\nid = "m"\nfim_template = "{prefix}{suffix}{prefix}"\n')
+    rc, problems = check("--config", str(cfg))
+    assert rc == 1 and len(problems) == 1 and "once each" in problems[0]
+
+
+def test_names_and_texts_that_begin_with_a_dash_reach_the_worker_whole(tmp_path):
+    """A model id, worker name or FIM template beginning with `-` was taken for a flag by
+    the worker's parser (exit 2 at every start, respawned for ever); check-config said
+    OK. They go as `--flag=value`, and a reload's new id too."""
+    from dispatcher.common import configfile
+    from dispatcher.common.process import flag_value, with_flag
+    from workers.worker import parse_launch
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(64))
+    plan = configfile.WorkerPlan(
+        name="-w0", device=configfile.parse_device("cpu"), nctx=512, ngl=0, slots=2,
+        model=configfile.ModelPlan(id="-coder", path=model, nctx=512, ngl=0, slots=2,
+                                   deterministic=False, fim_template="-{prefix}{suffix}"))
+    argv = plan.argv("ipc:///tmp/x", "fake", "info")
+    launch = parse_launch(argv)
+    assert (launch.args.model_id, launch.args.name, launch.args.fim_template) == (
+        "-coder", "-w0", "-{prefix}{suffix}")
+    assert flag_value(argv, "--model-id") == "-coder"
+    renamed = with_flag(argv, "--model-id", "-other")
+    assert parse_launch(renamed).args.model_id == "-other"
+    assert flag_value(["--model", "a.gguf"], "--model") == "a.gguf"
+    assert with_flag(["--model", "a.gguf"], "--model", "b.gguf") == ["--model=b.gguf"]
 
 
 def test_a_key_files_byte_order_mark_is_not_part_of_its_first_key(tmp_path):

@@ -502,7 +502,10 @@ def test_greedy_text_with_drafts_is_the_text_without_them_over_many_files(model_
     a draft's rows are decoded in a batch of several, whose kernels round differently
     from a one-row step's (llama.cpp's too), so two close candidates may swap (up to
     0.35 nats apart, measured here: design.md, Speculation; allowed: 0.5). Any other
-    difference is a verification fault. Both runs start
+    difference is a verification fault: where they part, the drafted run's token must be
+    one of the plain run's candidates within 0.5 nats of its top (on a flat distribution
+    a third one as well as the runner-up: two 0.12 nats apart at 6%, on an Intel Xeon's
+    kernels, and the drafted run drew a third). Both runs start
     from the same cached prompt; the drafts are really tried (and some accepted)."""
     from workers.engine.llama import LlamaEngine
     from workers.engine.stepcosts import StepCosts
@@ -514,7 +517,7 @@ def test_greedy_text_with_drafts_is_the_text_without_them_over_many_files(model_
         for prompt in prompts:
             tokens = engine.tokenize(prompt)
             with_drafts, (proposed, kept) = greedy_tokens(engine, tokens, 40, 16)
-            plain, _ = greedy_tokens(engine, tokens, 40, 0, logprobs=2)
+            plain, _ = greedy_tokens(engine, tokens, 40, 0, logprobs=5)
             drafted, accepted = drafted + proposed, accepted + kept
             a, b = [o.token for o in with_drafts], [o.token for o in plain]
             if a == b:
@@ -522,8 +525,8 @@ def test_greedy_text_with_drafts_is_the_text_without_them_over_many_files(model_
                 continue
             i = next(k for k in range(len(a)) if a[k] != b[k])
             top = plain[i].top
-            assert len(top) == 2 and top[0][1] - top[1][1] < 0.5, (prompt[:80], i, top)
-            assert a[i] == top[1][0], (prompt[:80], i, a[i], top)   # the runner-up won
+            near = [t for t, lp in top[1:] if top[0][1] - lp < 0.5]     # (not the top)
+            assert a[i] in near, (prompt[:80], i, a[i], top)     # a near-tie's other won
     finally:
         engine.close()
     assert drafted > 0 and accepted > 0, (drafted, accepted)

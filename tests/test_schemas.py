@@ -359,6 +359,20 @@ def test_the_native_routes_read_logprobs_as_n_probs():
         validate({"prompt": "p", "logprobs": "3"}, schema)
 
 
+def test_the_native_routes_read_max_completion_tokens_after_n_predict():
+    """llama-server's limit: `n_predict`, else `max_completion_tokens`, else `max_tokens`
+    (dropped as an unknown field, an answer asked for 64 tokens had no limit)."""
+    from app.native import NativeCompletionSchema
+    schema = NativeCompletionSchema()
+    assert validate({"prompt": "p", "max_completion_tokens": 64}, schema)["max_tokens"] == 64
+    assert validate({"prompt": "p", "max_completion_tokens": 64, "max_tokens": 8},
+                    schema)["max_tokens"] == 64
+    assert validate({"prompt": "p", "max_completion_tokens": 64, "n_predict": 8},
+                    schema)["max_tokens"] == 8
+    with pytest.raises(InvalidRequest):
+        validate({"prompt": "p", "max_completion_tokens": "64"}, schema)
+
+
 def test_mirostat_leaves_out_the_penalties_and_dry():
     """llama.cpp's Mirostat chain is logit bias, temperature, Mirostat: a request's
     repeat_penalty or DRY beside it was applied here, never there."""

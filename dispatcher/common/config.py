@@ -54,6 +54,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _host(text: str) -> str:
+    if not text.strip():
+        # (checked as every interface, the front ends then took it for unset: loopback)
+        raise OptionValueError("must name an address (0.0.0.0 for every interface)")
+    return text
+
+
 def _boolean(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -79,6 +86,7 @@ class ArgumentParser(argparse.ArgumentParser):
 STEP_TIMEOUT_FACTOR = 20.0
 STEP_TIMEOUT_PER_SLOT = 1.0
 STEP_TIMEOUT_FLOOR = 10.0
+STEP_TIMEOUT_LEAST = 1.0    # ... and the least an operator may give it (0: never)
 
 
 def derived_step_timeout(full_step_s: float, slots: int) -> float:
@@ -91,7 +99,13 @@ def step_timeout_value(text) -> float | str:
     """`auto`, or seconds (see non_negative_seconds)."""
     if str(text).strip().lower() == "auto":
         return "auto"
-    return non_negative_seconds(text)
+    value = non_negative_seconds(text)
+    if 0 < value < STEP_TIMEOUT_LEAST:
+        # (a prompt piece's step takes longer on most devices: the worker was declared
+        # stuck at its first, respawned, and stuck again, for ever)
+        raise OptionValueError(f"must be 0 (never), auto, or at least "
+                               f"{STEP_TIMEOUT_LEAST:g} s, got {text}")
+    return value
 
 
 def non_negative_seconds(text: str) -> float:
@@ -154,7 +168,7 @@ def check_context_shape(kv_type: str, batch: int, ubatch: int) -> None:
         raise ValueError(f"ubatch {ubatch} is larger than batch {batch}")
 
 OPTIONS: dict[str, Option] = {o.name: o for o in [
-    Option("host", "127.0.0.1", "address the HTTP front ends listen on"),
+    Option("host", "127.0.0.1", "address the HTTP front ends listen on", _host),
     Option("port", 8080, "port the HTTP front ends listen on (1-65535)", _port),
     Option("frontends", 1, "number of gunicorn front-end processes (0: none)", _non_negative_int),
     Option("model", None, "path of the GGUF model (default: the bundled Gemma 3 270M Q4_K_M)"),
@@ -362,6 +376,9 @@ def env_value(option: Option, environ: dict | None = None) -> Any:
         return option.default
     if option.repeat:
         parts = split_device_list(raw) if option.name == "device" else raw.split(",")
+        if not any(part.strip() for part in parts):
+            # (`COMPLETIONS_API_KEY=$A,$B` with both unset: no key, and an open server)
+            raise OptionValueError(f"{option.env}={raw!r} names nothing between its commas")
         return [option.type(part.strip()) for part in parts if part.strip()]
     value = option.type(raw)
     if option.choices and value not in option.choices:
@@ -434,6 +451,12 @@ def load_named_keys(inline: str | None, path: str | None) -> list[tuple[bytes, s
         if len(named) == before:    # (a key file that holds none left the server open)
             raise ValueError(f"the API key file {path} holds no keys: a line is a key, "
                              "then optionally its name")
+    seen: set[str] = set()
+    for key, _ in named:
+        if key in seen:     # (one client counted as two tenants: half the queue, its usage
+            raise ValueError(f"the API key with fingerprint {key_fingerprint(key)} is "
+                             "given twice (flags, variable or key file)")     # split)
+        seen.add(key)
     return [(key.encode(), name or f"key-{key_fingerprint(key)}") for key, name in named]
 
 

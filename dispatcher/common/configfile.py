@@ -81,14 +81,17 @@ class WorkerPlan:
     ubatch: int = 512
 
     def argv(self, dispatcher: str, engine: str, log_level: str) -> list[str]:
+        # (names and texts as `--flag=value`: a model id, name or template that begins
+        # with `-` was taken for a flag by the worker's parser, which refused it at every
+        # start, and the worker was started again for ever)
         return ["--dispatcher", dispatcher, "--device", str(self.device),
-                "--model", str(self.model.path), "--model-id", self.model.id,
+                f"--model={self.model.path}", f"--model-id={self.model.id}",
                 "--nctx", str(self.nctx), "--ngl", str(self.ngl), "--slots", str(self.slots),
                 "--kv-type", self.kv_type, "--batch", str(self.batch),
                 "--ubatch", str(self.ubatch),
                 "--deterministic", str(self.model.deterministic), "--engine", engine,
-                "--name", self.name, "--log-level", log_level] + (
-                    ["--fim-template", self.model.fim_template]
+                f"--name={self.name}", "--log-level", log_level] + (
+                    [f"--fim-template={self.model.fim_template}"]
                     if self.model.fim_template else [])
 
 
@@ -378,8 +381,11 @@ def _plan_workers(data: dict, args, models: list[ModelPlan], broken: set[str],
 def _fim_template(value) -> str | None:
     if value is None or value == "":
         return None
-    if not isinstance(value, str) or "{prefix}" not in value or "{suffix}" not in value:
-        raise ValueError("fim_template needs both {prefix} and {suffix}")
+    if not isinstance(value, str) or value.count("{prefix}") != 1 or \
+            value.count("{suffix}") != 1:
+        # (the worker's own check, workers.prompts.FimTemplate: passed here with one twice,
+        # every worker then refused it at start, and was started again, for ever)
+        raise ValueError("fim_template needs {prefix} and {suffix}, once each")
     return value
 
 

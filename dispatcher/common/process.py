@@ -49,3 +49,28 @@ class StopFlag:
 
 def python_module_argv(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value a command line gives `flag`, as `--flag value` or `--flag=value` (None:
+    not given)."""
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1:]
+    return None
+
+
+def with_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    """The command line with `flag` set to `value`, as `--flag=value` (a value beginning
+    with `-` is not taken for a flag of its own)."""
+    argv = list(argv)
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            argv[i:i + 2] = [f"{flag}={value}"]
+            return argv
+        if arg.startswith(flag + "="):
+            argv[i] = f"{flag}={value}"
+            return argv
+    return argv + [f"{flag}={value}"]
