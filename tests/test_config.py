@@ -318,3 +318,21 @@ def test_a_front_end_takes_an_ipv6_host_as_a_url_writes_it(tmp_path):
                          env={**env, "COMPLETIONS_API_KEY_FILE": str(tmp_path / "keys")})
     assert out.returncode != 0 and "holds no keys" in out.stderr and \
         "Traceback" not in out.stderr
+
+
+def test_a_config_files_relative_paths_are_taken_from_its_own_directory(tmp_path,
+                                                                         monkeypatch):
+    """check-config run beside the file passed, and the service (working directory /)
+    found no model and no key file: relative paths are the file's directory's."""
+    from dispatcher.common import configfile
+    home = tmp_path / "etc"
+    home.mkdir()
+    (home / "c.toml").write_text(
+        '[server]\napi_key_file = "keys"\naccess_log = "off"\ncurve_keys = "/abs/keys"\n'
+        '[[models]]\nid = "m"\npath = "models/m.gguf"\n')
+    monkeypatch.chdir(tmp_path)
+    data = configfile.read("etc/c.toml")
+    assert data["server"]["api_key_file"] == str(home / "keys")
+    assert data["server"]["access_log"] == "off" and data["server"]["curve_keys"] == "/abs/keys"
+    assert data["models"][0]["path"] == str(home / "models" / "m.gguf")
+

@@ -152,6 +152,30 @@ def read(path: str | None) -> dict:
             problems.append(f"[server] {key}: {exc}")
     if problems:
         raise ConfigError(problems)
+    return _anchored(data, Path(path).expanduser().resolve().parent)
+
+
+# [server] options that name a file or directory (access_log: unless - or off)
+PATH_OPTIONS = ("api_key_file", "draft_model", "curve_keys", "access_log")
+
+
+def _anchored(data: dict, home: Path) -> dict:
+    """The file's relative paths ([server]'s files, [[models]] path) taken from the
+    file's own directory: taken from the working directory, a file `check-config` passed
+    in /etc/completions was not found by the service (its working directory /)."""
+    def anchor(value):
+        if not isinstance(value, str) or value.strip().lower() in ("", "-", "off"):
+            return value
+        given = Path(value).expanduser()
+        return value if given.is_absolute() else str(home / given)
+
+    server = data.get("server", {})
+    for key in PATH_OPTIONS:
+        if key in server:
+            server[key] = anchor(server[key])
+    for entry in data.get("models", []):
+        if "path" in entry:
+            entry["path"] = anchor(entry["path"])
     return data
 
 
