@@ -40,9 +40,10 @@ def parse_json_body(any_content_type: bool = False) -> object:
 
 
 # Bytes of bodies over BIG_BODY read at once per front end: at most BIG_BODY_BYTES, taken
-# a MiB at a time as a body arrives (a client announcing 8 MiB and sending a byte a
-# second holds what it sent, not what it announced) and given back once the body is
-# validated (or as the request ends). Read first, each body waited for its decode slot
+# once a body's first MiB has arrived (a client announcing 8 MiB and sending a byte a
+# second holds nothing of it until then), its whole length at once (a body without one,
+# chunked, a MiB at a time), and given back once the body is validated (or as the
+# request ends). Read first, each body waited for its decode slot
 # with its bytes in hand, so 4,096 connections could hold 8 MiB each: 32 GiB. A body
 # that cannot have its next MiB within BODY_BYTES_WAIT s is a 503 server_busy.
 BIG_BODY_BYTES = 64 << 20
@@ -181,7 +182,10 @@ def _pieces(stream, limit: int, length: int | None = None) -> bytes:
     while len(data) < want:
         size = min(CHUNK_READ, want - len(data))
         if len(data) + size > BIG_BODY:
-            body_bytes.cover(len(data) + size)
+            # a body whose length is known covers all of it once its first MiB came (a
+            # body waiting holds nothing of the budget: bodies that each held a part
+            # waited for each other until one gave up); one without, a MiB at a time
+            body_bytes.cover(length if length is not None else len(data) + size)
         piece = stream.read(size)
         if not piece:
             if length is not None:

@@ -36,6 +36,7 @@ ENDINGS = (P.FAILED, P.REJECTED)    # a request's end from the dispatcher: never
 MAX_UNSENT = 10_000     # ... while fewer than this wait for a full pipe (then counted lost)
 UNSENT_FOR = 60.0       # ... nor for longer than this (s; a front end stalled that long is
                         # past its heartbeats' expiry many times over)
+TEND_FAULTS = 50        # turns in a row whose tick failed before the loop gives up
 LOAD_TRIES = 2          # loads in a row that may die (one OOM kill) and still be waited for
 
 
@@ -84,6 +85,7 @@ class Broker:
         # messages whose handling raised (_handler_failed): when the last minute's first
         # was logged, and how many of that minute's were
         self._fault_logged, self._faults_logged = -60.0, 0
+        self._tend_faults = 0       # turns in a row whose tick failed (TEND_FAULTS)
         # the ends of requests (FAILED, REJECTED) a front end's full pipe refused: sent
         # again each turn of the loop (resend)
         self.unsent: deque[tuple[float, Send]] = deque()    # (first refused at, send)
@@ -263,8 +265,16 @@ class Broker:
                 self._read(self.control, self.process_control)
             try:
                 self._tend()
+                self._tend_faults = 0
             except Exception:       # (a fault of the tick's: logged and counted, as a
                 self._handler_failed(None, [])          # message's; the loop goes on)
+                self._tend_faults += 1
+                if self._tend_faults >= TEND_FAULTS:
+                    # (one that recurs each turn: a dispatcher that dispatches nothing is
+                    # worse than one that stops, to be restarted by its service)
+                    log.critical("the tick failed %d turns in a row: stopping",
+                                 self._tend_faults)
+                    raise
             if self.core.stopped:
                 self.stop()
         if self._stop_because:
@@ -280,8 +290,8 @@ class Broker:
             if self._drain_because:
                 log.info("%s: finishing in-flight requests (up to %.0fs; again to stop "
                          "now)", self._drain_because, self._drain_requested)
-            grace, self._drain_requested = self._drain_requested, None
-            self.deliver(self.core.drain(grace, now))
+            self.deliver(self.core.drain(self._drain_requested, now))
+            self._drain_requested = None
         self.deliver(self.core.tick(now))
         self.end_silent_workers()
         self.ops.tick(now)

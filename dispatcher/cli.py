@@ -246,7 +246,8 @@ def _frontend_child(Child, args, base: str, keyed: bool):
            "COMPLETIONS_API_KEY": ",".join(args.api_key),
            "COMPLETIONS_OPERATOR_KEY": ",".join(args.operator_key or []),
            "COMPLETIONS_API_KEY_FILE": args.api_key_file or "",
-           "COMPLETIONS_CORS_ORIGIN": ",".join(args.cors_origin),
+           # (blank items dropped: a variable of commas alone is refused where read)
+           "COMPLETIONS_CORS_ORIGIN": ",".join(o for o in args.cors_origin if o.strip()),
            "COMPLETIONS_ANY_MODEL_NAME": "true" if args.any_model_name else "",
            "COMPLETIONS_USAGE_BY_KEY": "true" if args.usage_by_key else "false",
            "COMPLETIONS_STATUS_ACCESS": args.status_access}

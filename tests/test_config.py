@@ -336,3 +336,20 @@ def test_a_config_files_relative_paths_are_taken_from_its_own_directory(tmp_path
     assert data["server"]["access_log"] == "off" and data["server"]["curve_keys"] == "/abs/keys"
     assert data["models"][0]["path"] == str(home / "models" / "m.gguf")
 
+
+def test_blank_cors_origins_never_reach_the_front_ends_variable(monkeypatch):
+    """`--cors-origin " "` passed serve (the front end drops blank origins), but went to
+    the front ends as a variable of blanks, which they refuse: every front end failed
+    to boot."""
+    from dispatcher import cli
+    from dispatcher.supervisor import Child
+    parser = config.ArgumentParser(prog="serve")
+    config.add_options(parser, cli.SERVE_OPTIONS, {})
+    args = config.resolve(parser.parse_args([
+        "--engine", "fake", "--cors-origin", " ", "--cors-origin", "https://a.example"]))
+    frontend = cli._frontend_child(Child, args, "ipc:///tmp/x", False)
+    assert frontend.env["COMPLETIONS_CORS_ORIGIN"] == "https://a.example"
+    option = config.OPTIONS["cors_origin"]
+    assert config.env_value(option, {"COMPLETIONS_CORS_ORIGIN": "https://a.example"}) == [
+        "https://a.example"]
+

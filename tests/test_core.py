@@ -6,6 +6,7 @@ import pytest
 
 from dispatcher.common import protocol as P
 from dispatcher.common.config import Heartbeat
+from dispatcher.common.process import flag_value
 from dispatcher.core import DispatcherCore, Send
 
 HEARTBEAT_EXPIRY = Heartbeat().expiry
@@ -1062,7 +1063,7 @@ def test_a_restart_refused_for_its_grace_changes_nothing_and_a_new_id_alone_is_a
     answer = ops.handle({"cmd": "reload", "worker": "w0", "model_id": "renamed", "grace": 5})
     assert answer["ok"] and answer["model"] == "renamed"
     argv = ops.pending["w0"]["argv"]
-    assert argv[argv.index("--model-id") + 1] == "renamed"
+    assert flag_value(argv, "--model-id") == "renamed"
 
 
 def test_a_sessions_newest_request_takes_the_queue_place_of_the_one_it_ends():
@@ -1408,7 +1409,7 @@ def test_reloads_not_done_yet_count_for_the_id_rule_and_the_file_check(tmp_path)
     assert ops.restart({"worker": "w0", "model": str(wrong)})["model"] == "wrong"
     assert ops.restart({"worker": "w0", "model": str(q8)})["model"] == "coder-q8"
     argv = ops.pending["w0"]["argv"]
-    assert argv[argv.index("--model-id") + 1] == "coder-q8"
+    assert flag_value(argv, "--model-id") == "coder-q8"
     core = DispatcherCore()
     ops = operations(core)
     ready(core, name=b"w1", model="coder-q4", model_digest=model_file_digest(q4),

@@ -401,3 +401,36 @@ def test_a_requests_end_a_full_front_end_pipe_refuses_is_sent_when_it_can_take_i
     finally:
         dealer.close(0)
         context.term()
+
+
+def test_a_tick_that_fails_every_turn_stops_the_dispatcher(endpoints, monkeypatch):
+    """A fault of the tick's is logged and the loop goes on, but one that recurs every
+    turn leaves a dispatcher that dispatches nothing: after TEND_FAULTS turns in a row
+    the loop stops (its service restarts it), as it did at the first before."""
+    import dispatcher.broker as B
+    monkeypatch.setattr(B, "TEND_FAULTS", 5)
+    broker = Broker(endpoints)
+
+    def tick(now):
+        raise RuntimeError("a bug met by every tick")
+
+    monkeypatch.setattr(broker.core, "tick", tick)
+    ended = []
+
+    def run():
+        try:
+            broker.run()
+        except RuntimeError as exc:
+            ended.append(exc)
+
+    loop = threading.Thread(target=run)
+    loop.start()
+    loop.join(timeout=20)
+    try:
+        assert not loop.is_alive() and len(ended) == 1
+        assert broker.core.stats["loop_faults"] == 5
+    finally:
+        broker.stop()
+        loop.join(timeout=10)
+        broker.close()
+
