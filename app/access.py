@@ -27,7 +27,7 @@ from flask import Flask, request
 
 from app.auth import TENANT
 from app.metrics import QUIET_PATHS
-from dispatcher.common.config import key_fingerprint as fingerprint
+from dispatcher.common.apikeys import key_fingerprint as fingerprint
 from dispatcher.common.logs import one_line_json
 
 ENVIRON_KEY = "completions.access"

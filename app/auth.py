@@ -15,7 +15,7 @@ import hmac
 from flask import Flask, request
 
 from app.errors import Unauthorized
-from dispatcher.common.config import load_named_keys
+from dispatcher.common.apikeys import load_named_keys
 
 # for load balancers; the status page's files (no data: the page sends the key typed into
 # it, for its JSON and its playground)

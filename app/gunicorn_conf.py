@@ -10,7 +10,7 @@ import os
 import signal
 
 from dispatcher.common import logs as _logs
-from dispatcher.common.config import load_keys as _load_keys
+from dispatcher.common.apikeys import load_keys as _load_keys
 from dispatcher.common.configfile import SettingError as _SettingError
 from dispatcher.common.configfile import effective as _effective
 

@@ -13,7 +13,7 @@ from app import bodies
 from app.bodies import BigBodySlots, clipped, off_loop
 from app.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
 from app.schemas import CompletionRequestSchema, first_error, normalize
-from dispatcher.common import protocol as P
+from dispatcher.common import grammar as gbnf, protocol as P
 from dispatcher.common.fit import explain_unfit, fits
 from dispatcher.common.schemagrammar import SchemaBusy, SchemaGrammars, SchemaRefused
 
@@ -40,12 +40,16 @@ def validate(body: object, schema: Schema = _schema) -> dict:
     finally:
         BigBodySlots.give_back()
         bodies.body_bytes.give_back()   # (the raw body is gone: its bytes are free)
+    scope = tenant_of(request) if has_request_context() else None
+    if isinstance(data, dict) and data.get("grammar"):
+        refusal = off_loop(grammar_refusal, data["grammar"], scope)
+        if refusal is not None:
+            raise InvalidRequest(f"Invalid value for 'grammar': The grammar cannot be used: "
+                                 f"{refusal}.", param="grammar", code="invalid_value")
     if isinstance(data, dict) and data.get("json_schema") is not None:
         # made into a grammar here, within its budget: a worker only ever gets grammars
         try:
-            data["grammar"] = _schema_grammars.grammar(data["json_schema"],
-                                                       scope=tenant_of(request)
-                                                       if has_request_context() else None)
+            data["grammar"] = _schema_grammars.grammar(data["json_schema"], scope=scope)
         except SchemaRefused as exc:
             raise InvalidRequest(str(exc), param="json_schema", code="invalid_value") \
                 from None
@@ -53,6 +57,37 @@ def validate(body: object, schema: Schema = _schema) -> dict:
             raise ServiceUnavailable(str(exc), code="server_busy") from None
         data["json_schema"] = None
     return data
+
+
+# Grammars checked lately, by tenant and digest: what was wrong with each (None:
+# nothing). A client sends the same grammar with every request, and a check takes up to
+# ~0.8 s of a pool thread (32,768 rules): each was checked again. Per tenant, as the
+# schemas' grammars are: another key's grammar answered at once would tell it was sent.
+GRAMMARS_KEPT = 256
+_checked: dict[bytes, str | None] = {}
+
+
+def grammar_refusal(grammar: str, scope: str | None = None) -> str | None:
+    """What makes `grammar` unusable (`gbnf.check`, as llama.cpp parses it, bounded),
+    None if nothing; remembered for the last GRAMMARS_KEPT grammars within `scope` (the
+    request's tenant; validation runs on several threads: a lost race only checks one
+    twice)."""
+    key = (scope or "").encode("utf-8", "surrogateescape") + b"\0" + hashlib.blake2b(
+        grammar.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    if key in _checked:
+        return _checked[key]
+    try:
+        gbnf.check(grammar)
+        refusal = None
+    except gbnf.GrammarError as exc:
+        refusal = str(exc)
+    _checked[key] = refusal
+    while len(_checked) > GRAMMARS_KEPT:
+        try:
+            del _checked[next(iter(_checked))]         # (the oldest)
+        except (KeyError, RuntimeError, StopIteration):
+            break
+    return refusal
 
 
 def _validate(body: object, schema: Schema) -> dict:

@@ -6,8 +6,6 @@ OpenAPI description (`app.openapi` builds /openapi.json from these declarations)
 """
 from __future__ import annotations
 
-import hashlib
-
 from marshmallow import (EXCLUDE, RAISE, Schema, ValidationError, fields, pre_load, validate,
                          validates_schema)
 
@@ -18,7 +16,6 @@ from app.fields import (MAX_CHOICES, MAX_LOGPROBS,  # noqa: F401
                         StringListField,
                         TokenIdsField)
 from app.fields import SAMPLER_CHARS
-from dispatcher.common import grammar as gbnf
 from dispatcher.common import fields as F
 from dispatcher.common.fields import INT_MAX, SAMPLER_ALIASES, SAMPLER_NAMES
 
@@ -307,43 +304,12 @@ class CompletionRequestSchema(Schema):
         # (an empty grammar is none, as llama.cpp reads it: UIs send "" by default)
         if data.get("grammar") and data.get("json_schema") is not None:
             raise ValidationError("Use grammar or json_schema, not both.", "json_schema")
-        if data.get("grammar"):
-            refusal = grammar_refusal(data["grammar"])   # as llama.cpp parses it, bounded
-            if refusal is not None:
-                raise ValidationError(f"The grammar cannot be used: {refusal}.", "grammar")
+        # (the grammar itself is checked by app.requests.validate, remembered per tenant)
         for alias, name in ALIASES.items():
             if data.get(alias) is not None and original.get(name) is not None \
                     and data[alias] != data[name]:
                 raise ValidationError(f"{alias} and {name} are the same setting and "
                                       "differ here.", alias)
-
-
-# Grammars checked lately, by digest: what was wrong with each (None: nothing). A client
-# sends the same grammar with every request, and a check takes up to ~0.8 s of a pool
-# thread (32,768 rules): each was checked again.
-GRAMMARS_KEPT = 256
-_checked: dict[bytes, str | None] = {}
-
-
-def grammar_refusal(grammar: str) -> str | None:
-    """What makes `grammar` unusable (`gbnf.check`), None if nothing; remembered for the
-    last GRAMMARS_KEPT grammars (validation runs on several threads: a lost race only
-    checks one twice)."""
-    key = hashlib.blake2b(grammar.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-    if key in _checked:
-        return _checked[key]
-    try:
-        gbnf.check(grammar)
-        refusal = None
-    except gbnf.GrammarError as exc:
-        refusal = str(exc)
-    _checked[key] = refusal
-    while len(_checked) > GRAMMARS_KEPT:
-        try:
-            del _checked[next(iter(_checked))]         # (the oldest)
-        except (KeyError, RuntimeError, StopIteration):
-            break
-    return refusal
 
 
 # another name a field is sent under -> the field: llama.cpp's names for OpenAI's, and the

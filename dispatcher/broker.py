@@ -191,10 +191,9 @@ class Broker:
         would send (its job was over), until its client gave up. In order for each front
         end, one still full passing over the others' turn; given up (counted as
         undelivered) once its front end has gone, or after UNSENT_FOR s of a full pipe."""
-        pending, self.unsent = self.unsent, deque()
         kept, lost, full = deque(), [], set()
         now = time.monotonic()
-        for since, send in pending:
+        for since, send in self.unsent:
             if send.peer in full:
                 kept.append((since, send))
                 continue
@@ -209,7 +208,6 @@ class Broker:
                     lost.append(send)
                 continue
             self.core.stats["frontend_resent"] += 1
-        kept.extend(self.unsent)
         self.unsent = kept
         self.deliver([more for send in lost for more in self.core.send_failed(send)])
 

@@ -13,7 +13,7 @@ import socket
 import sys
 
 from dispatcher.common.addresses import Endpoints, private_directory
-from dispatcher.common import config, configfile, logs
+from dispatcher.common import apikeys, config, configfile, logs
 from dispatcher.common.models import resolve_model_path
 from dispatcher.tools.ctl import default_dispatcher_address, dispatcher_answers
 
@@ -135,7 +135,7 @@ def _count_keys(args) -> int:
             raise SystemExit(f"{flag}: a key is empty (an unset variable?); without keys "
                              "leave the option out")
     try:
-        return len(config.load_keys(",".join(args.api_key or []), args.api_key_file))
+        return len(apikeys.load_keys(",".join(args.api_key or []), args.api_key_file))
     except (OSError, UnicodeDecodeError) as exc:
         raise SystemExit(f"--api-key-file {args.api_key_file}: cannot be read ({exc})") \
             from None

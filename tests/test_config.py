@@ -296,8 +296,9 @@ def test_a_key_files_byte_order_mark_is_not_part_of_its_first_key(tmp_path):
     the mark and the key, so the key was refused (401), silently."""
     keys = tmp_path / "keys"
     keys.write_bytes(b"\xef\xbb\xbfsk-first alice\nsk-second bob\n")
-    assert config.load_named_keys(None, str(keys)) == [(b"sk-first", "alice"),
-                                                        (b"sk-second", "bob")]
+    from dispatcher.common.apikeys import load_named_keys
+    assert load_named_keys(None, str(keys)) == [(b"sk-first", "alice"),
+                                                (b"sk-second", "bob")]
 
 
 def test_a_front_end_takes_an_ipv6_host_as_a_url_writes_it(tmp_path):

@@ -246,13 +246,14 @@ def test_grammar_and_schema_sizes_that_would_hurt_a_worker_are_refused():
 def test_a_grammar_is_checked_once_however_often_it_is_sent(monkeypatch):
     """Clients send one grammar with every request, and its check costs up to ~0.8 s of a
     pool thread: what the check said of each of the last grammars is kept by digest,
-    refusals too, a bounded number of them."""
-    from app import schemas as S
+    refusals too, a bounded number of them, and per tenant (another key's grammar
+    answered at once would tell that it was sent)."""
+    from app import requests as R
     from dispatcher.common import grammar as gbnf
     calls = []
     check = gbnf.check
     monkeypatch.setattr(gbnf, "check", lambda g: calls.append(g) or check(g))
-    monkeypatch.setattr(S, "_checked", {})
+    monkeypatch.setattr(R, "_checked", {})
     good, bad = 'root ::= "yes" | "no"', 'root ::= undefined-rule'
     for _ in range(3):
         validate({"prompt": "p", "grammar": good})
@@ -260,11 +261,12 @@ def test_a_grammar_is_checked_once_however_often_it_is_sent(monkeypatch):
             validate({"prompt": "p", "grammar": bad})
         assert info.value.param == "grammar" and "undefined" in str(info.value)
     assert calls == [good, bad]
-    for i in range(S.GRAMMARS_KEPT + 10):
-        S.grammar_refusal(f'root ::= "{i}"')
-    assert len(S._checked) == S.GRAMMARS_KEPT
+    for i in range(R.GRAMMARS_KEPT + 10):
+        R.grammar_refusal(f'root ::= "{i}"')
+    assert len(R._checked) == R.GRAMMARS_KEPT
     validate({"prompt": "p", "grammar": good})              # (pushed out: checked again)
     assert calls.count(good) == 2
+    assert R.grammar_refusal(good, scope="key-b") is None and calls.count(good) == 3
 
 
 def test_each_request_field_is_declared_once_and_every_layer_follows_it():

@@ -267,7 +267,7 @@ def test_usage_is_counted_per_key_by_its_name_never_the_key(tmp_path):
     import sys
 
     from conftest import ROOT
-    from dispatcher.common.config import key_fingerprint
+    from dispatcher.common.apikeys import key_fingerprint
     keys = tmp_path / "keys"
     keys.write_text("# team keys\nsk-alice-0001 alice\nsk-anon-0002\nsk-bob-0004\tbob\n")
     server = ServerProcess("--engine", "fake", "--api-key", "sk-inline-0003",
