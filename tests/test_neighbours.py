@@ -61,6 +61,17 @@ HEAVY = {
 }
 
 
+# The longest pause (s, over the stream's alone) each may cause, 1 s unless named here.
+# A megabyte's tokenization takes a core of its own for 17-23 s beside the decoding
+# (llama.cpp's tokenizer, the GIL released): on a 2-core machine its thread and the
+# decode's two share the cores, the decode's threads wait at each node's barrier for one
+# preempted, and the stream beside it paused 0.5-1.3 s on a 2-core Intel Xeon (the
+# code before 7 December alike: 0.63 and 0.92 s); under 1 s on the EPYC before
+# (failures-and-limits.md). Its gaps are still bounded: a stall, such as the GIL held
+# through a tokenization, is the whole 17 s.
+PAUSE = {"/tokenize of 1 Mi characters": 2.0}
+
+
 @pytest.fixture(scope="module")
 def server():
     server = ServerProcess("--slots", "4", "--max-body", str(16 << 20),
@@ -120,7 +131,7 @@ def test_no_request_stalls_the_stream_beside_it(server):
     print(f"\nalone {alone:.3f} s;", json.dumps(report))
     for name in HEAVY:
         assert answers[name][0] in (200, 400), report
-        assert gaps[name] < alone + 1.0, (alone, report)
+        assert gaps[name] < alone + PAUSE.get(name, 1.0), (alone, report)
     assert all(answers[name][0] == 400 for name in list(HEAVY)[:5]), report
     assert all(answers[name][0] == 200 for name in list(HEAVY)[5:]), report
 
