@@ -360,7 +360,8 @@ def cmd_check_config(args) -> int:
             if plan else [], "workers": [
             {"name": w.name, "device": str(w.device), "model": w.model.id, "slots": w.slots,
              "nctx": w.nctx, "kv_type": w.kv_type, "batch": w.batch, "ubatch": w.ubatch}
-            for w in plan.workers] if plan else []}, indent=2))
+            for w in plan.workers] if plan else [],
+            "unserved_models": unserved(plan) if plan else []}, indent=2))
     elif problems:
         print(f"{len(problems)} problem(s):")
         for problem in problems:
@@ -372,7 +373,18 @@ def cmd_check_config(args) -> int:
             print(f"  {w.name}: {w.device} serves {w.model.id} ({w.model.path}), "
                   f"{w.slots} slots, context {w.nctx}, KV {w.kv_type}, batch "
                   f"{w.batch}/{w.ubatch}")
+        for model in unserved(plan):
+            print(f"  note: no worker here serves {model}: only a worker started on "
+                  "another host can (until one is ready its requests wait, then 503 "
+                  "no_worker_ready)")
     return 1 if problems else 0
+
+
+def unserved(plan) -> list[str]:
+    """The plan's models that none of its workers serve (a remote worker's, or a typo in
+    a [[workers]] entry's `model` left to its default)."""
+    served = {w.model.id for w in plan.workers}
+    return [m.id for m in plan.models if m.id not in served]
 
 
 def _config_values(argv: list[str] | None) -> dict:

@@ -346,6 +346,22 @@ def test_check_config_reports_every_problem_with_its_place(tmp_path):
     assert out.returncode == 1 and "missing.toml" in out.stderr
 
 
+def test_cores_pinned_to_two_workers_are_refused(tmp_path):
+    """Two workers pinned to a shared core run twice the threads it holds, each waiting
+    at every barrier on the other's: refused by name, for flags and the file alike; a
+    worker on bare `cpu` (unpinned) beside others is the operator's choice."""
+    out = check_config("--device", "cpu:0-3", "--device", "cpu:2-5", "--device", "cpu:8")
+    assert out.returncode == 1
+    assert "cores 2-3 are pinned to more than one worker (cpu:0-3, cpu:2-5)" in out.stdout
+    config = tmp_path / "c.toml"
+    config.write_text("[[workers]]\ndevice = \"cpu:1\"\n[[workers]]\ndevice = \"cpu:0-1\"\n")
+    out = check_config("--config", str(config))
+    assert out.returncode == 1 and "cores 1 are pinned to more than one worker" in out.stdout
+    core = f"cpu:{min(os.sched_getaffinity(0))}"
+    out = check_config("--device", "cpu", "--device", "cpu", "--device", core)
+    assert "pinned to more than one worker" not in out.stdout + out.stderr
+
+
 def test_flags_and_variables_override_the_file(tmp_path):
     core = f"cpu:{min(os.sched_getaffinity(0))}"      # one this process may use
     config = tmp_path / "c.toml"
@@ -395,6 +411,11 @@ def test_a_model_id_flag_names_the_config_files_model_never_replaces_it(tmp_path
                       f'path = "{tiny}"\n[[workers]]\ndevice = "cpu"\nmodel = "a"\n')
     out = check_config("--config", str(config), "--model-id", "foo")
     assert out.returncode == 1 and "--model-id" in out.stdout + out.stderr
+    # a model no worker of the config serves is said (a remote worker's, or a typo)
+    out = check_config("--config", str(config))
+    assert out.returncode == 0 and "note: no worker here serves b" in out.stdout, out.stdout
+    out = check_config("--config", str(config), "--json")
+    assert json.loads(out.stdout)["unserved_models"] == ["b"]
 
 
 def test_a_models_or_workers_option_under_server_says_where_it_goes(tmp_path):

@@ -399,7 +399,27 @@ def _plan_workers(data: dict, args, models: list[ModelPlan], broken: set[str],
     accelerators = [(d.kind, o) for d in devices for o in d.ordinals]
     problems += [f"workers: {k}:{i} is used by more than one worker" for k, i in
                  set(accelerators) if accelerators.count((k, i)) > 1]
+    problems += _shared_cores(devices)
     return plans
+
+
+def _shared_cores(devices: list[DeviceSpec]) -> list[str]:
+    """Cores pinned to more than one worker (`cpu:0-3` beside `cpu:2-5`): each worker runs
+    as many threads as its cores, so two on the same cores run twice the threads the cores
+    hold and each waits on the other's at every node's barrier (a step several times
+    slower, and which is the slow one turns on the scheduler). A worker on `cpu` alone is
+    pinned to no core (every core this process may use, shared as the OS sees fit): the
+    operator's choice, not an overlap."""
+    owners: dict[int, list[str]] = {}
+    for device in devices:
+        for core in device.cores or ():
+            owners.setdefault(core, []).append(str(device))
+    shared = sorted(c for c, o in owners.items() if len(o) > 1)
+    if not shared:
+        return []
+    who = sorted({d for c in shared for d in owners[c]})
+    return [f"workers: cores {format_cores(tuple(shared))} are pinned to more than one "
+            f"worker ({', '.join(who)}): give each worker cores of its own"]
 
 
 def _fim_template(value) -> str | None:
