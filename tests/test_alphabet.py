@@ -69,6 +69,24 @@ def test_a_mask_keeping_most_of_the_vocabulary_is_not_used():
     assert kept(texts(), "root ::= [^q]*") is None               # every one: over 90%
 
 
+def test_a_grammars_alphabet_is_kept_for_its_own_tenant_only(monkeypatch):
+    """A grammar's alphabet (its check, up to ~0.8 s) is made once per tenant: kept for
+    every key, another key's grammar was answered sooner, an oracle of its grammars."""
+    from workers.engine import samplers
+    made, calls = texts(), []
+    real = made._allowed
+    monkeypatch.setattr(made, "_allowed", lambda g: calls.append(g) or real(g))
+    for tenant in ("a", "a", "b", None, "b", None):
+        assert made.allowed_ids("root ::= [0-9]+", tenant) is not None
+    assert len(calls) == 3
+    # the worker's own check of a grammar's token references, the same way
+    verdicts, checked = samplers.OrderedDict(), []
+    monkeypatch.setattr(samplers.gbnf, "check", lambda *a, **k: checked.append(a))
+    for tenant in ("a", "a", "b"):
+        samplers.check_grammar("root ::= <[7]>", 100, verdicts=verdicts, tenant=tenant)
+    assert len(checked) == 2
+
+
 def test_a_grammar_asking_before_the_texts_are_made_waits_for_them():
     """Whether a chain has its alphabet never depends on timing (one seed, one text):
     asking starts the texts and waits; once the engine closes, none is made."""

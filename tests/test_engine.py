@@ -463,9 +463,9 @@ def test_a_dry_sampler_is_made_once_for_its_settings_and_cloned(model_path, monk
                                                 *(f"b{i}" for i in range(12))))
     engine = LlamaEngine(model_path, 512, 2, THREADS, 0, draft_max=0)
 
-    def tokens(sampling):
+    def tokens(sampling, tenant=None):
         engine.add(0, engine.tokenize("1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,"), sampling,
-                   draft_max=0)
+                   draft_max=0, history=tenant)
         out = []
         while len(out) < 16:
             produced = engine.step().get(0)
@@ -476,12 +476,16 @@ def test_a_dry_sampler_is_made_once_for_its_settings_and_cloned(model_path, monk
     try:
         cloned = [tokens(dry) for _ in range(2)]
         assert made == [16]                             # one scan of 16 breakers
+        # ... per tenant: another key's scan kept answered sooner (an oracle)
+        assert tokens(dry, "other") == cloned[0] and made == [16, 16]
+        made.pop()
         unbroken = tokens(dataclasses.replace(
             dry, dry_sequence_breakers=tuple(f"b{i}" for i in range(16))))
         assert made == [16, 16]
         plain = tokens(SamplingParams(temperature=0, ignore_eos=True))
 
-        def afresh_sampler(self, multiplier, base, allowed_length, window, breakers):
+        def afresh_sampler(self, multiplier, base, allowed_length, window, breakers,
+                           tenant=None):
             encoded = [b.encode() for b in breakers]         # (each chain its own scan)
             return llama_cpp.llama_sampler_init_dry(
                 self.vocab, multiplier, base, allowed_length, window,

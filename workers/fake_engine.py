@@ -59,7 +59,7 @@ class FakeEngine:
     def bos(self) -> list[int]:
         return [BOS]
 
-    def sampler_chain(self, sampling: SamplingParams):
+    def sampler_chain(self, sampling: SamplingParams, tenant: str | None = None):
         if sampling.grammar is not None:
             raise InvalidInput("the fake engine has no grammar support", param="grammar")
         return None                      # (its sampling is scripted by the prompt)

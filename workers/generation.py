@@ -29,7 +29,7 @@ from workers.interface import Engine
 from workers.active import Active, EditorLimits, LogprobLedger
 from workers.preparation import Preparer, sampling_of
 from workers.prompts import (context_limit, fitted_prompt, may_drop_extra, prompt_text,
-                             vocabulary_op)
+                             tenant_of, vocabulary_op)
 from workers.sampling import SamplingParams
 from workers.textstream import TextAssembler
 
@@ -337,8 +337,11 @@ class GenerationLoop:
         self.faults.check("admit", body.prompt)
         gen = body.generation
         topic = body.topic.encode()
-        sampling = prepared.sampling if prepared is not None and \
-            prepared.sampling is not None else sampling_of(gen, self.engine)
+        if prepared is not None and prepared.sampling is not None:
+            sampling = prepared.sampling
+        else:
+            with tenant_of(self.engine, body):      # (a text bias's tokens: its own)
+                sampling = sampling_of(gen, self.engine)
         fitted = prepared.fitted if prepared is not None else fitted_prompt(
             self.engine, body, self.fim_template,
             list(body.infill.extra) if body.infill else [])

@@ -27,7 +27,7 @@ from dispatcher.common import protocol as P
 from dispatcher.common.fields import TEXT_BIAS
 from workers import inbox
 from workers.errors import EngineError, InvalidInput
-from workers.prompts import Fitted, check_fits, fitted_prompt
+from workers.prompts import Fitted, check_fits, fitted_prompt, tenant_of
 from workers.sampling import BAN, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -142,9 +142,10 @@ class Preparer:
             extra = list(body.infill.extra) if body.infill else []
             check_fits(self.engine, body, self.fim_template)
             prepared.fitted = fitted_prompt(self.engine, body, self.fim_template, extra)
-            prepared.sampling = sampling_of(body.generation, self.engine)
+            with tenant_of(self.engine, body):      # (a text bias's tokens: its own)
+                prepared.sampling = sampling_of(body.generation, self.engine)
             prepared.chain = self.engine.sampler_chain(
-                SamplingParams.from_job(prepared.sampling))
+                SamplingParams.from_job(prepared.sampling), body.tenant or "")
         except Exception as exc:           # raised when the job is admitted
             if not isinstance(exc, EngineError):
                 log.exception("%s: preparing failed", request_id)

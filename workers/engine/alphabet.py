@@ -97,7 +97,7 @@ class TokenTexts:
         self._lock = threading.Lock()
         self._built = threading.Event()
         self._builder: threading.Thread | None = None
-        self._masks: OrderedDict = OrderedDict()       # grammar text -> ids or None
+        self._masks: OrderedDict = OrderedDict()  # (tenant, grammar text) -> ids or None
         self._stop = threading.Event()
         self.points = None                             # made: the texts
 
@@ -151,19 +151,21 @@ class TokenTexts:
         self.starts, self.lengths, self.always = starts, lengths, always
         self.points = np.array(points, dtype=np.int32)
 
-    def allowed_ids(self, grammar: str) -> np.ndarray | None:
+    def allowed_ids(self, grammar: str, tenant: str | None = None) -> np.ndarray | None:
         """The sorted ids of the tokens `grammar` could ever accept, or None where that is
         more than USEFUL_SHARE of the vocabulary (or every token); waits for the texts
-        (asking starts them)."""
+        (asking starts them). Kept per `tenant` (a grammar another key had sent answered
+        sooner: an oracle of its grammars)."""
         self.build()
+        key = (tenant, grammar)
         with self._lock:
-            if grammar in self._masks:
-                self._masks.move_to_end(grammar)
-                return self._masks[grammar]
+            if key in self._masks:
+                self._masks.move_to_end(key)
+                return self._masks[key]
             if self.points is None:
                 return None                  # the engine is closing
             ids = self._allowed(grammar)
-            self._masks[grammar] = ids
+            self._masks[key] = ids
             while len(self._masks) > KEPT_MASKS:
                 self._masks.popitem(last=False)
             return ids

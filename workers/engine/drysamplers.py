@@ -27,10 +27,11 @@ class DryTemplates:
         self.lock = threading.Lock()
 
     def sampler(self, multiplier: float, base: float, allowed_length: int, window: int,
-                breakers: tuple[str, ...]):
+                breakers: tuple[str, ...], tenant: str | None = None):
         """A new DRY sampler of these settings (None where llama.cpp could not make one);
-        the caller owns it."""
-        key = (multiplier, base, allowed_length, window, breakers)
+        the caller owns it. Kept per `tenant`: a scan another key had made answered
+        sooner, an oracle of its settings."""
+        key = (tenant, multiplier, base, allowed_length, window, breakers)
         with self.lock:
             template = self.kept.get(key)
             if template is not None:

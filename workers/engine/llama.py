@@ -298,7 +298,7 @@ class LlamaEngine:
         if slot.busy:
             raise EngineError(f"slot {slot_id} is busy")
         self.check_tokens(tokens)
-        chain = chain or self.sampler_chain(sampling)
+        chain = chain or self.sampler_chain(sampling, history)
         chain.accept_prompt(tokens, penalties=penalize_prompt)
         # At least the last prompt token is decoded again: its logits start generation.
         # Prompt logprobs need every prompt row's logits, so nothing is reused then.
@@ -348,11 +348,12 @@ class LlamaEngine:
             return top
         return max(1, min(top, int(PROMPT_LOGPROB_STEP_MS / per_row)))
 
-    def sampler_chain(self, sampling: SamplingParams) -> SamplerChain:
+    def sampler_chain(self, sampling: SamplingParams, tenant: str | None = None
+                      ) -> SamplerChain:
         """A sequence's samplers for `sampling` (any thread: llama.cpp builds them from the
-        vocabulary alone, the GIL released)."""
+        vocabulary alone, the GIL released); what it keeps for later chains, `tenant`'s."""
         return SamplerChain(llama_cpp, self.vocab, self.n_vocab, self.n_ctx, sampling,
-                            self.candidates)
+                            self.candidates, tenant)
 
     def clear_caches(self) -> None:
         """Forget every idle slot's cached prefix (after a failed decode, say)."""

@@ -16,11 +16,14 @@ from workers.sampling import SamplingParams
 
 
 def check_grammar(grammar: str, n_vocab: int, token_of=None,
-                  verdicts: OrderedDict | None = None, ends=None) -> None:
+                  verdicts: OrderedDict | None = None, ends=None,
+                  tenant: str | None = None) -> None:
     """A 400 for a grammar llama.cpp would refuse or could not use (dispatcher.common.grammar).
-    `verdicts` keeps the answers for recent texts: the n choices of one request, or an
-    editor's same grammar, are checked once."""
-    problem = verdicts.get(grammar, False) if verdicts is not None else False
+    `verdicts` keeps the answers for recent texts, each `tenant`'s own: the n choices of
+    one request, or an editor's same grammar, are checked once (a text another key had
+    sent answered sooner: an oracle of its grammars)."""
+    key = (tenant, grammar)
+    problem = verdicts.get(key, False) if verdicts is not None else False
     if problem is False:
         try:
             gbnf.check(grammar, n_vocab, token_of, ends)
@@ -28,7 +31,7 @@ def check_grammar(grammar: str, n_vocab: int, token_of=None,
         except gbnf.GrammarError as exc:
             problem = str(exc)
         if verdicts is not None:
-            verdicts[grammar] = problem
+            verdicts[key] = problem
             while len(verdicts) > KEPT_VERDICTS:
                 verdicts.popitem(last=False)
     if problem is not None:
@@ -178,8 +181,10 @@ class SamplerChain:
     """
 
     def __init__(self, lib, vocab, n_vocab: int, n_ctx: int, p: SamplingParams,
-                 candidates: Candidates):
-        self.lib, self.candidates = lib, candidates
+                 candidates: Candidates, tenant: str | None = None):
+        # (`tenant`: whose the work kept for later chains is, the grammar's mask and check
+        # and the DRY scan: another key's kept work answers no key sooner)
+        self.lib, self.candidates, self.tenant = lib, candidates, tenant
         self.grammar = None
         bare_greedy = p.greedy and not p.penalized and not p.logit_bias and \
             not p.dry_multiplier
@@ -207,7 +212,7 @@ class SamplerChain:
         self.infill = "infill" in p.order
         if p.grammar is not None and candidates.texts is not None:
             try:
-                self.allowed = candidates.texts.allowed_ids(p.grammar)
+                self.allowed = candidates.texts.allowed_ids(p.grammar, tenant)
             except gbnf.GrammarError:
                 pass                     # (llama.cpp's parse below says so, if it does)
         self.check_seconds = 0.0                        # the last token's stack work
@@ -251,7 +256,8 @@ class SamplerChain:
                 # (the front end checked the rest), so llama.cpp never logs a refusal
                 check_grammar(p.grammar, n_vocab, lambda text: one_token(lib, vocab, text),
                               self.candidates.grammar_verdicts,
-                              lambda token: bool(lib.llama_vocab_is_eog(vocab, token)))
+                              lambda token: bool(lib.llama_vocab_is_eog(vocab, token)),
+                              self.tenant)
             self.grammar = lib.llama_sampler_init_grammar(vocab, p.grammar.encode(), b"root")
             if not self.grammar:
                 raise InvalidInput("the grammar does not parse (GBNF with a 'root' rule)",
@@ -269,7 +275,8 @@ class SamplerChain:
             elif name == "dry" and p.dry_multiplier > 0:
                 samplers.append(self.candidates.dry.sampler(
                     p.dry_multiplier, p.dry_base, p.dry_allowed_length,
-                    window(p.dry_penalty_last_n), tuple(p.dry_sequence_breakers)))
+                    window(p.dry_penalty_last_n), tuple(p.dry_sequence_breakers),
+                    self.tenant))
                 self.dry_memory = (samplers[-1], window(p.dry_penalty_last_n))
             elif p.greedy or p.mirostat:
                 continue                          # truncation: none before these
