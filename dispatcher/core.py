@@ -441,6 +441,8 @@ class DispatcherCore:
             job = record.running.get(msg.request_id)
             if job is not None and msg.body.attempt == job.attempt:
                 job.started = job.first_token = True
+                if job.share_key is not None:
+                    self.dispatch()          # its prompt's other choices may spread now
         elif msg.cmd == P.DONE:
             self.job_done(record, msg.request_id, msg.body)
         elif msg.cmd == P.DISCONNECT and msg.body.code == P.STOPPED and not record.running \
@@ -450,7 +452,10 @@ class DispatcherCore:
             log.info("worker %s stopped", record.name)
             self.broadcast_state()
         elif msg.cmd == P.DISCONNECT:
-            self.worker_lost(record, msg.body.reason or "disconnected", code=msg.body.code)
+            # (stuck: a step that never returned, maybe an unstarted job's first prefill
+            # step, which its STARTED travels behind: counted as a crash, MAX_CRASHES)
+            self.worker_lost(record, msg.body.reason or "disconnected", code=msg.body.code,
+                             crashed=msg.body.code == "worker_stuck")
         elif msg.cmd == P.HEARTBEAT:
             record.heartbeats += 1
             if msg.body is not None and msg.body.steps is not None:
@@ -521,7 +526,9 @@ class DispatcherCore:
         if send.to == "worker":
             record = self.registry.get(send.peer)
             if record is not None:
-                self.worker_lost(record, "unreachable")
+                # (its connection gone without a word: a crash, whose exit the launcher
+                # reaps after this, when the record is gone; counted here, MAX_CRASHES)
+                self.worker_lost(record, "unreachable", crashed=True)
                 self.dispatch()
         elif send.cmd in (P.REJECTED, P.FAILED, P.ACCEPTED):
             # a front end gone (its requests with it) or not keeping up (1,000 messages
@@ -564,6 +571,7 @@ class DispatcherCore:
                   len(record.running))
         self.note_loss(record.name, reason, lost.code)
         failed = 0                           # (requeued and cancelled ones are no loss)
+        ended: set[str] = set()              # requests one of whose jobs failed here
         for job in record.running.values():
             job.worker = None
             if crashed and not job.started:
@@ -578,6 +586,8 @@ class DispatcherCore:
                 failed += 1
                 self._forget(job)
                 self._fail(job, lost)
+                ended.add(job.parent)
+        failed += self._fail_queued(ended, lost)
         for job in record.ops.values():
             self._fail(job, lost)
         self.metrics.worker_lost(record.name, record.info.device, failed + len(record.ops),
@@ -585,6 +595,20 @@ class DispatcherCore:
         record.running.clear()
         record.ops.clear()
         self.broadcast_state()
+
+    def _fail_queued(self, parents: set[str], error: P.WireError) -> int:
+        """Fail the queued jobs of `parents` (requests one job of which failed: the front
+        end fails a request whole at its first error, and a choice of a crashing prompt
+        requeued beside it went on to crash another worker before its CANCEL came)."""
+        if not parents:
+            return 0
+        doomed = [job for job in self.queue if job.parent in parents]
+        for job in doomed:
+            self.queue.take(job)
+            self.stats["failed"] += 1
+            self._forget(job)
+            self._fail(job, error)
+        return len(doomed)
 
     def dispatch(self) -> None:
         """Hand queued jobs to the worker the registry chooses for each (cache affinity
@@ -602,6 +626,7 @@ class DispatcherCore:
         # (64 requests of 128 choices queued made each pass 8,192 choices: 18 ms a
         # message, and a burst of them held the dispatcher past workers' heartbeats)
         waits: set[str] = set()
+        leaders = self._leaders()
         for job in self.queue.in_fair_order(running.by_request, running.by_key_model,
                                             self.shares.served):
             if job.parent in waits:
@@ -621,10 +646,12 @@ class DispatcherCore:
                                        on_route.get(counted)):
                 waits.add(job.parent)
                 continue
-            worker = self.registry.choose(job)
+            worker = self.registry.choose(job, leaders.get(job.share_key))
             if worker is None:
                 waits.add(job.parent)
                 continue
+            if job.share_key is not None:
+                leaders.setdefault(job.share_key, worker)
             self.queue.take(job)
             self._assign(job, worker)
             running.add(job)
@@ -633,6 +660,25 @@ class DispatcherCore:
                     on_route[other_route, job.body.api_key] += 1
             if not self.registry.with_free_slots():
                 return
+
+    def _leaders(self) -> dict[str, WorkerRecord]:
+        """Where each prompt of several choices (`share_key`) runs while none of its
+        choices has written a first token: its other choices go there alone until one
+        has (where the worker holds them to copy its prefill anyway). Spread over the
+        free workers at once, the n choices of a prompt that crashes llama.cpp in its
+        prefill crashed n workers, each failing every request it ran, and n more when
+        requeued."""
+        leaders: dict[str, WorkerRecord] = {}
+        written: set[str] = set()
+        for record in self.registry.workers.values():
+            for job in record.running.values():
+                if job.share_key is None or job.cancelled:
+                    continue
+                if job.first_token:
+                    written.add(job.share_key)
+                else:
+                    leaders.setdefault(job.share_key, record)
+        return {key: record for key, record in leaders.items() if key not in written}
 
     def _assign(self, job: QueuedJob, worker: WorkerRecord, **extra) -> None:
         """Send `job` to `worker` (with `extra` fields) and count it as running there.

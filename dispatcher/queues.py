@@ -190,10 +190,11 @@ class WorkerRecord:
     steps: P.StepTotals | None = None    # its step profile, as of its last heartbeat
     heartbeats: int = 0          # heartbeats received (`bench --profile` waits for them)
 
-    def suspect(self) -> bool:
-        """Whether a job that was on a crashed worker unstarted waits here to start."""
-        return any(job.crashes and not job.started and not job.cancelled
-                   for job in self.running.values())
+    def suspect(self, parent: str | None = None) -> bool:
+        """Whether a job that was on a crashed worker unstarted waits here to start (one
+        of another request than `parent`: a request's jobs are one suspect)."""
+        return any(job.crashes and not job.started and not job.cancelled and
+                   job.parent != parent for job in self.running.values())
 
     def remember(self, job: QueuedJob) -> None:
         """Note the prompt this worker now holds (or will hold) in a KV cache."""
@@ -291,14 +292,16 @@ class WorkerRegistry:
     def expired(self, now: float) -> list[WorkerRecord]:
         return [w for w in self.workers.values() if w.expires_at < now]
 
-    def choose(self, job: QueuedJob) -> WorkerRecord | None:
+    def choose(self, job: QueuedJob, only: WorkerRecord | None = None
+               ) -> WorkerRecord | None:
         """Where a queued job should run now (`routing.choose_worker`), among the workers
-        with a free slot that take work; a job that was on a crashed worker unstarted,
-        only where no other such job waits to start (so that the next crash names it)."""
-        return choose_worker(job.body, [w for w in self.workers.values()
-                                        if w.free_slots > 0 and not w.draining and
-                                        not (job.crashes and w.suspect())],
-                             job.blocks)
+        with a free slot that take work (`only` that one, where given); a job that was on
+        a crashed worker unstarted, only where no other request's such job waits to
+        start (so that the next crash names it)."""
+        return choose_worker(job.body, [w for w in (
+            self.workers.values() if only is None else (only,))
+            if w.free_slots > 0 and not w.draining and
+            not (job.crashes and w.suspect(job.parent))], job.blocks)
 
     def with_free_slots(self) -> list[WorkerRecord]:
         """Workers that can take a job, most free slots first (ties: least recently used)."""

@@ -247,6 +247,105 @@ def test_a_job_unstarted_on_two_workers_that_crashed_is_failed_not_sent_to_a_thi
     assert [(j.request_id, j.crashes) for j in core.queue] == [("stopped", 0)]
 
 
+def choices(core, parent, n, prompt="the same prompt", **body):
+    """The n choices of one prompt of a request, as a front end submits them (the later
+    ones name the first's prompt fields: same_as)."""
+    sends = []
+    for c in range(n):
+        sends += submit(core, f"{parent}.0.{c}", parent=parent, fanout=n,
+                        **({"prompt": prompt} if c == 0 else {"same_as": f"{parent}.0.0"}),
+                        **body)
+    return sends
+
+
+def where(core, prefix):
+    return {rid: name for name, record in core.registry.workers.items()
+            for rid in record.running if rid.startswith(prefix)}
+
+
+def test_the_choices_of_a_crashing_prompt_crash_two_workers_whatever_their_number():
+    """The n choices of one prompt go where the first of them is until it has written
+    its first token (that worker holds them to copy its prefill anyway); spread at once,
+    the n choices of a prompt that crashes llama.cpp in its prefill crashed n workers,
+    each failing every request it ran, and n more when requeued. Crashed twice, the
+    request fails whole: its queued choices too, and the other workers never see it."""
+    core = DispatcherCore()
+    for name in (b"w0", b"w1", b"w2", b"w3"):
+        ready(core, name, slots=4)
+    submit(core, "bystander")
+    choices(core, "r", 6)
+    placed = where(core, "r.")
+    assert len(placed) == 4 and len(set(placed.values())) == 1     # one worker, its 4 slots
+    assert len(core.queue) == 2                                    # the rest wait for it
+    first = placed["r.0.0"]
+    sends = core.worker_exited(first.decode(), 1, "process exited (-11)", crashed=True)
+    assert not [s for s in sends if s.cmd == P.FAILED]             # unstarted: requeued
+    second = set(where(core, "r.").values())
+    assert len(second) == 1 and first not in second and len(where(core, "r.")) == 4
+    sends = core.worker_exited(second.pop().decode(), 1, "process exited (-11)",
+                               crashed=True)
+    failed = {s.request_id: s.body.code for s in sends if s.cmd == P.FAILED}
+    assert failed == {f"r.0.{c}": "worker_lost" for c in range(6)}
+    assert not where(core, "r.") and len(core.queue) == 0
+    assert "bystander" in where(core, "bystander") or len(core.registry.workers) == 3
+    assert len(core.registry.workers) == 2                         # two of four crashed
+
+
+def test_the_choices_of_a_prompt_spread_once_the_first_has_written_a_token():
+    core = DispatcherCore()
+    for name in (b"w0", b"w1"):
+        ready(core, name, slots=2)
+    choices(core, "r", 4, tokens=16)        # (short: a request may take every slot)
+    placed = where(core, "r.")
+    assert len(placed) == 2 and len(set(placed.values())) == 1 and len(core.queue) == 2
+    worker = placed["r.0.0"]
+    from_worker(core, P.STARTED, "r.0.0", attempt=1, name=worker)
+    assert len(core.queue) == 2                                   # started: not yet
+    sends = from_worker(core, P.FIRST, "r.0.0", attempt=1, name=worker)
+    assert len([s for s in sends if s.cmd == P.REQUEST]) == 2 and len(core.queue) == 0
+    assert len(set(where(core, "r.").values())) == 2
+    # the choices of other prompts of a request are not held (each prompt its own)
+    core = DispatcherCore()
+    for name in (b"w0", b"w1"):
+        ready(core, name, slots=2)
+    for i in range(2):
+        submit(core, f"m.{i}.0", parent="m", fanout=2, prompt=f"prompt {i}")
+    assert len(set(where(core, "m.").values())) == 2
+
+
+def test_a_worker_unreachable_or_stuck_counts_a_crash_for_what_it_had_not_started():
+    """A worker whose connection went without a word (a REQUEST or CANCEL to it bounced
+    before the launcher reaped its exit) or whose step never returned (the watchdog) may
+    have been killed by a job that had not said it started: counted, MAX_CRASHES."""
+    core = DispatcherCore()
+    ready(core, b"w0", slots=2)
+    submit(core, "a")
+    core.send_failed(Send("worker", b"w0", P.CANCEL, "x"))
+    assert [(j.request_id, j.crashes) for j in core.queue] == [("a", 1)]
+    core.worker_exited("w0", 1, "process exited (-11)", crashed=True)   # (gone: nothing)
+    assert [(j.request_id, j.crashes) for j in core.queue] == [("a", 1)]
+    ready(core, b"w1", slots=2)
+    sends = core.worker_message(b"w1", P.Message(P.DISCONNECT, "", P.Disconnect(
+        reason="a step ran past 10s", code="worker_stuck")), 0.0)
+    failed = {s.request_id: s.body.code for s in sends if s.cmd == P.FAILED}
+    assert failed == {"a": "worker_stuck"}
+
+
+def test_a_request_one_job_of_which_failed_with_its_worker_has_its_queued_jobs_failed():
+    """The front end fails a request whole at its first error: its jobs still queued are
+    failed with it at once, never sent on to a worker first."""
+    core = DispatcherCore()
+    ready(core, b"w0", slots=1)
+    for i in range(3):
+        submit(core, f"m.{i}.0", parent="m", fanout=3, prompt=f"prompt {i}")
+    from_worker(core, P.STARTED, "m.0.0", attempt=1)
+    assert len(core.queue) == 2
+    sends = core.worker_exited("w0", 1, "process exited (-9)", crashed=True)
+    failed = {s.request_id: s.body.code for s in sends if s.cmd == P.FAILED}
+    assert failed == {"m.0.0": "worker_lost", "m.1.0": "worker_lost", "m.2.0": "worker_lost"}
+    assert len(core.queue) == 0
+
+
 def test_a_worker_lost_by_going_silent_has_none_of_its_jobs_requeued():
     """A worker whose heartbeats stopped (its generation thread held the GIL, so its IO
     thread could neither beat nor say the job it was busy with had started): that job
@@ -579,6 +678,7 @@ def test_a_worker_that_was_not_sent_the_prompt_gets_it_whole():
     ready(core, b"w1", slots=1)
     sends = submit(core, "r.0.0", prompt="shared prompt", parent="r", fanout=2, tokens=16)
     first = next(s for s in sends if s.cmd == P.REQUEST)
+    from_worker(core, P.FIRST, "r.0.0", attempt=1, name=first.peer)   # (may spread now)
     sends = core.frontend_message(FE, P.Message(P.SUBMIT, "r.0.1", wire_job(**{
         "id": "r.0.1", "model": "m", "parent": "r", "fanout": 2, "same_as": "r.0.0",
         "tokens": 16})), 0.0)
@@ -1268,8 +1368,8 @@ def test_a_dispatch_pass_asks_once_for_the_choices_of_a_request_that_must_wait(m
     ready(core, name=b"w1", slots=2, model="other")
     asked = []
     real = core.registry.choose
-    monkeypatch.setattr(core.registry, "choose", lambda job: (asked.append(job.parent),
-                                                              real(job))[1])
+    monkeypatch.setattr(core.registry, "choose", lambda job, only=None: (
+        asked.append(job.parent), real(job, only))[1])
     core.dispatch()
     assert sorted(asked) == ["r0", "r1", "r2", "r3"] and len(core.queue) == 128
     from_worker(core, P.DONE, "busy0", attempt=1, last_seq=1)      # (a slot of w0 free)
