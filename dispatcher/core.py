@@ -339,9 +339,14 @@ class DispatcherCore:
 
     def _run_op(self, job: QueuedJob) -> None:
         """Tokenize/detokenize: no queue, no slot; the least busy fitting worker."""
-        worker = self.registry.pick(job.body, config.MAX_OPS_PER_WORKER)
+        # (with several keys, one key's at most half of a worker's: another key's
+        # /tokenize was refused, or waited behind four 1 MiB texts of the first's)
+        key_ops = config.MAX_OPS_PER_WORKER // 2 if self.shares.key_slot_share < 1.0 \
+            and job.body.api_key is not None else None
+        worker = self.registry.pick(job.body, config.MAX_OPS_PER_WORKER, key_ops)
         if worker is None and self.registry.pick(job.body) is not None:
-            return self._reject(job.frontend, job.request_id, refusals.tokenizer_busy())
+            return self._reject(job.frontend, job.request_id, refusals.tokenizer_busy(
+                self.registry.pick(job.body, config.MAX_OPS_PER_WORKER) is not None))
         self._to_frontend(job.frontend, P.ACCEPTED, job.request_id)
         if worker is None:
             return self._fail(job, refusals.no_worker_took())

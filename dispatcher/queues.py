@@ -308,11 +308,15 @@ class WorkerRegistry:
         return sorted((w for w in self.workers.values() if w.free_slots > 0 and not w.draining),
                       key=lambda w: (-w.free_slots, w.last_assigned))
 
-    def pick(self, job: P.SubmittedJob, max_ops: int | None = None) -> WorkerRecord | None:
+    def pick(self, job: P.SubmittedJob, max_ops: int | None = None,
+             key_ops: int | None = None) -> WorkerRecord | None:
         """The least busy worker that can run `job`, free slot or not (for slotless work),
-        among those with fewer than `max_ops` such jobs outstanding."""
+        among those with fewer than `max_ops` such jobs outstanding, and fewer than
+        `key_ops` of its API key's."""
         candidates = [w for w in self.workers.values() if fits(job.model, job.route, w.info)
-                      and (max_ops is None or len(w.ops) < max_ops)]
+                      and (max_ops is None or len(w.ops) < max_ops)
+                      and (key_ops is None or sum(
+                          1 for o in w.ops.values() if o.body.api_key == job.api_key) < key_ops)]
         if not candidates:
             return None
         # a draining worker (one stopping) only where no other can: it serves them, but

@@ -84,7 +84,11 @@ def no_worker_became_ready(model: str, waited: float, paused: bool = False) -> P
     return no_worker_ready(f"no worker for '{model}' became ready in {waited:.0f}s")
 
 
-def tokenizer_busy() -> P.WireError:
+def tokenizer_busy(by_key: bool = False) -> P.WireError:
+    if by_key:
+        return P.WireError(status=429, code="tokenizer_busy", retry_after=1, message=(
+            f"this API key already has {config.MAX_OPS_PER_WORKER // 2} tokenize/detokenize "
+            "requests running on every worker"))
     return P.WireError(status=429, code="tokenizer_busy", retry_after=1, message=(
         f"every worker already has {config.MAX_OPS_PER_WORKER} tokenize/detokenize "
         "requests running"))

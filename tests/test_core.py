@@ -619,6 +619,26 @@ def test_tokenize_jobs_are_bounded_per_worker():
         ("ACCEPTED", "again"), ("REQUEST", "again")]
 
 
+def test_with_several_keys_one_keys_tokenize_jobs_take_half_a_workers_at_most():
+    """Four 1 MiB /tokenize jobs of one key (17-23 s of a core each) took every place:
+    another key's was refused, or waited behind them. With several keys, one key's take
+    half a worker's places; with one key or none, all of them."""
+    from dispatcher.common.config import MAX_OPS_PER_WORKER
+    core = DispatcherCore(key_slot_share=0.75)
+    ready(core, slots=1)
+    half = MAX_OPS_PER_WORKER // 2
+    for i in range(half):
+        assert ("REQUEST", f"a{i}") in kinds(submit(core, f"a{i}", op="tokenize",
+                                                    content="x", api_key="ka"))
+    busy = submit(core, "a-over", op="tokenize", content="x", api_key="ka")[0]
+    assert busy.body.code == "tokenizer_busy" and "this API key" in busy.body.message
+    for i in range(MAX_OPS_PER_WORKER - half):
+        assert ("REQUEST", f"b{i}") in kinds(submit(core, f"b{i}", op="tokenize",
+                                                    content="x", api_key="kb"))
+    busy = submit(core, "c", op="tokenize", content="x", api_key="kc")[0]
+    assert busy.body.code == "tokenizer_busy" and "every worker" in busy.body.message
+
+
 def test_a_stuck_worker_fails_its_started_requests_as_stuck_and_is_remembered():
     core = DispatcherCore()
     ready(core, slots=2)

@@ -1323,6 +1323,51 @@ def test_dear_sampling_is_drawn_aside_and_draws_what_it_would_have(model_path, m
         engine.close()
 
 
+def test_a_tokens_logprobs_count_in_its_measured_sampling(model_path, monkeypatch):
+    """A token's logprobs (the row's log-sum-exp and top candidates: passes over the
+    whole vocabulary) are its sampling's cost too: timed only from the chain's draw, a
+    dear one never went aside and every neighbour's step waited for it."""
+    import time as clock
+
+    from workers.engine import llama
+    real = llama.top_of
+    monkeypatch.setattr(llama, "top_of", lambda *a: clock.sleep(0.03) or real(*a))
+    engine = make(model_path, slots=1)
+    try:
+        engine.add(0, engine.tokenize(PROMPTS[0]), SamplingParams(temperature=0), 2)
+        for _ in range(6):
+            engine.step()
+        assert engine.slots[0].sample_ms >= 20, engine.slots[0].sample_ms
+    finally:
+        engine.close()
+
+
+def test_a_draft_sources_fault_ends_that_sequences_drafts_not_every_sequence(
+        model_path, monkeypatch):
+    """A draft source that raises for one sequence leaves it without drafts; its
+    neighbour and itself go on sampling, no token an error (the step raising failed
+    every sequence of the worker and cleared its caches)."""
+    from workers.engine.llama import LlamaEngine
+    from workers.engine.speculation import Drafter
+    engine = LlamaEngine(model_path, 1024, 2, THREADS, 0, draft_max=8)
+    raised = []
+    real = Drafter.propose
+
+    def propose(self, *args, **kwargs):
+        if self is engine.slots[0].policy:
+            raised.append(1)
+            raise RuntimeError("a draft source's bug")
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(Drafter, "propose", propose)
+    try:
+        out, _ = drawn(engine, [(0, PROMPTS[0], GREEDY), (1, PROMPTS[1], GREEDY)], n=12)
+        assert len(out[0]) == len(out[1]) == 12      # (drawn: none of them an error)
+        assert raised == [1] and engine.slots[0].policy is None
+        assert engine.slots[1].policy is not None
+    finally:
+        engine.close()
+
+
 def test_a_chain_goes_aside_only_where_its_sampling_is_dear_beside_the_step():
     """On a CPU-like device (a step of 20-80 ms) and a GPU-like one (3 ms): a greedy
     argmax or a host draw (0.2-1 ms) never goes aside; llama.cpp sorting the whole

@@ -404,22 +404,23 @@ def _plan_workers(data: dict, args, models: list[ModelPlan], broken: set[str],
 
 
 def _shared_cores(devices: list[DeviceSpec]) -> list[str]:
-    """Cores pinned to more than one worker (`cpu:0-3` beside `cpu:2-5`): each worker runs
-    as many threads as its cores, so two on the same cores run twice the threads the cores
-    hold and each waits on the other's at every node's barrier (a step several times
-    slower, and which is the slow one turns on the scheduler). A worker on `cpu` alone is
-    pinned to no core (every core this process may use, shared as the OS sees fit): the
-    operator's choice, not an overlap."""
-    owners: dict[int, list[str]] = {}
+    """Cores in two different workers' core sets (`cpu:0-3` beside `cpu:2-5`): each
+    worker runs a thread per core of its set and waits at every node's barrier for the
+    slowest, so the shared cores' threads, taking turns, hold back both (a typo, never a
+    plan). The same set given to several workers (`cpu:0-7` for a code model and a chat
+    model, light traffic each) is time-sharing, the operator's choice, as is `cpu` alone
+    (no pinning: every core this process may use)."""
+    owners: dict[int, set[tuple]] = {}
     for device in devices:
         for core in device.cores or ():
-            owners.setdefault(core, []).append(str(device))
-    shared = sorted(c for c, o in owners.items() if len(o) > 1)
+            owners.setdefault(core, set()).add(device.cores)
+    shared = sorted(c for c, sets in owners.items() if len(sets) > 1)
     if not shared:
         return []
-    who = sorted({d for c in shared for d in owners[c]})
-    return [f"workers: cores {format_cores(tuple(shared))} are pinned to more than one "
-            f"worker ({', '.join(who)}): give each worker cores of its own"]
+    who = sorted({"cpu:" + format_cores(s) for c in shared for s in owners[c]})
+    return [f"workers: cores {format_cores(tuple(shared))} are in more than one worker's "
+            f"core set ({', '.join(who)}): give each worker cores of its own, or several "
+            "the very same set"]
 
 
 def _fim_template(value) -> str | None:

@@ -115,8 +115,17 @@ class DraftPlanner:
             # (a sequence sampled aside checks no draft: each row would be its dear draw)
             if slot.policy is not None and not slot.sampled_aside and \
                     room >= slot.policy.min_len:                             # a shorter one
-                proposal = slot.policy.propose(slot.cached + [slot.next_token], room,
-                                               proven=traffic)
+                try:
+                    proposal = slot.policy.propose(slot.cached + [slot.next_token], room,
+                                                   proven=traffic)
+                except Exception:
+                    # a draft source's fault is that sequence's drafts, not the step of
+                    # every sequence (which failed them all): it drafts no more
+                    log.exception("seq %d: drafting failed; it goes on without drafts",
+                                  slot.seq)
+                    slot.policy, proposal = None, None
+                    alike = False
+                    continue
                 if proposal is not None:
                     proposals.append((slot.seq, proposal))
                 if slot.policy.max_len < EACH[-1] or room < EACH[-1]:

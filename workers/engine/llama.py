@@ -779,6 +779,9 @@ class LlamaEngine:
         return out
 
     def _sample(self, slot: Slot) -> TokenOut:
+        # (timed from here: its logprobs' passes over the vocabulary are its sampling's
+        # cost too, which decides whether it is drawn aside, beside the next step)
+        started = time.perf_counter()
         lse = logits = top = None
         if slot.logprobs is not None:
             lse, logits = self._row(slot.row)
@@ -794,12 +797,11 @@ class LlamaEngine:
         if logits is None and slot.chain.wants_logits:
             logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(self.ctx, slot.row),
                                            shape=(self.n_vocab,))
-        started = time.perf_counter()
         token = slot.chain.sample(self.ctx, slot.row, logits)
-        slot.timed_sampling(time.perf_counter() - started)
         if saved is not None:           # (ignore_eos, min_tokens: ends banned)
             token = slot.chain.ends_ok(token, logits, self.is_eog)
             logits[self.eog_tokens] = saved
+        slot.timed_sampling(time.perf_counter() - started)
         slot.row, slot.sampled_aside = -1, False
         return self._took(slot, token, None if lse is None else float(logits[token] - lse),
                           top)
