@@ -1368,6 +1368,24 @@ def test_a_draft_sources_fault_ends_that_sequences_drafts_not_every_sequence(
         engine.close()
 
 
+def test_a_sequence_whose_start_fails_leaves_its_slot_free(model_path, monkeypatch):
+    """A start that raised after the slot took its chain left the slot busy with a chain
+    its caller then freed: the next step sampled from freed memory."""
+    from workers.engine.llama import LlamaEngine
+    from workers.engine.speculation import Drafter
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("a drafter that cannot be made")
+    monkeypatch.setattr(Drafter, "__init__", broken)
+    engine = LlamaEngine(model_path, 1024, 1, THREADS, 0, draft_max=8)
+    try:
+        with pytest.raises(RuntimeError):
+            engine.add(0, engine.tokenize(PROMPTS[0]), GREEDY)
+        assert not engine.slots[0].busy and engine.step() == {}
+    finally:
+        engine.close()
+
+
 def test_a_chain_goes_aside_only_where_its_sampling_is_dear_beside_the_step():
     """On a CPU-like device (a step of 20-80 ms) and a GPU-like one (3 ms): a greedy
     argmax or a host draw (0.2-1 ms) never goes aside; llama.cpp sorting the whole

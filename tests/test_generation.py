@@ -115,6 +115,27 @@ def test_a_failure_inside_one_request_ends_it_alone(phase):
     assert sorted(loop.free_slots) == [0, 1]
 
 
+def test_a_slot_release_that_raises_still_ends_its_request(loop, monkeypatch):
+    """Freeing a request's slot raising (llama.cpp's memory call) left its end unsaid:
+    no DONE to the dispatcher, whose slot count then never came back, and the client
+    waited for ever. The end is said whatever the release did."""
+    real, calls = loop.engine.release, []
+
+    def release(slot, keep_cache=True):
+        calls.append(slot)
+        if len(calls) == 1:
+            raise RuntimeError("the memory call failed")
+        return real(slot, keep_cache)
+    monkeypatch.setattr(loop.engine, "release", release)
+    submit(loop, "a", job(max_tokens=2))
+    try:
+        run(loop)
+    except RuntimeError:
+        pass                             # (the loop's own catch-all takes it in `run`)
+    assert [cmd for cmd, rid, _ in loop.notices if rid == "a"][-1] == "DONE"
+    assert events_of(loop, "a")[-1]["e"] in ("end", "error")
+
+
 def test_text_that_cannot_be_encoded_fails_its_request_not_the_loop(loop):
     submit(loop, "bad", job("a\ud800b"))
     loop.inbox.put(inbox.NewJob("tok", job(op="tokenize", content="\udfff")))

@@ -173,16 +173,20 @@ class Output:
         if active.score:
             event.score = active.logprob_sum / max(1, active.generated + active.eos_scored)
         self.publish(active, event)
-        self.release(active)
-        self.notify(P.DONE, active.request_id, active.done(
-            finish_reason=reason, usage=usage, cached_tokens=active.cached,
-            seconds=round(time.monotonic() - active.started, 3)))
+        try:
+            self.release(active)
+        finally:                # (a release that raised: its end still said)
+            self.notify(P.DONE, active.request_id, active.done(
+                finish_reason=reason, usage=usage, cached_tokens=active.cached,
+                seconds=round(time.monotonic() - active.started, 3)))
 
     def fail(self, active: Active, exc: Exception, keep_cache: bool = True) -> None:
         error = wire_error(exc)
-        self.release(active, keep_cache)
-        self.publish(active, error.event())
-        self.notify(P.DONE, active.request_id, active.done(error=error.code))
+        try:
+            self.release(active, keep_cache)
+        finally:                # (a release that raised: the client still told, no hang)
+            self.publish(active, error.event())
+            self.notify(P.DONE, active.request_id, active.done(error=error.code))
 
     def publish(self, active: Active, event: P.Event) -> None:
         event.seq = active.seq

@@ -314,26 +314,29 @@ class LlamaEngine:
             # (its cache is the slot's last tenant's: how far it had to catch up, whether
             # its drafts went in, told whether that tenant's prompt began as this one)
             self.draft_model.forget(slot_id)
+        limit = self.draft_max if draft_max is None else min(draft_max, self.draft_max)
+        costs = self.step_costs
+        policy = Drafter(limit, proven_only=sampling.wide, calibration=self.calibration,
+                         min_len=costs.shortest_draft() if costs else DRAFT_MIN,
+                         floor=costs.floor_share(limit) if costs else FLOOR) \
+            if limit else None
+        if policy is not None and history is not None:
+            policy.history = self.histories.of(history)
+            policy.output_from = len(tokens)
+            # a sampled answer is one draw: the next is unlikely to repeat it
+            policy.drafts_from_history = sampling.greedy
+        # (the chain last of what may raise: a slot holding it is busy, and a caller whose
+        # add failed frees the chain it made, which a busy slot would sample from, freed)
         slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
         slot.next_token, slot.row, slot.chain, slot.sampled = None, -1, chain, 0
         slot.line_done, slot.sat_out, slot.budget = False, 0, budget
         slot.sample_ms, slot.sampled_aside = 0.0, False
         slot.passed_over = False
-        self.draft_planner.arrived(slot_id, any(s.busy for s in self.slots if s is not slot))
+        slot.policy = policy
         slot.logprobs = logprobs
         slot.prompt_logprobs = [] if prompt_logprobs else None
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
-        limit = self.draft_max if draft_max is None else min(draft_max, self.draft_max)
-        costs = self.step_costs
-        slot.policy = Drafter(limit, proven_only=sampling.wide, calibration=self.calibration,
-                              min_len=costs.shortest_draft() if costs else DRAFT_MIN,
-                              floor=costs.floor_share(limit) if costs else FLOOR) \
-            if limit else None
-        if slot.policy is not None and history is not None:
-            slot.policy.history = self.histories.of(history)
-            slot.policy.output_from = len(tokens)
-            # a sampled answer is one draw: the next is unlikely to repeat it
-            slot.policy.drafts_from_history = sampling.greedy
+        self.draft_planner.arrived(slot_id, any(s.busy for s in self.slots if s is not slot))
         return n_past
 
     def _logprob_rows(self) -> int:
