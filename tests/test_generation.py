@@ -574,6 +574,29 @@ def test_a_huge_prompt_being_prepared_keeps_no_other_job_waiting():
     loop.preparer.shutdown()
 
 
+def test_the_watchdog_sees_how_long_a_job_has_been_in_preparation(monkeypatch):
+    """A tokenizer or sampler call that never returns held its job (and every job of its
+    size behind it) for ever, unwatched: the preparing threads' longest job is measured
+    for the IO thread's watchdog, which gives the worker up past its bound."""
+    import threading
+    import time
+    loop = make_loop(n_ctx=2 * PREPARE_CHARS)
+    held, entered = threading.Event(), threading.Event()
+    real = loop.engine.tokenize
+    monkeypatch.setattr(loop.engine, "tokenize", lambda *a, **k: (
+        entered.set(), held.wait(10), real(*a, **k))[2])
+    assert loop.preparer.stuck_for(time.monotonic()) == 0.0
+    assert loop.preparer.submit("slow", job("x" * PREPARE_CHARS, id="slow"))
+    assert entered.wait(10)
+    time.sleep(0.2)
+    assert loop.preparer.stuck_for(time.monotonic()) >= 0.2
+    assert loop.preparer.stuck_for(time.monotonic() + 400) > 400     # (what it would be)
+    held.set()
+    loop.preparer.thread.submit(lambda: None).result()
+    assert loop.preparer.stuck_for(time.monotonic()) == 0.0
+    loop.preparer.shutdown()
+
+
 def test_a_superseding_request_being_prepared_keeps_the_slot_its_old_one_freed():
     """Its session's prompt is cached in the slot the old request freed: while the new
     one is prepared, a job waiting for a slot takes another (or waits), never that one

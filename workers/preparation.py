@@ -17,6 +17,8 @@ waits behind seconds of tokenizing.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +41,11 @@ PREPARE_CHARS = 4096
 # tokenizing (refused after it, where the context is large), and every editor's request
 # of a few KB prepared behind it waited as long
 BIG_PREPARE_CHARS = 128 * 1024
+# A job whose preparation has run this long (or the step timeout, where longer) is stuck
+# in C (a tokenizer or sampler call that never returns): the watchdog gives the worker up
+# as for a stuck step. Far past anything a request within the limits asks: a prompt of
+# 1 Mi characters took 5.3 s, a megabyte /tokenize 17-23 s on a slower 2-core machine.
+PREPARE_STUCK_SECONDS = 300.0
 
 
 @dataclass
@@ -117,6 +124,7 @@ class Preparer:
         self.cancelled: set[tuple[str, int]] = set()   # ... cancelled while there
         self.ready: dict[str, Prepared] = {}    # prepared, waiting for a slot
         self.superseding: set[tuple[str, int]] = set()   # ... handed here by the loop
+        self.busy: dict[int, float] = {}        # a thread's ident -> when its job began
 
     def submit(self, request_id: str, body: P.WorkerJob, superseding: bool = False) -> bool:
         """Prepare the job on the thread if that pays (True; it then arrives in the inbox
@@ -136,7 +144,20 @@ class Preparer:
         thread.submit(self._work, request_id, body)
         return True
 
+    def stuck_for(self, now: float) -> float:
+        """Seconds the longest job now being prepared has taken (0: none): read by the IO
+        thread's watchdog."""
+        return max((now - since for since in list(self.busy.values())), default=0.0)
+
     def _work(self, request_id: str, body: P.WorkerJob) -> None:
+        me = threading.get_ident()
+        self.busy[me] = time.monotonic()
+        try:
+            self._prepare(request_id, body)
+        finally:
+            self.busy.pop(me, None)
+
+    def _prepare(self, request_id: str, body: P.WorkerJob) -> None:
         prepared = Prepared()
         try:
             extra = list(body.infill.extra) if body.infill else []

@@ -31,6 +31,7 @@ from workers.engine.contextshape import ContextShape
 from workers.errors import EngineError
 from workers.faults import FaultInjection
 from workers.generation import GenerationLoop
+from workers.preparation import PREPARE_STUCK_SECONDS
 from workers.publisher import Publisher
 from workers.prompts import FimTemplate
 from workers.pinning import Placement, pin
@@ -105,6 +106,11 @@ class DispatcherLink(threading.Thread):
             stuck = self.loop.stuck_for(now)
             if self.step_timeout and stuck > self.step_timeout:
                 self._give_up(dealer, stuck)
+            preparing = self.loop.preparer.stuck_for(now)
+            if self.step_timeout and preparing > max(self.step_timeout,
+                                                     PREPARE_STUCK_SECONDS):
+                self._give_up(dealer, preparing, "one job's preparation (its tokens, its "
+                              "sampler chain) ran", PREPARE_STUCK_SECONDS)
             if now > expires:
                 log.warning("dispatcher silent: reconnecting in %.1fs", reconnect_delay)
                 self.loop.inbox.put(inbox.Reset(self.loop.preparer.being_prepared()))
@@ -152,13 +158,17 @@ class DispatcherLink(threading.Thread):
             self.loop.inbox.put(inbox.Invalid(request_id, envelope.topic, envelope.attempt,
                                               f"the job is malformed: {exc}"))
 
-    def _give_up(self, dealer: zmq.Socket, stuck: float) -> None:
-        """The watchdog: the generation thread has been inside one step for longer than
-        any legitimate step takes (a wedged sampler, a hung device). Tell the dispatcher,
-        which fails its requests with worker_stuck, and end the process at once (the
-        stuck thread may never return, nor see a signal); the supervisor replaces it."""
-        reason = (f"stuck: one step of its generation loop ran {stuck:.0f}s, past "
-                  f"--step-timeout {self.step_timeout:g}s")
+    def _give_up(self, dealer: zmq.Socket, stuck: float,
+                 what: str = "one step of its generation loop ran",
+                 floor: float = 0.0) -> None:
+        """The watchdog: the generation thread has been inside one step (or a preparing
+        thread in one job) for longer than any legitimate one takes (a wedged sampler, a
+        hung device, a tokenizer call that never returns). Tell the dispatcher, which
+        fails its requests with worker_stuck, and end the process at once (the stuck
+        thread may never return, nor see a signal); the supervisor replaces it."""
+        limit = f"--step-timeout {self.step_timeout:g}s" if self.step_timeout >= floor \
+            else f"{floor:g}s"
+        reason = f"stuck: {what} {stuck:.0f}s, past {limit}"
         dealer.send_multipart(P.encode(P.DISCONNECT, body=P.Disconnect(
             reason=reason, code="worker_stuck")))
         # straight to the file descriptor: the stuck thread may hold a logging lock
