@@ -182,8 +182,8 @@ class Broker:
                             send.cmd in ENDINGS and len(self.unsent) < MAX_UNSENT:
                         self.unsent.append((time.monotonic(), send))
                     else:
-                        failed.append(send)
-            sends = [more for send in failed for more in self.core.send_failed(send)]
+                        failed.append((send, exc.errno != zmq.EAGAIN))
+            sends = [more for send, gone in failed for more in self.core.send_failed(send, gone)]
 
     def resend(self) -> None:
         """Send again the ends of requests a front end's full pipe refused (`unsent`):

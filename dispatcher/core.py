@@ -526,14 +526,16 @@ class DispatcherCore:
             self.dispatch()
         return self._take()
 
-    def send_failed(self, send: Send) -> list[Send]:
-        """The broker could not deliver `send` (the peer is gone or not keeping up)."""
+    def send_failed(self, send: Send, gone: bool = True) -> list[Send]:
+        """The broker could not deliver `send`: the peer is `gone` (its connection closed:
+        EHOSTUNREACH), or not keeping up (its pipe full: EAGAIN)."""
         if send.to == "worker":
             record = self.registry.get(send.peer)
             if record is not None:
-                # (its connection gone without a word: a crash, whose exit the launcher
-                # reaps after this, when the record is gone; counted here, MAX_CRASHES)
-                self.worker_lost(record, "unreachable", crashed=True)
+                # (gone without a word: a crash, whose exit the launcher reaps after this,
+                # when the record is gone; counted here, MAX_CRASHES)
+                self.worker_lost(record, "unreachable" if gone else "not keeping up",
+                                 crashed=gone)
                 self.dispatch()
         elif send.cmd in (P.REJECTED, P.FAILED, P.ACCEPTED):
             # a front end gone (its requests with it) or not keeping up (1,000 messages
@@ -576,23 +578,25 @@ class DispatcherCore:
                   len(record.running))
         self.note_loss(record.name, reason, lost.code)
         failed = 0                           # (requeued and cancelled ones are no loss)
-        ended: set[str] = set()              # requests one of whose jobs failed here
         for job in record.running.values():
             job.worker = None
             if crashed and not job.started:
                 job.crashes += 1
+        # requests one of whose jobs fails here: failed whole (their other jobs here too)
+        ended = {job.parent for job in record.running.values() if not job.cancelled and (
+            job.started or silent or job.crashes >= MAX_CRASHES or
+            job.attempt - job.handed_back >= MAX_ATTEMPTS)}
+        for job in record.running.values():
             if job.cancelled:                # nobody waits for it any more
                 self._forget(job)
-            elif not job.started and not silent and job.crashes < MAX_CRASHES and \
-                    job.attempt - job.handed_back < MAX_ATTEMPTS:
+            elif job.parent not in ended:
                 self._requeue(job)
             else:
                 self.stats["failed"] += 1
                 failed += 1
                 self._forget(job)
                 self._fail(job, lost)
-                ended.add(job.parent)
-        failed += self._fail_queued(ended, lost)
+        self._fail_queued(ended, lost)       # (theirs elsewhere: not this worker's loss)
         for job in record.ops.values():
             self._fail(job, lost)
         self.metrics.worker_lost(record.name, record.info.device, failed + len(record.ops),
@@ -601,19 +605,17 @@ class DispatcherCore:
         record.ops.clear()
         self.broadcast_state()
 
-    def _fail_queued(self, parents: set[str], error: P.WireError) -> int:
+    def _fail_queued(self, parents: set[str], error: P.WireError) -> None:
         """Fail the queued jobs of `parents` (requests one job of which failed: the front
         end fails a request whole at its first error, and a choice of a crashing prompt
         requeued beside it went on to crash another worker before its CANCEL came)."""
         if not parents:
-            return 0
-        doomed = [job for job in self.queue if job.parent in parents]
-        for job in doomed:
+            return
+        for job in [job for job in self.queue if job.parent in parents]:
             self.queue.take(job)
             self.stats["failed"] += 1
             self._forget(job)
             self._fail(job, error)
-        return len(doomed)
 
     def dispatch(self) -> None:
         """Hand queued jobs to the worker the registry chooses for each (cache affinity
@@ -631,10 +633,11 @@ class DispatcherCore:
         # (64 requests of 128 choices queued made each pass 8,192 choices: 18 ms a
         # message, and a burst of them held the dispatcher past workers' heartbeats)
         waits: set[str] = set()
-        leaders = self._leaders()
+        leaders, written = self._leaders()
+        held: set[str] = set()          # prompts whose choices wait for their first's worker
         for job in self.queue.in_fair_order(running.by_request, running.by_key_model,
                                             self.shares.served):
-            if job.parent in waits:
+            if job.parent in waits or job.share_key in held:
                 continue
             route = msgspec.json.encode((job.model, job.body.route))
             if route not in routes:            # (a drained worker's slots, another
@@ -651,11 +654,15 @@ class DispatcherCore:
                                        on_route.get(counted)):
                 waits.add(job.parent)
                 continue
-            worker = self.registry.choose(job, leaders.get(job.share_key))
+            leader = leaders.get(job.share_key)
+            worker = self.registry.choose(job, leader)
             if worker is None:
-                waits.add(job.parent)
+                if leader is not None:       # (its request's other prompts may go on)
+                    held.add(job.share_key)
+                else:
+                    waits.add(job.parent)
                 continue
-            if job.share_key is not None:
+            if job.share_key is not None and job.share_key not in written:
                 leaders.setdefault(job.share_key, worker)
             self.queue.take(job)
             self._assign(job, worker)
@@ -666,13 +673,13 @@ class DispatcherCore:
             if not self.registry.with_free_slots():
                 return
 
-    def _leaders(self) -> dict[str, WorkerRecord]:
+    def _leaders(self) -> tuple[dict[str, WorkerRecord], set[str]]:
         """Where each prompt of several choices (`share_key`) runs while none of its
         choices has written a first token: its other choices go there alone until one
         has (where the worker holds them to copy its prefill anyway). Spread over the
         free workers at once, the n choices of a prompt that crashes llama.cpp in its
         prefill crashed n workers, each failing every request it ran, and n more when
-        requeued."""
+        requeued. Also the prompts that have (their choices spread freely)."""
         leaders: dict[str, WorkerRecord] = {}
         written: set[str] = set()
         for record in self.registry.workers.values():
@@ -683,7 +690,8 @@ class DispatcherCore:
                     written.add(job.share_key)
                 else:
                     leaders.setdefault(job.share_key, record)
-        return {key: record for key, record in leaders.items() if key not in written}
+        return {key: record for key, record in leaders.items() if key not in written}, \
+            written
 
     def _assign(self, job: QueuedJob, worker: WorkerRecord, **extra) -> None:
         """Send `job` to `worker` (with `extra` fields) and count it as running there.

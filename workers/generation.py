@@ -204,7 +204,10 @@ class GenerationLoop:
         nothing of a request that broke something is reused."""
         if self.active.pop(active.request_id, None) is None:
             return
-        self.engine.release(active.slot, keep_cache=keep_cache)
+        try:
+            self.engine.release(active.slot, keep_cache=keep_cache)
+        except Exception:               # (the engine frees the slot first, whatever fails)
+            log.exception("%s: releasing slot %d failed", active.request_id, active.slot)
         self.free_slots.append(active.slot)
 
     # -- utility jobs ------------------------------------------------------------------

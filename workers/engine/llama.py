@@ -298,35 +298,32 @@ class LlamaEngine:
         if slot.busy:
             raise EngineError(f"slot {slot_id} is busy")
         self.check_tokens(tokens)
+        made = chain is None                # (freed here if this start fails: its own)
         chain = chain or self.sampler_chain(sampling, history)
-        chain.accept_prompt(tokens, penalties=penalize_prompt)
-        # At least the last prompt token is decoded again: its logits start generation.
-        # Prompt logprobs need every prompt row's logits, so nothing is reused then.
-        # Decoding a prompt in other pieces changes its numbers: deterministic mode
-        # never reuses a cached prefix.
-        if reuse and not prompt_logprobs and not self.deterministic:
-            n_past = self.caches.reuse(slot, tokens, min(common_prefix(slot.cached, tokens),
-                                                         len(tokens) - 1))
-        else:
-            n_past = 0
-            self.caches.forget(slot)
-        if not reuse and self.draft_model is not None:
-            # (its cache is the slot's last tenant's: how far it had to catch up, whether
-            # its drafts went in, told whether that tenant's prompt began as this one)
-            self.draft_model.forget(slot_id)
-        limit = self.draft_max if draft_max is None else min(draft_max, self.draft_max)
-        costs = self.step_costs
-        policy = Drafter(limit, proven_only=sampling.wide, calibration=self.calibration,
-                         min_len=costs.shortest_draft() if costs else DRAFT_MIN,
-                         floor=costs.floor_share(limit) if costs else FLOOR) \
-            if limit else None
-        if policy is not None and history is not None:
-            policy.history = self.histories.of(history)
-            policy.output_from = len(tokens)
-            # a sampled answer is one draw: the next is unlikely to repeat it
-            policy.drafts_from_history = sampling.greedy
-        # (the chain last of what may raise: a slot holding it is busy, and a caller whose
-        # add failed frees the chain it made, which a busy slot would sample from, freed)
+        try:
+            chain.accept_prompt(tokens, penalties=penalize_prompt)
+            # At least the last prompt token is decoded again: its logits start
+            # generation. Prompt logprobs need every prompt row's logits, so nothing is
+            # reused then. Decoding a prompt in other pieces changes its numbers:
+            # deterministic mode never reuses a cached prefix.
+            if reuse and not prompt_logprobs and not self.deterministic:
+                n_past = self.caches.reuse(slot, tokens, min(
+                    common_prefix(slot.cached, tokens), len(tokens) - 1))
+            else:
+                n_past = 0
+                self.caches.forget(slot)
+            if not reuse and self.draft_model is not None:
+                # (its cache is the slot's last tenant's: how far it had to catch up,
+                # whether its drafts went in, told whether that tenant's prompt began as
+                # this one)
+                self.draft_model.forget(slot_id)
+            policy = self._drafter(sampling, draft_max, history, len(tokens))
+        except BaseException:
+            if made:
+                chain.free()
+            raise
+        # (the chain last: a slot holding it is busy, and a start that failed with the
+        # slot holding a chain its caller then freed had the next step sample from it)
         slot.pending, slot.prompt, slot.n_past = list(tokens[n_past:]), list(tokens), n_past
         slot.next_token, slot.row, slot.chain, slot.sampled = None, -1, chain, 0
         slot.line_done, slot.sat_out, slot.budget = False, 0, budget
@@ -338,6 +335,23 @@ class LlamaEngine:
         slot.min_tokens, slot.ignore_eos = sampling.min_tokens, sampling.ignore_eos
         self.draft_planner.arrived(slot_id, any(s.busy for s in self.slots if s is not slot))
         return n_past
+
+    def _drafter(self, sampling: SamplingParams, draft_max: int | None,
+                 history: str | None, prompt_tokens: int) -> Drafter | None:
+        """A new sequence's drafting policy (None: it drafts nothing)."""
+        limit = self.draft_max if draft_max is None else min(draft_max, self.draft_max)
+        if not limit:
+            return None
+        costs = self.step_costs
+        policy = Drafter(limit, proven_only=sampling.wide, calibration=self.calibration,
+                         min_len=costs.shortest_draft() if costs else DRAFT_MIN,
+                         floor=costs.floor_share(limit) if costs else FLOOR)
+        if history is not None:
+            policy.history = self.histories.of(history)
+            policy.output_from = prompt_tokens
+            # a sampled answer is one draw: the next is unlikely to repeat it
+            policy.drafts_from_history = sampling.greedy
+        return policy
 
     def _logprob_rows(self) -> int:
         """Prompt rows with logprobs a step may take, all such prompts together: as many
@@ -369,19 +383,23 @@ class LlamaEngine:
         the next prompt that shares a prefix with it, unless `keep_cache` is False."""
         slot = self.slots[slot_id]
         self.aside.forget(slot_id)          # (a draw in flight uses its chain)
-        if slot.chain is not None:
-            slot.chain.free()
-        if slot.policy is not None and slot.policy.history is not None:
-            slot.policy.history.add(slot.cached, len(slot.prompt))
-            slot.policy.learn(slot.cached)       # (the model's tokens since its last draft)
-            slot.policy.history = None           # (once per sequence)
-        if not keep_cache:
-            self.caches.forget(slot)
-        slot.chain, slot.pending, slot.n_past, slot.next_token, slot.row = None, [], 0, None, -1
+        # (the slot free first: whatever raises below, no step samples a freed chain)
+        chain, slot.chain = slot.chain, None
+        slot.pending, slot.n_past, slot.next_token, slot.row = [], 0, None, -1
         slot.prompt_rows, slot.prompt_logprobs = [], None
         slot.draft, slot.draft_rows = [], []     # (a step that failed leaves its drafts)
-        if not any(s.busy for s in self.slots):
-            self.host.idle()
+        try:
+            if chain is not None:
+                chain.free()
+            if slot.policy is not None and slot.policy.history is not None:
+                history, slot.policy.history = slot.policy.history, None   # (once a sequence)
+                history.add(slot.cached, len(slot.prompt))
+                slot.policy.learn(slot.cached)   # (the model's tokens since its last draft)
+        finally:
+            if not keep_cache:
+                self.caches.forget(slot)
+            if not any(s.busy for s in self.slots):
+                self.host.idle()
 
     # -- decoding ----------------------------------------------------------------------
     def step(self) -> dict[int, TokenOut]:
