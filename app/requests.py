@@ -4,6 +4,8 @@ worker can meet, sizes within the limits. Shared by every route that takes a bod
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
 
 import msgspec
 from flask import Response, current_app, has_request_context, request
@@ -42,7 +44,7 @@ def validate(body: object, schema: Schema = _schema) -> dict:
         bodies.body_bytes.give_back()   # (the raw body is gone: its bytes are free)
     scope = tenant_of(request) if has_request_context() else None
     if isinstance(data, dict) and data.get("grammar"):
-        refusal = off_loop(grammar_refusal, data["grammar"], scope)
+        refusal = checked_grammar(data["grammar"], scope)
         if refusal is not None:
             raise InvalidRequest(f"Invalid value for 'grammar': The grammar cannot be used: "
                                  f"{refusal}.", param="grammar", code="invalid_value")
@@ -65,6 +67,44 @@ def validate(body: object, schema: Schema = _schema) -> dict:
 # schemas' grammars are: another key's grammar answered at once would tell it was sent.
 GRAMMARS_KEPT = 256
 _checked: dict[bytes, str | None] = {}
+# Checks not remembered run GRAMMAR_CHECKS at a time in a front end, one at a time for
+# each tenant, waiting up to CHECK_WAIT s for their turn (then 503 server_busy): each
+# holds a thread of the pool and the GIL for up to ~0.8 s, and a key sending new large
+# grammars at once took every thread, so that every request of the front end waited to
+# be validated and its streams stalled.
+GRAMMAR_CHECKS = 2
+CHECK_WAIT = 15.0
+_check_slots = threading.BoundedSemaphore(GRAMMAR_CHECKS)
+_own_checks: dict[str | None, threading.BoundedSemaphore] = {}
+
+
+def _grammar_key(grammar: str, scope: str | None) -> bytes:
+    return (scope or "").encode("utf-8", "surrogateescape") + b"\0" + hashlib.blake2b(
+        grammar.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def checked_grammar(grammar: str, scope: str | None) -> str | None:
+    """`grammar_refusal` on a thread of the pool, in its turn (GRAMMAR_CHECKS); at once
+    where it is remembered."""
+    if _grammar_key(grammar, scope) in _checked:
+        return _checked[_grammar_key(grammar, scope)]
+    busy = ServiceUnavailable(f"Every grammar check of this front end was busy for "
+                              f"{CHECK_WAIT:g} s: try again.", code="server_busy")
+    deadline = time.monotonic() + CHECK_WAIT
+    own = _own_checks.setdefault(scope, threading.BoundedSemaphore(1)) \
+        if scope is not None else None
+    if own is not None and not own.acquire(timeout=CHECK_WAIT):
+        raise busy
+    try:
+        if not _check_slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise busy
+        try:
+            return off_loop(grammar_refusal, grammar, scope)
+        finally:
+            _check_slots.release()
+    finally:
+        if own is not None:
+            own.release()
 
 
 def grammar_refusal(grammar: str, scope: str | None = None) -> str | None:
@@ -72,8 +112,7 @@ def grammar_refusal(grammar: str, scope: str | None = None) -> str | None:
     None if nothing; remembered for the last GRAMMARS_KEPT grammars within `scope` (the
     request's tenant; validation runs on several threads: a lost race only checks one
     twice)."""
-    key = (scope or "").encode("utf-8", "surrogateescape") + b"\0" + hashlib.blake2b(
-        grammar.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    key = _grammar_key(grammar, scope)
     if key in _checked:
         return _checked[key]
     try:

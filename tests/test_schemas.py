@@ -269,6 +269,49 @@ def test_a_grammar_is_checked_once_however_often_it_is_sent(monkeypatch):
     assert R.grammar_refusal(good, scope="key-b") is None and calls.count(good) == 3
 
 
+def test_grammar_checks_run_a_few_at_a_time_and_one_at_a_time_per_key(monkeypatch):
+    """A check holds a pool thread and the GIL for up to ~0.8 s: a key sending new large
+    grammars at once took every thread, and every request of the front end waited to be
+    validated. Checks not remembered run GRAMMAR_CHECKS at a time, one per key; a check
+    that cannot start within CHECK_WAIT is a 503 server_busy."""
+    import threading
+
+    from app import requests as R
+    from app.errors import ServiceUnavailable
+    from dispatcher.common import grammar as gbnf
+    release, started = threading.Event(), []
+    check = gbnf.check
+    monkeypatch.setattr(gbnf, "check", lambda g: (started.append(g), release.wait(10),
+                                                  check(g))[2])
+    monkeypatch.setattr(R, "_checked", {})
+    monkeypatch.setattr(R, "_check_slots", threading.BoundedSemaphore(R.GRAMMAR_CHECKS))
+    monkeypatch.setattr(R, "_own_checks", {})
+    monkeypatch.setattr(R, "CHECK_WAIT", 0.3)
+    outcomes = {}
+
+    def run(name, scope, grammar):
+        try:
+            outcomes[name] = R.checked_grammar(grammar, scope)
+        except ServiceUnavailable as exc:
+            outcomes[name] = exc.code
+    threads = []
+    for name, scope, grammar in (("a1", "a", 'root ::= "1"'), ("b1", "b", 'root ::= "3"'),
+                                 ("a2", "a", 'root ::= "2"'), ("c1", "c", 'root ::= "4"')):
+        threads.append(threading.Thread(target=run, args=(name, scope, grammar)))
+        threads[-1].start()
+        while name in ("a1", "b1") and len(started) < len(threads):   # (a1, b1 checking)
+            threading.Event().wait(0.01)
+    threads[2].join()
+    threads[3].join()
+    assert outcomes == {"a2": "server_busy", "c1": "server_busy"}    # key a's turn; 2 slots
+    release.set()
+    for thread in threads:
+        thread.join()
+    assert outcomes["a1"] is None and outcomes["b1"] is None
+    started.clear()
+    assert R.checked_grammar('root ::= "1"', "a") is None and not started   # remembered
+
+
 def test_each_request_field_is_declared_once_and_every_layer_follows_it():
     """dispatcher.common.fields declares every sampling and routing field: the schema
     has each (and each alias, folded into it), with the declared default and range; the
