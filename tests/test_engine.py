@@ -1386,6 +1386,34 @@ def test_a_sequence_whose_start_fails_leaves_its_slot_free(model_path, monkeypat
         engine.close()
 
 
+def test_a_draw_made_aside_that_fails_is_its_sequences_failure_alone(model_path,
+                                                                    monkeypatch):
+    """Taking up a token drawn on the side thread raised out of the step (it had no
+    guard of its own, as the tokens sampled in place have): every sequence failed."""
+    from workers.engine.aside import AsideDraws
+    monkeypatch.setattr(AsideDraws, "worth", staticmethod(lambda sample, step: True))
+    engine = make(model_path, slots=2)
+    real = engine._took
+
+    def took(slot, *args):
+        if slot is engine.slots[0] and slot.sampled_aside:
+            raise RuntimeError("taking up its draw failed")
+        return real(slot, *args)
+    monkeypatch.setattr(engine, "_took", took)
+    try:
+        engine.add(0, engine.tokenize(PROMPTS[1]), TYPICAL)
+        engine.add(1, engine.tokenize(PROMPTS[0]), GREEDY)
+        errors, tokens = [], []
+        for _ in range(12):
+            for slot, out in engine.step().items():
+                (errors if out.error is not None else tokens).append(slot)
+            if errors:
+                break
+        assert errors == [0] and 1 in tokens
+    finally:
+        engine.close()
+
+
 def test_a_chain_goes_aside_only_where_its_sampling_is_dear_beside_the_step():
     """On a CPU-like device (a step of 20-80 ms) and a GPU-like one (3 ms): a greedy
     argmax or a host draw (0.2-1 ms) never goes aside; llama.cpp sorting the whole

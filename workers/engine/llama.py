@@ -796,7 +796,10 @@ class LlamaEngine:
                 out[slot_id] = TokenOut(-1, error=draw.error)
                 continue
             slot.timed_sampling(draw.seconds)
-            out[slot_id] = self._took(slot, draw.token, draw.logprob, draw.top)
+            try:
+                out[slot_id] = self._took(slot, draw.token, draw.logprob, draw.top)
+            except Exception as exc:      # (its own failure, as in _sample_all)
+                out[slot_id] = TokenOut(-1, error=exc)
         return out
 
     def _sample(self, slot: Slot) -> TokenOut:
