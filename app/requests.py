@@ -52,9 +52,10 @@ def validate(body: object, schema: Schema = _schema) -> dict:
         # made into a grammar here, within its budget: a worker only ever gets grammars
         try:
             data["grammar"] = _schema_grammars.grammar(data["json_schema"], scope=scope)
-        except SchemaRefused as exc:
-            raise InvalidRequest(str(exc), param="json_schema", code="invalid_value") \
-                from None
+        except SchemaRefused as exc:        # (named as it was sent)
+            asked = "response_format" if isinstance(body, dict) and \
+                body.get("response_format") else "json_schema"
+            raise InvalidRequest(str(exc), param=asked, code="invalid_value") from None
         except SchemaBusy as exc:
             raise ServiceUnavailable(str(exc), code="server_busy") from None
         data["json_schema"] = None

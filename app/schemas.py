@@ -6,8 +6,8 @@ OpenAPI description (`app.openapi` builds /openapi.json from these declarations)
 """
 from __future__ import annotations
 
-from marshmallow import (EXCLUDE, RAISE, Schema, ValidationError, fields, pre_load, validate,
-                         validates_schema)
+from marshmallow import (EXCLUDE, RAISE, Schema, ValidationError, fields, post_load, pre_load,
+                         validate, validates_schema)
 
 from app.fields import (MAX_CHOICES, MAX_LOGPROBS,  # noqa: F401
                         MAX_PROMPTS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, SEED_RANGE,
@@ -164,6 +164,11 @@ class CompletionRequestSchema(Schema):
         F.KNOBS["grammar"].doc, type="string"))
     json_schema = JSONObject(load_default=None, allow_none=True, metadata=doc(
         F.KNOBS["json_schema"].doc, type="object"))
+    response_format = JSONObject(load_default=None, allow_none=True, metadata=doc(
+        "OpenAI's structured output, as vLLM takes it on /v1/completions: "
+        '{"type": "text"} (none), {"type": "json_object"} (a JSON object), or '
+        '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}} (that '
+        "schema, as json_schema); not beside grammar or json_schema.", type="object"))
     min_tokens = knob_field("min_tokens")
     ignore_eos = knob_field("ignore_eos")
     cache_prompt = StrictBoolean(load_default=True, allow_none=True, metadata=doc(
@@ -253,6 +258,15 @@ class CompletionRequestSchema(Schema):
             raise ValidationError("The request body must be a JSON object.", "_body")
         return data
 
+    @post_load
+    def structured_output(self, data, **kwargs):
+        """`response_format` as the `json_schema` it asks for (checked in
+        check_combinations), then dropped: nothing past the schema reads it."""
+        schema = response_schema(data.pop("response_format", None))
+        if schema is not None:
+            data["json_schema"] = schema
+        return data
+
     @staticmethod
     def random_seed(seed: int) -> bool:
         """Whether the seed asks for a random one: -1, llama.cpp's (its default)."""
@@ -304,12 +318,39 @@ class CompletionRequestSchema(Schema):
         # (an empty grammar is none, as llama.cpp reads it: UIs send "" by default)
         if data.get("grammar") and data.get("json_schema") is not None:
             raise ValidationError("Use grammar or json_schema, not both.", "json_schema")
+        if response_schema(data.get("response_format")) is not None and \
+                (data.get("grammar") or data.get("json_schema") is not None):
+            raise ValidationError("Use one of grammar, json_schema and response_format.",
+                                  "response_format")
         # (the grammar itself is checked by app.requests.validate, remembered per tenant)
         for alias, name in ALIASES.items():
             if data.get(alias) is not None and original.get(name) is not None \
                     and data[alias] != data[name]:
                 raise ValidationError(f"{alias} and {name} are the same setting and "
                                       "differ here.", alias)
+
+
+RESPONSE_TYPES = ("text", "json_object", "json_schema")
+
+
+def response_schema(fmt: dict | None) -> dict | None:
+    """The JSON schema a `response_format` asks for (None: none, `text`), or a
+    ValidationError naming what is wrong with it."""
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind not in RESPONSE_TYPES:
+        raise ValidationError(f"response_format's type must be one of "
+                              f"{', '.join(RESPONSE_TYPES)}.", "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise ValidationError("response_format of type json_schema needs json_schema."
+                              "schema, a JSON schema object.", "response_format")
+    return spec["schema"]
 
 
 # another name a field is sent under -> the field: llama.cpp's names for OpenAI's, and the

@@ -156,6 +156,35 @@ def test_a_pydantic_models_schema_gives_text_the_model_validates(client, model_i
         Order.model_validate_json(answer.choices[0].text)
 
 
+def test_response_format_asks_for_json_as_vllm_takes_it(client, model_id):
+    """OpenAI's `response_format` on /v1/completions, as vLLM takes it (llama-server
+    ignores it there: its answer was unconstrained text): json_schema's schema, or any
+    JSON object; `text` is no constraint."""
+    import json
+    import jsonschema
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    answer = client.completions.create(
+        model=model_id, prompt="A person as JSON:", max_tokens=80, temperature=0,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {
+            "name": "person", "schema": schema, "strict": True}}, **NO_CACHE})
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].text), schema)
+    answer = client.completions.create(
+        model=model_id, prompt="A person as JSON:", max_tokens=60, temperature=0,
+        extra_body={"response_format": {"type": "json_object"}, **NO_CACHE})
+    text = answer.choices[0].text
+    assert text.startswith("{") and (answer.choices[0].finish_reason == "length" or
+                                     isinstance(json.loads(text), dict)), text
+    plain = client.completions.create(model=model_id, prompt="A person as JSON:",
+                                      max_tokens=8, temperature=0, extra_body=NO_CACHE)
+    text = client.completions.create(
+        model=model_id, prompt="A person as JSON:", max_tokens=8, temperature=0,
+        extra_body={"response_format": {"type": "text"}, **NO_CACHE}).choices[0].text
+    assert text == plain.choices[0].text
+
+
 def test_patterns_and_backslashes_in_a_schema_give_json_valid_against_it(client, model_id):
     """JSON Schema's own pattern example (`\\d`) and enum strings with a backslash and a
     quote: a 400 before (the grammar did not parse); a dot, a negated class and a

@@ -469,6 +469,12 @@ def test_json_schema_output_parses_and_validates(port):
     ({"grammar": "root ::= ("}, "grammar"),
     ({"grammar": 'start ::= "a"'}, "grammar"),
     ({"json_schema": {"type": "no-such-type"}}, "json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "no-such-type"}}}}, "response_format"),
 ])
 def test_invalid_grammar_or_schema_is_400(port, body, param):
     status, error = error_of(port, {"prompt": "x", **body})
