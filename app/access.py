@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 
 from flask import Flask, request
 
-from app.auth import TENANT
+from app.auth import TENANT, client_address
 from app.metrics import QUIET_PATHS
 from dispatcher.common.apikeys import key_fingerprint as fingerprint
 from dispatcher.common.logs import one_line_json
@@ -161,7 +161,7 @@ def init_app(app: Flask) -> None:
             time=now.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             method=request.method, route=request.path,
             key=key_fingerprint(request.headers.get("Authorization", "")),
-            client=request.remote_addr, user_agent=request.headers.get("User-Agent"))
+            client=client_address(request), user_agent=request.headers.get("User-Agent"))
 
     @app.after_request
     def close_record(response):

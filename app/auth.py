@@ -44,6 +44,17 @@ def operator_open(access: str) -> bool:
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 
 
+def client_address(req) -> str:
+    """Who sent the request: its peer's address, or behind a proxy on this host (nginx)
+    the last address X-Forwarded-For names, the one that proxy saw; a direct client's
+    own X-Forwarded-For is not believed."""
+    address = req.remote_addr or ""
+    forwarded = req.headers.get("X-Forwarded-For")
+    if forwarded and address in LOOPBACK:
+        address = forwarded.rsplit(",", 1)[-1].strip()[:64]
+    return address
+
+
 def _host_name(host: str) -> str:
     """The Host header's name, its port and an IPv6 address's brackets left off."""
     host = host.strip().lower()

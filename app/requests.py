@@ -12,6 +12,7 @@ from flask import Response, current_app, has_request_context, request
 from marshmallow import Schema, ValidationError
 
 from app import bodies
+from app.auth import client_address
 from app.bodies import BigBodySlots, clipped, off_loop
 from app.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
 from app.schemas import CompletionRequestSchema, first_error, normalize
@@ -271,10 +272,7 @@ def client_of(req) -> str | None:
     proxy saw; a direct client's own X-Forwarded-For is not believed."""
     if req.headers.get(SESSION_HEADER):
         return None
-    address = req.remote_addr or ""
-    forwarded = req.headers.get("X-Forwarded-For")
-    if forwarded and address in ("127.0.0.1", "::1"):
-        address = forwarded.rsplit(",", 1)[-1].strip()[:64]
+    address = client_address(req)
     return hashlib.sha256(f"{api_key_fingerprint(req) or ''}|{address}".encode()).hexdigest()[:16]
 
 

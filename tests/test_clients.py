@@ -292,6 +292,10 @@ def test_access_log_has_one_line_per_request_and_no_content(server, access_log):
                                     "temperature": 0})
     assert status == 200
     request_id = headers["X-Request-Id"]
+    # behind nginx on this host: the address nginx saw (it was nginx's own, 127.0.0.1)
+    _, proxied, _ = http_json(server.port, "POST", "/v1/completions",
+                              {"prompt": "Hi", "max_tokens": 1},
+                              headers={**AUTH, "X-Forwarded-For": "198.51.100.3, 203.0.113.9"})
     http_json(server.port, "POST", "/v1/completions", {"prompt": SECRET},
               headers={"Authorization": "Bearer not-the-key"})
     post(server.port, "/v1/completions", {"prompt": SECRET, "model": "nope"})
@@ -320,6 +324,8 @@ def test_access_log_has_one_line_per_request_and_no_content(server, access_log):
     assert 0 < float(mine["ttft_ms"]) <= float(mine["duration_ms"])
     assert mine["key"] == hashlib.sha256(KEY.encode()).hexdigest()[:8]
     assert mine["client"] == "127.0.0.1" and mine["model"] == answer["model"]
+    assert next(line for line in lines if line["request_id"] == proxied["X-Request-Id"])[
+        "client"] == "203.0.113.9"
     assert any(line["status"] == "401" and line["error"] == "invalid_api_key"
                and line["key"] == hashlib.sha256(b"not-the-key").hexdigest()[:8]
                for line in lines)
