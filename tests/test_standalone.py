@@ -118,3 +118,57 @@ def test_a_dispatcher_run_alone_takes_the_shares_and_model_names_serve_would(tmp
         assert status["known_models"] == {"coder": {"n_ctx": 8192, "aliases": ["code"]}}
     finally:
         assert stop(proc) == 0
+
+
+def test_a_worker_its_unit_started_tells_systemd_ready_and_feeds_its_watchdog(tmp_path):
+    """Under its systemd unit (Type=notify, WatchdogSec) a worker says READY=1 once it
+    serves, WATCHDOG=1 every second while its IO thread runs (with no dispatcher too:
+    a worker waiting for one is alive), STOPPING=1 when it stops; frozen whole, it sends
+    nothing and systemd restarts it (the dispatcher only dropped it, its GPU held)."""
+    import socket
+    path = str(tmp_path / "notify")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(path)
+    listener.settimeout(30)
+    log = open(tmp_path / "worker.log", "wb")
+    worker = spawn([sys.executable, "-m", "workers", "--dispatcher",
+                    f"tcp://127.0.0.1:{free_port()}", "--device", "cpu", "--engine", "fake",
+                    "--model-id", "m", "--name", "unit-1"], {"NOTIFY_SOCKET": path}, log)
+    try:
+        said = [listener.recv(64)]
+        started = time.monotonic()
+        while time.monotonic() - started < 2.5:
+            said.append(listener.recv(64))
+        assert said[0] == b"READY=1" and said[1:] and set(said[1:]) == {b"WATCHDOG=1"}, said
+        assert 1 <= len(said) - 1 <= 5                    # (about one a second)
+        os.kill(worker.pid, signal.SIGSTOP)               # frozen whole: nothing more
+        listener.settimeout(2.5)
+        late = 0
+        with pytest.raises(socket.timeout):
+            while late < 3:
+                listener.recv(64)                         # (one sent as it froze)
+                late += 1
+        os.kill(worker.pid, signal.SIGCONT)
+        listener.settimeout(30)
+        assert listener.recv(64) == b"WATCHDOG=1"
+        worker.send_signal(signal.SIGTERM)
+        while (message := listener.recv(64)) == b"WATCHDOG=1":
+            pass
+        assert message == b"STOPPING=1"
+    finally:
+        code = stop(worker)
+        listener.close()
+        log.close()
+    assert code == 0, (tmp_path / "worker.log").read_text()[-3000:]
+
+
+def test_a_worker_not_started_by_its_own_unit_tells_systemd_nothing(monkeypatch):
+    """A worker `serve` started (its launcher watches it; a `serve` run under systemd
+    passes its $NOTIFY_SOCKET on) or whose watchdog is another process's says nothing."""
+    from workers.sdnotify import SystemdNotify
+    assert SystemdNotify({"NOTIFY_SOCKET": "/run/x"}).active
+    assert SystemdNotify({"NOTIFY_SOCKET": "@abstract"}).address == "\0abstract"
+    assert SystemdNotify({"NOTIFY_SOCKET": "/run/x", "WATCHDOG_PID": str(os.getpid())}).active
+    for environ in ({}, {"NOTIFY_SOCKET": "/run/x", "COMPLETIONS_PARENT_PID": "1"},
+                    {"NOTIFY_SOCKET": "/run/x", "WATCHDOG_PID": str(os.getpid() + 1)}):
+        assert not SystemdNotify(environ).active

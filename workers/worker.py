@@ -33,6 +33,7 @@ from workers.faults import FaultInjection
 from workers.generation import GenerationLoop
 from workers.preparation import PREPARE_STUCK_SECONDS
 from workers.publisher import Publisher
+from workers.sdnotify import SystemdNotify
 from workers.prompts import FimTemplate
 from workers.pinning import Placement, pin
 
@@ -64,6 +65,7 @@ class DispatcherLink(threading.Thread):
         self.connects = 0
         self.step_timeout = step_timeout
         self.shared: OrderedDict[str, dict] = OrderedDict()   # protocol.SHARED_FIELDS
+        self.systemd = SystemdNotify()   # (its unit's watchdog: a worker frozen whole)
 
     def _connect(self) -> zmq.Socket:
         sock = self.context.socket(zmq.DEALER)
@@ -87,9 +89,11 @@ class DispatcherLink(threading.Thread):
         expires = time.monotonic() + self.heartbeat.expiry
         next_beat = time.monotonic() + interval
         reconnect_delay = interval
+        self.systemd.send(b"READY=1")
         while not self.stopping.is_set():
             ready = dict(poller.poll(100))
             now = time.monotonic()
+            self.systemd.ping(now)
             if dealer in ready:
                 while dealer.poll(0, zmq.POLLIN):
                     expires = now + self.heartbeat.expiry
@@ -116,7 +120,7 @@ class DispatcherLink(threading.Thread):
                 self.loop.inbox.put(inbox.Reset(self.loop.preparer.being_prepared()))
                 poller.unregister(dealer)
                 dealer.close(0)
-                time.sleep(reconnect_delay)
+                self._pause(reconnect_delay)
                 reconnect_delay = min(reconnect_delay * 2, RECONNECT_MAX)
                 dealer = self._connect()
                 poller.register(dealer, zmq.POLLIN)
@@ -125,9 +129,19 @@ class DispatcherLink(threading.Thread):
             dealer.send_multipart(notify.recv_multipart())
         dealer.send_multipart(P.encode(P.DISCONNECT, body=P.Disconnect(
             reason="stopped", code=P.STOPPED)))      # (a planned stop, not a loss)
+        self.systemd.send(b"STOPPING=1")
+        self.systemd.close()
         time.sleep(0.05)
         dealer.close(linger=500)
         notify.close(0)
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep, its unit's watchdog told meanwhile (a reconnect waits up to the
+        heartbeat interval: 60 s at most, past the unit's 30)."""
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0 and not self.stopping.is_set():
+            time.sleep(min(left, 0.5))
+            self.systemd.ping()
 
     def _with_shared(self, body: P.WorkerJob) -> P.WorkerJob | None:
         """A job's prompt fields: kept for `share_as`, filled in for `same_as` (the
