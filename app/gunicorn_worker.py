@@ -217,6 +217,11 @@ class FrontendWorker(GeventWorker):
         if soft != resource.RLIM_INFINITY and soft < want:
             resource.setrlimit(resource.RLIMIT_NOFILE, (
                 want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+            if hard != resource.RLIM_INFINITY and hard < want:
+                self.log.warning(
+                    "open files are limited to %d (hard limit): fewer than the %d that "
+                    "--max-connections %d needs; raise it (LimitNOFILE=, ulimit -Hn)",
+                    hard, want, self.worker_connections)
         super().init_process()
 
     def run(self):

@@ -172,3 +172,25 @@ def test_a_worker_not_started_by_its_own_unit_tells_systemd_nothing(monkeypatch)
     for environ in ({}, {"NOTIFY_SOCKET": "/run/x", "COMPLETIONS_PARENT_PID": "1"},
                     {"NOTIFY_SOCKET": "/run/x", "WATCHDOG_PID": str(os.getpid() + 1)}):
         assert not SystemdNotify(environ).active
+
+
+def test_a_front_end_short_of_open_files_says_so(tmp_path):
+    """Every connection is a file: a hard limit below what --max-connections needs was
+    taken silently (an older systemd's 4,096), and connections past it failed."""
+    import resource
+    log_path = tmp_path / "frontend.log"
+    log = open(log_path, "wb")
+    http_port = free_port()
+    frontend = subprocess.Popen(
+        [sys.executable, "-m", "gunicorn", "-c", str(ROOT / "deploy" / "gunicorn.conf.py")],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "COMPLETIONS_PORT": str(http_port),
+             "COMPLETIONS_DISPATCHER": f"tcp://127.0.0.1:{free_port(5)}"},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 2048)))
+    try:
+        wait_until(lambda: b"open files are limited to 2048" in log_path.read_bytes(),
+                   timeout=60, what="the warning")
+    finally:
+        os.killpg(frontend.pid, signal.SIGKILL)     # (no dispatcher: nothing to drain)
+        frontend.wait(timeout=20)
+        log.close()
