@@ -27,7 +27,7 @@ from workers.output import Output
 from workers.publisher import Publisher
 from workers.interface import Engine
 from workers.active import Active, EditorLimits, LogprobLedger
-from workers.preparation import Preparer, sampling_of
+from workers.preparation import Preparer, ThreadWatch, sampling_of
 from workers.prompts import (context_limit, fitted_prompt, may_drop_extra, prompt_text,
                              tenant_of, vocabulary_op)
 from workers.sampling import SamplingParams
@@ -63,7 +63,8 @@ class GenerationLoop:
         self.ops_running = 0                    # /tokenize, /detokenize on their thread
         self.vocabulary_thread = ThreadPoolExecutor(1, thread_name_prefix="vocabulary")
         # large jobs' tokens and sampler chains, made beside the decoding (preparation.py)
-        self.preparer = Preparer(engine, fim_template, self.inbox)
+        self.watch = ThreadWatch()      # (the preparing and vocabulary threads' jobs)
+        self.preparer = Preparer(engine, fim_template, self.inbox, self.watch)
         self.output = Output(engine, publisher, notify, self.faults, self.prefill, self._drop)
 
     # -- inbox -------------------------------------------------------------------------
@@ -217,7 +218,9 @@ class GenerationLoop:
         event with a result) goes out from this loop, which owns the sockets."""
         def work():
             try:
-                done = inbox.OpDone(request_id, body, result=vocabulary_op(self.engine, body))
+                with self.watch.job():
+                    result = vocabulary_op(self.engine, body)
+                done = inbox.OpDone(request_id, body, result=result)
             except Exception as exc:     # bad content must never end the worker
                 if not isinstance(exc, EngineError):
                     log.exception("%s: %s failed", request_id, body.op)

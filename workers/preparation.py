@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,27 @@ BIG_PREPARE_CHARS = 128 * 1024
 # as for a stuck step. Far past anything a request within the limits asks: a prompt of
 # 1 Mi characters took 5.3 s, a megabyte /tokenize 17-23 s on a slower 2-core machine.
 PREPARE_STUCK_SECONDS = 300.0
+
+
+class ThreadWatch:
+    """When each watched thread's current job began (the preparing threads', the
+    vocabulary thread's): the IO thread's watchdog reads how long the longest has run."""
+
+    def __init__(self) -> None:
+        self.since: dict[int, float] = {}       # a thread's ident -> when its job began
+
+    @contextmanager
+    def job(self):
+        me = threading.get_ident()
+        self.since[me] = time.monotonic()
+        try:
+            yield
+        finally:
+            self.since.pop(me, None)
+
+    def longest(self, now: float) -> float:
+        """Seconds the longest job now running has taken (0: none)."""
+        return max((now - since for since in list(self.since.values())), default=0.0)
 
 
 @dataclass
@@ -115,8 +137,10 @@ class Preparer:
     """The preparing thread and what it holds. `submit` runs on the IO thread; the rest on
     the generation loop's, which owns the prepared jobs once they are in its inbox."""
 
-    def __init__(self, engine, fim_template, inbox) -> None:
+    def __init__(self, engine, fim_template, inbox, watch: ThreadWatch | None = None
+                 ) -> None:
         self.engine, self.fim_template, self.inbox = engine, fim_template, inbox
+        self.watch = watch or ThreadWatch()     # (the watchdog's view of its threads)
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="prepare")
         self.big_thread = ThreadPoolExecutor(1, thread_name_prefix="prepare-big")
         self.preparing: dict[str, int] = {}     # request id -> its latest attempt there
@@ -124,7 +148,6 @@ class Preparer:
         self.cancelled: set[tuple[str, int]] = set()   # ... cancelled while there
         self.ready: dict[str, Prepared] = {}    # prepared, waiting for a slot
         self.superseding: set[tuple[str, int]] = set()   # ... handed here by the loop
-        self.busy: dict[int, float] = {}        # a thread's ident -> when its job began
 
     def submit(self, request_id: str, body: P.WorkerJob, superseding: bool = False) -> bool:
         """Prepare the job on the thread if that pays (True; it then arrives in the inbox
@@ -144,18 +167,9 @@ class Preparer:
         thread.submit(self._work, request_id, body)
         return True
 
-    def stuck_for(self, now: float) -> float:
-        """Seconds the longest job now being prepared has taken (0: none): read by the IO
-        thread's watchdog."""
-        return max((now - since for since in list(self.busy.values())), default=0.0)
-
     def _work(self, request_id: str, body: P.WorkerJob) -> None:
-        me = threading.get_ident()
-        self.busy[me] = time.monotonic()
-        try:
+        with self.watch.job():
             self._prepare(request_id, body)
-        finally:
-            self.busy.pop(me, None)
 
     def _prepare(self, request_id: str, body: P.WorkerJob) -> None:
         prepared = Prepared()

@@ -110,11 +110,11 @@ class DispatcherLink(threading.Thread):
             stuck = self.loop.stuck_for(now)
             if self.step_timeout and stuck > self.step_timeout:
                 self._give_up(dealer, stuck)
-            preparing = self.loop.preparer.stuck_for(now)
+            preparing = self.loop.watch.longest(now)
             if self.step_timeout and preparing > max(self.step_timeout,
                                                      PREPARE_STUCK_SECONDS):
                 self._give_up(dealer, preparing, "one job's preparation (its tokens, its "
-                              "sampler chain) ran", PREPARE_STUCK_SECONDS)
+                              "sampler chain) or /tokenize ran", PREPARE_STUCK_SECONDS)
             if now > expires:
                 log.warning("dispatcher silent: reconnecting in %.1fs", reconnect_delay)
                 self.loop.inbox.put(inbox.Reset(self.loop.preparer.being_prepared()))
