@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 # unknown field (`echo` put the prompt into `content` and forced prompt logprobs that were
 # thrown away; `suffix` made a /completion a fill-in-the-middle one, a 400 on a model
 # without FIM tokens; `best_of`: a llama.cpp client reads one answer, not a list)
-OPENAI_ONLY = ("best_of", "echo", "suffix")
+OPENAI_ONLY = ("best_of", "echo", "suffix", "response_format")   # (llama-server's native
+# routes ignore response_format: they constrain with grammar and json_schema)
 
 
 class NativeCompletionSchema(CompletionRequestSchema):

@@ -45,7 +45,8 @@ def validate(body: object, schema: Schema = _schema) -> dict:
         bodies.body_bytes.give_back()   # (the raw body is gone: its bytes are free)
     scope = tenant_of(request) if has_request_context() else None
     if isinstance(data, dict) and data.get("grammar"):
-        refusal = checked_grammar(data["grammar"], scope)
+        refusal = checked_grammar(data["grammar"], scope, api_key_fingerprint(request)
+                                  if has_request_context() else None)
         if refusal is not None:
             raise InvalidRequest(f"Invalid value for 'grammar': The grammar cannot be used: "
                                  f"{refusal}.", param="grammar", code="invalid_value")
@@ -54,8 +55,9 @@ def validate(body: object, schema: Schema = _schema) -> dict:
         try:
             data["grammar"] = _schema_grammars.grammar(data["json_schema"], scope=scope)
         except SchemaRefused as exc:        # (named as it was sent)
-            asked = "response_format" if isinstance(body, dict) and \
-                body.get("response_format") else "json_schema"
+            asked = "response_format" if isinstance(body, dict) and isinstance(
+                body.get("response_format"), dict) and body["response_format"].get(
+                "type") in ("json_object", "json_schema") else "json_schema"
             raise InvalidRequest(str(exc), param=asked, code="invalid_value") from None
         except SchemaBusy as exc:
             raise ServiceUnavailable(str(exc), code="server_busy") from None
@@ -76,8 +78,9 @@ _checked: dict[bytes, str | None] = {}
 # be validated and its streams stalled.
 GRAMMAR_CHECKS = 2
 CHECK_WAIT = 15.0
-_check_slots = threading.BoundedSemaphore(GRAMMAR_CHECKS)
-_own_checks: dict[str | None, threading.BoundedSemaphore] = {}
+_check_slots: list = []         # (made at first use: after gevent has patched threading)
+_own_checks: dict[str, threading.BoundedSemaphore] = {}   # by key fingerprint
+_MISSING = object()
 
 
 def _grammar_key(grammar: str, scope: str | None) -> bytes:
@@ -85,25 +88,29 @@ def _grammar_key(grammar: str, scope: str | None) -> bytes:
         grammar.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
-def checked_grammar(grammar: str, scope: str | None) -> str | None:
-    """`grammar_refusal` on a thread of the pool, in its turn (GRAMMAR_CHECKS); at once
-    where it is remembered."""
-    if _grammar_key(grammar, scope) in _checked:
-        return _checked[_grammar_key(grammar, scope)]
+def checked_grammar(grammar: str, scope: str | None, who: str | None = None) -> str | None:
+    """`grammar_refusal` on a thread of the pool, in its turn (GRAMMAR_CHECKS, one at a
+    time for the API key `who`, whatever the cache's scope); at once where it is
+    remembered within `scope`."""
+    known = _checked.get(_grammar_key(grammar, scope), _MISSING)
+    if known is not _MISSING:
+        return known
     busy = ServiceUnavailable(f"Every grammar check of this front end was busy for "
                               f"{CHECK_WAIT:g} s: try again.", code="server_busy")
     deadline = time.monotonic() + CHECK_WAIT
-    own = _own_checks.setdefault(scope, threading.BoundedSemaphore(1)) \
-        if scope is not None else None
+    if not _check_slots:
+        _check_slots.append(threading.BoundedSemaphore(GRAMMAR_CHECKS))
+    own = _own_checks.setdefault(who, threading.BoundedSemaphore(1)) \
+        if who is not None else None
     if own is not None and not own.acquire(timeout=CHECK_WAIT):
         raise busy
     try:
-        if not _check_slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        if not _check_slots[0].acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise busy
         try:
             return off_loop(grammar_refusal, grammar, scope)
         finally:
-            _check_slots.release()
+            _check_slots[0].release()
     finally:
         if own is not None:
             own.release()
@@ -115,8 +122,9 @@ def grammar_refusal(grammar: str, scope: str | None = None) -> str | None:
     request's tenant; validation runs on several threads: a lost race only checks one
     twice)."""
     key = _grammar_key(grammar, scope)
-    if key in _checked:
-        return _checked[key]
+    known = _checked.get(key, _MISSING)
+    if known is not _MISSING:
+        return known
     try:
         gbnf.check(grammar)
         refusal = None

@@ -345,7 +345,8 @@ def response_schema(fmt: dict | None) -> dict | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return {"type": "object"}
+        # (llama-server's own form carries its schema beside the type)
+        return fmt["schema"] if isinstance(fmt.get("schema"), dict) else {"type": "object"}
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
         raise ValidationError("response_format of type json_schema needs json_schema."

@@ -284,14 +284,14 @@ def test_grammar_checks_run_a_few_at_a_time_and_one_at_a_time_per_key(monkeypatc
     monkeypatch.setattr(gbnf, "check", lambda g: (started.append(g), release.wait(10),
                                                   check(g))[2])
     monkeypatch.setattr(R, "_checked", {})
-    monkeypatch.setattr(R, "_check_slots", threading.BoundedSemaphore(R.GRAMMAR_CHECKS))
+    monkeypatch.setattr(R, "_check_slots", [threading.BoundedSemaphore(R.GRAMMAR_CHECKS)])
     monkeypatch.setattr(R, "_own_checks", {})
     monkeypatch.setattr(R, "CHECK_WAIT", 0.3)
     outcomes = {}
 
     def run(name, scope, grammar):
         try:
-            outcomes[name] = R.checked_grammar(grammar, scope)
+            outcomes[name] = R.checked_grammar(grammar, None, scope)   # (any cache scope)
         except ServiceUnavailable as exc:
             outcomes[name] = exc.code
     threads = []
@@ -309,7 +309,7 @@ def test_grammar_checks_run_a_few_at_a_time_and_one_at_a_time_per_key(monkeypatc
         thread.join()
     assert outcomes["a1"] is None and outcomes["b1"] is None
     started.clear()
-    assert R.checked_grammar('root ::= "1"', "a") is None and not started   # remembered
+    assert R.checked_grammar('root ::= "1"', None, "a") is None and not started   # kept
 
 
 def test_each_request_field_is_declared_once_and_every_layer_follows_it():
@@ -427,3 +427,23 @@ def test_mirostat_leaves_out_the_penalties_and_dry():
     assert not params.penalized and params.dry_multiplier == 0.0
     plain = SamplingParams.from_job({"repetition_penalty": 1.3, "dry_multiplier": 0.8})
     assert plain.penalized and plain.dry_multiplier == 0.8
+
+
+def test_response_format_asks_for_a_schema_in_openais_and_llama_servers_forms():
+    """OpenAI's {"type": "json_schema", "json_schema": {"schema": ...}}, llama-server's
+    {"type": "json_object", "schema": ...} (its schema, not any object), a bare
+    json_object (any object); `text` or null is no constraint, beside a grammar too;
+    llama.cpp's own routes ignore it, as llama-server's do."""
+    from app.native import NativeCompletionSchema
+    schema = {"type": "object", "properties": {"zebra": {"type": "integer"}},
+              "required": ["zebra"]}
+    for fmt in ({"type": "json_schema", "json_schema": {"name": "z", "schema": schema}},
+                {"type": "json_object", "schema": schema}):
+        assert "zebra" in validate({"prompt": "p", "response_format": fmt})["grammar"]
+    assert "zebra" not in validate({"prompt": "p", "response_format": {
+        "type": "json_object"}})["grammar"]
+    for fmt in ({"type": "text"}, None):
+        assert validate({"prompt": "p", "response_format": fmt,
+                         "grammar": 'root ::= "a"'})["grammar"] == 'root ::= "a"'
+    native = NativeCompletionSchema()
+    assert "response_format" not in native.fields

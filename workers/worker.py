@@ -96,6 +96,7 @@ class DispatcherLink(threading.Thread):
             self.systemd.ping(now)
             if dealer in ready:
                 while dealer.poll(0, zmq.POLLIN):
+                    self.systemd.ping()
                     expires = now + self.heartbeat.expiry
                     reconnect_delay = interval
                     if not self._handle(dealer):
