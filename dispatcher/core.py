@@ -633,7 +633,7 @@ class DispatcherCore:
         # (64 requests of 128 choices queued made each pass 8,192 choices: 18 ms a
         # message, and a burst of them held the dispatcher past workers' heartbeats)
         waits: set[str] = set()
-        leaders, written = self._leaders()
+        leaders, written = self.registry.leaders()
         held: set[str] = set()          # prompts whose choices wait for their first's worker
         for job in self.queue.in_fair_order(running.by_request, running.by_key_model,
                                             self.shares.served):
@@ -672,26 +672,6 @@ class DispatcherCore:
                     on_route[other_route, job.body.api_key] += 1
             if not self.registry.with_free_slots():
                 return
-
-    def _leaders(self) -> tuple[dict[str, WorkerRecord], set[str]]:
-        """Where each prompt of several choices (`share_key`) runs while none of its
-        choices has written a first token: its other choices go there alone until one
-        has (where the worker holds them to copy its prefill anyway). Spread over the
-        free workers at once, the n choices of a prompt that crashes llama.cpp in its
-        prefill crashed n workers, each failing every request it ran, and n more when
-        requeued. Also the prompts that have (their choices spread freely)."""
-        leaders: dict[str, WorkerRecord] = {}
-        written: set[str] = set()
-        for record in self.registry.workers.values():
-            for job in record.running.values():
-                if job.share_key is None or job.cancelled:
-                    continue
-                if job.first_token:
-                    written.add(job.share_key)
-                else:
-                    leaders.setdefault(job.share_key, record)
-        return {key: record for key, record in leaders.items() if key not in written}, \
-            written
 
     def _assign(self, job: QueuedJob, worker: WorkerRecord, **extra) -> None:
         """Send `job` to `worker` (with `extra` fields) and count it as running there.

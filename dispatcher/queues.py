@@ -303,6 +303,26 @@ class WorkerRegistry:
             if w.free_slots > 0 and not w.draining and
             not (job.crashes and w.suspect(job.parent))], job.blocks)
 
+    def leaders(self) -> tuple[dict[str, WorkerRecord], set[str]]:
+        """Where each prompt of several choices (`share_key`) runs while none of its
+        choices has written a first token: its other choices go there alone until one
+        has (where the worker holds them to copy its prefill anyway). Spread over the
+        free workers at once, the n choices of a prompt that crashes llama.cpp in its
+        prefill crashed n workers, each failing every request it ran, and n more when
+        requeued. Also the prompts that have (their choices spread freely)."""
+        leaders: dict[str, WorkerRecord] = {}
+        written: set[str] = set()
+        for record in self.workers.values():
+            for job in record.running.values():
+                if job.share_key is None or job.cancelled:
+                    continue
+                if job.first_token:
+                    written.add(job.share_key)
+                else:
+                    leaders.setdefault(job.share_key, record)
+        return {key: record for key, record in leaders.items() if key not in written}, \
+            written
+
     def with_free_slots(self) -> list[WorkerRecord]:
         """Workers that can take a job, most free slots first (ties: least recently used)."""
         return sorted((w for w in self.workers.values() if w.free_slots > 0 and not w.draining),

@@ -1329,9 +1329,9 @@ def test_a_tokens_logprobs_count_in_its_measured_sampling(model_path, monkeypatc
     dear one never went aside and every neighbour's step waited for it."""
     import time as clock
 
-    from workers.engine import llama
-    real = llama.top_of
-    monkeypatch.setattr(llama, "top_of", lambda *a: clock.sleep(0.03) or real(*a))
+    from workers.engine import reading
+    real = reading.top_of
+    monkeypatch.setattr(reading, "top_of", lambda *a: clock.sleep(0.03) or real(*a))
     engine = make(model_path, slots=1)
     try:
         engine.add(0, engine.tokenize(PROMPTS[0]), SamplingParams(temperature=0), 2)

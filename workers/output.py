@@ -29,7 +29,8 @@ class Output:
                  prefill: PrefillMeter, release: Callable[..., None]):
         self.engine, self.publisher, self.notify = engine, publisher, notify
         self.faults, self.prefill = faults, prefill
-        self.release = release          # (active, keep_cache=True): its slot freed
+        self.release = release          # (active, keep_cache=True): its slot freed; never
+                                        # raises (the loop's _drop logs a failed release)
 
     def echo(self, active: Active, prompt_lp: list | None, tokens: list[int]) -> None:
         active.echo_pending = False
@@ -173,20 +174,16 @@ class Output:
         if active.score:
             event.score = active.logprob_sum / max(1, active.generated + active.eos_scored)
         self.publish(active, event)
-        try:
-            self.release(active)
-        finally:                # (a release that raised: its end still said)
-            self.notify(P.DONE, active.request_id, active.done(
-                finish_reason=reason, usage=usage, cached_tokens=active.cached,
-                seconds=round(time.monotonic() - active.started, 3)))
+        self.release(active)    # (never raises: the slot comes back, its end is said)
+        self.notify(P.DONE, active.request_id, active.done(
+            finish_reason=reason, usage=usage, cached_tokens=active.cached,
+            seconds=round(time.monotonic() - active.started, 3)))
 
     def fail(self, active: Active, exc: Exception, keep_cache: bool = True) -> None:
         error = wire_error(exc)
-        try:
-            self.release(active, keep_cache)
-        finally:                # (a release that raised: the client still told, no hang)
-            self.publish(active, error.event())
-            self.notify(P.DONE, active.request_id, active.done(error=error.code))
+        self.release(active, keep_cache)
+        self.publish(active, error.event())
+        self.notify(P.DONE, active.request_id, active.done(error=error.code))
 
     def publish(self, active: Active, event: P.Event) -> None:
         event.seq = active.seq

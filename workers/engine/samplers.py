@@ -160,7 +160,7 @@ def top_first(p: SamplingParams, bare_greedy: bool) -> int:
     return 0
 
 
-# the engine's ban on the end tokens (llama.BANNED, -1e30: finite, so a grammar that can
+# the engine's ban on the end tokens (reading.BANNED, -1e30: finite, so a grammar that can
 # only end there still may) as the logits row shows it
 ENDS_BANNED_BELOW = -1e29
 
