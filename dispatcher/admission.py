@@ -190,8 +190,9 @@ CURSOR_REGION = 64          # characters before the cursor a keystroke may chang
 KEYSTROKE_CHARS = 16        # ... removed and added together at most (a few keystrokes)
 MIN_SHARED = 32             # ... and at least this much (or all of the shorter) shared
 MAX_ENTRIES = 16            # sessions remembered per client and route
-MAX_CLIENTS = 4096          # clients and routes remembered, least recently seen first
+MAX_CLIENTS = 4096          # places (client, route, where) remembered, all keys together
 MAX_TEXT = 32 << 20         # ... and characters of text kept in all (prompts are <= 1 MiB)
+                            # (past either, the key holding the most loses its oldest)
 
 
 def cursor_text(body: P.SubmittedJob) -> tuple[str, str] | None:
@@ -252,16 +253,29 @@ class InferredSessions:
     cursor (`same_cursor`), within INFER_WINDOW seconds of that session's last request.
     Otherwise it starts a session of its own. The session id names the client, so no
     request of another key or address ever joins it; order is the arrival stamp, as for
-    a header without X-Session-Seq."""
+    a header without X-Session-Seq.
+
+    Places (client, model, route, where) are kept per API key, least recently seen first.
+    Past MAX_CLIENTS places or MAX_TEXT characters in all, the key holding the most (places,
+    or characters where the text is over) loses its least recently seen one: a key sending
+    many clients or long texts evicts its own places, never another key's while it holds
+    more than that key (an evicted place's next keystroke starts a session of its own, and
+    the stale one it should have ended runs on)."""
 
     def __init__(self) -> None:
-        # (client, model, route, where) -> the sessions at that place
-        self.clients: OrderedDict[tuple, list[Cursor]] = OrderedDict()
+        # API key -> (client, model, route, where) -> the sessions at that place
+        self.keys: dict[str | None, OrderedDict[tuple, list[Cursor]]] = {}
+        self.key_chars: dict[str | None, int] = {}
         self.counter = 0
-        self.chars = 0                  # the texts' characters, all clients together
+        self.places = 0                 # places, all keys together
+        self.chars = 0                  # the texts' characters, all keys together
 
-    def _drop(self, entries: list[Cursor]) -> None:
-        self.chars -= sum(len(e.text) for e in entries)
+    def _count(self, api_key: str | None, chars: int) -> None:
+        self.chars += chars
+        self.key_chars[api_key] = self.key_chars.get(api_key, 0) + chars
+
+    def _drop(self, api_key: str | None, entries: list[Cursor]) -> None:
+        self._count(api_key, -sum(len(e.text) for e in entries))
 
     def peek(self, body: P.SubmittedJob, now: float) -> str | None:
         """The session `session_for` would find for `body` (None: a new one or none),
@@ -272,8 +286,8 @@ class InferredSessions:
         if cursor is None:
             return None
         where, text = cursor
-        for entry in reversed(self.clients.get((body.client, body.model, body.route, where),
-                                               [])):
+        places = self.keys.get(body.api_key, {})
+        for entry in reversed(places.get((body.client, body.model, body.route, where), [])):
             if entry.seen >= now - INFER_WINDOW and same_cursor(entry.text, text):
                 return entry.session
         return None
@@ -283,16 +297,20 @@ class InferredSessions:
         if cursor is None:
             return None
         where, text = cursor
-        key = (body.client, body.model, body.route, where)
-        entries = self.clients.pop(key, [])
-        self._drop([e for e in entries if e.seen < now - INFER_WINDOW])
+        api_key, place = body.api_key, (body.client, body.model, body.route, where)
+        places = self.keys.setdefault(api_key, OrderedDict())
+        entries = places.pop(place, None)
+        if entries is None:
+            entries = []
+            self.places += 1
+        self._drop(api_key, [e for e in entries if e.seen < now - INFER_WINDOW])
         entries = [e for e in entries if e.seen >= now - INFER_WINDOW]
-        self.clients[key] = entries
+        places[place] = entries                 # the most recently seen of its key
         session = None
         for entry in reversed(entries):
             if same_cursor(entry.text, text):
                 if body.session_order >= entry.order:   # the newest text goes on matching
-                    self.chars += len(text) - len(entry.text)
+                    self._count(api_key, len(text) - len(entry.text))
                     entry.text, entry.order = text, body.session_order
                 entry.seen = now
                 session = entry.session
@@ -301,10 +319,29 @@ class InferredSessions:
             self.counter += 1
             session = f"~{body.client}:{self.counter}"   # (clients' ids are never ~...)
             entries.append(Cursor(text, session, now, body.session_order))
-            self.chars += len(text)
-            self._drop(entries[:-MAX_ENTRIES])
+            self._count(api_key, len(text))
+            self._drop(api_key, entries[:-MAX_ENTRIES])
             del entries[:-MAX_ENTRIES]
-        while len(self.clients) > 1 and (len(self.clients) > MAX_CLIENTS
-                                         or self.chars > MAX_TEXT):
-            self._drop(self.clients.popitem(last=False)[1])   # least recently seen first
+        self._evict(api_key, place)
         return session
+
+    def _evict(self, api_key: str | None, kept: tuple) -> None:
+        """Back within MAX_CLIENTS places and MAX_TEXT characters, taking from the key
+        that holds the most; never the place just used (`kept`, of `api_key`)."""
+        while self.places > MAX_CLIENTS or self.chars > MAX_TEXT:
+            by_text = self.chars > MAX_TEXT
+            candidates = [k for k, places in self.keys.items()
+                          if len(places) > (1 if k == api_key else 0)]
+            if not candidates:
+                return
+            victim = max(candidates, key=lambda k: self.key_chars.get(k, 0) if by_text
+                         else len(self.keys[k]))
+            places = self.keys[victim]
+            oldest = next(iter(places))
+            if oldest == kept and victim == api_key:   # (it is the newest: never first)
+                return
+            self._drop(victim, places.pop(oldest))
+            self.places -= 1
+            if not places:
+                del self.keys[victim]
+                self.key_chars.pop(victim, None)

@@ -988,8 +988,54 @@ def test_inferred_sessions_keep_bounded_text(monkeypatch):
         body = wire_job(id=f"j{i}", model="m", prompt=f"{i} " + "x" * 1000, suffix="",
                         client=f"c{i}", session_order=i)
         inferred.session_for(body, 0.0)
-    assert inferred.chars <= 10_000 and len(inferred.clients) <= 10
-    assert inferred.chars == sum(len(e.text) for v in inferred.clients.values() for e in v)
+    places = [v for key in inferred.keys.values() for v in key.values()]
+    assert inferred.chars <= 10_000 and len(places) == inferred.places <= 10
+    assert inferred.chars == sum(len(e.text) for v in places for e in v)
+
+
+def _inferred_keystroke(inferred, api_key, client, text, when, order):
+    body = wire_job(id=f"{client}-{order}", model="m", prompt=text, suffix="\n",
+                    client=client, api_key=api_key, session_order=order)
+    return inferred.session_for(body, when)
+
+
+@pytest.mark.parametrize("flood", ["places", "text"])
+def test_one_key_flooding_inferred_sessions_evicts_its_own_places(monkeypatch, flood):
+    """A key sending many clients (or long texts) within the window fills the inferred
+    sessions' bounds; another key's place stays, so its next keystroke still ends its
+    stale one (a global LRU dropped it: both then ran)."""
+    from dispatcher import admission
+    monkeypatch.setattr(admission, "MAX_CLIENTS", 8)
+    monkeypatch.setattr(admission, "MAX_TEXT", 40_000)
+    inferred = admission.InferredSessions()
+    mine = _inferred_keystroke(inferred, "victim", "v", "def f(x):\n    return x", 0.0, 1)
+    size = 10_000 if flood == "text" else 100
+    for i in range(200):
+        _inferred_keystroke(inferred, "flood", f"c{i}", f"{i} " + "y" * size, 0.001 * i, 2 + i)
+    assert _inferred_keystroke(inferred, "victim", "v", "def f(x):\n    return x +",
+                               0.5, 500) == mine
+    places = [v for key in inferred.keys.values() for v in key.values()]
+    assert inferred.places == len(places) <= 8 and inferred.chars <= 40_000
+    assert inferred.chars == sum(len(e.text) for v in places for e in v)
+    assert inferred.chars == sum(inferred.key_chars.values())
+    # the flooding key's newest place is kept; its oldest went
+    assert _inferred_keystroke(inferred, "flood", "c199", "199 " + "y" * size + "z",
+                               0.6, 600).startswith("~c199:")
+    assert ("c0", "m") not in {p[:2] for p in inferred.keys["flood"]}
+
+
+def test_inferred_sessions_of_one_key_keep_the_least_recently_seen_rule(monkeypatch):
+    """With one key (or none), eviction is least recently seen first, as before."""
+    from dispatcher import admission
+    monkeypatch.setattr(admission, "MAX_CLIENTS", 3)
+    inferred = admission.InferredSessions()
+    first = _inferred_keystroke(inferred, None, "a", "def a():\n    pass", 0.0, 1)
+    _inferred_keystroke(inferred, None, "b", "def b():\n    pass", 0.1, 2)
+    _inferred_keystroke(inferred, None, "c", "def c():\n    pass", 0.2, 3)
+    assert _inferred_keystroke(inferred, None, "a", "def a():\n    passx", 0.3, 4) == first
+    _inferred_keystroke(inferred, None, "d", "def d():\n    pass", 0.4, 5)   # b goes
+    assert {p[0] for p in inferred.keys[None]} == {"a", "c", "d"}
+    assert inferred.places == 3
 
 
 def test_one_key_never_holds_every_slot_while_keys_share_them():
