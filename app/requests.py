@@ -19,6 +19,7 @@ from app.schemas import CompletionRequestSchema, first_error, normalize
 from dispatcher.common import grammar as gbnf, protocol as P
 from dispatcher.common.fit import explain_unfit, fits
 from dispatcher.common.schemagrammar import SchemaBusy, SchemaGrammars, SchemaRefused
+from dispatcher.common.tenantlru import TenantLRU
 
 _schema = CompletionRequestSchema()
 _schema_grammars = SchemaGrammars(off_loop=lambda function, *args: off_loop(function, *args))
@@ -44,16 +45,17 @@ def validate(body: object, schema: Schema = _schema) -> dict:
         BigBodySlots.give_back()
         bodies.body_bytes.give_back()   # (the raw body is gone: its bytes are free)
     scope = tenant_of(request) if has_request_context() else None
+    who = api_key_fingerprint(request) if has_request_context() else None
     if isinstance(data, dict) and data.get("grammar"):
-        refusal = checked_grammar(data["grammar"], scope, api_key_fingerprint(request)
-                                  if has_request_context() else None)
+        refusal = checked_grammar(data["grammar"], scope, who)
         if refusal is not None:
             raise InvalidRequest(f"Invalid value for 'grammar': The grammar cannot be used: "
                                  f"{refusal}.", param="grammar", code="invalid_value")
     if isinstance(data, dict) and data.get("json_schema") is not None:
         # made into a grammar here, within its budget: a worker only ever gets grammars
         try:
-            data["grammar"] = _schema_grammars.grammar(data["json_schema"], scope=scope)
+            data["grammar"] = _schema_grammars.grammar(data["json_schema"], scope=scope,
+                                                       who=who)
         except SchemaRefused as exc:        # (named as it was sent)
             asked = "response_format" if isinstance(body, dict) and isinstance(
                 body.get("response_format"), dict) and body["response_format"].get(
@@ -70,7 +72,7 @@ def validate(body: object, schema: Schema = _schema) -> dict:
 # ~0.8 s of a pool thread (32,768 rules): each was checked again. Per tenant, as the
 # schemas' grammars are: another key's grammar answered at once would tell it was sent.
 GRAMMARS_KEPT = 256
-_checked: dict[bytes, str | None] = {}
+_checked = TenantLRU(GRAMMARS_KEPT)     # scope -> digest -> the refusal (None: none)
 # Checks not remembered run GRAMMAR_CHECKS at a time in a front end, one at a time for
 # each tenant, waiting up to CHECK_WAIT s for their turn (then 503 server_busy): each
 # holds a thread of the pool and the GIL for up to ~0.8 s, and a key sending new large
@@ -83,16 +85,15 @@ _own_checks: dict[str, threading.BoundedSemaphore] = {}   # by key fingerprint
 _MISSING = object()
 
 
-def _grammar_key(grammar: str, scope: str | None) -> bytes:
-    return (scope or "").encode("utf-8", "surrogateescape") + b"\0" + hashlib.blake2b(
-        grammar.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+def _grammar_key(grammar: str) -> bytes:
+    return hashlib.blake2b(grammar.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def checked_grammar(grammar: str, scope: str | None, who: str | None = None) -> str | None:
     """`grammar_refusal` on a thread of the pool, in its turn (GRAMMAR_CHECKS, one at a
     time for the API key `who`, whatever the cache's scope); at once where it is
     remembered within `scope`."""
-    known = _checked.get(_grammar_key(grammar, scope), _MISSING)
+    known = _checked.get(scope, _grammar_key(grammar), _MISSING)
     if known is not _MISSING:
         return known
     busy = ServiceUnavailable(f"Every grammar check of this front end was busy for "
@@ -121,8 +122,8 @@ def grammar_refusal(grammar: str, scope: str | None = None) -> str | None:
     None if nothing; remembered for the last GRAMMARS_KEPT grammars within `scope` (the
     request's tenant; validation runs on several threads: a lost race only checks one
     twice)."""
-    key = _grammar_key(grammar, scope)
-    known = _checked.get(key, _MISSING)
+    key = _grammar_key(grammar)
+    known = _checked.get(scope, key, _MISSING)
     if known is not _MISSING:
         return known
     try:
@@ -130,12 +131,7 @@ def grammar_refusal(grammar: str, scope: str | None = None) -> str | None:
         refusal = None
     except gbnf.GrammarError as exc:
         refusal = str(exc)
-    _checked[key] = refusal
-    while len(_checked) > GRAMMARS_KEPT:
-        try:
-            del _checked[next(iter(_checked))]         # (the oldest)
-        except (KeyError, RuntimeError, StopIteration):
-            break
+    _checked.put(scope, key, refusal)
     return refusal
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dispatcher.common import grammar as gbnf
+from workers.engine import alphabet
 from workers.engine.alphabet import MAX_CODE_POINT, TokenTexts, grammar_ranges
 from workers.sampling import SamplingParams
 
@@ -79,12 +80,22 @@ def test_a_grammars_alphabet_is_kept_for_its_own_tenant_only(monkeypatch):
     for tenant in ("a", "a", "b", None, "b", None):
         assert made.allowed_ids("root ::= [0-9]+", tenant) is not None
     assert len(calls) == 3
+    # kept for all keys together: a key sending many grammars pushes out its own
+    for i in range(3 * alphabet.KEPT_MASKS):
+        made.allowed_ids(f"root ::= [0-{i % 10}]+ \"{i}\"", "flood")
+    made.allowed_ids("root ::= [0-9]+", "a")
+    assert len(calls) == 3 + 3 * alphabet.KEPT_MASKS
     # the worker's own check of a grammar's token references, the same way
-    verdicts, checked = samplers.OrderedDict(), []
+    verdicts, checked = samplers.TenantLRU(samplers.KEPT_VERDICTS), []
     monkeypatch.setattr(samplers.gbnf, "check", lambda *a, **k: checked.append(a))
     for tenant in ("a", "a", "b"):
         samplers.check_grammar("root ::= <[7]>", 100, verdicts=verdicts, tenant=tenant)
     assert len(checked) == 2
+    for i in range(3 * samplers.KEPT_VERDICTS):
+        samplers.check_grammar(f'root ::= "{i}"', 100, verdicts=verdicts, tenant="flood")
+    samplers.check_grammar("root ::= <[7]>", 100, verdicts=verdicts, tenant="a")
+    samplers.check_grammar("root ::= <[7]>", 100, verdicts=verdicts, tenant="b")
+    assert len(checked) == 2 + 3 * samplers.KEPT_VERDICTS
 
 
 def test_a_grammar_asking_before_the_texts_are_made_waits_for_them():

@@ -1090,3 +1090,48 @@ def test_what_would_be_written_wrong_is_refused(schema, said):
     pattern's escaped backslash before a low-surrogate class: a 400, not a wrong answer."""
     with pytest.raises(sg.SchemaRefused, match=said):
         sg.SchemaGrammars().grammar(schema)
+
+
+def test_one_key_converts_one_schema_at_a_time_whatever_the_cache_scope(monkeypatch):
+    """Under `--cache-scope shared` (no tenant scope) a key sending new schemas at once
+    held both of the front end's conversions, and another key's schema waited for a 503.
+    The turn is the key's (`who`): its second waits, another key's runs."""
+    import threading
+    monkeypatch.setattr(sg, "CONVERT_WAIT", 0.3)
+    release = threading.Event()
+    grammars = sg.SchemaGrammars(run=lambda text: (release.wait(5), 'root ::= "1"')[1])
+    outcomes = {}
+
+    def convert(name, who, schema):
+        try:
+            outcomes[name] = grammars.grammar(schema, scope=None, who=who)
+        except sg.SchemaBusy:
+            outcomes[name] = "busy"
+    first = threading.Thread(target=convert, args=("a1", "key-a", {"type": "integer"}))
+    first.start()
+    time.sleep(0.05)
+    convert("a2", "key-a", {"type": "string"})           # key a's second: its turn is taken
+    other = threading.Thread(target=convert, args=("b1", "key-b", {"type": "boolean"}))
+    other.start()
+    time.sleep(0.05)
+    release.set()
+    first.join()
+    other.join()
+    assert outcomes == {"a1": 'root ::= "1"', "a2": "busy", "b1": 'root ::= "1"'}
+
+
+def test_one_key_sending_many_schemas_pushes_out_its_own_conversions(monkeypatch):
+    """The kept conversions are bounded for all keys together: a key sending many
+    distinct schemas evicts its own, and another key's kept one is not converted anew."""
+    monkeypatch.setattr(sg, "CACHE_SIZE", 4)
+    ran = []
+    grammars = sg.SchemaGrammars(run=lambda text: ran.append(text) or 'root ::= "x"')
+    mine = {"type": "object", "properties": {"victim": {"type": "string"}}}
+    grammars.grammar(mine, scope="key-v")
+    for i in range(20):
+        grammars.grammar({"type": "object", "properties": {f"f{i}": {"type": "string"}}},
+                         scope="key-f")
+    before = len(ran)
+    grammars.grammar(mine, scope="key-v")
+    assert len(ran) == before and len(grammars.kept) == 4
+    assert grammars.kept.tenants() == {"key-v": 1, "key-f": 3}

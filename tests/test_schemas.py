@@ -6,6 +6,7 @@ from app.bodies import parse_json_body
 from app.requests import validate
 from app.errors import InvalidRequest, UnsupportedMediaType
 from app.schemas import CompletionRequestSchema
+from dispatcher.common.tenantlru import TenantLRU
 
 
 def test_defaults_follow_openai():
@@ -253,7 +254,7 @@ def test_a_grammar_is_checked_once_however_often_it_is_sent(monkeypatch):
     calls = []
     check = gbnf.check
     monkeypatch.setattr(gbnf, "check", lambda g: calls.append(g) or check(g))
-    monkeypatch.setattr(R, "_checked", {})
+    monkeypatch.setattr(R, "_checked", TenantLRU(R.GRAMMARS_KEPT))
     good, bad = 'root ::= "yes" | "no"', 'root ::= undefined-rule'
     for _ in range(3):
         validate({"prompt": "p", "grammar": good})
@@ -283,7 +284,7 @@ def test_grammar_checks_run_a_few_at_a_time_and_one_at_a_time_per_key(monkeypatc
     check = gbnf.check
     monkeypatch.setattr(gbnf, "check", lambda g: (started.append(g), release.wait(10),
                                                   check(g))[2])
-    monkeypatch.setattr(R, "_checked", {})
+    monkeypatch.setattr(R, "_checked", TenantLRU(R.GRAMMARS_KEPT))
     monkeypatch.setattr(R, "_check_slots", [threading.BoundedSemaphore(R.GRAMMAR_CHECKS)])
     monkeypatch.setattr(R, "_own_checks", {})
     monkeypatch.setattr(R, "CHECK_WAIT", 0.3)

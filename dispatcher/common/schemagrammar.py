@@ -31,11 +31,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
 
 from dispatcher.common import grammar as gbnf, intrange
 from dispatcher.common.schemapatterns import MAX_NESTED_CHOICES, nested_choices, unsupported
 from dispatcher.common.schemashapes import ANY, COUNTS, shaped
+from dispatcher.common.tenantlru import TenantLRU
 
 MAX_WORK = 400_000          # the converter's steps, as `estimate` counts them
 MAX_REPETITION = 2000       # one count: minItems, maxLength, a pattern's {n,m} ...
@@ -349,8 +349,9 @@ def _text_and_digest(schema: object) -> tuple[str, bytes]:
 
 
 class SchemaGrammars:
-    """A process's conversions, the last CACHE_SIZE kept (the same schema sent again, or
-    for several choices, is converted once)."""
+    """A process's conversions, CACHE_SIZE kept (the same schema sent again, or for
+    several choices, is converted once), each tenant's own (`TenantLRU`: a key sending
+    many schemas pushes out its own)."""
 
     def __init__(self, run=_run_child, off_loop=lambda function, *args: function(*args),
                  at_once: int = 2) -> None:
@@ -361,46 +362,47 @@ class SchemaGrammars:
         # after new schema took every slot, and every other key's waited CONVERT_WAIT s
         # for a 503 (the dispatcher's shares come after the front end's conversion)
         self.own: dict[str, threading.BoundedSemaphore] = {}
-        self.kept: OrderedDict[bytes, tuple[str | None, str | None]] = OrderedDict()   # by
-        # scope and digest
+        # (grammar, problem) by scope and digest
+        self.kept = TenantLRU(CACHE_SIZE)
 
     def grammar(self, schema: object, n_vocab: int | None = None,
-                scope: str | None = None) -> str:
+                scope: str | None = None, who: str | None = None) -> str:
         """The checked grammar for `schema`, or SchemaRefused. A conversion kept is
         reused within its `scope` only (the request's tenant: another key's schema
-        answered in a fifth of the time, an oracle of its fields and values)."""
+        answered in a fifth of the time, an oracle of its fields and values). One
+        conversion at a time runs for `who` (the API key; its scope where not given),
+        whatever the cache's scope: under `--cache-scope shared` one key sending new
+        schemas at once held both of the front end's conversions."""
         # (the order of properties is the order of the output's keys: kept as sent;
         # kept by digest: a schema's text may be megabytes)
         try:
-            text, digest = self.off_loop(_text_and_digest, schema)
-            key = (scope or "").encode("utf-8", "surrogateescape") + b"\0" + digest
+            text, key = self.off_loop(_text_and_digest, schema)
         except RecursionError:      # (deeper than `estimate` allows, and then some)
             raise SchemaRefused(f"The JSON schema nests arrays and objects more than "
                                 f"{MAX_DEPTH} deep.") from None
-        if key not in self.kept:
+        kept = self.kept.get(scope, key)
+        if kept is None:
             try:
                 self.off_loop(estimate, schema)
-                grammar = self._converted(text, scope)
+                grammar = self._converted(text, scope if who is None else who)
                 self.off_loop(gbnf.check, grammar, n_vocab)
-                self.kept[key] = (grammar, None)
+                kept = (grammar, None)
             except gbnf.GrammarError as exc:
-                self.kept[key] = (None, "The JSON schema makes a grammar that cannot be "
-                                        f"used: {exc}")
+                kept = (None, f"The JSON schema makes a grammar that cannot be used: {exc}")
             except SchemaRefused as exc:
-                self.kept[key] = (None, str(exc))
-            while len(self.kept) > CACHE_SIZE:
-                self.kept.popitem(last=False)
-        self.kept.move_to_end(key)
-        grammar, problem = self.kept[key]
+                kept = (None, str(exc))
+            self.kept.put(scope, key, kept)
+        grammar, problem = kept
         if problem is not None:
             raise SchemaRefused(problem)
         return grammar
 
-    def _converted(self, text: str, scope: str | None) -> str:
+    def _converted(self, text: str, who: str | None) -> str:
         """`text` converted by a child process, within a slot of the front end's and,
-        for a tenant's scope, its own one; SchemaBusy past CONVERT_WAIT s of waiting."""
-        own = self.own.setdefault(scope, threading.BoundedSemaphore(1)) \
-            if scope is not None else None
+        for a key (or a tenant's scope), its own one; SchemaBusy past CONVERT_WAIT s of
+        waiting."""
+        own = self.own.setdefault(who, threading.BoundedSemaphore(1)) \
+            if who is not None else None
         busy = SchemaBusy(f"Every JSON schema conversion of this front end was busy for "
                           f"{CONVERT_WAIT:g} s: try again.")
         deadline = time.monotonic() + CONVERT_WAIT

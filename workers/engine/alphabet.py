@@ -15,7 +15,7 @@ tokens' text included)."""
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from dispatcher.common.tenantlru import TenantLRU
 
 import numpy as np
 
@@ -97,7 +97,7 @@ class TokenTexts:
         self._lock = threading.Lock()
         self._built = threading.Event()
         self._builder: threading.Thread | None = None
-        self._masks: OrderedDict = OrderedDict()  # (tenant, grammar text) -> ids or None
+        self._masks = TenantLRU(KEPT_MASKS)       # (tenant, grammar text) -> ids or None
         self._stop = threading.Event()
         self.points = None                             # made: the texts
 
@@ -157,17 +157,13 @@ class TokenTexts:
         (asking starts them). Kept per `tenant` (a grammar another key had sent answered
         sooner: an oracle of its grammars)."""
         self.build()
-        key = (tenant, grammar)
         with self._lock:
-            if key in self._masks:
-                self._masks.move_to_end(key)
-                return self._masks[key]
+            if (tenant, grammar) in self._masks:
+                return self._masks.get(tenant, grammar)
             if self.points is None:
                 return None                  # the engine is closing
             ids = self._allowed(grammar)
-            self._masks[key] = ids
-            while len(self._masks) > KEPT_MASKS:
-                self._masks.popitem(last=False)
+            self._masks.put(tenant, grammar, ids)
             return ids
 
     def _allowed(self, grammar: str) -> np.ndarray | None:

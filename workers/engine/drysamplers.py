@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections import OrderedDict
+from dispatcher.common.tenantlru import TenantLRU
 
 
 KEPT_DRY = 8    # DRY samplers kept to clone from, by their settings
@@ -23,7 +23,7 @@ class DryTemplates:
 
     def __init__(self, lib, vocab):
         self.lib, self.vocab = lib, vocab
-        self.kept: OrderedDict = OrderedDict()
+        self.kept = TenantLRU(KEPT_DRY, on_evict=lib.llama_sampler_free)
         self.lock = threading.Lock()
 
     def sampler(self, multiplier: float, base: float, allowed_length: int, window: int,
@@ -31,11 +31,10 @@ class DryTemplates:
         """A new DRY sampler of these settings (None where llama.cpp could not make one);
         the caller owns it. Kept per `tenant`: a scan another key had made answered
         sooner, an oracle of its settings."""
-        key = (tenant, multiplier, base, allowed_length, window, breakers)
+        key = (multiplier, base, allowed_length, window, breakers)
         with self.lock:
-            template = self.kept.get(key)
+            template = self.kept.get(tenant, key)
             if template is not None:
-                self.kept.move_to_end(key)
                 return self.lib.llama_sampler_clone(template)
         encoded = [b.encode() for b in breakers]
         array = (ctypes.c_char_p * max(1, len(encoded)))(*encoded)
@@ -44,14 +43,10 @@ class DryTemplates:
         if not made:
             return None
         with self.lock:
-            if key in self.kept:                     # another thread made it meanwhile
+            kept = self.kept.setdefault(tenant, key, made)
+            if kept is not made:                     # another thread made it meanwhile
                 self.lib.llama_sampler_free(made)
-                made = self.kept[key]
-            else:
-                self.kept[key] = made
-                while len(self.kept) > KEPT_DRY:
-                    self.lib.llama_sampler_free(self.kept.popitem(last=False)[1])
-            return self.lib.llama_sampler_clone(made)
+            return self.lib.llama_sampler_clone(kept)
 
     def close(self) -> None:
         with self.lock:

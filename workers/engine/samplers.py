@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections import OrderedDict
+from dispatcher.common.tenantlru import TenantLRU
 
 import numpy as np
 
@@ -16,14 +16,13 @@ from workers.sampling import SamplingParams
 
 
 def check_grammar(grammar: str, n_vocab: int, token_of=None,
-                  verdicts: OrderedDict | None = None, ends=None,
+                  verdicts: TenantLRU | None = None, ends=None,
                   tenant: str | None = None) -> None:
     """A 400 for a grammar llama.cpp would refuse or could not use (dispatcher.common.grammar).
     `verdicts` keeps the answers for recent texts, each `tenant`'s own: the n choices of
     one request, or an editor's same grammar, are checked once (a text another key had
     sent answered sooner: an oracle of its grammars)."""
-    key = (tenant, grammar)
-    problem = verdicts.get(key, False) if verdicts is not None else False
+    problem = verdicts.get(tenant, grammar, False) if verdicts is not None else False
     if problem is False:
         try:
             gbnf.check(grammar, n_vocab, token_of, ends)
@@ -31,9 +30,7 @@ def check_grammar(grammar: str, n_vocab: int, token_of=None,
         except gbnf.GrammarError as exc:
             problem = str(exc)
         if verdicts is not None:
-            verdicts[key] = problem
-            while len(verdicts) > KEPT_VERDICTS:
-                verdicts.popitem(last=False)
+            verdicts.put(tenant, grammar, problem)
     if problem is not None:
         raise InvalidInput(f"the grammar cannot be used: {problem}", param="grammar")
 
@@ -70,7 +67,7 @@ class Candidates:
         self.pointer = self.data.ctypes.data_as(ctypes.POINTER(lib.llama_token_data))
         self.array = lib.llama_token_data_array()
         self.one = (lib.llama_token_data * 1)()
-        self.grammar_verdicts: OrderedDict = OrderedDict()     # see check_grammar
+        self.grammar_verdicts = TenantLRU(KEPT_VERDICTS)     # see check_grammar
         self.texts = None          # the vocabulary's TokenTexts (alphabet.py), the engine's
         self.dry = None            # its DryTemplates, the engine's
         self.one_array = lib.llama_token_data_array(

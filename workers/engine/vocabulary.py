@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections import OrderedDict
+from dispatcher.common.tenantlru import TenantLRU
 from contextlib import contextmanager
 
 from workers.errors import EngineError, InvalidInput
@@ -26,8 +26,7 @@ class Vocabulary:
 
     def __init__(self, lib, vocab, n_vocab: int, add_bos: bool):
         self.lib, self.vocab, self.n_vocab, self.add_bos = lib, vocab, n_vocab, add_bos
-        self._kept_tokens: OrderedDict = OrderedDict()      # the last long texts' tokens
-        self._kept_lock = threading.Lock()
+        self._kept_tokens = TenantLRU(KEPT_TOKENIZATIONS)   # the last long texts' tokens
         self._tenant = threading.local()                    # whose texts this thread's are
         self._piece_local = threading.local()               # a piece buffer per thread
         self._longest: int | None = None                    # longest_piece, once read
@@ -38,20 +37,15 @@ class Vocabulary:
         /tokenize's option); BOS added if asked and the model wants one."""
         if len(text) < LONG_TEXT:
             return self._tokenize(text, add_special, parse_special)
-        kept, lock = self._kept_tokens, self._kept_lock
+        kept = self._kept_tokens
         # (a tenant's own: a kept text of another key's answered sooner, an oracle of
         # its prompts through /tokenize or a refusal's time)
-        key = (getattr(self._tenant, "name", None), text, add_special, parse_special)
-        with lock:
-            tokens = kept.get(key)
-            if tokens is not None:
-                kept.move_to_end(key)
-                return list(tokens)
+        tenant, key = getattr(self._tenant, "name", None), (text, add_special, parse_special)
+        tokens = kept.get(tenant, key)
+        if tokens is not None:
+            return list(tokens)
         tokens = self._tokenize(text, add_special, parse_special)
-        with lock:
-            kept[key] = tokens
-            while len(kept) > KEPT_TOKENIZATIONS:
-                kept.popitem(last=False)
+        kept.put(tenant, key, tokens)
         return list(tokens)
 
     @contextmanager
