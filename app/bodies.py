@@ -346,10 +346,10 @@ def check_encodable(body: object) -> None:
     found = unencodable_field(body)
     if found is not None:
         param, where = found
-        raise InvalidRequest(f"Invalid value for '{where}': the text contains a lone UTF-16 "
-                             "surrogate (\\ud800-\\udfff), which is not a Unicode "
-                             "character and cannot be encoded as UTF-8.", param=param,
-                             code="invalid_unicode")
+        raise InvalidRequest(f"Invalid value for '{clipped(where)}': the text contains a "
+                             "lone UTF-16 surrogate (\\ud800-\\udfff), which is not a "
+                             "Unicode character and cannot be encoded as UTF-8.",
+                             param=clipped(param), code="invalid_unicode")
 
 
 MAX_PARAM = 128          # characters of a name the client chose quoted back to it

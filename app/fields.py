@@ -108,6 +108,7 @@ class PromptField(fields.Field):
         "empty": "Must not be empty.",
         "too_many": f"At most {MAX_PROMPTS} prompts in one request.",
         "negative": "Token ids are not negative.",
+        "too_large": f"Token ids are at most {INT_MAX}.",
     }
 
     def _deserialize(self, value, attr, data, **kwargs):
@@ -142,11 +143,15 @@ class PromptField(fields.Field):
         if all(type(p) is int for p in prompt):     # token ids alone: one pass at C speed
             if min(prompt) < 0:                     # (a million took 1.1 s item by item)
                 raise self.make_error("negative")
+            if max(prompt) > INT_MAX:               # (2**63 and up broke the worker's
+                raise self.make_error("too_large")  # int64 arrays: a 500)
             return list(prompt)
         for part in prompt:
             if _is_int(part):
                 if part < 0:
                     raise self.make_error("negative")
+                if part > INT_MAX:
+                    raise self.make_error("too_large")
             elif not isinstance(part, str):
                 raise self.make_error("invalid")
         return [int(p) if _is_int(p) else p for p in prompt]
@@ -332,8 +337,8 @@ class LogitBiasField(fields.Field):
             elif isinstance(token, str) and texts_allowed and \
                     0 < len(token) <= MAX_BIAS_TEXT:
                 token, text = TEXT_BIAS + token, True   # (tokenized by the worker)
-            if not text and (not _is_int(token) or token < 0):
-                raise self.make_error("invalid")
+            if not text and (not _is_int(token) or not 0 <= token <= INT_MAX):
+                raise self.make_error("invalid")     # (2**63 and up: the worker's int64, a 500)
             if bias is False:
                 bias = -100.0
             if isinstance(bias, bool) or not isinstance(bias, numbers.Real) \

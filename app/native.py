@@ -29,6 +29,7 @@ from dispatcher.common import fields as F, protocol as P
 
 bp = Blueprint("native", __name__)
 MAX_EXTRA_CHUNKS = 256          # llama.vim's ring holds 16 by default
+MAX_FILENAME = 4096             # a chunk's file name: a path (Linux's PATH_MAX)
 MAX_RESPONSE_FIELDS = 64        # paths in `response_fields` (llama.vim asks for 13) ...
 MAX_FIELD_PATH = 256            # ... of at most this many characters each
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class NativeCompletionSchema(CompletionRequestSchema):
         shown, and a count over 5 refused)."""
         if isinstance(data, dict) and "logprobs" in data:
             count = data["logprobs"]
+            if isinstance(count, float) and count.is_integer():    # (2.0: the count 2, as
+                count = int(count)                                 # StrictInteger reads it)
             if count is None or (isinstance(count, int) and not isinstance(count, bool)):
                 data = {k: v for k, v in data.items() if k != "logprobs"}
                 if count is not None and data.get("n_probs") is None:
@@ -128,7 +131,9 @@ class ExtraChunkSchema(Schema):
         unknown = EXCLUDE
 
     filename = StrictString(load_default="tmp", allow_none=True,
-                            metadata=doc("The chunk's file name.", type="string"))
+                            validate=Length(max=MAX_FILENAME),
+                            metadata=doc(f"The chunk's file name (at most {MAX_FILENAME} "
+                                         "characters).", type="string"))
     text = StrictString(load_default="", allow_none=True,
                         metadata=doc("The chunk's text.", type="string"))
 

@@ -624,6 +624,8 @@ def test_long_lists_are_refused_by_their_length_before_their_items_are_read(clie
               "response_fields", "256"),
              ("/infill", {"input_extra": [None] * 257}, "input_extra",
               "At most 256 items."),
+             ("/infill", {"input_prefix": "a", "input_extra": [{"filename": "n" * 4097}]},
+              "input_extra", "4096"),                # (a path: a megabyte was tokenized)
              ("/detokenize", {"tokens": [1, True]}, "tokens", "token ids"),
              ("/detokenize", {"tokens": [1, -1]}, "tokens", "token ids"),
              ("/detokenize", {"tokens": [2 ** 31]}, "tokens", "token ids")]

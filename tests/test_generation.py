@@ -540,6 +540,34 @@ def test_infill_chunks_that_could_never_stay_are_not_tokenized_and_change_nothin
                 len(whole.tokens(loop.engine, max(k, fitted.parts.unread)))
 
 
+def test_an_infill_chunks_file_name_counts_as_text_and_a_context_of_no_room_is_refused():
+    """A chunk's `filename` was in no count of the worker's: a name of a megabyte left
+    the job on the generation loop (every stream waited while it was tokenized) and
+    past the bound on what could ever fit. A context (`nctx`) leaving no room for a
+    prompt beside the answer made that bound 0, read as none: every chunk tokenized,
+    then refused."""
+    from workers.errors import InvalidInput
+    from workers.preparation import worth_preparing
+    from workers.prompts import fitted_prompt
+    loop = make_loop()                                    # a 256-token context
+    engine = loop.engine                                  # (a model with FIM_SEP names
+    engine.fim_tokens, engine.fim_repo = (290, 291, 292), (300, 301)   # each chunk's file)
+    named = [{"filename": "n" * 100_000, "text": "x"}, {"filename": "new.py", "text": "y"}]
+    body = job("p", suffix="s", max_tokens=16, infill={"extra": named, "middle": ""})
+    assert worth_preparing(body)
+    read = []
+    real = engine.tokenize
+    engine.tokenize = lambda text, *a, **k: read.append(len(text)) or real(text, *a, **k)
+    fitted = fitted_prompt(engine, body, None, named)
+    assert fitted.parts.unread == 1 and max(read) < 1000      # the long name never read
+    read.clear()
+    tiny = job("p" * 1000, suffix="s" * 1000, max_tokens=16, route={"n_ctx": 1},
+               infill={"extra": [{"filename": "f", "text": "z" * 50_000}], "middle": ""})
+    with pytest.raises(InvalidInput) as refused:
+        fitted_prompt(engine, tiny, None, tiny.infill.extra)
+    assert refused.value.code == "context_length_exceeded" and read == []
+
+
 def test_the_job_says_whether_the_penalties_take_the_prompt(loop, monkeypatch):
     seen = []
     real = loop.engine.add

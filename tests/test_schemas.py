@@ -403,6 +403,10 @@ def test_the_native_routes_read_logprobs_as_n_probs():
     assert loaded["n_probs"] == 2 and loaded.get("logprobs") is None
     with pytest.raises(InvalidRequest):
         validate({"prompt": "p", "logprobs": "3"}, schema)
+    # a whole float is its integer, as every count field reads it (6.0 was OpenAI's
+    # logprobs, over 5 a 400, 2.0 computed and never shown)
+    loaded = validate({"prompt": "p", "logprobs": 6.0}, schema)
+    assert loaded["n_probs"] == 6 and loaded.get("logprobs") is None
 
 
 def test_the_native_routes_read_max_completion_tokens_after_n_predict():
@@ -448,3 +452,31 @@ def test_response_format_asks_for_a_schema_in_openais_and_llama_servers_forms():
                          "grammar": 'root ::= "a"'})["grammar"] == 'root ::= "a"'
     native = NativeCompletionSchema()
     assert "response_format" not in native.fields
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [1, 2 ** 63, 5]}, "prompt"),
+    ({"prompt": [1, "x", 2 ** 63]}, "prompt"),
+    ({"prompt": [[1, 2], [2 ** 31]]}, "prompt"),
+    ({"prompt": "x", "logit_bias": [[2 ** 63, False]]}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": [[2 ** 31, -100]]}, "logit_bias"),
+])
+def test_token_ids_past_int_max_are_a_400(body, param):
+    """A prompt id or a biased id of 2**63 or more passed the front end and broke the
+    worker's int64 arrays (numpy's OverflowError: a 500 generation_failed); one past
+    INT_MAX is no token of any vocabulary."""
+    with pytest.raises(InvalidRequest) as info:
+        validate(body)
+    assert info.value.param == param
+    assert validate({"prompt": [1, 2 ** 31 - 1]})["prompt"] == [[1, 2 ** 31 - 1]]
+
+
+def test_a_lone_surrogates_field_path_is_quoted_back_clipped():
+    """The path of a field holding a lone surrogate was quoted whole, in the message and
+    in `param`: a key of 200,000 characters made an answer of 400 KB (an 8 MiB body's,
+    16 MB, encoded on the front end's loop)."""
+    from app.bodies import MAX_PARAM, check_encodable
+    with pytest.raises(InvalidRequest) as info:
+        check_encodable({"prompt": "x", "k" * 200_000 + "\ud800": 1})
+    assert len(info.value.param) <= MAX_PARAM + 1 and len(str(info.value)) < 500
+    assert info.value.code == "invalid_unicode"

@@ -30,7 +30,7 @@ from dispatcher.common import protocol as P
 from dispatcher.common.fields import TEXT_BIAS
 from workers import inbox
 from workers.errors import EngineError, InvalidInput
-from workers.prompts import Fitted, check_fits, fitted_prompt, tenant_of
+from workers.prompts import Fitted, check_fits, chunk_chars, fitted_prompt, tenant_of
 from workers.sampling import BAN, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -118,8 +118,7 @@ def text_size(body: P.WorkerJob) -> int:
     size += sum(len(key) - len(TEXT_BIAS) for key in body.generation.sampling.logit_bias
                 or () if key.startswith(TEXT_BIAS))
     if body.infill:
-        size += len(body.infill.middle) + sum(len(str(c.get("text") or ""))
-                                              for c in body.infill.extra)
+        size += len(body.infill.middle) + sum(chunk_chars(c) for c in body.infill.extra)
     return size
 
 

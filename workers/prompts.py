@@ -247,7 +247,7 @@ class InfillParts:
         chunks: list[list[int]] = []
         tokens = chars = 0
         for c in reversed(extra):             # the newest first: the oldest go first
-            chars += len(str(c.get("text") or ""))
+            chars += chunk_chars(c)
             if budget and (tokens > budget or (max_chars and chars > max_chars)):
                 break
             name = c.get("filename")          # (llama.cpp's: "tmp" where none is given)
@@ -313,6 +313,13 @@ class InfillParts:
         return Fitted(cut.tokens(engine), dropped, cut=True)
 
 
+def chunk_chars(chunk: dict) -> int:
+    """Characters an `input_extra` chunk brings to be tokenized: its text and its file
+    name (a name of a megabyte was left out of every count and tokenized on the loop)."""
+    name = chunk.get("filename")
+    return len(str(chunk.get("text") or "")) + (len(name) if isinstance(name, str) else 0)
+
+
 def generation_room(max_tokens: int | None, n_ctx: int) -> int:
     """What an /infill's prompt leaves of its context for the answer when it must be
     made to fit: its max_tokens, at most a quarter of the context (none asked: a
@@ -339,10 +346,14 @@ def _fitted_prompt(engine, body: P.WorkerJob, template: FimTemplate | None,
                                     middle, body.generation.parse_special is not False))
     limit = context_limit(engine, body)
     budget = limit - generation_room(body.generation.max_tokens, limit)
+    if budget < 1:                  # (0 read as no bound would tokenize every chunk)
+        raise InvalidInput(f"A context of {limit} tokens leaves no room for a prompt "
+                           "beside the answer.", code="context_length_exceeded",
+                           param="prompt")
     # a token is at most the longest piece's bytes, so the prefix's last (and the
     # suffix's first) budget × that many characters hold every token that could stay
     longest = engine.longest_piece() if len(str(body.prompt)) + len(body.suffix or "") + \
-        sum(len(str(c.get("text") or "")) for c in extra) > budget * SAFETY else 0
+        sum(chunk_chars(c) for c in extra) > budget * SAFETY else 0
     parts = InfillParts.of(engine, body.prompt, body.suffix or "", template, extra, middle,
                            max_chars=budget * longest, budget=budget, framed=True)
     return parts.fit(engine, budget)
