@@ -37,8 +37,9 @@ EPOCH_PAUSE = 2.0
 # request is newer by arriving later (else a step back of D seconds refused the
 # session's requests for D, up to SESSION_MEMORY).
 STAMP_LATE_LIMIT = 90.0
-# Sessions remembered at most, the least recently used forgotten first: with ids of at
-# most 128 characters (the front end's limit) about 5 MB.
+# Sessions remembered at most, all keys together (about 5 MB with ids of at most 128
+# characters, the front end's limit); past it the key remembered for the most loses its
+# least recently used session, one without open jobs first (`Sessions.remember`).
 MAX_SESSIONS = 10_000
 
 
@@ -119,8 +120,10 @@ class Units:
 class Sessions:
     def __init__(self) -> None:
         self.open: dict[str, dict[str, QueuedJob]] = {}   # X-Session-Id -> its open jobs
-        # X-Session-Id -> the newest request the client sent, least recently used first
-        self.newest: OrderedDict[str, Newest] = OrderedDict()
+        # API key -> X-Session-Id -> the newest request the client sent, least recently
+        # used first (session ids are scoped by key: one id is always one key's)
+        self.newest: dict[str | None, OrderedDict[str, Newest]] = {}
+        self.remembered = 0             # sessions in `newest`, all keys together
 
     def arrives(self, job: QueuedJob, now: float) -> tuple[bool, list[QueuedJob]]:
         """A job of a session arrives: (False, []) if the client sent a newer request of
@@ -131,16 +134,42 @@ class Sessions:
         order, counted = job.body.session_order, job.body.session_seq
         if self._older(job, now):
             return False, []
-        self.newest[session] = Newest(order, parent, now, counted)
-        self.newest.move_to_end(session)
-        while len(self.newest) > MAX_SESSIONS:
-            self.newest.popitem(last=False)
+        self.remember(job.body.api_key, session, Newest(order, parent, now, counted))
         jobs = self.open.setdefault(session, {})
         older = [old for old in jobs.values() if old.body.parent != parent]  # not siblings
         for old in older:
             del jobs[old.request_id]
         jobs[job.request_id] = job
         return True, older
+
+    def remember(self, api_key: str | None, session: str, newest: Newest) -> None:
+        """`newest` is the session's newest request now. Past MAX_SESSIONS the key
+        remembered for the most sessions loses its least recently used one without open
+        jobs (else its least recently used): a key opening session after session
+        forgets its own, never another key's while it holds more (one global list let it
+        push out a session whose jobs were still open, and that session's late older
+        request then ended the newer one)."""
+        sessions = self.newest.setdefault(api_key, OrderedDict())
+        if session not in sessions:
+            self.remembered += 1
+        sessions[session] = newest
+        sessions.move_to_end(session)
+        while self.remembered > MAX_SESSIONS:
+            keys = [k for k, held in self.newest.items()
+                    if k != api_key or len(held) > 1]               # (never `session`)
+            if not keys:
+                return
+            victim = max(keys, key=lambda k: len(self.newest[k]))
+            held = self.newest[victim]
+            gone = next((s for s in held if s not in self.open and s != session),
+                        next(iter(held)))
+            del held[gone]
+            self.remembered -= 1
+            if not held:
+                del self.newest[victim]
+
+    def _newest(self, job: QueuedJob) -> Newest | None:
+        return self.newest.get(job.body.api_key, {}).get(job.body.session)
 
     def would_end(self, job: QueuedJob, now: float) -> list[QueuedJob]:
         """The open jobs `arrives` would hand back for `job` to supersede, changing
@@ -155,7 +184,7 @@ class Sessions:
         client's counter and arrival stamps are different scales: a request of the
         other kind is newer by arriving later (X-Session-Seq 2**63-1 once must not lock
         out a client that sends none)."""
-        newest = self.newest.get(job.body.session)
+        newest = self._newest(job)
         return newest is not None and newest.parent != job.body.parent and \
             newest.counted == job.body.session_seq and \
             newest.order > job.body.session_order and not self._new_epoch(job, newest, now)
@@ -179,9 +208,13 @@ class Sessions:
                 del self.open[session]
 
     def expire(self, now: float) -> None:
-        for session, newest in list(self.newest.items()):
-            if newest.when < now - SESSION_MEMORY and session not in self.open:
-                del self.newest[session]
+        for api_key, sessions in list(self.newest.items()):
+            for session, newest in list(sessions.items()):
+                if newest.when < now - SESSION_MEMORY and session not in self.open:
+                    del sessions[session]
+                    self.remembered -= 1
+            if not sessions:
+                del self.newest[api_key]
 
 
 # Sessions inferred for requests without X-Session-Id (InferredSessions)

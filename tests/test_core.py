@@ -773,7 +773,30 @@ def test_the_session_table_is_bounded_least_recently_used_first(monkeypatch):
         submit(core, f"r{i}", session=f"s{i}", parent=f"r{i}")
     submit(core, "again", session="s2", parent="again")         # s2 used again
     submit(core, "new", session="s5", parent="new")
-    assert list(core.sessions.newest) == ["s4", "s2", "s5"]
+    assert list(core.sessions.newest[None]) == ["s4", "s2", "s5"]
+    assert core.sessions.remembered == 3
+
+
+def test_a_key_opening_session_after_session_forgets_its_own(monkeypatch):
+    """One key's flood of new sessions pushes out its own least recently used ones
+    (those without open jobs first), never another key's open session: a global list
+    forgot it, and that session's late older request then ended the newer one."""
+    from dispatcher import admission
+    monkeypatch.setattr(admission, "MAX_SESSIONS", 8)
+    core = DispatcherCore()
+    ready(core, slots=4)
+    submit(core, "mine-new", session="victim", parent="mine-new", api_key="kv",
+           session_seq=True, session_order=5)
+    for i in range(40):
+        submit(core, f"f{i}", session=f"flood{i}", parent=f"f{i}", api_key="kf",
+               session_seq=True, session_order=1)
+        from_worker(core, P.DONE, f"f{i}", attempt=1, last_seq=1) \
+            if i % 2 else core.frontend_message(FE, P.Message(P.CANCEL, f"f{i}"), 0.0)
+    assert core.sessions.remembered == 8 and len(core.sessions.newest["kv"]) == 1
+    late = submit(core, "mine-old", session="victim", parent="mine-old", api_key="kv",
+                  session_seq=True, session_order=4)             # the older one, late
+    assert late[0].cmd == P.REJECTED and "superseded" in late[0].body.code
+    assert "mine-new" in core.registry.workers[b"w0"].running
 
 
 def test_a_key_over_its_share_of_the_queue_is_refused_while_others_are_admitted():
