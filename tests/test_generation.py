@@ -579,6 +579,30 @@ def test_the_job_says_whether_the_penalties_take_the_prompt(loop, monkeypatch):
     assert seen == [True, False]
 
 
+def test_keys_take_turns_on_the_preparing_thread():
+    """One key's jobs slow to prepare (DRY settings each new, large grammars) filled the
+    preparing thread's one queue, and another key's editor request waited behind all
+    of them: the keys now take turns, each key's jobs in their order."""
+    import threading
+    loop = make_loop(n_ctx=2 * PREPARE_CHARS)
+    held, order = threading.Event(), []
+    loop.preparer.thread.submit(held.wait, 10, key="flood")     # (one under way)
+    real = loop.preparer._prepare
+    loop.preparer._prepare = lambda rid, body: (order.append(rid), real(rid, body))[1]
+    for i in range(5):
+        assert loop.preparer.submit(f"f{i}", job("x" * PREPARE_CHARS, id=f"f{i}",
+                                                  api_key="flood"))
+    assert loop.preparer.submit("mine", job("y" * PREPARE_CHARS, id="mine", api_key="me"))
+    assert loop.preparer.submit("mine2", job("z" * PREPARE_CHARS, id="mine2",
+                                              api_key="me"))
+    held.set()
+    loop.preparer.thread.submit(lambda: None, key="flood").result()
+    loop.preparer.thread.submit(lambda: None, key="me").result()
+    assert order[:5] == ["f0", "mine", "f1", "mine2", "f2"], order
+    assert [r for r in order if r.startswith("f")] == [f"f{i}" for i in range(5)]
+    loop.preparer.shutdown()
+
+
 def test_a_huge_prompt_being_prepared_keeps_no_other_job_waiting():
     """A prompt of a MiB is seconds of tokenizing on the preparing thread, and every
     job of a few KB (most editors' requests) prepared behind it waited as long: huge

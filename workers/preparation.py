@@ -12,14 +12,15 @@ worked on: if it kills the process, it is not handed to another worker); the pre
 then reaches the generation loop's inbox, which admits it like any other. Small plain
 jobs (an editor's keystroke) go straight to the loop, as before. Jobs of 128 Ki
 characters or more are prepared on a second such thread, so that none of a few KB
-waits behind seconds of tokenizing.
+waits behind seconds of tokenizing. On each, the API keys take turns (`TakingTurns`).
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict, deque
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +133,68 @@ def worth_preparing(body: P.WorkerJob) -> bool:
         or sampling.grammar is not None
 
 
+class TakingTurns:
+    """One thread working the jobs of several API keys in turn: each key's jobs in the
+    order they came, the keys round robin. One FIFO let a key fill the preparing thread
+    with jobs slow to prepare (DRY settings each new, grammars of 32,768 rules) within its
+    share of slots, and every other key's editor requests of a few KB waited behind all of
+    them; now each waits for at most one job of each other key."""
+
+    def __init__(self, name: str) -> None:
+        self.queues: OrderedDict[str | None, deque] = OrderedDict()   # keys with work,
+        self.cond = threading.Condition()                          # in their turn
+        self.closed = False
+        self.name = name
+        self.thread: threading.Thread | None = None     # (started by the first job)
+
+    def submit(self, work, *args, key: str | None = None) -> Future:
+        """`work(*args)` in `key`'s turn; its Future (as an executor's)."""
+        future: Future = Future()
+        with self.cond:
+            if self.closed:
+                future.cancel()
+                return future
+            self.queues.setdefault(key, deque()).append((future, work, args))
+            self.cond.notify()
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name=self.name,
+                                               daemon=True)
+                self.thread.start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.queues and not self.closed:
+                    self.cond.wait()
+                if not self.queues:             # (closed, and nothing left to work)
+                    return
+                key, queue = self.queues.popitem(last=False)
+                future, work, args = queue.popleft()
+                if queue:
+                    self.queues[key] = queue            # its next, after the others'
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(work(*args))
+            except BaseException as exc:    # (the work reports its own: never the thread)
+                future.set_exception(exc)
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        """As an executor's: no more jobs; those not started dropped (their futures
+        cancelled) or, by default, worked first; `wait`: until the thread is done."""
+        with self.cond:
+            self.closed = True
+            if cancel_futures:
+                for queue in self.queues.values():
+                    for future, _, _ in queue:
+                        future.cancel()
+                self.queues.clear()
+            self.cond.notify_all()
+        if wait and self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()
+
+
 class Preparer:
     """The preparing thread and what it holds. `submit` runs on the IO thread; the rest on
     the generation loop's, which owns the prepared jobs once they are in its inbox."""
@@ -140,8 +203,8 @@ class Preparer:
                  ) -> None:
         self.engine, self.fim_template, self.inbox = engine, fim_template, inbox
         self.watch = watch or ThreadWatch()     # (the watchdog's view of its threads)
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix="prepare")
-        self.big_thread = ThreadPoolExecutor(1, thread_name_prefix="prepare-big")
+        self.thread = TakingTurns("prepare")
+        self.big_thread = TakingTurns("prepare-big")
         self.preparing: dict[str, int] = {}     # request id -> its latest attempt there
         self.on_thread: set[tuple[str, int]] = set()   # every (id, attempt) not back yet
         self.cancelled: set[tuple[str, int]] = set()   # ... cancelled while there
@@ -161,9 +224,10 @@ class Preparer:
         self.on_thread.add((request_id, body.attempt))
         if superseding:
             self.superseding.add((request_id, body.attempt))
-        # (one request's attempts are alike in size: they keep their order on one thread)
+        # (one request's attempts are alike in size and of one key: they keep their
+        # order on one thread)
         thread = self.big_thread if text_size(body) >= BIG_PREPARE_CHARS else self.thread
-        thread.submit(self._work, request_id, body)
+        thread.submit(self._work, request_id, body, key=body.api_key)
         return True
 
     def _work(self, request_id: str, body: P.WorkerJob) -> None:
