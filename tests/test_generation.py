@@ -603,6 +603,20 @@ def test_keys_take_turns_on_the_preparing_thread():
     loop.preparer.shutdown()
 
 
+def test_a_key_without_a_slot_of_its_own_takes_one_of_the_key_holding_the_most():
+    """A key whose own (or empty) slots are all busy takes a free slot of another key's:
+    of the key holding the most slots (the least cached of any went first, so a key
+    keeping long prompts in its slots kept them and the other keys evicted each
+    other's caches at every keystroke)."""
+    loop = make_loop()
+    loop.free_slots = [2, 1]                        # b's slot and one of the hog's three
+    loop.slot_tenant = {0: "hog", 1: "hog", 2: "b", 3: "hog"}
+    assert loop._slot_for([1, 2, 3], "d", reuse=True) == (1, False)
+    assert loop._slot_for([1, 2, 3], "b", reuse=True) == (2, True)     # its own
+    loop.slot_tenant = {0: "b", 1: "hog", 2: "b", 3: "hog"}             # a tie: any
+    assert loop._slot_for([1, 2, 3], "d", reuse=True)[0] in (1, 2)
+
+
 def test_a_huge_prompt_being_prepared_keeps_no_other_job_waiting():
     """A prompt of a MiB is seconds of tokenizing on the preparing thread, and every
     job of a few KB (most editors' requests) prepared behind it waited as long: huge

@@ -15,7 +15,7 @@ import logging
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
-from collections import deque
+from collections import Counter, deque
 from typing import Callable
 
 from dispatcher.common import protocol as P
@@ -411,12 +411,17 @@ class GenerationLoop:
     def _slot_for(self, tokens: list[int], tenant: str | None,
                   reuse: bool) -> tuple[int, bool]:
         """The free slot for a prompt, and whether its cache may be reused: the best of the
-        tenant's own (most of the prompt cached); else another tenant's, prefilled from
-        scratch (its cache is dropped, never read)."""
+        tenant's own (most of the prompt cached); else one of the tenant holding the most
+        slots, prefilled from scratch (its cache is dropped, never read). (The least
+        cached of any tenant's went first: a key keeping long prompts in its slots kept
+        them, and the other keys took each other's caches at every keystroke.)"""
         own = self._own_slots(tenant)
         if own:
             return self.engine.best_slot(tokens, own), reuse
-        return self.engine.best_slot([], self.free_slots), False
+        held = Counter(self.slot_tenant.values())
+        most = max(held[self.slot_tenant.get(s)] for s in self.free_slots)
+        return self.engine.best_slot([], [s for s in self.free_slots
+                                          if held[self.slot_tenant.get(s)] == most]), False
 
     # -- type-along adoption ------------------------------------------------------------
     # Type-along adoption: a session's new request takes over its running generation.
