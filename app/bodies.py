@@ -45,8 +45,12 @@ def parse_json_body(any_content_type: bool = False) -> object:
 # chunked, a MiB at a time), and given back once the body is validated (or as the
 # request ends). Read first, each body waited for its decode slot
 # with its bytes in hand, so 4,096 connections could hold 8 MiB each: 32 GiB. A body
-# that cannot have its next MiB within BODY_BYTES_WAIT s is a 503 server_busy.
+# that cannot have its next MiB within BODY_BYTES_WAIT s is a 503 server_busy. With API
+# keys, one key holds at most half of it (KEY_BODY_SHARE; a body larger than that, alone
+# of its key's): a key announcing eight bodies of 8 MiB and trickling them held all of
+# it, and every other key's large body waited its 15 s for a 503.
 BIG_BODY_BYTES = 64 << 20
+KEY_BODY_SHARE = 0.5
 BODY_BYTES_STEP = 1 << 20
 BODY_BYTES_WAIT = 15.0
 BODY_BYTES_KEY = "completions.body_bytes"
@@ -59,6 +63,7 @@ class BodyBytes:
     def __init__(self, budget: int = BIG_BODY_BYTES) -> None:
         self.budget = budget
         self.held = 0
+        self.by_key: dict[str, int] = {}    # (with API keys) what each key holds
         self.changed = None                 # (made in the serving process, after forks)
 
     def cover(self, size: int, wait: float | None = None) -> None:
@@ -72,22 +77,39 @@ class BodyBytes:
         if self.changed is None:
             import threading                # (gevent's, where the front end patched it)
             self.changed = threading.Condition()
+        from app.requests import api_key_fingerprint
+        key = api_key_fingerprint(request)
+        share = int(self.budget * KEY_BODY_SHARE)
+
+        def room() -> bool:
+            mine = self.by_key.get(key, 0)
+            return (self.held == have or self.held + more <= self.budget) and \
+                (key is None or mine == have or mine + more <= share)
         with self.changed:
-            if not self.changed.wait_for(
-                    lambda: self.held == have or self.held + more <= self.budget, wait):
+            if not self.changed.wait_for(room, wait):
                 raise ServiceUnavailable(
                     f"this front end is reading {self.held:,} bytes of large bodies; "
                     f"{more:,} more waited {wait:g} s for room", code="server_busy")
             self.held += more
+            if key is not None:
+                self.by_key[key] = self.by_key.get(key, 0) + more
         request.environ[BODY_BYTES_KEY] = have + more
+        request.environ[BODY_BYTES_KEY + ".key"] = key
 
     def give_back(self) -> None:
         if not has_request_context():
             return
         size = request.environ.pop(BODY_BYTES_KEY, 0)
+        key = request.environ.pop(BODY_BYTES_KEY + ".key", None)
         if size:
             with self.changed:
                 self.held -= size
+                if key is not None:
+                    left = self.by_key.get(key, 0) - size
+                    if left > 0:
+                        self.by_key[key] = left
+                    else:
+                        self.by_key.pop(key, None)
                 self.changed.notify_all()
 
 
@@ -115,7 +137,10 @@ class BigBodySlots:
         if self.slots is None:
             import threading                # (gevent's, where the front end patched it)
             self.slots = threading.BoundedSemaphore(self.at_once)
-        self.slots.acquire()
+        if not self.slots.acquire(timeout=BODY_BYTES_WAIT):    # (each holder's decode and
+            raise ServiceUnavailable(                          # validation are bounded)
+                f"every large body's decoding in this front end was busy for "
+                f"{BODY_BYTES_WAIT:g} s: try again.", code="server_busy")
         request.environ["completions.big_body"] = self.slots
 
     @staticmethod

@@ -986,6 +986,39 @@ def test_big_bodies_are_decoded_a_few_at_a_time_and_their_slot_always_given_back
     assert small.status_code == 200
 
 
+def test_one_key_holds_at_most_half_of_the_big_bodies_bytes(monkeypatch):
+    """With API keys, a key announcing large bodies and trickling them held the whole
+    budget, and every other key's large body waited for a 503: a key holds at most half
+    (a body larger than that is read alone of its key's)."""
+    from flask import Flask
+
+    from app import bodies as R
+    from app.errors import ServiceUnavailable
+    app = Flask("bodies")
+    app.config["API_KEYS_ENABLED"] = True
+    budget = R.BodyBytes(budget=8 * R.BIG_BODY)
+
+    def holding(key, size, wait=0.2):
+        with app.test_request_context(headers={"Authorization": f"Bearer {key}"}):
+            budget.cover(size, wait)
+    holding("a", 2 * R.BIG_BODY)
+    holding("a", 2 * R.BIG_BODY)                      # a holds its half now
+    with pytest.raises(ServiceUnavailable):
+        holding("a", 2 * R.BIG_BODY)
+    holding("b", 3 * R.BIG_BODY)                      # another key's is read at once
+    assert budget.held == 7 * R.BIG_BODY and len(budget.by_key) == 2
+    alone = R.BodyBytes(budget=8 * R.BIG_BODY)        # larger than the share: alone
+    budget = alone
+    holding("c", 6 * R.BIG_BODY)
+    assert alone.held == 6 * R.BIG_BODY
+    with pytest.raises(ServiceUnavailable):           # (and nothing more of c's beside it)
+        holding("c", R.BIG_BODY)
+    with app.test_request_context(headers={"Authorization": "Bearer d"}):
+        budget.cover(2 * R.BIG_BODY, 0.2)
+        budget.give_back()                            # (given back: its key's share too)
+    assert alone.held == 6 * R.BIG_BODY and len(alone.by_key) == 1
+
+
 def test_big_bodies_hold_a_bounded_share_of_bytes_while_they_are_read(client_of,
                                                                        monkeypatch):
     """A big body read first waited for its decode slot with its bytes in hand (4,096
