@@ -80,6 +80,7 @@ def init_app(app: Flask) -> None:
     operators = [k.strip().encode() for k in app.config.get("OPERATOR_KEYS") or []
                  if k.strip()]
     app.config["API_KEYS_ENABLED"] = bool(keys)
+    app.config["API_KEY_COUNT"] = len(set(keys))    # (shares between keys: several only)
     # keys are tenants: each reuses only the prompt cache it filled, unless told otherwise
     app.config["CACHE_SCOPE"] = app.config.get("CACHE_SCOPE") or ("key" if keys else "shared")
     if not keys and not operators:

@@ -46,7 +46,7 @@ def parse_json_body(any_content_type: bool = False) -> object:
 # request ends). Read first, each body waited for its decode slot
 # with its bytes in hand, so 4,096 connections could hold 8 MiB each: 32 GiB. A body
 # that cannot have its next MiB within BODY_BYTES_WAIT s is a 503 server_busy. With API
-# keys, one key holds at most half of it (KEY_BODY_SHARE; a body larger than that, alone
+# keys (several), one key holds at most half of it (KEY_BODY_SHARE; a body larger than that, alone
 # of its key's): a key announcing eight bodies of 8 MiB and trickling them held all of
 # it, and every other key's large body waited its 15 s for a 503.
 BIG_BODY_BYTES = 64 << 20
@@ -78,7 +78,8 @@ class BodyBytes:
             import threading                # (gevent's, where the front end patched it)
             self.changed = threading.Condition()
         from app.requests import api_key_fingerprint
-        key = api_key_fingerprint(request)
+        key = api_key_fingerprint(request) \
+            if (current_app.config.get("API_KEY_COUNT") or 0) > 1 else None
         share = int(self.budget * KEY_BODY_SHARE)
 
         def room() -> bool:

@@ -378,3 +378,42 @@ class InferredSessions:
             if not places:
                 del self.keys[victim]
                 self.key_chars.pop(victim, None)
+
+
+class ServedRequests:
+    """Requests of several jobs a choice of which was served: their other choices keep
+    their place in the queue (a finished first choice freed its slot for another key's
+    turn, and the next tick 504'd the rest). Remembered `keep_for` s, `most` at most, per
+    API key: past `most` the key remembered for the most forgets its oldest (one list
+    let a key's many cheap fan-outs push out another key's request still half served).
+    `parent in served` asks."""
+
+    def __init__(self, keep_for: float, most: int) -> None:
+        self.keep_for, self.most = keep_for, most
+        self.by_key: dict[str | None, OrderedDict[str, float]] = {}   # parent -> when
+        self.count = 0
+
+    def __contains__(self, parent: object) -> bool:
+        return any(parent in served for served in self.by_key.values())
+
+    def __len__(self) -> int:
+        return self.count
+
+    def served(self, parent: str, api_key: str | None, now: float) -> None:
+        served = self.by_key.setdefault(api_key, OrderedDict())
+        if served.pop(parent, None) is None:
+            self.count += 1
+        served[parent] = now
+        for key, held in list(self.by_key.items()):
+            while held and next(iter(held.values())) < now - self.keep_for:
+                held.popitem(last=False)
+                self.count -= 1
+            if not held:
+                del self.by_key[key]
+        while self.count > self.most:
+            victim = max(self.by_key, key=lambda k: len(self.by_key[k]))
+            held = self.by_key[victim]
+            held.popitem(last=False)
+            self.count -= 1
+            if not held:
+                del self.by_key[victim]

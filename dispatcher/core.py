@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,7 +23,7 @@ import msgspec
 from dispatcher.common import config, protocol as P
 from dispatcher.common.fit import fits
 from dispatcher import refusals
-from dispatcher.admission import InferredSessions, Sessions, Units
+from dispatcher.admission import InferredSessions, ServedRequests, Sessions, Units
 from dispatcher.metrics import SystemMetrics
 from dispatcher.queues import QueuedJob, RequestQueue, WorkerRecord, WorkerRegistry
 from dispatcher.shares import Shares
@@ -124,7 +123,7 @@ class DispatcherCore:
         self.now = 0.0
         self._next_heartbeat = 0.0
         self._next_unservable_check = 0.0
-        self.served_parents: OrderedDict[str, float] = OrderedDict()   # parent -> when
+        self.served_parents = ServedRequests(SERVED_FOR, SERVED_MEMORY)
         self._undelivered_said = -60.0
         self._out: list[Send] = []
 
@@ -214,7 +213,8 @@ class DispatcherCore:
         """Queued requests past their deadline get a 504 before they take a slot (a
         request with a choice running has started: its other choices wait their turn)."""
         started = {job.parent for record in self.registry.workers.values()
-                   for job in record.running.values()} | set(self.served_parents)
+                   for job in record.running.values()}
+        started |= {job.parent for job in self.queue if job.parent in self.served_parents}
         for job in self.queue.past_deadline(now, started):
             self.stats["timed_out"] += 1
             self._forget(job)
@@ -695,11 +695,7 @@ class DispatcherCore:
         # a request of one job has no others: sent back to the queue (its worker lost or
         # stopping before it started), its deadline holds as before
         if job.body.fanout > 1:
-            self.served_parents.pop(job.parent, None)
-            self.served_parents[job.parent] = self.now
-            while self.served_parents and (len(self.served_parents) > SERVED_MEMORY or next(
-                    iter(self.served_parents.values())) < self.now - SERVED_FOR):
-                self.served_parents.popitem(last=False)
+            self.served_parents.served(job.parent, job.body.api_key, self.now)
         worker.last_assigned = self.now
         worker.remember(job)
 

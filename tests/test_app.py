@@ -996,11 +996,18 @@ def test_one_key_holds_at_most_half_of_the_big_bodies_bytes(monkeypatch):
     from app.errors import ServiceUnavailable
     app = Flask("bodies")
     app.config["API_KEYS_ENABLED"] = True
+    app.config["API_KEY_COUNT"] = 1                   # one key: all of it, as before
     budget = R.BodyBytes(budget=8 * R.BIG_BODY)
 
     def holding(key, size, wait=0.2):
         with app.test_request_context(headers={"Authorization": f"Bearer {key}"}):
             budget.cover(size, wait)
+    for _ in range(4):
+        holding("a", 2 * R.BIG_BODY)
+    assert budget.held == 8 * R.BIG_BODY and not budget.by_key
+    app.config["API_KEY_COUNT"] = 3
+    budget = R.BodyBytes(budget=8 * R.BIG_BODY)
+
     holding("a", 2 * R.BIG_BODY)
     holding("a", 2 * R.BIG_BODY)                      # a holds its half now
     with pytest.raises(ServiceUnavailable):

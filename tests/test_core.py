@@ -458,6 +458,23 @@ def test_a_request_whose_first_choice_was_served_keeps_its_place_for_the_rest():
     assert "A.0.1" in {j.request_id for j in core.queue}
 
 
+def test_one_keys_many_fan_outs_never_push_out_another_keys_half_served_request():
+    """The requests a choice of which was served are remembered per key: past the bound
+    the key remembered for the most forgets its oldest (one list let a key's 10,000
+    cheap fan-outs push out another key's half-served request, whose choices left in the
+    queue were then 504'd), and each is forgotten after its time."""
+    from dispatcher.admission import ServedRequests
+    served = ServedRequests(keep_for=100.0, most=4)
+    served.served("victim", "kv", 0.0)
+    for i in range(50):
+        served.served(f"f{i}", "kf", 1.0 + i)
+    assert "victim" in served and "f49" in served and "f0" not in served
+    assert len(served) == 4
+    served.served("late", "kf", 100.5)                # victim's time is up
+    assert "victim" not in served and len(served) <= 4
+    assert sum(len(v) for v in served.by_key.values()) == len(served)
+
+
 def test_a_front_end_taken_for_gone_is_told_its_queued_requests_were_dropped():
     """A front end that stalled past its heartbeats may be alive: its queued requests
     are refused to it (503 frontend_silent), not dropped unsaid (it waited for ever)."""

@@ -585,8 +585,9 @@ def test_keys_take_turns_on_the_preparing_thread():
     of them: the keys now take turns, each key's jobs in their order."""
     import threading
     loop = make_loop(n_ctx=2 * PREPARE_CHARS)
-    held, order = threading.Event(), []
-    loop.preparer.thread.submit(held.wait, 10, key="flood")     # (one under way)
+    held, started, order = threading.Event(), threading.Event(), []
+    loop.preparer.thread.submit(lambda: (started.set(), held.wait(10)), key="flood")
+    assert started.wait(10)                                      # (one under way)
     real = loop.preparer._prepare
     loop.preparer._prepare = lambda rid, body: (order.append(rid), real(rid, body))[1]
     for i in range(5):

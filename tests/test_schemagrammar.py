@@ -1098,8 +1098,9 @@ def test_one_key_converts_one_schema_at_a_time_whatever_the_cache_scope(monkeypa
     The turn is the key's (`who`): its second waits, another key's runs."""
     import threading
     monkeypatch.setattr(sg, "CONVERT_WAIT", 0.3)
-    release = threading.Event()
-    grammars = sg.SchemaGrammars(run=lambda text: (release.wait(5), 'root ::= "1"')[1])
+    release, entered = threading.Event(), threading.Semaphore(0)
+    grammars = sg.SchemaGrammars(run=lambda text: (entered.release(), release.wait(5),
+                                                   'root ::= "1"')[2])
     outcomes = {}
 
     def convert(name, who, schema):
@@ -1109,11 +1110,11 @@ def test_one_key_converts_one_schema_at_a_time_whatever_the_cache_scope(monkeypa
             outcomes[name] = "busy"
     first = threading.Thread(target=convert, args=("a1", "key-a", {"type": "integer"}))
     first.start()
-    time.sleep(0.05)
+    assert entered.acquire(timeout=10)                   # a1 is converting
     convert("a2", "key-a", {"type": "string"})           # key a's second: its turn is taken
     other = threading.Thread(target=convert, args=("b1", "key-b", {"type": "boolean"}))
     other.start()
-    time.sleep(0.05)
+    assert entered.acquire(timeout=10)                   # b1 converts beside a1
     release.set()
     first.join()
     other.join()

@@ -152,14 +152,13 @@ class TakingTurns:
         future: Future = Future()
         with self.cond:
             if self.closed:
-                future.cancel()
-                return future
+                raise RuntimeError("cannot take jobs after shutdown")   # (as an executor)
+            if self.thread is None:
+                thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                thread.start()                 # (where it cannot, the next job tries again)
+                self.thread = thread
             self.queues.setdefault(key, deque()).append((future, work, args))
             self.cond.notify()
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name=self.name,
-                                               daemon=True)
-                self.thread.start()
         return future
 
     def _run(self) -> None:
@@ -179,6 +178,7 @@ class TakingTurns:
                 future.set_result(work(*args))
             except BaseException as exc:    # (the work reports its own: never the thread)
                 future.set_exception(exc)
+            del future, work, args          # (the job's body is not held while idle)
 
     def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
         """As an executor's: no more jobs; those not started dropped (their futures
@@ -227,7 +227,13 @@ class Preparer:
         # (one request's attempts are alike in size and of one key: they keep their
         # order on one thread)
         thread = self.big_thread if text_size(body) >= BIG_PREPARE_CHARS else self.thread
-        thread.submit(self._work, request_id, body, key=body.api_key)
+        try:
+            thread.submit(self._work, request_id, body, key=body.api_key)
+        except RuntimeError:            # (shut down: the worker is stopping; or no thread
+            self.preparing.pop(request_id, None)    # could start) the loop takes it as
+            self.on_thread.discard((request_id, body.attempt))        # it is
+            self.superseding.discard((request_id, body.attempt))
+            return False
         return True
 
     def _work(self, request_id: str, body: P.WorkerJob) -> None:

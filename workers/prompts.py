@@ -247,7 +247,7 @@ class InfillParts:
         chunks: list[list[int]] = []
         tokens = chars = 0
         for c in reversed(extra):             # the newest first: the oldest go first
-            chars += chunk_chars(c)
+            chars += chunk_chars(c, named=sep is not None)
             if budget and (tokens > budget or (max_chars and chars > max_chars)):
                 break
             name = c.get("filename")          # (llama.cpp's: "tmp" where none is given)
@@ -313,10 +313,11 @@ class InfillParts:
         return Fitted(cut.tokens(engine), dropped, cut=True)
 
 
-def chunk_chars(chunk: dict) -> int:
-    """Characters an `input_extra` chunk brings to be tokenized: its text and its file
-    name (a name of a megabyte was left out of every count and tokenized on the loop)."""
-    name = chunk.get("filename")
+def chunk_chars(chunk: dict, named: bool = True) -> int:
+    """Characters an `input_extra` chunk brings to be tokenized: its text and, where the
+    model names each chunk's file (FIM_SEP: `named`), its file name (a name of a megabyte
+    was left out of every count and tokenized on the loop)."""
+    name = chunk.get("filename") if named else None
     return len(str(chunk.get("text") or "")) + (len(name) if isinstance(name, str) else 0)
 
 
