@@ -605,7 +605,8 @@ def test_keys_take_turns_on_the_preparing_thread():
     # a stopping worker's job is not taken for preparing (it was never prepared, and
     # the dispatcher, told it had started, failed it): the loop takes it as it is
     assert not loop.preparer.submit("late", job("x" * PREPARE_CHARS, id="late"))
-    assert not loop.preparer.preparing and not loop.preparer.on_thread
+    assert "late" not in loop.preparer.preparing and \
+        not any(rid == "late" for rid, _ in loop.preparer.on_thread)
 
 
 def test_a_key_without_a_slot_of_its_own_takes_one_of_the_key_holding_the_most():
