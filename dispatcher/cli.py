@@ -400,7 +400,17 @@ OPS_OPTIONS = ["config", "dispatcher", "port", "curve_keys", "curve_name"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    data = _config_values(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    try:
+        data = _config_values(argv)
+    except SystemExit as exc:
+        if "check-config" in given and "--json" in given:      # (a reader wants JSON)
+            print(json.dumps({"ok": False, "problems": [str(exc)], "models": [],
+                              "workers": [], "unserved_models": []}, indent=2))
+            return 1
+        if not ({"-h", "--help", "keygen"} & set(given)):
+            raise
+        data = {}               # (help, and keys made, whatever the file says)
     file_values = configfile.server_defaults(data)
     parser = config.ArgumentParser(prog="python -m dispatcher", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -447,7 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(func=bench_module.run, log_level="warning")
     selftest = sub.add_parser("selftest", help="check each configured device alone: "
                               "placement, prefill and decode speed; one line per failure")
-    config.add_options(selftest, selftest_module.OPTIONS, file_values)
+    # (every `serve` flag, so that `selftest` runs with the same command line; those
+    # that are not the devices' are read and left unused)
+    config.add_options(selftest, SERVE_OPTIONS, file_values)
     selftest_module.add_arguments(selftest)
     selftest.set_defaults(func=selftest_module.run, log_level="warning")
     soak = sub.add_parser("soak", help="a bounded chaos run on loopback: mixed requests, "

@@ -267,6 +267,39 @@ def test_an_access_log_the_front_ends_could_not_write_is_a_problem(tmp_path):
     assert result.returncode == 1 and "not writable" in result.stderr
 
 
+def test_an_empty_path_is_refused_never_taken_for_none(tmp_path):
+    """`--api-key-file "$KEYS"` with KEYS unset served with no key at all; `--config ""`,
+    `--model ""` and `--curve-keys ""` fell back to the defaults without a word."""
+    for flag in ("--api-key-file", "--config", "--model", "--curve-keys", "--draft-model"):
+        out = check_config("--engine", "fake", flag, "")
+        assert out.returncode in (1, 2), (flag, out.stdout)
+        assert "empty path" in out.stderr + out.stdout and "Traceback" not in out.stderr
+    config = tmp_path / "c.toml"
+    config.write_text('[server]\napi_key_file = ""\n')
+    out = check_config("--config", str(config), "--engine", "fake")
+    assert out.returncode == 1 and f"{config}: [server] api_key_file" in out.stderr
+
+
+def test_operators_get_one_line_or_json_never_a_wait_or_a_traceback(tmp_path):
+    """check-config --json answers JSON for a broken file too; --help and keygen work
+    beside a broken file; an ops command where no dispatcher runs says so at once."""
+    config = tmp_path / "w.toml"
+    config.write_text("workers = [1, 2]\n")
+    out = check_config("--config", str(config), "--json")
+    answer = json.loads(out.stdout)
+    assert out.returncode == 1 and not answer["ok"] and "workers" in answer["problems"][0]
+    env = {**os.environ, "COMPLETIONS_CONFIG": str(config)}
+    shown = subprocess.run([sys.executable, "-m", "dispatcher", "--help"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60, env=env)
+    assert shown.returncode == 0 and "check-config" in shown.stdout
+    status = subprocess.run([sys.executable, "-m", "dispatcher", "status", "--dispatcher",
+                             f"ipc://{tmp_path}/nothing"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert status.returncode == 1 and "is `serve` running?" in status.stderr
+    assert "no control socket there" in status.stderr      # (at once, not after 3 s)
+    assert "Traceback" not in status.stderr
+
+
 def test_the_example_workstation_config_is_valid(tmp_path):
     from dispatcher.common.models import bundled_model_path
     text = (ROOT / "deploy" / "workstation-4gpu.toml").read_text()

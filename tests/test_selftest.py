@@ -298,6 +298,10 @@ def test_selftest_reports_configuration_problems_like_serve():
     done = selftest("--device", "gpu:0")
     assert done.returncode != 0
     assert "unknown device kind 'gpu'" in done.stderr
+    # and takes serve's command line whole (the docs' four-GPU example was refused for
+    # its --frontends and --host)
+    done = selftest("--device", "gpu:0", "--frontends", "4", "--host", "0.0.0.0")
+    assert "unknown device kind 'gpu'" in done.stderr and "unrecognized" not in done.stderr
 
 
 # -- deploy/gpu-check.sh ---------------------------------------------------------------

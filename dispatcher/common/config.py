@@ -39,6 +39,15 @@ class OptionValueError(argparse.ArgumentTypeError, ValueError):
     a ValueError."""
 
 
+def _path(text: str) -> str:
+    """A file or directory's path: never empty (`--api-key-file "$KEYS"` with KEYS unset
+    served with no key at all; `--config ""`, `--model ""` fell back to the defaults)."""
+    if not text.strip():
+        raise OptionValueError("an empty path (an unset variable?); to mean none, leave "
+                               "the option out")
+    return text
+
+
 def _integer(text: str) -> int:
     try:
         return int(text)
@@ -170,7 +179,8 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("host", "127.0.0.1", "address the HTTP front ends listen on", _host),
     Option("port", 8080, "port the HTTP front ends listen on (1-65535)", _port),
     Option("frontends", 1, "number of gunicorn front-end processes (0: none)", _non_negative_int),
-    Option("model", None, "path of the GGUF model (default: the bundled Gemma 3 270M Q4_K_M)"),
+    Option("model", None, "path of the GGUF model (default: the bundled Gemma 3 270M Q4_K_M)",
+           _path),
     Option("model_id", None, "model name clients send (default: the file name without .gguf)"),
     Option("draft_max", 64, "speculative decoding: at most this many tokens drafted a step "
            "from the request's own text and its key's recent answers, verified in the same "
@@ -179,7 +189,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("draft_model", None, "path of a small GGUF model of the served model's "
            "vocabulary that drafts for it on the same device, beside the lookups (llama.cpp's "
            "-md); used where the step costs measured at start-up, its own included, say its "
-           "drafts pay; a vocabulary that differs is refused at start"),
+           "drafts pay; a vocabulary that differs is refused at start", _path),
     Option("cache_reuse", 256, "KV chunk reuse: after the prefix a slot's cache shares with "
            "a prompt, runs of at least this many cached tokens that the prompt repeats "
            "further along (the file after an edit) are shifted into place instead of "
@@ -220,7 +230,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("name", None, "worker name (default: derived from the device and pid)"),
     Option("curve_keys", None, "CURVE key directory (python -m dispatcher keygen DIR): the "
            "dispatcher authenticates and encrypts every socket with it; a part started on "
-           "its own needs the directory's dispatcher.key and its NAME.key_secret"),
+           "its own needs the directory's dispatcher.key and its NAME.key_secret", _path),
     Option("curve_name", "local", "the key a part presents: NAME.key_secret in "
            "--curve-keys (a worker's name must be NAME or start with NAME-)"),
     Option("insecure_transport", False, "allow a tcp:// dispatcher address reachable from "
@@ -235,7 +245,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("heartbeat_interval", 1.0, "seconds between the heartbeats of every pair of "
            "processes (dispatcher, workers, front ends); a peer silent for 3 of them is gone; "
            "parts started separately must agree", heartbeat_seconds),
-    Option("config", None, "TOML config file (see deploy/workstation-4gpu.toml)"),
+    Option("config", None, "TOML config file (see deploy/workstation-4gpu.toml)", _path),
     Option("log_level", "info", "log level", str.lower,
            choices=("debug", "info", "warning", "error")),
     Option("log_format", "text", "every part's log lines (the access log's too): text, or "
@@ -273,7 +283,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("api_key", [], "API key clients must send as 'Authorization: Bearer KEY'; "
            "repeatable", repeat=True),
     Option("api_key_file", None, "file of API keys, one per line, each optionally followed "
-           "by its name (`KEY NAME`: usage is counted under the name)"),
+           "by its name (`KEY NAME`: usage is counted under the name)", _path),
     Option("operator_key", [], "key that may read /metrics and the status page's data "
            "(/v1/status) where --status-access asks for one; with any, the API keys may not "
            "(one key's usage is not another's to read); repeatable", repeat=True),

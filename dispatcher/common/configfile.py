@@ -106,9 +106,13 @@ def read_for(argv: list[str] | None) -> dict:
     COMPLETIONS_CONFIG) and read it, once per process; its values become the flags'
     defaults (file < variables < flags)."""
     import argparse
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(prog="python -m dispatcher", add_help=False)
     pre.add_argument("--config", default=config.env_value(config.OPTIONS["config"]))
-    return read(pre.parse_known_args(argv)[0].config)
+    path = pre.parse_known_args(argv)[0].config
+    if path is not None and not path.strip():
+        raise ConfigError(["--config: an empty path (an unset variable?); to mean none, "
+                           "leave the option out"])
+    return read(path)
 
 
 def read(path: str | None) -> dict:
@@ -140,16 +144,16 @@ def read(path: str | None) -> dict:
                      "model": "[[models]] path", "model_id": "[[models]] id",
                      "model_alias": "[[models]] aliases",
                      "fim_template": "[[models]] fim_template"}[key]
-            problems.append(f"[server] {key}: not a server option; in this file it is "
-                            f"{where}")
+            problems.append(f"{path}: [server] {key}: not a server option; in this file "
+                            f"it is {where}")
             continue
         if key not in config.OPTIONS or key in NOT_SERVER:
-            problems.append(f"[server] {key}: unknown option")
+            problems.append(f"{path}: [server] {key}: unknown option")
             continue
         try:
             coerce(config.OPTIONS[key], value)
         except (ValueError, TypeError) as exc:
-            problems.append(f"[server] {key}: {exc}")
+            problems.append(f"{path}: [server] {key}: {exc}")
     if problems:
         raise ConfigError(problems)
     return _anchored(data, Path(path).expanduser().resolve().parent)

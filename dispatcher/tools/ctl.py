@@ -25,6 +25,20 @@ def default_dispatcher_address(port: int) -> str:
 def control_request(base: str, request: dict, timeout: float = 3.0,
                     keys: PartKeys | None = None) -> dict:
     endpoints = Endpoints.from_base(base)
+    where = ("give the --port, --config or --dispatcher `serve` was given, and run as "
+             "its user")
+    if endpoints.control.startswith("ipc://"):
+        path = endpoints.control[len("ipc://"):]
+        if not os.path.exists(path):        # (at once: nothing listens there)
+            parent = os.path.dirname(path)
+            if os.path.isdir(parent) and not os.access(parent, os.R_OK | os.X_OK):
+                raise SystemExit(f"no dispatcher reachable at {base}: its directory is "
+                                 f"not readable by this user; {where}")
+            raise SystemExit(f"no dispatcher at {base} (no control socket there): is "
+                             f"`serve` running? {where}")
+        if not os.access(path, os.R_OK | os.W_OK):
+            raise SystemExit(f"no dispatcher reachable at {base}: its control socket is "
+                             f"not this user's to use; {where}")
     context = zmq.Context()
     sock = context.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
@@ -34,7 +48,10 @@ def control_request(base: str, request: dict, timeout: float = 3.0,
     try:
         sock.send(P.encode_json(request))
         if not sock.poll(int(timeout * 1000)):
-            raise SystemExit(f"no answer from the dispatcher at {base} in {timeout:.0f}s")
+            hint = " (or its --curve-keys differ from these)" if keys is not None else ""
+            raise SystemExit(f"no answer from the dispatcher at {base} in "
+                             f"{timeout:.0f}s: is `serve` running, and still answering"
+                             f"{hint}? {where}")
         return json.loads(sock.recv())
     finally:
         sock.close()

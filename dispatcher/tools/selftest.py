@@ -20,9 +20,6 @@ from dispatcher.common import configfile
 from dispatcher.common.config import non_negative_seconds
 from dispatcher.common.process import python_module_argv
 
-OPTIONS = ["config", "model", "model_id", "device", "nctx", "ngl", "slots", "kv_type", "batch",
-           "ubatch", "deterministic", "log_level"]
-
 
 def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
