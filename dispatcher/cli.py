@@ -12,7 +12,7 @@ import signal
 import socket
 import sys
 
-from dispatcher.common.addresses import Endpoints, private_directory
+from dispatcher.common.addresses import Endpoints, directory_problem, private_directory
 from dispatcher.common import apikeys, config, configfile, logs
 from dispatcher.common.models import resolve_model_path
 from dispatcher.tools.ctl import default_dispatcher_address, dispatcher_answers
@@ -349,8 +349,13 @@ def cmd_check_config(args) -> int:
             curve.DispatcherKeys.load(args.curve_keys)
         except curve.CurveKeyError as exc:
             problems.append(str(exc))
+    base = args.dispatcher or default_dispatcher_address(args.port)
     try:
-        Endpoints.from_base(args.dispatcher or default_dispatcher_address(args.port))
+        Endpoints.from_base(base)
+        problem = directory_problem(base[len("ipc://"):]) \
+            if base.startswith("ipc://") else None
+        if problem:                     # (as `serve` would refuse it; nothing made here)
+            problems.append(problem)
     except ValueError as exc:
         problems.append(f"dispatcher: {exc}")
     if args.json:

@@ -298,6 +298,16 @@ def test_operators_get_one_line_or_json_never_a_wait_or_a_traceback(tmp_path):
     assert status.returncode == 1 and "is `serve` running?" in status.stderr
     assert "no control socket there" in status.stderr      # (at once, not after 3 s)
     assert "Traceback" not in status.stderr
+    # check-config refuses the ipc directories serve refuses, and makes none
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    out = check_config("--engine", "fake", "--dispatcher", f"ipc://{shared}")
+    assert out.returncode == 1 and "group or others may write" in out.stdout
+    out = check_config("--engine", "fake", "--dispatcher", f"ipc://{tmp_path}/new")
+    assert out.returncode == 0 and not (tmp_path / "new").exists()
+    out = check_config("--engine", "fake", "--dispatcher", f"ipc://{tmp_path}/{'d' * 120}")
+    assert out.returncode == 2 and "107 bytes" in out.stderr
 
 
 def test_the_example_workstation_config_is_valid(tmp_path):

@@ -6,6 +6,11 @@ import stat
 from dataclasses import dataclass
 
 
+# Bytes of a Unix socket's path (sun_path: 108 with its NUL on Linux): past it ZeroMQ's
+# bind fails with "File name too long", after the directory was made.
+MAX_SOCKET_PATH = 107
+
+
 @dataclass(frozen=True)
 class Endpoints:
     """The dispatcher's five addresses, all derived from one base address.
@@ -27,7 +32,13 @@ class Endpoints:
             if not base[len("ipc://"):].strip("/"):
                 raise ValueError(f"an ipc address names a directory: ipc:///dir, not {base!r}")
             directory = base[len("ipc://"):].rstrip("/") or "/"
-            return cls(*(f"ipc://{os.path.join(directory, name)}.sock" for name in cls.NAMES))
+            made = cls(*(f"ipc://{os.path.join(directory, name)}.sock" for name in cls.NAMES))
+            longest = max(len(os.fsencode(p)) for p in made.ipc_paths())
+            if longest > MAX_SOCKET_PATH:
+                raise ValueError(f"an ipc directory's socket paths must fit in "
+                                 f"{MAX_SOCKET_PATH} bytes (a Unix socket's limit); "
+                                 f"{directory!r} makes {longest}: choose a shorter one")
+            return made
         if base.startswith("tcp://"):
             host, sep, port = base[len("tcp://"):].rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65531:
@@ -38,6 +49,19 @@ class Endpoints:
     def ipc_paths(self) -> list[str]:
         return [a[len("ipc://"):] for a in (getattr(self, n) for n in self.NAMES)
                 if a.startswith("ipc://")]
+
+
+def directory_problem(path: str) -> str | None:
+    """What `private_directory` would say of `path`, changing nothing (check-config): an
+    existing directory checked as it would be; a missing one, whether it could be made."""
+    if not os.path.lexists(path):
+        parent = os.path.dirname(path.rstrip("/")) or "/"
+        while not os.path.exists(parent) and parent not in ("/", ""):
+            parent = os.path.dirname(parent) or "/"
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            return f"cannot create the ipc directory {path}: {parent} is not writable"
+        return None
+    return _checked_directory(path)
 
 
 def private_directory(path: str) -> str | None:
@@ -53,6 +77,10 @@ def private_directory(path: str) -> str | None:
         pass
     except OSError as exc:
         return f"cannot create the ipc directory {path}: {exc.strerror}"
+    return _checked_directory(path)
+
+
+def _checked_directory(path: str) -> str | None:
     info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode):
         return f"refusing the ipc directory {path}: it is not a directory (a link?)"
