@@ -373,10 +373,22 @@ class Broker:
             self.deliver(self.core.worker_exited(
                 child.name, pid, reason, "worker_stuck" if stuck else None,
                 crashed=not (stuck or child.exited_as_asked) and child.last_exit != 0))
-            if child.gave_up:           # (why, as it said: status showed an older loss)
+            if child.gave_up and child.kind == "frontend":
+                self._check_frontends_alive()
+            elif child.gave_up:         # (why, as it said: status showed an older loss)
                 self.core.note_loss(child.name, "cannot serve: " + (
                     child.exit_note or f"process exited ({child.last_exit})"), None)
                 self._check_models_loadable()
+
+    def _check_frontends_alive(self) -> None:
+        """Stop, with a non-zero exit, once every front end has been given up (each
+        exited soon after its start, again and again): nothing serves HTTP, and `serve`
+        must not go on as if it did."""
+        frontends = [c for c in self.supervisor.children.values() if c.kind == "frontend"]
+        if frontends and all(c.gave_up for c in frontends):
+            log.error("no front end stays up: stopping")
+            self.exit_code = 1
+            self.stop()
 
     def _check_models_loadable(self) -> None:
         """Stop, with a non-zero exit, when every worker of some model has given up on

@@ -23,6 +23,10 @@ from dispatcher.common.process import flag_value
 log = logging.getLogger(__name__)
 
 STABLE_AFTER = 60.0     # s a child (a worker: since READY) stays up to be no crash loop
+# Front ends that exited this many times in a row, each within STABLE_AFTER of its start,
+# are given up (a port another process holds, a setting gunicorn refuses: respawned for
+# ever while `serve` said it served); once every front end has, `serve` stops, exit 1
+FRONTEND_TRIES = 3
 NOTE_CHARS = 1000       # of a worker's exit note read (config.EXIT_NOTE_ENV)
 
 
@@ -49,6 +53,7 @@ class Child:
     load_seconds: float | None = None    # ... how long after its start (its model's load)
     died_loading: int = 0                # processes in a row that died before READY
                                          # (a crash loop is no load to wait for)
+    died_young: int = 0                  # (a front end) exits in a row soon after start
     extra: dict = field(default_factory=dict)
 
     @property
@@ -148,6 +153,18 @@ class Supervisor:
                 child.process = None
                 if self.stopping or child.stopping or not respawn:
                     continue
+                if child.kind == "frontend" and not child.restart_now:
+                    young = now - child.started_at < STABLE_AFTER
+                    child.died_young = child.died_young + 1 if young else 0
+                    if child.died_young >= FRONTEND_TRIES:
+                        child.gave_up = True
+                        child.exit_note = (f"exited ({_describe_exit(proc.returncode)}) "
+                                           f"{child.died_young} times in a row within "
+                                           f"{STABLE_AFTER:.0f} s of its start (its error "
+                                           "is in the log above)")
+                        log.error("front end %s %s: not restarting it", child.name,
+                                  child.exit_note)
+                        continue
                 if child.kind == "worker" and proc.returncode == config.EXIT_CANNOT_LOAD \
                         and not child.restart_now:
                     child.gave_up = True
@@ -202,7 +219,7 @@ class Supervisor:
         """Replace a child's process now (SIGTERM, then start again at once), with a new
         command line if given."""
         child = self.children[name]
-        child.gave_up, child.died_loading = False, 0
+        child.gave_up, child.died_loading, child.died_young = False, 0, 0
         if argv is not None and argv != child.argv:
             if _model_of(argv) != _model_of(child.argv):
                 child.load_seconds = None   # (another model's load: not the last one's)

@@ -114,3 +114,49 @@ def test_a_child_that_cannot_be_started_again_is_tried_after_the_backoff(tmp_pat
     supervisor.restart("w0", good + ["x\x00y"])    # no exec takes it: not retried
     assert child.process is None and child.gave_up and "null" in child.exit_note
     supervisor.stop_all(grace=1)
+
+
+def test_a_front_end_exiting_soon_after_its_start_each_time_is_given_up():
+    """A front end that can never start (a port another process took after the check,
+    a setting gunicorn refuses) was respawned for ever while `serve` said it served: three
+    exits in a row, each within STABLE_AFTER of its start, give it up; one that ran a
+    while before it died starts the count again."""
+    from dispatcher.supervisor import FRONTEND_TRIES
+    supervisor, child = Supervisor(), dies_at_once("frontend", code=1)
+    child.kind = "frontend"
+    supervisor.add(child)
+    for _ in range(FRONTEND_TRIES - 1):
+        exited(supervisor, child)
+        assert not child.gave_up and child.respawn_at is not None
+        child.respawn_at = time.monotonic()           # (respawn now, not after the wait)
+        supervisor.poll()
+    child.started_at -= STABLE_AFTER + 1              # ... this one ran a while
+    exited(supervisor, child)
+    assert not child.gave_up and child.died_young == 0
+    for _ in range(FRONTEND_TRIES):
+        child.respawn_at = time.monotonic()
+        supervisor.poll()
+        exited(supervisor, child)
+    time.sleep(0.05)
+    supervisor.poll()                                 # (not respawned)
+    assert child.gave_up and child.process is None and "3 times in a row" in child.exit_note
+    supervisor.stop_all(grace=1)
+
+
+def test_serve_stops_with_exit_1_once_every_front_end_is_given_up():
+    """Nothing serves HTTP once every front end has been given up: `serve` stops, exit 1,
+    where it went on as if it served (workers given up alone leave it running)."""
+    from types import SimpleNamespace
+
+    from dispatcher.broker import Broker
+    stopped = []
+    front = [Child(f"frontend{i}", [], {}, kind="frontend") for i in range(2)]
+    broker = SimpleNamespace(supervisor=SimpleNamespace(children={
+        c.name: c for c in front + [Child("w0", [], {})]}), exit_code=0,
+        stop=lambda: stopped.append(True))
+    front[0].gave_up = True
+    Broker._check_frontends_alive(broker)
+    assert not stopped and broker.exit_code == 0     # one still serves
+    front[1].gave_up = True
+    Broker._check_frontends_alive(broker)
+    assert stopped and broker.exit_code == 1
