@@ -308,6 +308,10 @@ def test_operators_get_one_line_or_json_never_a_wait_or_a_traceback(tmp_path):
     assert out.returncode == 0 and not (tmp_path / "new").exists()
     out = check_config("--engine", "fake", "--dispatcher", f"ipc://{tmp_path}/{'d' * 120}")
     assert out.returncode == 2 and "107 bytes" in out.stderr
+    marked = tmp_path / "bom.toml"                  # (a byte-order mark some editors write)
+    marked.write_bytes(b"\xef\xbb\xbf[server]\nport = 8099\n")
+    out = check_config("--config", str(marked), "--engine", "fake")
+    assert out.returncode == 0 and ":8099" in out.stdout
 
 
 def test_the_example_workstation_config_is_valid(tmp_path):

@@ -148,7 +148,7 @@ def heartbeat_seconds(text: str) -> float:
     return seconds
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
     value = _integer(text)
     if value < 0:
         raise OptionValueError(f"must be at least 0, got {value}")
@@ -178,14 +178,14 @@ def check_context_shape(kv_type: str, batch: int, ubatch: int) -> None:
 OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("host", "127.0.0.1", "address the HTTP front ends listen on", _host),
     Option("port", 8080, "port the HTTP front ends listen on (1-65535)", _port),
-    Option("frontends", 1, "number of gunicorn front-end processes (0: none)", _non_negative_int),
+    Option("frontends", 1, "number of gunicorn front-end processes (0: none)", non_negative_int),
     Option("model", None, "path of the GGUF model (default: the bundled Gemma 3 270M Q4_K_M)",
            _path),
     Option("model_id", None, "model name clients send (default: the file name without .gguf)"),
     Option("draft_max", 64, "speculative decoding: at most this many tokens drafted a step "
            "from the request's own text and its key's recent answers, verified in the same "
            "decode (0: off); each draft's length, and whether to draft at all, follows the "
-           "step costs measured at start-up", _non_negative_int),
+           "step costs measured at start-up", non_negative_int),
     Option("draft_model", None, "path of a small GGUF model of the served model's "
            "vocabulary that drafts for it on the same device, beside the lookups (llama.cpp's "
            "-md); used where the step costs measured at start-up, its own included, say its "
@@ -194,11 +194,11 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            "a prompt, runs of at least this many cached tokens that the prompt repeats "
            "further along (the file after an edit) are shifted into place instead of "
            "prefilled again, as llama.cpp's --cache-reuse (0: off; never in deterministic "
-           "mode)", _non_negative_int),
+           "mode)", non_negative_int),
     Option("prefill_chunk", 0, "prompt tokens a worker decodes per step, all prompts "
            "together, beside the running streams' tokens (0: as many as a batch holds, "
            "512); smaller keeps streams smoother while a long prompt is prefilled",
-           _non_negative_int),
+           non_negative_int),
     Option("fim_template", None, "fill-in-the-middle prompt template with {prefix} and "
            "{suffix}, special-token text parsed (e.g. '<PRE> {prefix} <SUF>{suffix} <MID>'), "
            "for models whose GGUF has no FIM tokens, or to override them"),
@@ -208,7 +208,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            repeat=True),
     Option("nctx", 4096, "context length of each sequence, in tokens", _positive_int),
     Option("ngl", 999, "layers offloaded to the accelerator (ignored for cpu devices)",
-           _non_negative_int),
+           non_negative_int),
     Option("kv_type", "f16", "KV cache cell type: f16, or q8_0 / q4_0 for about half / a "
            "quarter of the memory per token of context (slightly different numbers)",
            str.lower, choices=KV_TYPES),
@@ -219,7 +219,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
            _positive_int),
     Option("slots", 0, "sequences one worker decodes at once (continuous batching); "
            f"0: {DEFAULT_SLOTS['cpu']} on cpu, {DEFAULT_SLOTS['gpu']} on accelerators",
-           _non_negative_int),
+           non_negative_int),
     Option("deterministic", False, "batch composition never changes results (slower: no "
            "CPU weight repacking, prompts prefilled alone)", _boolean),
     Option("engine", "llama", "inference engine: llama, or fake (a test double, no model)",
@@ -297,7 +297,7 @@ OPTIONS: dict[str, Option] = {o.name: o for o in [
     Option("max_queue_per_key", None, "queued requests one API key may have per model and "
            "profile (429 with Retry-After above, while other keys are still admitted); 0: no "
            "limit; default: max-queue divided by the number of keys when there are several",
-           _non_negative_int),
+           non_negative_int),
     Option("infer_sessions", True, "give editors' fill-in-the-middle requests that send no "
            "X-Session-Id a session: one from the same API key and address, model and route "
            "whose text before the cursor changed only near the cursor within 3 s replaces "

@@ -115,13 +115,20 @@ def read_for(argv: list[str] | None) -> dict:
     return read(path)
 
 
+MAX_CONFIG_BYTES = 16 << 20
+
+
 def read(path: str | None) -> dict:
     """The file as a dict ({} without a file); a syntax error is a ConfigError."""
     if not path:
         return {}
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError([f"{path}: over {MAX_CONFIG_BYTES >> 20} MiB: not a config file"])
+        # (a byte-order mark, as some Windows editors write one, is not TOML's but harmless)
+        data = tomllib.loads(raw.decode("utf-8").removeprefix("\ufeff"))
     except OSError as exc:
         raise ConfigError([f"{path}: {exc.strerror}"]) from None
     except UnicodeDecodeError:

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import asdict
 
-from dispatcher.common.config import non_negative_seconds
+from dispatcher.common.config import non_negative_int, non_negative_seconds
 from dispatcher.tools.bench_checks import (NEIGHBOURS, constrained_slowdowns, run_constrained,
                                            run_hostile)
 from dispatcher.tools.bench_corpus import Corpus, CorpusError, edit, function_start, opening
@@ -161,7 +161,7 @@ def add_arguments(parser) -> None:
                              "('bundled' for the bundled one)")
     parser.add_argument("--concurrency", default="1,8",
                         help="comma-separated concurrency levels")
-    parser.add_argument("--requests", type=int, default=0,
+    parser.add_argument("--requests", type=non_negative_int, default=0,
                         help="requests per level (default: 2 × concurrency, at least 4)")
     parser.add_argument("--prompt-chars", type=int, default=400)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -370,8 +370,11 @@ def run(args) -> int:
         from dispatcher.common.models import resolve_model_path
         path = None if args.in_process == "bundled" else args.in_process
         targets.append(InProcessTarget(str(resolve_model_path(path)), 4096, None))
-    levels = list(dict.fromkeys(int(c) for c in args.concurrency.split(",") if c.strip()))
-    if any(level < 1 for level in levels):
+    try:
+        levels = list(dict.fromkeys(int(c) for c in args.concurrency.split(",") if c.strip()))
+    except ValueError:
+        levels = [0]
+    if not levels or any(level < 1 for level in levels):
         raise SystemExit("--concurrency: levels of 1 or more, e.g. 1,8")
     extra_workloads = list(dict.fromkeys(w.strip() for w in args.workloads.split(",")
                                          if w.strip()))
