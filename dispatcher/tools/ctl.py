@@ -25,20 +25,6 @@ def default_dispatcher_address(port: int) -> str:
 def control_request(base: str, request: dict, timeout: float = 3.0,
                     keys: PartKeys | None = None) -> dict:
     endpoints = Endpoints.from_base(base)
-    where = ("give the --port, --config or --dispatcher `serve` was given, and run as "
-             "its user")
-    if endpoints.control.startswith("ipc://"):
-        path = endpoints.control[len("ipc://"):]
-        if not os.path.exists(path):        # (at once: nothing listens there)
-            parent = os.path.dirname(path)
-            if os.path.isdir(parent) and not os.access(parent, os.R_OK | os.X_OK):
-                raise SystemExit(f"no dispatcher reachable at {base}: its directory is "
-                                 f"not readable by this user; {where}")
-            raise SystemExit(f"no dispatcher at {base} (no control socket there): is "
-                             f"`serve` running? {where}")
-        if not os.access(path, os.R_OK | os.W_OK):
-            raise SystemExit(f"no dispatcher reachable at {base}: its control socket is "
-                             f"not this user's to use; {where}")
     context = zmq.Context()
     sock = context.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
@@ -51,11 +37,33 @@ def control_request(base: str, request: dict, timeout: float = 3.0,
             hint = " (or its --curve-keys differ from these)" if keys is not None else ""
             raise SystemExit(f"no answer from the dispatcher at {base} in "
                              f"{timeout:.0f}s: is `serve` running, and still answering"
-                             f"{hint}? {where}")
+                             f"{hint}? {WHERE}")
         return json.loads(sock.recv())
     finally:
         sock.close()
         context.term()
+
+
+WHERE = "give the --port, --config or --dispatcher `serve` was given, and run as its user"
+
+
+def ops_request(base: str, request: dict, keys: PartKeys | None = None) -> dict:
+    """An ops command's request: where no dispatcher can be listening (no control socket
+    there, or one this user may not use) one line at once, not after the wait."""
+    endpoints = Endpoints.from_base(base)
+    if endpoints.control.startswith("ipc://"):
+        path = endpoints.control[len("ipc://"):]
+        if not os.path.exists(path):
+            parent = os.path.dirname(path)
+            if os.path.isdir(parent) and not os.access(parent, os.R_OK | os.X_OK):
+                raise SystemExit(f"no dispatcher reachable at {base}: its directory is "
+                                 f"not readable by this user; {WHERE}")
+            raise SystemExit(f"no dispatcher at {base} (no control socket there): is "
+                             f"`serve` running? {WHERE}")
+        if not os.access(path, os.R_OK | os.W_OK):
+            raise SystemExit(f"no dispatcher reachable at {base}: its control socket is "
+                             f"not this user's to use; {WHERE}")
+    return control_request(base, request, keys=keys)
 
 
 def dispatcher_answers(base: str, timeout: float = 1.0) -> bool:
@@ -112,7 +120,7 @@ def format_status(status: dict) -> str:
 
 
 def cmd_status(args) -> int:
-    status = control_request(_base(args), {"cmd": "status"}, keys=_keys(args))
+    status = ops_request(_base(args), {"cmd": "status"}, keys=_keys(args))
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0
 
@@ -129,7 +137,7 @@ def format_usage(usage: dict) -> str:
 
 
 def cmd_usage(args) -> int:
-    usage = control_request(_base(args), {"cmd": "usage"}, keys=_keys(args))
+    usage = ops_request(_base(args), {"cmd": "usage"}, keys=_keys(args))
     failed = "error" in usage and not args.json          # (a mistake: one line on stderr)
     print(json.dumps(usage, indent=2) if args.json else format_usage(usage),
           file=sys.stderr if failed else sys.stdout)
@@ -150,7 +158,7 @@ def cmd_worker_action(args) -> int:
             request["model"] = str(resolve_model_path(args.model))   # as serve checks it
         if args.model_id:
             request["model_id"] = args.model_id
-    reply = control_request(_base(args), request, keys=_keys(args))
+    reply = ops_request(_base(args), request, keys=_keys(args))
     if args.json:
         print(json.dumps(reply, indent=2))
     elif "error" in reply:
