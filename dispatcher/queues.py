@@ -180,7 +180,8 @@ class WorkerRecord:
     tokens: int = 0
     last_done: dict = field(default_factory=dict)
     last_assigned: float = 0.0
-    recent: deque = field(default_factory=deque)      # block hashes of recent prompts
+    recent: deque = field(default_factory=deque)      # (tenant, block hashes) of recent
+                                                      # prompts
     held: Counter = field(default_factory=Counter)    # ... each with how many hold it
     held_at: dict = field(default_factory=dict)       # ... and when last given to it
     # the share keys whose prompt fields it was sent lately (protocol.DISPATCHER_SHARED)
@@ -197,13 +198,21 @@ class WorkerRecord:
                    job.parent != parent for job in self.running.values())
 
     def remember(self, job: QueuedJob) -> None:
-        """Note the prompt this worker now holds (or will hold) in a KV cache."""
-        self.recent.append(job.blocks)
+        """Note the prompt this worker now holds (or will hold) in a KV cache: the last
+        2 × slots prompts, and past that the tenant with the most of them forgets its
+        oldest (as the worker's slots go: a key sending many prompts pushed another key's
+        out of routing's view while its cache was still in the worker, and that key's
+        next keystroke went to another worker, its prompt prefilled from scratch)."""
+        self.recent.append((job.body.tenant, job.blocks))
         self.held.update(job.blocks)
         now = time.monotonic()
         self.held_at.update(dict.fromkeys(job.blocks, now))
         while len(self.recent) > 2 * self.slots:
-            old = self.recent.popleft()
+            counts = Counter(tenant for tenant, _ in self.recent)   # (ties: the oldest's)
+            victim = max(counts, key=counts.__getitem__)
+            index = next(i for i, (tenant, _) in enumerate(self.recent) if tenant == victim)
+            _, old = self.recent[index]
+            del self.recent[index]
             self.held.subtract(old)
             for block in old:               # no prompt holds it now
                 if self.held[block] <= 0:

@@ -84,6 +84,27 @@ def test_an_infill_is_drawn_to_the_worker_holding_its_ring_of_chunks():
     assert r.choose(other) is b
 
 
+def test_a_key_sending_many_prompts_forgets_its_own_in_routings_view():
+    """A worker's recent prompts (2 × slots) as routing sees them: a key sending many
+    pushed another key's out while its cache was still in the worker, and that key's
+    next keystroke went elsewhere, prefilled from scratch. Past the bound the tenant
+    with the most forgets its oldest; with one tenant, the oldest goes, as before."""
+    r = WorkerRegistry()
+    a = r.add(b"a", info(slots=2), 0.0)
+    text = "def area(r):\n    return 3.14159 * r * r\n" * 8
+    mine = job("mine", prompt=[text], tenant="kv")
+    a.remember(mine)
+    for i in range(20):
+        a.remember(job(f"f{i}", prompt=[f"{i} " + "x" * 400], tenant="kf"))
+    assert a.cached_prefix(job("next", prompt=[text + "  "], tenant="kv").blocks) > 0
+    assert len(a.recent) == 4 and sum(1 for t, _ in a.recent if t == "kv") == 1
+    alone = r.add(b"b", info(slots=2), 0.0)
+    for i in range(5):
+        alone.remember(job(f"s{i}", prompt=[f"{i} " + "y" * 400]))
+    assert alone.cached_prefix(job("s0", prompt=["0 " + "y" * 400]).blocks) == 0
+    assert alone.cached_prefix(job("s4", prompt=["4 " + "y" * 400]).blocks) > 0
+
+
 def test_a_request_counts_once_in_the_queue_and_cannot_starve_others():
     q = RequestQueue()
     for c in range(5):
