@@ -10,9 +10,10 @@ matched. Keys are never logged; a request's key is known further on only by its 
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 
-from flask import Flask, request
+from flask import Flask, current_app, request
 
 from app.errors import Unauthorized
 from dispatcher.common.apikeys import load_named_keys
@@ -112,3 +113,13 @@ def init_app(app: Flask) -> None:
                                "<key>'.", headers={"WWW-Authenticate": "Bearer"})
         request.environ[TENANT] = names[found]
         return None
+
+
+def api_key_fingerprint(req) -> str | None:
+    """The API key the request was admitted with, as a fingerprint (None: no keys are
+    configured): what sessions and, with --cache-scope key, the prompt cache are
+    partitioned by."""
+    if not current_app.config.get("API_KEYS_ENABLED"):
+        return None
+    _, _, token = req.headers.get("Authorization", "").partition(" ")
+    return hashlib.sha256(token.strip().encode()).hexdigest()[:16]

@@ -14,6 +14,7 @@ from flask import current_app, has_request_context, request
 from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import ClientDisconnected
 
+from app.auth import api_key_fingerprint
 from app.errors import (ClientClosedRequest, InvalidRequest, PayloadTooLarge,
                         RequestTimeout, ServiceUnavailable, UnsupportedMediaType)
 
@@ -77,7 +78,6 @@ class BodyBytes:
         if self.changed is None:
             import threading                # (gevent's, where the front end patched it)
             self.changed = threading.Condition()
-        from app.requests import api_key_fingerprint
         key = api_key_fingerprint(request) \
             if (current_app.config.get("API_KEY_COUNT") or 0) > 1 else None
         share = int(self.budget * KEY_BODY_SHARE)

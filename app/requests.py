@@ -12,7 +12,7 @@ from flask import Response, current_app, has_request_context, request
 from marshmallow import Schema, ValidationError
 
 from app import bodies
-from app.auth import client_address
+from app.auth import api_key_fingerprint, client_address
 from app.bodies import BigBodySlots, clipped, off_loop
 from app.errors import InvalidRequest, NotFound, PayloadTooLarge, ServiceUnavailable
 from app.schemas import CompletionRequestSchema, first_error, normalize
@@ -216,16 +216,6 @@ def queue_timeout() -> float | None:
 
 
 MAX_SESSION_ID = 128               # characters of an X-Session-Id (400 above)
-
-
-def api_key_fingerprint(req) -> str | None:
-    """The API key the request was admitted with, as a fingerprint (None: no keys are
-    configured): what sessions and, with --cache-scope key, the prompt cache are
-    partitioned by."""
-    if not current_app.config.get("API_KEYS_ENABLED"):
-        return None
-    _, _, token = req.headers.get("Authorization", "").partition(" ")
-    return hashlib.sha256(token.strip().encode()).hexdigest()[:16]
 
 
 def tenant_of(req) -> str | None:
