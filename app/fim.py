@@ -37,6 +37,8 @@ PASSED_ON = tuple(name for name in FIM_FIELDS if name not in UNUSED)
 class FimRequestSchema(CompletionRequestSchema):
     """Mistral's FIM request: `/v1/completions`' fields of the same meaning, strict."""
 
+    dialects = False
+
     prompt = StrictString(required=True, metadata=doc(
         "The code before the cursor.", type="string"))
     suffix = StrictString(load_default=None, allow_none=True, metadata=doc(

@@ -52,6 +52,8 @@ class NativeCompletionSchema(CompletionRequestSchema):
         unknown = EXCLUDE
         exclude = OPENAI_ONLY
 
+    dialects = False        # (unknown fields are ignored here, as llama-server does)
+
     @pre_load
     def logprobs_as_n_probs(self, data, **kwargs):
         """OpenAI's `logprobs` count is llama-server's `n_probs` where that is not given

@@ -15,6 +15,7 @@ from app.fields import (MAX_CHOICES, MAX_LOGPROBS,  # noqa: F401
                         SamplerOrderField, StrictFloat, StrictInteger, StrictString,
                         StringListField,
                         TokenIdsField)
+from app import dialects
 from app.fields import SAMPLER_CHARS
 from dispatcher.common import fields as F
 from dispatcher.common.fields import INT_MAX, SAMPLER_ALIASES, SAMPLER_NAMES
@@ -78,6 +79,11 @@ class StreamOptionsSchema(Schema):
 
     include_usage = StrictBoolean(load_default=False, allow_none=True, metadata=doc(
         "Send a last chunk with `usage` and empty `choices`.", type="boolean"))
+    continuous_usage_stats = StrictBoolean(
+        load_default=None, allow_none=True,
+        validate=validate.Equal(False, error="Not supported: usage comes once, in the last "
+                                             "chunk (include_usage)."),
+        metadata=doc("vLLM's; false (or null) only.", type="boolean"))
     include_obfuscation = StrictBoolean(load_default=None, allow_none=True, metadata=doc(
         "Accepted and ignored (OpenAI pads streamed chunks with random characters; "
         "this server's stream is not padded).", type="boolean"))
@@ -252,11 +258,13 @@ class CompletionRequestSchema(Schema):
     ngl = knob_field("ngl")
     compute = knob_field("compute")
 
+    dialects = True         # Ollama's and vLLM's fields folded in (app.dialects)
+
     @pre_load
     def require_object(self, data, **kwargs):
         if not isinstance(data, dict):
             raise ValidationError("The request body must be a JSON object.", "_body")
-        return data
+        return dialects.fold(data) if getattr(self, "dialects", False) else data
 
     @post_load
     def structured_output(self, data, **kwargs):

@@ -119,6 +119,41 @@ def test_a_completion_is_assembled_from_the_job_events(client):
     assert job["sampling"]["temperature"] == 0 and job.get("fanout", 1) == 1
 
 
+def test_ollama_and_vllm_fields_other_clients_send_are_folded_in_or_named(client):
+    """twinny's "openai-compatible" provider sends Ollama's `options` and `keep_alive`
+    (src/extension/provider-options.ts): a 400 here, dropped unread by vLLM and
+    llama-server (the answer's length lost). vLLM's extra fields (the openai SDK's
+    `extra_body`): accepted where they ask for what this server does, guided_json and
+    guided_choice made a schema and a grammar, any other value refused by name."""
+    http, fake = client
+    twinny = {"model": MODEL, "prompt": "<|fim_prefix|>def f():<|fim_suffix|>\n"
+              "<|fim_middle|>", "stream": True, "keep_alive": "5m",
+              "options": {"temperature": 0.2, "num_predict": 512}}
+    answer = http.post("/v1/completions", json=twinny)
+    assert answer.status_code == 200 and b"data: [DONE]" in answer.data
+    assert fake.jobs[-1]["max_tokens"] == 512
+    assert fake.jobs[-1]["sampling"]["temperature"] == pytest.approx(0.2)
+    vllm = {"model": MODEL, "prompt": "x", "max_tokens": 4, "skip_special_tokens": True,
+            "include_stop_str_in_output": False, "use_beam_search": False,
+            "length_penalty": 1.0, "stop_token_ids": [], "priority": 0,
+            "guided_choice": ["yes", "no"]}
+    assert http.post("/v1/completions", json=vllm).status_code == 200
+    assert fake.jobs[-1]["sampling"]["grammar"] == 'root ::= "yes" | "no"'
+    for field, value in (("skip_special_tokens", False), ("stop_token_ids", [7]),
+                         ("include_stop_str_in_output", True), ("use_beam_search", True)):
+        refused = http.post("/v1/completions", json={"prompt": "x", field: value})
+        error = refused.get_json()["error"]
+        assert refused.status_code == 400 and error["param"] == field, error
+    refused = http.post("/v1/completions", json={"prompt": "x", "options": {"gpu": 1}})
+    assert refused.status_code == 400 and refused.get_json()["error"]["param"] == "options"
+    refused = http.post("/v1/completions", json={"prompt": "x", "made_up": 1})
+    assert refused.status_code == 400        # (an unknown field is still named: OpenAI's)
+    jobs = len(fake.jobs)                    # llama.cpp's own route ignores them, as ever
+    assert http.post("/completion", json={"prompt": "x", "n_predict": 2,
+                                          "options": {"weird": 1}}).status_code == 200
+    assert len(fake.jobs) == jobs + 1
+
+
 @pytest.mark.parametrize("order", [("fine", "refused"), ("refused", "fine")])
 def test_a_stream_whose_later_prompt_is_refused_is_a_400_whatever_its_place(client_of, order):
     """The worker refuses a prompt (over the context, ids outside the vocabulary): a

@@ -480,3 +480,24 @@ def test_a_lone_surrogates_field_path_is_quoted_back_clipped():
         check_encodable({"prompt": "x", "k" * 200_000 + "\ud800": 1})
     assert len(info.value.param) <= MAX_PARAM + 1 and len(str(info.value)) < 500
     assert info.value.code == "invalid_unicode"
+
+
+def test_vllms_guided_fields_become_a_schema_and_a_checked_grammar():
+    """guided_choice's strings, quotes, backslashes and control characters included, are
+    a grammar llama.cpp's parser takes (the front end's check runs on it); guided_json,
+    an object or its JSON text, the json_schema; beside another constraint, a 400."""
+    from dispatcher.common import grammar as gbnf
+    loaded = validate({"prompt": "p", "guided_choice": ['say "hi"', "a\\b", "x\ny\t\x01", "é"]})
+    gbnf.check(loaded["grammar"])
+    assert loaded["grammar"].startswith('root ::= "say \\"hi\\"" | "a\\\\b" | ')
+    assert validate({"prompt": "p", "guided_json": '{"type": "boolean"}'})["grammar"]
+    for body, param in (({"prompt": "p", "guided_json": {"type": "integer"},
+                          "grammar": 'root ::= "1"'}, "guided_json"),
+                        ({"prompt": "p", "guided_choice": []}, "guided_choice"),
+                        ({"prompt": "p", "guided_choice": ["a"] * 2000}, "guided_choice"),
+                        ({"prompt": "p", "guided_json": "not json"}, "guided_json"),
+                        ({"prompt": "p", "options": {"num_predict": 5}, "max_tokens": 6},
+                         "options")):
+        with pytest.raises(InvalidRequest) as info:
+            validate(body)
+        assert info.value.param == param, body
