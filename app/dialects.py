@@ -82,9 +82,10 @@ def fold(data: dict) -> dict:
             if name is None:
                 raise ValidationError(f"Ollama's option {str(key)[:64]!r} has no meaning "
                                       "here.", "options")
-            if name in data and data[name] is not None and data[name] != value:
-                raise ValidationError(f"options.{key} and {name} are the same setting and "
-                                      "differ here.", "options")
+            for given in (name, *_aliases_of(name)):    # (llama.cpp's n_predict too)
+                if data.get(given) is not None and _differ(data[given], value, name):
+                    raise ValidationError(f"options.{key} and {given} are the same "
+                                          "setting and differ here.", "options")
             data[name] = value
     for name, (accepted, why) in VLLM_SAME.items():
         if name not in data:
@@ -98,6 +99,17 @@ def fold(data: dict) -> dict:
     return data
 
 
+def _aliases_of(name: str) -> list[str]:
+    from app.schemas import ALIASES         # (which imports this module)
+    return [alias for alias, target in ALIASES.items() if target == name]
+
+
+def _differ(given, option, name: str) -> bool:
+    if name == "stop":                      # ("\n" and ["\n"] are one stop)
+        given, option = ([v] if isinstance(v, str) else v for v in (given, option))
+    return given != option
+
+
 def _guided(data: dict) -> None:
     """vLLM's guided_json as json_schema, guided_choice as a grammar of its strings."""
     schema, choices = data.pop("guided_json", None), data.pop("guided_choice", None)
@@ -105,7 +117,9 @@ def _guided(data: dict) -> None:
         return
     if schema is not None and choices is not None:
         raise ValidationError("Use guided_json or guided_choice, not both.", "guided_choice")
-    taken = [k for k in ("grammar", "json_schema", "response_format") if data.get(k)]
+    taken = [k for k in ("grammar", "json_schema", "response_format") if data.get(k)
+             and not (k == "response_format" and isinstance(data[k], dict)
+                      and data[k].get("type") == "text")]      # (text: no format)
     if taken:
         raise ValidationError(f"Use guided_json or guided_choice, or {taken[0]}, not both.",
                               "guided_json" if schema is not None else "guided_choice")

@@ -398,6 +398,8 @@ def _config_values(argv: list[str] | None) -> dict:
         return configfile.read_for(argv)
     except configfile.ConfigError as exc:
         raise SystemExit(exc.report())
+    except ValueError as exc:           # (COMPLETIONS_CONFIG's value: config._path)
+        raise SystemExit(f"COMPLETIONS_CONFIG: {exc}") from None
 
 
 # What the ops commands read to find the dispatcher (the config file's [server] too)
@@ -413,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"ok": False, "problems": [str(exc)], "models": [],
                               "workers": [], "unserved_models": []}, indent=2))
             return 1
-        if not ({"-h", "--help", "keygen"} & set(given)):
+        if not (given[:1] == ["keygen"] or "-h" in given or "--help" in given):
             raise
         data = {}               # (help, and keys made, whatever the file says)
     file_values = configfile.server_defaults(data)

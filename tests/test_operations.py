@@ -278,6 +278,16 @@ def test_an_empty_path_is_refused_never_taken_for_none(tmp_path):
     config.write_text('[server]\napi_key_file = ""\n')
     out = check_config("--config", str(config), "--engine", "fake")
     assert out.returncode == 1 and f"{config}: [server] api_key_file" in out.stderr
+    # (the word keygen as a value is no keygen command: the broken file is still said)
+    out = check_config("--config", str(config), "--engine", "fake", "--model-id", "keygen")
+    assert out.returncode == 1 and "api_key_file" in out.stderr
+    out = check_config(env={"COMPLETIONS_CONFIG": " "})
+    assert out.returncode == 1 and "COMPLETIONS_CONFIG: an empty path" in out.stderr
+    assert "Traceback" not in out.stderr
+    models = tmp_path / "m.toml"
+    models.write_text('[[models]]\nid = "m"\npath = ""\n')
+    out = check_config("--config", str(models), "--engine", "fake")
+    assert out.returncode == 1 and "models[0]: path is empty" in out.stdout
 
 
 def test_operators_get_one_line_or_json_never_a_wait_or_a_traceback(tmp_path):
@@ -306,6 +316,9 @@ def test_operators_get_one_line_or_json_never_a_wait_or_a_traceback(tmp_path):
     assert out.returncode == 1 and "group or others may write" in out.stdout
     out = check_config("--engine", "fake", "--dispatcher", f"ipc://{tmp_path}/new")
     assert out.returncode == 0 and not (tmp_path / "new").exists()
+    # (a directory systemd makes for the service when it starts: serve's to make)
+    out = check_config("--engine", "fake", "--dispatcher", f"ipc://{tmp_path}/run/x/d")
+    assert out.returncode == 0
     out = check_config("--engine", "fake", "--dispatcher", f"ipc://{tmp_path}/{'d' * 120}")
     assert out.returncode == 2 and "107 bytes" in out.stderr
     marked = tmp_path / "bom.toml"                  # (a byte-order mark some editors write)

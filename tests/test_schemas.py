@@ -497,7 +497,11 @@ def test_vllms_guided_fields_become_a_schema_and_a_checked_grammar():
                         ({"prompt": "p", "guided_choice": ["a"] * 2000}, "guided_choice"),
                         ({"prompt": "p", "guided_json": "not json"}, "guided_json"),
                         ({"prompt": "p", "options": {"num_predict": 5}, "max_tokens": 6},
-                         "options")):
+                         "options"),
+                        ({"prompt": "p", "options": {"num_predict": 5}, "n_predict": 6},
+                         "options"),
+                        ({"prompt": "p", "options": {"repeat_penalty": 1.3},
+                          "repeat_penalty": 1.1}, "options")):
         with pytest.raises(InvalidRequest) as info:
             validate(body)
         assert info.value.param == param, body

@@ -53,14 +53,15 @@ class Endpoints:
 
 def directory_problem(path: str) -> str | None:
     """What `private_directory` would say of `path`, changing nothing (check-config): an
-    existing directory checked as it would be; a missing one, whether it could be made."""
+    existing directory checked as it would be, where it is this user's or open to
+    others; a missing one is `serve`'s to make (systemd makes /run/completions for the
+    service only when it starts; check-config runs before, as another user or root)."""
     if not os.path.lexists(path):
-        parent = os.path.dirname(path.rstrip("/")) or "/"
-        while not os.path.exists(parent) and parent not in ("/", ""):
-            parent = os.path.dirname(parent) or "/"
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-            return f"cannot create the ipc directory {path}: {parent} is not writable"
         return None
+    info = os.lstat(path)
+    if stat.S_ISDIR(info.st_mode) and info.st_uid != os.geteuid() and \
+            not info.st_mode & 0o022:
+        return None         # (the service user's own, checked by it when it starts)
     return _checked_directory(path)
 
 

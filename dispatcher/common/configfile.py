@@ -308,6 +308,12 @@ def _plan_models(data: dict, args, resolve_model, model_id_of,
             problems.append(f"{where}: unknown keys {sorted(unknown)}")
             broken.add(str(entry.get("id")))
             continue
+        if "path" in entry and not str(entry["path"]).strip():
+            # (a template's unset variable: it served the bundled model without a word)
+            problems.append(f"{where}: path is empty; to mean the bundled model, leave "
+                            "it out")
+            broken.add(str(entry.get("id")))
+            continue
         try:
             path = resolve_model(str(entry["path"]) if entry.get("path") else None)
             models.append(ModelPlan(
