@@ -22,6 +22,8 @@ import json
 
 from marshmallow import ValidationError
 
+from app.bodies import unencodable_field
+
 # Ollama's options -> this server's fields
 OLLAMA_OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature",
                   "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -99,6 +101,10 @@ def fold(data: dict) -> dict:
     return data
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def _aliases_of(name: str) -> list[str]:
     from app.schemas import ALIASES         # (which imports this module)
     return [alias for alias, target in ALIASES.items() if target == name]
@@ -125,13 +131,16 @@ def _guided(data: dict) -> None:
                               "guided_json" if schema is not None else "guided_choice")
     if schema is not None:
         if isinstance(schema, str):             # (vLLM takes the schema as JSON text too)
-            try:
-                schema = json.loads(schema)
-            except ValueError:
+            try:                                # (strict, as the body: no NaN; nested
+                schema = json.loads(schema, parse_constant=_no_constant)   # past json's
+            except (ValueError, RecursionError):                           # depth: none)
                 schema = None
         if not isinstance(schema, dict):
             raise ValidationError("guided_json must be a JSON schema object.",
                                   "guided_json")
+        if unencodable_field(schema) is not None:    # (escaped in the text, past the
+            raise ValidationError("guided_json holds a lone UTF-16 surrogate, which is "
+                                  "not a Unicode character.", "guided_json")   # body's check)
         data["json_schema"] = schema
         return
     if not isinstance(choices, list) or not choices or \
