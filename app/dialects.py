@@ -23,6 +23,7 @@ import json
 from marshmallow import ValidationError
 
 from app.bodies import unencodable_field
+from app.fields import ALIASES
 
 # Ollama's options -> this server's fields
 OLLAMA_OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature",
@@ -106,7 +107,6 @@ def _no_constant(name: str):
 
 
 def _aliases_of(name: str) -> list[str]:
-    from app.schemas import ALIASES         # (which imports this module)
     return [alias for alias, target in ALIASES.items() if target == name]
 
 

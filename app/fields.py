@@ -10,7 +10,14 @@ import re
 
 from marshmallow import ValidationError, fields
 
+from dispatcher.common import fields as F
 from dispatcher.common.fields import INT_MAX, SAMPLER_ALIASES, SAMPLER_NAMES, TEXT_BIAS
+
+
+# another name a field is sent under -> the field: llama.cpp's names for OpenAI's, and the
+# aliases the field declarations name (dispatcher.common.fields)
+ALIASES = {"n_predict": "max_tokens", "n_cmpl": "n",
+           **{knob.alias: knob.name for knob in F.KNOBS.values() if knob.alias}}
 
 
 MAX_STOP_STRINGS = 256

@@ -16,7 +16,7 @@ from app.fields import (MAX_CHOICES, MAX_LOGPROBS,  # noqa: F401
                         StringListField,
                         TokenIdsField)
 from app import dialects
-from app.fields import SAMPLER_CHARS
+from app.fields import ALIASES, SAMPLER_CHARS
 from dispatcher.common import fields as F
 from dispatcher.common.fields import INT_MAX, SAMPLER_ALIASES, SAMPLER_NAMES
 
@@ -362,10 +362,6 @@ def response_schema(fmt: dict | None) -> dict | None:
     return spec["schema"]
 
 
-# another name a field is sent under -> the field: llama.cpp's names for OpenAI's, and the
-# aliases the field declarations name (dispatcher.common.fields)
-ALIASES = {"n_predict": "max_tokens", "n_cmpl": "n",
-           **{knob.alias: knob.name for knob in F.KNOBS.values() if knob.alias}}
 KEEP_NULL = {"max_tokens", "seed", "model", "stream_options", "user", "suffix", "logprobs",
              "draft_max",
              "best_of", "logit_bias", "grammar", "json_schema", "nctx", "ngl", "compute"}
