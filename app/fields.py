@@ -118,11 +118,17 @@ class PromptField(fields.Field):
         "too_large": f"Token ids are at most {INT_MAX}.",
     }
 
+    def __init__(self, *args, empty_text: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.empty_text = empty_text
+
     def _deserialize(self, value, attr, data, **kwargs):
         # an empty prompt is the code before a cursor at the start of a file where a
-        # suffix follows it (Mistral's FIM, /v1/completions' `suffix`); alone, nothing
+        # suffix follows it (Mistral's FIM, /v1/completions' `suffix`); alone, nothing,
+        # but where `empty_text` says it is the start of a document (OpenAI's: the model
+        # writes from its BOS; a model without one has no token to start from: a 400)
         suffix = data.get("suffix") if isinstance(data, dict) else None
-        fim = isinstance(suffix, str) and suffix != ""
+        fim = (isinstance(suffix, str) and suffix != "") or self.empty_text
         if isinstance(value, str):
             prompts = [value]
         elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):

@@ -67,6 +67,10 @@ class FimRequestSchema(CompletionRequestSchema):
 
     @validates_schema
     def check_fim(self, data, **kwargs):
+        if data.get("prompt") == "" and not data.get("suffix"):
+            # (code to complete: with nothing before the cursor and nothing after it
+            # there is none; /v1/completions' "" is OpenAI's start of a document)
+            raise ValidationError("Must not be empty.", "prompt")
         both = data.get("max_tokens"), data.get("max_completion_tokens")
         if None not in both and both[0] != both[1]:
             raise ValidationError("max_tokens and max_completion_tokens are the same "

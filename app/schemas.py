@@ -100,9 +100,10 @@ class CompletionRequestSchema(Schema):
         "Model id or alias (see /v1/models); omitted, null or empty: the served model "
         "(the first of the config when several are).",
         type="string"))
-    prompt = PromptField(required=True, metadata=doc(
+    prompt = PromptField(required=True, empty_text=True, metadata=doc(
         "A string, an array of strings (one choice set per prompt), an array of token "
-        "ids, an array of token-id arrays, or llama.cpp's mix `[12, \"text\", 34]`.",
+        "ids, an array of token-id arrays, or llama.cpp's mix `[12, \"text\", 34]`; "
+        "`\"\"` is the start of a document (as OpenAI's).",
         oneOf=[{"type": "string"}, {"type": "array", "items": {"type": "string"}},
                {"type": "array", "items": {"oneOf": [{"type": "integer"},
                                                      {"type": "string"}]}},

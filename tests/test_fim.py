@@ -59,9 +59,15 @@ def test_a_cursor_at_the_start_of_a_file_is_an_empty_prompt_before_a_suffix():
         response = http.post(path, json={"prompt": "", "suffix": "import os\n"})
         assert response.status_code == 200, response.get_json()
         assert (fake.jobs[-1]["prompt"], fake.jobs[-1]["suffix"]) == ("", "import os\n")
-        for body in ({"prompt": ""}, {"prompt": "", "suffix": ""}):
-            error = http.post(path, json=body).get_json()["error"]
-            assert error["param"] == "prompt" and "empty" in error["message"]
+    for body in ({"prompt": ""}, {"prompt": "", "suffix": ""}):
+        error = http.post("/v1/fim/completions", json=body).get_json()["error"]
+        assert error["param"] == "prompt" and "empty" in error["message"]
+        # on /v1/completions "" is OpenAI's start of a document: the model writes from
+        # its BOS (a model without one: the worker's 400, no token to start from)
+        assert http.post("/v1/completions", json=body).status_code == 200
+        assert fake.jobs[-1]["prompt"] == ""
+    error = http.post("/v1/completions", json={"prompt": []}).get_json()["error"]
+    assert error["param"] == "prompt" and "empty" in error["message"]
 
 
 def test_the_answer_is_chat_completion_shaped():

@@ -205,7 +205,7 @@ def test_metrics_show_the_whole_system_from_any_front_end(two):
         # five tokens each: a sampled end of text sooner left the counts below short
         list(SSEStream(two.port, {"prompt": f"metrics {i}", "max_tokens": 5,
                                   "ignore_eos": True, "stream": True}).events())
-    http_json(two.port, "POST", "/v1/completions", {"prompt": ""})          # a 400
+    http_json(two.port, "POST", "/v1/completions", {"prompt": []})          # a 400
     want = total(before, "completions_requests_total", route="/v1/completions",
                  status="200") + 6
 

@@ -30,6 +30,16 @@ def test_prompt_forms_become_a_list_of_prompts(prompt, prompts):
     assert validate({"prompt": prompt})["prompt"] == prompts
 
 
+def test_an_empty_prompt_is_the_start_of_a_document_as_openai_has_it():
+    """OpenAI (and vLLM, llama-server, for a model with a BOS) write from the start of a
+    document for `""`: it was a 400 here. An empty list or token list is still none."""
+    assert validate({"prompt": ""})["prompt"] == [""]
+    assert validate({"prompt": ["a", ""]})["prompt"] == ["a", ""]
+    for empty in ([], [[]], [""] * 0):
+        with pytest.raises(InvalidRequest):
+            validate({"prompt": empty})
+
+
 def test_stop_string_becomes_a_list_without_empties_or_duplicates():
     assert validate({"prompt": "p", "stop": "\n"})["stop"] == ["\n"]
     assert validate({"prompt": "p", "stop": ["a", "", "a", "b"]})["stop"] == ["a", "b"]
@@ -48,9 +58,7 @@ def test_explicit_null_means_default_but_max_tokens_null_means_unlimited():
 
 @pytest.mark.parametrize("body, param", [
     ({}, "prompt"),
-    ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
-    ({"prompt": ["a", ""]}, "prompt"),
     ({"prompt": [[]]}, "prompt"),
     ({"prompt": [1, -2]}, "prompt"),
     ({"prompt": [1, 2.5]}, "prompt"),

@@ -75,10 +75,19 @@ def test_batched_prompts_give_one_choice_per_prompt_in_order(det_port):
     assert batch["usage"]["prompt_tokens"] == sum(len(tokens_of(det_port, p)) for p in prompts)
 
 
-@pytest.mark.parametrize("prompt", ["", [], [""], [[]]])
+@pytest.mark.parametrize("prompt", [[], [[]]])
 def test_empty_prompts_are_400(port, prompt):
     status, error = error_of(port, {"prompt": prompt})
     assert status == 400 and error["param"] == "prompt"
+
+
+@pytest.mark.parametrize("prompt", ["", [""]])
+def test_an_empty_text_is_the_start_of_a_document(port, prompt):
+    """As OpenAI (and vLLM and llama-server for a model with a BOS): the model writes
+    from its BOS alone."""
+    body = complete(port, prompt=prompt, max_tokens=4, temperature=0)
+    assert body["usage"]["prompt_tokens"] == 1 and len(body["choices"]) == 1
+    assert body["choices"][0]["finish_reason"] in ("length", "stop")
 
 
 def test_token_ids_outside_the_vocabulary_are_400(port):
