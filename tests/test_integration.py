@@ -53,6 +53,26 @@ def test_greedy_text_equals_llama_cpp_python_in_process(client, model_id, refere
     assert ours == theirs["choices"][0]["text"]
 
 
+def test_other_servers_fields_through_the_openai_clients_extra_body(client, model_id):
+    """What clients written for vLLM or Ollama send through the openai SDK's `extra_body`
+    reaches the real model: guided_choice constrains the answer to its strings, Ollama's
+    options.num_predict sets its length, a value asking for something else is a 400."""
+    chosen = client.completions.create(
+        model=model_id, prompt="Is the sky blue? Answer:", max_tokens=8, temperature=0,
+        extra_body={"guided_choice": [" yes", " no"], "skip_special_tokens": True,
+                    "use_beam_search": False})
+    assert chosen.choices[0].text in (" yes", " no")
+    sized = client.completions.create(
+        model=model_id, prompt=CODE_PROMPT, temperature=0,
+        extra_body={"options": {"num_predict": 7}, "keep_alive": "5m",
+                    "ignore_eos": True})
+    assert sized.usage.completion_tokens == 7
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model_id, prompt="x", max_tokens=1,
+                                  extra_body={"stop_token_ids": [1]})
+    assert refused.value.body["param"] == "stop_token_ids"
+
+
 def test_streaming_with_the_openai_client_matches_the_plain_text(client, model_id):
     plain = client.completions.create(model=model_id, prompt=CODE_PROMPT, max_tokens=20,
                                       temperature=0, extra_body=NO_CACHE)
