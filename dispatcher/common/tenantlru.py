@@ -20,8 +20,8 @@ _MISSING = object()
 
 class TenantLRU:
     """(tenant, key) -> value, at most `size` entries in all. `on_evict(value)` is called
-    for each value pushed out (outside no lock of the caller's: within this one's), e.g.
-    to free what it holds."""
+    for each value pushed out, under this cache's lock (e.g. to free what it holds; it
+    must not ask this cache again: the lock is not reentrant)."""
 
     def __init__(self, size: int, on_evict: Callable[[object], None] | None = None):
         if size < 1:

@@ -15,11 +15,11 @@ tokens' text included)."""
 from __future__ import annotations
 
 import threading
-from dispatcher.common.tenantlru import TenantLRU
 
 import numpy as np
 
 from dispatcher.common import grammar as gbnf
+from dispatcher.common.tenantlru import TenantLRU
 
 MAX_CODE_POINT = 0x10FFFF
 # A mask keeping more than this share of the vocabulary saves too little to be used.

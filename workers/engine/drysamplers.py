@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+
 from dispatcher.common.tenantlru import TenantLRU
 
 

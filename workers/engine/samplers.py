@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import ctypes
 import time
-from dispatcher.common.tenantlru import TenantLRU
 
 import numpy as np
 
 from dispatcher.common import grammar as gbnf
+from dispatcher.common.tenantlru import TenantLRU
 from workers.engine.draws import HostDraw, host_drawable
 from workers.errors import EngineError, InvalidInput
 from workers.sampling import SamplingParams

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from dispatcher.common.tenantlru import TenantLRU
 from contextlib import contextmanager
 
+from dispatcher.common.tenantlru import TenantLRU
 from workers.errors import EngineError, InvalidInput
 
 
