@@ -12,10 +12,15 @@ import gevent.queue
 from app.client import ClientGone, DispatcherClient, RequestStream
 from dispatcher.common import protocol as P
 
-# Wire bytes of events one HTTP request may have waiting to be written: a client that
-# stopped reading (its socket full, the handler blocked in a write) was sent everything
-# its jobs generated into memory, 128 choices of n_probs 100 for a whole context; past
-# this its jobs are cancelled as if it had left (one that reads is never near it).
+# Wire bytes of events one HTTP request's jobs may send while its handler is busy (writing)
+# since it last caught up (took the last event waiting): a client that stopped reading (its
+# socket full, the handler blocked in a write) was sent everything its jobs generated
+# into memory, 128 choices of n_probs 100 for a whole context; past this its jobs are
+# cancelled as if it had left. Events that come while the handler waits for them count
+# for nothing, however large: one echo with logprobs of 9 MB, or several choices' echoes
+# arriving in one turn of the loop, cancelled a request whose client read everything (a
+# non-streaming one with an empty 499); so one that reads holds at most such a burst
+# and this much.
 MAX_BACKLOG_BYTES = 8 << 20
 
 
@@ -28,8 +33,11 @@ class Fanout:
         self._readers: list[gevent.Greenlet] = []
         self._gone = False
         self.backlog = 0                # wire bytes of the events in `merged`
+        self.unwaited = 0               # ... that came while the handler was busy, since
+                                        # it last caught up (MAX_BACKLOG_BYTES)
         self.last_size = 0              # ... of the event `events` gave last
         self.overflowed = False         # ... went past MAX_BACKLOG_BYTES: jobs cancelled
+        self.waiting = False            # the handler waits in `events` for the next event
 
     def submit(self) -> None:
         """Queue every job (raises the first rejection, after cancelling the others).
@@ -59,10 +67,12 @@ class Fanout:
                 self.merged.put((None, None, 0))
                 return
             self.backlog += stream.last_size
+            if not self.waiting:
+                self.unwaited += stream.last_size
             self.merged.put((index, event, stream.last_size))
             if isinstance(event, P.ENDS):
                 return
-            if self.backlog > MAX_BACKLOG_BYTES and not self._gone:
+            if self.unwaited > MAX_BACKLOG_BYTES and not self._gone:
                 self.overflowed = True
                 self.client_gone()
                 return
@@ -84,7 +94,13 @@ class Fanout:
         ClientGone when the HTTP client left."""
         open_jobs = len(self.streams)
         while open_jobs:
-            index, event, size = self.merged.get()
+            if self.merged.empty():     # caught up: what came while it was busy is taken
+                self.unwaited = 0
+            self.waiting = True
+            try:
+                index, event, size = self.merged.get()
+            finally:
+                self.waiting = False
             self.backlog -= size
             self.last_size = size
             if index is None:

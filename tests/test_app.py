@@ -734,6 +734,27 @@ def test_an_answer_with_too_many_probabilities_is_refused_before_it_runs(
     assert fake.jobs == []
 
 
+@pytest.mark.parametrize("body,status,param", [
+    ({"n": 128}, 400, "n"), ({"best_of": 20, "n": 2}, 400, "best_of"),
+    ({"n": 3}, 200, None), ({"n": 128, "echo": False}, 200, None),
+])
+def test_an_answer_echoing_its_prompt_for_many_choices_is_bounded(client, monkeypatch,
+                                                                  body, status, param):
+    """Each choice's job sends the whole prompt back: `echo` with `n` 128 of an 8 MB
+    prompt was a gigabyte through ZeroMQ and the front end, for one prefill. Echoed
+    characters over all choices are at most MAX_ECHO_CHARS (here 1 MiB of them)."""
+    import app.requests
+    monkeypatch.setattr(app.requests, "MAX_ECHO_CHARS", 1 << 20)   # (20 × 100,000 over it)
+    http, fake = client
+    response = http.post("/v1/completions", json={
+        "prompt": "x" * 100_000, "echo": True, "max_tokens": 1, **body})
+    assert response.status_code == status, response.get_data(as_text=True)
+    if status == 400:
+        error = response.get_json()["error"]
+        assert error["code"] == "answer_too_large" and error["param"] == param
+        assert "echo its prompt" in error["message"] and fake.jobs == []
+
+
 def test_a_requests_own_context_bounds_its_answer(client):
     """geniex's `nctx` caps the request's context (the worker stops there): an answer
     that fits in it is not refused on the model's whole context."""
@@ -1208,26 +1229,68 @@ def test_a_schema_that_finds_every_conversion_busy_is_a_503_to_retry(client, mon
     assert answer.get_json()["error"]["code"] == "server_busy" and not fake.jobs
 
 
-def test_a_stream_that_outruns_its_client_ends_with_an_error_event(client_of, monkeypatch):
-    """Past MAX_BACKLOG_BYTES of events waiting to be sent, the request's jobs are
-    cancelled (a client that stopped reading). The stream ended there without a word:
-    a client still reading (an echo with logprobs over many choices comes in one
-    burst) now reads why, then [DONE]."""
-    import app.fanout
-    monkeypatch.setattr(app.fanout, "MAX_BACKLOG_BYTES", 3000)
+def _sized_events(monkeypatch, pause: float = 0.0):
+    """FakeStream's events with their wire sizes, as RequestStream's (`pause`: each
+    comes that long after the one before, as a worker's tokens do)."""
+    import gevent
 
-    def sized(stream):                   # (each event's wire size, as RequestStream's)
+    def sized(stream):
+        if pause:
+            gevent.sleep(pause)
         event = stream.events.pop(0)
         stream.last_size = len(msgspec.json.encode(event))
         return event
     monkeypatch.setattr(FakeStream, "next_event", sized)
+
+
+def test_a_stream_that_outruns_its_client_ends_with_an_error_event(client_of, monkeypatch):
+    """Past MAX_BACKLOG_BYTES of events waiting while the handler writes (a client that
+    reads slower than its answer comes), the request's jobs are cancelled. The stream
+    ended there without a word: a client still reading now reads why, then [DONE]."""
+    import gevent
+
+    import app.fanout
+    monkeypatch.setattr(app.fanout, "MAX_BACKLOG_BYTES", 3000)
+    _sized_events(monkeypatch, pause=0.001)
     events = completion("")
     events[1:1] = [{"e": P.EV_TEXT, "s": 1 + i, "text": "x" * 1000} for i in range(8)]
     events[-1]["s"] = 9
     http, fake = client_of(lambda job: events)
     response = http.post("/v1/completions", json={"prompt": "p", "stream": True,
-                                                  "max_tokens": 200})
-    frames = [f for f in response.get_data(as_text=True).split("\n\n") if f]
+                                                  "max_tokens": 200}, buffered=False)
+    pieces = []
+    for piece in response.response:     # each write slow: the jobs' events come meanwhile
+        pieces.append(piece)
+        gevent.sleep(0.05)
+    frames = [f for f in b"".join(pieces).decode().split("\n\n") if f]
     assert frames[-1] == "data: [DONE]"
     error = json.loads(frames[-2][len("data: "):])["error"]
     assert error["code"] == "client_too_slow" and "outran" in error["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_events_larger_than_the_backlog_that_the_client_reads_are_answered(
+        client_of, monkeypatch, stream):
+    """Events that come while the handler waits for them are no backlog: one event
+    larger than MAX_BACKLOG_BYTES (an echoed prompt with its logprobs: 9 MB for 3,000
+    tokens of n_probs 100), or several choices' echoes in one turn of the loop, ended a
+    request whose client read everything, a non-streaming one with an empty 499."""
+    import app.fanout
+    monkeypatch.setattr(app.fanout, "MAX_BACKLOG_BYTES", 3000)
+    _sized_events(monkeypatch)
+    events = completion("")
+    events[1:1] = [{"e": P.EV_TEXT, "s": 1, "text": "x" * 5000},
+                   {"e": P.EV_TEXT, "s": 2, "text": "y" * 5000}]
+    events[-1]["s"] = 3
+    http, fake = client_of(lambda job: [dict(e) for e in events])
+    response = http.post("/v1/completions", json={"prompt": "p", "stream": stream,
+                                                  "max_tokens": 200, "n": 3})
+    assert response.status_code == 200
+    if stream:
+        frames = [f for f in response.get_data(as_text=True).split("\n\n") if f]
+        assert frames[-1] == "data: [DONE]" and "error" not in frames[-2]
+        texts = [json.loads(f[len("data: "):])["choices"][0] for f in frames[:-1]]
+        assert sorted(len(c["text"]) for c in texts if c["text"]) == [5000] * 6
+    else:
+        choices = response.get_json()["choices"]
+        assert [c["text"] for c in choices] == ["x" * 5000 + "y" * 5000] * 3

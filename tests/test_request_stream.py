@@ -298,3 +298,40 @@ def test_a_request_whose_events_wait_unwritten_past_the_backlog_is_ended():
     calm.streams, calm._readers = [quiet], [gevent.spawn(calm._read, 0, quiet)]
     read = [event.seq for _, event in calm.events()]
     assert read == list(range(101)) and not calm.overflowed
+
+
+
+def test_a_burst_that_comes_while_the_handler_waits_is_no_backlog():
+    """Four choices' echoes (each over half the backlog bound) arriving in one turn while
+    the handler waits, then tokens while it writes them: counted as a backlog, the first
+    token after the first write's start cancelled a request whose client read it all."""
+    from types import SimpleNamespace
+
+    import gevent
+
+    from app.fanout import MAX_BACKLOG_BYTES, Fanout
+
+    client = FakeClient()
+    streams = [RequestStream(client, f"cmpl-{i}") for i in range(4)]
+    fanout = Fanout(client, [SimpleNamespace(id=f"cmpl-{i}") for i in range(4)])
+    fanout.streams = streams
+    fanout._readers = [gevent.spawn(fanout._read, i, s) for i, s in enumerate(streams)]
+    big = MAX_BACKLOG_BYTES // 2 + 1
+
+    def worker():
+        gevent.sleep(0.01)                   # the handler waits by now
+        for stream in streams:               # the echoes, in one turn
+            stream.inbox.put(TokenEvent(ev(0, "text", text="x").event, big))
+        for seq in range(1, 40):             # then tokens, a few at a time
+            for stream in streams:
+                stream.inbox.put(TokenEvent(ev(seq, "text", text="y").event, 100))
+            gevent.sleep(0.001)
+        for stream in streams:
+            stream.inbox.put(TokenEvent(ev(40, "end").event, 10))
+
+    gevent.spawn(worker)
+    read = 0
+    for _ in fanout.events():
+        read += 1
+        gevent.sleep(0.002)                  # each write takes a while
+    assert read == 4 * 41 and not fanout.overflowed and client.sent == []
