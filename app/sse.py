@@ -1,7 +1,7 @@
 """Server-Sent Events framing and OpenAI's text_completion objects."""
 from __future__ import annotations
 
-import json
+import msgspec
 
 SSE_HEADERS = {
     "Cache-Control": "no-cache",
@@ -11,9 +11,13 @@ DONE = b"data: [DONE]\n\n"
 
 
 def event(obj: dict) -> bytes:
-    """One `data:` event. JSON never contains a raw newline, so one line is enough."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() \
-        + b"\n\n"
+    """One `data:` event. JSON never contains a raw newline, so one line is enough.
+    msgspec's encoder, as the whole answers': an echoed prompt's chunk with its logprobs
+    (half a million entries) took json's 0.28 s on the front end's loop, every other
+    stream of the process waiting (a thread would not help: neither lets go of the GIL),
+    msgspec's a sixth of that; and a float past JSON (an infinite logprob) is null in
+    both kinds of answer, not json's `-Infinity` that clients' parsers refuse."""
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
