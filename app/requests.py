@@ -294,6 +294,11 @@ def _prompt_chars(prompts: list) -> int:
 # a front end assembles a whole answer in memory, and `n` 128 × a whole context × 101
 # entries of n_probs was ~50 million, gigabytes in one process and every stream on it gone
 MAX_ANSWER_ENTRIES = 1 << 19
+# Echoed prompt characters one answer may hold over all its choices (a token id counting
+# one): each choice's job sends the whole prompt back, so `echo` with `n` 128 of an 8 MB
+# prompt (one prefill: the others copy it) was a gigabyte through ZeroMQ and the front
+# end's memory, three times over while the answer was joined and encoded
+MAX_ECHO_CHARS = 1 << 25
 UNKNOWN_CONTEXT = 4096      # a model's context before any of its workers has said it
 
 
@@ -353,6 +358,18 @@ def check_answer_size(req: dict, n_ctx: int, native: bool = False) -> None:
             f"tokens ({tokens}), choices or top entries ({top})"
             + ("" if req.get("stream") else ", or stream it"),
             param=tokens if _unlimited(req) else top, code="answer_too_large")
+    choices = max(req.get("n") or 1, req.get("best_of") or 1)
+    if req.get("echo") and choices > 1:
+        prompts = req["prompt"]
+        size = off_loop(_prompt_chars, prompts) if any(isinstance(p, list) for p in prompts) \
+            else sum(map(len, prompts))
+        if choices * size > MAX_ECHO_CHARS:
+            raise InvalidRequest(
+                f"this answer would echo its prompt {choices} times, {choices * size:,} "
+                f"characters (a token id counting one); at most {MAX_ECHO_CHARS:,} are "
+                "sent: ask for fewer choices (n, best_of), or no echo",
+                param="n" if (req.get("n") or 1) >= (req.get("best_of") or 1) else "best_of",
+                code="answer_too_large")
 
 
 def check_prompt_size(req: dict) -> None:
