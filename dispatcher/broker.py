@@ -22,6 +22,7 @@ import zmq
 
 from dispatcher.common.addresses import Endpoints
 from dispatcher.common import config, protocol as P
+from dispatcher import refusals
 from dispatcher.core import DispatcherCore, Send
 from dispatcher.operations import Operations
 from dispatcher.common.curve import DispatcherKeys
@@ -32,8 +33,14 @@ log = logging.getLogger(__name__)
 LAST_WORDS_MS = 1000    # ms the front-end and worker sockets may take to send at close
 LOAD_GUESS = 600.0      # s a worker's first load may take before the queue stops waiting
 READ_BUDGET = 0.25      # s one socket's messages may take before the loop goes on
-ENDINGS = (P.FAILED, P.REJECTED)    # a request's end from the dispatcher: never dropped
-MAX_UNSENT = 10_000     # ... while fewer than this wait for a full pipe (then counted lost)
+# a request's end from the dispatcher: never dropped (FINISHED too: the worker's last event
+# may be lost on the token path by the same slow front end, and without FINISHED's grace
+# nothing ended the stream)
+ENDINGS = (P.FAILED, P.REJECTED, P.FINISHED)
+MAX_UNSENT = 10_000     # ... while fewer than this wait for a full pipe (then counted lost);
+# FINISHED (one for every job, cancelled ones too) only while half as many wait: a front
+# end cancelling much filled the room, and the errors that end streams were lost
+UNSENT_ROOM = {P.FAILED: MAX_UNSENT, P.REJECTED: MAX_UNSENT, P.FINISHED: MAX_UNSENT // 2}
 UNSENT_FOR = 60.0       # ... nor for longer than this (s; a front end stalled that long is
                         # past its heartbeats' expiry many times over)
 TEND_FAULTS = 50        # turns in a row whose tick failed before the loop gives up
@@ -179,7 +186,7 @@ class Broker:
                                                                send.body), zmq.NOBLOCK)
                 except zmq.ZMQError as exc:   # EHOSTUNREACH (ROUTER_MANDATORY) or EAGAIN
                     if exc.errno == zmq.EAGAIN and send.to == "frontend" and \
-                            send.cmd in ENDINGS and len(self.unsent) < MAX_UNSENT:
+                            send.cmd in ENDINGS and len(self.unsent) < UNSENT_ROOM[send.cmd]:
                         self.unsent.append((time.monotonic(), send))
                     else:
                         failed.append((send, exc.errno != zmq.EAGAIN))
@@ -188,7 +195,8 @@ class Broker:
     def resend(self) -> None:
         """Send again the ends of requests a front end's full pipe refused (`unsent`):
         a FAILED or REJECTED dropped left its stream waiting for an end that no worker
-        would send (its job was over), until its client gave up. In order for each front
+        would send (its job was over), until its client gave up; a FINISHED dropped, with
+        the worker's last event lost on the token path, the same. In order for each front
         end, one still full passing over the others' turn; given up (counted as
         undelivered) once its front end has gone, or after UNSENT_FOR s of a full pipe."""
         kept, lost, full = deque(), [], set()
@@ -337,9 +345,8 @@ class Broker:
                     self.deliver(self.core.abandon(request_id))
                 except Exception:           # (counted once: the message's fault)
                     log.debug("abandoning %s failed too", request_id, exc_info=True)
-                self.deliver([Send("frontend", frames[0], P.REJECTED, request_id, P.WireError(
-                    status=500, code="dispatcher_fault",
-                    message="the dispatcher failed on this job (its log says how)"))])
+                self.deliver([Send("frontend", frames[0], P.REJECTED, request_id,
+                                   refusals.dispatcher_fault())])
 
     def _key_holds_name(self, frames: list) -> bool:
         """A keyed worker speaks only under a name its key holds (curve.may_register);
