@@ -461,6 +461,7 @@ class DispatcherCore:
             # step, which its STARTED travels behind: counted as a crash, MAX_CRASHES)
             self.worker_lost(record, msg.body.reason or "disconnected", code=msg.body.code,
                              crashed=msg.body.code == "worker_stuck")
+            self.dispatch()             # (its requeued jobs to another worker now)
         elif msg.cmd == P.HEARTBEAT:
             record.heartbeats += 1
             if msg.body is not None and msg.body.steps is not None:
@@ -537,7 +538,7 @@ class DispatcherCore:
                 self.worker_lost(record, "unreachable" if gone else "not keeping up",
                                  crashed=gone)
                 self.dispatch()
-        elif send.cmd in (P.REJECTED, P.FAILED, P.ACCEPTED):
+        elif send.cmd in (P.REJECTED, P.FAILED, P.ACCEPTED, P.FINISHED):
             # a front end gone (its requests with it) or not keeping up (1,000 messages
             # behind): counted and said, at most once a minute
             self.stats["frontend_undelivered"] += 1
@@ -586,16 +587,19 @@ class DispatcherCore:
         ended = {job.parent for job in record.running.values() if not job.cancelled and (
             job.started or silent or job.crashes >= MAX_CRASHES or
             job.attempt - job.handed_back >= MAX_ATTEMPTS)}
+        requeued = []
         for job in record.running.values():
             if job.cancelled:                # nobody waits for it any more
                 self._forget(job)
             elif job.parent not in ended:
-                self._requeue(job)
+                requeued.append(job)
             else:
                 self.stats["failed"] += 1
                 failed += 1
                 self._forget(job)
                 self._fail(job, lost)
+        for job in reversed(requeued):       # (each to the queue's front, the last first:
+            self._requeue(job)               # they keep the order they came in)
         self._fail_queued(ended, lost)       # (theirs elsewhere: not this worker's loss)
         for job in record.ops.values():
             self._fail(job, lost)
@@ -655,23 +659,46 @@ class DispatcherCore:
                 waits.add(job.parent)
                 continue
             leader = leaders.get(job.share_key)
-            worker = self.registry.choose(job, leader)
-            if worker is None:
-                if leader is not None:       # (its request's other prompts may go on)
-                    held.add(job.share_key)
-                else:
-                    waits.add(job.parent)
+            try:
+                worker = self.registry.choose(job, leader)
+                if worker is None:
+                    if leader is not None:   # (its request's other prompts may go on)
+                        held.add(job.share_key)
+                    else:
+                        waits.add(job.parent)
+                    continue
+                if job.share_key is not None and job.share_key not in written:
+                    leaders.setdefault(job.share_key, worker)
+                self.queue.take(job)
+                self._assign(job, worker)
+            except Exception:
+                self._dispatch_failed(job)
                 continue
-            if job.share_key is not None and job.share_key not in written:
-                leaders.setdefault(job.share_key, worker)
-            self.queue.take(job)
-            self._assign(job, worker)
             running.add(job)
             for other_route, records in routes.items():      # (its slot is theirs too)
                 if worker in records and (other_route, job.body.api_key) in on_route:
                     on_route[other_route, job.body.api_key] += 1
             if not self.registry.with_free_slots():
                 return
+
+    def _dispatch_failed(self, job: QueuedJob) -> None:
+        """Choosing a worker for `job`, or sending it there, raised: it is cancelled
+        wherever it got to and answered 500, and the queue goes on. Left queued, every
+        later dispatch met it again: each SUBMIT's handling raised (its innocent job
+        answered 500), every tick did, and after TEND_FAULTS ticks the loop stopped, every
+        stream with it."""
+        self.stats["loop_faults"] += 1
+        log.exception("dispatching %s failed; it is answered 500 and the queue goes on",
+                      job.request_id)
+        self.queue.remove(job.request_id)
+        self._forget(job)
+        # (a REQUEST made for it is not sent yet: taken back, so no worker runs it)
+        self._out = [send for send in self._out
+                     if not (send.cmd == P.REQUEST and send.request_id == job.request_id)]
+        for record in self.registry.workers.values():
+            record.running.pop(job.request_id, None)
+        job.worker = None
+        self._fail(job, refusals.dispatcher_fault())
 
     def _assign(self, job: QueuedJob, worker: WorkerRecord, **extra) -> None:
         """Send `job` to `worker` (with `extra` fields) and count it as running there.

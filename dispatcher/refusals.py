@@ -104,6 +104,12 @@ def frontend_silent(running: bool = False) -> P.WireError:
         "request again"))
 
 
+def dispatcher_fault() -> P.WireError:
+    """Handling the job raised in the dispatcher (a bug one message or job meets)."""
+    return P.WireError(status=500, code="dispatcher_fault",
+                       message="the dispatcher failed on this job (its log says how)")
+
+
 def no_worker_took() -> P.WireError:
     return P.WireError(status=503, code="no_worker_ready",
                        message="no worker could take the request")

@@ -56,6 +56,33 @@ def test_a_job_is_accepted_then_sent_to_a_free_worker():
     assert kinds(sends) == [("FINISHED", "a"), ("REQUEST", "c")]     # its slot, at once
 
 
+def test_a_queued_job_whose_dispatch_raises_is_answered_and_the_queue_goes_on(monkeypatch):
+    """A fault in choosing a worker for one queued job (or sending it there) met every
+    later dispatch: each SUBMIT's handling raised, every tick did, and the broker's loop
+    stopped after TEND_FAULTS of them, every stream with it. That job is answered 500
+    and taken out; the next goes to the slot."""
+    core = DispatcherCore()
+    ready(core, slots=1)
+    submit(core, "a")
+    assert kinds(submit(core, "bad")) == [("ACCEPTED", "bad")]       # queued
+    choose = core.registry.choose
+
+    def faulty(job, leader=None):
+        if job.request_id == "bad":
+            raise RuntimeError("a routing bug one job meets")
+        return choose(job, leader)
+
+    monkeypatch.setattr(core.registry, "choose", faulty)
+    assert kinds(submit(core, "c")) == [("ACCEPTED", "c")]
+    sends = from_worker(core, P.DONE, "a", attempt=1, last_seq=3)
+    assert kinds(sends) == [("FINISHED", "a"), ("FAILED", "bad"), ("REQUEST", "c")]
+    failed = next(s for s in sends if s.cmd == P.FAILED)
+    assert (failed.peer, failed.body.status, failed.body.code) == (FE, 500, "dispatcher_fault")
+    assert core.stats["loop_faults"] == 1 and len(core.queue) == 0
+    assert [k for k in kinds(core.tick(1.0)) if k[0] != "HEARTBEAT"] == []
+    assert set(core.registry.workers[b"w0"].running) == {"c"}
+
+
 def test_a_cancelled_jobs_slot_goes_to_the_next_job_with_the_cancel():
     """An editor closes a keystroke's request and sends the next at once: the queued job
     goes to the worker right behind the CANCEL (which frees the slot there first), not
@@ -217,6 +244,18 @@ def test_a_lost_worker_requeues_what_it_had_not_started_and_fails_the_rest():
     sends = ready(core, b"w1")
     request = next(s for s in sends if s.cmd == P.REQUEST)
     assert request.request_id == "waiting" and request.body.attempt == 2
+
+
+def test_a_lost_workers_unstarted_jobs_go_back_in_the_order_they_came():
+    """Each requeued job went to the queue's front in turn: the last sent came out first,
+    the oldest request waited behind the others."""
+    core = DispatcherCore()
+    ready(core, b"w0", slots=3)
+    for rid in ("first", "second", "third"):
+        submit(core, rid)
+    submit(core, "queued")
+    core.worker_exited("w0", 1, "killed")
+    assert [j.request_id for j in core.queue] == ["first", "second", "third", "queued"]
 
 
 def test_a_job_unstarted_on_two_workers_that_crashed_is_failed_not_sent_to_a_third():
