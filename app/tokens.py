@@ -1,10 +1,11 @@
 """POST /tokenize and POST /detokenize, in llama.cpp's shapes, answered by a worker."""
 from __future__ import annotations
 
-from flask import Blueprint, current_app, request
+from flask import Blueprint, Response, current_app, request
 
 from app import access
-from app.client import get_client
+from app.client import ClientGone, get_client
+from app.disconnect import watch_disconnect
 from app.bodies import parse_json_body
 from app.requests import api_key_fingerprint, json_answer, resolve_model, tenant_of, validate
 from app.errors import PayloadTooLarge, from_wire
@@ -53,25 +54,38 @@ def _run(op: str, req: dict) -> dict:
                       tenant=tenant_of(request), api_key=api_key_fingerprint(request),
                       generation=P.Generation(**req))
     access.current().update(request_id=job.id, model=model)
-    stream = client.submit(job)
+    # a client that leaves cancels it (a worker drops one not started: a key's texts of
+    # a megabyte kept others waiting for answers nobody would read)
+    watcher = watch_disconnect(request.environ, lambda: client.client_gone(job.id))
     try:
-        event = stream.next_event()
+        stream = client.submit(job)
+        try:
+            event = stream.next_event()
+        finally:
+            stream.close()
     finally:
-        stream.close()
+        if watcher is not None:
+            watcher.kill(block=False)
     if isinstance(event, P.Error):
         raise from_wire(event)
     return event.result
 
 
+def _answer(op: str, schema) -> Response:
+    req = validate(parse_json_body(any_content_type=True), schema)
+    try:
+        result = _run(op, req)
+    except ClientGone:
+        access.current().failed("client_closed")
+        return Response(status=499)         # nobody is listening; nginx logs 499 too
+    return json_answer(lambda: result)
+
+
 @bp.post("/tokenize")
 def tokenize():
-    result = _run("tokenize", validate(parse_json_body(any_content_type=True),
-                                           TokenizeRequestSchema()))
-    return json_answer(lambda: result)
+    return _answer("tokenize", TokenizeRequestSchema())
 
 
 @bp.post("/detokenize")
 def detokenize():
-    result = _run("detokenize", validate(parse_json_body(any_content_type=True),
-                                             DetokenizeRequestSchema()))
-    return json_answer(lambda: result)
+    return _answer("detokenize", DetokenizeRequestSchema())

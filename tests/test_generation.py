@@ -679,6 +679,47 @@ def test_the_watchdog_sees_how_long_a_job_has_been_in_preparation(monkeypatch):
     loop.preparer.shutdown()
 
 
+def test_tokenize_jobs_take_the_keys_in_turn_and_one_not_started_is_cancelled(monkeypatch):
+    """/tokenize and /detokenize ran one FIFO on the vocabulary thread, never cancelled:
+    a key's texts of a megabyte (17-23 s of a core each) whose clients had left kept
+    another key's small /tokenize waiting behind all of them. The keys take turns, and
+    a cancel drops one its thread has not started (DONE, cancelled, at once)."""
+    import threading
+    loop = make_loop()
+    held, entered = threading.Event(), threading.Event()
+    order = []
+    real = loop.engine.tokenize
+
+    def tokenize(text, *a, **k):
+        order.append(text)
+        if text == "first":
+            entered.set()
+            held.wait(10)
+        return real(text, *a, **k)
+
+    monkeypatch.setattr(loop.engine, "tokenize", tokenize)
+    for rid, key, text in (("a1", "A", "first"), ("a2", "A", "second"),
+                           ("a3", "A", "third"), ("b1", "B", "other key's")):
+        submit(loop, rid, job(op="tokenize", content=text, id=rid, api_key=key))
+    loop._read_inbox(block=False)
+    assert entered.wait(10) and loop.ops_running == 4
+    loop.inbox.put(inbox.Cancel("a2"))
+    loop.inbox.put(inbox.Cancel("a1"))                 # (running: it runs to its end)
+    loop._read_inbox(block=False)
+    assert [(cmd, rid) for cmd, rid, _ in loop.notices] == [("DONE", "a2")]
+    assert loop.notices[0][2]["cancelled"] and loop.ops_running == 3
+    held.set()
+    loop.vocabulary_thread.submit(lambda: None, key="A").result()
+    loop.vocabulary_thread.submit(lambda: None, key="B").result()
+    loop._read_inbox(block=False)
+    assert order == ["first", "other key's", "third"]   # B's before A's next
+    assert sorted(rid for rid, e in loop.publisher.events if e["e"] == "end") == \
+        ["a1", "a3", "b1"]
+    assert loop.ops_running == 0 and not loop.ops
+    loop.vocabulary_thread.shutdown()
+    loop.preparer.shutdown()
+
+
 def test_a_superseding_request_being_prepared_keeps_the_slot_its_old_one_freed():
     """Its session's prompt is cached in the slot the old request freed: while the new
     one is prepared, a job waiting for a slot takes another (or waits), never that one

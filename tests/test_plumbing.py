@@ -137,6 +137,39 @@ def test_client_leaving_while_queued_never_runs(fake_server):
     assert after["completed"] == before["completed"] + 1
 
 
+def test_a_tokenize_whose_client_left_is_dropped_before_it_runs(fake_server):
+    """/tokenize was never cancelled: a client's texts of a megabyte (17-23 s of a core
+    each) ran to their end for nobody, every other /tokenize of the worker behind them.
+    A client that leaves is noticed (499) and a worker drops its job if not started."""
+    import socket
+
+    def send(content):
+        body = json.dumps({"content": content}).encode()
+        sock = socket.create_connection(("127.0.0.1", fake_server.port))
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        return sock
+
+    before = fake_server.status()["stats"]["cancelled"]
+    running = send("[slowtok=4] the first")         # the vocabulary thread's for 4 s
+    time.sleep(0.5)
+    left = send("[slowtok=4] nobody reads this")
+    time.sleep(0.3)
+    started = time.monotonic()
+    left.close()
+    fake_server.wait_for(lambda: fake_server.status()["stats"]["cancelled"] == before + 1,
+                         timeout=10, what="the cancel")
+    assert time.monotonic() - started < 3      # dropped unstarted, not run after the first
+    running.settimeout(20)
+    answer = running.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200") and b'"tokens"' in answer
+    running.close()
+    fake_server.wait_for(lambda: any(
+        "route=/tokenize status=499" in line and "error=client_closed" in line
+        for line in fake_server.output().splitlines()), timeout=10,
+        what="the 499 in the access log")
+
+
 def test_unknown_model_is_404_and_bad_field_is_400(fake_server):
     status, _, body = http_json(fake_server.port, "POST", "/v1/completions",
                                 {"prompt": "x", "model": "nope"})

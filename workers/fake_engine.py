@@ -8,6 +8,7 @@ markers steer it for tests:
 
     [eos=N]     end of generation (EOS) after N tokens
     [slow=S]    this request's steps take S seconds each
+    [slowtok=S] tokenizing this text takes S seconds (a /tokenize of a megabyte)
     [crash]     the worker process exits abruptly at its first generated token
 """
 from __future__ import annotations
@@ -54,6 +55,9 @@ class FakeEngine:
 
     def tokenize(self, text: str, add_special: bool = True,
                  parse_special: bool = True) -> list[int]:
+        slow = re.search(r"\[slowtok=([0-9.]+)\]", text)
+        if slow:
+            time.sleep(float(slow.group(1)))
         return ([BOS] if add_special else []) + list(text.encode("utf-8"))
 
     def bos(self) -> list[int]:

@@ -14,7 +14,6 @@ import bisect
 import logging
 import queue
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections import Counter, deque
 from typing import Callable
 
@@ -27,7 +26,7 @@ from workers.output import Output
 from workers.publisher import Publisher
 from workers.interface import Engine
 from workers.active import Active, EditorLimits, LogprobLedger
-from workers.preparation import Preparer, ThreadWatch, sampling_of
+from workers.preparation import Preparer, TakingTurns, ThreadWatch, sampling_of
 from workers.prompts import (context_limit, fitted_prompt, may_drop_extra, prompt_text,
                              tenant_of, vocabulary_op)
 from workers.sampling import SamplingParams
@@ -60,8 +59,11 @@ class GenerationLoop:
         self.faults = faults or FaultInjection()    # test hooks: none unless given
         self.busy_since: float | None = None    # see stuck_for
         self.leaving_by: float | None = None    # stopping with its own drain: see _left
-        self.ops_running = 0                    # /tokenize, /detokenize on their thread
-        self.vocabulary_thread = ThreadPoolExecutor(1, thread_name_prefix="vocabulary")
+        self.ops_running = 0                    # /tokenize, /detokenize on their thread,
+        self.ops: dict[str, tuple] = {}         # request id -> (its Future, its body)
+        # the keys in turn (one FIFO kept another key's small /tokenize behind a flood of
+        # 1 MiB texts whose clients had left)
+        self.vocabulary_thread = TakingTurns("vocabulary")
         # large jobs' tokens and sampler chains, made beside the decoding (preparation.py)
         self.watch = ThreadWatch()      # (the preparing and vocabulary threads' jobs)
         self.preparer = Preparer(engine, fim_template, self.inbox, self.watch)
@@ -181,6 +183,8 @@ class GenerationLoop:
             self.free_slots.append(slot)
 
     def cancel(self, request_id: str) -> None:
+        if self._cancel_op(request_id):
+            return
         self._unhold(request_id)
         attempt = self.preparer.cancel(request_id)
         if attempt is not None:                  # still on the preparing thread
@@ -227,10 +231,23 @@ class GenerationLoop:
                 done = inbox.OpDone(request_id, body, error=exc)
             self.inbox.put(done)
         self.ops_running += 1
-        self.vocabulary_thread.submit(work)
+        self.ops[request_id] = (self.vocabulary_thread.submit(work, key=body.api_key), body)
+
+    def _cancel_op(self, request_id: str) -> bool:
+        """A /tokenize or /detokenize cancelled (its client left): dropped if its thread
+        has not started it (one started runs to its end, answering nobody). False: not
+        an op of this worker's, or one already running."""
+        future, body = self.ops.get(request_id, (None, None))
+        if future is None or not future.cancel():
+            return False
+        del self.ops[request_id]
+        self.ops_running -= 1
+        self.notify(P.DONE, request_id, P.Done(attempt=body.attempt, cancelled=True))
+        return True
 
     def _op_done(self, done: inbox.OpDone) -> None:
         self.ops_running -= 1
+        self.ops.pop(done.request_id, None)
         topic, attempt = done.body.topic.encode(), done.body.attempt
         if done.error is not None:
             return self.output.reject(done.request_id, topic, attempt, done.error)
