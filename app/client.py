@@ -37,6 +37,13 @@ UNANSWERED_FAST_PINGS = 30
 # heartbeat interval; at most this many wait (the oldest give way).
 CANCEL_RETRY_FIRST = 0.02
 MAX_UNSENT_CANCELS = 10_000
+# A request this front end no longer has open whose events still come this many seconds
+# after its first such event is cancelled again, at most once per that many seconds:
+# a CANCEL the DEALER took while its connection was dropping (a front end on another
+# host; IMMEDIATE discards what waits for a connection) was lost, and the job ran to its
+# max_tokens for nobody. At most ORPHANS_KEPT such requests are remembered.
+ORPHAN_CANCEL_AFTER = 1.0
+ORPHANS_KEPT = 1024
 # Seconds a front end's last counts may take to reach the dispatcher as it exits.
 FINAL_COUNTS_LINGER = 0.5
 # Seconds a request waits, once its grace after FINISHED has run out, for the events its
@@ -250,6 +257,9 @@ class DispatcherClient:
         self.state_event = gevent.event.Event()
         self._send_lock = gevent.lock.Semaphore()
         self._unsent_cancels: dict[str, None] = {}  # (ordered: the oldest first)
+        # requests closed here whose events still come: when the first came, or when
+        # one was last cancelled again (_orphan_event; ordered: the oldest first)
+        self._orphans: dict[str, float] = {}
         self._cancel_retry: gevent.Greenlet | None = None
         self._alive = False
         self.recorder = LatencyRecorder()      # increments for the dispatcher's metrics
@@ -394,6 +404,25 @@ class DispatcherClient:
             stream = self.streams.get(request_id)
             if stream is not None:
                 stream.inbox.put(TokenEvent(event, len(frames[2])))
+            elif request_id and not isinstance(event, P.ENDS):
+                self._orphan_event(request_id)
+
+    def _orphan_event(self, request_id: str) -> None:
+        """An event of a request no longer open here (ORPHAN_CANCEL_AFTER): the first
+        ones are those in flight when it was closed; events still coming a second later
+        mean its CANCEL was lost, and it is sent again."""
+        now = time.monotonic()
+        since = self._orphans.pop(request_id, None)
+        if since is None:
+            since = now
+        elif now - since >= ORPHAN_CANCEL_AFTER:
+            log.info("events still come for %s, closed here: cancelling it again",
+                     request_id)
+            self.cancel(request_id)
+            since = now
+        self._orphans[request_id] = since
+        while len(self._orphans) > ORPHANS_KEPT:
+            del self._orphans[next(iter(self._orphans))]
 
     def metrics_snapshot(self, timeout: float = 3.0) -> dict | None:
         """The system's metrics, as the dispatcher adds them up; None if it is away."""

@@ -403,6 +403,76 @@ def test_a_requests_end_a_full_front_end_pipe_refuses_is_sent_when_it_can_take_i
         context.term()
 
 
+def test_events_of_a_closed_request_that_keep_coming_cancel_it_again(monkeypatch, endpoints):
+    """A CANCEL the DEALER took while its connection was dropping is lost (IMMEDIATE),
+    and the job ran to its max_tokens for nobody, its events dropped here unread. Events
+    still coming ORPHAN_CANCEL_AFTER s after a closed request's first one cancel it again,
+    once a period; those in flight at the close, and its end, do not."""
+    monkeypatch.setattr(client_module, "ORPHAN_CANCEL_AFTER", 0.2)
+    dispatcher = ScriptedDispatcher(endpoints).start()
+    client = client_module.DispatcherClient(endpoints, config.Heartbeat(60.0))
+    try:
+        open_request_when_ready(client)
+        topic = client.id
+
+        def event(rid, seq, end=False):
+            body = P.End(seq=seq, finish_reason="length") if end else \
+                P.Text(seq=seq, text="x")
+            dispatcher.xpub.send_multipart(P.encode_event(topic, rid, body))
+
+        event("cmpl-1", 0)                     # open: read, no cancel
+        for seq in range(3):                   # closed a moment ago: in flight
+            event("cmpl-gone", seq)
+        gevent.sleep(0.1)
+        assert dispatcher.received == []
+        for seq in range(3, 12):               # still coming: its CANCEL was lost
+            event("cmpl-gone", seq)
+            gevent.sleep(0.05)
+        event("cmpl-ended", 0, end=True)
+        with gevent.Timeout(5):
+            while (P.CANCEL, "cmpl-gone") not in dispatcher.received:
+                gevent.sleep(0.02)
+        gevent.sleep(0.1)
+        assert dispatcher.received.count((P.CANCEL, "cmpl-gone")) in (1, 2)
+        assert all(rid == "cmpl-gone" for _, rid in dispatcher.received)
+    finally:
+        client.close()
+        dispatcher.close()
+
+
+def test_a_finished_a_full_front_end_pipe_refuses_is_sent_again(endpoints):
+    """FINISHED starts a stream's grace for its last events: dropped at a full pipe (a
+    front end falling behind, whose token path drops the worker's last event as well),
+    nothing ended the stream, a non-streaming request waited for ever. It waits with
+    the other ends of requests and goes once the pipe takes it."""
+    from dispatcher.core import Send
+
+    class FullOnce:
+        def __init__(self):
+            self.sent, self.refused = [], 0
+
+        def send_multipart(self, frames, flags=0):
+            if not self.refused:
+                self.refused += 1
+                raise zmq.ZMQError(zmq.EAGAIN)
+            self.sent.append(frames)
+
+    broker = Broker(endpoints)
+    real, broker.frontend = broker.frontend, FullOnce()
+    try:
+        end = Send("frontend", b"fe-1", P.FINISHED, "cmpl-1",
+                   P.Finished(attempt=1, last_seq=7))
+        broker.deliver([end])
+        assert [send for _, send in broker.unsent] == [end] and not broker.frontend.sent
+        broker.resend()
+        assert not broker.unsent and broker.core.stats["frontend_resent"] == 1
+        msg = P.decode(broker.frontend.sent[0][1:])
+        assert (msg.cmd, msg.request_id, msg.body.last_seq) == (P.FINISHED, "cmpl-1", 7)
+    finally:
+        broker.frontend = real
+        broker.close()
+
+
 def test_a_tick_that_fails_every_turn_stops_the_dispatcher(endpoints, monkeypatch):
     """A fault of the tick's is logged and the loop goes on, but one that recurs every
     turn leaves a dispatcher that dispatches nothing: after TEND_FAULTS turns in a row
