@@ -14,7 +14,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from dispatcher.common.config import non_negative_int, non_negative_seconds
 from dispatcher.tools.bench_checks import (NEIGHBOURS, constrained_slowdowns, run_constrained,
@@ -30,6 +30,10 @@ COLD_CHARS = 12_000     # `cold`: a file's first characters, about 3,000 tokens 
 # differ: llama.cpp's 40, 0.95, 0.05; OpenAI's none): each writes its max_tokens, from
 # the whole distribution where it samples at all.
 SAME_WORK = {"ignore_eos": True, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+# The parts whose prompts are first-seen; on a target that did not start each of them
+# cold (no key of its own, or a server that ignores keys) their rows say so
+FIRST_SEEN_PARTS = ("edit", "fresh", "fresh1", "sampled", "cold", "typing")
+WARM_STATE = " (warm state)"
 
 
 def run_level(target, concurrency: int, prompts: list[str], max_tokens: int) -> Level:
@@ -298,13 +302,15 @@ class RunFiles:
         return self.corpus.prompts(f"{part}#{self.run}", n, make, min_chars)
 
 
-def run_parts(args, targets, plans, profiles: list[dict], run: int) -> list[dict]:
+def run_parts(args, targets, plans, profiles: list[dict], run: int,
+              reused: set | None = None) -> list[dict]:
     """One run: each target's parts, part by part across the targets (the first part on
     every target, then the second...) and within a part round by round (a request, or a
     round of concurrent streams, on each target in turn, the first target rotating), so
     a machine whose speed drifts (a shared host) shifts every target's figure of a part
     alike, not one target's. Returns each target's {part: result}; with --profile,
-    appends each part's step profile to `profiles`."""
+    appends each part's step profile to `profiles`; adds to `reused` the parts that
+    met a key an earlier part had sent (more parts than --api-key keys)."""
     order: list[str] = []                 # every part, in the order the targets run them
     for plan in plans:
         for name, _ in plan:
@@ -321,13 +327,19 @@ def run_parts(args, targets, plans, profiles: list[dict], run: int) -> list[dict
         # that runs whole (typing, the FIM replay) goes first on each target in turn
         turn = run - 1 + p_index
         if len(args.api_key) > 1:         # each part of each run under a key of its own
-            key = args.api_key[((run - 1) * len(order) + p_index) % len(args.api_key)]
+            used = (run - 1) * len(order) + p_index
+            key = args.api_key[used % len(args.api_key)]
+            if used >= len(args.api_key) and reused is not None:
+                reused.add(name)
             for t, _ in running:
                 if not in_process[t]:
                     targets[t].api_key = key
         while running:
             first = turn % len(running)
-            for t_index, rounds in running[first:] + running[:first]:
+            others = running[first + 1:] + running[:first]
+            if turn // len(running) % 2:     # every other pass the others go the other
+                others.reverse()             # way round: nobody always follows the same
+            for t_index, rounds in [running[first]] + others:
                 try:
                     next(rounds)
                 except StopIteration as finished:
@@ -397,6 +409,16 @@ def run(args) -> int:
     if len(args.api_key) > 1:
         print(f"{len(args.api_key)} API keys: each part of each run sends the next one",
               file=sys.stderr)
+    # a target whose parts each start cold: each under a key of its own, on a server that
+    # keeps what it learns per key; the others' first-seen rows are named WARM_STATE
+    cold = [not isinstance(t, InProcessTarget) and len(args.api_key) > 1 and
+            t.keys_enforced() for t in targets]
+    for target, cold_ in zip(targets, cold):
+        if not cold_ and not isinstance(target, InProcessTarget):
+            print(f"{target.name}: its first-seen rows are named '{WARM_STATE.strip()}': "
+                  "its parts share what it learns (a key per part to a server started "
+                  "with those keys starts each part cold: --api-key once for every part "
+                  "of every run)", file=sys.stderr)
     results: list[list] = [[] for _ in targets]
     hostile_lines: list[str] = []
     profiles: list[dict] = []
@@ -409,7 +431,12 @@ def run(args) -> int:
                      for t_index, target in enumerate(targets)]
         except CorpusError as exc:
             raise SystemExit(f"--corpus: {exc}") from None
-        done = run_parts(args, targets, plans, profiles, round_ + 1)
+        reused: set = set()
+        done = run_parts(args, targets, plans, profiles, round_ + 1, reused)
+        if reused:
+            print(f"run {round_ + 1}: parts {', '.join(sorted(reused))} met a key sent "
+                  f"before ({len(args.api_key)} keys): named '{WARM_STATE.strip()}'",
+                  file=sys.stderr)
         for t_index, plan in enumerate(plans):
             for part_name, _ in plan:
                 if part_name == "hostile":
@@ -418,6 +445,11 @@ def run(args) -> int:
                                       *done[t_index]["hostile"]]
                     continue
                 for level in done[t_index][part_name]:
+                    if part_name in FIRST_SEEN_PARTS or part_name[1:].isdigit():
+                        if (not cold[t_index] or part_name in reused) and \
+                                not isinstance(targets[t_index], InProcessTarget) and \
+                                "(warm" not in level.name:
+                            level = replace(level, name=level.name + WARM_STATE)
                     results[t_index].append((round_ + 1, level))
     rows = [{"target": target.name, "run": run_, **asdict(result)}
             for target, levels_done in zip(targets, results) for run_, result in levels_done]

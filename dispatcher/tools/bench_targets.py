@@ -154,6 +154,22 @@ class HttpTarget:
         finally:
             conn.close()
 
+    def keys_enforced(self) -> bool:
+        """Whether the server refuses a request that sends no key (401): one that does
+        keeps what it learns per key (this server with keys: its drafting history, the
+        recycled table, the prompt cache), so a part under a key of its own starts cold;
+        one that does not (llama-server started without keys) ignores the keys."""
+        conn = self.connection(self.host, self.port, timeout=30)
+        try:
+            conn.request("GET", self.base + "/models")
+            resp = conn.getresponse()
+            resp.read()
+            return resp.status == 401
+        except OSError:
+            return False
+        finally:
+            conn.close()
+
     def get_root(self, path: str, timeout: float = 30) -> tuple[int, bytes]:
         """GET a path of the server's root (not under /v1), e.g. /metrics."""
         conn = self.connection(self.host, self.port, timeout=timeout)
