@@ -18,6 +18,11 @@ from dispatcher.common.latency import HISTOGRAMS, Histogram
 # worker started on its own is named with its pid, so each restart is a new name, and
 # every name kept its series for ever (as Prometheus sees a target churn: the series end)
 MAX_GONE = 32
+# Series a front end's increments may add to each of requests, histograms and usage: their
+# labels come from another process (a front end's histogram of a worker pruned here, sent
+# after a dispatcher restart, came back for good: one more set of series for each
+# pid-named worker lost in each outage); past this a new series is not kept
+MAX_SERIES = 4096
 
 
 class SystemMetrics:
@@ -36,12 +41,16 @@ class SystemMetrics:
         """Add a front end's increments (a malformed one is ignored, not fatal)."""
         try:
             for route, status, n in delta.get("requests", []):
-                self.requests[(str(route), str(status))] += int(n)
+                key = (str(route), str(status))
+                if key in self.requests or len(self.requests) < MAX_SERIES:
+                    self.requests[key] += int(n)
             for kind, worker, device, wire in delta.get("histograms", []):
                 key = (kind, str(worker), str(device))
                 if kind not in HISTOGRAMS:
                     continue
                 if key not in self.histograms:
+                    if len(self.histograms) >= MAX_SERIES:
+                        continue
                     self.histograms[key] = Histogram(HISTOGRAMS[kind])
                 self.histograms[key].merge([int(c) for c in wire["counts"]],
                                            float(wire["sum"]))
@@ -50,6 +59,8 @@ class SystemMetrics:
                     continue
                 counts = [int(n) for n in row[1:]]
                 if min(counts) < 0:             # (counters never go down)
+                    continue
+                if row[0] not in self.usage and len(self.usage) >= MAX_SERIES:
                     continue
                 totals = self.usage.setdefault(row[0], [0, 0, 0, 0])
                 for i, n in enumerate(counts):

@@ -391,6 +391,24 @@ def test_the_series_of_workers_long_gone_are_forgotten():
     assert len({w for _, w, _, _ in kept.snapshot()["histograms"]}) == M.MAX_GONE
 
 
+def test_a_front_ends_increments_add_at_most_max_series_of_each_kind(monkeypatch):
+    """Their labels come from another process: a histogram of a worker pruned here (sent
+    after a dispatcher restart) came back for good, one more set of series for every
+    pid-named worker lost in each outage. Past MAX_SERIES a new series is not kept; the
+    ones kept go on counting."""
+    from dispatcher import metrics as M
+    monkeypatch.setattr(M, "MAX_SERIES", 8)
+    metrics = M.SystemMetrics()
+    for i in range(20):
+        metrics.absorb({"requests": [[f"/r{i}", "200", 1], ["/v1/completions", "200", 1]],
+                        "histograms": [["ttft", f"w-{i}", "cpu",
+                                        {"counts": [1], "sum": 0.1}]],
+                        "usage": [[f"key-{i}", 1, 1, 1, 0]]})
+    assert len(metrics.requests) == len(metrics.histograms) == len(metrics.usage) == 8
+    assert metrics.requests[("/v1/completions", "200")] == 20
+    assert ("/r19", "200") not in metrics.requests and "key-19" not in metrics.usage
+
+
 def test_a_worker_key_takes_only_names_no_longer_key_name_holds(tmp_path):
     """Keys `gpu` and `gpu-2`: `gpu-2-cuda0-7` is key gpu-2's name, so key gpu may not
     register it first and lock that host out; each key keeps its own names, `local` any."""
