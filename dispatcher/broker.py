@@ -25,7 +25,7 @@ from dispatcher.common import config, protocol as P
 from dispatcher import refusals
 from dispatcher.core import DispatcherCore, Send
 from dispatcher.operations import Operations
-from dispatcher.common.curve import DispatcherKeys
+from dispatcher.common.curve import DispatcherKeys, bind_name
 from dispatcher.common.process import StopFlag
 
 log = logging.getLogger(__name__)
@@ -357,9 +357,7 @@ class Broker:
             log.warning("worker message as %r from a key that does not hold that name: "
                         "dropped", identity)
             return False
-        self.bound_keys.setdefault(identity, user)
-        while len(self.bound_keys) > 4096:        # (names with a pid in them come and go)
-            del self.bound_keys[next(iter(self.bound_keys))]
+        bind_name(self.bound_keys, identity, user)
         return True
 
     def end_silent_workers(self) -> None:

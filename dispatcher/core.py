@@ -639,6 +639,9 @@ class DispatcherCore:
         waits: set[str] = set()
         leaders, written = self.registry.leaders()
         held: set[str] = set()          # prompts whose choices wait for their first's worker
+        waiting_keys: dict[str, set] = {}   # the keys with jobs queued, by model
+        for job in self.queue:
+            waiting_keys.setdefault(job.model, set()).add(job.body.api_key)
         for job in self.queue.in_fair_order(running.by_request, running.by_key_model,
                                             self.shares.served):
             if job.parent in waits or job.share_key in held:
@@ -655,7 +658,8 @@ class DispatcherCore:
                     1 for record in mine for other in record.running.values()
                     if not other.cancelled and other.body.api_key == job.body.api_key)
             if not self.shares.may_run(job, running, sum(r.slots for r in mine),
-                                       on_route.get(counted)):
+                                       on_route.get(counted),
+                                       alone=waiting_keys[job.model] == {job.body.api_key}):
                 waits.add(job.parent)
                 continue
             leader = leaders.get(job.share_key)

@@ -57,6 +57,13 @@ class QueuedJob:
         return body.tokens is None or \
             body.fanout * body.tokens + body.prompt_work > config.LONG_REQUEST_TOKENS
 
+    @property
+    def brief(self) -> bool:
+        """A completion with at most config.BRIEF_TOKENS to write: it frees its slot
+        soon (Shares.may_run lets a key alone go past its share with such jobs)."""
+        return self.body.op is None and self.body.tokens is not None and \
+            0 <= self.body.tokens <= config.BRIEF_TOKENS
+
     def for_worker(self, **changes) -> P.SubmittedJob:
         """The REQUEST body: the job as submitted, with its owner's topic and attempt."""
         return msgspec.structs.replace(self.body, topic=self.frontend.decode(),

@@ -3,8 +3,8 @@ slots and of its queue, the share of a request of long choices, and whose turn i
 
 With several keys (tenants), one key's request of 16 choices without max_tokens must not
 hold every slot while another key's keystroke waits: a key runs at most
-`key_slot_share` of a model's slots at once and queues at most `max_queue_per_key`
-requests; a request whose choices are long runs at most REQUEST_SLOT_SHARE of them
+`key_slot_share` of a model's slots at once (past it only brief jobs, while no other
+key's wait for the model) and queues at most `max_queue_per_key` requests; a request whose choices are long runs at most REQUEST_SLOT_SHARE of them
 (short fan-outs fill every slot); among the keys whose jobs wait, the one served longest
 ago goes first (`served`, read by `RequestQueue.in_fair_order`).
 """
@@ -42,16 +42,20 @@ class Shares:
         return now
 
     def may_run(self, job, running: "Running", slots: int,
-                key_running: int | None = None) -> bool:
+                key_running: int | None = None, alone: bool = False) -> bool:
         """Whether `job` may take a slot of its model's `slots` now (those that take its
         work): its key (on this model: a key's chat on one model takes nothing from its
         completions on another; `key_running`, its jobs on those slots, where known) and
-        its request below their shares."""
+        its request below their shares. `alone`: no other key's job waits for the model,
+        so a brief job (QueuedJob.brief) may go past its key's share: a free slot kept
+        for nobody made the key's own users wait for whole completions, and a key that
+        comes waits for one brief job."""
         api_key = job.body.api_key
         if key_running is None:
             key_running = running.by_key_model.get((api_key, job.body.model), 0)
         if api_key is not None and self.key_slot_share < 1.0 and \
-                key_running >= share_of(slots, self.key_slot_share):
+                key_running >= share_of(slots, self.key_slot_share) and \
+                not (alone and job.brief):
             return False                        # its key runs its share: others' turn
         if job.long and running.by_request.get(job.parent, 0) >= share_of(
                 slots, config.REQUEST_SLOT_SHARE):

@@ -409,6 +409,21 @@ def test_a_front_ends_increments_add_at_most_max_series_of_each_kind(monkeypatch
     assert ("/r19", "200") not in metrics.requests and "key-19" not in metrics.usage
 
 
+def test_a_name_in_use_keeps_its_key_past_thousands_of_others(monkeypatch):
+    """The dispatcher remembers BOUND_NAMES names' keys, the least recently used going
+    first: kept in the order first bound, a worker's name in use for weeks went first
+    after that many registrations of pid-named others, and another key could take it."""
+    from dispatcher.common import curve
+    monkeypatch.setattr(curve, "BOUND_NAMES", 4)
+    bound: dict = {}
+    curve.bind_name(bound, "gpu-steady", "key-gpu")
+    for pid in range(10):
+        curve.bind_name(bound, f"local-{pid}", "key-local")
+        curve.bind_name(bound, "gpu-steady", "key-gpu")       # its heartbeat
+    assert len(bound) == 4 and bound["gpu-steady"] == "key-gpu"
+    assert list(bound)[-1] == "gpu-steady" and "local-0" not in bound
+
+
 def test_a_worker_key_takes_only_names_no_longer_key_name_holds(tmp_path):
     """Keys `gpu` and `gpu-2`: `gpu-2-cuda0-7` is key gpu-2's name, so key gpu may not
     register it first and lock that host out; each key keeps its own names, `local` any."""

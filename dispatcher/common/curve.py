@@ -209,6 +209,20 @@ class DispatcherKeys:
         return bool(owners) and max(owners, key=len) == name
 
 
+BOUND_NAMES = 4096      # worker names whose key the dispatcher remembers (bind_name)
+
+
+def bind_name(bound: dict, identity: str, user_id: str | None) -> None:
+    """`identity` speaks with key `user_id` (may_register said it may): the name stays
+    that key's, and is now the latest used of `bound`, whose least recently used go past
+    BOUND_NAMES (names with a pid in them come and go). Kept in the order first bound,
+    a name in use for weeks was the first to go after 4,096 registrations of others,
+    and another key could then take it."""
+    bound[identity] = bound.pop(identity, user_id)
+    while len(bound) > BOUND_NAMES:
+        del bound[next(iter(bound))]
+
+
 LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 
 
