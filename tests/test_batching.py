@@ -194,8 +194,10 @@ def test_bench_reports_every_workload(two_fake_workers):
     rows = {row["name"]: row for row in json.loads(out.stdout)}
     # (the fake engine has no FIM tokens: the replay's prefix grows alone, named so)
     fim_name = "keystrokes (prefix only: suffix refused)"
-    assert set(rows) == {"stream x1", "stream x2", "extend prompt (warm)", fim_name}
-    for name in ("stream x1", "stream x2", "extend prompt (warm)"):
+    # (a server without keys: its parts share what it learns, the first-seen rows say so)
+    assert set(rows) == {"stream x1 (warm state)", "stream x2 (warm state)",
+                         "extend prompt (warm)", fim_name}
+    for name in ("stream x1 (warm state)", "stream x2 (warm state)", "extend prompt (warm)"):
         row = rows[name]
         assert row["ok"] == row["requests"] and row["errors"] == row["truncated"] == 0
         assert row["ttft_p50_ms"] > 0 and row["aggregate_tok_s"] > 0
@@ -272,11 +274,18 @@ def test_bench_runs_each_part_on_every_target_round_by_round(monkeypatch):
     calls.clear()            # the in-process target has no typing: it runs each part
     args.in_process = "bundled"          # it has beside the others' same part
     assert bench.run(args) == 0
-    three = [("a", "b", "in-process"), ("b", "in-process", "a"), ("in-process", "a", "b")]
-    assert calls == [(name, t) for name, r in (
+    def three(turn):        # the first turns; every other pass the others go the other way
+        targets = ("a", "b", "in-process")
+        first = turn % 3
+        others = list(targets[first + 1:] + targets[:first])
+        if turn // 3 % 2:
+            others.reverse()
+        return (targets[first], *others)
+    assert three(0) == ("a", "b", "in-process") and three(3) == ("a", "in-process", "b")
+    assert calls == [(name, t) for name, turn in (
         ("level0", 0), ("level1", 1), ("level0", 1), ("level1", 2), ("extension", 2),
-        ("single0", 0), ("single1", 1), ("single2", 2),
-        ("single0", 1), ("single1", 2), ("single2", 0)) for t in three[r]] + \
+        ("single0", 3), ("single1", 4), ("single2", 5),
+        ("single0", 4), ("single1", 5), ("single2", 6)) for t in three(turn)] + \
         [("typing", "b"), ("typing", "a")]
     calls.clear()
     args.in_process, args.runs = None, 2  # everything again: each part's order turned
@@ -416,15 +425,17 @@ def test_bench_editor_workloads(two_fake_workers):
     # (the cold request below is refused: a bench with a failed request says so, 1)
     assert out.returncode == 1 and "1 request(s) failed" in out.stderr, out.stderr
     rows = {row["name"]: row for row in json.loads(out.stdout)}
-    for name, requests in (("edit", 1), ("fresh", 1), ("fresh1", 1), ("sampled", 1),
+    for name, requests in (("edit (warm state)", 1), ("fresh (warm state)", 1),
+                           ("fresh1 (warm state)", 1), ("sampled (warm state)", 1),
                            ("repeat (warm)", 1)):
         assert rows[name]["ok"] == rows[name]["requests"] == requests   # --requests 1
         assert rows[name]["errors"] == 0
     # cold: a file's first 12,000 characters, past the fake engine's context (a token
     # a byte, 4,096): sent whole, refused
-    assert rows["cold"]["requests"] == 1 and rows["cold"]["errors"] == 1
-    assert "context length" in rows["cold"]["error_samples"][0]
-    typing = rows["typing (plugin-like)"]     # stale requests closed at once, no header
+    cold = rows["cold (warm state)"]
+    assert cold["requests"] == 1 and cold["errors"] == 1
+    assert "context length" in cold["error_samples"][0]
+    typing = rows["typing (plugin-like) (warm state)"]     # stale requests closed at once, no header
     assert typing["requests"] == 2 and typing["ok"] == 2 and typing["errors"] == 0
     assert typing["unanswered"] == 0 and 0 <= typing["closed"] <= 4
     assert typing["first_line_p95_ms"] is None or \
@@ -510,7 +521,7 @@ def test_a_neighbour_that_never_streamed_gets_no_slowdown_and_json_keeps_the_che
     assert bench.run(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["hostile"] == ["a:", "  a line"]
-    assert [r["name"] for r in out["rows"]] == ["stream x1", "extension"]
+    assert [r["name"] for r in out["rows"]] == ["stream x1 (warm state)", "extension"]
     # a refused neighbour is no neighbour, not a failed bench; a failed plain request is
     from types import SimpleNamespace
     args = SimpleNamespace(json=True, profile=False, constrained=True, hostile=False, runs=1)

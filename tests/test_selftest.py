@@ -438,12 +438,13 @@ def test_gpu_check_runs_every_part_on_the_cpu(tmp_path):
     for drafts in ("on", "off", "model"):
         for streams in (1, 16):
             report = json.loads((out / f"bench-{streams}-drafts-{drafts}.json").read_text())
-            (row,) = [r for r in report["rows"] if r["name"] == f"stream x{streams}"]
+            (row,) = [r for r in report["rows"]
+                      if r["name"] == f"stream x{streams} (warm state)"]
             assert row["ok"] == row["requests"] == 4 * streams and row["errors"] == 0
             assert report["profiles"] and "draft model ms" in report["profiles"][0]
         assert "OFFLOAD" not in (out / f"status-{drafts}.txt").read_text().splitlines()[1]
     summary = (out / "summary.txt").read_text()
-    assert "bench, 16 stream(s), drafts model: stream x16: 64/64 ok" in summary
+    assert "bench, 16 stream(s), drafts model: stream x16 (warm state): 64/64 ok" in summary
     assert "done in" in summary
 
 
