@@ -1294,3 +1294,17 @@ def test_events_larger_than_the_backlog_that_the_client_reads_are_answered(
     else:
         choices = response.get_json()["choices"]
         assert [c["text"] for c in choices] == ["x" * 5000 + "y" * 5000] * 3
+
+
+def test_every_body_the_soak_sends_as_invalid_is_refused_by_the_front_end(client):
+    """The soak counts an invalid body answered 200 as garbled: its list must hold only
+    bodies this server refuses (it still held `{"prompt": ""}` after the empty prompt
+    became the start of a document, and the soak failed on its own list)."""
+    from dispatcher.tools.soak import INVALID_BODIES
+    http, fake = client
+    for body in INVALID_BODIES:
+        response = http.post("/v1/completions", data=body,
+                             headers={"Content-Type": "application/json"})
+        assert 400 <= response.status_code < 500, (body[:60], response.status_code)
+        assert set(response.get_json()["error"]) == {"message", "type", "param", "code"}
+    assert fake.jobs == []

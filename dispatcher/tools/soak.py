@@ -33,7 +33,7 @@ from dispatcher.common import config
 from dispatcher.tools.ctl import control_request, default_dispatcher_address
 
 INVALID_BODIES = [
-    b'{"prompt": "x", "temperature": "hot"}', b'{"prompt": ""}', b'{"prompt": NaN}',
+    b'{"prompt": "x", "temperature": "hot"}', b'{"prompt": []}', b'{"prompt": NaN}',
     b'{"prompt": "x", "max_tokens": 1e400}', b"[" * 5000 + b"]" * 5000, b"\xff\xfe\x00",
     b'{"prompt": "x", "no_such_field": 1}', b'{"model": "no-such-model", "prompt": "x"}',
     b'{"prompt": "x", "best_of": 2, "stream": true}', b'{"prompt": [1, -1]}', b"null",
