@@ -19,8 +19,8 @@ from dispatcher.common import protocol as P
 # cancelled as if it had left. Events that come while the handler waits for them count
 # for nothing, however large: one echo with logprobs of 9 MB, or several choices' echoes
 # arriving in one turn of the loop, cancelled a request whose client read everything (a
-# non-streaming one with an empty 499); so one that reads holds at most such a burst
-# and this much.
+# non-streaming one with an empty 499); nor does the event just come, nor more than
+# is waiting. So one that reads holds at most such a burst, one event and this much.
 MAX_BACKLOG_BYTES = 8 << 20
 
 
@@ -72,7 +72,10 @@ class Fanout:
             self.merged.put((index, event, stream.last_size))
             if isinstance(event, P.ENDS):
                 return
-            if self.unwaited > MAX_BACKLOG_BYTES and not self._gone:
+            # (what waited before this event: one event larger than the bound, coming
+            # while the handler writes the one before, is no backlog of a slow client)
+            if min(self.unwaited, self.backlog) - stream.last_size > MAX_BACKLOG_BYTES \
+                    and not self._gone:
                 self.overflowed = True
                 self.client_gone()
                 return

@@ -125,6 +125,7 @@ class DispatcherCore:
         self._next_unservable_check = 0.0
         self.served_parents = ServedRequests(SERVED_FOR, SERVED_MEMORY)
         self._undelivered_said = -60.0
+        self._dispatch_fault_said = -60.0     # when a dispatch fault's trace was last logged
         self._out: list[Send] = []
 
     # -- plumbing ----------------------------------------------------------------------
@@ -677,6 +678,7 @@ class DispatcherCore:
                 self._assign(job, worker)
             except Exception:
                 self._dispatch_failed(job)
+                waits.add(job.parent)       # (its request's other jobs: failed with it)
                 continue
             running.add(job)
             for other_route, records in routes.items():      # (its slot is theirs too)
@@ -687,22 +689,31 @@ class DispatcherCore:
 
     def _dispatch_failed(self, job: QueuedJob) -> None:
         """Choosing a worker for `job`, or sending it there, raised: it is cancelled
-        wherever it got to and answered 500, and the queue goes on. Left queued, every
+        wherever it got to and answered 500 with its request's other queued jobs (the
+        front end fails a request whole), and the queue goes on. Left queued, every
         later dispatch met it again: each SUBMIT's handling raised (its innocent job
         answered 500), every tick did, and after TEND_FAULTS ticks the loop stopped, every
         stream with it."""
         self.stats["loop_faults"] += 1
-        log.exception("dispatching %s failed; it is answered 500 and the queue goes on",
-                      job.request_id)
+        if self.now - self._dispatch_fault_said >= 60.0:   # (a trace a minute at most: a
+            self._dispatch_fault_said = self.now           # request of 128 choices meets
+            log.exception("dispatching %s failed; its request is answered 500 and the "
+                          "queue goes on", job.request_id)    # it 128 times)
+        else:
+            log.debug("dispatching %s failed", job.request_id, exc_info=True)
         self.queue.remove(job.request_id)
         self._forget(job)
-        # (a REQUEST made for it is not sent yet: taken back, so no worker runs it)
+        # (a REQUEST made for it is not sent yet: taken back, so no worker runs it; nor
+        # the prompt it would have carried: a worker's later jobs are sent it whole)
         self._out = [send for send in self._out
                      if not (send.cmd == P.REQUEST and send.request_id == job.request_id)]
         for record in self.registry.workers.values():
             record.running.pop(job.request_id, None)
+            if job.share_key is not None:
+                record.shared_sent.pop(job.share_key, None)
         job.worker = None
         self._fail(job, refusals.dispatcher_fault())
+        self._fail_queued({job.parent}, refusals.dispatcher_fault())
 
     def _assign(self, job: QueuedJob, worker: WorkerRecord, **extra) -> None:
         """Send `job` to `worker` (with `extra` fields) and count it as running there.

@@ -48,12 +48,14 @@ class SystemMetrics:
                 key = (kind, str(worker), str(device))
                 if kind not in HISTOGRAMS:
                     continue
+                counts, total = [int(c) for c in wire["counts"]], float(wire["sum"])
                 if key not in self.histograms:
-                    if len(self.histograms) >= MAX_SERIES:
+                    fresh = Histogram(HISTOGRAMS[kind])
+                    if len(self.histograms) >= MAX_SERIES or \
+                            len(counts) != len(fresh.counts):   # (malformed: no series)
                         continue
-                    self.histograms[key] = Histogram(HISTOGRAMS[kind])
-                self.histograms[key].merge([int(c) for c in wire["counts"]],
-                                           float(wire["sum"]))
+                    self.histograms[key] = fresh
+                self.histograms[key].merge(counts, total)
             for row in delta.get("usage", []):
                 if not isinstance(row, list) or len(row) != 5 or not isinstance(row[0], str):
                     continue

@@ -59,10 +59,15 @@ class QueuedJob:
 
     @property
     def brief(self) -> bool:
-        """A completion with at most config.BRIEF_TOKENS to write: it frees its slot
-        soon (Shares.may_run lets a key alone go past its share with such jobs)."""
-        return self.body.op is None and self.body.tokens is not None and \
-            0 <= self.body.tokens <= config.BRIEF_TOKENS
+        """A completion with at most config.BRIEF_TOKENS to write and, with its prompt's
+        prefill (`prompt_work`, as the front end estimates it), at most
+        config.BRIEF_WORK tokens of work: it frees its slot soon (Shares.may_run lets a
+        key alone go past its share with such jobs; eight 3,000-token prompts would
+        have held every slot through their prefills)."""
+        body = self.body
+        return body.op is None and body.tokens is not None and \
+            0 <= body.tokens <= config.BRIEF_TOKENS and \
+            body.tokens + body.prompt_work <= config.BRIEF_WORK
 
     def for_worker(self, **changes) -> P.SubmittedJob:
         """The REQUEST body: the job as submitted, with its owner's topic and attempt."""

@@ -81,6 +81,24 @@ def test_a_queued_job_whose_dispatch_raises_is_answered_and_the_queue_goes_on(mo
     assert core.stats["loop_faults"] == 1 and len(core.queue) == 0
     assert [k for k in kinds(core.tick(1.0)) if k[0] != "HEARTBEAT"] == []
     assert set(core.registry.workers[b"w0"].running) == {"c"}
+    # a request of several choices meeting it: answered whole, once, its other choices
+    # failed with it (the front end fails a request whole at its first error)
+    fan = DispatcherCore()
+    ready(fan, slots=1)
+    submit(fan, "busy")
+    choices(fan, "f", 3)
+    real = fan.registry.choose
+
+    def faulty_fan(job, leader=None):
+        if job.parent == "f":
+            raise RuntimeError("a routing bug one prompt meets")
+        return real(job, leader)
+
+    monkeypatch.setattr(fan.registry, "choose", faulty_fan)
+    sends = from_worker(fan, P.DONE, "busy", attempt=1, last_seq=3)
+    assert sorted(k for k in kinds(sends) if k[0] == "FAILED") == \
+        [("FAILED", "f.0.0"), ("FAILED", "f.0.1"), ("FAILED", "f.0.2")]
+    assert fan.stats["loop_faults"] == 1 and len(fan.queue) == 0
 
 
 def test_a_cancelled_jobs_slot_goes_to_the_next_job_with_the_cancel():
@@ -1158,12 +1176,14 @@ def test_a_key_alone_fills_the_slots_with_brief_jobs_and_another_waits_for_one()
     assert [k for k in kinds(sends) if k[0] == "REQUEST"] == [("REQUEST", "b0")]
     sends = from_worker(core, P.DONE, "a1", attempt=1, last_seq=3)
     assert [k for k in kinds(sends) if k[0] == "REQUEST"] == [("REQUEST", "a8")]
-    long_ = DispatcherCore(key_slot_share=0.75, max_queue=64)
-    ready(long_, slots=8)
-    for i in range(8):
-        submit(long_, f"a{i}", parent=f"a{i}", api_key="ka", tokens=1024)
-    assert len(long_.registry.workers[b"w0"].running) == 6
-    assert ("REQUEST", "b0") in kinds(submit(long_, "b0", parent="b0", api_key="kb"))
+    for tokens, prompt_work in ((1024, 0), (128, 3000)):    # long to write, or to prefill
+        long_ = DispatcherCore(key_slot_share=0.75, max_queue=64)
+        ready(long_, slots=8)
+        for i in range(8):
+            submit(long_, f"a{i}", parent=f"a{i}", api_key="ka", tokens=tokens,
+                   prompt_work=prompt_work)
+        assert len(long_.registry.workers[b"w0"].running) == 6
+        assert ("REQUEST", "b0") in kinds(submit(long_, "b0", parent="b0", api_key="kb"))
 
 
 @pytest.mark.parametrize("key", [None, "ka"])

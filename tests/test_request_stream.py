@@ -278,9 +278,10 @@ def test_a_request_whose_events_wait_unwritten_past_the_backlog_is_ended():
     assert fanout.overflowed and ("gone", "cmpl-1") in client.sent
     # cancelled at once, not once the handler has written the backlog (a slow reader)
     assert (P.CANCEL, "cmpl-1") in client.sent and client.forgotten == ["cmpl-1"]
-    assert fanout.backlog == 9 * chunk                    # it stopped at the first past
+    # it stopped at the first event with more than the bound waiting before it
+    assert fanout.backlog == 10 * chunk
     events = fanout.events()
-    assert [next(events)[1].seq for _ in range(9)] == list(range(9))
+    assert [next(events)[1].seq for _ in range(10)] == list(range(10))
     assert fanout.backlog == 0
     with pytest.raises(ClientGone):
         next(events)
@@ -335,3 +336,36 @@ def test_a_burst_that_comes_while_the_handler_waits_is_no_backlog():
         read += 1
         gevent.sleep(0.002)                  # each write takes a while
     assert read == 4 * 41 and not fanout.overflowed and client.sent == []
+
+
+def test_one_event_larger_than_the_backlog_coming_while_the_handler_writes_is_kept():
+    """Two choices' echoes of 9 MB each (within the answer's bound: a stream counts an
+    echo once per prompt), the second coming while the handler writes the first: no
+    backlog of a slow client waited before it, so the request goes on."""
+    from types import SimpleNamespace
+
+    import gevent
+
+    from app.fanout import MAX_BACKLOG_BYTES, Fanout
+
+    client = FakeClient()
+    streams = [RequestStream(client, f"cmpl-{i}") for i in range(2)]
+    fanout = Fanout(client, [SimpleNamespace(id=f"cmpl-{i}") for i in range(2)])
+    fanout.streams = streams
+    fanout._readers = [gevent.spawn(fanout._read, i, s) for i, s in enumerate(streams)]
+    big = MAX_BACKLOG_BYTES + (1 << 20)
+
+    def worker():
+        gevent.sleep(0.01)
+        streams[0].inbox.put(TokenEvent(ev(0, "text", text="x").event, big))
+        gevent.sleep(0.02)                   # the handler is writing it now
+        streams[1].inbox.put(TokenEvent(ev(0, "text", text="y").event, big))
+        for stream in streams:
+            stream.inbox.put(TokenEvent(ev(1, "end").event, 10))
+
+    gevent.spawn(worker)
+    read = 0
+    for _ in fanout.events():
+        read += 1
+        gevent.sleep(0.05)                   # each write takes a while
+    assert read == 4 and not fanout.overflowed and client.sent == []

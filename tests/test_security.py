@@ -376,13 +376,14 @@ def test_the_series_of_workers_long_gone_are_forgotten():
     from dispatcher import metrics as M
     from dispatcher.common import protocol as P
     kept = M.SystemMetrics()
+    counts = [1] * len(M.Histogram(M.HISTOGRAMS["ttft"]).counts)
     kept.job_done("steady", "cuda:1", P.Done(attempt=1, usage=P.Usage(completion_tokens=3)))
     kept.worker_lost("steady", "cuda:1", 0)
     kept.worker_ready("steady")                       # back under its own name
     for pid in range(1000, 1000 + 3 * M.MAX_GONE):
         name = f"cuda0-{pid}"
         kept.job_done(name, "cuda:0", P.Done(attempt=1, usage=P.Usage(completion_tokens=2)))
-        kept.absorb({"histograms": [["ttft", name, "cuda:0", {"counts": [1], "sum": 0.1}]]})
+        kept.absorb({"histograms": [["ttft", name, "cuda:0", {"counts": counts, "sum": 0.1}]]})
         kept.worker_lost(name, "cuda:0", 1)
     names = {w for _, w, _, _ in kept.snapshot()["tokens"]} | \
         {w for _, w, _, _ in kept.snapshot()["outcomes"]}
@@ -399,14 +400,19 @@ def test_a_front_ends_increments_add_at_most_max_series_of_each_kind(monkeypatch
     from dispatcher import metrics as M
     monkeypatch.setattr(M, "MAX_SERIES", 8)
     metrics = M.SystemMetrics()
+    counts = [1] * len(M.Histogram(M.HISTOGRAMS["ttft"]).counts)
     for i in range(20):
         metrics.absorb({"requests": [[f"/r{i}", "200", 1], ["/v1/completions", "200", 1]],
                         "histograms": [["ttft", f"w-{i}", "cpu",
-                                        {"counts": [1], "sum": 0.1}]],
+                                        {"counts": counts, "sum": 0.1}]],
                         "usage": [[f"key-{i}", 1, 1, 1, 0]]})
     assert len(metrics.requests) == len(metrics.histograms) == len(metrics.usage) == 8
     assert metrics.requests[("/v1/completions", "200")] == 20
     assert ("/r19", "200") not in metrics.requests and "key-19" not in metrics.usage
+    fresh = M.SystemMetrics()                   # a malformed histogram takes no place
+    fresh.absorb({"histograms": [["ttft", "w", "cpu", {"counts": [1, 2, 3], "sum": 1}],
+                                 ["ttft", "v", "cpu", {"counts": "x", "sum": 1}]]})
+    assert fresh.histograms == {}
 
 
 def test_a_name_in_use_keeps_its_key_past_thousands_of_others(monkeypatch):

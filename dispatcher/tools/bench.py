@@ -32,7 +32,7 @@ COLD_CHARS = 12_000     # `cold`: a file's first characters, about 3,000 tokens 
 SAME_WORK = {"ignore_eos": True, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 # The parts whose prompts are first-seen; on a target that did not start each of them
 # cold (no key of its own, or a server that ignores keys) their rows say so
-FIRST_SEEN_PARTS = ("edit", "fresh", "fresh1", "sampled", "cold", "typing")
+FIRST_SEEN_PARTS = ("edit", "fresh", "fresh1", "sampled", "cold", "typing", "fim")
 WARM_STATE = " (warm state)"
 
 

@@ -165,7 +165,7 @@ class HttpTarget:
             resp = conn.getresponse()
             resp.read()
             return resp.status == 401
-        except OSError:
+        except (OSError, http.client.HTTPException):
             return False
         finally:
             conn.close()
