@@ -193,7 +193,7 @@ def test_bench_reports_every_workload(two_fake_workers):
     assert out.returncode == 0, out.stderr
     rows = {row["name"]: row for row in json.loads(out.stdout)}
     # (the fake engine has no FIM tokens: the replay's prefix grows alone, named so)
-    fim_name = "keystrokes (prefix only: suffix refused)"
+    fim_name = "keystrokes (prefix only: suffix refused) (warm state)"
     # (a server without keys: its parts share what it learns, the first-seen rows say so)
     assert set(rows) == {"stream x1 (warm state)", "stream x2 (warm state)",
                          "extend prompt (warm)", fim_name}
