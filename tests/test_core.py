@@ -56,6 +56,19 @@ def test_a_job_is_accepted_then_sent_to_a_free_worker():
     assert kinds(sends) == [("FINISHED", "a"), ("REQUEST", "c")]     # its slot, at once
 
 
+def choose_fails_for(core, monkeypatch, parent: str) -> None:
+    """The core's worker choice raises for the jobs of request `parent` (a routing bug
+    one request meets)."""
+    choose = core.registry.choose
+
+    def faulty(job, leader=None):
+        if job.parent == parent:
+            raise RuntimeError("a routing bug one request meets")
+        return choose(job, leader)
+
+    monkeypatch.setattr(core.registry, "choose", faulty)
+
+
 def test_a_queued_job_whose_dispatch_raises_is_answered_and_the_queue_goes_on(monkeypatch):
     """A fault in choosing a worker for one queued job (or sending it there) met every
     later dispatch: each SUBMIT's handling raised, every tick did, and the broker's loop
@@ -65,14 +78,7 @@ def test_a_queued_job_whose_dispatch_raises_is_answered_and_the_queue_goes_on(mo
     ready(core, slots=1)
     submit(core, "a")
     assert kinds(submit(core, "bad")) == [("ACCEPTED", "bad")]       # queued
-    choose = core.registry.choose
-
-    def faulty(job, leader=None):
-        if job.request_id == "bad":
-            raise RuntimeError("a routing bug one job meets")
-        return choose(job, leader)
-
-    monkeypatch.setattr(core.registry, "choose", faulty)
+    choose_fails_for(core, monkeypatch, "bad")
     assert kinds(submit(core, "c")) == [("ACCEPTED", "c")]
     sends = from_worker(core, P.DONE, "a", attempt=1, last_seq=3)
     assert kinds(sends) == [("FINISHED", "a"), ("FAILED", "bad"), ("REQUEST", "c")]
@@ -87,14 +93,7 @@ def test_a_queued_job_whose_dispatch_raises_is_answered_and_the_queue_goes_on(mo
     ready(fan, slots=1)
     submit(fan, "busy")
     choices(fan, "f", 3)
-    real = fan.registry.choose
-
-    def faulty_fan(job, leader=None):
-        if job.parent == "f":
-            raise RuntimeError("a routing bug one prompt meets")
-        return real(job, leader)
-
-    monkeypatch.setattr(fan.registry, "choose", faulty_fan)
+    choose_fails_for(fan, monkeypatch, "f")
     sends = from_worker(fan, P.DONE, "busy", attempt=1, last_seq=3)
     assert sorted(k for k in kinds(sends) if k[0] == "FAILED") == \
         [("FAILED", "f.0.0"), ("FAILED", "f.0.1"), ("FAILED", "f.0.2")]

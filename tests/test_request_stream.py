@@ -302,24 +302,39 @@ def test_a_request_whose_events_wait_unwritten_past_the_backlog_is_ended():
 
 
 
-def test_a_burst_that_comes_while_the_handler_waits_is_no_backlog():
-    """Four choices' echoes (each over half the backlog bound) arriving in one turn while
-    the handler waits, then tokens while it writes them: counted as a backlog, the first
-    token after the first write's start cancelled a request whose client read it all."""
+def _read_slowly(choices: int, feed, write_s: float):
+    """A Fanout over `choices` streams, `feed(streams)` putting their events on its own
+    greenlet, read by a handler whose every write takes `write_s`: (events read, fanout,
+    client)."""
     from types import SimpleNamespace
 
     import gevent
 
-    from app.fanout import MAX_BACKLOG_BYTES, Fanout
+    from app.fanout import Fanout
 
     client = FakeClient()
-    streams = [RequestStream(client, f"cmpl-{i}") for i in range(4)]
-    fanout = Fanout(client, [SimpleNamespace(id=f"cmpl-{i}") for i in range(4)])
+    streams = [RequestStream(client, f"cmpl-{i}") for i in range(choices)]
+    fanout = Fanout(client, [SimpleNamespace(id=f"cmpl-{i}") for i in range(choices)])
     fanout.streams = streams
     fanout._readers = [gevent.spawn(fanout._read, i, s) for i, s in enumerate(streams)]
+    gevent.spawn(feed, streams)
+    read = 0
+    for _ in fanout.events():
+        read += 1
+        gevent.sleep(write_s)                # each write takes a while
+    return read, fanout, client
+
+
+def test_a_burst_that_comes_while_the_handler_waits_is_no_backlog():
+    """Four choices' echoes (each over half the backlog bound) arriving in one turn while
+    the handler waits, then tokens while it writes them: counted as a backlog, the first
+    token after the first write's start cancelled a request whose client read it all."""
+    import gevent
+
+    from app.fanout import MAX_BACKLOG_BYTES
     big = MAX_BACKLOG_BYTES // 2 + 1
 
-    def worker():
+    def feed(streams):
         gevent.sleep(0.01)                   # the handler waits by now
         for stream in streams:               # the echoes, in one turn
             stream.inbox.put(TokenEvent(ev(0, "text", text="x").event, big))
@@ -330,11 +345,7 @@ def test_a_burst_that_comes_while_the_handler_waits_is_no_backlog():
         for stream in streams:
             stream.inbox.put(TokenEvent(ev(40, "end").event, 10))
 
-    gevent.spawn(worker)
-    read = 0
-    for _ in fanout.events():
-        read += 1
-        gevent.sleep(0.002)                  # each write takes a while
+    read, fanout, client = _read_slowly(4, feed, 0.002)
     assert read == 4 * 41 and not fanout.overflowed and client.sent == []
 
 
@@ -342,20 +353,12 @@ def test_one_event_larger_than_the_backlog_coming_while_the_handler_writes_is_ke
     """Two choices' echoes of 9 MB each (within the answer's bound: a stream counts an
     echo once per prompt), the second coming while the handler writes the first: no
     backlog of a slow client waited before it, so the request goes on."""
-    from types import SimpleNamespace
-
     import gevent
 
-    from app.fanout import MAX_BACKLOG_BYTES, Fanout
-
-    client = FakeClient()
-    streams = [RequestStream(client, f"cmpl-{i}") for i in range(2)]
-    fanout = Fanout(client, [SimpleNamespace(id=f"cmpl-{i}") for i in range(2)])
-    fanout.streams = streams
-    fanout._readers = [gevent.spawn(fanout._read, i, s) for i, s in enumerate(streams)]
+    from app.fanout import MAX_BACKLOG_BYTES
     big = MAX_BACKLOG_BYTES + (1 << 20)
 
-    def worker():
+    def feed(streams):
         gevent.sleep(0.01)
         streams[0].inbox.put(TokenEvent(ev(0, "text", text="x").event, big))
         gevent.sleep(0.02)                   # the handler is writing it now
@@ -363,9 +366,5 @@ def test_one_event_larger_than_the_backlog_coming_while_the_handler_writes_is_ke
         for stream in streams:
             stream.inbox.put(TokenEvent(ev(1, "end").event, 10))
 
-    gevent.spawn(worker)
-    read = 0
-    for _ in fanout.events():
-        read += 1
-        gevent.sleep(0.05)                   # each write takes a while
+    read, fanout, client = _read_slowly(2, feed, 0.05)
     assert read == 4 and not fanout.overflowed and client.sent == []
