@@ -640,9 +640,10 @@ class DispatcherCore:
         waits: set[str] = set()
         leaders, written = self.registry.leaders()
         held: set[str] = set()          # prompts whose choices wait for their first's worker
-        waiting_keys: dict[str, set] = {}   # the keys with jobs queued, by model
-        for job in self.queue:
-            waiting_keys.setdefault(job.model, set()).add(job.body.api_key)
+        waiting_keys: dict[str, set] = {}   # the keys with jobs queued, by model (where
+        if self.shares.key_slot_share < 1.0:  # keys have shares: Shares.may_run's `alone`)
+            for job in self.queue:
+                waiting_keys.setdefault(job.model, set()).add(job.body.api_key)
         for job in self.queue.in_fair_order(running.by_request, running.by_key_model,
                                             self.shares.served):
             if job.parent in waits or job.share_key in held:
@@ -660,7 +661,7 @@ class DispatcherCore:
                     if not other.cancelled and other.body.api_key == job.body.api_key)
             if not self.shares.may_run(job, running, sum(r.slots for r in mine),
                                        on_route.get(counted),
-                                       alone=waiting_keys[job.model] == {job.body.api_key}):
+                                       alone=waiting_keys.get(job.model) == {job.body.api_key}):
                 waits.add(job.parent)
                 continue
             leader = leaders.get(job.share_key)

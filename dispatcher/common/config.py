@@ -443,8 +443,9 @@ def add_options(parser: argparse.ArgumentParser, names: Iterable[str],
 # With several API keys, the share of a model's slots one key may run at once: the rest
 # stay for the others (the queue serves it in turn). A key whose jobs alone wait for
 # the model may fill the rest with brief jobs (at most BRIEF_TOKENS to write each, an
-# editor's completion, and BRIEF_WORK with their prompt's prefill): held back, eight users of one key found two slots idle and
-# waited for a whole completion; another key's request then waits for one brief job
+# editor's completion, and BRIEF_WORK with their prompt's prefill): held back, eight
+# users of one key found two slots idle and waited for a whole completion; another
+# key's request then waits for one brief job
 KEY_SLOT_SHARE = 0.75
 BRIEF_TOKENS = 256
 BRIEF_WORK = 2048       # ... and at most this much with its prompt's prefill (prompt_work)
