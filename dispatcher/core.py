@@ -417,7 +417,7 @@ class DispatcherCore:
         record = self.registry.get(identity)
         if msg.cmd == P.READY:
             if record is not None:
-                self.worker_lost(record, "re-registered")
+                self._reregistered(record)
             refusal = self.registry.refusal(identity, msg.body)
             if refusal:
                 log.error("worker %s refused: %s", identity.decode(errors="replace"), refusal)
@@ -475,6 +475,18 @@ class DispatcherCore:
             log.warning("unknown command %s from worker %s", P.command_name(msg.cmd),
                         record.name)
         return self._take()
+
+    def _reregistered(self, record: WorkerRecord) -> None:
+        """A known worker says READY again: it reconnected, and dropped what its old
+        connection had been handed. What it was handed since, before this READY was read
+        (its identity is its name), would run there for nobody: the jobs are requeued
+        or failed as any lost worker's, and those attempts cancelled there (the next
+        attempt may come to the same worker: it is not cancelled, P.Cancel)."""
+        held = [(job.request_id, job.attempt)
+                for job in (*record.running.values(), *record.ops.values())]
+        self.worker_lost(record, "re-registered")
+        for request_id, attempt in held:
+            self._to_worker(record.identity, P.CANCEL, request_id, P.Cancel(attempt=attempt))
 
     def job_done(self, record: WorkerRecord, request_id: str, body: P.Done) -> None:
         job = record.running.get(request_id) or record.ops.get(request_id)

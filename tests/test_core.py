@@ -263,6 +263,31 @@ def test_a_lost_worker_requeues_what_it_had_not_started_and_fails_the_rest():
     assert request.request_id == "waiting" and request.body.attempt == 2
 
 
+def test_a_worker_that_says_ready_again_has_its_old_attempts_cancelled_not_the_new():
+    """A worker reconnects under its name: a job handed to it after its reconnection and
+    before its READY was read ran there for nobody (the dispatcher had requeued it, and
+    may hand the next attempt to another worker). The old attempts are cancelled there
+    by attempt, before the next attempt can come to the same worker."""
+    core = DispatcherCore()
+    ready(core, b"w0", slots=2)
+    submit(core, "handed")
+    submit(core, "started")
+    from_worker(core, P.STARTED, "started", attempt=1)
+    sends = ready(core, b"w0", slots=2)
+    to_worker = [(P.command_name(s.cmd), s.request_id, s.body) for s in sends
+                 if s.peer == b"w0" and s.cmd != P.STATE]
+    cancels = {rid: body.attempt for cmd, rid, body in to_worker if cmd == "CANCEL"}
+    assert cancels == {"handed": 1, "started": 1}
+    request = [(rid, body.attempt) for cmd, rid, body in to_worker if cmd == "REQUEST"]
+    assert request == [("handed", 2)]                      # the next attempt, here again
+    assert [cmd for cmd, rid, _ in to_worker if rid == "handed"] == ["CANCEL", "REQUEST"]
+    failed = {s.request_id for s in sends if s.cmd == P.FAILED}
+    assert failed == {"started"}                           # (started: never a 2nd try)
+    # the worker's answer to the cancel (the old attempt) leaves the new one in place
+    from_worker(core, P.DONE, "handed", attempt=1, cancelled=True)
+    assert core.registry.get(b"w0").running["handed"].attempt == 2
+
+
 def test_a_lost_workers_unstarted_jobs_go_back_in_the_order_they_came():
     """Each requeued job went to the queue's front in turn: the last sent came out first,
     the oldest request waited behind the others."""

@@ -369,6 +369,40 @@ def test_the_same_request_handed_over_again_before_the_reset_is_read_runs_once(l
         not loop.preparer.ready
 
 
+def test_a_cancel_up_to_an_attempt_spares_the_later_one(loop):
+    """The dispatcher cancels what a re-registered worker's old connection held by
+    attempt (P.Cancel): the job handed over there runs for nobody otherwise. The same
+    request's next attempt, handed to this worker next, may already be on the preparing
+    thread when the loop reads that cancel: it is not cancelled (a cancel by id alone
+    took it, and the request waited for ever)."""
+    dry = {"dry_multiplier": 0.8}                          # (prepared: a DRY sampler)
+    submit(loop, "r", job(id="r", max_tokens=40))
+    run(loop, steps=2)
+    loop.inbox.put(inbox.Cancel("r", 0))                   # (an attempt before it: kept)
+    run(loop, steps=1)
+    assert loop.active["r"].attempt == 1
+    loop.inbox.put(inbox.Cancel("r", 1))
+    assert loop.preparer.submit("r", job(id="r", sampling=dry, max_tokens=3, attempt=2))
+    loop.preparer.thread.submit(lambda: None).result()
+    run(loop)
+    events = events_of(loop, "r")
+    assert [e["e"] for e in events if e.get("a", 1) == 2] == ["start", "text", "text", "text", "end"]
+    assert [e["e"] for e in events if e.get("a", 1) == 1][-1] != "end"      # cancelled, no end
+    done = [(body.get("attempt", 1), bool(body.get("cancelled")))
+            for cmd, rid, body in loop.notices if cmd == "DONE"]
+    assert done == [(1, True), (2, False)], done
+    assert sorted(loop.free_slots) == [0, 1] and not loop.preparer.cancelled
+    # one being prepared, then cancelled up to its attempt: dropped there
+    assert loop.preparer.submit("s", job(id="s", sampling=dry, attempt=3))
+    loop.cancel("s", 2)
+    assert loop.preparer.preparing == {"s": 3}
+    loop.cancel("s", 3)
+    loop.preparer.thread.submit(lambda: None).result()
+    run(loop)
+    assert not events_of(loop, "s") and not loop.preparer.preparing
+    assert ("DONE", "s") in [(cmd, rid) for cmd, rid, _ in loop.notices]
+
+
 def test_an_earlier_attempt_of_a_running_request_never_takes_a_second_slot(loop):
     """However two attempts of one request reach the queue, one slot runs it: the later
     attempt (the dispatcher's) replaces an earlier one running, an earlier one arriving

@@ -165,8 +165,8 @@ class GenerationLoop:
             case inbox.Invalid(request_id, topic, attempt, message):
                 self.output.reject(request_id, topic.encode(), attempt,
                              InvalidInput(message, code="bad_job"))
-            case inbox.Cancel(request_id):
-                self.cancel(request_id)
+            case inbox.Cancel(request_id, attempt):
+                self.cancel(request_id, attempt)
             case inbox.Reset(preparing):
                 for request_id in list(self.active):
                     self._drop(self.active[request_id])
@@ -182,24 +182,29 @@ class GenerationLoop:
         if slot is not None:
             self.free_slots.append(slot)
 
-    def cancel(self, request_id: str) -> None:
-        if self._cancel_op(request_id):
+    def cancel(self, request_id: str, upto: int | None = None) -> None:
+        """Cancel the job wherever it is here: its attempts up to `upto` (None: any). A
+        later attempt is at most on the preparing thread when this is read (the inbox
+        keeps the socket's order), and is left there: the one the dispatcher waits for."""
+        def wanted(attempt: int) -> bool:
+            return upto is None or attempt <= upto
+        if self._cancel_op(request_id, wanted):
             return
-        self._unhold(request_id)
-        attempt = self.preparer.cancel(request_id)
+        self._unhold(request_id)                 # (a slot held is an earlier NewJob's)
+        attempt = self.preparer.cancel(request_id, upto)
         if attempt is not None:                  # still on the preparing thread
             self.notify(P.DONE, request_id, P.Done(attempt=attempt, cancelled=True,
                                                    usage=P.Usage()))
             return
         for i, (waiting_id, body) in enumerate(self.waiting):
-            if waiting_id == request_id:
+            if waiting_id == request_id and wanted(body.attempt):
                 del self.waiting[i]
                 self.preparer.drop(request_id)
                 self.notify(P.DONE, request_id, P.Done(attempt=body.attempt,
                                                        cancelled=True))
                 return
         active = self.active.get(request_id)
-        if active is not None:
+        if active is not None and wanted(active.attempt):
             self._drop(active)
             self.notify(P.DONE, request_id, active.done(cancelled=True, usage=active.usage()))
             log.info("%s cancelled after %d tokens", request_id, active.generated)
@@ -233,12 +238,12 @@ class GenerationLoop:
         self.ops_running += 1
         self.ops[request_id] = (self.vocabulary_thread.submit(work, key=body.api_key), body)
 
-    def _cancel_op(self, request_id: str) -> bool:
+    def _cancel_op(self, request_id: str, wanted) -> bool:
         """A /tokenize or /detokenize cancelled (its client left): dropped if its thread
         has not started it (one started runs to its end, answering nobody). False: not
-        an op of this worker's, or one already running."""
+        an op of this worker's (of an attempt `wanted`), or one already running."""
         future, body = self.ops.get(request_id, (None, None))
-        if future is None or not future.cancel():
+        if future is None or not wanted(body.attempt) or not future.cancel():
             return False
         del self.ops[request_id]
         self.ops_running -= 1

@@ -49,7 +49,9 @@ class Invalid:
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
+    """The job's attempts up to `attempt` (None: any) are cancelled (P.Cancel)."""
     request_id: str
+    attempt: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -276,11 +276,15 @@ class Preparer:
         self.ready[request_id] = prepared
         return True
 
-    def cancel(self, request_id: str) -> int | None:
-        """The attempt of a job still being prepared, now cancelled; None if it is not."""
-        attempt = self.preparing.pop(request_id, None)
-        if attempt is not None:
-            self.cancelled.add((request_id, attempt))
+    def cancel(self, request_id: str, upto: int | None = None) -> int | None:
+        """The attempt of a job still being prepared, now cancelled; None if it is not,
+        or if the attempt being prepared is later than `upto` (an earlier one on the
+        thread before it is dropped as it arrives)."""
+        attempt = self.preparing.get(request_id)
+        if attempt is None or (upto is not None and attempt > upto):
+            return None
+        del self.preparing[request_id]
+        self.cancelled.add((request_id, attempt))
         return attempt
 
     def from_loop(self) -> frozenset[tuple[str, int]]:

@@ -218,7 +218,7 @@ class DispatcherLink(threading.Thread):
             else:
                 self.loop.inbox.put(inbox.NewJob(msg.request_id, body))
         elif msg.cmd == P.CANCEL:
-            self.loop.inbox.put(inbox.Cancel(msg.request_id))
+            self.loop.inbox.put(inbox.Cancel(msg.request_id, msg.body.attempt))
         elif msg.cmd == P.DISCONNECT and msg.body is not None and msg.body.code == P.REFUSED:
             self.refused = msg.body.reason or "refused by the dispatcher"
             log.error("the dispatcher refused this worker: %s", self.refused)
