@@ -24,6 +24,7 @@ from dispatcher.common import config, protocol as P
 from dispatcher.common.fit import fits
 from dispatcher import refusals
 from dispatcher.admission import InferredSessions, ServedRequests, Sessions, Units
+from dispatcher.dispatch_pass import DispatchPass
 from dispatcher.metrics import SystemMetrics
 from dispatcher.queues import QueuedJob, RequestQueue, WorkerRecord, WorkerRegistry
 from dispatcher.shares import Shares
@@ -637,66 +638,25 @@ class DispatcherCore:
     def dispatch(self) -> None:
         """Hand queued jobs to the worker the registry chooses for each (cache affinity
         weighed against load), requests with the fewest jobs running first, then oldest
-        first; a job no free worker fits waits without blocking the jobs behind it."""
+        first; a job no free worker fits waits without blocking the jobs behind it
+        (`DispatchPass`: what one pass decides)."""
         if not len(self.queue) or not self.registry.with_free_slots():
             return
-        running = self.shares.running(self.registry.workers.values())
-        takers = [record for record in self.registry.workers.values() if not record.draining]
-        # a route's (its job's model, profile, ...) workers among those that take work
-        routes: dict[bytes, list[WorkerRecord]] = {}
-        on_route: dict[tuple[bytes, str | None], int] = {}
-        # a request one of whose jobs may not run now, or that no free worker fits: its
-        # other jobs (choices of one prompt, alike in all of that) neither, this pass
-        # (64 requests of 128 choices queued made each pass 8,192 choices: 18 ms a
-        # message, and a burst of them held the dispatcher past workers' heartbeats)
-        waits: set[str] = set()
-        leaders, written = self.registry.leaders()
-        held: set[str] = set()          # prompts whose choices wait for their first's worker
-        waiting_keys: dict[str, set] = {}   # the keys with jobs queued, by model (where
-        if self.shares.key_slot_share < 1.0:  # keys have shares: Shares.may_run's `alone`)
-            for job in self.queue:
-                waiting_keys.setdefault(job.model, set()).add(job.body.api_key)
-        for job in self.queue.in_fair_order(running.by_request, running.by_key_model,
-                                            self.shares.served):
-            if job.parent in waits or job.share_key in held:
+        turn = DispatchPass(self.queue, self.registry, self.shares)
+        for job in turn.jobs():
+            if not turn.may_run(job):
                 continue
-            route = msgspec.json.encode((job.model, job.body.route))
-            if route not in routes:            # (a drained worker's slots, another
-                routes[route] = [record for record in takers      # profile's: not its)
-                                 if fits(job.model, job.body.route, record.info)]
-            mine = routes[route]
-            counted = (route, job.body.api_key)      # (its key's jobs there: counted once a
-            if counted not in on_route and self.shares.key_slot_share < 1.0 \
-                    and job.body.api_key is not None:              # pass, when it matters)
-                on_route[counted] = sum(
-                    1 for record in mine for other in record.running.values()
-                    if not other.cancelled and other.body.api_key == job.body.api_key)
-            if not self.shares.may_run(job, running, sum(r.slots for r in mine),
-                                       on_route.get(counted),
-                                       alone=waiting_keys.get(job.model) == {job.body.api_key}):
-                waits.add(job.parent)
-                continue
-            leader = leaders.get(job.share_key)
             try:
-                worker = self.registry.choose(job, leader)
+                worker = turn.choose(job)
                 if worker is None:
-                    if leader is not None:   # (its request's other prompts may go on)
-                        held.add(job.share_key)
-                    else:
-                        waits.add(job.parent)
                     continue
-                if job.share_key is not None and job.share_key not in written:
-                    leaders.setdefault(job.share_key, worker)
                 self.queue.take(job)
                 self._assign(job, worker)
             except Exception:
                 self._dispatch_failed(job)
-                waits.add(job.parent)       # (its request's other jobs: failed with it)
+                turn.failed(job)
                 continue
-            running.add(job)
-            for other_route, records in routes.items():      # (its slot is theirs too)
-                if worker in records and (other_route, job.body.api_key) in on_route:
-                    on_route[other_route, job.body.api_key] += 1
+            turn.placed(job, worker)
             if not self.registry.with_free_slots():
                 return
 
