@@ -163,7 +163,7 @@ class ServerProcess:
             time.sleep(0.05)
         raise RuntimeError(f"server not ready in {timeout}s:\n{self.output()[-6000:]}")
 
-    def status(self, timeout: float = 3.0) -> dict:
+    def status(self, timeout: float = 10.0) -> dict:
         return control_request(self.dispatcher, {"cmd": "status"}, timeout=timeout)
 
     def _all_ready(self) -> bool:

@@ -27,19 +27,22 @@ def test_batched_equals_unbatched_at_temperature_zero(det_server):
     body = {"max_tokens": 24, "temperature": 0, "logprobs": 1}
     alone = [complete(det_server.port, {**body, "prompt": p})[1]["choices"][0]
              for p in PROMPTS]
-    streams = [SSEStream(det_server.port, {**body, "prompt": p, "stream": True})
-               for p in PROMPTS]
+    # (the streams run on past the 24 tokens compared, so that all four are still
+    # running when the worker is asked, however long a loaded machine took to start them)
+    streams = [SSEStream(det_server.port, {**body, "max_tokens": 400, "prompt": p,
+                                           "stream": True}) for p in PROMPTS]
     busy = det_server.worker()["busy_slots"]                # every stream has started ...
-    firsts = [s.next_data() for s in streams]
-    texts = [json.loads(f)["choices"][0]["text"] for f in firsts]
-    lps = [json.loads(f)["choices"][0]["logprobs"]["token_logprobs"] for f in firsts]
+    tokens, lps = [[] for _ in PROMPTS], [[] for _ in PROMPTS]
     for i, stream in enumerate(streams):
         for data in stream.events():
-            if data == "[DONE]":
+            if data == "[DONE]" or len(lps[i]) >= body["max_tokens"]:
                 break
-            choice = json.loads(data)["choices"][0]
-            texts[i] += choice["text"]
-            lps[i] += (choice["logprobs"] or {}).get("token_logprobs", [])
+            logprobs = json.loads(data)["choices"][0]["logprobs"] or {}
+            tokens[i] += logprobs.get("tokens", [])     # (a chunk may bring several)
+            lps[i] += logprobs.get("token_logprobs", [])
+        stream.close()
+    texts = ["".join(each[:body["max_tokens"]]) for each in tokens]
+    lps = [each[:body["max_tokens"]] for each in lps]
     assert busy == len(PROMPTS)                              # ... in one worker, together
     assert texts == [a["text"] for a in alone]
     assert lps == [a["logprobs"]["token_logprobs"] for a in alone]
@@ -93,8 +96,7 @@ def test_chunks_further_along_in_the_cache_are_shifted_into_place_and_counted(re
 @pytest.fixture(scope="module")
 def two_fake_workers():
     server = ServerProcess("--engine", "fake", "--device", "cpu", "--device", "cpu",
-                           "--slots", "3", workers=2, log_name="routing",
-                           env={"COMPLETIONS_HEARTBEAT_INTERVAL": "0.5"}).start()
+                           "--slots", "3", workers=2, log_name="routing").start()
     yield server
     assert server.stop() == 0
 
@@ -103,7 +105,7 @@ def running_on(server) -> dict[str, list[str]]:
     return {w["name"]: w["running"] for w in server.status()["workers"]}
 
 
-def start_slow(server, prompt, tokens=60, headers=None):
+def start_slow(server, prompt, tokens=1000, headers=None):
     stream = SSEStream(server.port, {"prompt": prompt, "max_tokens": tokens,
                                      "stream": True})
     assert stream.status == 200
@@ -132,6 +134,9 @@ def test_routing_prefers_the_cached_prefix_then_the_least_loaded(two_fake_worker
     assert worker_of(server, u3.headers["x-request-id"]) == w_u1  # least loaded again
     for stream in (x, u1, u2, x2, u3):
         stream.close()
+    # (their cancels counted before the next test, which counts one of its own)
+    server.wait_for(lambda: not any(running_on(server).values()), timeout=30,
+                    what="the closed streams' cancels")
 
 
 def test_a_new_request_of_a_session_supersedes_the_running_one(two_fake_workers):

@@ -30,7 +30,11 @@ def ended(sock: socket.socket, wait: float = 0.0) -> bool:
         return False
 
 
-def test_only_quiet_connections_are_closed_and_new_ones_get_time_to_ask():
+def test_only_quiet_connections_are_closed_and_new_ones_get_time_to_ask(monkeypatch):
+    from app import gunicorn_worker
+    # (a grace no pause of a loaded machine between `now` and the look below comes near)
+    monkeypatch.setattr(gunicorn_worker, "FRESH_GRACE", 60 * FRESH_GRACE)
+    grace = gunicorn_worker.FRESH_GRACE
     w = worker()
     pairs = {name: socket.socketpair() for name in ("idle", "arriving", "fresh", "old")}
     try:
@@ -38,8 +42,8 @@ def test_only_quiet_connections_are_closed_and_new_ones_get_time_to_ask():
         w._idle.update({ours["idle"]: 0.0, ours["arriving"]: 0.0})
         pairs["arriving"][1].sendall(b"GET / HTTP/1.1\r\n")       # its next request
         now = time.monotonic()
-        w._fresh = {ours["fresh"]: now, ours["old"]: now - 2 * FRESH_GRACE}
-        w._stopped_at = now - 2 * FRESH_GRACE           # stopped a while ago
+        w._fresh = {ours["fresh"]: now, ours["old"]: now - 2 * grace}
+        w._stopped_at = now - 2 * grace           # stopped a while ago
         w._close_idle()
         assert ended(pairs["idle"][1])
         assert ended(pairs["old"][1])                    # asked nothing for long enough
@@ -48,7 +52,7 @@ def test_only_quiet_connections_are_closed_and_new_ones_get_time_to_ask():
         assert ours["arriving"].recv(100) == b"GET / HTTP/1.1\r\n"    # nothing lost
         w._stopped_at = time.monotonic()                 # just stopped: the old one waits
         old = socket.socketpair()
-        w._fresh = {old[0]: now - 10 * FRESH_GRACE}
+        w._fresh = {old[0]: now - 10 * grace}
         w._close_idle()
         assert not ended(old[1])
         old[0].close(), old[1].close()

@@ -329,14 +329,15 @@ def test_model_may_be_omitted_when_one_is_served(real_server, model_id):
 def test_disconnect_cancels_generation(real_server):
     stream = SSEStream(real_server.port, {"prompt": "List every number from 1 to 1000: 1, 2,",
                                           "max_tokens": 1500, "temperature": 0,
-                                          "stream": True})
+                                          "ignore_eos": True, "stream": True})
     read = sum(1 for _, _ in zip(range(5), stream.events()))
     stream.close()
     worker = real_server.wait_cancelled()
     generated = worker["last_done"]["usage"]["completion_tokens"]
-    # 5 chunks read; more were in flight (a step may bring several drafted tokens, and
-    # the cancel takes a few steps to arrive); far from 1500
-    assert read == 5 and generated <= read + 60, generated
+    # 5 chunks read; more were in flight (a step may bring several drafted tokens of the
+    # count, and the close takes a few steps to arrive, longer on a loaded machine); far
+    # from the 1,500 it writes uncancelled (within one token: tests/test_plumbing.py)
+    assert read == 5 and generated < 500, generated
     status, _, body = http_json(real_server.port, "POST", "/v1/completions",
                                 {"prompt": PROMPT, "max_tokens": 4})
     assert status == 200 and body["usage"]["completion_tokens"] == 4

@@ -74,7 +74,9 @@ def test_status_shows_workers_queue_and_front_ends(two):
 
 
 def test_drain_moves_new_work_elsewhere_then_resume(two, tmp_path):
-    stream = SSEStream(two.port, {"prompt": "Once upon a time", "max_tokens": 60,
+    # (long enough to outlast a `drain` process's start on a loaded core: ended before
+    # it, the worker is "drained" already and its count taken after its stream)
+    stream = SSEStream(two.port, {"prompt": "Once upon a time", "max_tokens": 200,
                                   "ignore_eos": True, "stream": True})
     stream.next_data()
     busy = next(n for n, w in workers_by_name(two).items() if w["running"])

@@ -348,7 +348,8 @@ def test_a_signal_to_the_whole_process_group_drains_as_sigterm_to_serve_does(sig
 def test_sigterm_finishes_in_flight_streams_refuses_new_ones_and_cleans_up():
     server = ServerProcess(log_name="drain").start()
     ipc_dir = Path(server.dispatcher[len("ipc://"):])
-    stream = SSEStream(server.port, {"prompt": "Once upon a time", "max_tokens": 120,
+    # (long enough to be running still when the 503s below are seen, on a loaded core)
+    stream = SSEStream(server.port, {"prompt": "Once upon a time", "max_tokens": 300,
                                      "ignore_eos": True, "temperature": 0, "stream": True})
     stream.next_data()
     server.proc.send_signal(signal.SIGTERM)
@@ -504,8 +505,10 @@ def test_a_client_that_stops_reading_a_stream_is_let_go_and_its_generation_ended
 
 def test_idle_connections_and_trickled_bodies_are_let_go_and_health_still_answers():
     import socket
+    # (a body timeout long enough that the six stalled bodies below still hold their
+    # places through the checks on a loaded machine)
     server = ServerProcess("--max-connections", "5", "--header-timeout", "5",
-                           "--body-timeout", "3", log_name="slowloris").start()
+                           "--body-timeout", "10", log_name="slowloris").start()
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(12)]
     try:
         # every connection the front end serves is taken by a silent one: a new client
@@ -533,12 +536,12 @@ def test_idle_connections_and_trickled_bodies_are_let_go_and_health_still_answer
         # the stalled bodies' requests end (their clients left) and free their places
         server.wait_for(lambda: complete(server.port, {"prompt": "Hello",
                                                        "max_tokens": 2})[0] == 200,
-                        timeout=15, what="a place freed")
+                        timeout=30, what="a place freed")
         # a body trickled a byte at a time: 408 once --body-timeout is over, then closed
         sock = socket.create_connection(("127.0.0.1", server.port))
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                      b"application/json\r\nContent-Length: 1000\r\n\r\n{")
-        answer, deadline = b"", time.monotonic() + 30
+        answer, deadline = b"", time.monotonic() + 40
         sock.settimeout(0.5)
         while time.monotonic() < deadline:
             try:
@@ -563,7 +566,8 @@ def test_idle_connections_and_trickled_bodies_are_let_go_and_health_still_answer
 def test_two_thousand_idle_connections_never_lock_out_a_fresh_client():
     """1,100 connections that send nothing, 1,000 kept alive after an unauthenticated
     GET /health and 50 stalled bodies, on the default settings: all are held, and a fresh
-    keyed client's completion is served within 5 s (it used to get 503)."""
+    keyed client's completion is served at once (it used to get 503; 15 s allowed for a
+    loaded machine)."""
     import resource
     import socket
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -586,12 +590,12 @@ def test_two_thousand_idle_connections_never_lock_out_a_fresh_client():
             held.append(sock)
         for sock in held[1100:2100]:
             sock.settimeout(30)
-            assert sock.recv(12) == b"HTTP/1.1 200"      # /health answered, kept alive
+            assert sock.recv(12, socket.MSG_WAITALL) == b"HTTP/1.1 200"   # /health, kept alive
         started = time.monotonic()
         status, _, body = complete(server.port, {"prompt": "Hello", "max_tokens": 2},
                                    headers={"Authorization": "Bearer sk-fresh"})
         assert status == 200, body
-        assert time.monotonic() - started < 5.0
+        assert time.monotonic() - started < 15     # (not made to wait for a place)
         for sock in held[1100:2100:50]:                  # still held open
             sock.settimeout(0.1)
             try:

@@ -86,12 +86,13 @@ def test_a_key_over_its_share_of_the_queue_gets_429_while_another_key_is_served(
                            "--api-key", "key-a", "--api-key", "key-b",
                            log_name="fair-share").start()
     try:
-        def stream(key, wait=True):
-            return SSEStream(server.port, {"prompt": "[slow=0.02] x", "max_tokens": 50,
+        def stream(key, wait=True, max_tokens=50):
+            return SSEStream(server.port, {"prompt": "[slow=0.02] x", "max_tokens": max_tokens,
                                            "stream": True}, timeout=60, wait=wait,
                              headers={"Authorization": f"Bearer {key}"})
 
-        running = stream("key-a")
+        # (running until closed: its end would let a queued one in before the 429's check)
+        running = stream("key-a", max_tokens=2000)
         assert running.next_data() is not None
         queued = [stream("key-a", wait=False) for _ in range(2)]    # its share, waiting
         deadline = time.monotonic() + 30
@@ -103,10 +104,11 @@ def test_a_key_over_its_share_of_the_queue_gets_429_while_another_key_is_served(
         assert status == 429 and body["error"]["code"] == "key_queue_full", body
         assert headers["Retry-After"] == "1"
         other = stream("key-b", wait=False)                 # another key: still admitted
+        running.close()
         other.receive()
         assert other.status == 200
         assert list(other.events())[-1] == "[DONE]"
-        for s in [running] + queued:
+        for s in queued:
             s.receive() if not hasattr(s, "response") else None
             assert list(s.events())[-1] == "[DONE]"
     finally:

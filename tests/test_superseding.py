@@ -84,7 +84,7 @@ def test_the_openai_client_does_not_retry_a_superseded_request(server):
 
     def older():
         try:
-            client.completions.create(model=model, prompt="[slow=0.05] a", max_tokens=40,
+            client.completions.create(model=model, prompt="[slow=0.05] a", max_tokens=400,
                                       extra_headers=session)
             outcome["older"] = "answered"
         except openai.ConflictError as exc:
@@ -139,10 +139,13 @@ def test_a_keystroke_without_a_header_supersedes_the_open_one_before_it(fim_serv
     """A client that leaves its previous keystroke's request open (it has not read
     anything yet) and sends no X-Session-Id: the newer keystroke of the same key and
     address replaces it, so the older one is answered 409 and the newer one 200."""
-    old, data = keystroke(fim_server.port, CODE, path=path)
+    # (5 s each: the old one outlasts a loaded machine's pause; one kind of request, as a
+    # keystroke's are: other limits are another kind, app/jobs.py inference_client)
+    long = {"max_tokens": 100} if path == "/v1/completions" else {"n_predict": 100}
+    old, data = keystroke(fim_server.port, CODE, path=path, extra=long)
     old.sendall(data)
     fim_server.wait_generating()                       # it is running
-    new, data = keystroke(fim_server.port, CODE + "a", path=path)
+    new, data = keystroke(fim_server.port, CODE + "a", path=path, extra=long)
     new.sendall(data)
     assert status_of(new) == 200
     assert status_of(old) == 409
@@ -175,7 +178,7 @@ def test_a_request_on_a_connection_opened_long_before_is_still_the_newest(server
     spare, newer_bytes = raw_request(server.port, {"prompt": "[slow=0.05] ab",
                                                    "max_tokens": 3}, session)
     wait_read_by_server(spare, server.port)           # accepted, left silent
-    old, old_bytes = raw_request(server.port, {"prompt": "[slow=0.05] a", "max_tokens": 40},
+    old, old_bytes = raw_request(server.port, {"prompt": "[slow=0.05] a", "max_tokens": 400},
                                  session)
     old.sendall(old_bytes)
     server.wait_generating()                          # running

@@ -24,7 +24,9 @@ def stats(server) -> dict:
 
 def start_typing(port, session: str, chars: int) -> tuple[SSEStream, str]:
     """A session's stream, read until it has sent at least `chars` characters."""
-    stream = SSEStream(port, {**PARAMS, "prompt": PROMPT, "stream": True},
+    # (its max_tokens may differ from its successor's: long, so it is still running when
+    # the next keystroke comes on a loaded machine; it ends superseded in every test)
+    stream = SSEStream(port, {**PARAMS, "max_tokens": 400, "prompt": PROMPT, "stream": True},
                        headers={"X-Session-Id": session})
     assert stream.status == 200
     text = ""
