@@ -403,6 +403,30 @@ def test_a_cancel_up_to_an_attempt_spares_the_later_one(loop):
     assert ("DONE", "s") in [(cmd, rid) for cmd, rid, _ in loop.notices]
 
 
+def test_two_attempts_on_the_preparing_thread_are_both_dropped_by_the_clients_cancel(loop):
+    """Attempt 1 still on the preparing thread, attempt 2 behind it: the old
+    registration's cancel (up to 1) leaves attempt 2's entry, and the client's cancel
+    then takes it. Attempt 1 was dropped on arrival only because attempt 2's entry was
+    there: with it gone, attempt 1 went on to a slot and ran for nobody."""
+    import threading
+    dry = {"dry_multiplier": 0.8}                          # (prepared: a DRY sampler)
+    busy = threading.Event()
+    loop.preparer.thread.submit(busy.wait, 10)
+    assert loop.preparer.submit("r", job(id="r", sampling=dry, max_tokens=40))
+    assert loop.preparer.submit("r", job(id="r", sampling=dry, max_tokens=40, attempt=2))
+    loop.cancel("r", 1)
+    assert loop.preparer.preparing == {"r": 2}
+    loop.cancel("r")                                       # the client left
+    busy.set()
+    loop.preparer.thread.submit(lambda: None).result()       # both back by now
+    run(loop)
+    assert not events_of(loop, "r") and not loop.active
+    assert [(body.get("attempt", 1), bool(body.get("cancelled")))
+            for cmd, rid, body in loop.notices if cmd == "DONE"] == [(2, True)]
+    assert not loop.preparer.preparing and not loop.preparer.cancelled
+    assert not loop.preparer.ready and sorted(loop.free_slots) == [0, 1]
+
+
 def test_an_earlier_attempt_of_a_running_request_never_takes_a_second_slot(loop):
     """However two attempts of one request reach the queue, one slot runs it: the later
     attempt (the dispatcher's) replaces an earlier one running, an earlier one arriving

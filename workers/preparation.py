@@ -266,24 +266,34 @@ class Preparer:
             self.cancelled.discard((request_id, attempt))
             prepared.free()
             return False
-        current = self.preparing.get(request_id)
-        if current is not None and current > attempt:
-            prepared.free()                 # a later attempt of it is on the way
-            return False
-        if current == attempt:
-            del self.preparing[request_id]
+        # (popped, not read then deleted: the IO thread may hand a later attempt over
+        # in between, whose entry is then kept)
+        current = self.preparing.pop(request_id, None)
+        if current is not None and current != attempt:
+            self.preparing.setdefault(request_id, current)      # another attempt's
+            if current > attempt:
+                prepared.free()             # a later attempt of it is on the way
+                return False
         self.drop(request_id)               # (an earlier attempt's, never admitted)
         self.ready[request_id] = prepared
         return True
 
     def cancel(self, request_id: str, upto: int | None = None) -> int | None:
-        """The attempt of a job still being prepared, now cancelled; None if it is not,
-        or if the attempt being prepared is later than `upto` (an earlier one on the
-        thread before it is dropped as it arrives)."""
-        attempt = self.preparing.get(request_id)
-        if attempt is None or (upto is not None and attempt > upto):
+        """The latest attempt of a job still being prepared, now cancelled; None if none
+        is, or if that one is later than `upto` (it stays). Every attempt of it on the
+        thread up to `upto` is dropped as it arrives: an earlier one left to the later
+        one's entry (`arrived`) ran for nobody once that entry went with a cancel."""
+        def wanted(attempt: int) -> bool:
+            return upto is None or attempt <= upto
+        self.cancelled.update(key for key in self.on_thread.copy()
+                              if key[0] == request_id and wanted(key[1]))
+        # (popped, not read then deleted: the IO thread may hand a later attempt over)
+        attempt = self.preparing.pop(request_id, None)
+        if attempt is None:
             return None
-        del self.preparing[request_id]
+        if not wanted(attempt):
+            self.preparing.setdefault(request_id, attempt)      # a later attempt: kept
+            return None
         self.cancelled.add((request_id, attempt))
         return attempt
 
