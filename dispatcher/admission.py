@@ -15,6 +15,7 @@ who sent them and how their text before the cursor changes.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -224,7 +225,8 @@ KEYSTROKE_CHARS = 16        # ... removed and added together at most (a few keys
 MIN_SHARED = 32             # ... and at least this much (or all of the shorter) shared
 MAX_ENTRIES = 16            # sessions remembered per client and route
 MAX_CLIENTS = 4096          # places (client, route, where) remembered, all keys together
-MAX_TEXT = 32 << 20         # ... and characters of text kept in all (prompts are <= 1 MiB)
+MAX_TEXT = 32 << 20         # ... and bytes of text kept in all, as Python holds it (1-4 a
+                            # character: `held`; prompts are <= 1 Mi characters)
                             # (past either, the key holding the most loses its oldest)
 
 
@@ -279,6 +281,12 @@ class Cursor:
     order: int                  # the arrival stamp of the request `text` is from
 
 
+def held(text: str) -> int:
+    """The bytes `text` takes in memory: a character of an emoji-laden text takes four
+    (counted in characters, the 32 Mi of MAX_TEXT held 128 MiB)."""
+    return sys.getsizeof(text)
+
+
 class InferredSessions:
     """Sessions for clients that send no X-Session-Id (no editor plugin does): a FIM
     request joins the session of a recent one from the same client (API key and address,
@@ -289,8 +297,8 @@ class InferredSessions:
     a header without X-Session-Seq.
 
     Places (client, model, route, where) are kept per API key, least recently seen first.
-    Past MAX_CLIENTS places or MAX_TEXT characters in all, the key holding the most (places,
-    or characters where the text is over) loses its least recently seen one: a key sending
+    Past MAX_CLIENTS places or MAX_TEXT bytes of text in all, the key holding the most (places,
+    or bytes where the text is over) loses its least recently seen one: a key sending
     many clients or long texts evicts its own places, never another key's while it holds
     more than that key (an evicted place's next keystroke starts a session of its own, and
     the stale one it should have ended runs on)."""
@@ -298,17 +306,17 @@ class InferredSessions:
     def __init__(self) -> None:
         # API key -> (client, model, route, where) -> the sessions at that place
         self.keys: dict[str | None, OrderedDict[tuple, list[Cursor]]] = {}
-        self.key_chars: dict[str | None, int] = {}
+        self.key_bytes: dict[str | None, int] = {}
         self.counter = 0
         self.places = 0                 # places, all keys together
-        self.chars = 0                  # the texts' characters, all keys together
+        self.bytes = 0                  # what the texts take (`held`), all keys together
 
-    def _count(self, api_key: str | None, chars: int) -> None:
-        self.chars += chars
-        self.key_chars[api_key] = self.key_chars.get(api_key, 0) + chars
+    def _count(self, api_key: str | None, size: int) -> None:
+        self.bytes += size
+        self.key_bytes[api_key] = self.key_bytes.get(api_key, 0) + size
 
     def _drop(self, api_key: str | None, entries: list[Cursor]) -> None:
-        self._count(api_key, -sum(len(e.text) for e in entries))
+        self._count(api_key, -sum(held(e.text) for e in entries))
 
     def peek(self, body: P.SubmittedJob, now: float) -> str | None:
         """The session `session_for` would find for `body` (None: a new one or none),
@@ -343,7 +351,7 @@ class InferredSessions:
         for entry in reversed(entries):
             if same_cursor(entry.text, text):
                 if body.session_order >= entry.order:   # the newest text goes on matching
-                    self._count(api_key, len(text) - len(entry.text))
+                    self._count(api_key, held(text) - held(entry.text))
                     entry.text, entry.order = text, body.session_order
                 entry.seen = now
                 session = entry.session
@@ -352,22 +360,22 @@ class InferredSessions:
             self.counter += 1
             session = f"~{body.client}:{self.counter}"   # (clients' ids are never ~...)
             entries.append(Cursor(text, session, now, body.session_order))
-            self._count(api_key, len(text))
+            self._count(api_key, held(text))
             self._drop(api_key, entries[:-MAX_ENTRIES])
             del entries[:-MAX_ENTRIES]
         self._evict(api_key, place)
         return session
 
     def _evict(self, api_key: str | None, kept: tuple) -> None:
-        """Back within MAX_CLIENTS places and MAX_TEXT characters, taking from the key
-        that holds the most; never the place just used (`kept`, of `api_key`)."""
-        while self.places > MAX_CLIENTS or self.chars > MAX_TEXT:
-            by_text = self.chars > MAX_TEXT
+        """Back within MAX_CLIENTS places and MAX_TEXT bytes, taking from the key that
+        holds the most; never the place just used (`kept`, of `api_key`)."""
+        while self.places > MAX_CLIENTS or self.bytes > MAX_TEXT:
+            by_text = self.bytes > MAX_TEXT
             candidates = [k for k, places in self.keys.items()
                           if len(places) > (1 if k == api_key else 0)]
             if not candidates:
                 return
-            victim = max(candidates, key=lambda k: self.key_chars.get(k, 0) if by_text
+            victim = max(candidates, key=lambda k: self.key_bytes.get(k, 0) if by_text
                          else len(self.keys[k]))
             places = self.keys[victim]
             oldest = next(iter(places))
@@ -377,7 +385,7 @@ class InferredSessions:
             self.places -= 1
             if not places:
                 del self.keys[victim]
-                self.key_chars.pop(victim, None)
+                self.key_bytes.pop(victim, None)
 
 
 class ServedRequests:

@@ -1110,8 +1110,20 @@ def test_inferred_sessions_keep_bounded_text(monkeypatch):
                         client=f"c{i}", session_order=i)
         inferred.session_for(body, 0.0)
     places = [v for key in inferred.keys.values() for v in key.values()]
-    assert inferred.chars <= 10_000 and len(places) == inferred.places <= 10
-    assert inferred.chars == sum(len(e.text) for v in places for e in v)
+    assert inferred.bytes <= 10_000 and len(places) == inferred.places <= 10
+    assert inferred.bytes == sum(admission.held(e.text) for v in places for e in v)
+
+
+def test_inferred_sessions_count_the_bytes_their_texts_take():
+    """The bound is on memory: a text of four-byte characters counts four times its
+    characters (counted in characters, MAX_TEXT's 32 Mi held 128 MiB of emoji)."""
+    from dispatcher import admission
+    inferred = admission.InferredSessions()
+    for i, text in enumerate(("x" * 1000, "\U0001F600" * 1000)):
+        inferred.session_for(wire_job(id=f"j{i}", model="m", prompt=text, suffix="",
+                                      client=f"c{i}", session_order=i), 0.0)
+    assert 5000 <= inferred.bytes < 5200                     # (and two headers)
+    assert inferred.bytes == sum(inferred.key_bytes.values())
 
 
 def _inferred_keystroke(inferred, api_key, client, text, when, order):
@@ -1136,9 +1148,9 @@ def test_one_key_flooding_inferred_sessions_evicts_its_own_places(monkeypatch, f
     assert _inferred_keystroke(inferred, "victim", "v", "def f(x):\n    return x +",
                                0.5, 500) == mine
     places = [v for key in inferred.keys.values() for v in key.values()]
-    assert inferred.places == len(places) <= 8 and inferred.chars <= 40_000
-    assert inferred.chars == sum(len(e.text) for v in places for e in v)
-    assert inferred.chars == sum(inferred.key_chars.values())
+    assert inferred.places == len(places) <= 8 and inferred.bytes <= 40_000
+    assert inferred.bytes == sum(admission.held(e.text) for v in places for e in v)
+    assert inferred.bytes == sum(inferred.key_bytes.values())
     # the flooding key's newest place is kept; its oldest went
     assert _inferred_keystroke(inferred, "flood", "c199", "199 " + "y" * size + "z",
                                0.6, 600).startswith("~c199:")
@@ -1627,7 +1639,7 @@ def test_the_dispatcher_reads_a_sockets_messages_for_a_bounded_time(monkeypatch)
 
     from dispatcher import broker
     clock, handled = [100.0], []
-    monkeypatch.setattr(broker.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(broker, "time", SimpleNamespace(monotonic=lambda: clock[0]))
 
     class Endless:
         def recv_multipart(self, flags, copy=True):
