@@ -104,6 +104,8 @@ def test_a_key_over_its_share_of_the_queue_gets_429_while_another_key_is_served(
         assert status == 429 and body["error"]["code"] == "key_queue_full", body
         assert headers["Retry-After"] == "1"
         other = stream("key-b", wait=False)                 # another key: still admitted
+        server.wait_for(lambda: sum(server.status()["queue"].values()) == 3,
+                        what="the other key's request queued beside the full key's")
         running.close()
         other.receive()
         assert other.status == 200
