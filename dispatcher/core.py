@@ -482,12 +482,13 @@ class DispatcherCore:
         connection had been handed. What it was handed since, before this READY was read
         (its identity is its name), would run there for nobody: the jobs are requeued
         or failed as any lost worker's, and those attempts cancelled there (the next
-        attempt may come to the same worker: it is not cancelled, P.Cancel)."""
+        attempt may come to the same worker: it is not cancelled, P.CancelUpTo)."""
         held = [(job.request_id, job.attempt)
                 for job in (*record.running.values(), *record.ops.values())]
         self.worker_lost(record, "re-registered")
         for request_id, attempt in held:
-            self._to_worker(record.identity, P.CANCEL, request_id, P.Cancel(attempt=attempt))
+            self._to_worker(record.identity, P.CANCEL, request_id,
+                            P.CancelUpTo(attempt=attempt))
 
     def job_done(self, record: WorkerRecord, request_id: str, body: P.Done) -> None:
         job = record.running.get(request_id) or record.ops.get(request_id)

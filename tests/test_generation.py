@@ -371,7 +371,7 @@ def test_the_same_request_handed_over_again_before_the_reset_is_read_runs_once(l
 
 def test_a_cancel_up_to_an_attempt_spares_the_later_one(loop):
     """The dispatcher cancels what a re-registered worker's old connection held by
-    attempt (P.Cancel): the job handed over there runs for nobody otherwise. The same
+    attempt (P.CancelUpTo): the job handed over there runs for nobody otherwise. The same
     request's next attempt, handed to this worker next, may already be on the preparing
     thread when the loop reads that cancel: it is not cancelled (a cancel by id alone
     took it, and the request waited for ever)."""

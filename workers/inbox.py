@@ -49,7 +49,7 @@ class Invalid:
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
-    """The job's attempts up to `attempt` (None: any) are cancelled (P.Cancel)."""
+    """The job's attempts up to `attempt` (None: any) are cancelled (P.CancelUpTo)."""
     request_id: str
     attempt: int | None = None
 

@@ -41,7 +41,7 @@ PROTO = b"CMPL1"
 
 # front end -> dispatcher
 SUBMIT = b"S"       # body: the job
-CANCEL = b"C"       # idempotent; a Cancel body (a worker's: up to an attempt) or none
+CANCEL = b"C"       # idempotent; a CancelUpTo body (a worker's: up to an attempt) or none
 PING = b"P"         # heartbeat (+ metrics increments); dispatcher answers STATE
 METRICS = b"M"      # the system's metrics; the answer is METRICS with the snapshot
 # dispatcher -> front end
@@ -294,7 +294,7 @@ class Attempt(Body):
     attempt: int = 1
 
 
-class Cancel(Body):
+class CancelUpTo(Body):
     """CANCEL (to a worker): the job's attempts up to `attempt` (None: any). A worker's
     old connection's attempts are cancelled so, not the later one the dispatcher may
     hand the same worker next (its IO thread may give that one to the preparing thread
@@ -456,7 +456,7 @@ ENDS = (End, Error)                     # the last event of a stream
 
 # Which struct each command's body is (None: no body). A command is read on one side.
 BODIES: dict[bytes, Any] = {
-    SUBMIT: SubmittedJob, CANCEL: Cancel, PING: Ping, METRICS: dict,
+    SUBMIT: SubmittedJob, CANCEL: CancelUpTo, PING: Ping, METRICS: dict,
     ACCEPTED: None, REJECTED: WireError, FAILED: WireError, FINISHED: Finished,
     STATE: State, READY: WorkerInfo, HEARTBEAT: WorkerBeat, STARTED: Attempt, FIRST: Attempt,
     DONE: Done, DISCONNECT: Disconnect, REQUEST: WorkerJob,
