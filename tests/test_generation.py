@@ -427,6 +427,54 @@ def test_two_attempts_on_the_preparing_thread_are_both_dropped_by_the_clients_ca
     assert not loop.preparer.ready and sorted(loop.free_slots) == [0, 1]
 
 
+def test_a_job_cancelled_while_it_waits_for_the_preparing_thread_is_never_prepared(
+        loop, monkeypatch):
+    """An editor's keystrokes with long prompts: each job superseded by the next while it
+    waited for the preparing thread was still tokenized in turn, only the last wanted,
+    and the lag grew with every key."""
+    import threading
+    dry = {"dry_multiplier": 0.8}                          # (prepared: a DRY sampler)
+    prepared, real = [], loop.preparer._prepare
+    monkeypatch.setattr(loop.preparer, "_prepare",
+                        lambda rid, body: (prepared.append(rid), real(rid, body)))
+    busy = threading.Event()
+    loop.preparer.thread.submit(busy.wait, 10)
+    for rid in ("k1", "k2", "k3"):
+        assert loop.preparer.submit(rid, job(id=rid, sampling=dry, max_tokens=3))
+    loop.cancel("k1")
+    loop.cancel("k2")
+    busy.set()
+    loop.preparer.thread.submit(lambda: None).result()
+    run(loop)
+    assert prepared == ["k3"]
+    assert not events_of(loop, "k1") and events_of(loop, "k3")[-1]["e"] == "end"
+    assert not loop.preparer.on_thread and not loop.preparer.cancelled
+    assert sorted(loop.free_slots) == [0, 1]
+
+
+def test_jobs_handed_over_during_a_shutdown_go_back_released():
+    """The IO thread hands jobs over until the link stops, after `abort_all` handed the
+    others back: the preparing thread's shutdown dropped those (their STARTED sent) and
+    the inbox's were never read, so the dispatcher failed them as lost with the worker
+    instead of queueing them again."""
+    import threading
+    loop = make_loop()
+    dry = {"dry_multiplier": 0.8}                          # (prepared: a DRY sampler)
+    busy = threading.Event()
+    loop.preparer.thread.submit(busy.wait, 10)
+    loop.abort_all("the worker is shutting down")
+    assert loop.preparer.submit("late", job(id="late", sampling=dry))
+    submit(loop, "unread", job(id="unread"))
+    loop.preparer.thread.shutdown(wait=False, cancel_futures=True)
+    busy.set()
+    loop.preparer.shutdown()
+    loop.release_unread()
+    done = {rid: body for cmd, rid, body in loop.notices if cmd == "DONE"}
+    assert set(done) == {"late", "unread"}
+    assert all(body.get("released") for body in done.values()), done
+    loop.vocabulary_thread.shutdown()
+
+
 def test_an_earlier_attempt_of_a_running_request_never_takes_a_second_slot(loop):
     """However two attempts of one request reach the queue, one slot runs it: the later
     attempt (the dispatcher's) replaces an earlier one running, an earlier one arriving
@@ -775,6 +823,58 @@ def test_tokenize_jobs_take_the_keys_in_turn_and_one_not_started_is_cancelled(mo
         ["a1", "a3", "b1"]
     assert loop.ops_running == 0 and not loop.ops
     loop.vocabulary_thread.shutdown()
+    loop.preparer.shutdown()
+
+
+def test_a_reset_drops_the_old_connections_tokenize_jobs_not_started(monkeypatch):
+    """The dispatcher forgot this worker (it restarted): the old connection's /tokenize
+    jobs queued on the vocabulary thread ran for nobody, a megabyte's for 20 s, the new
+    connection's waiting behind them. Dropped at the Reset, unanswered (nobody holds
+    them); the one running ends as it does."""
+    import threading
+    loop = make_loop()
+    held, entered = threading.Event(), threading.Event()
+    order, real = [], loop.engine.tokenize
+
+    def tokenize(text, *a, **k):
+        order.append(text)
+        if text == "first":
+            entered.set()
+            held.wait(10)
+        return real(text, *a, **k)
+
+    monkeypatch.setattr(loop.engine, "tokenize", tokenize)
+    for rid, text in (("a1", "first"), ("a2", "second")):
+        submit(loop, rid, job(op="tokenize", content=text, id=rid, api_key="A"))
+    loop._read_inbox(block=False)
+    assert entered.wait(10) and loop.ops_running == 2
+    loop.inbox.put(inbox.Reset(frozenset()))
+    loop._read_inbox(block=False)
+    assert list(loop.ops) == ["a1"] and loop.ops_running == 1 and not loop.notices
+    held.set()
+    loop.vocabulary_thread.submit(lambda: None, key="A").result()
+    loop._read_inbox(block=False)
+    assert order == ["first"] and loop.ops_running == 0
+    loop.vocabulary_thread.shutdown()
+    loop.preparer.shutdown()
+
+
+def test_a_tokenize_job_the_vocabulary_thread_cannot_take_is_answered(monkeypatch):
+    """Its thread could not start: the job was counted and never answered, holding one
+    of the worker's /tokenize places in the dispatcher for good, and a stop waited out
+    its whole grace for it."""
+    loop = make_loop()
+
+    def refuse(*a, **k):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(loop.vocabulary_thread, "submit", refuse)
+    submit(loop, "t", job(op="tokenize", content="x", id="t"))
+    loop._read_inbox(block=False)
+    assert loop.ops_running == 0 and not loop.ops
+    (cmd, rid, body), = loop.notices
+    assert (cmd, rid, body["error"]) == ("DONE", "t", "generation_failed")
+    assert events_of(loop, "t")[-1]["e"] == "error"
     loop.preparer.shutdown()
 
 

@@ -171,6 +171,11 @@ class GenerationLoop:
                 for request_id in list(self.active):
                     self._drop(self.active[request_id])
                 self.waiting.clear()
+                # the old connection's /tokenize jobs not started (the new one's come
+                # after this in the inbox): the dispatcher forgot them, and a megabyte's
+                # ran for nobody, the new connection's waiting behind it
+                for request_id in list(self.ops):
+                    self._cancel_op(request_id, lambda attempt: True, answer=False)
                 for request_id in list(self.held):
                     self._unhold(request_id)
                 # (with the superseding jobs this loop handed the preparing thread since
@@ -236,18 +241,25 @@ class GenerationLoop:
                 done = inbox.OpDone(request_id, body, error=exc)
             self.inbox.put(done)
         self.ops_running += 1
-        self.ops[request_id] = (self.vocabulary_thread.submit(work, key=body.api_key), body)
+        try:
+            future = self.vocabulary_thread.submit(work, key=body.api_key)
+        except RuntimeError as exc:      # (its thread could not start, or has stopped)
+            log.error("%s: the vocabulary thread took no job: %s", request_id, exc)
+            return self._op_done(inbox.OpDone(request_id, body, error=exc))
+        self.ops[request_id] = (future, body)
 
-    def _cancel_op(self, request_id: str, wanted) -> bool:
+    def _cancel_op(self, request_id: str, wanted, answer: bool = True) -> bool:
         """A /tokenize or /detokenize cancelled (its client left): dropped if its thread
         has not started it (one started runs to its end, answering nobody). False: not
-        an op of this worker's (of an attempt `wanted`), or one already running."""
+        an op of this worker's (of an attempt `wanted`), or one already running.
+        `answer`: its DONE is sent (not after a Reset: nobody holds it any more)."""
         future, body = self.ops.get(request_id, (None, None))
         if future is None or not wanted(body.attempt) or not future.cancel():
             return False
         del self.ops[request_id]
         self.ops_running -= 1
-        self.notify(P.DONE, request_id, P.Done(attempt=body.attempt, cancelled=True))
+        if answer:
+            self.notify(P.DONE, request_id, P.Done(attempt=body.attempt, cancelled=True))
         return True
 
     def _op_done(self, done: inbox.OpDone) -> None:
@@ -582,3 +594,25 @@ class GenerationLoop:
                 self._drop(active)
                 self.notify(P.DONE, active.request_id, active.done(released=True))
         self._hand_back()
+
+    def release_unread(self) -> None:
+        """The last of a shutdown, the preparing thread stopped: jobs the IO thread handed
+        over after `abort_all` (its STARTED sent, the thread's shutdown dropping them; or
+        unread in the inbox) go back released. Lost with the worker, the started ones
+        were failed as `worker_lost` rather than queued again. (/tokenize jobs are
+        answered by the dispatcher's loss of the worker.)"""
+        self._hand_back()
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            match item:
+                case inbox.NewJob(request_id, body) if body.topic and not body.op:
+                    self.notify(P.DONE, request_id, P.Done(attempt=body.attempt,
+                                                           released=True))
+                case inbox.PreparedJob(request_id, body, prepared):
+                    if self.preparer.arrived(request_id, body.attempt, prepared):
+                        self.preparer.drop(request_id)
+                        self.notify(P.DONE, request_id, P.Done(attempt=body.attempt,
+                                                               released=True))

@@ -237,6 +237,12 @@ class Preparer:
         return True
 
     def _work(self, request_id: str, body: P.WorkerJob) -> None:
+        if (request_id, body.attempt) in self.cancelled:
+            # cancelled while it waited for the thread (a keystroke's job superseded by
+            # the next: each was tokenized in turn, only the last wanted, and the lag
+            # grew with every key): not prepared, only handed back to be dropped
+            self.inbox.put(inbox.PreparedJob(request_id, body, Prepared()))
+            return
         with self.watch.job():
             self._prepare(request_id, body)
 
@@ -330,8 +336,9 @@ class Preparer:
         for request_id, attempt in preparing:
             if (request_id, attempt) not in self.on_thread:
                 continue                    # back already: dropped below if kept
-            if self.preparing.get(request_id) == attempt:
-                del self.preparing[request_id]
+            current = self.preparing.pop(request_id, None)     # (popped: see `arrived`)
+            if current is not None and current != attempt:
+                self.preparing.setdefault(request_id, current)  # the new connection's
             self.cancelled.add((request_id, attempt))
         for request_id in list(self.ready):
             self.drop(request_id)

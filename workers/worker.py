@@ -492,6 +492,7 @@ def serve(launch: Launch, loaded: Loaded, stopping: StopFlag) -> int:
         loop.abort_all("the worker is shutting down")
         loop.vocabulary_thread.shutdown(wait=True, cancel_futures=True)   # before the engine
         loop.preparer.shutdown()                                          # (both use it)
+        loop.release_unread()
         loop.publisher.flush()
         link.stopping.set()
         link.join(timeout=5)
