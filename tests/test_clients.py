@@ -273,7 +273,9 @@ def test_fim_stream_disconnect_cancels_generation(server):
     read = sum(1 for _, _ in zip(range(5), stream.events()))
     stream.close()
     worker = server.wait_cancelled()
-    assert read == 5 and worker["last_done"]["usage"]["completion_tokens"] < 200
+    # (far from 1,500: a count drafts well, several tokens a step, and a loaded machine
+    # may take a second from the close to the worker)
+    assert read == 5 and worker["last_done"]["usage"]["completion_tokens"] < 600
 
 
 # -- what an operator sees -------------------------------------------------------------------

@@ -236,7 +236,9 @@ def test_one_request_cannot_keep_a_single_one_behind_all_its_choices(real_server
     done: dict[str, float] = {}
 
     def big():
-        status, _ = post(port, {"prompt": "List:", "n": 40, "max_tokens": 8,
+        # (choices long enough to keep some queued until the small one comes, however
+        # slow the machine between the queue being seen and its request)
+        status, _ = post(port, {"prompt": "List:", "n": 40, "max_tokens": 32,
                                 "ignore_eos": True})
         done["big"] = time.monotonic() if status == 200 else -1
 

@@ -428,11 +428,11 @@ def test_gpu_check_runs_every_part_on_the_cpu(tmp_path):
     server and the bench at 1 and 16 streams with drafts from lookups, without drafts and
     with a draft model, each written as JSON with its step profile and summed up."""
     out = tmp_path / "out"
-    # (heartbeats twice a second: each bench part's profile waits for two of them)
+    # (heartbeats each second: each bench part's profile waits for two of them)
     done = gpu_check(tmp_path, "run", str(wheelhouse(tmp_path)), str(out),
                      path_prefix=stand_in_gpu(tmp_path), GPU_CHECK_NO_BUILD="1",
                      GPU_CHECK_DEVICE="cpu", GPU_CHECK_DRAFT_SHAPE="tiny", timeout=420,
-                     GPU_CHECK_MAX_TOKENS="32", COMPLETIONS_HEARTBEAT_INTERVAL="0.5")
+                     GPU_CHECK_MAX_TOKENS="32", COMPLETIONS_HEARTBEAT_INTERVAL="1.0")
     assert done.returncode == 0, done.stderr[-3000:]
     assert '"ok": true' in (out / "selftest.json").read_text()
     for drafts in ("on", "off", "model"):

@@ -35,7 +35,7 @@ def interrupted_inside(function, handler) -> None:
     previous, tracer = signal.signal(signal.SIGUSR1, on_signal), sys.gettrace()
     # a handler that waits for a lock its own thread holds never returns: end the run
     # with the stacks rather than hang the suite
-    faulthandler.dump_traceback_later(20, exit=True)
+    faulthandler.dump_traceback_later(120, exit=True)     # (a traced run is slow)
     sys.settrace(trace)
     try:
         function()

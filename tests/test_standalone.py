@@ -67,7 +67,8 @@ def test_parts_joined_by_tcp_addresses(tmp_path, engine):
                         "--device", "cpu", "--engine", engine, "--model-id", "m",
                         "--name", "remote-1"], {}, log)
         procs.append(worker)
-        wait_until(lambda: health(http_port)[0] == 200, what="worker ready")
+        wait_until(lambda: health(http_port)[0] == 200, timeout=300,   # (its step costs
+                   what="worker ready")                 # measured on a busy machine)
         status, _, body = http_json(http_port, "POST", "/v1/completions",
                                     {"model": "m", "prompt": "Hello", "max_tokens": 3})
         assert status == 200 and body["usage"]["completion_tokens"] == 3
