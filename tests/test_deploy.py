@@ -261,7 +261,8 @@ def test_tokens_stream_through_nginx_as_they_are_made(deployed):
         if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
             times.append(time.monotonic())
     conn.close()
-    assert len(times) >= 250
+    assert len(times) >= 200            # (an event may hold several: a UTF-8 character's
+                                        # pieces, a stop string's possible start)
     # unbuffered: the first token arrives long before the last (256 tokens take a few
     # seconds, more than a loaded machine's pause in the reader), and tokens arrive
     # spread out rather than in one burst at the end
