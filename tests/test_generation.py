@@ -458,20 +458,30 @@ def test_jobs_handed_over_during_a_shutdown_go_back_released():
     the inbox's were never read, so the dispatcher failed them as lost with the worker
     instead of queueing them again."""
     import threading
+    from collections import Counter
     loop = make_loop()
     dry = {"dry_multiplier": 0.8}                          # (prepared: a DRY sampler)
-    busy = threading.Event()
-    loop.preparer.thread.submit(busy.wait, 10)
-    loop.abort_all("the worker is shutting down")
+    busy, again = threading.Event(), threading.Event()
+    thread = loop.preparer.thread
+    thread.submit(busy.wait, 10)
+    assert loop.preparer.submit("before", job(id="before", sampling=dry))
+    loop.abort_all("the worker is shutting down")          # ("before" handed back)
+    busy.set()
+    thread.submit(lambda: None).result()                   # ("before" prepared, back)
+    assert loop.preparer.submit("prepared", job(id="prepared", sampling=dry))
+    thread.submit(lambda: None).result()                   # (prepared, in the inbox)
+    thread.submit(again.wait, 10)
     assert loop.preparer.submit("late", job(id="late", sampling=dry))
     submit(loop, "unread", job(id="unread"))
-    loop.preparer.thread.shutdown(wait=False, cancel_futures=True)
-    busy.set()
+    thread.shutdown(wait=False, cancel_futures=True)       # ("late" dropped unprepared)
+    again.set()
     loop.preparer.shutdown()
     loop.release_unread()
-    done = {rid: body for cmd, rid, body in loop.notices if cmd == "DONE"}
-    assert set(done) == {"late", "unread"}
-    assert all(body.get("released") for body in done.values()), done
+    done = [(rid, body) for cmd, rid, body in loop.notices if cmd == "DONE"]
+    assert Counter(rid for rid, _ in done) == {"before": 1, "prepared": 1, "late": 1,
+                                                "unread": 1}, done
+    assert all(body.get("released") for _, body in done), done
+    assert not loop.preparer.ready and loop.inbox.empty()
     loop.vocabulary_thread.shutdown()
 
 

@@ -608,7 +608,9 @@ class GenerationLoop:
             except queue.Empty:
                 return
             match item:
-                case inbox.NewJob(request_id, body) if body.topic and not body.op:
+                case inbox.NewJob(request_id, body) if body.topic and not body.op and (
+                        request_id, body.attempt) not in self.preparer.cancelled:
+                    # (one the closed preparing thread refused: released above already)
                     self.notify(P.DONE, request_id, P.Done(attempt=body.attempt,
                                                            released=True))
                 case inbox.PreparedJob(request_id, body, prepared):

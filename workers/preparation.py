@@ -240,8 +240,10 @@ class Preparer:
         if (request_id, body.attempt) in self.cancelled:
             # cancelled while it waited for the thread (a keystroke's job superseded by
             # the next: each was tokenized in turn, only the last wanted, and the lag
-            # grew with every key): not prepared, only handed back to be dropped
-            self.inbox.put(inbox.PreparedJob(request_id, body, Prepared()))
+            # grew with every key): not prepared, only handed back to be dropped (its
+            # error says why, were it ever admitted)
+            self.inbox.put(inbox.PreparedJob(request_id, body, Prepared(
+                error=EngineError("cancelled before it was prepared"))))
             return
         with self.watch.job():
             self._prepare(request_id, body)
