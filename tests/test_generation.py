@@ -795,15 +795,11 @@ def test_the_watchdog_sees_how_long_a_job_has_been_in_preparation(monkeypatch):
     loop.preparer.shutdown()
 
 
-def test_tokenize_jobs_take_the_keys_in_turn_and_one_not_started_is_cancelled(monkeypatch):
-    """/tokenize and /detokenize ran one FIFO on the vocabulary thread, never cancelled:
-    a key's texts of a megabyte (17-23 s of a core each) whose clients had left kept
-    another key's small /tokenize waiting behind all of them. The keys take turns, and
-    a cancel drops one its thread has not started (DONE, cancelled, at once)."""
+def tokenize_held_at_first(loop, monkeypatch):
+    """The loop's engine tokenizes the text "first" only once `held` is set (`entered`
+    says it began); `order`: the texts tokenized, in turn."""
     import threading
-    loop = make_loop()
-    held, entered = threading.Event(), threading.Event()
-    order = []
+    held, entered, order = threading.Event(), threading.Event(), []
     real = loop.engine.tokenize
 
     def tokenize(text, *a, **k):
@@ -814,6 +810,16 @@ def test_tokenize_jobs_take_the_keys_in_turn_and_one_not_started_is_cancelled(mo
         return real(text, *a, **k)
 
     monkeypatch.setattr(loop.engine, "tokenize", tokenize)
+    return held, entered, order
+
+
+def test_tokenize_jobs_take_the_keys_in_turn_and_one_not_started_is_cancelled(monkeypatch):
+    """/tokenize and /detokenize ran one FIFO on the vocabulary thread, never cancelled:
+    a key's texts of a megabyte (17-23 s of a core each) whose clients had left kept
+    another key's small /tokenize waiting behind all of them. The keys take turns, and
+    a cancel drops one its thread has not started (DONE, cancelled, at once)."""
+    loop = make_loop()
+    held, entered, order = tokenize_held_at_first(loop, monkeypatch)
     for rid, key, text in (("a1", "A", "first"), ("a2", "A", "second"),
                            ("a3", "A", "third"), ("b1", "B", "other key's")):
         submit(loop, rid, job(op="tokenize", content=text, id=rid, api_key=key))
@@ -841,19 +847,8 @@ def test_a_reset_drops_the_old_connections_tokenize_jobs_not_started(monkeypatch
     jobs queued on the vocabulary thread ran for nobody, a megabyte's for 20 s, the new
     connection's waiting behind them. Dropped at the Reset, unanswered (nobody holds
     them); the one running ends as it does."""
-    import threading
     loop = make_loop()
-    held, entered = threading.Event(), threading.Event()
-    order, real = [], loop.engine.tokenize
-
-    def tokenize(text, *a, **k):
-        order.append(text)
-        if text == "first":
-            entered.set()
-            held.wait(10)
-        return real(text, *a, **k)
-
-    monkeypatch.setattr(loop.engine, "tokenize", tokenize)
+    held, entered, order = tokenize_held_at_first(loop, monkeypatch)
     for rid, text in (("a1", "first"), ("a2", "second")):
         submit(loop, rid, job(op="tokenize", content=text, id=rid, api_key="A"))
     loop._read_inbox(block=False)
