@@ -21,7 +21,7 @@ import gevent.lock
 import gevent.queue
 import zmq.green as zmq
 
-from app.errors import APIError, ServiceUnavailable, from_wire
+from app.errors import ServiceUnavailable, from_wire
 from dispatcher.common.addresses import Endpoints
 from dispatcher.common import config, protocol as P
 from dispatcher.common.curve import PartKeys
@@ -315,6 +315,10 @@ class DispatcherClient:
             pass
 
     def submit(self, job: P.WorkerJob) -> RequestStream:
+        if not self._alive:
+            # (lost since the caller saw its state: a stream registered now would wait
+            # for a loss already said, for as long as its client stayed)
+            raise ServiceUnavailable("the dispatcher is unreachable")
         stream = RequestStream(self, job.id)
         self.streams[job.id] = stream
         if not self.send(P.SUBMIT, job.id, job):
@@ -322,7 +326,7 @@ class DispatcherClient:
             raise ServiceUnavailable("the dispatcher is unreachable")
         try:
             stream.wait_accepted()
-        except (APIError, ClientGone):
+        except BaseException:       # (an error, the client gone, the greenlet killed)
             stream.finished = True
             self.forget(job.id)
             self.cancel(job.id)

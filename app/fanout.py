@@ -77,8 +77,20 @@ class Fanout:
             if min(self.unwaited, self.backlog) - stream.last_size > MAX_BACKLOG_BYTES \
                     and not self._gone:
                 self.overflowed = True
+                self._drop_waiting()
                 self.client_gone()
                 return
+
+    def _drop_waiting(self) -> None:
+        """What waits unwritten goes: the answer ends in an error anyway, and those 8 MB
+        (about five times that as decoded events) were held until the slow client had
+        read them, for hours at a few KB a minute, on as many connections as it kept."""
+        while True:
+            try:
+                self.merged.get_nowait()
+            except gevent.queue.Empty:
+                break
+        self.backlog = 0
 
     def client_gone(self) -> None:
         """The HTTP client left (or fell too far behind): every job is cancelled now,

@@ -135,6 +135,29 @@ def test_a_front_end_whose_beats_stop_fails_its_open_requests(monkeypatch, endpo
         dispatcher.close()
 
 
+def test_a_request_submitted_after_the_dispatcher_was_lost_is_refused(endpoints):
+    """A handler that saw the dispatcher's state, then yielded (a check on the pool)
+    while the loss was said: its SUBMIT went out and its stream waited for a `Lost`
+    already sent, for as long as its client stayed. Refused (503) instead, unsent."""
+    import msgspec
+
+    from app.errors import ServiceUnavailable
+    dispatcher = ScriptedDispatcher(endpoints).start()
+    client = client_module.DispatcherClient(endpoints, config.Heartbeat(0.25, 4))
+    try:
+        assert client.wait_state(timeout=10) is not None
+        client._lose("lost the dispatcher")               # (as the heartbeat check does)
+        with pytest.raises(ServiceUnavailable):
+            client.submit(msgspec.convert({"id": "late", "model": "m", "prompt": "x",
+                                           "generation": {"max_tokens": 1}}, P.WorkerJob))
+        assert "late" not in client.streams
+        gevent.sleep(0.3)
+        assert (P.SUBMIT, "late") not in dispatcher.received
+    finally:
+        client.close()
+        dispatcher.close()
+
+
 def test_a_dispatcher_restarted_within_the_expiry_is_noticed(monkeypatch, endpoints):
     """Another run of the dispatcher at the same address knows nothing of the open
     requests, and its proxy has not seen our subscription: the state of a new run fails
