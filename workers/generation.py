@@ -175,7 +175,7 @@ class GenerationLoop:
                 # after this in the inbox): the dispatcher forgot them, and a megabyte's
                 # ran for nobody, the new connection's waiting behind it
                 for request_id in list(self.ops):
-                    self._cancel_op(request_id, lambda attempt: True, answer=False)
+                    self._cancel_op(request_id, answer=False)
                 for request_id in list(self.held):
                     self._unhold(request_id)
                 # (with the superseding jobs this loop handed the preparing thread since
@@ -193,7 +193,7 @@ class GenerationLoop:
         keeps the socket's order), and is left there: the one the dispatcher waits for."""
         def wanted(attempt: int) -> bool:
             return upto is None or attempt <= upto
-        if self._cancel_op(request_id, wanted):
+        if self._cancel_op(request_id, upto):
             return
         self._unhold(request_id)                 # (a slot held is an earlier NewJob's)
         attempt = self.preparer.cancel(request_id, upto)
@@ -248,13 +248,15 @@ class GenerationLoop:
             return self._op_done(inbox.OpDone(request_id, body, error=exc))
         self.ops[request_id] = (future, body)
 
-    def _cancel_op(self, request_id: str, wanted, answer: bool = True) -> bool:
+    def _cancel_op(self, request_id: str, upto: int | None = None,
+                   answer: bool = True) -> bool:
         """A /tokenize or /detokenize cancelled (its client left): dropped if its thread
         has not started it (one started runs to its end, answering nobody). False: not
-        an op of this worker's (of an attempt `wanted`), or one already running.
+        an op of this worker's (of an attempt up to `upto`), or one already running.
         `answer`: its DONE is sent (not after a Reset: nobody holds it any more)."""
         future, body = self.ops.get(request_id, (None, None))
-        if future is None or not wanted(body.attempt) or not future.cancel():
+        if future is None or (upto is not None and body.attempt > upto) \
+                or not future.cancel():
             return False
         del self.ops[request_id]
         self.ops_running -= 1
