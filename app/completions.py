@@ -11,7 +11,7 @@ import time
 from flask import Blueprint, Response, current_app, request, stream_with_context
 
 from app import access, sse
-from app.writes import SEND_RATE_FLOOR, allow_write
+from app.writes import SEND_RATE_FLOOR, allow_write, drain_deadline
 from app.client import ClientGone, get_client
 from app.disconnect import watch_disconnect
 from app.errors import RequestTimeout, from_wire
@@ -102,7 +102,7 @@ def serve(req: dict, result_class, native: bool = False, infill: P.Infill | None
     try:
         fanout.submit()
         events = measured(fanout.events(), started, client.recorder, record)
-        held = _admitted(events, plans if req["stream"] else plans[:1], fanout)
+        held, held_bytes = _admitted(events, plans if req["stream"] else plans[:1], fanout)
     except BaseException as exc:
         _stop(watcher)
         fanout.close()
@@ -113,7 +113,7 @@ def serve(req: dict, result_class, native: bool = False, infill: P.Infill | None
     events = itertools.chain(held, events)
     headers = {"X-Request-Id": request_id}
     if req["stream"]:
-        body = _stream(result, events, fanout, watcher, record)
+        body = _stream(result, events, fanout, watcher, record, held_bytes)
         return Response(stream_with_context(body), mimetype="text/event-stream",
                         headers={**sse.SSE_HEADERS, **headers})
     try:
@@ -130,7 +130,7 @@ def serve(req: dict, result_class, native: bool = False, infill: P.Infill | None
         fanout.close()
 
 
-def _admitted(events, plans, fanout: Fanout) -> list:
+def _admitted(events, plans, fanout: Fanout) -> tuple[list, int]:
     """The events up to the first of each prompt's first job among `plans`, once none
     is an error (else the error is raised: the request's 4xx, before any answer). A
     stream of several prompts so starts once every prompt has passed the worker's checks
@@ -148,7 +148,7 @@ def _admitted(events, plans, fanout: Fanout) -> list:
         held.append((index, event))
         size += fanout.last_size
         waiting.discard(index)
-    return held
+    return held, size
 
 
 def _stop(watcher) -> None:
@@ -156,9 +156,13 @@ def _stop(watcher) -> None:
         watcher.kill(block=False)
 
 
-def _stream(result, events, fanout: Fanout, watcher, record: access.RequestRecord):
-    """SSE chunks; an error after the stream started goes out as an error event."""
-    ended = False
+def _stream(result, events, fanout: Fanout, watcher, record: access.RequestRecord,
+            held_bytes: int = 0):
+    """SSE chunks; an error after the stream started goes out as an error event. Once
+    every job has ended, the rest (and `held_bytes` held before the stream started) must
+    be written by its drain deadline (app.writes.drain_deadline)."""
+    ended = late = False
+    deadline = None
     try:
         for index, event in events:
             result.add(index, event)
@@ -169,19 +173,29 @@ def _stream(result, events, fanout: Fanout, watcher, record: access.RequestRecor
                 return
             chunk = result.chunk(index, event)
             if chunk is not None:
+                if deadline is None and fanout.ended_at is not None:
+                    deadline = drain_deadline(fanout.ended_at, fanout.left_at_end + held_bytes)
                 big = len(chunk) > SEND_RATE_FLOOR
-                if big:
-                    allow_write(len(chunk))
+                if (big or deadline is not None) and \
+                        not allow_write(len(chunk) if big else 0, deadline):
+                    late = True
+                    raise ClientGone()
                 yield chunk
-                if big:
+                if big and deadline is None:
                     allow_write(0)
+        if deadline is not None and not allow_write(0, deadline):
+            late = True
+            raise ClientGone()
         yield from result.trailer(error=False)
         ended = True
     except ClientGone:
-        if fanout.overflowed:   # (a client still reading, slower than its answer: say so)
+        if fanout.overflowed or late:   # (a client still reading, slower: say so)
+            allow_write(0)              # (each of these within --send-timeout)
             yield sse.event(RequestTimeout(
                 f"the answer outran what this client read (more than {MAX_BACKLOG_BYTES >> 20} "
-                "MB waited to be sent): its generation was stopped",
+                "MB waited to be sent): its generation was stopped" if not late else
+                "this client did not read the rest of the answer within --send-timeout "
+                f"and a second per {SEND_RATE_FLOOR >> 10} KiB of it after its end",
                 code="client_too_slow").to_dict())
             yield from result.trailer(error=True)
         return
@@ -190,6 +204,10 @@ def _stream(result, events, fanout: Fanout, watcher, record: access.RequestRecor
         raise
     finally:
         if not ended:           # the client left (noticed here, or by a failed write)
-            record.failed("client_too_slow" if fanout.overflowed else "client_closed")
+            # (a write that timed out at the deadline: the event loop's clock, which its
+            # timers count from, may be a little behind time.monotonic())
+            late = late or (deadline is not None and time.monotonic() >= deadline - 1)
+            record.failed("client_too_slow" if fanout.overflowed or late
+                          else "client_closed")
         _stop(watcher)
         fanout.close()

@@ -6,6 +6,8 @@ the HTTP client reaches every job.
 """
 from __future__ import annotations
 
+import time
+
 import gevent
 import gevent.queue
 
@@ -38,6 +40,9 @@ class Fanout:
         self.last_size = 0              # ... of the event `events` gave last
         self.overflowed = False         # ... went past MAX_BACKLOG_BYTES: jobs cancelled
         self.waiting = False            # the handler waits in `events` for the next event
+        self.ended_at: float | None = None  # time.monotonic() when every job had ended
+        self.left_at_end = 0            # wire bytes of the events then in `merged`
+        self._running = 0               # jobs whose end has not come
 
     def submit(self) -> None:
         """Queue every job (raises the first rejection, after cancelling the others).
@@ -57,6 +62,7 @@ class Fanout:
         except BaseException:
             self.close()
             raise
+        self._running = len(self.streams)
         self._readers = [gevent.spawn(self._read, i, s) for i, s in enumerate(self.streams)]
 
     def _read(self, index: int, stream: RequestStream) -> None:
@@ -71,6 +77,9 @@ class Fanout:
                 self.unwaited += stream.last_size
             self.merged.put((index, event, stream.last_size))
             if isinstance(event, P.ENDS):
+                self._running -= 1
+                if not self._running:   # (what is left now only waits for its client)
+                    self.ended_at, self.left_at_end = time.monotonic(), self.backlog
                 return
             # (what waited before this event: one event larger than the bound, coming
             # while the handler writes the one before, is no backlog of a slow client)

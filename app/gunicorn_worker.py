@@ -188,9 +188,10 @@ class FrontendWorker(GeventWorker):
             return super().handle_request(listener_name, req, sock, addr)
         except TimeoutError:
             # a write of the answer waited --send-timeout for a client that stopped
-            # reading (app.bound_the_writes): the request ended; close, in one line
+            # reading (app.bound_the_writes), or a stream's rest outlasted the time its
+            # end allowed (app.writes.drain_deadline): the request ended; close, in one line
             self.log.info("closed a connection from %s: its client read nothing of the "
-                          "answer for --send-timeout",
+                          "answer for --send-timeout, or not its rest in the time allowed",
                           addr[0] if isinstance(addr, tuple) else addr or "?")
             raise StopIteration() from None
         finally:

@@ -2,6 +2,8 @@
 reading is let go, one reading slowly but steadily is not."""
 from __future__ import annotations
 
+import time
+
 from flask import current_app, request
 
 
@@ -21,11 +23,34 @@ def bound_the_writes(response):
     return response
 
 
-def allow_write(size: int) -> None:
+def allow_write(size: int, deadline: float | None = None) -> bool:
     """The next write of `size` bytes may take --send-timeout s and a second for each
     SEND_RATE_FLOOR bytes of it (a stream's large event: an echoed prompt's
-    probabilities go out in one)."""
+    probabilities go out in one), and must end by `deadline` (time.monotonic()'s) where
+    one is given: False, and no write, once it has passed."""
     sock = request.environ.get("gunicorn.socket")
-    seconds = float(current_app.config.get("SEND_TIMEOUT") or 0)
-    if sock is not None and seconds:
-        sock.settimeout(seconds + size / SEND_RATE_FLOOR)
+    seconds = _send_timeout()
+    if sock is None or not seconds:
+        return True
+    allowed = seconds + size / SEND_RATE_FLOOR
+    if deadline is not None:
+        allowed = min(allowed, deadline - time.monotonic())
+        if allowed <= 0:
+            return False
+    sock.settimeout(allowed)
+    return True
+
+
+def drain_deadline(ended_at: float, unwritten: int) -> float | None:
+    """When a stream whose jobs have all ended (at `ended_at`, time.monotonic()'s, with
+    `unwritten` bytes of it still to write) must be written to its end: --send-timeout
+    and a second for each SEND_RATE_FLOOR bytes left. Each write alone is bounded, not
+    their sum: a client that took one small event a minute held the connection, and the
+    up to 8 MiB that waited for it (app.fanout.MAX_BACKLOG_BYTES), for days. None
+    without a --send-timeout."""
+    seconds = _send_timeout()
+    return ended_at + seconds + unwritten / SEND_RATE_FLOOR if seconds else None
+
+
+def _send_timeout() -> float:
+    return float(current_app.config.get("SEND_TIMEOUT") or 0)

@@ -1268,6 +1268,64 @@ def test_a_stream_that_outruns_its_client_ends_with_an_error_event(client_of, mo
     assert error["code"] == "client_too_slow" and "outran" in error["message"]
 
 
+@pytest.mark.parametrize("reader", ["steady", "slow"])
+def test_the_rest_of_an_ended_stream_is_written_by_a_deadline(client_of, monkeypatch, reader):
+    """Once every job of a stream has ended, what is left of it must be written within
+    --send-timeout and a second per SEND_RATE_FLOOR bytes of it (app.writes.
+    drain_deadline): each write alone was bounded, so a client that took an event a
+    minute held the connection, and up to 8 MiB waiting for it, for days. Each write is
+    given what is left of that time; past it the stream ends with `client_too_slow`. A
+    client keeping up reads it all. (A fake clock: the reader's pace is the test's.)"""
+    from types import SimpleNamespace
+
+    import app.fanout
+    import app.writes
+
+    class Socket:               # gunicorn's socket, as far as the timeouts go
+        def __init__(self):
+            self.timeouts = []
+            self.quiet, self.unused = os.pipe()  # (what the disconnect watcher waits on)
+
+        def settimeout(self, seconds):
+            self.timeouts.append(seconds)
+
+        def fileno(self):
+            return self.quiet
+
+    clock = SimpleNamespace(now=1000.0)
+    fake_time = SimpleNamespace(monotonic=lambda: clock.now)
+    monkeypatch.setattr(app.writes, "time", fake_time)
+    monkeypatch.setattr(app.fanout, "time", fake_time)
+    _sized_events(monkeypatch)          # (every event at once: the jobs end first)
+    events = completion("")
+    events[1:1] = [{"e": P.EV_TEXT, "s": 1 + i, "text": "x" * 1000} for i in range(8)]
+    events[-1]["s"] = 9
+    http, fake = client_of(lambda job: events)
+    http.application.config["SEND_TIMEOUT"] = 2.0
+    sock = Socket()
+    response = http.post("/v1/completions", json={"prompt": "p", "stream": True,
+                                                  "max_tokens": 200}, buffered=False,
+                         environ_base={"gunicorn.socket": sock})
+    pieces = []
+    for piece in response.response:
+        pieces.append(piece)
+        clock.now += 0.5 if reader == "slow" else 0.01
+    os.close(sock.quiet), os.close(sock.unused)
+    frames = [f for f in b"".join(pieces).decode().split("\n\n") if f]
+    assert frames[-1] == "data: [DONE]"
+    texts = [f for f in frames if '"xxxx' in f]
+    given = [t for t in sock.timeouts[1:-1] if t != 2.0]    # (the answer's start: 2.0)
+    if reader == "steady":              # (2 s and a bit: never less than a write's 2 s)
+        assert len(texts) == 8 and "error" not in frames[-2] and not given
+        return
+    # 2 s and a bit for the ~8 KB: four or five events read at 0.5 s each, then no more
+    assert 4 <= len(texts) <= 5, len(texts)
+    error = json.loads(frames[-2][len("data: "):])["error"]
+    assert error["code"] == "client_too_slow" and "rest of the answer" in error["message"]
+    assert given == sorted(given, reverse=True) and min(given) < 0.5
+    assert sock.timeouts[-1] == 2.0     # (the error event and [DONE]: a write's time each)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_events_larger_than_the_backlog_that_the_client_reads_are_answered(
         client_of, monkeypatch, stream):
