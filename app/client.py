@@ -49,6 +49,9 @@ FINAL_COUNTS_LINGER = 0.5
 # Seconds a request waits, once its grace after FINISHED has run out, for the events its
 # SUB reader takes from the socket when woken (a process held past the grace).
 READER_WAKE_WAIT = 0.05
+# Seconds an accepted request may hear nothing before the heartbeat asks the dispatcher
+# whether it still holds it (Ping.quiet; a long prefill, a queue's wait: it does)
+QUIET_AFTER = 10.0
 
 
 def wake_readers(sock) -> int:
@@ -86,7 +89,12 @@ class Lost:
     """The dispatcher stopped answering (or restarted)."""
 
 
-StreamItem = Union[TokenEvent, Control, Left, Lost]
+@dataclass(frozen=True, slots=True)
+class Unheld:
+    """The dispatcher holds the request no more (State.unheld): its end was lost."""
+
+
+StreamItem = Union[TokenEvent, Control, Left, Lost, Unheld]
 
 
 def error_event(status: int, message: str, code: str) -> P.Error:
@@ -116,6 +124,14 @@ class RequestStream:
         self._woken = False             # the reader woken since the last progress
         self._early: list[StreamItem] = []
         self.last_size = 0              # wire bytes of the event next_event last returned
+        self.accepted = False           # the dispatcher said ACCEPTED
+        self.heard_at = time.monotonic()    # when a message of it last came (QUIET_AFTER)
+        self._unheld = False            # the dispatcher said it holds it no more
+
+    def put(self, item: StreamItem) -> None:
+        """A message of the request, from a socket's reader."""
+        self.heard_at = time.monotonic()
+        self.inbox.put(item)
 
     def wait_accepted(self, timeout: float = config.SUBMIT_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
@@ -126,6 +142,7 @@ class RequestStream:
                 raise ServiceUnavailable("the dispatcher did not answer in time")
             match item:
                 case Control(P.ACCEPTED):
+                    self.accepted = True
                     return
                 case Control(P.REJECTED | P.FAILED, body):
                     raise from_wire(body)
@@ -154,7 +171,9 @@ class RequestStream:
                     self._complete_by = time.monotonic() + READER_WAKE_WAIT
                     continue
                 return self._end(error_event(
-                    502, "the token stream lost messages: the worker finished but not all "
+                    502, "the token stream lost messages: the dispatcher holds this "
+                    "request no more, and its end never arrived" if self._unheld else
+                    "the token stream lost messages: the worker finished but not all "
                     "of its output arrived", "stream_incomplete"))
             match item:
                 case TokenEvent(event, size):
@@ -170,6 +189,13 @@ class RequestStream:
                                      running=True)
                 case Left():
                     raise ClientGone()
+                case Unheld():
+                    # over at the dispatcher: what is on its way gets the grace a FINISHED
+                    # gives (a FAILED resent there may come behind this word, and ends it)
+                    self._unheld = True
+                    if self._complete_by is None:
+                        self._complete_by = time.monotonic() + config.DONE_GRACE
+                    continue
             if accepted is not None:
                 return accepted
 
@@ -381,10 +407,14 @@ class DispatcherClient:
                     self.epoch, self.beat_at = epoch, 0.0
                 self.state, self.state_at = msg.body, time.monotonic()
                 self._answered()
+                for request_id in msg.body.unheld:
+                    stream = self.streams.get(request_id)
+                    if stream is not None:
+                        stream.inbox.put(Unheld())
                 continue
             stream = self.streams.get(msg.request_id)
             if stream is not None:
-                stream.inbox.put(Control(msg.cmd, msg.body))
+                stream.put(Control(msg.cmd, msg.body))
 
     def _read_sub(self) -> None:
         while True:
@@ -407,7 +437,7 @@ class DispatcherClient:
                 self.beat_at = time.monotonic()
             stream = self.streams.get(request_id)
             if stream is not None:
-                stream.inbox.put(TokenEvent(event, len(frames[2])))
+                stream.put(TokenEvent(event, len(frames[2])))
             elif request_id and not isinstance(event, P.ENDS):
                 self._orphan_event(request_id)
 
@@ -468,7 +498,16 @@ class DispatcherClient:
 
     def _ping(self, metrics: dict | None) -> P.Ping:
         return P.Ping(open=len(self.streams), pid=self.pid, served=self.served,
-                      metrics=metrics)
+                      metrics=metrics, quiet=self._quiet())
+
+    def _quiet(self) -> list[str]:
+        """The accepted requests open here that have heard nothing for QUIET_AFTER s,
+        the longest silent first (at most MAX_QUIET)."""
+        since = time.monotonic() - QUIET_AFTER
+        quiet = [s for s in self.streams.values()
+                 if s.accepted and not s.finished and s.heard_at <= since]
+        quiet.sort(key=lambda s: s.heard_at)
+        return [s.request_id for s in quiet[:P.MAX_QUIET]]
 
     def _lose(self, why: str) -> None:
         self._alive = False

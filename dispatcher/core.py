@@ -370,6 +370,18 @@ class DispatcherCore:
                 self.dispatch()             # its slot is as good as free (WorkerRecord.busy)
                 return
 
+    def unheld(self, request_ids: list[str]) -> list[str]:
+        """Of a front end's quiet requests, those neither queued nor on a worker here:
+        over (or never known), so their end was lost on the way (a FINISHED or FAILED
+        dropped with the worker's last event, for a front end far behind), and their
+        streams waited, kept open by the front end's heartbeats, until their clients
+        left."""
+        held = {job.request_id for job in self.queue}
+        for record in self.registry.workers.values():
+            held.update(record.running)
+            held.update(record.ops)
+        return [r for r in request_ids[:P.MAX_QUIET] if r not in held]
+
     def abandon(self, request_id: str) -> list[Send]:
         """A job whose handling failed midway (the broker's `_handler_failed`): whatever
         of it was queued or sent to a worker is cancelled, so it runs for nobody."""
@@ -402,7 +414,10 @@ class DispatcherCore:
             if msg.body.metrics:
                 self.metrics.absorb(msg.body.metrics)
             info.update(open=msg.body.open, pid=msg.body.pid, served=msg.body.served)
-            self._to_frontend(fe_id, P.STATE, body=self.state())
+            state = self.state()
+            if msg.body.quiet:
+                state.unheld = self.unheld(msg.body.quiet)
+            self._to_frontend(fe_id, P.STATE, body=state)
         elif msg.cmd == P.SUBMIT:
             self.submit(fe_id, msg.request_id, msg.body)
         elif msg.cmd == P.CANCEL:

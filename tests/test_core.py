@@ -1814,3 +1814,29 @@ def test_the_file_check_sees_registered_pending_and_loading_workers_alike(tmp_pa
     assert "worker A" in ops.restart({"worker": "B", "model_id": "y"})["error"]
     children["A"].process, children["A"].respawn_at = None, 5.0   # crashed, coming back
     assert "worker A" in ops.restart({"worker": "B", "model_id": "y"})["error"]
+
+
+def test_a_ping_learns_which_of_its_quiet_requests_the_dispatcher_holds_no_more():
+    """A front end's quiet requests (accepted, nothing heard for a while): the STATE
+    answering its PING names those neither queued nor on a worker, whose end was lost
+    on the way (a FINISHED or FAILED dropped with the worker's last event); a running
+    one, a queued one, a tokenize on a worker are held, a finished one is not."""
+    core = DispatcherCore()
+    ready(core, slots=1)
+    submit(core, "over")
+    submit(core, "running")
+    submit(core, "queued")
+    submit(core, "tok", op="tokenize", content="x")
+    from_worker(core, P.DONE, "over", attempt=1, last_seq=1)   # "running" takes its slot
+    quiet = ["running", "queued", "over", "tok", "never-known"]
+
+    def answer(ping):
+        (state,) = [s for s in core.frontend_message(FE, P.Message(P.PING, "", ping), 1.0)
+                    if s.cmd == P.STATE]
+        return state.body.unheld
+    assert answer(P.Ping(quiet=quiet)) == ["over", "never-known"]
+    assert answer(P.Ping()) == []                       # (asked nothing: told nothing)
+    assert answer(P.Ping(quiet=[f"r{i}" for i in range(1000)])) == \
+        [f"r{i}" for i in range(P.MAX_QUIET)]
+    assert core.broadcast_state() is None and all(
+        not s.body.unheld for s in core._take() if s.cmd == P.STATE)

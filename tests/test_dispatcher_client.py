@@ -529,3 +529,43 @@ def test_a_tick_that_fails_every_turn_stops_the_dispatcher(endpoints, monkeypatc
         loop.join(timeout=10)
         broker.close()
 
+
+
+def test_a_quiet_request_the_dispatcher_holds_no_more_ends_instead_of_waiting(
+        monkeypatch, endpoints):
+    """A request whose end was lost (its FINISHED or FAILED and the worker's last event
+    all dropped, for a front end far behind) waited for ever, its stream kept open by
+    the heartbeats, until its client left. An accepted request that has heard nothing
+    for QUIET_AFTER s is named in the pings; once the dispatcher answers that it holds
+    it no more, it ends `stream_incomplete` after the grace a FINISHED gives. One that
+    hears something is not asked after; one not yet accepted is not either."""
+    monkeypatch.setattr(client_module, "QUIET_AFTER", 0.5)
+    monkeypatch.setattr(config, "DONE_GRACE", 0.3)
+    dispatcher = ScriptedDispatcher(endpoints).start()
+    client = client_module.DispatcherClient(endpoints, config.Heartbeat(0.1))
+    try:
+        stream = open_request_when_ready(client)
+        waiting = client_module.RequestStream(client, "cmpl-waiting")   # (no ACCEPTED)
+        client.streams["cmpl-waiting"] = waiting
+        stream.accepted = True
+        sent = time.monotonic()
+        dispatcher.xpub.send_multipart(P.encode_event(client.id, "cmpl-1", P.Text(
+            seq=0, text="x")))
+        with gevent.Timeout(10):
+            assert stream.next_event().text == "x"
+        assert stream.heard_at >= sent          # (hearing something: quiet no more)
+        assert client._quiet() == [] or time.monotonic() - sent > 0.5
+        with gevent.Timeout(10):                # (and once the stream is quiet: asked)
+            while not any(body.quiet for body in dispatcher.ping_bodies):
+                gevent.sleep(0.05)
+        # (the one not accepted, as quiet, never asked after)
+        assert {tuple(b.quiet) for b in dispatcher.ping_bodies} == {(), ("cmpl-1",)}
+        told = time.monotonic()
+        dispatcher.state = msgspec.structs.replace(STATE, unheld=["cmpl-1"])
+        with gevent.Timeout(10):
+            event = stream.next_event()
+        assert event.code == "stream_incomplete" and "holds this request no" in event.message
+        assert time.monotonic() - told >= 0.25 and stream.finished   # (its grace: 0.3 s)
+    finally:
+        client.close()
+        dispatcher.close()

@@ -38,6 +38,8 @@ import msgspec
 from dispatcher.common import fields as F
 
 PROTO = b"CMPL1"
+# Request ids one PING asks after (Ping.quiet)
+MAX_QUIET = 256
 
 # front end -> dispatcher
 SUBMIT = b"S"       # body: the job
@@ -366,6 +368,9 @@ class Ping(Body):
     pid: int | None = None
     served: int = 0
     metrics: dict | None = None         # dispatcher.common.latency increments
+    # accepted requests open there that have heard nothing for a while (at most
+    # MAX_QUIET): the STATE answering says which of them the dispatcher no longer holds
+    quiet: list[str] = []
 
 
 class ModelState(Body):
@@ -389,6 +394,7 @@ class State(Body):
     coming_workers: int = 0             # of those, the ones that are or will be ready
     draining: bool = False
     workers: list[Capabilities] = []
+    unheld: list[str] = []              # of the PING's `quiet`, those not queued nor run
 
 
 # -- stream events ---------------------------------------------------------------------
