@@ -126,6 +126,7 @@ class RequestStream:
         self.last_size = 0              # wire bytes of the event next_event last returned
         self.accepted = False           # the dispatcher said ACCEPTED
         self.heard_at = time.monotonic()    # when a message of it last came (QUIET_AFTER)
+        self.asked_at = 0.0             # when a ping last asked after it (Ping.quiet)
         self._unheld = False            # the dispatcher said it holds it no more
 
     def put(self, item: StreamItem) -> None:
@@ -501,12 +502,15 @@ class DispatcherClient:
                       metrics=metrics, quiet=self._quiet())
 
     def _quiet(self) -> list[str]:
-        """The accepted requests open here that have heard nothing for QUIET_AFTER s,
-        the longest silent first (at most MAX_QUIET)."""
-        since = time.monotonic() - QUIET_AFTER
+        """The accepted requests open here that have heard nothing for QUIET_AFTER s, at
+        most MAX_QUIET, those asked after least lately first (a front end with hundreds
+        of requests queued for long, and held, asks after each in turn)."""
+        now = time.monotonic()
         quiet = [s for s in self.streams.values()
-                 if s.accepted and not s.finished and s.heard_at <= since]
-        quiet.sort(key=lambda s: s.heard_at)
+                 if s.accepted and not s.finished and s.heard_at <= now - QUIET_AFTER]
+        quiet.sort(key=lambda s: (s.asked_at, s.heard_at))
+        for stream in quiet[:P.MAX_QUIET]:
+            stream.asked_at = now
         return [s.request_id for s in quiet[:P.MAX_QUIET]]
 
     def _lose(self, why: str) -> None:

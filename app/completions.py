@@ -27,6 +27,9 @@ from dispatcher.common import protocol as P
 
 bp = Blueprint("completions", __name__)
 
+# Seconds each write of the error event and [DONE] may take for a stream that missed
+# its drain deadline (app.writes.drain_deadline)
+LAST_WORDS = 1.0
 # Wire bytes of events a stream of several prompts holds while it waits for each prompt
 # to pass the worker's checks (see _admitted)
 HOLD_BYTES = 1 << 20
@@ -102,7 +105,7 @@ def serve(req: dict, result_class, native: bool = False, infill: P.Infill | None
     try:
         fanout.submit()
         events = measured(fanout.events(), started, client.recorder, record)
-        held, held_bytes = _admitted(events, plans if req["stream"] else plans[:1], fanout)
+        held = _admitted(events, plans if req["stream"] else plans[:1], fanout)
     except BaseException as exc:
         _stop(watcher)
         fanout.close()
@@ -113,7 +116,7 @@ def serve(req: dict, result_class, native: bool = False, infill: P.Infill | None
     events = itertools.chain(held, events)
     headers = {"X-Request-Id": request_id}
     if req["stream"]:
-        body = _stream(result, events, fanout, watcher, record, held_bytes)
+        body = _stream(result, events, fanout, watcher, record)
         return Response(stream_with_context(body), mimetype="text/event-stream",
                         headers={**sse.SSE_HEADERS, **headers})
     try:
@@ -130,7 +133,7 @@ def serve(req: dict, result_class, native: bool = False, infill: P.Infill | None
         fanout.close()
 
 
-def _admitted(events, plans, fanout: Fanout) -> tuple[list, int]:
+def _admitted(events, plans, fanout: Fanout) -> list:
     """The events up to the first of each prompt's first job among `plans`, once none
     is an error (else the error is raised: the request's 4xx, before any answer). A
     stream of several prompts so starts once every prompt has passed the worker's checks
@@ -148,7 +151,7 @@ def _admitted(events, plans, fanout: Fanout) -> tuple[list, int]:
         held.append((index, event))
         size += fanout.last_size
         waiting.discard(index)
-    return held, size
+    return held
 
 
 def _stop(watcher) -> None:
@@ -156,11 +159,10 @@ def _stop(watcher) -> None:
         watcher.kill(block=False)
 
 
-def _stream(result, events, fanout: Fanout, watcher, record: access.RequestRecord,
-            held_bytes: int = 0):
+def _stream(result, events, fanout: Fanout, watcher, record: access.RequestRecord):
     """SSE chunks; an error after the stream started goes out as an error event. Once
-    every job has ended, the rest (and `held_bytes` held before the stream started) must
-    be written by its drain deadline (app.writes.drain_deadline)."""
+    every job has ended, the rest must be written by a deadline that each chunk moves
+    on by its size (app.writes.drain_deadline)."""
     ended = late = False
     deadline = None
     try:
@@ -174,7 +176,9 @@ def _stream(result, events, fanout: Fanout, watcher, record: access.RequestRecor
             chunk = result.chunk(index, event)
             if chunk is not None:
                 if deadline is None and fanout.ended_at is not None:
-                    deadline = drain_deadline(fanout.ended_at, fanout.left_at_end + held_bytes)
+                    deadline = drain_deadline()
+                if deadline is not None:
+                    deadline += len(chunk) / SEND_RATE_FLOOR
                 big = len(chunk) > SEND_RATE_FLOOR
                 if (big or deadline is not None) and \
                         not allow_write(len(chunk) if big else 0, deadline):
@@ -190,12 +194,14 @@ def _stream(result, events, fanout: Fanout, watcher, record: access.RequestRecor
         ended = True
     except ClientGone:
         if fanout.overflowed or late:   # (a client still reading, slower: say so)
-            allow_write(0)              # (each of these within --send-timeout)
+            # (each write within --send-timeout; past the deadline, a second)
+            allow_write(0, at_most=LAST_WORDS if late else None)
             yield sse.event(RequestTimeout(
                 f"the answer outran what this client read (more than {MAX_BACKLOG_BYTES >> 20} "
                 "MB waited to be sent): its generation was stopped" if not late else
                 "this client did not read the rest of the answer within --send-timeout "
-                f"and a second per {SEND_RATE_FLOOR >> 10} KiB of it after its end",
+                f"and a second per {SEND_RATE_FLOOR >> 10} KiB of it once it was "
+                "generated",
                 code="client_too_slow").to_dict())
             yield from result.trailer(error=True)
         return

@@ -41,7 +41,6 @@ class Fanout:
         self.overflowed = False         # ... went past MAX_BACKLOG_BYTES: jobs cancelled
         self.waiting = False            # the handler waits in `events` for the next event
         self.ended_at: float | None = None  # time.monotonic() when every job had ended
-        self.left_at_end = 0            # wire bytes of the events then in `merged`
         self._running = 0               # jobs whose end has not come
 
     def submit(self) -> None:
@@ -79,7 +78,7 @@ class Fanout:
             if isinstance(event, P.ENDS):
                 self._running -= 1
                 if not self._running:   # (what is left now only waits for its client)
-                    self.ended_at, self.left_at_end = time.monotonic(), self.backlog
+                    self.ended_at = time.monotonic()
                 return
             # (what waited before this event: one event larger than the bound, coming
             # while the handler writes the one before, is no backlog of a slow client)

@@ -23,16 +23,20 @@ def bound_the_writes(response):
     return response
 
 
-def allow_write(size: int, deadline: float | None = None) -> bool:
+def allow_write(size: int, deadline: float | None = None,
+                at_most: float | None = None) -> bool:
     """The next write of `size` bytes may take --send-timeout s and a second for each
     SEND_RATE_FLOOR bytes of it (a stream's large event: an echoed prompt's
-    probabilities go out in one), and must end by `deadline` (time.monotonic()'s) where
-    one is given: False, and no write, once it has passed."""
+    probabilities go out in one), `at_most` s where that is less, and must end by
+    `deadline` (time.monotonic()'s) where one is given: False, and no write, once it
+    has passed."""
     sock = request.environ.get("gunicorn.socket")
     seconds = _send_timeout()
     if sock is None or not seconds:
         return True
     allowed = seconds + size / SEND_RATE_FLOOR
+    if at_most is not None:
+        allowed = min(allowed, at_most)
     if deadline is not None:
         allowed = min(allowed, deadline - time.monotonic())
         if allowed <= 0:
@@ -41,15 +45,16 @@ def allow_write(size: int, deadline: float | None = None) -> bool:
     return True
 
 
-def drain_deadline(ended_at: float, unwritten: int) -> float | None:
-    """When a stream whose jobs have all ended (at `ended_at`, time.monotonic()'s, with
-    `unwritten` bytes of it still to write) must be written to its end: --send-timeout
-    and a second for each SEND_RATE_FLOOR bytes left. Each write alone is bounded, not
-    their sum: a client that took one small event a minute held the connection, and the
-    up to 8 MiB that waited for it (app.fanout.MAX_BACKLOG_BYTES), for days. None
-    without a --send-timeout."""
+def drain_deadline() -> float | None:
+    """When a stream whose jobs have all ended must be written to its end, before what
+    is left of it: in --send-timeout (time.monotonic()'s), which each chunk then moves
+    on by a second per SEND_RATE_FLOOR bytes of it. So a client reading at that floor
+    or faster is never cut, and one slower at most that long: each write alone was
+    bounded, not their sum, and a client that took one small event a minute held the
+    connection, and the up to 8 MiB waiting for it (app.fanout.MAX_BACKLOG_BYTES),
+    for days. None without a --send-timeout."""
     seconds = _send_timeout()
-    return ended_at + seconds + unwritten / SEND_RATE_FLOOR if seconds else None
+    return time.monotonic() + seconds if seconds else None
 
 
 def _send_timeout() -> float:

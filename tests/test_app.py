@@ -1271,10 +1271,11 @@ def test_a_stream_that_outruns_its_client_ends_with_an_error_event(client_of, mo
 @pytest.mark.parametrize("reader", ["steady", "slow"])
 def test_the_rest_of_an_ended_stream_is_written_by_a_deadline(client_of, monkeypatch, reader):
     """Once every job of a stream has ended, what is left of it must be written within
-    --send-timeout and a second per SEND_RATE_FLOOR bytes of it (app.writes.
-    drain_deadline): each write alone was bounded, so a client that took an event a
-    minute held the connection, and up to 8 MiB waiting for it, for days. Each write is
-    given what is left of that time; past it the stream ends with `client_too_slow`. A
+    --send-timeout and a second per SEND_RATE_FLOOR bytes of it, each chunk moving the
+    deadline on by its size (app.writes.drain_deadline): each write alone was bounded,
+    so a client that took an event a minute held the connection, and up to 8 MiB
+    waiting for it, for days. Each write is given what is left of that time; past it
+    the stream ends with `client_too_slow`, its last words given a second each. A
     client keeping up reads it all. (A fake clock: the reader's pace is the test's.)"""
     from types import SimpleNamespace
 
@@ -1318,12 +1319,12 @@ def test_the_rest_of_an_ended_stream_is_written_by_a_deadline(client_of, monkeyp
     if reader == "steady":              # (2 s and a bit: never less than a write's 2 s)
         assert len(texts) == 8 and "error" not in frames[-2] and not given
         return
-    # 2 s and a bit for the ~8 KB: four or five events read at 0.5 s each, then no more
+    # 2 s and a bit for the ~10 KB: four or five events read at 0.5 s each, then no more
     assert 4 <= len(texts) <= 5, len(texts)
     error = json.loads(frames[-2][len("data: "):])["error"]
     assert error["code"] == "client_too_slow" and "rest of the answer" in error["message"]
     assert given == sorted(given, reverse=True) and min(given) < 0.5
-    assert sock.timeouts[-1] == 2.0     # (the error event and [DONE]: a write's time each)
+    assert sock.timeouts[-1] == 1.0     # (the error event and [DONE]: LAST_WORDS each)
 
 
 @pytest.mark.parametrize("stream", [False, True])

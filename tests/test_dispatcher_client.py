@@ -569,3 +569,56 @@ def test_a_quiet_request_the_dispatcher_holds_no_more_ends_instead_of_waiting(
     finally:
         client.close()
         dispatcher.close()
+
+
+def test_quiet_requests_are_asked_after_in_turn(monkeypatch, endpoints):
+    """More quiet requests than a ping names (MAX_QUIET): those asked after least lately
+    go first, so requests held for long (queued behind hundreds) do not crowd out a
+    newer one whose end was lost."""
+    monkeypatch.setattr(client_module, "QUIET_AFTER", 0.0)
+    monkeypatch.setattr(P, "MAX_QUIET", 2)
+    dispatcher = ScriptedDispatcher(endpoints).start()
+    client = client_module.DispatcherClient(endpoints, config.Heartbeat(60.0))
+    try:
+        open_request_when_ready(client).finished = True     # (ended: never asked after)
+        for n, rid in enumerate("abcde"):
+            stream = client.streams[rid] = client_module.RequestStream(client, rid)
+            stream.accepted, stream.heard_at = True, 100.0 + n
+        client.streams["x"] = client_module.RequestStream(client, "x")  # (not accepted)
+        assert [client._quiet() for _ in range(3)] == [["a", "b"], ["c", "d"], ["e", "a"]]
+    finally:
+        client.close()
+        dispatcher.close()
+
+
+def test_a_state_never_says_unheld_a_request_whose_end_waits_to_be_resent(endpoints):
+    """The answer to a ping goes out at once, the ends a full pipe refused later in the
+    loop: a STATE naming such a request unheld overtook its FAILED or FINISHED, and the
+    stream ended `stream_incomplete` in its stead (a 504, a `superseded` lost)."""
+    from dispatcher.core import Send
+
+    class Pipe:
+        def __init__(self):
+            self.sent, self.full = [], True
+
+        def send_multipart(self, frames, flags=0):
+            if self.full:
+                raise zmq.ZMQError(zmq.EAGAIN)
+            self.sent.append(P.decode(frames[1:]))
+
+    broker = Broker(endpoints)
+    real, broker.frontend = broker.frontend, Pipe()
+    try:
+        broker.deliver([Send("frontend", b"fe-1", P.FAILED, "cmpl-1", P.WireError(
+            status=504, code="queue_timeout", message="m"))])
+        assert len(broker.unsent) == 1
+        broker.frontend.full = False
+        broker.deliver([Send("frontend", peer, P.STATE, body=msgspec.structs.replace(
+            STATE, unheld=["cmpl-1", "cmpl-2"])) for peer in (b"fe-1", b"fe-2")])
+        assert [m.body.unheld for m in broker.frontend.sent] == [["cmpl-2"],
+                                                                  ["cmpl-1", "cmpl-2"]]
+        broker.resend()
+        assert broker.frontend.sent[-1].cmd == P.FAILED
+    finally:
+        broker.frontend = real
+        broker.close()
