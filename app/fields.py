@@ -26,6 +26,10 @@ MAX_STOP_LENGTH = 512
 # string where it could begin (workers/textstream.py), about this many steps at worst
 MAX_STOP_CHARS = 16384
 MAX_PROMPTS = 64
+# Texts in one prompt of llama.cpp's mixed form ([12, "text", 34]): a worker tokenizes
+# each on its own, a call of microseconds: three million empty strings, within the body's
+# bound, held the generation loop for seconds a choice (the watchdog's mark)
+MAX_PROMPT_TEXTS = 1024
 MAX_CHOICES = 128
 MAX_LOGPROBS = 5
 SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
@@ -116,6 +120,8 @@ class PromptField(fields.Field):
         "too_many": f"At most {MAX_PROMPTS} prompts in one request.",
         "negative": "Token ids are not negative.",
         "too_large": f"Token ids are at most {INT_MAX}.",
+        "too_many_texts": f"At most {MAX_PROMPT_TEXTS} texts in one prompt of token ids "
+                          "and texts.",
     }
 
     def __init__(self, *args, empty_text: bool = False, **kwargs):
@@ -159,6 +165,7 @@ class PromptField(fields.Field):
             if max(prompt) > INT_MAX:               # (2**63 and up broke the worker's
                 raise self.make_error("too_large")  # int64 arrays: a 500)
             return list(prompt)
+        texts = 0
         for part in prompt:
             if _is_int(part):
                 if part < 0:
@@ -167,6 +174,10 @@ class PromptField(fields.Field):
                     raise self.make_error("too_large")
             elif not isinstance(part, str):
                 raise self.make_error("invalid")
+            else:
+                texts += 1
+                if texts > MAX_PROMPT_TEXTS:
+                    raise self.make_error("too_many_texts")
         return [int(p) if _is_int(p) else p for p in prompt]
 
 

@@ -40,7 +40,7 @@ def plan_jobs(request_id: str, model: str, req: dict, profile: str | None = None
     scoring = candidates > req["n"]
     route = route_of(req, profile)
     fanout = len(req["prompt"]) * candidates
-    work = prompt_work(req, candidates)
+    work = prompt_work(req, candidates, infill)
     plans = []
     for p, prompt in enumerate(req["prompt"]):
         for c in range(candidates):
@@ -90,16 +90,21 @@ def choice_seed(seed: int, c: int) -> int:
 CHARS_PER_TOKEN = 4         # of text, about (code runs 3-4): a low estimate of its tokens
 
 
-def prompt_work(req: dict, candidates: int) -> int:
+def prompt_work(req: dict, candidates: int, infill: P.Infill | None = None) -> int:
     """About how many prompt tokens the request's jobs prefill: each prompt's once (its
     other choices copy it), except where each choice computes the prompt's logprobs
-    itself (echo with logprobs); an id is a token, text CHARS_PER_TOKEN characters."""
+    itself (echo with logprobs); an id is a token, text CHARS_PER_TOKEN characters; an
+    /infill's chunks and text at the cursor too (a megabyte of `input_extra` beside an
+    empty prefix was rated brief, and took slots past the key's share)."""
     each = candidates if req.get("echo") and req.get("logprobs") is not None else 1
     total = 0
     for prompt in req["prompt"]:
         parts = [prompt] if isinstance(prompt, str) else prompt
         total += sum(len(p) // CHARS_PER_TOKEN if isinstance(p, str) else 1 for p in parts)
     total += len(req.get("suffix") or "") // CHARS_PER_TOKEN * len(req["prompt"])
+    if infill is not None:
+        total += (len(infill.middle) + sum(len(str(chunk.get("text") or "")) for chunk in
+                                           infill.extra)) // CHARS_PER_TOKEN
     return total * each
 
 

@@ -11,6 +11,7 @@ workers, read the front ends, read the control socket, reap exited children, tic
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -18,6 +19,7 @@ import threading
 import time
 from collections import deque
 
+import msgspec
 import zmq
 
 from dispatcher.common.addresses import Endpoints
@@ -181,7 +183,7 @@ class Broker:
             failed = []
             for send in sends:
                 if send.cmd == P.STATE and send.body.unheld and self.unsent:
-                    self._spare_unsent(send)
+                    send = self._spare_unsent(send)
                 sock = self.frontend if send.to == "frontend" else self.backend
                 try:
                     sock.send_multipart([send.peer] + P.encode(send.cmd, send.request_id,
@@ -194,12 +196,13 @@ class Broker:
                         failed.append((send, exc.errno != zmq.EAGAIN))
             sends = [more for send, gone in failed for more in self.core.send_failed(send, gone)]
 
-    def _spare_unsent(self, state: Send) -> None:
-        """A front end's requests whose end waits in `unsent` are held still: a STATE
-        saying otherwise would go out before that end (resent later in the loop), and
-        the stream would end `stream_incomplete` in its stead."""
+    def _spare_unsent(self, state: Send) -> Send:
+        """`state` without the requests whose end waits in `unsent` for its front end:
+        held still, a STATE saying otherwise would go out before that end (resent later
+        in the loop), and the stream would end `stream_incomplete` in its stead."""
         waiting = {send.request_id for _, send in self.unsent if send.peer == state.peer}
-        state.body.unheld = [r for r in state.body.unheld if r not in waiting]
+        return dataclasses.replace(state, body=msgspec.structs.replace(
+            state.body, unheld=[r for r in state.body.unheld if r not in waiting]))
 
     def resend(self) -> None:
         """Send again the ends of requests a front end's full pipe refused (`unsent`):

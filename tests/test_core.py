@@ -1263,6 +1263,10 @@ def test_a_request_of_long_prompts_never_holds_every_slot():
         assert (("REQUEST", "b") in kinds(submit(core, "b", parent="b"))) == (at_once < 8)
     assert prompt_work(echoed, 8) == 8 * 1000 and prompt_work(long_prompts, 1) == 24_000
     assert prompt_work({"prompt": [[1, 2, "abcd"]], "suffix": "s" * 40}, 3) == 3 + 10
+    # an /infill's chunks and text at the cursor are prefilled too (a megabyte of
+    # chunks beside an empty prefix was rated brief)
+    infill = P.Infill(extra=[{"filename": "a.py", "text": "x" * 4000}] * 3, middle="y" * 40)
+    assert prompt_work({"prompt": [""], "suffix": "s" * 40}, 2, infill) == 10 + 3010
 
 
 def test_a_huge_session_seq_never_locks_out_requests_ordered_by_arrival():

@@ -583,7 +583,7 @@ def test_quiet_requests_are_asked_after_in_turn(monkeypatch, endpoints):
         open_request_when_ready(client).finished = True     # (ended: never asked after)
         for n, rid in enumerate("abcde"):
             stream = client.streams[rid] = client_module.RequestStream(client, rid)
-            stream.accepted, stream.heard_at = True, 100.0 + n
+            stream.accepted, stream.heard_at = True, time.monotonic() - 100.0 + n
         client.streams["x"] = client_module.RequestStream(client, "x")  # (not accepted)
         assert [client._quiet() for _ in range(3)] == [["a", "b"], ["c", "d"], ["e", "a"]]
     finally:

@@ -324,6 +324,7 @@ def test_the_worker_fills_in_a_prompt_sent_once():
     assert first.prompt == "p"
     later = link._with_shared(job(None, id="r.0.1", same_as="r.0.0"))
     assert later.prompt == "p" and later.suffix == "s" and later.same_as is None
+    assert later.share_as == "r.0.0"      # (the prompt's id: preparation keeps its fit)
     for i in range(P.WORKER_SHARED):
         link._with_shared(job(str(i), id=f"s{i}", share_as=f"s{i}"))
     assert link._with_shared(job(None, id="r.0.2", same_as="r.0.0")) is None   # pushed out
@@ -723,6 +724,36 @@ def test_keys_take_turns_on_the_preparing_thread():
     assert not loop.preparer.submit("late", job("x" * PREPARE_CHARS, id="late"))
     assert "late" not in loop.preparer.preparing and \
         not any(rid == "late" for rid, _ in loop.preparer.on_thread)
+
+
+def test_the_choices_of_one_prompt_are_fitted_once_on_the_preparing_thread(monkeypatch):
+    """An /infill's n choices each tokenized its prefix, suffix and chunks again (the
+    vocabulary keeps four long texts: with more, each choice missed them all), seconds
+    each. The choices of one prompt (its id: `share_as`, kept when `same_as` is filled
+    in) are fitted once, each given its own copy; another prompt, or the same prompt's
+    fields under another answer's room, are fitted anew."""
+    loop = make_loop(n_ctx=2 * PREPARE_CHARS)
+    texts = []
+    real = loop.engine.tokenize
+    monkeypatch.setattr(loop.engine, "tokenize", lambda text, *a, **k: (
+        texts.append(text), real(text, *a, **k))[1])
+    prompt = "x" * PREPARE_CHARS
+    bodies = [job(prompt, id="r.0.0", share_as="r.0.0")] + [
+        P.with_prompt(job(None, id=f"r.0.{c}", same_as="r.0.0"),
+                      P.prompt_fields(job(prompt))) for c in (1, 2)]
+    bodies.append(job(prompt, id="r.0.3", share_as="r.0.0", max_tokens=9))
+    bodies.append(job("y" * PREPARE_CHARS, id="s.0.0", share_as="s.0.0"))
+    for body in bodies:
+        assert loop.preparer.submit(body.id, body)
+    loop.preparer.thread.submit(lambda: None).result()
+    fitted = {}
+    while len(fitted) < len(bodies):
+        item = loop.inbox.get(timeout=10)
+        fitted[item.request_id] = item.prepared.fitted
+    assert texts.count(prompt) == 2 and texts.count("y" * PREPARE_CHARS) == 1
+    assert fitted["r.0.0"].tokens == fitted["r.0.1"].tokens == fitted["r.0.2"].tokens
+    assert fitted["r.0.1"].tokens is not fitted["r.0.2"].tokens     # (each its own)
+    loop.preparer.shutdown()
 
 
 def test_a_key_without_a_slot_of_its_own_takes_one_of_the_key_holding_the_most():

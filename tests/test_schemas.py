@@ -40,6 +40,18 @@ def test_an_empty_prompt_is_the_start_of_a_document_as_openai_has_it():
             validate({"prompt": empty})
 
 
+def test_a_prompt_of_ids_and_texts_has_at_most_max_prompt_texts_texts():
+    """A worker tokenizes each text of llama.cpp's mixed form on its own: three million
+    empty strings (within the body's bound; a prompt of one token, by its size) held
+    the generation loop for seconds a choice, past the watchdog's mark."""
+    from app.fields import MAX_PROMPT_TEXTS
+    assert validate({"prompt": [0] + [""] * MAX_PROMPT_TEXTS})["prompt"][0][0] == 0
+    for prompt in ([0] + [""] * (MAX_PROMPT_TEXTS + 1), [[0, "a"], [0] + ["b"] * 2000]):
+        with pytest.raises(InvalidRequest) as caught:
+            validate({"prompt": prompt})
+        assert "texts in one prompt" in str(caught.value)
+
+
 def test_stop_string_becomes_a_list_without_empties_or_duplicates():
     assert validate({"prompt": "p", "stop": "\n"})["stop"] == ["\n"]
     assert validate({"prompt": "p", "stop": ["a", "", "a", "b"]})["stop"] == ["a", "b"]

@@ -16,6 +16,7 @@ waits behind seconds of tokenizing. On each, the API keys take turns (`TakingTur
 """
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -48,6 +49,10 @@ BIG_PREPARE_CHARS = 128 * 1024
 # as for a stuck step. Far past anything a request within the limits asks: a prompt of
 # 1 Mi characters took 5.3 s, a megabyte /tokenize 17-23 s on a slower 2-core machine.
 PREPARE_STUCK_SECONDS = 300.0
+# Fitted prompts kept for the other choices of their request (share_as / same_as): an
+# /infill's n choices each tokenized its prefix, suffix and chunks again (the vocabulary
+# keeps four long texts: one with more, each choice missed them all), seconds each
+FITTED_KEPT = 4
 
 
 class ThreadWatch:
@@ -210,6 +215,8 @@ class Preparer:
         self.cancelled: set[tuple[str, int]] = set()   # ... cancelled while there
         self.ready: dict[str, Prepared] = {}    # prepared, waiting for a slot
         self.superseding: set[tuple[str, int]] = set()   # ... handed here by the loop
+        self._fitted: OrderedDict[tuple, Fitted] = OrderedDict()   # (FITTED_KEPT)
+        self._fitted_lock = threading.Lock()    # (the two threads share them)
 
     def submit(self, request_id: str, body: P.WorkerJob, superseding: bool = False) -> bool:
         """Prepare the job on the thread if that pays (True; it then arrives in the inbox
@@ -253,7 +260,7 @@ class Preparer:
         try:
             extra = list(body.infill.extra) if body.infill else []
             check_fits(self.engine, body, self.fim_template)
-            prepared.fitted = fitted_prompt(self.engine, body, self.fim_template, extra)
+            prepared.fitted = self._fitted_prompt(body, extra)
             with tenant_of(self.engine, body):      # (a text bias's tokens: its own)
                 prepared.sampling = sampling_of(body.generation, self.engine)
             prepared.chain = self.engine.sampler_chain(
@@ -264,6 +271,24 @@ class Preparer:
             prepared.free()
             prepared.error = exc
         self.inbox.put(inbox.PreparedJob(request_id, body, prepared))
+
+    def _fitted_prompt(self, body: P.WorkerJob, extra: list[dict]) -> Fitted:
+        """The job's fitted prompt; a copy of its request's other choices' where one of
+        them was fitted lately (the same prompt fields, answer's room and context)."""
+        shared = body.share_as          # (the first choice's id, on every choice here)
+        if not shared:
+            return fitted_prompt(self.engine, body, self.fim_template, extra)
+        key = (shared, body.tenant, body.generation.max_tokens, body.route.n_ctx,
+               body.generation.parse_special)
+        with self._fitted_lock:
+            fitted = self._fitted.get(key)
+        if fitted is None:
+            fitted = fitted_prompt(self.engine, body, self.fim_template, extra)
+            with self._fitted_lock:
+                self._fitted[key] = fitted
+                while len(self._fitted) > FITTED_KEPT:
+                    self._fitted.popitem(last=False)
+        return copy.deepcopy(fitted)     # (an /infill's parts learn their length once)
 
     def arrived(self, request_id: str, attempt: int, prepared: Prepared) -> bool:
         """A prepared job reached the loop: kept for admission (True), or dropped if it
