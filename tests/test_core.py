@@ -783,20 +783,33 @@ def test_a_stuck_worker_fails_its_started_requests_as_stuck_and_is_remembered():
 
 
 def test_a_prompt_crosses_each_hop_once():
+    from collections import OrderedDict
+
+    from workers.worker import DispatcherLink
+    link = DispatcherLink.__new__(DispatcherLink)      # the worker's side, no sockets
+    link.shared = OrderedDict()
+
+    def at_worker(request):                             # as the worker reads it
+        body = P.decode(P.encode(P.REQUEST, request.request_id, request.body)).body
+        return link._with_shared(body)
     core = DispatcherCore()
     ready(core, b"w0", slots=4)
     big = "x" * 100_000
     sends = submit(core, "r.0.0", prompt=big, parent="r", fanout=3)
     first = next(s for s in sends if s.cmd == P.REQUEST)
     assert first.body.prompt is big and first.body.share_as == "r.0.0"
+    assert at_worker(first).prompt == big
     for c in (1, 2):                              # the front end names the first job
         sends = core.frontend_message(FE, P.Message(P.SUBMIT, f"r.0.{c}", wire_job(**{
             "id": f"r.0.{c}", "model": "m", "parent": "r", "fanout": 3,
             "same_as": "r.0.0"})), 0.0)
         request = next(s for s in sends if s.cmd == P.REQUEST)
         assert request.body.prompt is None and request.body.same_as == "r.0.0"
+        assert request.body.share_as is None    # (its fields are the first's: kept so)
         job = core.registry.get(b"w0").running[f"r.0.{c}"]
         assert job.body.prompt is big          # whole in the dispatcher, not copied
+        whole = at_worker(request)             # ... and at the worker, named by the first
+        assert whole.prompt == big and whole.share_as == "r.0.0" and whole.same_as is None
     assert "r" not in core.units.shared                 # the request is all here: forgotten
 
 

@@ -737,10 +737,14 @@ def test_the_choices_of_one_prompt_are_fitted_once_on_the_preparing_thread(monke
     real = loop.engine.tokenize
     monkeypatch.setattr(loop.engine, "tokenize", lambda text, *a, **k: (
         texts.append(text), real(text, *a, **k))[1])
+    from collections import OrderedDict
+
+    from workers.worker import DispatcherLink
+    link = DispatcherLink.__new__(DispatcherLink)      # (as the IO thread fills them in)
+    link.shared = OrderedDict()
     prompt = "x" * PREPARE_CHARS
-    bodies = [job(prompt, id="r.0.0", share_as="r.0.0")] + [
-        P.with_prompt(job(None, id=f"r.0.{c}", same_as="r.0.0"),
-                      P.prompt_fields(job(prompt))) for c in (1, 2)]
+    bodies = [link._with_shared(job(prompt, id="r.0.0", share_as="r.0.0"))] + [
+        link._with_shared(job(None, id=f"r.0.{c}", same_as="r.0.0")) for c in (1, 2)]
     bodies.append(job(prompt, id="r.0.3", share_as="r.0.0", max_tokens=9))
     bodies.append(job("y" * PREPARE_CHARS, id="s.0.0", share_as="s.0.0"))
     for body in bodies:

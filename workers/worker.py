@@ -156,7 +156,10 @@ class DispatcherLink(threading.Thread):
             fields = self.shared.get(body.same_as)
             if fields is None:
                 return None
-            body = P.with_prompt(body, fields)
+            # (named `share_as` from here on, only here: the prompt's id, by which the
+            # preparing thread keeps what its choices share, preparation.FITTED_KEPT)
+            body = msgspec.structs.replace(P.with_prompt(body, fields),
+                                           share_as=body.same_as)
         return body
 
     def _refuse(self, frames: list[bytes], exc: P.ProtocolError) -> None:

@@ -263,10 +263,8 @@ def without_prompt(job: Job, same_as: str) -> Job:
 
 
 def with_prompt(job: Job, fields: dict) -> Job:
-    """The job carrying the prompt fields (`prompt_fields` of the job it named), which it
-    goes on naming as `share_as` (by which a worker's preparation keeps what the choices
-    of one prompt share: workers.preparation.FITTED_KEPT)."""
-    return msgspec.structs.replace(job, same_as=None, share_as=job.same_as, **fields)
+    """The job carrying the prompt fields (`prompt_fields` of the job it named)."""
+    return msgspec.structs.replace(job, same_as=None, **fields)
 
 
 def prompt_fields(job: Job) -> dict:
