@@ -141,13 +141,15 @@ def test_no_request_stalls_the_stream_beside_it(server):
 
 
 def test_a_grammar_whose_stacks_multiply_ends_its_request_not_the_stream_beside_it(server):
-    """`r ::= "a" r "b" | "a" r "c" | "d"` doubles llama.cpp's parse stacks with every
-    "a" (no static count sees it: 3 stacks at any one place of the rules): the model is
-    pushed to write a's, and once one token's stack work passes 0.1 s the request ends
-    with grammar_too_costly; the stream beside it goes on."""
+    """`r ::= "aaaaaaa" r "b" | "aaaaaaa" r "c" | "d"` doubles llama.cpp's parse stacks
+    with every seven a's: too slowly for the check before it runs to see (48 characters
+    fed: 64 stacks; one doubling with every "a", `r ::= "a" r "b" | ...`, is refused
+    there), not for a long answer. The model is pushed to write a's, and once one
+    token's stack work passes 0.1 s the request ends with grammar_too_costly; the stream
+    beside it goes on."""
     _, _, tokens = http_json(server.port, "POST", "/tokenize", {"content": "a"})
-    body = {"prompt": "a a a a a a a a", "max_tokens": 64, "temperature": 0,
-            "grammar": 'root ::= r\nr ::= "a" r "b" | "a" r "c" | "d"',
+    body = {"prompt": "a a a a a a a a", "max_tokens": 400, "temperature": 0,
+            "grammar": 'root ::= r\nr ::= "aaaaaaa" r "b" | "aaaaaaa" r "c" | "d"',
             "logit_bias": {str(tokens["tokens"][-1]): 100}}
     answer = {}
 

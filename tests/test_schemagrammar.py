@@ -462,6 +462,71 @@ def test_grammars_that_would_cost_seconds_a_token_are_refused(grammar, says):
     assert says in str(refused.value)
 
 
+def _alike(k: int, lead: str = "[ -~]") -> str:
+    """k alternatives that begin alike and go on into the rule itself, each closed by
+    its own character: the stacks multiply by k at every character."""
+    return "a ::= " + " | ".join(f'{lead} a "{chr(65 + i % 26)}{i}"' for i in range(k))
+
+
+@pytest.mark.parametrize("grammar", [
+    "root ::= a\n" + _alike(2),
+    "root ::= a\n" + _alike(64),                          # (4,096 at the first character)
+    'root ::= a\na ::= "x" "y" a "A" | "x" "y" a "B" | "z"',     # (alike for two)
+    'root ::= "b"{60} a\n' + _alike(2),                    # (behind a fixed prefix)
+    'root ::= [a-z]{50} "q" a\na ::= "x" a "A" | "x" a "B" | "z"',
+    'root ::= a\na ::= "x" a "A" | "x" a "B" | ' +           # (beside steady decoys)
+    " | ".join(f'[{chr(97 + i)}] [a-w]+ "!{i}"' for i in range(20)),
+])
+def test_grammars_whose_parse_stacks_multiply_as_text_comes_are_refused(grammar):
+    """Alternatives that begin alike and go on into the same rule keep a stack each:
+    `a ::= [ -~] a "A" | [ -~] a "B" | ...` (k of them) multiplies llama.cpp's stacks by
+    k at every character, within one token's accept (64: 4,096 stacks at the second
+    character of " The", 3.7 s; the third, hours: the watchdog took the worker and every
+    stream on it). A width counted at one place of the rules never sees it (2 to 64
+    here); a probe feeding the stacks the text that keeps the most alive does."""
+    started = time.perf_counter()
+    with pytest.raises(gbnf.GrammarTooLarge) as refused:
+        gbnf.check(grammar)
+    assert "parse stacks reach" in str(refused.value)
+    assert time.perf_counter() - started < 5
+
+
+def test_a_json_schema_whose_choices_nest_alike_is_refused_and_a_tree_is_not():
+    """The same through `json_schema`: choices that each open an array of the same
+    rule multiply the stacks by their count at every `[`; a recursive tree of objects,
+    whose choices part at their first character, passes."""
+    alike = {"$defs": {"n": {"anyOf": [{"type": "array", "items": {"$ref": "#/$defs/n"},
+                                        "maxItems": i} for i in range(1, 5)]}},
+             "$ref": "#/$defs/n"}
+    with pytest.raises(sg.SchemaRefused) as refused:
+        sg.SchemaGrammars().grammar(alike)
+    assert "parse stacks reach" in str(refused.value)
+    node = {"type": "object", "properties": {
+        "name": {"type": "string"}, "children": {"type": "array",
+                                                  "items": {"$ref": "#/$defs/node"}}}}
+    expression = {"anyOf": [{"type": "number"}, {"type": "object", "properties": {
+        "op": {"enum": ["+", "-"]}, "args": {"type": "array",
+                                             "items": {"$ref": "#/$defs/e"}}}}]}
+    sg.SchemaGrammars().grammar({"$defs": {"node": node}, "$ref": "#/$defs/node"})
+    sg.SchemaGrammars().grammar({"$defs": {"e": expression}, "$ref": "#/$defs/e"})
+
+
+def test_the_example_grammars_pass_the_growth_probe_quickly():
+    """llama.cpp's example grammars (as llama-cpp-python ships them), whose stacks do not
+    multiply: accepted, each in well under a second; and a doubling slower than the
+    probe sees (every seven characters: 64 stacks in its 48) is left to the guard at
+    generation (tests/test_neighbours.py)."""
+    import llama_cpp.llama_grammar as examples
+    from dispatcher.common.grammar_growth import GROWTH_SYMBOLS
+    for name in ("JSON_GBNF", "JSON_ARR_GBNF", "C_GBNF", "CHESS_GBNF", "ARITHMETIC_GBNF",
+                 "JAPANESE_GBNF", "LIST_GBNF"):
+        started = time.perf_counter()
+        gbnf.check(getattr(examples, name))
+        assert time.perf_counter() - started < 2.0, name
+    assert GROWTH_SYMBOLS // 7 < 8                  # (2**6 = 64 stacks: within 256)
+    gbnf.check('root ::= r\nr ::= "aaaaaaa" r "b" | "aaaaaaa" r "c" | "d"')
+
+
 def test_which_chains_may_seek_a_refused_pick_without_the_whole_vocabulary():
     """A refused pick is drawn again only where a draw the grammar allows is a draw from
     the allowed tokens (no cut that depends on the set), and sought among the likeliest

@@ -22,6 +22,7 @@ from typing import Callable
 
 from dispatcher.common.grammar_cost import (  # noqa: F401  (stack_width, MAX_LEFT_DEPTH:
     MAX_LEFT_DEPTH, check_costs, stack_width)  # the callers use them here)
+from dispatcher.common.grammar_growth import check_growth
 from dispatcher.common.grammar_rules import (  # noqa: F401  (names the callers use here)
     ALT, CHAR, CHAR_ALT, CHAR_ANY, CHAR_NOT, CHAR_RNG_UPPER, END, RULE_REF, TOKEN,
     TOKEN_NOT, UNBOUNDED, Grammar, GrammarError, GrammarRefused, GrammarTooLarge)
@@ -380,6 +381,7 @@ class _Parser:
             raise GrammarError("the grammar has no 'root' rule")
         rules = [r or [] for r in self.rules]
         check_costs(rules, self.symbols["root"], names)
+        check_growth(rules, self.symbols["root"])
         return Grammar(rules, self.symbols, self.elements, self.tokens)
 
 
