@@ -476,6 +476,20 @@ def _alike(k: int, lead: str = "[ -~]") -> str:
     'root ::= [a-z]{50} "q" a\na ::= "x" a "A" | "x" a "B" | "z"',
     'root ::= a\na ::= "x" a "A" | "x" a "B" | ' +           # (beside steady decoys)
     " | ".join(f'[{chr(97 + i)}] [a-w]+ "!{i}"' for i in range(20)),
+    # (and the shapes a second read found past the first probe: a negated class none of
+    # its few test characters fed, more decoys than its beam, a plateau of 14 before the
+    # stacks multiply by 64, a class's fifth range, alternatives that begin alike only
+    # inside a rule behind 60 fixed characters)
+    "root ::= a\na ::= " + " | ".join(
+        f'[^a0 \\"{{\\n_\u4e00\U0010ffff] a "a{i}"' for i in range(64)) + ' | "a"',
+    'root ::= a\na ::= [^a] a "0" | [^0] a "a" | "a"',
+    'root ::= a\na ::= "x" "y" a "A" | "x" "y" a "B" | "z" | ' +
+    " | ".join(f'"{c}" w "{c}"' for c in "abcdefgh") + '\nw ::= "1" | "2" | "3"',
+    "root ::= a\na ::= " + " | ".join(f'"{"q" * 14}" a "A{i}"' for i in range(64)) + ' | "z"',
+    'root ::= a\na ::= [bcdex] a "b" | [fghix] a "f" | [jklmx] a "j" | [nopqx] a "n" | '
+    '[rstux] a "r" | "b"',
+    'root ::= "b"{60} s\ns ::= "x" o p q s "A" | "z"\no ::= | "x" s "B"\n'
+    'p ::= | "x" s "C"\nq ::= | "x" s "D"',
 ])
 def test_grammars_whose_parse_stacks_multiply_as_text_comes_are_refused(grammar):
     """Alternatives that begin alike and go on into the same rule keep a stack each:
@@ -525,6 +539,8 @@ def test_the_example_grammars_pass_the_growth_probe_quickly():
         assert time.perf_counter() - started < 2.0, name
     assert GROWTH_SYMBOLS // 7 < 8                  # (2**6 = 64 stacks: within 256)
     gbnf.check('root ::= r\nr ::= "aaaaaaa" r "b" | "aaaaaaa" r "c" | "d"')
+    # optional groups reached by many paths: each stack advanced once, as llama.cpp does
+    gbnf.check("root ::= " + "a " * 18 + '"z"\na ::= ("x"? "y"?)?')
 
 
 def test_which_chains_may_seek_a_refused_pick_without_the_whole_vocabulary():

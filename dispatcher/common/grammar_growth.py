@@ -9,18 +9,16 @@ from __future__ import annotations
 
 from dispatcher.common.grammar_cost import MAX_STACKS
 from dispatcher.common.grammar_rules import (
-    CHAR, CHAR_ALT, CHAR_ANY, CHAR_NOT, CHAR_RNG_UPPER, RULE_REF, TOKEN, TOKEN_NOT,
+    CHAR_ALT, CHAR_ANY, CHAR_NOT, CHAR_RNG_UPPER, RULE_REF, TOKEN, TOKEN_NOT,
     GrammarTooLarge, alternatives, ends)
 
 # The growth probe (`check_growth`): symbols it feeds the grammar's stacks, and the
 # elementary steps (a stack advanced, a class tested) it may take before it gives up
 GROWTH_SYMBOLS = 48
-GROWTH_WORK = 1_000_000
-GROWTH_BEAM = 8                     # ... following the inputs that keep the most alive
-GROWTH_PLATEAU = 12                 # ... while they grow within this many characters
-# characters tried against a negated class (one outside it, to feed it)
-_PROBES = (ord("a"), ord("0"), ord(" "), ord('"'), ord("{"), ord("\n"), ord("_"), 0x4E00,
-           0x10FFFF)
+GROWTH_WORK = 2_000_000             # stack elements built or tested, in all
+GROWTH_BEAM = 16                    # ... following the inputs that keep the most alive
+RULE_BEAM, RULE_SYMBOLS = 4, 24     # ... and from the start of each rule
+MAX_CODE_POINT = 0x10FFFF
 
 
 def _leaf(rule: list, i: int) -> tuple[int, object, int]:
@@ -42,8 +40,10 @@ def _leaf(rule: list, i: int) -> tuple[int, object, int]:
 
 
 def _matches(leaf: tuple, symbol: int) -> bool:
-    """Whether the leaf takes `symbol`: a character (>= 0), or a token (-1 - its id)."""
-    kind, value, _ = leaf
+    """Whether the leaf takes `symbol`: a character (>= 0), or a token (-1 - its id).
+    llama.cpp advances a token element by the token's id alone, a character one by
+    its text alone."""
+    kind, value = leaf[0], leaf[1]
     if kind == TOKEN:
         return symbol == -1 - value
     if kind == TOKEN_NOT:
@@ -56,144 +56,154 @@ def _matches(leaf: tuple, symbol: int) -> bool:
     return inside != (kind == CHAR_NOT)
 
 
-def _feeds(leaf: tuple) -> list[int]:
-    """Symbols that the leaf takes (a few)."""
-    kind, value, _ = leaf
-    if kind == TOKEN:
-        return [-1 - value]
-    if kind == TOKEN_NOT:
-        return [-2 - value]
-    if kind == CHAR_ANY:
-        return [ord("a")]
-    if kind == CHAR:
-        return [low for low, _ in value[:4]]
-    return [c for c in _PROBES if _matches(leaf, c)][:1]
+def _symbols(classes: tuple) -> tuple[list[tuple[int, tuple]], int]:
+    """(symbol, the classes that take it) for every set of the classes that some symbol
+    is taken by exactly (the code points cut where any class's range begins or ends,
+    tokens by the ids named), and the tests that took."""
+    cuts, ids = {0}, set()
+    for kind, value in classes:
+        if kind in (TOKEN, TOKEN_NOT):
+            ids.add(value)
+        elif kind != CHAR_ANY:
+            for low, high in value:
+                cuts.update((low, high + 1))
+    symbols = [c for c in cuts if c <= MAX_CODE_POINT]
+    symbols += [-1 - i for i in ids] + ([-2 - max(ids)] if ids else [])
+    chosen, tests = {}, 0
+    for symbol in symbols:
+        taken = tuple(k for k, leaf in enumerate(classes) if _matches(leaf, symbol))
+        tests += len(classes)
+        if taken:
+            chosen.setdefault(taken, symbol)
+    return [(symbol, taken) for taken, symbol in chosen.items()], tests
 
 
 def check_growth(rules: list, root: int) -> None:
     """GrammarTooLarge where llama.cpp would hold more than MAX_STACKS parse stacks at
     once within GROWTH_SYMBOLS characters (or tokens) of text, fed as it would be: a
-    beam of the GROWTH_BEAM inputs whose stacks grew last and most, each with every
-    symbol some stack's top takes, one that has not grown for GROWTH_PLATEAU dropped;
-    from the grammar's start, and from the start of every rule whose alternatives begin
-    alike. `a ::= [ -~] a "A" | [ -~] a "B" | ...` (k alternatives) multiplies the stacks
-    by k at every character, within one token's accept (64 of them: 4,096 stacks at the
+    beam of the GROWTH_BEAM inputs whose stacks grew last and most, each with one symbol
+    for every set of the stacks' tops that some symbol is taken by; from the grammar's
+    start, and (RULE_BEAM, RULE_SYMBOLS) from the start of every rule it reaches (with
+    nothing under it: a fixed prefix, `root ::= "b"{60} a`, hid `a` from a probe from
+    the start alone).
+    `a ::= [ -~] a "A" | [ -~] a "B" | ...` (k alternatives) multiplies the stacks by k
+    at every character, within one token's accept (64 of them: 4,096 stacks at the
     second character of " The", 3.7 s; the third, hours), which no guard after the
-    accept can stop. Every refusal is such an input, found; a probe, not a proof (stacks
-    that double every seven characters or slower pass it, left to the guard at
+    accept can stop. Every refusal is such an input, found; a probe, not a proof
+    (stacks a search this narrow never follows pass it, left to the guard at
     generation); one past GROWTH_WORK steps refuses the grammar as too costly to check."""
-    alts = {}
+    alts: dict[int, list] = {}
     leaves: dict[tuple[int, int], tuple] = {}
     work = 0
+    # a stack is a number: 0 the empty one, each other its top position and the number
+    # of the stack under it, made once (pushing and popping cost the same at any depth)
+    made: dict[tuple, int] = {}
+    cells: list[tuple] = [((-1, -1), 0)]
 
-    def advance(stack: tuple, out: set) -> None:
+    def push(under: int, position: tuple[int, int]) -> int:
+        key = (position, under)
+        if key not in made:
+            made[key] = len(cells)
+            cells.append(key)
+        return made[key]
+
+    def spend(steps: int) -> None:
         nonlocal work
-        todo = [stack]
+        work += steps
+        if work > GROWTH_WORK:
+            raise GrammarTooLarge(
+                "the grammar's parse stacks are too costly to check (over "
+                f"{GROWTH_WORK:,} steps for {GROWTH_SYMBOLS} characters)")
+
+    def advance(stack: int, out: set) -> None:
+        """llama.cpp's advance_stack: every leaf the stack's top reference expands to."""
+        todo, done = [stack], set()
         while todo:
             top = todo.pop()
-            work += 1
-            if work > GROWTH_WORK:
-                raise GrammarTooLarge(
-                    "the grammar's parse stacks are too costly to check (over "
-                    f"{GROWTH_WORK:,} steps for {GROWTH_SYMBOLS} characters)")
+            if top in done:
+                continue
+            done.add(top)
+            spend(1)
             if not top:
                 out.add(top)
                 continue
-            r, i = top[-1]
+            (r, i), under = cells[top]
             kind, ref = rules[r][i]
             if kind != RULE_REF:
                 out.add(top)
                 continue
-            base = top[:-1] if ends(rules[r][i + 1]) else top[:-1] + ((r, i + 1),)
+            base = under if ends(rules[r][i + 1]) else push(under, (r, i + 1))
             if ref not in alts:
                 alts[ref] = alternatives(rules[ref])
             for start, end in alts[ref]:
-                todo.append(base + ((ref, start),) if start != end else base)
+                todo.append(push(base, (ref, start)) if start != end else base)
 
-    seen: dict[frozenset, dict[int, frozenset]] = {}
+    memo: dict[frozenset, list[frozenset]] = {}
+    groups: dict[tuple, tuple] = {}     # the tops' classes -> _symbols of them
 
-    def fed(stacks: frozenset) -> dict[int, frozenset]:
-        """The stacks each symbol that some top takes leaves, advanced (once a state)."""
-        if stacks not in seen:
-            seen[stacks] = feed(stacks)
-        return seen[stacks]
-
-    def feed(stacks: frozenset) -> dict[int, frozenset]:
-        nonlocal work
-        classes: dict[tuple, None] = {}
+    def fed(stacks: frozenset) -> list[frozenset]:
+        """The stacks each symbol some tops take leaves, advanced (once a state)."""
+        if stacks in memo:
+            return memo[stacks]
+        tops: dict[tuple, list] = {}
         for stack in stacks:
             if stack:
-                top = stack[-1]
-                if top not in leaves:
-                    leaves[top] = _leaf(rules[top[0]], top[1])
-                classes[leaves[top][:2]] = None
-        out = {}
-        for symbol in {c for kind, value in classes for c in _feeds((kind, value, 0))}:
-            work += len(classes)
+                position = cells[stack][0]
+                if position not in leaves:
+                    leaves[position] = _leaf(rules[position[0]], position[1])
+                tops.setdefault(leaves[position][:2], []).append(stack)
+        classes = tuple(sorted(tops, key=repr))
+        if classes not in groups:
+            groups[classes] = _symbols(classes)
+            spend(groups[classes][1])
+        out = []
+        for _, taken in groups[classes][0]:
             going_on = set()            # (the stacks it leaves, each advanced once)
-            for stack in stacks:
-                if stack and _matches(leaves[stack[-1]], symbol):
-                    r, _ = stack[-1]
-                    j = leaves[stack[-1]][2]
-                    going_on.add(stack[:-1] if ends(rules[r][j])
-                                 else stack[:-1] + ((r, j),))
+            for k in taken:
+                for stack in tops[classes[k]]:
+                    (r, i), under = cells[stack]
+                    j = leaves[(r, i)][2]
+                    going_on.add(under if ends(rules[r][j]) else push(under, (r, j)))
+            spend(len(going_on))
             after: set = set()
             for stack in going_on:
                 advance(stack, after)
-            out[symbol] = frozenset(after)
+            if after:
+                out.append(frozenset(after))
+        memo[stacks] = out
         return out
 
     def starting(rule: int) -> frozenset:
         out: set = set()
-        if rule not in alts:
-            alts[rule] = alternatives(rules[rule])
-        for start, end in alts[rule]:
-            advance(((rule, start),) if start != end else (), out)
+        for start, end in alternatives(rules[rule]):
+            advance(push(0, (rule, start)) if start != end else 0, out)
         return frozenset(out)
 
-    def ambiguous(stacks: frozenset) -> bool:
-        """Whether one symbol is taken by two of the stacks."""
-        leafs = []
-        for stack in stacks:
-            if stack:
-                top = stack[-1]
-                if top not in leaves:
-                    leaves[top] = _leaf(rules[top[0]], top[1])
-                leafs.append(leaves[top])
-        for symbol in {c for leaf in leafs for c in _feeds(leaf)}:
-            if sum(_matches(leaf, symbol) for leaf in leafs) > 1:
-                return True
-        return False
-
-    # from the start, and from the start of every rule where two alternatives begin
-    # alike (with nothing under it: a fixed prefix, `root ::= "b"{48} a`, hid `a` from a
-    # probe from the start alone)
     reach, todo = {root}, [root]
     while todo:
         for kind, value in rules[todo.pop()]:
             if kind == RULE_REF and value not in reach:
                 reach.add(value)
                 todo.append(value)
-    probes = [starting(root)] + [stacks for stacks in map(starting, sorted(reach - {root}))
-                                 if ambiguous(stacks)]
-    for stacks in dict.fromkeys(probes):
-        # (stacks, the most its input's stacks have been, characters since): the inputs
-        # whose stacks grew last go on first, the largest first; one that has not grown
-        # for GROWTH_PLATEAU characters is dropped (a wide but steady grammar, whose
-        # stacks never multiply, is not fed for long)
+    # the start's probe at full strength; every rule's, narrower and shorter
+    probes = {starting(root): (GROWTH_BEAM, GROWTH_SYMBOLS)}
+    for rule in sorted(reach - {root}):
+        probes.setdefault(starting(rule), (RULE_BEAM, RULE_SYMBOLS))
+    for stacks, (width, length) in probes.items():
+        # (stacks, the most its input's stacks have been, characters since it grew):
+        # the inputs whose stacks grew last go on first, the largest first
         beam = [(stacks, len(stacks), 0)]
-        for step in range(GROWTH_SYMBOLS):
+        for step in range(length):
             states = {}
             for stacks, peak, since in beam:
-                for after in fed(stacks).values():
-                    if after and after not in states:
+                for after in fed(stacks):
+                    if after not in states:
                         grew = len(after) > peak
                         states[after] = (max(peak, len(after)), 0 if grew else since + 1)
-            beam = sorted(((after, peak, since) for after, (peak, since) in states.items()
-                           if since <= GROWTH_PLATEAU),
-                          key=lambda state: (state[2], -len(state[0])))[:GROWTH_BEAM]
-            if not beam:
-                break                   # (nothing more can come, or nothing grows)
+            if not states:
+                break                   # (nothing more can come)
+            beam = sorted(((after, peak, since) for after, (peak, since) in states.items()),
+                          key=lambda state: (state[2], -len(state[0])))[:width]
             most = max(len(state[0]) for state in beam)
             if most > MAX_STACKS:
                 raise GrammarTooLarge(
