@@ -541,6 +541,10 @@ def test_the_example_grammars_pass_the_growth_probe_quickly():
     gbnf.check('root ::= r\nr ::= "aaaaaaa" r "b" | "aaaaaaa" r "c" | "d"')
     # optional groups reached by many paths: each stack advanced once, as llama.cpp does
     gbnf.check("root ::= " + "a " * 18 + '"z"\na ::= ("x"? "y"?)?')
+    # an object of 150 optional properties: 298 stacks after its opening quote, which
+    # the count over the rules saw as 152, served before the probe and after
+    sg.SchemaGrammars().grammar({"type": "object", "properties": {
+        f"field_{i:03d}": {"type": "string"} for i in range(150)}})
 
 
 def test_which_chains_may_seek_a_refused_pick_without_the_whole_vocabulary():

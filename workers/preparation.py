@@ -282,6 +282,8 @@ class Preparer:
                body.generation.parse_special)
         with self._fitted_lock:
             fitted = self._fitted.get(key)
+            if fitted is not None:
+                self._fitted.move_to_end(key)
         if fitted is None:
             fitted = fitted_prompt(self.engine, body, self.fim_template, extra)
             with self._fitted_lock:

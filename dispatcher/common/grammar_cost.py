@@ -159,7 +159,7 @@ def _firsts(rules: list, empty: list, names: dict) -> list[tuple[int, int]]:
     return first
 
 
-def _strong_components(n: int, edges: list[list[tuple[int, int]]]) -> list[list[int]]:
+def strong_components(n: int, edges: list[list[tuple[int, int]]]) -> list[list[int]]:
     """Tarjan's components of the graph, sources first (topological order), iterative."""
     index, low, on, order, comps = [None] * n, [0] * n, [False] * n, [], []
     counter = 0
@@ -242,7 +242,7 @@ def stack_width(rules: list, root: int, names: dict) -> tuple[int, int]:
                     base[value] = (max(base[value][0], s), max(base[value][1], e))
     up = list(base)
     up[root] = (max(up[root][0], 1), up[root][1])        # the end of the text
-    for comp in _strong_components(n, tails):
+    for comp in strong_components(n, tails):
         members = set(comp)
         s_in = max(up[v][0] for v in comp)
         e_in = max(up[v][1] for v in comp)

@@ -7,7 +7,7 @@ advance_stack and accept make them, the text that keeps the most alive.
 """
 from __future__ import annotations
 
-from dispatcher.common.grammar_cost import MAX_STACKS
+from dispatcher.common.grammar_cost import MAX_STACKS, strong_components
 from dispatcher.common.grammar_rules import (
     CHAR_ALT, CHAR_ANY, CHAR_NOT, CHAR_RNG_UPPER, RULE_REF, TOKEN, TOKEN_NOT,
     GrammarTooLarge, alternatives, ends)
@@ -19,6 +19,11 @@ GROWTH_WORK = 2_000_000             # stack elements built or tested, in all
 GROWTH_BEAM = 16                    # ... following the inputs that keep the most alive
 RULE_BEAM, RULE_SYMBOLS = 4, 24     # ... and from the start of each rule
 MAX_CODE_POINT = 0x10FFFF
+# Stacks a probed input may keep alive: twice what the count over the rules allows, which
+# sees one place of them (an object of 150 optional properties holds 298 after its
+# opening quote, and was served before the probe), where stacks that multiply pass any
+# bound within a few characters more
+PROBED_STACKS = 2 * MAX_STACKS
 
 
 def _leaf(rule: list, i: int) -> tuple[int, object, int]:
@@ -79,13 +84,13 @@ def _symbols(classes: tuple) -> tuple[list[tuple[int, tuple]], int]:
 
 
 def check_growth(rules: list, root: int) -> None:
-    """GrammarTooLarge where llama.cpp would hold more than MAX_STACKS parse stacks at
+    """GrammarTooLarge where llama.cpp would hold more than PROBED_STACKS parse stacks at
     once within GROWTH_SYMBOLS characters (or tokens) of text, fed as it would be: a
     beam of the GROWTH_BEAM inputs whose stacks grew last and most, each with one symbol
     for every set of the stacks' tops that some symbol is taken by; from the grammar's
-    start, and (RULE_BEAM, RULE_SYMBOLS) from the start of every rule it reaches (with
-    nothing under it: a fixed prefix, `root ::= "b"{60} a`, hid `a` from a probe from
-    the start alone).
+    start, and (RULE_BEAM, RULE_SYMBOLS) from the start of every rule it reaches that
+    nests in itself or whose alternatives begin alike (with nothing under it: a fixed
+    prefix, `root ::= "b"{60} a`, hid `a` from a probe from the start alone).
     `a ::= [ -~] a "A" | [ -~] a "B" | ...` (k alternatives) multiplies the stacks by k
     at every character, within one token's accept (64 of them: 4,096 stacks at the
     second character of " The", 3.7 s; the third, hours), which no guard after the
@@ -173,6 +178,15 @@ def check_growth(rules: list, root: int) -> None:
         memo[stacks] = out
         return out
 
+    def alike(stacks: frozenset) -> bool:
+        """Whether some symbol is taken by two of the stacks' tops."""
+        classes = [leaves.setdefault(cells[stack][0], _leaf(rules[cells[stack][0][0]],
+                                                            cells[stack][0][1]))[:2]
+                   for stack in stacks if stack]
+        symbols, tests = _symbols(tuple(classes))
+        spend(tests)
+        return any(len(taken) > 1 for _, taken in symbols)
+
     def starting(rule: int) -> frozenset:
         out: set = set()
         for start, end in alternatives(rules[rule]):
@@ -185,10 +199,19 @@ def check_growth(rules: list, root: int) -> None:
             if kind == RULE_REF and value not in reach:
                 reach.add(value)
                 todo.append(value)
-    # the start's probe at full strength; every rule's, narrower and shorter
+    # the start's probe at full strength; narrower and shorter, that of every rule that
+    # can begin a multiplication: one that nests in itself, or whose alternatives begin
+    # alike (a probe of each of a large schema's hundreds of rules passed the budget)
+    edges = [[(value, 0) for kind, value in rule if kind == RULE_REF] for rule in rules]
+    nesting = set()
+    for component in strong_components(len(rules), edges):
+        if len(component) > 1 or any(v == component[0] for v, _ in edges[component[0]]):
+            nesting.update(component)
     probes = {starting(root): (GROWTH_BEAM, GROWTH_SYMBOLS)}
     for rule in sorted(reach - {root}):
-        probes.setdefault(starting(rule), (RULE_BEAM, RULE_SYMBOLS))
+        stacks = starting(rule)
+        if rule in nesting or alike(stacks):
+            probes.setdefault(stacks, (RULE_BEAM, RULE_SYMBOLS))
     for stacks, (width, length) in probes.items():
         # (stacks, the most its input's stacks have been, characters since it grew):
         # the inputs whose stacks grew last go on first, the largest first
@@ -205,10 +228,10 @@ def check_growth(rules: list, root: int) -> None:
             beam = sorted(((after, peak, since) for after, (peak, since) in states.items()),
                           key=lambda state: (state[2], -len(state[0])))[:width]
             most = max(len(state[0]) for state in beam)
-            if most > MAX_STACKS:
+            if most > PROBED_STACKS:
                 raise GrammarTooLarge(
                     f"the grammar's parse stacks reach {most:,} after {step + 1} "
-                    "character(s) of text (alternatives that begin alike each keep one "
-                    "alive, and multiply where they go on into the same rule); at most "
-                    f"{MAX_STACKS} here (llama.cpp advances every stack for every "
+                    f"character(s) of text; at most {PROBED_STACKS} here (alternatives "
+                    "that begin alike each keep one alive, and multiply where they go on "
+                    "into the same rule: llama.cpp advances every stack through every "
                     "character of a token, within one call nothing can stop)")

@@ -468,7 +468,7 @@ class SamplerChain:
         parse stack, whatever the vocabulary: microseconds for a grammar within the
         static budgets. Parse stacks that multiply as the text goes on (an ambiguous
         recursive grammar: `r ::= "aaaaaaa" r "b" | "aaaaaaa" r "c"` doubles them at
-        every seven a's, too slowly for `grammar_cost.check_growth` to see before it
+        every seven a's, too slowly for `grammar_growth.check_growth` to see before it
         runs), make it grow token after token: the request ends
         once a check passes GRAMMAR_CHECK_SECONDS, or grows so fast that the next one
         would. A dear check after a cheap one (a slow moment: a preempted CPU, a page
