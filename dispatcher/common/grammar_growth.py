@@ -97,102 +97,7 @@ def check_growth(rules: list, root: int) -> None:
     accept can stop. Every refusal is such an input, found; a probe, not a proof
     (stacks a search this narrow never follows pass it, left to the guard at
     generation); one past GROWTH_WORK steps refuses the grammar as too costly to check."""
-    alts: dict[int, list] = {}
-    leaves: dict[tuple[int, int], tuple] = {}
-    work = 0
-    # a stack is a number: 0 the empty one, each other its top position and the number
-    # of the stack under it, made once (pushing and popping cost the same at any depth)
-    made: dict[tuple, int] = {}
-    cells: list[tuple] = [((-1, -1), 0)]
-
-    def push(under: int, position: tuple[int, int]) -> int:
-        key = (position, under)
-        if key not in made:
-            made[key] = len(cells)
-            cells.append(key)
-        return made[key]
-
-    def spend(steps: int) -> None:
-        nonlocal work
-        work += steps
-        if work > GROWTH_WORK:
-            raise GrammarTooLarge(
-                "the grammar's parse stacks are too costly to check (over "
-                f"{GROWTH_WORK:,} steps for {GROWTH_SYMBOLS} characters)")
-
-    def advance(stack: int, out: set) -> None:
-        """llama.cpp's advance_stack: every leaf the stack's top reference expands to."""
-        todo, done = [stack], set()
-        while todo:
-            top = todo.pop()
-            if top in done:
-                continue
-            done.add(top)
-            spend(1)
-            if not top:
-                out.add(top)
-                continue
-            (r, i), under = cells[top]
-            kind, ref = rules[r][i]
-            if kind != RULE_REF:
-                out.add(top)
-                continue
-            base = under if ends(rules[r][i + 1]) else push(under, (r, i + 1))
-            if ref not in alts:
-                alts[ref] = alternatives(rules[ref])
-            for start, end in alts[ref]:
-                todo.append(push(base, (ref, start)) if start != end else base)
-
-    memo: dict[frozenset, list[frozenset]] = {}
-    groups: dict[tuple, tuple] = {}     # the tops' classes -> _symbols of them
-
-    def fed(stacks: frozenset) -> list[frozenset]:
-        """The stacks each symbol some tops take leaves, advanced (once a state)."""
-        if stacks in memo:
-            return memo[stacks]
-        tops: dict[tuple, list] = {}
-        for stack in stacks:
-            if stack:
-                position = cells[stack][0]
-                if position not in leaves:
-                    leaves[position] = _leaf(rules[position[0]], position[1])
-                tops.setdefault(leaves[position][:2], []).append(stack)
-        classes = tuple(sorted(tops, key=repr))
-        if classes not in groups:
-            groups[classes] = _symbols(classes)
-            spend(groups[classes][1])
-        out = []
-        for _, taken in groups[classes][0]:
-            going_on = set()            # (the stacks it leaves, each advanced once)
-            for k in taken:
-                for stack in tops[classes[k]]:
-                    (r, i), under = cells[stack]
-                    j = leaves[(r, i)][2]
-                    going_on.add(under if ends(rules[r][j]) else push(under, (r, j)))
-            spend(len(going_on))
-            after: set = set()
-            for stack in going_on:
-                advance(stack, after)
-            if after:
-                out.append(frozenset(after))
-        memo[stacks] = out
-        return out
-
-    def alike(stacks: frozenset) -> bool:
-        """Whether some symbol is taken by two of the stacks' tops."""
-        classes = [leaves.setdefault(cells[stack][0], _leaf(rules[cells[stack][0][0]],
-                                                            cells[stack][0][1]))[:2]
-                   for stack in stacks if stack]
-        symbols, tests = _symbols(tuple(classes))
-        spend(tests)
-        return any(len(taken) > 1 for _, taken in symbols)
-
-    def starting(rule: int) -> frozenset:
-        out: set = set()
-        for start, end in alternatives(rules[rule]):
-            advance(push(0, (rule, start)) if start != end else 0, out)
-        return frozenset(out)
-
+    stacks = _Stacks(rules)
     reach, todo = {root}, [root]
     while todo:
         for kind, value in rules[todo.pop()]:
@@ -207,31 +112,140 @@ def check_growth(rules: list, root: int) -> None:
     for component in strong_components(len(rules), edges):
         if len(component) > 1 or any(v == component[0] for v, _ in edges[component[0]]):
             nesting.update(component)
-    probes = {starting(root): (GROWTH_BEAM, GROWTH_SYMBOLS)}
+    probes = {stacks.starting(root): (GROWTH_BEAM, GROWTH_SYMBOLS)}
     for rule in sorted(reach - {root}):
-        stacks = starting(rule)
-        if rule in nesting or alike(stacks):
-            probes.setdefault(stacks, (RULE_BEAM, RULE_SYMBOLS))
-    for stacks, (width, length) in probes.items():
-        # (stacks, the most its input's stacks have been, characters since it grew):
-        # the inputs whose stacks grew last go on first, the largest first
-        beam = [(stacks, len(stacks), 0)]
-        for step in range(length):
-            states = {}
-            for stacks, peak, since in beam:
-                for after in fed(stacks):
-                    if after not in states:
-                        grew = len(after) > peak
-                        states[after] = (max(peak, len(after)), 0 if grew else since + 1)
-            if not states:
-                break                   # (nothing more can come)
-            beam = sorted(((after, peak, since) for after, (peak, since) in states.items()),
-                          key=lambda state: (state[2], -len(state[0])))[:width]
-            most = max(len(state[0]) for state in beam)
-            if most > PROBED_STACKS:
-                raise GrammarTooLarge(
-                    f"the grammar's parse stacks reach {most:,} after {step + 1} "
-                    f"character(s) of text; at most {PROBED_STACKS} here (alternatives "
-                    "that begin alike each keep one alive, and multiply where they go on "
-                    "into the same rule: llama.cpp advances every stack through every "
-                    "character of a token, within one call nothing can stop)")
+        start = stacks.starting(rule)
+        if rule in nesting or stacks.alike(start):
+            probes.setdefault(start, (RULE_BEAM, RULE_SYMBOLS))
+    for start, (width, length) in probes.items():
+        _probe(stacks, start, width, length)
+
+
+def _probe(stacks: "_Stacks", start: frozenset, width: int, length: int) -> None:
+    """Feed `length` symbols from `start`, following the `width` inputs whose stacks grew
+    last, the largest first."""
+    # (stacks, the most its input's stacks have been, characters since it grew)
+    beam = [(start, len(start), 0)]
+    for step in range(length):
+        states = {}
+        for state, peak, since in beam:
+            for after in stacks.fed(state):
+                if after not in states:
+                    grew = len(after) > peak
+                    states[after] = (max(peak, len(after)), 0 if grew else since + 1)
+        if not states:
+            return                      # (nothing more can come)
+        beam = sorted(((after, peak, since) for after, (peak, since) in states.items()),
+                      key=lambda entry: (entry[2], -len(entry[0])))[:width]
+        most = max(len(entry[0]) for entry in beam)
+        if most > PROBED_STACKS:
+            raise GrammarTooLarge(
+                f"the grammar's parse stacks reach {most:,} after {step + 1} "
+                f"character(s) of text; at most {PROBED_STACKS} here (alternatives "
+                "that begin alike each keep one alive, and multiply where they go on "
+                "into the same rule: llama.cpp advances every stack through every "
+                "character of a token, within one call nothing can stop)")
+
+
+class _Stacks:
+    """llama.cpp's parse stacks over `rules`, as its advance_stack and accept make them,
+    within GROWTH_WORK steps. A stack is a number: 0 the empty one, each other its top
+    position and the number of the stack under it, made once (pushing and popping cost
+    the same at any depth); a state is a frozenset of them."""
+
+    def __init__(self, rules: list):
+        self.rules = rules
+        self.alts: dict[int, list] = {}
+        self.leaves: dict[tuple[int, int], tuple] = {}
+        self.work = 0
+        self.made: dict[tuple, int] = {}
+        self.cells: list[tuple] = [((-1, -1), 0)]
+        self.memo: dict[frozenset, list[frozenset]] = {}
+        self.groups: dict[tuple, tuple] = {}     # the tops' classes -> _symbols of them
+
+    def push(self, under: int, position: tuple[int, int]) -> int:
+        key = (position, under)
+        if key not in self.made:
+            self.made[key] = len(self.cells)
+            self.cells.append(key)
+        return self.made[key]
+
+    def spend(self, steps: int) -> None:
+        self.work += steps
+        if self.work > GROWTH_WORK:
+            raise GrammarTooLarge(
+                "the grammar's parse stacks are too costly to check (over "
+                f"{GROWTH_WORK:,} steps for {GROWTH_SYMBOLS} characters)")
+
+    def leaf(self, stack: int) -> tuple:
+        position = self.cells[stack][0]
+        if position not in self.leaves:
+            self.leaves[position] = _leaf(self.rules[position[0]], position[1])
+        return self.leaves[position]
+
+    def advance(self, stack: int, out: set) -> None:
+        """llama.cpp's advance_stack: every leaf the stack's top reference expands to."""
+        rules = self.rules
+        todo, done = [stack], set()
+        while todo:
+            top = todo.pop()
+            if top in done:
+                continue
+            done.add(top)
+            self.spend(1)
+            if not top:
+                out.add(top)
+                continue
+            (r, i), under = self.cells[top]
+            kind, ref = rules[r][i]
+            if kind != RULE_REF:
+                out.add(top)
+                continue
+            base = under if ends(rules[r][i + 1]) else self.push(under, (r, i + 1))
+            if ref not in self.alts:
+                self.alts[ref] = alternatives(rules[ref])
+            for start, end in self.alts[ref]:
+                todo.append(self.push(base, (ref, start)) if start != end else base)
+
+    def starting(self, rule: int) -> frozenset:
+        out: set = set()
+        for start, end in alternatives(self.rules[rule]):
+            self.advance(self.push(0, (rule, start)) if start != end else 0, out)
+        return frozenset(out)
+
+    def alike(self, state: frozenset) -> bool:
+        """Whether some symbol is taken by two of the stacks' tops."""
+        classes = tuple(self.leaf(stack)[:2] for stack in state if stack)
+        symbols, tests = _symbols(classes)
+        self.spend(tests)
+        return any(len(taken) > 1 for _, taken in symbols)
+
+    def fed(self, state: frozenset) -> list[frozenset]:
+        """The states each symbol some tops take leaves, advanced (once a state)."""
+        if state in self.memo:
+            return self.memo[state]
+        tops: dict[tuple, list] = {}
+        for stack in state:
+            if stack:
+                tops.setdefault(self.leaf(stack)[:2], []).append(stack)
+        classes = tuple(sorted(tops, key=repr))
+        if classes not in self.groups:
+            self.groups[classes] = _symbols(classes)
+            self.spend(self.groups[classes][1])
+        out = []
+        for _, taken in self.groups[classes][0]:
+            going_on = set()            # (the stacks it leaves, each advanced once)
+            for k in taken:
+                for stack in tops[classes[k]]:
+                    (r, i), under = self.cells[stack]
+                    j = self.leaves[(r, i)][2]
+                    going_on.add(under if ends(self.rules[r][j])
+                                 else self.push(under, (r, j)))
+            self.spend(len(going_on))
+            after: set = set()
+            for stack in going_on:
+                self.advance(stack, after)
+            if after:
+                out.append(frozenset(after))
+        self.memo[state] = out
+        return out
