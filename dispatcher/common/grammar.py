@@ -364,7 +364,7 @@ class _Parser:
             raise self.fail("expecting newline or end", pos)
         return self.space(pos, True)
 
-    def parse(self) -> Grammar:
+    def parse(self, growth: bool = True) -> Grammar:
         pos = self.space(0, True)
         while self.src[pos] != "\x00":
             pos = self.rule(pos)
@@ -381,24 +381,28 @@ class _Parser:
             raise GrammarError("the grammar has no 'root' rule")
         rules = [r or [] for r in self.rules]
         check_costs(rules, self.symbols["root"], names)
-        check_growth(rules, self.symbols["root"])
+        if growth:
+            check_growth(rules, self.symbols["root"])
         return Grammar(rules, self.symbols, self.elements, self.tokens)
 
 
 def check(grammar: str, n_vocab: int | None = None,
           token_of: Callable[[str], int | None] | None = None,
-          ends: Callable[[int], bool] | None = None) -> Grammar:
+          ends: Callable[[int], bool] | None = None, growth: bool = True) -> Grammar:
     """The grammar as llama.cpp would build it, or GrammarError / GrammarTooLarge saying
     why not. With `n_vocab`, token references `<[id]>` must name a token; with
     `token_of`, each `<text>` must be exactly one token (llama.cpp's rule); with `ends`
-    (whether a token id ends generation), none asked for may be one."""
+    (whether a token id ends generation), none asked for may be one. `growth` false
+    leaves out the probe of stacks that multiply as text comes (`grammar_growth`): a
+    worker's checks, of grammars a front end probed before any job carried them (a
+    76 KB schema's grammar takes it a second, twice a worker, the GIL held)."""
     if len(grammar) > MAX_GRAMMAR_CHARS:
         raise GrammarTooLarge(f"the grammar has {len(grammar)} characters; at most "
                               f"{MAX_GRAMMAR_CHARS}")
     if "\x00" in grammar:
         raise GrammarRefused("the grammar contains a NUL character")
     parser = _Parser(grammar)
-    parsed = parser.parse()
+    parsed = parser.parse(growth)
     _check_no_nul(parsed)
     for value, text in parsed.tokens:
         if text and token_of is not None and token_of(text) is None:

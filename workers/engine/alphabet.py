@@ -167,7 +167,7 @@ class TokenTexts:
             return ids
 
     def _allowed(self, grammar: str) -> np.ndarray | None:
-        found = grammar_ranges(gbnf.check(grammar))
+        found = grammar_ranges(gbnf.check(grammar, growth=False))   # (its rules alone)
         if found is None:
             return None
         ranges, tokens = found
