@@ -198,6 +198,18 @@ def strong_components(n: int, edges: list[list[tuple[int, int]]]) -> list[list[i
     return comps
 
 
+def reachable(rules: list, root: int) -> list[bool]:
+    """Which rules the root's references reach."""
+    reach, todo = [False] * len(rules), [root]
+    reach[root] = True
+    while todo:
+        for kind, value in rules[todo.pop()]:
+            if kind == RULE_REF and not reach[value]:
+                reach[value] = True
+                todo.append(value)
+    return reach
+
+
 def stack_width(rules: list, root: int, names: dict) -> tuple[int, int]:
     """The most parse stacks llama.cpp can hold at one position of this grammar, and the
     most character-class elements they test together (both capped at CAP: unbounded).
@@ -211,13 +223,7 @@ def stack_width(rules: list, root: int, names: dict) -> tuple[int, int]:
     n = len(rules)
     empty = _nullable(rules)
     first = _firsts(rules, empty, names)
-    reach, todo = [False] * n, [root]
-    reach[root] = True
-    while todo:
-        for kind, value in rules[todo.pop()]:
-            if kind == RULE_REF and not reach[value]:
-                reach[value] = True
-                todo.append(value)
+    reach = reachable(rules, root)
     suffix = {}
     base = [(0, 0)] * n                           # up[] from references not at an end
     tails: list[list[tuple[int, int]]] = [[] for _ in range(n)]  # u -> (r, (s, e))

@@ -7,7 +7,7 @@ advance_stack and accept make them, the text that keeps the most alive.
 """
 from __future__ import annotations
 
-from dispatcher.common.grammar_cost import MAX_STACKS, strong_components
+from dispatcher.common.grammar_cost import MAX_STACKS, reachable, strong_components
 from dispatcher.common.grammar_rules import (
     CHAR_ALT, CHAR_ANY, CHAR_NOT, CHAR_RNG_UPPER, RULE_REF, TOKEN, TOKEN_NOT,
     GrammarTooLarge, alternatives, ends)
@@ -98,12 +98,7 @@ def check_growth(rules: list, root: int) -> None:
     (stacks a search this narrow never follows pass it, left to the guard at
     generation); one past GROWTH_WORK steps refuses the grammar as too costly to check."""
     stacks = _Stacks(rules)
-    reach, todo = {root}, [root]
-    while todo:
-        for kind, value in rules[todo.pop()]:
-            if kind == RULE_REF and value not in reach:
-                reach.add(value)
-                todo.append(value)
+    reach = reachable(rules, root)
     # the start's probe at full strength; narrower and shorter, that of every rule that
     # can begin a multiplication: one that nests in itself, or whose alternatives begin
     # alike (a probe of each of a large schema's hundreds of rules passed the budget)
@@ -113,7 +108,7 @@ def check_growth(rules: list, root: int) -> None:
         if len(component) > 1 or any(v == component[0] for v, _ in edges[component[0]]):
             nesting.update(component)
     probes = {stacks.starting(root): (GROWTH_BEAM, GROWTH_SYMBOLS)}
-    for rule in sorted(reach - {root}):
+    for rule in (r for r, reached in enumerate(reach) if reached and r != root):
         start = stacks.starting(rule)
         if rule in nesting or stacks.alike(start):
             probes.setdefault(start, (RULE_BEAM, RULE_SYMBOLS))
@@ -215,10 +210,18 @@ class _Stacks:
 
     def alike(self, state: frozenset) -> bool:
         """Whether some symbol is taken by two of the stacks' tops."""
-        classes = tuple(self.leaf(stack)[:2] for stack in state if stack)
-        symbols, tests = _symbols(classes)
-        self.spend(tests)
-        return any(len(taken) > 1 for _, taken in symbols)
+        tops = [self.leaf(stack)[:2] for stack in state if stack]
+        classes = self.symbols_of(set(tops))
+        return len(classes) < len(tops) or \
+            any(len(taken) > 1 for _, taken in self.groups[classes][0])
+
+    def symbols_of(self, tops) -> tuple:
+        """The tops' distinct classes, in one order, with `_symbols` of them kept."""
+        classes = tuple(sorted(tops, key=repr))
+        if classes not in self.groups:
+            self.groups[classes] = _symbols(classes)
+            self.spend(self.groups[classes][1])
+        return classes
 
     def fed(self, state: frozenset) -> list[frozenset]:
         """The states each symbol some tops take leaves, advanced (once a state)."""
@@ -228,10 +231,7 @@ class _Stacks:
         for stack in state:
             if stack:
                 tops.setdefault(self.leaf(stack)[:2], []).append(stack)
-        classes = tuple(sorted(tops, key=repr))
-        if classes not in self.groups:
-            self.groups[classes] = _symbols(classes)
-            self.spend(self.groups[classes][1])
+        classes = self.symbols_of(tops)
         out = []
         for _, taken in self.groups[classes][0]:
             going_on = set()            # (the stacks it leaves, each advanced once)
